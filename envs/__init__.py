@@ -1,0 +1,1 @@
+"""Gymnasium environments for agents (registered under the ``LongStraw`` namespace)."""

@@ -1,0 +1,1 @@
+"""Per-family model adapters for the engine: one file per family."""

@@ -1,0 +1,1 @@
+"""Typed tools, the tool registry and the code sandbox."""

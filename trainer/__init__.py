@@ -1,0 +1,1 @@
+"""GRPO trainer over segment trees (filled by the trainer issue)."""
