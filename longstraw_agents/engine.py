@@ -1,0 +1,272 @@
+"""Incremental prefill: evaluate shared context once without autograd, keep only what later tokens need.
+
+>>> engine = Engine(model)                    # a transformers CausalLM of a supported family, any dtype
+>>> state = engine.capture(prefix_ids)        # chunked, no graph; state.num_tokens, state.nbytes
+>>> logits = engine.logits(state, ids)        # == model(cat(prefix, ids)).logits[0, len(prefix):]
+>>> child = engine.extend(state, more_ids)    # covers prefix + more_ids; `state` stays valid and unchanged
+
+Exact gradients through the prefix (DESIGN.md, "Exact gradients"): pass a ``StateGrad`` to ``logits`` so the
+state's tensors enter the branch graph as leaves whose gradient is accumulated into it, then call ``backward`` to
+walk the state's chunks in reverse, recomputing each under autograd from the K/V of earlier chunks and the
+recurrent state checkpointed at its start, and backpropagating into the parameters and earlier chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from longstraw_agents.models import FamilyAdapter, adapter_for
+from longstraw_agents.models.base import LayerContext
+from longstraw_agents.state import (
+    Arena,
+    Block,
+    RecurrentState,
+    SegmentRecord,
+    State,
+    StateGrad,
+    leaf_into,
+)
+
+# loss_fn(logits [n, V], start, end) -> scalar loss for the tokens at positions [start, end), or None
+SegmentLoss = Callable[[Tensor, int, int], Tensor | None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings.
+
+    chunk_size: tokens evaluated per forward during capture/extend; bounds activation memory (and, in exact mode,
+        the size of one recomputed graph).
+    """
+
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+
+class Engine:
+    """capture / extend / logits over a model's own state objects (never a transformers cache)."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, chunk_size: int | None = None):
+        self.model = model
+        self.adapter: FamilyAdapter = adapter_for(model)
+        config = config or EngineConfig()
+        self.config = EngineConfig(chunk_size=chunk_size) if chunk_size is not None else config
+
+    @property
+    def family(self) -> str:
+        return self.adapter.family
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.adapter.layers)
+
+    # --- public API -----------------------------------------------------------------------------------------
+    def empty_state(self, checkpoints: bool = False) -> State:
+        return State(segments=(), num_layers=self.num_layers, checkpoints=checkpoints, owner=id(self.model))
+
+    def capture(self, ids: Tensor | Sequence[int], *, checkpoints: bool = False, chunk_size: int | None = None) -> State:
+        """Evaluate ``ids`` from position 0 in chunks under ``no_grad``.
+
+        checkpoints: keep each chunk's recurrent state so that ``backward`` can recompute chunks (exact mode).
+        """
+        return self.extend(self.empty_state(checkpoints), ids, chunk_size=chunk_size)
+
+    def extend(
+        self, state: State, ids: Tensor | Sequence[int], *, chunk_size: int | None = None, reserve: int = 0
+    ) -> State:
+        """A child state covering ``state`` + ``ids``; ``state`` itself is untouched and stays valid.
+
+        reserve: extra positions to allocate for later in-place appends (token-by-token decoding); an append goes
+            in place only while no sibling has written past the parent's end, otherwise into fresh storage.
+        """
+        child, _ = self._extend(state, self._check_ids(ids), chunk_size, reserve, want_logits=False)
+        return child
+
+    def step(self, state: State, ids: Tensor | Sequence[int], *, reserve: int = 0) -> tuple[State, Tensor]:
+        """``extend`` plus the next-token logits after the last of ``ids`` (``[V]``), in one forward: sampling."""
+        child, last = self._extend(state, self._check_ids(ids), None, reserve, want_logits=True)
+        return child, last
+
+    def logits(self, state: State, ids: Tensor | Sequence[int], *, grad: StateGrad | None = None) -> Tensor:
+        """Logits ``[len(ids), V]`` of ``ids`` after ``state``; the graph (if grad is enabled) covers ``ids`` only.
+
+        grad: when given, the state's tensors enter the graph as leaves and their gradients accumulate into it.
+        """
+        self._check_state(state)
+        ids = self._check_ids(ids)
+        contexts = self._contexts(state, len(state.segments), grad)
+        hidden, _ = self.adapter.forward(ids, state.num_tokens, contexts)
+        return self.adapter.lm_head(hidden)
+
+    def backward(
+        self,
+        state: State,
+        grad: StateGrad,
+        ids: Tensor | Sequence[int],
+        *,
+        since: State | None = None,
+        loss_fn: SegmentLoss | None = None,
+    ) -> None:
+        """Backpropagate ``grad`` (and ``loss_fn``'s loss) through the chunks of ``state`` after ``since``.
+
+        ``ids`` are the tokens of those chunks (the engine keeps no token ids). Chunks are recomputed in reverse
+        under autograd with earlier chunks' tensors as leaves; parameter gradients accumulate in ``.grad``, the
+        gradients for earlier chunks (and ``since``'s tensors) in ``grad``. Peak: state + grad + one chunk graph.
+        """
+        self._check_state(state)
+        ids = self._check_ids(ids, allow_empty=True)
+        base = since.num_tokens if since is not None else 0
+        if ids.shape[0] != state.num_tokens - base:
+            raise ValueError(f"ids cover {ids.shape[0]} tokens; the chunks after `since` cover {state.num_tokens - base}")
+        first = next((j for j, seg in enumerate(state.segments) if seg.start >= base), len(state.segments))
+        if first < len(state.segments) and state.segments[first].start != base:
+            raise ValueError("`since` must be an ancestor of `state` (its end must fall on a chunk boundary)")
+        for j in reversed(range(first, len(state.segments))):
+            seg = state.segments[j]
+            self._backward_segment(state, j, ids[seg.start - base : seg.end - base], grad, loss_fn)
+
+    # --- internals ------------------------------------------------------------------------------------------
+    def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
+        if not isinstance(ids, Tensor):
+            try:
+                ids = torch.as_tensor(list(ids), dtype=torch.long)
+            except (TypeError, ValueError) as err:
+                raise TypeError(f"token ids must be a 1-D integer tensor or a sequence of ints: {err}") from None
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"token ids must be an integer tensor (torch.long), got dtype {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"token ids must be 1-D, got shape {tuple(ids.shape)}")
+        if ids.numel() == 0:
+            if allow_empty:
+                return ids.to(device=self.adapter.device, dtype=torch.long)
+            raise ValueError("token ids are empty: pass at least one token")
+        vocab = self.adapter.vocab_size
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}); got values in [{lo}, {hi}]")
+        return ids.to(device=self.adapter.device, dtype=torch.long)
+
+    def _check_state(self, state: State) -> None:
+        if not isinstance(state, State):
+            raise TypeError(f"expected a State from Engine.capture/extend, got {type(state).__name__}")
+        if state.owner != id(self.model) or state.num_layers != self.num_layers:
+            raise ValueError("this state was made by an engine over a different model")
+
+    def _contexts(self, state: State, upto: int, grad: StateGrad | None) -> list[LayerContext]:
+        """What each layer reads of the first ``upto`` segments; leaves feeding ``grad`` when it is given."""
+        contexts = []
+        for i, layer in enumerate(self.adapter.layers):
+            if layer.mixer.grows:
+                past = []
+                for block in state.blocks(i, upto):
+                    views = block.views()
+                    if grad is not None:
+                        views = tuple(leaf_into(v, g) for v, g in zip(views, grad.block_grads(block), strict=True))
+                    past.append(views)
+                contexts.append(LayerContext(past=past))
+            else:
+                rec = state.recurrent(i, upto - 1) if upto else None
+                tensors = None
+                if rec is not None:
+                    tensors = rec.tensors
+                    if grad is not None:
+                        tensors = tuple(
+                            leaf_into(t, g) for t, g in zip(tensors, grad.recurrent_grads(rec), strict=True)
+                        )
+                contexts.append(LayerContext(recurrent=tensors))
+        return contexts
+
+    def _arenas_for(self, state: State, n: int, reserve: int) -> list[Arena | None]:
+        """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one."""
+        arenas: list[Arena | None] = []
+        for i, layer in enumerate(self.adapter.layers):
+            if not layer.mixer.grows:
+                arenas.append(None)
+                continue
+            blocks = state.blocks(i)
+            last = blocks[-1] if blocks else None
+            if last is not None and last.arena.can_append(last.hi, n):
+                arenas.append(last.arena)
+            else:
+                shapes = layer.mixer.state_shapes()
+                arenas.append(Arena(shapes, n + reserve, self.adapter.dtype, self.adapter.device))
+        return arenas
+
+    def _extend(
+        self, state: State, ids: Tensor, chunk_size: int | None, reserve: int, want_logits: bool
+    ) -> tuple[State, Tensor | None]:
+        self._check_state(state)
+        chunk = chunk_size or self.config.chunk_size
+        arenas = self._arenas_for(state, ids.shape[0], reserve)
+        segments = list(state.segments)
+        last_logits = None
+        with torch.no_grad():
+            for lo in range(0, ids.shape[0], chunk):
+                piece = ids[lo : lo + chunk]
+                current = State(tuple(segments), state.num_layers, state.checkpoints, state.owner)
+                contexts = self._contexts(current, len(segments), None)
+                hidden, new = self.adapter.forward(piece, current.num_tokens, contexts)
+                record = self._record(current.num_tokens, piece.shape[0], new, arenas)
+                if segments and not state.checkpoints:
+                    segments[-1] = segments[-1].without_checkpoints()
+                segments.append(record)
+                if want_logits and lo + chunk >= ids.shape[0]:
+                    last_logits = self.adapter.lm_head(hidden[-1:])[0]
+        return State(tuple(segments), state.num_layers, state.checkpoints, state.owner), last_logits
+
+    def _record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> SegmentRecord:
+        blocks: list[Block | None] = []
+        recurrent: list[RecurrentState | None] = []
+        for entry, arena in zip(new, arenas, strict=True):
+            if arena is not None:
+                blocks.append(arena.append(entry))
+                recurrent.append(None)
+            else:
+                blocks.append(None)
+                recurrent.append(RecurrentState(tuple(t.detach() for t in entry)))
+        return SegmentRecord(start, n, tuple(blocks), tuple(recurrent))
+
+    def _backward_segment(
+        self, state: State, j: int, ids: Tensor, grad: StateGrad, loss_fn: SegmentLoss | None
+    ) -> None:
+        seg = state.segments[j]
+        outputs: list[Tensor] = []
+        grads: list[Tensor] = []
+        with torch.enable_grad():
+            contexts = self._contexts(state, j, grad)
+            hidden, new = self.adapter.forward(ids, seg.start, contexts)
+            for i, entry in enumerate(new):
+                block, rec = seg.blocks[i], seg.recurrent[i]
+                if block is not None:
+                    upstream = grad.block_grads(block, create=False)
+                else:
+                    if rec is None:
+                        raise ValueError("state keeps no recurrent checkpoint for this chunk (checkpoints=True)")
+                    upstream = grad.recurrent_grads(rec, create=False)
+                if upstream is not None:
+                    outputs.extend(entry)
+                    grads.extend(upstream)
+            if loss_fn is not None:
+                loss = loss_fn(self.adapter.lm_head(hidden), seg.start, seg.end)
+                if loss is not None:
+                    outputs.append(loss)
+                    grads.append(torch.ones_like(loss))
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        self._release(seg, grad)
+
+    @staticmethod
+    def _release(seg: SegmentRecord, grad: StateGrad) -> None:
+        """Drop gradient buffers nothing earlier can add to any more."""
+        for block, rec in zip(seg.blocks, seg.recurrent, strict=True):
+            if block is not None and block.lo == 0:
+                grad.release_arena(block.arena)
+            if rec is not None:
+                grad.release_recurrent(rec)

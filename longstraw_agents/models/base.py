@@ -1,0 +1,179 @@
+"""What every family adapter shares: the decoder loop, the mixer interface, norms in the right precision.
+
+An adapter reads a transformers CausalLM's modules for their weights and re-implements the token mixers so that
+they read the engine's state instead of a transformers cache (see DESIGN.md, "Engine"). Position-wise parts (dense
+MLPs) call the transformers module directly; anything that transformers computes in fp32 regardless of the model
+dtype (norms, routers, the GatedDeltaNet fallback) is computed here in ``compute_dtype`` — fp32 for fp32/bf16
+models, exactly as transformers does, and fp64 for fp64 models, so that fp64 gradient checks are exact.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not of a family the engine supports (the message names the supported ones)."""
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision and fp32 models (as transformers), the model's own dtype when it is wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama-style RMSNorm: normalise in compute precision, cast back, then scale (``weight * x.to(dtype)``)."""
+    xc = x.to(compute_dtype(x.dtype))
+    xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xc.to(x.dtype)
+
+
+def rms_norm_zero_centered(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3.5-style RMSNorm with weight ``1 + w``, scaled in compute precision before the cast back."""
+    dt = compute_dtype(x.dtype)
+    xc = x.to(dt)
+    xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return (xc * (1.0 + weight.to(dt))).to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Half-split RoPE on the first ``cos.shape[-1]`` dims of ``x [n, H, D]`` (partial rotary keeps the rest)."""
+    rot = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [n, 1, rot]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
+
+
+@dataclass
+class MixerInput:
+    """What a token mixer sees for ``n`` new tokens.
+
+    ``past``: earlier blocks of this layer's per-position tensors (growing mixers), possibly autograd leaves.
+    ``recurrent``: the layer's state before the first new token (recurrent mixers), None at position 0.
+    ``shared``: scratch shared by the layers of one forward (e.g. DSA's top-k reused by "shared" layers).
+    """
+
+    x: Tensor
+    positions: Tensor
+    rope: tuple[Tensor, Tensor]
+    past: list[tuple[Tensor, ...]] = field(default_factory=list)
+    recurrent: tuple[Tensor, ...] | None = None
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MixerOutput:
+    """The mixer's output ``y [n, hidden]`` and what it adds to the state (per-position tensors or a new state)."""
+
+    y: Tensor
+    new: tuple[Tensor, ...]
+
+
+class Mixer(ABC):
+    """A token mixer over the engine's state. ``grows``: per-position state (attention) vs fixed (recurrent)."""
+
+    grows: ClassVar[bool]
+
+    @abstractmethod
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-position shapes (growing mixers) or whole-state shapes (recurrent mixers)."""
+
+    @abstractmethod
+    def forward(self, inp: MixerInput) -> MixerOutput: ...
+
+
+@dataclass
+class DecoderLayer:
+    """Pre-norm residual block: ``h += mixer(norm1(h)); h += mlp(norm2(h))``."""
+
+    mixer: Mixer
+    input_norm: Callable[[Tensor], Tensor]
+    post_norm: Callable[[Tensor], Tensor]
+    mlp: Callable[[Tensor], Tensor]
+
+
+@dataclass
+class LayerContext:
+    past: list[tuple[Tensor, ...]] = field(default_factory=list)
+    recurrent: tuple[Tensor, ...] | None = None
+
+
+class FamilyAdapter(ABC):
+    """Adapter for one model family. Subclasses build ``self.layers`` and say which model types they take."""
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        self.backbone = model.model
+        self.check_config(self.config)
+        self.layers: list[DecoderLayer] = self.build_layers()
+
+    # --- per family -----------------------------------------------------------------------------------------
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise UnsupportedModelError for configurations of the family the adapter does not implement."""
+
+    @abstractmethod
+    def build_layers(self) -> list[DecoderLayer]: ...
+
+    @abstractmethod
+    def final_norm(self, h: Tensor) -> Tensor: ...
+
+    @classmethod
+    @abstractmethod
+    def layer_state_bytes(cls, config: Any, itemsize: int) -> list[tuple[int, int]]:
+        """Per layer: (bytes per token, fixed bytes) of the state, computed from the config alone."""
+
+    # --- shared ---------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.embed_tokens.weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.embed_tokens.weight.shape[0]
+
+    def rope(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.backbone.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))
+        return cos[0], sin[0]
+
+    def forward(
+        self, ids: Tensor, start: int, contexts: list[LayerContext], shared: dict[str, Any] | None = None
+    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+        """Run ``ids`` (positions ``start..``) through the decoder; returns the final-normed hidden states
+        ``[n, hidden]`` and, per layer, what the layer adds to the state."""
+        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+        h = self.backbone.embed_tokens(ids)
+        rope = self.rope(h, positions)
+        shared = {} if shared is None else shared
+        new_entries: list[tuple[Tensor, ...]] = []
+        for layer, ctx in zip(self.layers, contexts, strict=True):
+            out = layer.mixer.forward(
+                MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared)
+            )
+            h = h + out.y
+            h = h + layer.mlp(layer.post_norm(h))
+            new_entries.append(out.new)
+        return self.final_norm(h), new_entries
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(hidden)

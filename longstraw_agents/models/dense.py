@@ -1,0 +1,139 @@
+"""Dense attention family: Llama, Qwen2, Qwen3, Mistral (GQA, RoPE, RMSNorm; Qwen3's per-head q/k norms).
+
+The state of every layer is its post-RoPE keys and values, ``[n, H_kv, D]`` each. The attention mixer here is also
+used by the hybrid family's full-attention layers (which add a sigmoid output gate and zero-centred norms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from torch import Tensor, nn
+
+from longstraw_agents.attention import attend
+from longstraw_agents.models.base import (
+    DecoderLayer,
+    FamilyAdapter,
+    Mixer,
+    MixerInput,
+    MixerOutput,
+    UnsupportedModelError,
+    apply_rope,
+    rms_norm,
+)
+
+
+def norm_eps(module: nn.Module) -> float:
+    """transformers' RMSNorm modules call their epsilon ``variance_epsilon`` or ``eps``."""
+    eps = getattr(module, "variance_epsilon", None)
+    return float(module.eps if eps is None else eps)
+
+
+def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: nn.Module) -> Callable[[Tensor], Tensor]:
+    return partial(fn, weight=module.weight, eps=norm_eps(module))
+
+
+class AttentionMixer(Mixer):
+    """Causal GQA attention over the state's K/V blocks plus the new tokens' own K/V (one LSE-merged primitive)."""
+
+    grows = True
+
+    def __init__(
+        self,
+        attn: nn.Module,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: Callable[[Tensor, Tensor, float], Tensor] | None = None,
+        output_gate: bool = False,
+    ):
+        self.attn = attn
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.groups = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = float(attn.scaling)
+        self.output_gate = output_gate
+        self.q_norm = bound_norm(qk_norm, attn.q_norm) if qk_norm is not None else None
+        self.k_norm = bound_norm(qk_norm, attn.k_norm) if qk_norm is not None else None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
+
+    def forward(self, inp: MixerInput) -> MixerOutput:
+        x = inp.x
+        n = x.shape[0]
+        q = self.attn.q_proj(x)
+        gate = None
+        if self.output_gate:  # Qwen3.5 / Qwen3-Next: q_proj emits the query and a per-channel gate per head
+            q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(n, -1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = self.attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = inp.rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [n, H, D] -> [H_kv, groups*n, D]: the query heads of one KV head, group-major, then positions
+        q = q.view(n, self.num_kv_heads, self.groups, self.head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(self.num_kv_heads, self.groups * n, self.head_dim)
+        out = attend(q, [(pk, pv) for pk, pv in inp.past], (k, v), self.scale, self.groups)
+        out = out.view(self.num_kv_heads, self.groups, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+        if gate is not None:
+            out = out * gate.sigmoid()
+        return MixerOutput(y=self.attn.o_proj(out), new=(k, v))
+
+
+def kv_bytes_per_token(config: Any, itemsize: int) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_key_value_heads * head_dim * itemsize
+
+
+class DenseAdapter(FamilyAdapter):
+    family = "dense"
+    model_types = ("llama", "qwen2", "qwen3", "mistral")
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        layer_types = getattr(config, "layer_types", None) or []
+        sliding = "sliding_attention" in layer_types or (
+            config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
+        )
+        if sliding:
+            raise UnsupportedModelError(
+                f"{config.model_type} with sliding-window attention is not supported; use full attention "
+                "(sliding_window=None / use_sliding_window=False)"
+            )
+
+    def build_layers(self) -> list[DecoderLayer]:
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers = []
+        for hf_layer in self.backbone.layers:
+            attn = hf_layer.self_attn
+            mixer = AttentionMixer(
+                attn,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                head_dim,
+                qk_norm=rms_norm if hasattr(attn, "q_norm") else None,
+            )
+            layers.append(
+                DecoderLayer(
+                    mixer=mixer,
+                    input_norm=bound_norm(rms_norm, hf_layer.input_layernorm),
+                    post_norm=bound_norm(rms_norm, hf_layer.post_attention_layernorm),
+                    mlp=hf_layer.mlp,
+                )
+            )
+        return layers
+
+    def final_norm(self, h: Tensor) -> Tensor:
+        return rms_norm(h, self.backbone.norm.weight, norm_eps(self.backbone.norm))
+
+    @classmethod
+    def layer_state_bytes(cls, config: Any, itemsize: int) -> list[tuple[int, int]]:
+        return [(kv_bytes_per_token(config, itemsize), 0)] * config.num_hidden_layers

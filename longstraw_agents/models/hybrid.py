@@ -1,0 +1,198 @@
+"""Hybrid family: Qwen3.5 text models — GatedDeltaNet linear attention + gated full attention (Qwen3.6-27B layout:
+three linear-attention layers per full-attention layer).
+
+Full-attention layers keep K/V per token (the dense mixer with a sigmoid output gate and zero-centred q/k norms).
+GatedDeltaNet layers keep a fixed-size state: the short-conv tail (the last ``kernel-1`` pre-conv inputs) and the
+delta-rule state ``[H_v, D_k, D_v]``. The delta rule runs chunked in pure torch in ``compute_dtype`` (transformers'
+fallback always computes in fp32; here fp64 models stay fp64), or with flash-linear-attention's kernel on CUDA
+when it is installed. The recurrent state is kept in compute precision, as transformers does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longstraw_agents.models.base import (
+    DecoderLayer,
+    FamilyAdapter,
+    Mixer,
+    MixerInput,
+    MixerOutput,
+    compute_dtype,
+    rms_norm_zero_centered,
+)
+from longstraw_agents.models.dense import AttentionMixer, bound_norm, kv_bytes_per_token, norm_eps
+
+DELTA_CHUNK = 64  # positions per block of the chunked delta rule (as transformers' fallback and fla)
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, chunk: int = DELTA_CHUNK
+) -> tuple[Tensor, Tensor]:
+    """Gated delta rule over ``n`` positions, exact and differentiable (also w.r.t. ``initial_state``).
+
+    q, k: ``[n, H, Dk]`` (already one per value head); v: ``[n, H, Dv]``; g (log decay, <= 0), beta: ``[n, H]``.
+    Returns the outputs ``[n, H, Dv]`` and the state after the last position ``[H, Dk, Dv]``. Same algorithm as
+    transformers' ``torch_chunk_gated_delta_rule`` (UT transform within a chunk, a scan across chunks), written
+    without a batch dimension and without in-place writes so autograd can replay it.
+    """
+    n, heads, dk = k.shape
+    dv = v.shape[-1]
+    q = l2norm(q) * dk**-0.5
+    k = l2norm(k)
+    pad = (chunk - n % chunk) % chunk
+    # [H, N, C, d]: zero padding has beta = 0 and g = 0, so it neither writes nor decays the state
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk, t.shape[-1]) for t in (q, k, v))
+    beta, g = (F.pad(t.transpose(0, 1), (0, pad)).reshape(heads, -1, chunk) for t in (beta, g))
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    cum = g.cumsum(dim=-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair_decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    intra = (q @ k.transpose(-1, -2)) * pair_decay
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    state = initial_state if initial_state is not None else q.new_zeros(heads, dk, dv)
+    outs = []
+    for c in range(q.shape[1]):
+        v_new = new_values[:, c] - k_cumdecay[:, c] @ state
+        outs.append(q_decayed[:, c] @ state + intra[:, c] @ v_new)
+        state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ v_new
+    out = torch.cat(outs, dim=1)[:, :n]  # [H, n, Dv]
+    return out.transpose(0, 1), state
+
+
+def _fla_kernel():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        return None
+    return fla_chunk
+
+
+class GatedDeltaNetMixer(Mixer):
+    """GatedDeltaNet over a (conv tail, delta-rule state) pair; the new tokens update both."""
+
+    grows = False
+
+    def __init__(self, mod: nn.Module):
+        self.mod = mod
+        self.kernel = mod.conv_kernel_size
+        self.num_k_heads, self.num_v_heads = mod.num_k_heads, mod.num_v_heads
+        self.head_k_dim, self.head_v_dim = mod.head_k_dim, mod.head_v_dim
+        self.conv_dim = mod.conv_dim
+        self.norm_eps = norm_eps(mod.norm)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.kernel - 1, self.conv_dim), (self.num_v_heads, self.head_k_dim, self.head_v_dim))
+
+    def _conv(self, mixed: Tensor, tail: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Causal depthwise conv + SiLU over ``[tail; mixed]``; returns outputs ``[n, C]`` and the new tail."""
+        if tail is None:
+            tail = mixed.new_zeros(self.kernel - 1, self.conv_dim)
+        full = torch.cat([tail, mixed], dim=0)  # [K-1+n, C]
+        weight = self.mod.conv1d.weight  # [C, 1, K]
+        out = F.conv1d(full.t().unsqueeze(0), weight, self.mod.conv1d.bias, groups=self.conv_dim)[0].t()
+        return F.silu(out), full[full.shape[0] - (self.kernel - 1) :]
+
+    def _gated_norm(self, core: Tensor, gate: Tensor) -> Tensor:
+        """Qwen3.5's RMSNormGated: norm in compute precision, scale, then multiply by SiLU(gate)."""
+        dt = compute_dtype(core.dtype)
+        x = core.to(dt)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        x = self.mod.norm.weight * x.to(core.dtype)
+        return (x * F.silu(gate.to(dt))).to(core.dtype)
+
+    def _delta_rule(self, q, k, v, g, beta, initial):
+        fla = _fla_kernel() if q.is_cuda else None
+        if fla is not None:
+            out, final = fla(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                initial_state=None if initial is None else initial.unsqueeze(0),
+                output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            return out[0], final[0]
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial)
+
+    def forward(self, inp: MixerInput) -> MixerOutput:
+        mod, x = self.mod, inp.x
+        n = x.shape[0]
+        tail, ssm = inp.recurrent if inp.recurrent is not None else (None, None)
+        mixed, new_tail = self._conv(mod.in_proj_qkv(x), tail)
+        q, k, v = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+        q = q.reshape(n, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(n, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+        if self.num_v_heads != self.num_k_heads:  # each q/k head serves consecutive value heads
+            rep = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        dt = compute_dtype(x.dtype)
+        a = mod.in_proj_a(x).to(dt)
+        beta = mod.in_proj_b(x).sigmoid().to(dt)
+        g = -mod.A_log.to(dt).exp() * F.softplus(a + mod.dt_bias.to(dt))
+        core, new_ssm = self._delta_rule(q.to(dt), k.to(dt), v.to(dt), g, beta, ssm)
+        z = mod.in_proj_z(x).reshape(n, self.num_v_heads, self.head_v_dim)
+        out = self._gated_norm(core.to(x.dtype), z)
+        return MixerOutput(y=mod.out_proj(out.reshape(n, -1)), new=(new_tail, new_ssm))
+
+
+class HybridAdapter(FamilyAdapter):
+    family = "hybrid"
+    model_types = ("qwen3_5_text",)
+
+    def build_layers(self) -> list[DecoderLayer]:
+        cfg = self.config
+        layers = []
+        for hf_layer in self.backbone.layers:
+            if hf_layer.block_type == "linear_attention":
+                mixer: Mixer = GatedDeltaNetMixer(hf_layer.linear_attn)
+            else:
+                mixer = AttentionMixer(
+                    hf_layer.self_attn,
+                    cfg.num_attention_heads,
+                    cfg.num_key_value_heads,
+                    hf_layer.self_attn.head_dim,
+                    qk_norm=rms_norm_zero_centered,
+                    output_gate=True,
+                )
+            layers.append(
+                DecoderLayer(
+                    mixer=mixer,
+                    input_norm=bound_norm(rms_norm_zero_centered, hf_layer.input_layernorm),
+                    post_norm=bound_norm(rms_norm_zero_centered, hf_layer.post_attention_layernorm),
+                    mlp=hf_layer.mlp,
+                )
+            )
+        return layers
+
+    def final_norm(self, h: Tensor) -> Tensor:
+        return rms_norm_zero_centered(h, self.backbone.norm.weight, norm_eps(self.backbone.norm))
+
+    @classmethod
+    def layer_state_bytes(cls, config: Any, itemsize: int) -> list[tuple[int, int]]:
+        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + (
+            config.linear_num_value_heads * config.linear_value_head_dim
+        )
+        conv_bytes = (config.linear_conv_kernel_dim - 1) * conv_dim * itemsize
+        state_itemsize = max(itemsize, 4)  # the delta-rule state is kept in compute precision (>= fp32)
+        delta_bytes = (
+            config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * state_itemsize
+        )
+        sizes = []
+        for layer_type in config.layer_types[: config.num_hidden_layers]:
+            if layer_type == "linear_attention":
+                sizes.append((0, conv_bytes + delta_bytes))
+            else:
+                sizes.append((kv_bytes_per_token(config, itemsize), 0))
+        return sizes

@@ -1,0 +1,265 @@
+"""MLA + DeepSeek sparse attention + MoE family: GLM-MoE-DSA (the GLM-5.2 layout).
+
+State per position and layer: MLA's compressed KV latent (after ``kv_a_layernorm``, ``kv_lora_rank`` values), the
+shared rope key (``qk_rope_head_dim``), and on layers that run their own DSA indexer, the indexer key
+(``index_head_dim``). Attention runs in MLA's absorbed form — ``q_nope·(W_uk c) = (W_ukᵀ q_nope)·c`` and
+``p·(W_uv c) = W_uv (p·c)`` — so the prefix latent is read as it is stored and never expanded per head; the
+attention primitive is the same LSE-merged block attention as the other families, with one shared "KV head".
+
+DSA, from its definition: query t scores every visible key s with ``Σ_h w_h(t)·relu(q_h(t)·k(s))·scale`` and
+attends only to its ``index_topk`` best keys (all of them while t has fewer). Ties are broken towards earlier
+positions (a stable sort), so a position's selection — and its logits — do not depend on where a prefix/branch
+split falls. ("shared" layers reuse the selection of the previous full-indexer layer, as in transformers.) The
+selection is discrete: as in transformers the indexer gets no gradient from the language-model loss.
+transformers 5.24's own DSA paths disagree with each other when ``index_topk`` < context; parity with it is
+tested only where ``index_topk`` >= context, and causal consistency everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longstraw_agents.attention import block_scores, causal_mask, merge, partial_from_scores, split_keys
+from longstraw_agents.models.base import (
+    DecoderLayer,
+    FamilyAdapter,
+    Mixer,
+    MixerInput,
+    MixerOutput,
+    UnsupportedModelError,
+    compute_dtype,
+    rms_norm,
+)
+from longstraw_agents.models.dense import bound_norm, norm_eps
+
+SELECTION_KEY = "dsa_selection"
+
+
+def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek/GLM interleaved RoPE on ``x [n, H, D]``: pairs (x0, x1), (x2, x3)…, output de-interleaved
+    (rotated evens, then rotated odds), exactly as transformers' ``apply_rotary_pos_emb_interleave``."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _topk_merge(
+    running: tuple[Tensor, Tensor] | None, scores: Tensor, positions: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    """Keep the k best (score, position) per query; ties go to the earlier position (stable sort, earlier first)."""
+    pos = positions.unsqueeze(0).expand(scores.shape[0], -1)
+    if running is not None:
+        scores = torch.cat([running[0], scores], dim=1)
+        pos = torch.cat([running[1], pos], dim=1)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    return scores.gather(1, order), pos.gather(1, order)
+
+
+def selection_mask(selected: Tensor, offset: int, length: int) -> Tensor:
+    """Boolean ``[n, length]``: which keys at positions ``offset..offset+length`` each query selected."""
+    rel = selected - offset
+    inside = (rel >= 0) & (rel < length)
+    mask = torch.zeros(selected.shape[0], length + 1, dtype=torch.bool, device=selected.device)
+    mask.scatter_(1, torch.where(inside, rel, torch.full_like(rel, length)), True)
+    return mask[:, :length]
+
+
+class DSAIndexer:
+    """The lightning indexer of one layer: produces index keys for the state and top-k selections."""
+
+    def __init__(self, indexer: nn.Module, topk: int):
+        self.mod = indexer
+        self.topk = topk
+        self.heads, self.dim = indexer.n_heads, indexer.head_dim
+        self.rope_dim = indexer.qk_rope_head_dim
+
+    def keys(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        k = self.mod.k_norm(self.mod.wk(x)).unsqueeze(1)  # [n, 1, Di]
+        k_rot, k_pass = k.split([self.rope_dim, self.dim - self.rope_dim], dim=-1)
+        return torch.cat([rope_interleaved(k_rot, *rope), k_pass], dim=-1)[:, 0]
+
+    def select(
+        self, x: Tensor, q_resid: Tensor, rope: tuple[Tensor, Tensor], past: list[Tensor], own: Tensor, start: int
+    ) -> Tensor | None:
+        """Global positions ``[n, topk]`` each query attends to, or None when every query may see all keys."""
+        n = x.shape[0]
+        if start + n <= self.topk:
+            return None
+        dt = compute_dtype(x.dtype)
+        q = self.mod.wq_b(q_resid).view(n, self.heads, self.dim)
+        q_rot, q_pass = q.split([self.rope_dim, self.dim - self.rope_dim], dim=-1)
+        q = torch.cat([rope_interleaved(q_rot, *rope), q_pass], dim=-1).to(dt)
+        w = self.mod.weights_proj(x.to(self.mod.weights_proj.weight.dtype)).to(dt) * self.heads**-0.5
+
+        def scores(keys: Tensor) -> Tensor:  # [n, m] = sum_h w_h relu(q_h . k * scale)
+            s = F.relu(torch.einsum("nhd,md->nhm", q, keys.to(dt)) * self.mod.softmax_scale)
+            return torch.einsum("nh,nhm->nm", w, s)
+
+        running = None
+        offset = 0
+        for keys in past:
+            for piece in split_keys(keys.shape[0]):
+                positions = torch.arange(offset + piece.start, offset + piece.stop, device=x.device)
+                running = _topk_merge(running, scores(keys[piece]), positions, self.topk)
+            offset += keys.shape[0]
+        own_scores = scores(own).masked_fill(~causal_mask(n, n, 1, x.device)[0], float("-inf"))
+        running = _topk_merge(running, own_scores, torch.arange(start, start + n, device=x.device), self.topk)
+        return running[1]
+
+
+class MLAMixer(Mixer):
+    """Multi-head latent attention over (latent, rope key[, indexer key]) blocks, with DSA top-k masks."""
+
+    grows = True
+
+    def __init__(self, attn: nn.Module, config: Any):
+        self.attn = attn
+        self.heads = config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+        self.rank = attn.kv_lora_rank
+        self.scale = float(attn.scaling)
+        self.indexer = DSAIndexer(attn.indexer, config.index_topk) if attn.indexer is not None else None
+        self.q_norm = bound_norm(rms_norm, attn.q_a_layernorm)
+        self.kv_norm = bound_norm(rms_norm, attn.kv_a_layernorm)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        shapes = ((self.rank,), (self.rope_dim,))
+        return shapes + ((self.indexer.dim,),) if self.indexer is not None else shapes
+
+    def forward(self, inp: MixerInput) -> MixerOutput:
+        attn, x = self.attn, inp.x
+        n, heads = x.shape[0], self.heads
+        q_resid = self.q_norm(attn.q_a_proj(x))
+        q = attn.q_b_proj(q_resid).view(n, heads, self.nope + self.rope_dim)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        kv_pass, k_rot = attn.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_norm(kv_pass)
+        q_rot = rope_interleaved(q_rot, *inp.rope)
+        k_rot = rope_interleaved(k_rot.unsqueeze(1), *inp.rope)[:, 0]
+        new: tuple[Tensor, ...] = (latent, k_rot)
+        start = int(inp.positions[0])
+
+        if self.indexer is not None:
+            index_keys = self.indexer.keys(x, inp.rope)
+            new = new + (index_keys,)
+            with torch.no_grad():
+                selected = self.indexer.select(x, q_resid, inp.rope, [p[2] for p in inp.past], index_keys, start)
+            inp.shared[SELECTION_KEY] = selected
+        elif SELECTION_KEY in inp.shared:
+            selected = inp.shared[SELECTION_KEY]
+        else:
+            raise UnsupportedModelError("a 'shared' DSA layer needs an earlier layer with its own indexer")
+
+        # absorbed MLA: queries in latent space, one shared "KV head" for all query heads
+        w_kv = attn.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]
+        q_lat = torch.einsum("nhd,hdr->hnr", q_nope, w_uk).reshape(1, heads * n, self.rank)
+        q_rope = q_rot.permute(1, 0, 2).reshape(1, heads * n, self.rope_dim)
+
+        acc = None
+        offset = 0
+        for block in inp.past:
+            lat, rk = block[0], block[1]
+            for piece in split_keys(lat.shape[0]):
+                mask = None
+                if selected is not None:
+                    mask = selection_mask(selected, offset + piece.start, piece.stop - piece.start)
+                    mask = mask.repeat(heads, 1).unsqueeze(0)
+                acc = merge(acc, self._partial(q_lat, q_rope, lat[piece], rk[piece], mask))
+            offset += lat.shape[0]
+        own_mask = causal_mask(n, n, heads, x.device)
+        if selected is not None:
+            own_mask = own_mask & selection_mask(selected, start, n).repeat(heads, 1).unsqueeze(0)
+        acc = merge(acc, self._partial(q_lat, q_rope, latent, k_rot, own_mask))
+
+        out_latent = acc.out.view(heads, n, self.rank)
+        out = torch.einsum("hnr,hvr->nhv", out_latent, w_uv).reshape(n, heads * self.v_dim)
+        return MixerOutput(y=attn.o_proj(out), new=new)
+
+    def _partial(self, q_lat: Tensor, q_rope: Tensor, latent: Tensor, rope_key: Tensor, mask: Tensor | None):
+        scores = block_scores(q_lat, latent.unsqueeze(1), self.scale) + block_scores(
+            q_rope, rope_key.unsqueeze(1), self.scale
+        )
+        return partial_from_scores(scores, latent.unsqueeze(1), mask)
+
+
+class MoE:
+    """GLM/DeepSeek-V3 MoE: sigmoid router with group-limited top-k + routed experts + shared experts.
+
+    The router runs in compute precision (transformers forces fp32, which would cap fp64 gradient checks); the
+    experts loop over the selected experts in id order, as transformers' eager experts do.
+    """
+
+    def __init__(self, moe: nn.Module):
+        self.moe = moe
+        self.gate, self.experts = moe.gate, moe.experts
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        gate = self.gate
+        dt = compute_dtype(x.dtype)
+        scores = F.linear(x.to(dt), gate.weight.to(dt)).sigmoid()
+        choice = scores + gate.e_score_correction_bias.to(dt)
+        per_group = gate.num_experts // gate.num_group
+        group_scores = choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, gate.num_group, per_group).reshape(-1, gate.num_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        top_idx = torch.topk(choice, k=gate.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, top_idx)
+        if gate.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_idx, weights * gate.routed_scaling_factor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        top_idx, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(top_idx).tolist():
+            token, slot = torch.where(top_idx == expert)
+            gate_up = F.linear(x[token], self.experts.gate_up_proj[expert])
+            g, u = gate_up.chunk(2, dim=-1)
+            h = F.linear(self.experts.act_fn(g) * u, self.experts.down_proj[expert])
+            out = out.index_add(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        return out + self.moe.shared_experts(x)
+
+
+class MLAAdapter(FamilyAdapter):
+    family = "mla"
+    model_types = ("glm_moe_dsa",)
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        if config.indexer_types and config.indexer_types[0] != "full":
+            raise UnsupportedModelError("glm_moe_dsa: the first layer must run its own DSA indexer ('full')")
+
+    def build_layers(self) -> list[DecoderLayer]:
+        layers = []
+        for hf_layer in self.backbone.layers:
+            mlp = hf_layer.mlp
+            layers.append(
+                DecoderLayer(
+                    mixer=MLAMixer(hf_layer.self_attn, self.config),
+                    input_norm=bound_norm(rms_norm, hf_layer.input_layernorm),
+                    post_norm=bound_norm(rms_norm, hf_layer.post_attention_layernorm),
+                    mlp=MoE(mlp) if hasattr(mlp, "experts") else mlp,
+                )
+            )
+        return layers
+
+    def final_norm(self, h: Tensor) -> Tensor:
+        return rms_norm(h, self.backbone.norm.weight, norm_eps(self.backbone.norm))
+
+    @classmethod
+    def layer_state_bytes(cls, config: Any, itemsize: int) -> list[tuple[int, int]]:
+        sizes = []
+        for i in range(config.num_hidden_layers):
+            width = config.kv_lora_rank + config.qk_rope_head_dim
+            if config.indexer_types[i] == "full":
+                width += config.index_head_dim
+            sizes.append((width * itemsize, 0))
+        return sizes

@@ -1,0 +1,149 @@
+"""Typed model presets: tiny random-init configs for tests, benchmarks and the CPU demo, and full-size layouts
+(Qwen3.6-27B-like, GLM-5.2-like) to build on the meta device for the state-size planner.
+
+Nothing here downloads weights; every model is built from its config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from transformers import (
+    GlmMoeDsaConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+)
+
+Family = Literal["llama", "qwen3", "qwen3_5", "glm_moe_dsa"]
+
+
+def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1 << 20,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_qwen3(vocab_size: int = 256, hidden: int = 64, layers: int = 2) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1 << 20,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_qwen3_5(vocab_size: int = 256, hidden: int = 64, layers: int = 4) -> Qwen3_5TextConfig:
+    """Three GatedDeltaNet layers per full-attention layer, as in Qwen3.6-27B."""
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=1 << 20,
+        full_attention_interval=4,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_glm_moe_dsa(vocab_size: int = 256, hidden: int = 64, layers: int = 3, index_topk: int = 8) -> GlmMoeDsaConfig:
+    """MLA + DSA (a full indexer then a shared one) + MoE after one dense layer, as in GLM-5.2."""
+    return GlmMoeDsaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        index_topk=index_topk,
+        index_head_dim=16,
+        index_n_heads=2,
+        first_k_dense_replace=1,
+        indexer_types=["full"] + ["shared" if i % 2 else "full" for i in range(1, layers)],
+        max_position_embeddings=1 << 20,
+        tie_word_embeddings=False,
+    )
+
+
+TINY_PRESETS = {
+    "llama": tiny_llama,
+    "qwen3": tiny_qwen3,
+    "qwen3_5": tiny_qwen3_5,
+    "glm_moe_dsa": tiny_glm_moe_dsa,
+}
+
+
+def qwen3_6_27b_like() -> Qwen3_5TextConfig:
+    """The Qwen3.6-27B text layout (64 layers, 3 GatedDeltaNet : 1 gated attention)."""
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        max_position_embeddings=262144,
+    )
+
+
+def glm_5_2_like() -> GlmMoeDsaConfig:
+    """The GLM-5 layout transformers ships as GlmMoeDsaConfig's defaults (78 layers, MLA + DSA + 256 experts)."""
+    return GlmMoeDsaConfig()
+
+
+def build_model(config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """A random-init CausalLM for ``config`` (eager attention and experts, so any dtype runs on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )
+    # transformers keeps some modules in fp32 whatever the dtype (MoE router weights); cast them too so that an
+    # fp64 model is fp64 throughout and fp64 gradient checks are not capped at fp32 precision.
+    return model.to(dtype).eval()
+
+
+def tiny_model(family: Family, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> torch.nn.Module:
+    return build_model(TINY_PRESETS[family](**overrides), dtype=dtype, seed=seed)

@@ -1,0 +1,222 @@
+"""Engine state: exactly what later tokens need of the tokens already seen, per layer, immutable and shareable.
+
+Layers that grow with length (full attention: K/V; MLA: compressed latent + rope key + DSA indexer key) keep their
+per-position tensors in ``Arena``s — append-only buffers, position first, written once. A ``State`` is a tuple of
+``SegmentRecord``s, one per evaluated chunk, each pointing at the positions it wrote (``Block``: arena + range).
+Recurrent layers (GatedDeltaNet) keep a fixed-size ``RecurrentState`` per segment end; only the last is needed to
+continue, earlier ones are kept as checkpoints when exact prefix gradients are wanted.
+
+Forking is free: a child state is the parent's tuple plus new records, sharing every tensor; the parent's
+positions are never written again, so the parent stays valid. ``StateGrad`` holds the gradient with respect to a
+state's tensors (same shapes, allocated lazily) for the exact-gradient backward walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+class Arena:
+    """Append-only per-position storage of one layer: tensors ``[capacity, *shape]`` filled from the front."""
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], capacity: int, dtype: torch.dtype, device: torch.device):
+        self.tensors: tuple[Tensor, ...] = tuple(
+            torch.empty((capacity, *shape), dtype=dtype, device=device) for shape in shapes
+        )
+        self.capacity = capacity
+        self.filled = 0
+
+    def can_append(self, at: int, n: int) -> bool:
+        """True if positions ``[at, at+n)`` are free and ``at`` is the fill mark (no sibling wrote there)."""
+        return at == self.filled and self.filled + n <= self.capacity
+
+    def append(self, values: tuple[Tensor, ...]) -> Block:
+        n = values[0].shape[0]
+        if not self.can_append(self.filled, n):
+            raise RuntimeError("arena is full")  # engine bug: callers check can_append first
+        start = self.filled
+        for dst, src in zip(self.tensors, values, strict=True):
+            dst[start : start + n].copy_(src)
+        self.filled += n
+        return Block(self, start, start + n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """Positions ``[lo, hi)`` of an arena."""
+
+    arena: Arena
+    lo: int
+    hi: int
+
+    @property
+    def length(self) -> int:
+        return self.hi - self.lo
+
+    def views(self) -> tuple[Tensor, ...]:
+        return tuple(t[self.lo : self.hi] for t in self.arena.tensors)
+
+    def follows(self, other: Block) -> bool:
+        return self.arena is other.arena and self.lo == other.hi
+
+
+@dataclass(frozen=True, eq=False)
+class RecurrentState:
+    """Fixed-size state of a recurrent layer after some position: e.g. (conv tail, delta-rule state)."""
+
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentRecord:
+    """One evaluated chunk: positions ``[start, start+length)``, what each layer wrote for them.
+
+    ``blocks[i]`` is the block of growing layer i (None for recurrent layers); ``recurrent[i]`` the recurrent state
+    of layer i after the chunk (None for growing layers, and for recurrent layers whose checkpoint was dropped).
+    """
+
+    start: int
+    length: int
+    blocks: tuple[Block | None, ...]
+    recurrent: tuple[RecurrentState | None, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def without_checkpoints(self) -> SegmentRecord:
+        return SegmentRecord(self.start, self.length, self.blocks, tuple(None for _ in self.recurrent))
+
+
+@dataclass(frozen=True, eq=False)
+class State:
+    """What the engine keeps of ``num_tokens`` tokens. Immutable; children share its tensors."""
+
+    segments: tuple[SegmentRecord, ...]
+    num_layers: int
+    checkpoints: bool = False
+    owner: int = field(default=0, repr=False)  # id of the engine that made it (a state is tied to its model)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def blocks(self, layer: int, upto: int | None = None) -> list[Block]:
+        """The layer's blocks for positions ``[0, upto)`` (segment-aligned), adjacent blocks of one arena merged."""
+        merged: list[Block] = []
+        for seg in self.segments[:upto]:
+            block = seg.blocks[layer]
+            if block is None:
+                continue
+            if merged and block.follows(merged[-1]):
+                merged[-1] = Block(block.arena, merged[-1].lo, block.hi)
+            else:
+                merged.append(block)
+        return merged
+
+    def recurrent(self, layer: int, after_segment: int | None = None) -> RecurrentState | None:
+        """Recurrent state of ``layer`` after segment ``after_segment`` (default: the last); None at position 0."""
+        index = len(self.segments) - 1 if after_segment is None else after_segment
+        if index < 0:
+            return None
+        found = self.segments[index].recurrent[layer]
+        if found is None:
+            raise ValueError(
+                "this state keeps no recurrent checkpoint here; capture/extend with checkpoints=True "
+                "to recompute earlier chunks (exact prefix gradients)"
+            )
+        return found
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Every tensor the state holds (arena storages once each, recurrent states)."""
+        seen: set[int] = set()
+        for seg in self.segments:
+            for block in seg.blocks:
+                if block is not None and id(block.arena) not in seen:
+                    seen.add(id(block.arena))
+                    yield from block.arena.tensors
+            for rec in seg.recurrent:
+                if rec is not None and id(rec) not in seen:
+                    seen.add(id(rec))
+                    yield from rec.tensors
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes held: arenas (their full storage) and recurrent states, each counted once."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class StateGrad:
+    """Gradient with respect to a state's tensors, allocated lazily (zeros) and released segment by segment.
+
+    Buffers are keyed by the arena (same shape as its storage) or by the recurrent state object.
+    """
+
+    def __init__(self) -> None:
+        self._arena: dict[int, tuple[Arena, tuple[Tensor, ...]]] = {}
+        self._recurrent: dict[int, tuple[RecurrentState, tuple[Tensor, ...]]] = {}
+
+    def arena_buffers(self, arena: Arena) -> tuple[Tensor, ...]:
+        entry = self._arena.get(id(arena))
+        if entry is None:
+            entry = (arena, tuple(torch.zeros_like(t) for t in arena.tensors))
+            self._arena[id(arena)] = entry
+        return entry[1]
+
+    def block_grads(self, block: Block, create: bool = True) -> tuple[Tensor, ...] | None:
+        if not create and id(block.arena) not in self._arena:
+            return None
+        return tuple(buf[block.lo : block.hi] for buf in self.arena_buffers(block.arena))
+
+    def recurrent_grads(self, rec: RecurrentState, create: bool = True) -> tuple[Tensor, ...] | None:
+        entry = self._recurrent.get(id(rec))
+        if entry is None:
+            if not create:
+                return None
+            entry = (rec, tuple(torch.zeros_like(t) for t in rec.tensors))
+            self._recurrent[id(rec)] = entry
+        return entry[1]
+
+    def release_arena(self, arena: Arena) -> None:
+        self._arena.pop(id(arena), None)
+
+    def release_recurrent(self, rec: RecurrentState) -> None:
+        self._recurrent.pop(id(rec), None)
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for _, bufs in list(self._arena.values()) + list(self._recurrent.values()):
+            total += sum(b.numel() * b.element_size() for b in bufs)
+        return total
+
+
+def leaf_into(view: Tensor, grad_buffer: Tensor) -> Tensor:
+    """A leaf aliasing ``view`` whose gradient is added into ``grad_buffer`` as soon as it is ready.
+
+    The post-accumulate hook frees the leaf's own ``.grad`` right away, so at most one block's transient gradient
+    exists at a time; the buffer (a slice of the state's gradient) is the only lasting copy.
+    """
+    leaf = view.detach().requires_grad_(True)
+
+    def _accumulate(t: Tensor) -> None:
+        grad_buffer.add_(t.grad)
+        t.grad = None
+
+    leaf.register_post_accumulate_grad_hook(_accumulate)
+    return leaf
