@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
 # Keys a partial covers at most: long blocks are split so that a chunk's scores stay bounded whatever the prefix.
 MAX_KEYS_PER_PARTIAL = 8192
 

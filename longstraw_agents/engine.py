@@ -71,7 +71,9 @@ class Engine:
     def empty_state(self, checkpoints: bool = False) -> State:
         return State(segments=(), num_layers=self.num_layers, checkpoints=checkpoints, owner=id(self.model))
 
-    def capture(self, ids: Tensor | Sequence[int], *, checkpoints: bool = False, chunk_size: int | None = None) -> State:
+    def capture(
+        self, ids: Tensor | Sequence[int], *, checkpoints: bool = False, chunk_size: int | None = None
+    ) -> State:
         """Evaluate ``ids`` from position 0 in chunks under ``no_grad``.
 
         checkpoints: keep each chunk's recurrent state so that ``backward`` can recompute chunks (exact mode).
@@ -124,7 +126,9 @@ class Engine:
         ids = self._check_ids(ids, allow_empty=True)
         base = since.num_tokens if since is not None else 0
         if ids.shape[0] != state.num_tokens - base:
-            raise ValueError(f"ids cover {ids.shape[0]} tokens; the chunks after `since` cover {state.num_tokens - base}")
+            raise ValueError(
+                f"ids cover {ids.shape[0]} tokens; the chunks after `since` cover {state.num_tokens - base}"
+            )
         first = next((j for j, seg in enumerate(state.segments) if seg.start >= base), len(state.segments))
         if first < len(state.segments) and state.segments[first].start != base:
             raise ValueError("`since` must be an ancestor of `state` (its end must fall on a chunk boundary)")

@@ -167,9 +167,7 @@ class FamilyAdapter(ABC):
         shared = {} if shared is None else shared
         new_entries: list[tuple[Tensor, ...]] = []
         for layer, ctx in zip(self.layers, contexts, strict=True):
-            out = layer.mixer.forward(
-                MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared)
-            )
+            out = layer.mixer.forward(MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared))
             h = h + out.y
             h = h + layer.mlp(layer.post_norm(h))
             new_entries.append(out.new)

@@ -1,0 +1,137 @@
+"""The GRPO objective (defaults match TRL's GRPOTrainer), written per token so that any execution mode and any
+segment tree can evaluate it piece by piece.
+
+For member i of a group with reward r_i, advantage ``A_i = (r_i - mean r) / (std r + 1e-4)`` (unbiased std, as
+``torch.std``; ``scale_rewards=False`` drops the division, as Dr. GRPO). For each loss token t of member i, with
+current log-prob ``l``, behaviour log-prob ``l_old`` (``l.detach()`` on-policy) and reference log-prob ``l_ref``:
+
+    ratio = exp(l - l_old)
+    per_token = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3(l_ref - l)
+    k3(d) = exp(d) - d - 1
+
+and the group's loss is ``Σ_i c_i Σ_t per_token``, where the aggregation sets the member weight ``c_i``:
+token-mean ``1 / Σ_j n_j`` (default), seq-mean ``1 / (G n_i)``, dr-grpo ``1 / (G L)`` with L the max completion
+length. Because the loss is linear in per-member terms, a token shared by several members (a shared loss node of
+the segment tree) carries the sum of their terms and the total equals the naive per-member loss exactly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+AggregationName = Literal["token-mean", "seq-mean", "dr-grpo"]
+ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
+
+
+class LossConfig(BaseModel):
+    """Hyper-parameters of the GRPO objective."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    epsilon: float = Field(0.2, ge=0.0, description="lower clip range: ratio >= 1 - epsilon")
+    epsilon_high: float | None = Field(None, ge=0.0, description="upper clip range (default: epsilon)")
+    beta: float = Field(0.0, ge=0.0, description="weight of the k3 KL penalty to the reference model")
+    aggregation: AggregationName = Field("token-mean", description="how per-token losses become the group loss")
+    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
+    max_completion_length: int | None = Field(
+        None, ge=1, description="dr-grpo's normaliser L (default: the longest completion of the group)"
+    )
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def group_advantages(rewards: Sequence[float] | Tensor, scale: bool = True) -> Tensor:
+    """``(r - mean) / (std + 1e-4)`` with the unbiased std; a single-member group has zero advantage."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    if r.ndim != 1 or r.numel() == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {tuple(r.shape)}")
+    if not torch.isfinite(r).all():
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    centred = r - r.mean()
+    if not scale:
+        return centred
+    std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
+    return centred / (std + ADVANTAGE_EPS)
+
+
+class Aggregation(ABC):
+    """Turns per-member token counts into per-member weights ``c_i`` of ``Σ_i c_i Σ_t loss_it``."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def weights(self, lengths: Sequence[int], config: LossConfig) -> list[float]: ...
+
+
+class TokenMean(Aggregation):
+    name = "token-mean"
+
+    def weights(self, lengths: Sequence[int], config: LossConfig) -> list[float]:
+        total = sum(lengths)
+        return [1.0 / total if total else 0.0 for _ in lengths]
+
+
+class SeqMean(Aggregation):
+    name = "seq-mean"
+
+    def weights(self, lengths: Sequence[int], config: LossConfig) -> list[float]:
+        return [1.0 / (len(lengths) * n) if n else 0.0 for n in lengths]
+
+
+class DrGRPO(Aggregation):
+    name = "dr-grpo"
+
+    def weights(self, lengths: Sequence[int], config: LossConfig) -> list[float]:
+        norm = config.max_completion_length or max(lengths)
+        return [1.0 / (len(lengths) * norm) if norm else 0.0 for _ in lengths]
+
+
+AGGREGATIONS: dict[str, Aggregation] = {a.name: a for a in (TokenMean(), SeqMean(), DrGRPO())}
+
+
+@dataclass(frozen=True)
+class MemberTerms:
+    """What one member contributes per loss token: its advantage and aggregation weight."""
+
+    advantage: float
+    weight: float
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(logits)[target] per row, in at least fp32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def per_token_loss(
+    logp: Tensor,
+    advantage: float,
+    config: LossConfig,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+) -> Tensor:
+    """The clipped-ratio objective (+ k3 KL) of one member at its loss tokens (unreduced)."""
+    old = logp.detach() if old_logp is None else torch.where(torch.isnan(old_logp), logp.detach(), old_logp)
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1.0 - config.epsilon, 1.0 + config.clip_high)
+    loss = -torch.minimum(ratio * advantage, clipped * advantage)
+    if config.beta > 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs reference log-probs (pass a ref_model)")
+        delta = ref_logp - logp
+        loss = loss + config.beta * (torch.exp(delta) - delta - 1.0)
+    return loss
+
+
+def clip_fraction(logp: Tensor, old_logp: Tensor, config: LossConfig) -> Tensor:
+    ratio = torch.exp(logp.detach() - old_logp)
+    return ((ratio < 1.0 - config.epsilon) | (ratio > 1.0 + config.clip_high)).double().mean()

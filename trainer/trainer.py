@@ -1,0 +1,186 @@
+"""GRPOTrainer: optimizer steps over groups, checkpoints that resume exactly, accelerate for placement.
+
+One step: zero grads → ``backward_group`` for each group (mean over groups) → clip → AdamW step → policy
+version + 1. Checkpoints hold the model, optimizer, RNG states (via ``accelerate.Accelerator.save_state``) and
+the trainer's counters; they are written to a temporary folder and renamed into place, so a kill during a save
+leaves the previous checkpoint intact. Resuming from step k and running to step n gives bit-identical parameters
+to an uninterrupted run to step n (given the same data per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from longstraw_agents.trainer.config import GRPOConfig
+from longstraw_agents.trainer.grpo import BackwardResult, Group, backward_group, make_group
+from torch import Tensor, nn
+
+from longstraw_agents.engine import Engine
+from longstraw_agents.segmenter import Member
+from longstraw_agents.trajectory import Trajectory
+
+TRAINER_STATE = "trainer_state.json"
+
+
+class _Counters:
+    """Step counters registered with accelerate so they travel with the checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.policy_version = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class GRPOTrainer:
+    """GRPO over segment trees with one of the three execution modes."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: GRPOConfig | None = None,
+        *,
+        ref_model: nn.Module | None = None,
+        accelerator: Accelerator | None = None,
+    ):
+        self.config = config or GRPOConfig()
+        seed_everything(self.config.seed)
+        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        optim = self.config.optim
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.counters = _Counters()
+        self.accelerator.register_for_checkpointing(self.counters)
+        self.engine = Engine(self.accelerator.unwrap_model(self.model), chunk_size=self.config.chunk_size)
+        self.ref_engine = Engine(ref_model.eval(), chunk_size=self.config.chunk_size) if ref_model is not None else None
+        if self.config.loss.beta > 0 and self.ref_engine is None:
+            raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
+
+    @property
+    def step_count(self) -> int:
+        return self.counters.step
+
+    @property
+    def policy_version(self) -> int:
+        return self.counters.policy_version
+
+    # --- groups ---------------------------------------------------------------------------------------------
+    def group_from_completions(
+        self,
+        prompt_ids: Tensor | Sequence[int],
+        completions: Sequence[Tensor | Sequence[int]],
+        rewards: Sequence[float],
+        old_logprobs: Sequence[Sequence[float] | None] | None = None,
+    ) -> Group:
+        prompt = torch.as_tensor(prompt_ids).tolist()
+        members = [
+            Member.from_prompt_completion(
+                prompt, torch.as_tensor(c).tolist(), None if old_logprobs is None else old_logprobs[k]
+            )
+            for k, c in enumerate(completions)
+        ]
+        return make_group(members, rewards, self.config.loss)
+
+    def group_from_trajectories(self, trajectories: Sequence[Trajectory], rewards: Sequence[float] | None = None):
+        if rewards is None:
+            rewards = [float(t.reward if t.reward is not None else 0.0) for t in trajectories]
+        return make_group([Member.from_trajectory(t) for t in trajectories], rewards, self.config.loss)
+
+    # --- training -------------------------------------------------------------------------------------------
+    def train_step(self, groups: Sequence[Group]) -> dict[str, Any]:
+        """One optimizer step over ``groups`` (the loss is the mean of the groups' losses)."""
+        if not groups:
+            raise ValueError("train_step needs at least one group")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        results: list[BackwardResult] = [
+            backward_group(
+                self.engine, g, self.config.mode, self.config.loss, self.ref_engine, self.config.track_memory
+            )
+            for g in groups
+        ]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in params:
+            p.grad.div_(len(groups))
+        grad_norm = self._clip(params)
+        self.optimizer.step()
+        self.counters.step += 1
+        self.counters.policy_version += 1
+        return self._metrics(results, grad_norm)
+
+    def _clip(self, params: list[nn.Parameter]) -> float:
+        max_norm = self.config.optim.max_grad_norm
+        if not params:
+            return 0.0
+        if max_norm is None:
+            return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        return float(self.accelerator.clip_grad_norm_(params, max_norm))
+
+    def _metrics(self, results: list[BackwardResult], grad_norm: float) -> dict[str, Any]:
+        rewards = [r for res in results for r in res.rewards]
+        peaks = [res.peak_bytes for res in results if res.peak_bytes is not None]
+        kls = [res.kl for res in results if res.kl is not None]
+        return {
+            "step": self.counters.step,
+            "policy_version": self.counters.policy_version,
+            "loss": float(np.mean([res.loss for res in results])),
+            "reward_mean": float(np.mean(rewards)),
+            "reward_std": float(np.std(rewards)),
+            "grad_norm": grad_norm,
+            "loss_tokens": sum(res.loss_tokens for res in results),
+            "unique_tokens": sum(res.unique_tokens for res in results),
+            "forward_tokens": sum(res.forward_tokens for res in results),
+            "seconds": sum(res.seconds for res in results),
+            "peak_bytes": max(peaks) if peaks else None,
+            "kl": float(np.mean(kls)) if kls else None,
+            "mode": self.config.mode,
+        }
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
+        """Write a checkpoint atomically (temporary folder, then rename)."""
+        final = Path(directory)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.save_state(str(tmp))
+        (tmp / TRAINER_STATE).write_text(
+            json.dumps({**self.counters.state_dict(), "config": self.config.model_dump(mode="json")}, indent=2)
+        )
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        path = Path(directory)
+        if not (path / TRAINER_STATE).exists():
+            raise FileNotFoundError(f"{path} is not a GRPOTrainer checkpoint (no {TRAINER_STATE})")
+        self.accelerator.load_state(str(path))
+
+    @staticmethod
+    def checkpoint_info(directory: str | os.PathLike) -> dict[str, Any]:
+        return json.loads((Path(directory) / TRAINER_STATE).read_text())
