@@ -96,7 +96,8 @@ def attend(
 ) -> Tensor:
     """Causal attention of ``q`` over earlier key/value blocks (all visible) and its own block (causal).
 
-    ``q``: ``[H_kv, groups*n, D]``; each block is ``(k [M, H_kv, D], v [M, H_kv, Dv])``. Returns ``[H_kv, groups*n, Dv]``.
+    ``q``: ``[H_kv, groups*n, D]``; each block is ``(k [M, H_kv, D], v [M, H_kv, Dv])``.
+    Returns ``[H_kv, groups*n, Dv]``.
     """
     n = q.shape[1] // groups
     acc = None
