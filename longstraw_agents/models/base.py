@@ -125,7 +125,7 @@ class FamilyAdapter(ABC):
 
     # --- per family -----------------------------------------------------------------------------------------
     @classmethod
-    def check_config(cls, config: Any) -> None:
+    def check_config(cls, config: Any) -> None:  # noqa: B027 - optional hook; most families accept any config
         """Raise UnsupportedModelError for configurations of the family the adapter does not implement."""
 
     @abstractmethod
