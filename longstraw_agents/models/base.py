@@ -124,8 +124,8 @@ class FamilyAdapter(ABC):
         self.layers: list[DecoderLayer] = self.build_layers()
 
     # --- per family -----------------------------------------------------------------------------------------
-    @classmethod
-    def check_config(cls, config: Any) -> None:  # noqa: B027 - optional hook; most families accept any config
+    @classmethod  # noqa: B027 - an optional hook: most families accept every config
+    def check_config(cls, config: Any) -> None:
         """Raise UnsupportedModelError for configurations of the family the adapter does not implement."""
 
     @abstractmethod
