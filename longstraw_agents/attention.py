@@ -83,7 +83,9 @@ def causal_mask(n_queries: int, n_keys: int, groups: int, device: torch.device) 
     return visible.repeat(groups, 1).unsqueeze(0)
 
 
-def split_keys(length: int, limit: int = MAX_KEYS_PER_PARTIAL) -> list[slice]:
+def split_keys(length: int, limit: int | None = None) -> list[slice]:
+    """Slices of at most ``limit`` (default ``MAX_KEYS_PER_PARTIAL``) keys covering ``length`` keys."""
+    limit = limit or MAX_KEYS_PER_PARTIAL
     return [slice(lo, min(lo + limit, length)) for lo in range(0, length, limit)]
 
 

@@ -19,11 +19,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from longstraw_agents.store import Store, StoreError
 
     try:
-        store = Store.open(args.db, create=False)
+        with Store.open(args.db, create=False) as store:
+            report = store.summary_text(
+                episode=args.episode,
+                group=args.group,
+                transcript=args.transcript,
+                where=args.where,
+                max_text=args.max_text,
+            )
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(store.summary_text(episode=args.episode, group=args.group, transcript=args.transcript))
+    print(report)
     return 0
 
 
@@ -36,9 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="summarise a trajectory store (SQLite)")
     p.add_argument("db", help="path to a store written by longstraw")
-    p.add_argument("--episode", type=int, default=None, help="show one episode's transcript")
-    p.add_argument("--group", default=None, help="show the transcripts of one group")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--episode", type=int, default=None, help="show one episode's transcript")
+    shown.add_argument("--group", default=None, help="show the transcripts of one group")
     p.add_argument("--transcript", action="store_true", help="print transcripts of all shown episodes")
+    p.add_argument(
+        "--where", default=None, help='SQL condition on the episodes table, e.g. "reward > 0 AND policy_version >= 3"'
+    )
+    p.add_argument("--max-text", type=int, default=120, help="cut segment text to this many characters (0: never)")
     p.set_defaults(func=_cmd_inspect)
     return parser
 

@@ -27,24 +27,33 @@ def supported_model_types() -> dict[str, str]:
     return {mt: a.family for a in ADAPTERS for mt in a.model_types}
 
 
+def _supported_text() -> str:
+    return ", ".join(f"{a.family} ({', '.join(a.model_types)})" for a in ADAPTERS)
+
+
 def adapter_class(config: Any) -> type[FamilyAdapter]:
     model_type = getattr(config, "model_type", None)
     for adapter in ADAPTERS:
         if model_type in adapter.model_types:
             return adapter
-    supported = ", ".join(f"{a.family} ({', '.join(a.model_types)})" for a in ADAPTERS)
-    raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported families: {supported}")
+    raise UnsupportedModelError(f"model_type {model_type!r} is not supported; supported families: {_supported_text()}")
 
 
 def adapter_for(model: nn.Module) -> FamilyAdapter:
     """The adapter for a transformers CausalLM of a supported family."""
     config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "model") or not hasattr(model, "lm_head"):
+    if config is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} is not a transformers CausalLM (needs .config, .model and .lm_head); "
-            f"supported model types: {sorted(supported_model_types())}"
+            f"{type(model).__name__} is not a transformers model (no .config); supported families: "
+            f"{_supported_text()}"
         )
-    return adapter_class(config)(model)
+    adapter = adapter_class(config)
+    if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a CausalLM with .model and .lm_head (pass e.g. "
+            f"AutoModelForCausalLM, not the base model); supported families: {_supported_text()}"
+        )
+    return adapter(model)
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ class DSAIndexer:
 
         def scores(keys: Tensor) -> Tensor:  # [n, m] = sum_h w_h relu(q_h . k * scale)
             s = F.relu(torch.einsum("nhd,md->nhm", q, keys.to(dt)) * self.mod.softmax_scale)
-            return torch.einsum("nh,nhm->nm", w, s)
+            # + 0.0 turns -0.0 (negative weight x relu's zero) into +0.0 so exact-zero ties compare equal
+            return torch.einsum("nh,nhm->nm", w, s) + 0.0
 
         running = None
         offset = 0

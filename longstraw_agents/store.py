@@ -1,0 +1,726 @@
+"""The trajectory store: token-exact episodes in one SQLite file, safe for several writer processes.
+
+Layout (plain column types, so ``sqlite-utils rows trajectories.db episodes`` and any SQLite client can read it):
+
+- ``runs``: one row per training or rollout run: ``config`` (JSON), ``model`` and ``tokenizer`` identity, notes.
+- ``episodes``: one row per trajectory: env id, group id, seed, policy version, reward, finish reason, token and
+  segment counts, ``info`` (JSON). Indexed on ``group_id``, ``run_id`` and ``policy_version`` for offline replay.
+- ``segments``: one row per segment, primary key ``(episode_id, idx)``. ``token_ids`` is a little-endian int32
+  blob, ``loss_mask`` a uint8 blob (0/1), ``logprobs`` a little-endian float32 blob (NULL when unknown),
+  ``tool_calls`` JSON. Read a blob back with ``np.frombuffer(blob, "<i4")`` / ``"<f4"``. Nothing is pickled.
+
+The schema version lives in ``PRAGMA user_version`` and the file is marked with ``PRAGMA application_id``; a store
+written by a newer version of this package is refused rather than misread.
+
+Concurrency and durability: the file is in WAL mode, so readers never block writers. Every write runs in one
+``BEGIN IMMEDIATE`` transaction: an episode and all its segments become visible together or not at all, even when
+the writer is killed with SIGKILL, and concurrent writers queue on the busy timeout instead of failing.
+``synchronous=NORMAL`` is the WAL setting SQLite recommends: a committed episode survives a crash of the process;
+only a power loss can drop the last few commits, and it never corrupts the file. A ``Store`` object belongs to
+one thread; open one per process (or thread) that writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import numbers
+import os
+import secrets
+import sqlite3
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlite_utils import Database
+
+from longstraw_agents.trajectory import Segment, Trajectory
+
+SCHEMA_VERSION = 1
+# "LSTR" in the SQLite header: marks the file as a longstraw store for `file(1)` and for `Store.open`.
+APPLICATION_ID = int.from_bytes(b"LSTR", "big")
+# Writers wait this long for the write lock before giving up; a commit takes milliseconds, so only a stuck
+# process holding a transaction open would exhaust it.
+BUSY_TIMEOUT_S = 60.0
+TABLES = ("runs", "episodes", "segments")
+
+_SCHEMA = """
+CREATE TABLE runs (
+    id TEXT PRIMARY KEY,
+    created_at TEXT NOT NULL,
+    config TEXT NOT NULL,
+    model TEXT NOT NULL,
+    tokenizer TEXT NOT NULL,
+    notes TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE episodes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT REFERENCES runs(id),
+    env_id TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    seed INTEGER,
+    policy_version INTEGER NOT NULL,
+    reward REAL,
+    finish_reason TEXT NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    num_segments INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    info TEXT NOT NULL
+);
+CREATE TABLE segments (
+    episode_id INTEGER NOT NULL REFERENCES episodes(id),
+    idx INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    turn INTEGER NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    token_ids BLOB NOT NULL CHECK (length(token_ids) = 4 * num_tokens),
+    loss_mask BLOB NOT NULL CHECK (length(loss_mask) = num_tokens),
+    logprobs BLOB CHECK (logprobs IS NULL OR length(logprobs) = 4 * num_tokens),
+    text TEXT NOT NULL,
+    tool_calls TEXT,
+    PRIMARY KEY (episode_id, idx)
+);
+CREATE INDEX idx_episodes_group_id ON episodes(group_id);
+CREATE INDEX idx_episodes_run_id ON episodes(run_id);
+CREATE INDEX idx_episodes_policy_version ON episodes(policy_version);
+"""
+
+_INT64 = np.iinfo(np.int64)
+
+
+class StoreError(Exception):
+    """The store cannot be opened, read or written as asked; the message says why and names the file."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One row of the ``runs`` table."""
+
+    id: str
+    created_at: str
+    config: dict[str, Any]
+    model: str
+    tokenizer: str
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """A stored trajectory with what the store adds to it: its id, run and creation time."""
+
+    id: int
+    run_id: str | None
+    created_at: str
+    trajectory: Trajectory
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoding: numpy arrays <-> fixed little-endian blobs, metadata <-> strict JSON.
+
+
+def _ids_to_blob(ids: np.ndarray) -> bytes:
+    return np.ascontiguousarray(ids, dtype="<i4").tobytes()
+
+
+def _mask_to_blob(mask: np.ndarray) -> bytes:
+    return np.ascontiguousarray(mask, dtype=np.uint8).tobytes()
+
+
+def _logprobs_to_blob(logprobs: np.ndarray | None) -> bytes | None:
+    return None if logprobs is None else np.ascontiguousarray(logprobs, dtype="<f4").tobytes()
+
+
+def _blob_to_array(blob: bytes, dtype: str, *, what: str) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    if len(blob) % itemsize:
+        raise StoreError(f"{what}: blob of {len(blob)} bytes is not a whole number of {dtype} values")
+    return np.frombuffer(blob, dtype=dtype)
+
+
+def _json_default(value: Any) -> Any:
+    # Environments often leave numpy scalars and arrays in `info`; store them as the plain JSON they stand for.
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _to_json(value: Any, *, what: str) -> str:
+    """Strict JSON (no NaN/Infinity), so SQLite's json functions and other readers accept every stored value."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, default=_json_default)
+    except (TypeError, ValueError) as err:
+        raise StoreError(f"{what} cannot be stored as JSON: {err}") from err
+
+
+def _int64(value: Any, *, what: str, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, numbers.Integral):
+        raise StoreError(f"{what} must be an integer{' or None' if optional else ''}, got {value!r}")
+    value = int(value)
+    if not _INT64.min <= value <= _INT64.max:
+        raise StoreError(f"{what} {value} does not fit SQLite's 64-bit INTEGER")
+    return value
+
+
+def _reward(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        # SQLite turns NaN into NULL, which would silently read back as "no reward".
+        raise StoreError(f"reward must be a finite number or None, got {value!r}")
+    return float(value)
+
+
+def _episode_row(trajectory: Trajectory, run_id: str | None, created_at: str) -> dict[str, Any]:
+    for name in ("env_id", "group_id", "finish_reason"):
+        if not isinstance(getattr(trajectory, name), str):
+            raise StoreError(f"trajectory.{name} must be a str, got {getattr(trajectory, name)!r}")
+    if not isinstance(trajectory.info, Mapping):
+        raise StoreError(f"trajectory.info must be a dict, got {type(trajectory.info).__name__}")
+    return {
+        "run_id": run_id,
+        "env_id": trajectory.env_id,
+        "group_id": trajectory.group_id,
+        "seed": _int64(trajectory.seed, what="seed", optional=True),
+        "policy_version": _int64(trajectory.policy_version, what="policy_version"),
+        "reward": _reward(trajectory.reward),
+        "finish_reason": trajectory.finish_reason,
+        "num_tokens": trajectory.num_tokens,
+        "num_segments": len(trajectory.segments),
+        "created_at": created_at,
+        "info": _to_json(dict(trajectory.info), what="trajectory.info"),
+    }
+
+
+def _segment_row(idx: int, segment: Segment) -> dict[str, Any]:
+    if not isinstance(segment, Segment):
+        raise StoreError(f"segment {idx} is a {type(segment).__name__}, not a Segment")
+    return {
+        "idx": idx,
+        "role": segment.role,
+        "turn": _int64(segment.turn, what=f"segment {idx} turn"),
+        "num_tokens": len(segment),
+        "token_ids": _ids_to_blob(segment.token_ids),
+        "loss_mask": _mask_to_blob(segment.loss_mask),
+        "logprobs": _logprobs_to_blob(segment.logprobs),
+        "text": segment.text,
+        "tool_calls": None if segment.tool_calls is None else _to_json(segment.tool_calls, what=f"segment {idx}"),
+    }
+
+
+@dataclass(frozen=True)
+class _EncodedEpisode:
+    episode: dict[str, Any]
+    segments: list[dict[str, Any]]
+
+
+def _encode(trajectory: Trajectory, run_id: str | None) -> _EncodedEpisode:
+    if not isinstance(trajectory, Trajectory):
+        raise StoreError(f"expected a Trajectory, got {type(trajectory).__name__}")
+    return _EncodedEpisode(
+        episode=_episode_row(trajectory, run_id, _utc_now()),
+        segments=[_segment_row(idx, seg) for idx, seg in enumerate(trajectory.segments)],
+    )
+
+
+def _segment_from_row(episode_id: int, row: Mapping[str, Any]) -> Segment:
+    where = f"episode {episode_id} segment {row['idx']}"
+    logprobs = row["logprobs"]
+    return Segment(
+        role=row["role"],
+        token_ids=_blob_to_array(row["token_ids"], "<i4", what=where).astype(np.int32),
+        loss_mask=_blob_to_array(row["loss_mask"], "u1", what=where).astype(bool),
+        logprobs=None if logprobs is None else _blob_to_array(logprobs, "<f4", what=where).astype(np.float32),
+        turn=row["turn"],
+        text=row["text"],
+        tool_calls=None if row["tool_calls"] is None else json.loads(row["tool_calls"]),
+    )
+
+
+def _record_from_rows(episode: Mapping[str, Any], segment_rows: list[dict[str, Any]]) -> EpisodeRecord:
+    episode_id = episode["id"]
+    if [row["idx"] for row in segment_rows] != list(range(episode["num_segments"])):
+        raise StoreError(
+            f"episode {episode_id} is damaged: expected segments 0..{episode['num_segments'] - 1}, "
+            f"found {[row['idx'] for row in segment_rows]}"
+        )
+    trajectory = Trajectory(
+        segments=[_segment_from_row(episode_id, row) for row in segment_rows],
+        env_id=episode["env_id"],
+        group_id=episode["group_id"],
+        seed=episode["seed"],
+        reward=episode["reward"],
+        finish_reason=episode["finish_reason"],
+        policy_version=episode["policy_version"],
+        info=json.loads(episode["info"]),
+    )
+    if trajectory.num_tokens != episode["num_tokens"]:
+        raise StoreError(
+            f"episode {episode_id} is damaged: {trajectory.num_tokens} tokens in its segments, "
+            f"{episode['num_tokens']} recorded"
+        )
+    return EpisodeRecord(
+        id=episode_id, run_id=episode["run_id"], created_at=episode["created_at"], trajectory=trajectory
+    )
+
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def _new_run_id() -> str:
+    # Sortable by time and readable in a terminal; the random tail keeps simultaneous runs apart.
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+def _where_sql(where: str | None) -> str:
+    # The newlines keep a trailing `-- comment` in the caller's condition from swallowing the closing parenthesis.
+    return "" if where is None else f" WHERE (\n{where}\n)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opening a file.
+
+
+def _connect(path: Path, create: bool) -> sqlite3.Connection:
+    if str(path) == ":memory:":
+        return sqlite3.connect(":memory:", timeout=BUSY_TIMEOUT_S)
+    if not create:
+        if not path.is_file():
+            raise StoreError(f"no store at {path}: the file does not exist")
+        # mode=rw: never create a file as a side effect of reading one.
+        return sqlite3.connect(f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=BUSY_TIMEOUT_S)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)
+
+
+class Store:
+    """A trajectory store in one SQLite file. Open with ``Store.open(path)``; use as a context manager."""
+
+    def __init__(self, db: Database, path: Path) -> None:
+        self._db = db
+        self.path = path
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], create: bool = True) -> Store:
+        """Open the store at ``path``; with ``create`` a missing or empty file becomes a new, empty store.
+
+        Raises ``StoreError`` if the file is missing (and ``create`` is false), is not a SQLite database, is a SQLite
+        database that is not a longstraw store, or was written by a newer schema version.
+        """
+        path = Path(path)
+        try:
+            conn = _connect(path, create)
+        except sqlite3.Error as err:
+            raise StoreError(f"cannot open store {path}: {err}") from err
+        try:
+            store = cls(Database(conn), path)
+            store._prepare(create)
+        except sqlite3.DatabaseError as err:
+            conn.close()
+            if err.sqlite_errorcode == sqlite3.SQLITE_NOTADB:
+                raise StoreError(f"{path} is not a longstraw store: it is not a SQLite database") from err
+            raise StoreError(f"cannot open store {path}: {err}") from err
+        except BaseException:
+            conn.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r})"
+
+    @property
+    def db(self) -> Database:
+        """The underlying ``sqlite_utils.Database``, for ad-hoc queries; write through the Store's methods."""
+        return self._db
+
+    @property
+    def schema_version(self) -> int:
+        return self._pragma("user_version")
+
+    def _pragma(self, name: str) -> Any:
+        return self._db.execute(f"PRAGMA {name}").fetchone()[0]
+
+    def _prepare(self, create: bool) -> None:
+        self._db.execute("PRAGMA foreign_keys = ON")
+        if self._is_empty():
+            if not create:
+                raise StoreError(f"{self.path} is not a longstraw store: it is an empty SQLite database")
+            self._initialise()
+        self._check_is_store()
+        self._enable_wal()
+        self._db.execute("PRAGMA synchronous = NORMAL")
+
+    def _enable_wal(self) -> None:
+        # Switching a file to WAL needs an exclusive lock, and SQLite answers SQLITE_BUSY at once instead of waiting
+        # out the busy timeout; processes that create the same store at the same moment retry here.
+        if str(self.path) == ":memory:":
+            return
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        delay_s = 0.001
+        while True:
+            try:
+                self._db.enable_wal()
+            except sqlite3.OperationalError as err:
+                if err.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                    raise
+            if self._db.journal_mode == "wal":
+                return
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.05)
+
+    def _is_empty(self) -> bool:
+        return self._pragma("application_id") == 0 and self._pragma("user_version") == 0 and not self._db.table_names()
+
+    def _initialise(self) -> None:
+        # WAL must be switched on outside a transaction; the schema is created under the write lock and only if no
+        # other process created it while this one waited (several writers may open a fresh file at once).
+        self._enable_wal()
+        with self._write_transaction("creating the store schema"):
+            if self._is_empty():
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _check_is_store(self) -> None:
+        tables = self._db.table_names()
+        if self._pragma("application_id") != APPLICATION_ID:
+            listed = ", ".join(tables) if tables else "none"
+            raise StoreError(f"{self.path} is not a longstraw store (it is a SQLite database with tables: {listed})")
+        version = self.schema_version
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} has store schema version {version}, newer than this longstraw-agents reads "
+                f"(up to {SCHEMA_VERSION}); upgrade longstraw-agents to open it"
+            )
+        missing = [name for name in TABLES if name not in tables]
+        if missing or version < 1:
+            raise StoreError(f"{self.path} is a damaged longstraw store: missing tables {missing}, version {version}")
+
+    @contextlib.contextmanager
+    def _write_transaction(self, what: str) -> Iterator[None]:
+        """All-or-nothing write; SQLite errors become ``StoreError`` saying that nothing was written."""
+        try:
+            # IMMEDIATE takes the write lock up front: a deferred transaction that reads first and writes later
+            # fails with SQLITE_BUSY at once, without waiting, when another process committed in between.
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.rollback()
+                raise
+        except sqlite3.Error as err:
+            raise StoreError(f"{what} in {self.path} failed, nothing was written: {err}") from err
+
+    # -- writing ----------------------------------------------------------------------------------------------
+
+    def add_run(
+        self, run_id: str | None = None, *, config: Mapping[str, Any], model: str, tokenizer: str, notes: str = ""
+    ) -> str:
+        """Record a run (its config, model and tokenizer identity) and return its id (generated when None)."""
+        run_id = _new_run_id() if run_id is None else run_id
+        if not isinstance(run_id, str) or not run_id:
+            raise StoreError(f"run id must be a non-empty str, got {run_id!r}")
+        if not isinstance(config, Mapping):
+            raise StoreError(f"run config must be a dict, got {type(config).__name__}")
+        row = {
+            "id": run_id,
+            "created_at": _utc_now(),
+            "config": _to_json(dict(config), what=f"run {run_id!r} config"),
+            "model": str(model),
+            "tokenizer": str(tokenizer),
+            "notes": str(notes),
+        }
+        with self._write_transaction(f"adding run {run_id!r}"):
+            if self._run_exists(run_id):
+                raise StoreError(f"run {run_id!r} already exists in {self.path}")
+            self._db["runs"].insert(row)
+        return run_id
+
+    def add_episode(self, trajectory: Trajectory, run_id: str | None = None) -> int:
+        """Write one trajectory (episode row and all its segments, in one transaction); return its episode id."""
+        return self.add_episodes([trajectory], run_id=run_id)[0]
+
+    def add_episodes(self, trajectories: Iterable[Trajectory], run_id: str | None = None) -> list[int]:
+        """Write several trajectories in one transaction: all of them are stored, or (on error) none."""
+        # Encode before taking the write lock: bad input fails here with nothing written, and other writers wait
+        # only for the inserts.
+        encoded = [_encode(trajectory, run_id) for trajectory in trajectories]
+        with self._write_transaction("writing episodes"):
+            if run_id is not None and not self._run_exists(run_id):
+                raise StoreError(f"unknown run {run_id!r} in {self.path}; record it with add_run() first")
+            return [self._insert(episode) for episode in encoded]
+
+    def _insert(self, encoded: _EncodedEpisode) -> int:
+        episode_id = self._db["episodes"].insert(encoded.episode).last_rowid
+        assert episode_id is not None
+        self._db["segments"].insert_all({"episode_id": episode_id, **row} for row in encoded.segments)
+        return episode_id
+
+    def _run_exists(self, run_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM runs WHERE id = ?", [run_id]).fetchone() is not None
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def _select(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[dict[str, Any]]:
+        try:
+            return list(self._db.query(sql, params))
+        except sqlite3.Error as err:
+            raise StoreError(f"query on {self.path} failed: {err}\n  SQL: {sql}") from err
+
+    def get_episode(self, episode_id: int) -> Trajectory:
+        """The stored trajectory, token-exact (ids, masks, logprobs, text, tool calls and all metadata)."""
+        return self.get_record(episode_id).trajectory
+
+    def get_record(self, episode_id: int) -> EpisodeRecord:
+        rows = self._select("SELECT * FROM episodes WHERE id = ?", [episode_id])
+        if not rows:
+            raise StoreError(f"no episode {episode_id} in {self.path}")
+        return self._load(rows[0])
+
+    def _load(self, episode: Mapping[str, Any]) -> EpisodeRecord:
+        segments = self._select("SELECT * FROM segments WHERE episode_id = ? ORDER BY idx", [episode["id"]])
+        return _record_from_rows(episode, segments)
+
+    def records(
+        self,
+        where: str | None = None,
+        params: Sequence[Any] | Mapping[str, Any] = (),
+        order_by: str = "id",
+        limit: int | None = None,
+    ) -> Iterator[EpisodeRecord]:
+        """Stored episodes whose ``episodes`` row matches the SQL condition ``where`` (all when None).
+
+        The condition is checked now (bad SQL raises ``StoreError`` with SQLite's message); segments are loaded
+        lazily, one episode at a time, so a long replay never holds the whole store in memory.
+        """
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise StoreError(f"limit must be a non-negative int or None, got {limit!r}")
+        limit_sql = "" if limit is None else f" LIMIT {limit}"
+        sql = f"SELECT * FROM episodes{_where_sql(where)} ORDER BY {order_by}{limit_sql}"
+        return (self._load(row) for row in self._select(sql, params))
+
+    def episodes(
+        self,
+        where: str | None = None,
+        params: Sequence[Any] | Mapping[str, Any] = (),
+        order_by: str = "id",
+        limit: int | None = None,
+    ) -> Iterator[Trajectory]:
+        """Trajectories matching ``where``, e.g. ``store.episodes("reward > 0 AND policy_version >= ?", [3])``."""
+        return (record.trajectory for record in self.records(where, params, order_by=order_by, limit=limit))
+
+    def episode_ids(self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[int]:
+        return [row["id"] for row in self._select(f"SELECT id FROM episodes{_where_sql(where)} ORDER BY id", params)]
+
+    def count(self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()) -> int:
+        return self._select(f"SELECT COUNT(*) AS n FROM episodes{_where_sql(where)}", params)[0]["n"]
+
+    def groups(
+        self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()
+    ) -> dict[str, list[Trajectory]]:
+        """Episodes matching ``where`` grouped by ``group_id`` (groups in order of first episode, members by id).
+
+        ``where`` selects episodes, not groups; to keep whole groups select them with a subquery, e.g.
+        ``"group_id IN (SELECT group_id FROM episodes WHERE policy_version >= 3)"``.
+        """
+        grouped: dict[str, list[Trajectory]] = {}
+        for trajectory in self.episodes(where, params):
+            grouped.setdefault(trajectory.group_id, []).append(trajectory)
+        return grouped
+
+    def runs(self) -> list[RunRecord]:
+        return [
+            RunRecord(**{**row, "config": json.loads(row["config"])})
+            for row in self._select("SELECT * FROM runs ORDER BY created_at, id")
+        ]
+
+    # -- people -----------------------------------------------------------------------------------------------
+
+    def summary_text(
+        self,
+        episode: int | None = None,
+        group: str | None = None,
+        transcript: bool = False,
+        where: str | None = None,
+        params: Sequence[Any] = (),
+        max_text: int = 120,
+    ) -> str:
+        """A readable report: the overview of the episodes matching ``where`` (all by default), then transcripts.
+
+        ``episode`` or ``group`` shows that episode's (or each group member's) transcript; ``transcript`` adds the
+        transcripts of every matching episode to the overview. Segment text is cut to ``max_text`` characters
+        (0: never cut).
+        """
+        if episode is not None and group is not None:
+            raise StoreError("summary_text takes an episode or a group, not both")
+        if episode is not None:
+            return _format_transcript(self.get_record(episode), max_text)
+        if group is not None:
+            return self._group_text(group, max_text)
+        sections = [self._overview_text(where, params)]
+        if transcript:
+            sections.extend(_format_transcript(record, max_text) for record in self.records(where, params))
+        return "\n\n".join(sections)
+
+    def _group_text(self, group: str, max_text: int) -> str:
+        records = list(self.records("group_id = ?", [group]))
+        if not records:
+            raise StoreError(f"no group {group!r} in {self.path}")
+        rewards = [r.trajectory.reward for r in records if r.trajectory.reward is not None]
+        header = f"group {group}: {len(records)} episodes, reward {_stats(rewards)}"
+        return "\n\n".join([header, *(_format_transcript(record, max_text) for record in records)])
+
+    def _overview_text(self, where: str | None, params: Sequence[Any]) -> str:
+        filter_sql = _where_sql(where)
+        totals = self._select(
+            "SELECT COUNT(*) AS episodes, COUNT(DISTINCT group_id) AS groups, COALESCE(SUM(num_tokens), 0) AS tokens,"
+            f" MIN(policy_version) AS v_min, MAX(policy_version) AS v_max FROM episodes{filter_sql}",
+            params,
+        )[0]
+        scope = "" if where is None else f"  (where {where})"
+        counts = f"episodes {totals['episodes']:,}  groups {totals['groups']:,}  tokens {totals['tokens']:,}"
+        if totals["episodes"]:
+            counts += f"  policy versions {totals['v_min']}..{totals['v_max']}"
+        runs = self.runs()
+        lines = [f"store {self.path} (schema v{self.schema_version})", f"runs {len(runs)}", counts + scope]
+        if not totals["episodes"]:
+            return "\n".join(lines)
+        lines.extend(["", *self._env_table(filter_sql, params), "", self._finish_reasons_line(filter_sql, params)])
+        if runs:
+            lines.extend(["", *self._runs_table(runs)])
+        return "\n".join(lines)
+
+    def _env_table(self, filter_sql: str, params: Sequence[Any]) -> list[str]:
+        rows = self._select(
+            "SELECT env_id, COUNT(*) AS episodes, COUNT(DISTINCT group_id) AS groups, SUM(num_tokens) AS tokens,"
+            " AVG(reward) AS mean, MIN(reward) AS min, MAX(reward) AS max"
+            f" FROM episodes{filter_sql} GROUP BY env_id ORDER BY env_id",
+            params,
+        )
+        return _table(
+            ["env", "episodes", "groups", "tokens", "reward mean", "min", "max"],
+            [
+                [row["env_id"] or "(none)", f"{row['episodes']:,}", f"{row['groups']:,}", f"{row['tokens']:,}"]
+                + [_num(row[stat]) for stat in ("mean", "min", "max")]
+                for row in rows
+            ],
+            align="lrrrrr",
+        )
+
+    def _finish_reasons_line(self, filter_sql: str, params: Sequence[Any]) -> str:
+        rows = self._select(
+            f"SELECT finish_reason, COUNT(*) AS n FROM episodes{filter_sql} GROUP BY finish_reason"
+            " ORDER BY n DESC, finish_reason",
+            params,
+        )
+        return "finish reasons  " + ", ".join(f"{row['finish_reason']} {row['n']:,}" for row in rows)
+
+    def _runs_table(self, runs: list[RunRecord]) -> list[str]:
+        per_run = Counter(
+            {
+                row["run_id"]: row["n"]
+                for row in self._select("SELECT run_id, COUNT(*) AS n FROM episodes GROUP BY run_id")
+            }
+        )
+        lines = ["runs"]
+        for run in runs:
+            lines.append(
+                f"  {run.id}  model {run.model}  tokenizer {run.tokenizer}  episodes {per_run[run.id]:,}"
+                f"  created {run.created_at}" + (f"  notes: {run.notes}" if run.notes else "")
+            )
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text for people.
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _stats(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"mean {_num(sum(values) / len(values))} min {_num(min(values))} max {_num(max(values))}"
+
+
+def _preview(text: str, max_chars: int, *, quote: bool = True) -> str:
+    """Text on one line (quoted, escapes visible); long text keeps its head and tail and says how much was cut."""
+    show = (lambda part: json.dumps(part, ensure_ascii=False)) if quote else (lambda part: part.replace("\n", " "))
+    if not max_chars or len(text) <= max_chars:
+        return show(text)
+    head = text[: max_chars * 2 // 3]
+    tail = text[len(text) - (max_chars - len(head)) :]
+    return f"{show(head)} … {show(tail)} ({len(text):,} chars)"
+
+
+def _format_transcript(record: EpisodeRecord, max_text: int) -> str:
+    t = record.trajectory
+    header = (
+        f"episode {record.id}  env {t.env_id or '(none)'}  group {t.group_id or '(none)'}  seed {t.seed}"
+        f"  policy v{t.policy_version}  reward {_num(t.reward)}  {t.finish_reason}"
+        f"  {t.num_tokens:,} tokens in {len(t.segments)} segments  run {record.run_id or '-'}"
+    )
+    lines = [header]
+    if t.info:
+        lines.append(f"  info {_preview(_to_json(t.info, what='info'), max_text, quote=False)}")
+    rows = []
+    for idx, seg in enumerate(t.segments):
+        cells = [str(idx), seg.role, str(seg.turn), f"{len(seg):,}", _loss_fraction(seg), _mean_logprob(seg)]
+        rows.append([*cells, _preview(seg.text, max_text)])
+        if seg.tool_calls is not None:
+            calls = _preview(_to_json(seg.tool_calls, what="tool_calls"), max_text, quote=False)
+            rows.append([""] * len(cells) + [f"tool_calls {calls}"])
+    lines.extend(_table(["#", "role", "turn", "tokens", "loss", "logp", "text"], rows, align="rlrrrr", indent="  "))
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]], align: str, indent: str = "") -> list[str]:
+    """Columns two spaces apart, aligned per ``align`` ("l"/"r", one per column but the last, which is unpadded)."""
+    widths = [max(len(cells[i]) for cells in [header, *rows]) for i in range(len(align))]
+
+    def line(cells: list[str]) -> str:
+        padded = [
+            cell.ljust(width) if how == "l" else cell.rjust(width)
+            for cell, width, how in zip(cells, widths, align, strict=False)
+        ]
+        return (indent + "  ".join([*padded, cells[-1]])).rstrip()
+
+    return [line(header), *(line(cells) for cells in rows)]
+
+
+def _loss_fraction(segment: Segment) -> str:
+    return "-" if not len(segment) else f"{segment.loss_mask.mean():.0%}"
+
+
+def _mean_logprob(segment: Segment) -> str:
+    """Mean behaviour logprob over the tokens where it is known."""
+    if segment.logprobs is None:
+        return "-"
+    known = segment.logprobs[~np.isnan(segment.logprobs)]
+    return f"{known.mean():.3f}" if known.size else "nan"

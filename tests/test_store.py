@@ -1,0 +1,599 @@
+"""The SQLite trajectory store: token-exact round trips, the on-disk format, bad input, crashes and concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sqlite3
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from sqlite_utils.cli import cli as sqlite_utils_cli
+
+from longstraw_agents.store import APPLICATION_ID, SCHEMA_VERSION, Store, StoreError
+from longstraw_agents.trajectory import ROLES, Segment, Trajectory
+
+LARGEST_ID = 2**31 - 1
+TEXTS = ("", "plain words", "héllo wörld ✓ 🦙", "line\nbreak\ttab", "nul\x00byte", "中文字符 and émoji 🎉")
+FINISH_REASONS = ("answered", "max_turns", "max_tokens", "error")
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def make_segment(rng: np.random.Generator, idx: int, max_tokens: int) -> Segment:
+    length = 0 if rng.random() < 0.15 else int(rng.integers(1, max_tokens + 1))
+    ids = rng.integers(0, 2**31, size=length)
+    if length:
+        ids[0], ids[-1] = LARGEST_ID, 0
+    logprobs = None
+    if rng.random() < 0.6:
+        logprobs = -rng.exponential(size=length).astype(np.float32)
+        logprobs[rng.random(length) < 0.2] = np.nan
+        logprobs[rng.random(length) < 0.05] = -np.inf
+    tool_calls = [None, [], [{"name": "calculator", "arguments": {"expression": f"{idx} * 7"}, "id": f"c{idx}"}]]
+    return Segment(
+        role=ROLES[int(rng.integers(len(ROLES)))],
+        token_ids=ids,
+        loss_mask=(rng.random(length) < 0.5) if rng.random() < 0.5 else None,
+        logprobs=logprobs,
+        turn=idx // 2,
+        text=TEXTS[int(rng.integers(len(TEXTS)))] + f" #{idx}",
+        tool_calls=tool_calls[int(rng.integers(3))],
+    )
+
+
+def make_trajectory(n: int, *, num_segments: int | None = None, max_tokens: int = 64) -> Trajectory:
+    """A trajectory determined by ``n`` alone, so another process can rebuild exactly what it should have stored."""
+    rng = np.random.default_rng(n)
+    count = int(rng.integers(1, 9)) if num_segments is None else num_segments
+    return Trajectory(
+        segments=[make_segment(rng, idx, max_tokens) for idx in range(count)],
+        env_id=f"LongStraw/Env{n % 3}-v0",
+        group_id=f"group-{n // 4}",
+        seed=None if n % 5 == 0 else n * 1_000_003,
+        reward=None if n % 7 == 0 else float(rng.normal()),
+        finish_reason=FINISH_REASONS[n % len(FINISH_REASONS)],
+        policy_version=n % 5,
+        info={"n": n, "nested": {"values": [1, 2.5, None, True, "ü"]}, "empty": {}},
+    )
+
+
+def edge_case_trajectory() -> Trajectory:
+    return Trajectory(
+        segments=[
+            Segment("system", np.array([0, 1, LARGEST_ID], dtype=np.int64), text="sÿstem 🦙"),
+            Segment("user", [], text=""),
+            Segment("assistant", [LARGEST_ID, 5], logprobs=[np.nan, -np.inf], loss_mask=[True, False], turn=3),
+            Segment("tool", [7], tool_calls=[]),
+            Segment("assistant", [], logprobs=[], tool_calls=[{"name": "x", "arguments": {}}]),
+        ],
+        env_id="LongStraw/Edge-v0",
+        group_id="edge",
+        seed=2**63 - 1,
+        reward=1.0,
+        finish_reason="context_limit",
+        policy_version=2**40,
+        info={"unicode": "ümlaut ✓", "list": [1, [2, [3]]], "float": 0.1},
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store.open(tmp_path / "trajectories.db") as opened:
+        yield opened
+
+
+def raw_query(path: Path, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """Run ``sql`` with plain sqlite3, bypassing the store, as any other reader of the file would."""
+    with closing(sqlite3.connect(path)) as conn, conn:  # the inner `with conn` commits
+        return conn.execute(sql, params).fetchall()
+
+
+# -- round trip and format -----------------------------------------------------------------------------------------
+
+
+def test_round_trip_is_token_exact(store: Store) -> None:
+    originals = [make_trajectory(n) for n in range(40)] + [edge_case_trajectory(), Trajectory()]
+    ids = [store.add_episode(t) for t in originals]
+    assert ids == sorted(set(ids))
+    for episode_id, original in zip(ids, originals, strict=True):
+        loaded = store.get_episode(episode_id)
+        assert loaded == original
+        for seg_loaded, seg_original in zip(loaded.segments, original.segments, strict=True):
+            assert seg_loaded.token_ids.dtype == np.int32 and seg_loaded.loss_mask.dtype == bool
+            assert (seg_loaded.logprobs is None) == (seg_original.logprobs is None)
+            if seg_loaded.logprobs is not None:
+                assert seg_loaded.logprobs.dtype == np.float32
+                assert seg_loaded.logprobs.tobytes() == seg_original.logprobs.tobytes()  # bit-exact, NaNs too
+    edge = store.get_episode(ids[-2])
+    assert edge.segments[0].token_ids.tolist() == [0, 1, LARGEST_ID]
+    assert type(edge.reward) is float and edge.seed == 2**63 - 1
+
+
+def test_numpy_values_in_info_are_stored_as_plain_json(store: Store) -> None:
+    trajectory = make_trajectory(1)
+    trajectory.info = {"count": np.int64(3), "score": np.float32(0.5), "ok": np.bool_(True), "ids": np.arange(3)}
+    loaded = store.get_episode(store.add_episode(trajectory))
+    assert loaded.info == {"count": 3, "score": 0.5, "ok": True, "ids": [0, 1, 2]}
+    assert type(loaded.info["count"]) is int
+
+
+def test_blobs_are_little_endian_int32_uint8_float32(store: Store) -> None:
+    trajectory = edge_case_trajectory()
+    episode_id = store.add_episode(trajectory)
+    rows = raw_query(
+        store.path,
+        "SELECT token_ids, loss_mask, logprobs, typeof(token_ids), num_tokens FROM segments"
+        " WHERE episode_id = ? ORDER BY idx",
+        [episode_id],
+    )
+    for (ids_blob, mask_blob, logprobs_blob, blob_type, num_tokens), segment in zip(
+        rows, trajectory.segments, strict=True
+    ):
+        assert blob_type == "blob" and num_tokens == len(segment)
+        assert len(ids_blob) == 4 * len(segment) and len(mask_blob) == len(segment)
+        np.testing.assert_array_equal(np.frombuffer(ids_blob, dtype="<i4"), segment.token_ids)
+        np.testing.assert_array_equal(np.frombuffer(mask_blob, dtype=np.uint8), segment.loss_mask.astype(np.uint8))
+        if segment.logprobs is None:
+            assert logprobs_blob is None
+        else:
+            np.testing.assert_array_equal(np.frombuffer(logprobs_blob, dtype="<f4"), segment.logprobs)
+    [(first,)] = raw_query(store.path, "SELECT hex(token_ids) FROM segments WHERE idx = 0")
+    assert first == "00000000" + "01000000" + "FFFFFF7F"  # 0, 1, 2**31 - 1, least significant byte first
+
+
+def test_wal_mode_schema_version_and_integrity(store: Store) -> None:
+    store.add_episodes([make_trajectory(n) for n in range(5)])
+    assert raw_query(store.path, "PRAGMA journal_mode") == [("wal",)]
+    assert raw_query(store.path, "PRAGMA integrity_check") == [("ok",)]
+    assert raw_query(store.path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] and store.schema_version == 1
+    assert raw_query(store.path, "PRAGMA application_id") == [(APPLICATION_ID,)]
+    indexed = raw_query(
+        store.path,
+        "SELECT info.name FROM pragma_index_list('episodes') AS idx, pragma_index_info(idx.name) AS info",
+    )
+    assert sorted(indexed) == [("group_id",), ("policy_version",), ("run_id",)]
+
+
+def test_store_is_readable_with_the_sqlite_utils_cli(store: Store) -> None:
+    run_id = store.add_run("cli-run", config={"lr": 1e-5}, model="tiny-dense", tokenizer="longstraw-bpe")
+    store.add_episodes([make_trajectory(n) for n in range(3)], run_id=run_id)
+    runner = CliRunner()
+    result = runner.invoke(sqlite_utils_cli, ["rows", str(store.path), "episodes", "-c", "env_id", "-c", "run_id"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == [{"env_id": make_trajectory(n).env_id, "run_id": run_id} for n in range(3)]
+    result = runner.invoke(sqlite_utils_cli, ["tables", str(store.path), "--counts"])
+    counts = {row["table"]: row["count"] for row in json.loads(result.output)}
+    assert counts["runs"] == 1 and counts["episodes"] == 3
+    assert counts["segments"] == sum(len(make_trajectory(n)) for n in range(3))
+
+
+# -- transactions and bad input ------------------------------------------------------------------------------------
+
+
+def test_add_episodes_writes_all_or_nothing(store: Store) -> None:
+    bad = make_trajectory(2)
+    bad.info["callback"] = object()
+    with pytest.raises(StoreError, match="info cannot be stored as JSON"):
+        store.add_episodes([make_trajectory(0), make_trajectory(1), bad])
+    assert store.count() == 0
+    assert store.add_episodes([make_trajectory(0), make_trajectory(1)]) == [1, 2]
+
+
+def test_failure_in_the_middle_of_an_episode_leaves_nothing_behind(store: Store) -> None:
+    store.db.execute(
+        "CREATE TRIGGER fail_third_segment BEFORE INSERT ON segments WHEN NEW.idx = 2"
+        " BEGIN SELECT RAISE(ABORT, 'disk on fire'); END"
+    )
+    store.add_episode(make_trajectory(1, num_segments=2))
+    with pytest.raises(StoreError, match="nothing was written: disk on fire"):
+        store.add_episodes([make_trajectory(2, num_segments=2), make_trajectory(3, num_segments=5)])
+    assert store.count() == 1
+    assert raw_query(store.path, "SELECT COUNT(*) FROM segments") == [(2,)]
+    store.db.execute("DROP TRIGGER fail_third_segment")
+    episode_id = store.add_episode(make_trajectory(3, num_segments=5))
+    assert store.get_episode(episode_id) == make_trajectory(3, num_segments=5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"reward": float("nan")}, "reward must be a finite number"),
+        ({"reward": "1.0"}, "reward must be a finite number"),
+        ({"seed": 2**64}, "does not fit SQLite's 64-bit INTEGER"),
+        ({"seed": 1.5}, "seed must be an integer or None"),
+        ({"policy_version": None}, "policy_version must be an integer"),
+        ({"group_id": 3}, "group_id must be a str"),
+        ({"info": ["not", "a", "dict"]}, "info must be a dict"),
+        ({"info": {"score": float("nan")}}, "Out of range float values"),
+        ({"segments": [Segment("user", [1]), "not a segment"]}, "segment 1 is a str"),
+    ],
+)
+def test_invalid_metadata_is_refused_before_writing(store: Store, change: dict[str, Any], message: str) -> None:
+    trajectory = make_trajectory(3)
+    for name, value in change.items():
+        setattr(trajectory, name, value)
+    with pytest.raises(StoreError, match=message):
+        store.add_episode(trajectory)
+    assert store.count() == 0
+
+
+def test_add_episode_needs_a_trajectory(store: Store) -> None:
+    with pytest.raises(StoreError, match="expected a Trajectory, got dict"):
+        store.add_episode({"segments": []})  # type: ignore[arg-type]
+
+
+def test_runs_round_trip_and_episode_provenance(store: Store) -> None:
+    config = {"lr": 1e-5, "group_size": 8, "mode": "exact", "nested": {"betas": [0.9, 0.95]}}
+    named = store.add_run("grpo-1", config=config, model="Qwen/tiny", tokenizer="longstraw-bpe", notes="first")
+    generated = store.add_run(config={}, model="m", tokenizer="t")
+    assert named == "grpo-1" and generated != named
+    runs = {run.id: run for run in store.runs()}
+    assert runs["grpo-1"].config == config and runs["grpo-1"].model == "Qwen/tiny"
+    assert runs["grpo-1"].tokenizer == "longstraw-bpe" and runs["grpo-1"].notes == "first"
+    with pytest.raises(StoreError, match="run 'grpo-1' already exists"):
+        store.add_run("grpo-1", config={}, model="m", tokenizer="t")
+    with pytest.raises(StoreError, match="unknown run 'nope'"):
+        store.add_episode(make_trajectory(0), run_id="nope")
+    episode_id = store.add_episode(make_trajectory(0), run_id="grpo-1")
+    record = store.get_record(episode_id)
+    assert record.run_id == "grpo-1" and record.trajectory == make_trajectory(0)
+    assert store.get_record(store.add_episode(make_trajectory(1))).run_id is None
+
+
+# -- selecting episodes --------------------------------------------------------------------------------------------
+
+
+def test_episodes_where_order_and_limit(store: Store) -> None:
+    originals = [make_trajectory(n) for n in range(30)]
+    store.add_episodes(originals)
+    wanted = [t for t in originals if t.reward is not None and t.reward > 0 and t.policy_version >= 3]
+    assert wanted and list(store.episodes("reward > 0 AND policy_version >= ?", [3])) == wanted
+    assert store.count("reward > 0 AND policy_version >= :v", {"v": 3}) == len(wanted)
+    assert store.episode_ids("policy_version = 4") == [n + 1 for n in range(30) if n % 5 == 4]
+    best = sorted((t for t in originals if t.reward is not None), key=lambda t: -t.reward)[:3]
+    assert list(store.episodes(order_by="reward DESC", limit=3)) == best
+    assert [r.id for r in store.records("env_id = ?", ["LongStraw/Env1-v0"], limit=2)] == [2, 5]
+    assert store.count() == 30 and list(store.episodes("0")) == []
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("rewrd > 0", "no such column: rewrd"),
+        ("reward >", "syntax error"),
+        ("1); DROP TABLE runs; --", "one statement at a time"),
+    ],
+)
+def test_bad_sql_raises_store_error_with_sqlites_message(store: Store, where: str, message: str) -> None:
+    store.add_episode(make_trajectory(0))
+    with pytest.raises(StoreError, match=message):
+        store.episodes(where)
+    with pytest.raises(StoreError, match=message):
+        store.count(where)
+    assert store.count() == 1 and "runs" in store.db.table_names()
+
+
+def test_groups_rebuild_grpo_groups(store: Store) -> None:
+    originals = [make_trajectory(n) for n in range(10)]
+    store.add_episodes(originals)
+    groups = store.groups()
+    assert list(groups) == ["group-0", "group-1", "group-2"]
+    for group_id, members in groups.items():
+        assert members == [t for t in originals if t.group_id == group_id]
+    assert store.groups("policy_version = 0") == {"group-0": [originals[0]], "group-1": [originals[5]]}
+
+
+def test_get_missing_episode(store: Store) -> None:
+    with pytest.raises(StoreError, match=r"no episode 99 in .*trajectories\.db"):
+        store.get_episode(99)
+
+
+# -- opening files -------------------------------------------------------------------------------------------------
+
+
+def test_reopen_keeps_everything(tmp_path: Path) -> None:
+    path = tmp_path / "nested" / "dirs" / "store.db"
+    with Store.open(path) as store:
+        store.add_episodes([make_trajectory(n) for n in range(4)])
+    with Store.open(path, create=False) as store:
+        assert list(store.episodes()) == [make_trajectory(n) for n in range(4)]
+
+
+def test_missing_file_without_create_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "absent.db"
+    with pytest.raises(StoreError, match=f"no store at {path}"):
+        Store.open(path, create=False)
+    assert not path.exists()
+
+
+def test_file_that_is_not_sqlite(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("these are not the bytes you are looking for\n" * 100)
+    for create in (False, True):
+        with pytest.raises(StoreError, match=f"{path} is not a longstraw store: it is not a SQLite database"):
+            Store.open(path, create=create)
+    assert path.read_text().startswith("these are not")
+
+
+def test_sqlite_file_without_the_tables(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+    raw_query(empty, "PRAGMA user_version")  # creates a valid, empty SQLite file
+    with pytest.raises(StoreError, match="is not a longstraw store: it is an empty SQLite database"):
+        Store.open(empty, create=False)
+
+    foreign = tmp_path / "foreign.db"
+    raw_query(foreign, "CREATE TABLE people (name TEXT)")
+    for create in (False, True):
+        with pytest.raises(StoreError, match=r"is not a longstraw store \(it is a SQLite database with tables: people"):
+            Store.open(foreign, create=create)
+    assert raw_query(foreign, "SELECT name FROM sqlite_master") == [("people",)]  # left untouched
+
+
+def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "future.db"
+    Store.open(path).close()
+    raw_query(path, f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}, newer than .* upgrade"):
+        Store.open(path, create=False)
+
+
+# -- crashes and concurrent writers --------------------------------------------------------------------------------
+
+STALL_AFTER_SEGMENTS = 5
+
+
+def _writer_main(spec: dict[str, Any]) -> None:
+    """Child process: write episodes ``first, first + 1, ...``; print their ids (see the ``start_writer`` fixture)."""
+    if spec.get("wait_for_go"):  # lets the parent release several writers at the same moment
+        print("ready", flush=True)
+        assert sys.stdin.readline().strip() == "go"
+    with Store.open(spec["db"]) as store:
+        if spec.get("run_id"):
+            store.add_run(spec["run_id"], config=spec, model="test-model", tokenizer="test-tokenizer")
+        if spec.get("stall_at") is not None:
+            _stall_inside_episode(store, spec["stall_at"])
+        ids = []
+        count = spec.get("count")
+        n = spec["first"]
+        while count is None or n < spec["first"] + count:
+            trajectory = make_trajectory(n, num_segments=spec.get("num_segments"), max_tokens=spec["max_tokens"])
+            ids.append(store.add_episode(trajectory, run_id=spec.get("run_id")))
+            print(f"committed {n}", flush=True)
+            n += 1
+        print(json.dumps(ids), flush=True)
+
+
+def _stall_inside_episode(store: Store, n: int) -> None:
+    """Make the writer hang halfway through episode ``n``: its row and some segments written, not committed."""
+
+    def stall() -> None:
+        print("stalled", flush=True)
+        time.sleep(600)
+
+    store.db.conn.create_function("stall", 0, stall)
+    # A tiny page cache makes SQLite spill the open transaction's pages into the WAL before the kill, so reopening
+    # has to skip frames that were written but never committed.
+    store.db.execute("PRAGMA cache_size = 8")
+    store.db.execute(
+        "CREATE TEMP TRIGGER stall_in_episode AFTER INSERT ON segments"
+        f" WHEN NEW.idx = {STALL_AFTER_SEGMENTS}"
+        f" AND (SELECT json_extract(info, '$.n') FROM episodes WHERE id = NEW.episode_id) = {int(n)}"
+        " BEGIN SELECT stall(); END"
+    )
+
+
+StartWriter = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+def start_writer() -> Iterator[StartWriter]:
+    """Run ``_writer_main(spec)`` in fresh interpreters; any writer still alive at teardown is killed."""
+    started: list[subprocess.Popen[bytes]] = []
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(TESTS_DIR)!r}); import test_store; "
+        "test_store._writer_main(json.loads(sys.argv[1]))"
+    )
+
+    def start(**spec: Any) -> subprocess.Popen[bytes]:
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        started.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], **pipes))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], wanted: str, timeout: float = 60.0) -> None:
+    """Block until the writer prints the line ``wanted``; fail (not hang) if it exits or takes too long."""
+    assert proc.stdout is not None
+    fd, seen = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while wanted.encode() not in seen.split(b"\n"):
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"writer did not print {wanted!r} within {timeout}s"
+        if select.select([fd], [], [], remaining)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise AssertionError(f"writer exited ({proc.wait()}) before {wanted!r}: {proc.stderr.read().decode()}")
+            seen += chunk
+
+
+def kill_9(proc: subprocess.Popen[bytes]) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def uncommitted_wal_frames(path: Path) -> int:
+    """Frames at the end of the WAL after its last commit frame: pages of a transaction that never committed."""
+    wal = Path(f"{path}-wal").read_bytes()
+    page_size = struct.unpack(">I", wal[8:12])[0]
+    salts = wal[16:24]
+    commits = []
+    for offset in range(32, len(wal) - page_size - 23, 24 + page_size):
+        if wal[offset + 8 : offset + 16] != salts:  # left over from before a checkpoint: not part of this log
+            break
+        commits.append(struct.unpack(">I", wal[offset + 4 : offset + 8])[0] != 0)
+    return len(commits) - 1 - max(i for i, is_commit in enumerate(commits) if is_commit)
+
+
+def assert_store_intact(path: Path, numbers: list[int], **size: Any) -> None:
+    """Exactly the episodes ``numbers`` are stored, each complete and token-exact; no orphan rows; file is sound."""
+    with Store.open(path, create=False) as store:
+        records = list(store.records())  # raises if an episode's segments are incomplete
+        assert [record.trajectory.info["n"] for record in records] == numbers
+        for record in records:
+            assert record.trajectory == make_trajectory(record.trajectory.info["n"], **size)
+        orphans = store.db.execute("SELECT COUNT(*) FROM segments WHERE episode_id NOT IN (SELECT id FROM episodes)")
+        assert orphans.fetchone()[0] == 0
+        assert store.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_writer_killed_inside_a_transaction_loses_only_that_episode(tmp_path: Path, start_writer: StartWriter) -> None:
+    path = tmp_path / "killed.db"
+    size = {"num_segments": 12, "max_tokens": 4000}
+    writer = start_writer(db=str(path), first=0, stall_at=3, **size)
+    wait_for_line(writer, "stalled")
+    assert uncommitted_wal_frames(path) > 0  # the half-written episode really is on disk when the writer dies
+    assert_store_intact(path, [0, 1, 2], **size)  # meanwhile readers see only committed episodes, unblocked
+    kill_9(writer)
+    assert_store_intact(path, [0, 1, 2], **size)
+    with Store.open(path) as store:  # the store stays writable after the crash
+        assert store.add_episode(make_trajectory(3, **size)) == 4
+        assert store.get_episode(4) == make_trajectory(3, **size)
+
+
+def test_writer_killed_mid_stream_keeps_every_committed_episode(tmp_path: Path, start_writer: StartWriter) -> None:
+    path = tmp_path / "streaming.db"
+    size = {"num_segments": 6, "max_tokens": 3000}
+    writer = start_writer(db=str(path), first=0, **size)
+    wait_for_line(writer, "committed 4")
+    kill_9(writer)  # while it writes episode 5 (or a later one)
+    with Store.open(path, create=False) as store:
+        written = store.count()
+    assert written >= 5
+    assert_store_intact(path, list(range(written)), **size)
+
+
+def test_four_concurrent_writers_lose_nothing(tmp_path: Path, start_writer: StartWriter) -> None:
+    path = tmp_path / "shared.db"  # does not exist yet: the writers also race to create it
+    per_writer, size = 30, {"max_tokens": 500}
+    writers = [
+        start_writer(db=str(path), first=1000 * w, count=per_writer, run_id=f"writer-{w}", wait_for_go=True, **size)
+        for w in range(4)
+    ]
+    for writer in writers:
+        wait_for_line(writer, "ready")
+    for writer in writers:
+        writer.stdin.write(b"go\n")
+        writer.stdin.flush()
+    ids_by_writer = []
+    for writer in writers:
+        out, err = writer.communicate(timeout=120)
+        assert writer.returncode == 0, err.decode()
+        ids_by_writer.append(json.loads(out.splitlines()[-1]))
+    all_ids = [episode_id for ids in ids_by_writer for episode_id in ids]
+    assert len(all_ids) == len(set(all_ids)) == 4 * per_writer
+    with Store.open(path, create=False) as store:
+        assert store.count() == 4 * per_writer and store.episode_ids() == sorted(all_ids)
+        assert sorted(run.id for run in store.runs()) == [f"writer-{w}" for w in range(4)]
+        for w, ids in enumerate(ids_by_writer):
+            for i, episode_id in enumerate(ids):
+                record = store.get_record(episode_id)
+                assert record.run_id == f"writer-{w}"
+                assert record.trajectory == make_trajectory(1000 * w + i, **size)
+        assert store.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+# -- text for people -----------------------------------------------------------------------------------------------
+
+
+def test_summary_overview(store: Store) -> None:
+    store.add_run("r1", config={}, model="tiny-dense", tokenizer="longstraw-bpe")
+    originals = [make_trajectory(n) for n in range(8)]
+    store.add_episodes(originals, run_id="r1")
+    text = store.summary_text()
+    tokens = sum(t.num_tokens for t in originals)
+    assert f"episodes 8  groups 2  tokens {tokens:,}  policy versions 0..4" in text
+    assert "runs 1" in text and "r1  model tiny-dense  tokenizer longstraw-bpe  episodes 8" in text
+    env0 = [t.reward for t in originals if t.env_id == "LongStraw/Env0-v0" and t.reward is not None]
+    env0_line = next(line for line in text.splitlines() if line.startswith("LongStraw/Env0-v0"))
+    assert env0_line.split()[1:] == [
+        "3",
+        "2",
+        f"{sum(t.num_tokens for t in originals if t.env_id == 'LongStraw/Env0-v0'):,}",
+        f"{sum(env0) / len(env0):.3f}",
+        f"{min(env0):.3f}",
+        f"{max(env0):.3f}",
+    ]
+    assert "finish reasons  answered 2, error 2, max_tokens 2, max_turns 2" in text
+    assert "episode 1  " not in text
+    filtered = store.summary_text(where="policy_version = 0")
+    assert "episodes 2  groups 2" in filtered and "(where policy_version = 0)" in filtered
+
+
+def test_summary_of_an_empty_store(store: Store) -> None:
+    assert store.summary_text().splitlines()[1:] == ["runs 0", "episodes 0  groups 0  tokens 0"]
+
+
+def test_transcript_of_an_episode(store: Store) -> None:
+    long_text = "A" * 500 + "middle" + "Z" * 500
+    trajectory = Trajectory(
+        [
+            Segment("user", [1, 2, 3], text=long_text),
+            Segment(
+                "assistant",
+                [4, 5],
+                logprobs=[-0.5, -1.5],
+                loss_mask=[True, False],
+                text="call\n",
+                tool_calls=[{"name": "calculator", "arguments": {"expression": "6*7"}}],
+            ),
+            Segment("tool", [], text="42"),
+        ],
+        env_id="LongStraw/Calculator-v0",
+        group_id="g",
+        seed=11,
+        reward=1.0,
+        finish_reason="answered",
+        info={"answer": 42},
+    )
+    episode_id = store.add_episode(trajectory)
+    text = store.summary_text(episode=episode_id, max_text=60)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"episode {episode_id}  env LongStraw/Calculator-v0  group g  seed 11")
+    assert "reward 1.000  answered  5 tokens in 3 segments" in lines[0]
+    assert lines[1] == '  info {"answer": 42}'
+    assert lines[2].split() == ["#", "role", "turn", "tokens", "loss", "logp", "text"]
+    assert lines[3].split()[:6] == ["0", "user", "0", "3", "0%", "-"]
+    assert '"AAAA' in lines[3] and 'ZZZZ"' in lines[3] and "middle" not in lines[3] and "(1,006 chars)" in lines[3]
+    assert lines[4].split()[:7] == ["1", "assistant", "0", "2", "50%", "-1.000", '"call\\n"']
+    assert lines[5].strip() == 'tool_calls [{"name": "calculator", "arguments": {"expression": "6*7"}}]'
+    assert lines[6].split() == ["2", "tool", "0", "0", "-", "-", '"42"']
+    assert "middle" in store.summary_text(episode=episode_id, max_text=0)
+
+
+def test_transcripts_of_a_group_and_of_everything(store: Store) -> None:
+    ids = store.add_episodes([make_trajectory(n) for n in range(6)])
+    group = store.summary_text(group="group-1")
+    assert group.splitlines()[0].startswith("group group-1: 2 episodes, reward mean")
+    assert [line.split()[1] for line in group.splitlines() if line.startswith("episode ")] == ["5", "6"]
+    everything = store.summary_text(transcript=True)
+    assert [int(line.split()[1]) for line in everything.splitlines() if line.startswith("episode ")] == ids
+    with pytest.raises(StoreError, match="no group 'missing'"):
+        store.summary_text(group="missing")
+    with pytest.raises(StoreError, match="not both"):
+        store.summary_text(episode=1, group="group-1")
