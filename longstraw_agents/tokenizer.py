@@ -1,0 +1,335 @@
+"""Tokenizers behind one small protocol: the shipped byte-level BPE (tiktoken) and local Hugging Face tokenizers.
+
+Token-in / token-out: environments, the chat formatter and the trainer exchange token ids, never text, so every
+component must agree on one tokenizer and on how special tokens are treated. The rule is simple: ``encode(text)``
+treats special-token strings as ordinary text (a document or a tool output that contains ``<|im_end|>`` cannot end
+a turn or fake a tool call); only ``encode(text, allow_special=True)``, used for what a policy emits, maps them to
+their control ids.
+
+The default tokenizer, ``longstraw-bpe``, is a 2048-token byte-level BPE trained by ``scripts/train_bpe.py`` on
+text the project generates (word problems, encyclopedia-style documents, Python, JSON tool calls, dialogue). Its
+merge ranks ship in ``longstraw_agents/data/`` in tiktoken's rank-file format and are loaded from that local file,
+so nothing is ever downloaded. ``HFTokenizer`` wraps any tokenizer saved in a local directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import tiktoken
+
+if TYPE_CHECKING:
+    import numpy as np
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+# The control tokens of the chat format (ChatML plus Qwen-style tool tags). In the shipped BPE they take the ids
+# right after the merge ranks, in this order.
+CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
+    ENDOFTEXT,
+    IM_START,
+    IM_END,
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<answer>",
+    "</answer>",
+)
+
+# GPT-4's (cl100k) pre-tokenisation: contractions, letter runs with one leading non-letter, numbers in groups of at
+# most three digits, punctuation runs, and whitespace that attaches to the following word.
+PRETOKENIZE_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|"""
+    r"""\s+(?!\S)|\s"""
+)
+
+SHIPPED_BPE_NAME = "longstraw-bpe-v1"
+SHIPPED_BPE_ALIASES = ("longstraw-bpe", SHIPPED_BPE_NAME)
+SHIPPED_BPE_FILE = "longstraw_bpe.tiktoken"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the agent side needs from a tokenizer. ``eos_token_id`` is the end-of-turn token (``<|im_end|>``)."""
+
+    @property
+    def name(self) -> str:
+        """Identity recorded with every run in the store (``longstraw-bpe-v1`` or the tokenizer's local path)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+    @property
+    def special_tokens(self) -> dict[str, int]: ...
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+    def special_token_id(self, token: str) -> int: ...
+
+
+def _as_int_list(ids: Sequence[int] | np.ndarray) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else [int(i) for i in ids]
+
+
+def _lookup_special(name: str, special_tokens: Mapping[str, int], token: str) -> int:
+    try:
+        return special_tokens[token]
+    except KeyError:
+        known = ", ".join(special_tokens) or "none"
+        raise KeyError(f"{token!r} is not a special token of {name}; known special tokens: {known}") from None
+
+
+def _check_id_range(ids: list[int], vocab_size: int, name: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        raise ValueError(f"token ids out of range for {name} (vocab size {vocab_size}): {bad[:8]}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rank files
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def load_ranks(path: str | Path) -> dict[bytes, int]:
+    """Read a tiktoken rank file (one ``base64(token) rank`` per line) from a local path.
+
+    Same format as ``tiktoken.load.load_tiktoken_bpe``, which is not used because it caches every file it reads in
+    the temp dir keyed by path: a retrained file at the same path would be shadowed by the stale copy.
+    """
+    ranks: dict[bytes, int] = {}
+    for line_no, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            raise ValueError(f"{path}:{line_no}: expected 'base64-token rank', got {line[:80]!r}") from e
+    _check_ranks(ranks, source=str(path))
+    return ranks
+
+
+def save_ranks(ranks: Mapping[bytes, int], path: str | Path) -> None:
+    """Write ``ranks`` in tiktoken's rank-file format, sorted by rank."""
+    _check_ranks(ranks, source="ranks to save")
+    lines = [base64.b64encode(token) + b" " + str(rank).encode() for token, rank in sorted(ranks.items(), key=_rank)]
+    Path(path).write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _rank(item: tuple[bytes, int]) -> int:
+    return item[1]
+
+
+def _check_ranks(ranks: Mapping[bytes, int], *, source: str) -> None:
+    """Byte-level BPE needs every single byte as a token and ranks 0..n-1 without gaps."""
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{source}: ranks must be exactly 0..{len(ranks) - 1}, each once")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{source}: byte-level BPE needs all 256 single bytes; missing {missing[:8]}...")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# tiktoken
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class TiktokenTokenizer:
+    """A ``tiktoken.Encoding`` behind the ``Tokenizer`` protocol.
+
+    The encoding must contain ``<|im_end|>`` (the end-of-turn / eos token). The pad token is ``<|endoftext|>`` when
+    the encoding has it, else eos.
+    """
+
+    def __init__(self, encoding: tiktoken.Encoding, *, name: str | None = None) -> None:
+        self._encoding = encoding
+        self._name = name or encoding.name
+        self._special_tokens = {
+            token: encoding.encode_single_token(token)
+            for token in sorted(encoding.special_tokens_set, key=encoding.encode_single_token)
+        }
+        self._eos_token_id = _lookup_special(self._name, self._special_tokens, IM_END)
+        self._pad_token_id = self._special_tokens.get(ENDOFTEXT, self._eos_token_id)
+
+    @classmethod
+    def from_ranks_file(
+        cls,
+        path: str | Path,
+        *,
+        name: str,
+        special_tokens: Sequence[str] = CHAT_SPECIAL_TOKENS,
+        pattern: str = PRETOKENIZE_PATTERN,
+    ) -> TiktokenTokenizer:
+        """Build the encoding from a local rank file; the special tokens get the ids right after the ranks."""
+        ranks = load_ranks(path)
+        specials = {token: len(ranks) + i for i, token in enumerate(special_tokens)}
+        encoding = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        return cls(encoding, name=name)
+
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        return self._encoding
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def vocab_size(self) -> int:
+        return self._encoding.n_vocab
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._pad_token_id
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special_tokens)
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        if allow_special:
+            return self._encoding.encode(text, allowed_special="all")
+        return self._encoding.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        id_list = _as_int_list(ids)
+        _check_id_range(id_list, self.vocab_size, self.name)
+        return self._encoding.decode(id_list, errors="replace")
+
+    def special_token_id(self, token: str) -> int:
+        return _lookup_special(self._name, self._special_tokens, token)
+
+    def __repr__(self) -> str:
+        return f"TiktokenTokenizer(name={self._name!r}, vocab_size={self.vocab_size})"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Hugging Face
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class HFTokenizer:
+    """A fast Hugging Face tokenizer loaded from a local directory (never from the Hub).
+
+    Special tokens are all added tokens except pure-whitespace ones (Gemma's ``"\\n"`` is ordinary text). With
+    ``allow_special=False`` no added token is matched at all, the same plain-text encoding transformers uses for
+    ``apply_chat_template(..., sanitize_control_tokens=True)``: Qwen's ``<tool_call>``, a non-special added token,
+    is then text too. Eos is ``<|im_end|>`` when the tokenizer has it, else its own eos token.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no tokenizer directory at {path} (HFTokenizer loads local files only)")
+        from transformers import AutoTokenizer  # lazy: the agent side must import without transformers
+
+        self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self._backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if self._backend is None:
+            raise TypeError(f"{path} holds a slow tokenizer; HFTokenizer needs a fast one (tokenizer.json)")
+        self._name = str(path)
+        self._special_tokens = {
+            token.content: int(token_id)
+            for token_id, token in sorted(self._tokenizer.added_tokens_decoder.items())
+            if not token.content.isspace()
+        }
+        eos = self._special_tokens.get(IM_END, self._tokenizer.eos_token_id)
+        if eos is None:
+            raise ValueError(f"{path}: the tokenizer has neither {IM_END!r} nor an eos token")
+        self._eos_token_id = int(eos)
+        pad = self._tokenizer.pad_token_id
+        self._pad_token_id = int(pad) if pad is not None else self._special_tokens.get(ENDOFTEXT, self._eos_token_id)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._pad_token_id
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special_tokens)
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        if allow_special:
+            return self._tokenizer.encode(text, add_special_tokens=False)
+        return self._encode_plain(text)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """The backend's normalizer → pre-tokenizer → model pipeline, skipping added-token matching."""
+        backend = self._backend
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = (
+            [text] if backend.pre_tokenizer is None else [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+        )
+        return [token.id for piece in pieces for token in backend.model.tokenize(piece)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        id_list = _as_int_list(ids)
+        _check_id_range(id_list, self.vocab_size, self.name)
+        return self._tokenizer.decode(id_list, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def special_token_id(self, token: str) -> int:
+        return _lookup_special(self._name, self._special_tokens, token)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(name={self._name!r}, vocab_size={self.vocab_size})"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def shipped_ranks_path() -> Path:
+    """Where the shipped BPE ranks live inside the installed package."""
+    return Path(str(resources.files("longstraw_agents") / "data" / SHIPPED_BPE_FILE))
+
+
+@functools.cache
+def _shipped_tokenizer() -> TiktokenTokenizer:
+    return TiktokenTokenizer.from_ranks_file(shipped_ranks_path(), name=SHIPPED_BPE_NAME)
+
+
+def load_tokenizer(spec: str | Path = "longstraw-bpe") -> Tokenizer:
+    """The shipped BPE for ``"longstraw-bpe"`` (or ``"longstraw-bpe-v1"``); a local HF tokenizer directory otherwise."""
+    if str(spec) in SHIPPED_BPE_ALIASES:
+        return _shipped_tokenizer()
+    if Path(spec).is_dir():
+        return HFTokenizer(spec)
+    raise ValueError(
+        f"unknown tokenizer {str(spec)!r}: expected one of {SHIPPED_BPE_ALIASES} or a local directory holding a "
+        "Hugging Face tokenizer (tokenizer.json); nothing is downloaded"
+    )

@@ -1,0 +1,121 @@
+"""Trajectories: validation, default loss masks, and the exact render / from_rendered round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from longstraw_agents.trajectory import Rendered, Segment, SegmentSpan, Trajectory
+
+
+def _trajectory() -> Trajectory:
+    return Trajectory(
+        segments=[
+            Segment("system", [1, 2, 3], text="sys"),
+            Segment("user", [4, 5], text="question"),
+            Segment("assistant", [6, 7, 8], logprobs=[-0.1, -0.2, np.nan], text="call", tool_calls=[{"name": "calc"}]),
+            Segment("tool", [9], turn=0, text="84", tool_calls=[{"result": "84"}]),
+            Segment("assistant", [10, 11], loss_mask=[True, False], turn=1, text="answer"),
+        ],
+        env_id="LongStraw/Calculator-v0",
+        group_id="g0",
+        seed=7,
+        reward=1.0,
+        finish_reason="answered",
+        policy_version=3,
+    )
+
+
+def test_default_loss_masks_cover_assistant_tokens_only() -> None:
+    trajectory = _trajectory()
+    assert trajectory.loss_mask().tolist() == [False] * 5 + [True] * 3 + [False] + [True, False]
+    for role in ("system", "user", "tool"):
+        assert not Segment(role, [1, 2]).loss_mask.any()
+    assert Segment("assistant", [1, 2]).loss_mask.all()
+
+
+def test_arrays_are_normalised() -> None:
+    segment = Segment("assistant", [1, 2], logprobs=[-1, -2])
+    assert segment.token_ids.dtype == np.int32 and segment.loss_mask.dtype == bool
+    assert segment.logprobs.dtype == np.float32
+    assert np.isnan(Segment("user", [1]).logprobs_or_nan()).all()
+    assert len(Segment("user", [])) == 0
+
+
+def test_render_concatenates_and_records_spans() -> None:
+    trajectory = _trajectory()
+    rendered = trajectory.render()
+    assert rendered.token_ids.tolist() == list(range(1, 12))
+    assert [(s.start, s.end, s.role) for s in rendered.spans] == [
+        (0, 3, "system"),
+        (3, 5, "user"),
+        (5, 8, "assistant"),
+        (8, 9, "tool"),
+        (9, 11, "assistant"),
+    ]
+    assert [s.has_logprobs for s in rendered.spans] == [False, False, True, False, False]
+    lp = rendered.logprobs
+    assert np.isnan(lp[[0, 1, 2, 3, 4, 7, 8, 9, 10]]).all()
+    assert lp[5:7].tolist() == pytest.approx([-0.1, -0.2])
+    assert trajectory.num_tokens == 11 and len(trajectory) == 5
+    assert trajectory.completion_start() == 5
+
+
+def test_from_rendered_is_the_exact_inverse() -> None:
+    trajectory = _trajectory()
+    metadata = {"env_id": trajectory.env_id, "seed": trajectory.seed, "reward": trajectory.reward}
+    back = Trajectory.from_rendered(trajectory.render(), **metadata)
+    assert back.segments == trajectory.segments  # token ids, masks, logprobs (NaN included), text, tool calls
+    assert back.segments[0].logprobs is None and back.segments[2].logprobs is not None
+    assert (back.env_id, back.seed, back.reward) == ("LongStraw/Calculator-v0", 7, 1.0)
+    rendered_again = back.render()
+    assert np.array_equal(rendered_again.token_ids, trajectory.render().token_ids)
+
+
+def test_empty_trajectory() -> None:
+    rendered = Trajectory().render()
+    assert rendered.token_ids.size == 0 and rendered.spans == ()
+    assert rendered.token_ids.dtype == np.int32 and rendered.loss_mask.dtype == bool
+    assert Trajectory.from_rendered(rendered).segments == []
+    assert Trajectory().completion_start() == 0
+
+
+def test_segment_equality() -> None:
+    a = Segment("assistant", [1, 2], logprobs=[np.nan, -1.0], text="x")
+    assert a == Segment("assistant", [1, 2], logprobs=[np.nan, -1.0], text="x")
+    assert a != Segment("assistant", [1, 2], logprobs=None, text="x")
+    assert a != Segment("assistant", [1, 3], logprobs=[np.nan, -1.0], text="x")
+    assert a != Segment("assistant", [1, 2], logprobs=[np.nan, -1.0], text="y")
+    assert a != Segment("assistant", [1, 2], loss_mask=[True, False], logprobs=[np.nan, -1.0], text="x")
+    with pytest.raises(TypeError):
+        hash(a)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"role": "robot", "token_ids": [1]}, ValueError, "unknown role"),
+        ({"role": "user", "token_ids": [[1, 2]]}, ValueError, "1-D"),
+        ({"role": "user", "token_ids": [1.5]}, TypeError, "integers"),
+        ({"role": "user", "token_ids": [-1]}, ValueError, r"\[0, 2\*\*31\)"),
+        ({"role": "user", "token_ids": [2**31]}, ValueError, r"\[0, 2\*\*31\)"),
+        ({"role": "user", "token_ids": [1, 2], "loss_mask": [True]}, ValueError, "loss_mask has shape"),
+        ({"role": "assistant", "token_ids": [1, 2], "logprobs": [0.0]}, ValueError, "logprobs has shape"),
+    ],
+)
+def test_segment_validation(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Segment(**kwargs)
+
+
+def _rendered(spans: tuple[SegmentSpan, ...], n: int) -> Rendered:
+    return Rendered(np.arange(n, dtype=np.int32), np.zeros(n, bool), np.full(n, np.nan, np.float32), spans)
+
+
+def test_from_rendered_rejects_spans_that_do_not_tile() -> None:
+    with pytest.raises(ValueError, match="tile"):
+        Trajectory.from_rendered(_rendered((SegmentSpan(0, 2, "user"), SegmentSpan(3, 4, "user")), 4))
+    with pytest.raises(ValueError, match="tile"):
+        Trajectory.from_rendered(_rendered((SegmentSpan(0, 2, "user"), SegmentSpan(2, 1, "user")), 4))
+    with pytest.raises(ValueError, match="cover 2 tokens, sequence has 4"):
+        Trajectory.from_rendered(_rendered((SegmentSpan(0, 2, "user"),), 4))
