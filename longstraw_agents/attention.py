@@ -9,14 +9,21 @@ differentiable end to end, so gradients reach every block's keys and values.
 Shapes: queries are ``[H_kv, R, D]`` where R folds the query heads of one KV group with the query positions
 (``R = groups * n``, group-major), keys ``[M, H_kv, D]`` and values ``[M, H_kv, Dv]`` (position first, as stored
 in the state). The MLA adapter uses the same primitive with ``H_kv = 1`` (all heads share the compressed latent).
+
+Memory: a block's partial is an autograd function that saves its inputs and ``(out, lse)`` only — never the
+``[R, M]`` probabilities — and recomputes them in backward (FlashAttention's trick, here in plain torch). So the
+graph of a chunk attending to a prefix of P keys costs O(chunk·D) per block instead of O(chunk·P), and a recomputed
+prefix chunk in exact mode stays small however long the prefix is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 # Keys a partial covers at most: long blocks are split so that a chunk's scores stay bounded whatever the prefix.
 MAX_KEYS_PER_PARTIAL = 8192
@@ -38,6 +45,71 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 def block_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """Scaled dot products ``[H_kv, R, M]`` of queries ``[H_kv, R, D]`` with keys ``[M, H_kv, D]``."""
     return torch.matmul(q, k.permute(1, 2, 0)) * scale
+
+
+def _scores(pairs: Sequence[Tensor], scale: float, dtype: torch.dtype, mask: Tensor | None) -> Tensor:
+    scores = None
+    for q, k in zip(pairs[0::2], pairs[1::2], strict=True):
+        term = block_scores(q, k, scale)
+        scores = term if scores is None else scores + term
+    scores = scores.to(dtype)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(dtype).min)
+    return scores
+
+
+class _BlockAttention(torch.autograd.Function):
+    """``(out, lse)`` of softmax attention over one block, saving inputs and outputs only (no probabilities).
+
+    Inputs: ``scale``, ``mask`` (bool, broadcastable to ``[H_kv, R, M]``, or None), values ``v [M, H_kv, Dv]``,
+    then query/key pairs ``q_i [H_kv, R, D_i], k_i [M, H_kv, D_i]`` whose scaled dot products are summed (one pair
+    for standard attention; MLA sums its latent and rope parts).
+    """
+
+    @staticmethod
+    def forward(ctx, scale: float, mask: Tensor | None, v: Tensor, *pairs: Tensor):
+        sdt = softmax_dtype(v.dtype)
+        scores = _scores(pairs, scale, sdt, mask)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+        out = torch.matmul(probs, v.transpose(0, 1))
+        ctx.scale, ctx.has_mask = scale, mask is not None
+        ctx.save_for_backward(v, out, lse, *(() if mask is None else (mask,)), *pairs)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):
+        v, out, lse, *rest = ctx.saved_tensors
+        mask = rest.pop(0) if ctx.has_mask else None
+        pairs = rest
+        sdt = lse.dtype
+        probs = torch.exp(_scores(pairs, ctx.scale, sdt, mask) - lse.unsqueeze(-1))  # hidden keys: exactly 0
+        d_scores = torch.zeros_like(probs)
+        d_v = None
+        if d_out is not None:
+            d_v = torch.matmul(probs.to(v.dtype).transpose(1, 2), d_out).permute(1, 0, 2)  # [M, H_kv, Dv]
+            d_probs = torch.matmul(d_out, v.permute(1, 2, 0)).to(sdt)  # [H_kv, R, M]
+            row = (d_out * out).sum(dim=-1, dtype=sdt).unsqueeze(-1)
+            d_scores = probs * (d_probs - row)
+        if d_lse is not None:
+            d_scores = d_scores + probs * d_lse.to(sdt).unsqueeze(-1)
+        if mask is not None:  # hidden keys get no gradient (a fully hidden row has uniform, not zero, probs)
+            d_scores = d_scores.masked_fill(~mask, 0.0)
+        d_scores = d_scores * ctx.scale
+        grads = []
+        for q, k in zip(pairs[0::2], pairs[1::2], strict=True):
+            ds = d_scores.to(q.dtype)
+            grads.append(torch.matmul(ds, k.permute(1, 0, 2)))  # d q: [H_kv, R, D]
+            grads.append(torch.matmul(ds.transpose(1, 2), q).permute(1, 0, 2))  # d k: [M, H_kv, D]
+        return None, None, d_v, *grads
+
+
+def block_partial(pairs: Sequence[tuple[Tensor, Tensor]], v: Tensor, scale: float, mask: Tensor | None = None):
+    """Partial attention over one block from query/key pairs (scores summed over pairs) and values ``v``."""
+    flat = [t for pair in pairs for t in pair]
+    out, lse = _BlockAttention.apply(scale, mask, v, *flat)
+    return Partial(out=out, lse=lse)
 
 
 def partial_from_scores(scores: Tensor, v: Tensor, mask: Tensor | None = None) -> Partial:
@@ -105,8 +177,8 @@ def attend(
     acc = None
     for k, v in past:
         for piece in split_keys(k.shape[0]):
-            acc = merge(acc, partial_from_scores(block_scores(q, k[piece], scale), v[piece]))
+            acc = merge(acc, block_partial([(q, k[piece])], v[piece], scale))
     k_own, v_own = own
     mask = causal_mask(n, k_own.shape[0], groups, q.device)
-    acc = merge(acc, partial_from_scores(block_scores(q, k_own, scale), v_own, mask))
+    acc = merge(acc, block_partial([(q, k_own)], v_own, scale, mask))
     return acc.out

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from longstraw_agents.trainer.loss import LossConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from longstraw_agents.trainer.loss import LossConfig
 
 ModeName = Literal["naive", "detached", "exact"]
 

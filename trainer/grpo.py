@@ -22,6 +22,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch import Tensor, nn
+
+from longstraw_agents.engine import Engine
+from longstraw_agents.memory import MemoryTracker
+from longstraw_agents.segmenter import Member, Node, SegmentTree, build_tree
+from longstraw_agents.state import State, StateGrad
 from longstraw_agents.trainer.loss import (
     AGGREGATIONS,
     LossConfig,
@@ -30,12 +36,6 @@ from longstraw_agents.trainer.loss import (
     per_token_loss,
     token_logprobs,
 )
-from torch import Tensor, nn
-
-from longstraw_agents.engine import Engine
-from longstraw_agents.memory import MemoryTracker
-from longstraw_agents.segmenter import Member, Node, SegmentTree, build_tree
-from longstraw_agents.state import State, StateGrad
 from longstraw_agents.trajectory import Trajectory
 
 ModeName = Literal["naive", "detached", "exact"]
@@ -137,11 +137,13 @@ class ExecutionMode(ABC):
 
 
 class NaiveMode(ExecutionMode):
-    """One full graph per member (the reference)."""
+    """One full graph per member over its whole sequence, all G alive until one backward (the reference, and how
+    a conventional trainer batches a group)."""
 
     name = "naive"
 
     def run(self, group: Group, stats: WalkStats) -> None:
+        total = None
         for k, member in enumerate(group.members):
             if not member.loss_mask[1:].any():
                 continue
@@ -164,8 +166,10 @@ class NaiveMode(ExecutionMode):
             per_token = per_token_loss(logp, term.advantage, self.config, old, ref)
             loss = (per_token * mask).sum() * term.weight
             stats.loss += float(loss.detach())
-            loss.to(logits.dtype).backward()
+            total = loss if total is None else total + loss
             stats.nodes += 1
+        if total is not None:
+            total.backward()
 
 
 class TreeMode(ExecutionMode):

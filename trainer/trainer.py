@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from longstraw_agents.trainer.config import GRPOConfig
-from longstraw_agents.trainer.grpo import BackwardResult, Group, backward_group, make_group
 from torch import Tensor, nn
 
 from longstraw_agents.engine import Engine
 from longstraw_agents.segmenter import Member
+from longstraw_agents.trainer.config import GRPOConfig
+from longstraw_agents.trainer.grpo import BackwardResult, Group, backward_group, make_group
 from longstraw_agents.trajectory import Trajectory
 
 TRAINER_STATE = "trainer_state.json"

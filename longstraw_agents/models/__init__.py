@@ -44,8 +44,7 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedModelError(
-            f"{type(model).__name__} is not a transformers model (no .config); supported families: "
-            f"{_supported_text()}"
+            f"{type(model).__name__} is not a transformers model (no .config); supported families: {_supported_text()}"
         )
     adapter = adapter_class(config)
     if not hasattr(model, "model") or not hasattr(model, "lm_head"):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longstraw_agents.attention import block_scores, causal_mask, merge, partial_from_scores, split_keys
+from longstraw_agents.attention import block_partial, causal_mask, merge, split_keys
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -183,10 +183,8 @@ class MLAMixer(Mixer):
         return MixerOutput(y=attn.o_proj(out), new=new)
 
     def _partial(self, q_lat: Tensor, q_rope: Tensor, latent: Tensor, rope_key: Tensor, mask: Tensor | None):
-        scores = block_scores(q_lat, latent.unsqueeze(1), self.scale) + block_scores(
-            q_rope, rope_key.unsqueeze(1), self.scale
-        )
-        return partial_from_scores(scores, latent.unsqueeze(1), mask)
+        keys = latent.unsqueeze(1)  # the latent is both the key (with the rope key) and the value
+        return block_partial([(q_lat, keys), (q_rope, rope_key.unsqueeze(1))], keys, self.scale, mask)
 
 
 class MoE:
