@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# Keys a partial covers at most: long blocks are split so that a chunk's scores stay bounded whatever the prefix.
-MAX_KEYS_PER_PARTIAL = 8192
+# Score elements (heads x query rows x keys) one partial materialises at most: long key blocks are split into
+# pieces so that the transient attention memory of a chunk is bounded by the chunk, whatever the prefix length.
+DEFAULT_SCORE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,9 @@ def causal_mask(n_queries: int, n_keys: int, groups: int, device: torch.device) 
     return visible.repeat(groups, 1).unsqueeze(0)
 
 
-def split_keys(length: int, limit: int | None = None) -> list[slice]:
-    """Slices of at most ``limit`` (default ``MAX_KEYS_PER_PARTIAL``) keys covering ``length`` keys."""
-    limit = limit or MAX_KEYS_PER_PARTIAL
+def split_keys(length: int, rows: int, max_elements: int = DEFAULT_SCORE_ELEMENTS) -> list[slice]:
+    """Slices covering ``length`` keys such that ``rows x keys`` per slice stays within ``max_elements``."""
+    limit = max(1, max_elements // max(rows, 1))
     return [slice(lo, min(lo + limit, length)) for lo in range(0, length, limit)]
 
 
@@ -167,6 +168,7 @@ def attend(
     own: tuple[Tensor, Tensor],
     scale: float,
     groups: int,
+    max_score_elements: int = DEFAULT_SCORE_ELEMENTS,
 ) -> Tensor:
     """Causal attention of ``q`` over earlier key/value blocks (all visible) and its own block (causal).
 
@@ -176,7 +178,7 @@ def attend(
     n = q.shape[1] // groups
     acc = None
     for k, v in past:
-        for piece in split_keys(k.shape[0]):
+        for piece in split_keys(k.shape[0], q.shape[0] * q.shape[1], max_score_elements):
             acc = merge(acc, block_partial([(q, k[piece])], v[piece], scale))
     k_own, v_own = own
     mask = causal_mask(n, k_own.shape[0], groups, q.device)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS
 from longstraw_agents.models import FamilyAdapter, adapter_for
 from longstraw_agents.models.base import LayerContext
 from longstraw_agents.state import (
@@ -41,13 +42,18 @@ class EngineConfig:
 
     chunk_size: tokens evaluated per forward during capture/extend; bounds activation memory (and, in exact mode,
         the size of one recomputed graph).
+    max_score_elements: attention scores (heads x queries x keys) materialised at once; longer key blocks are
+        processed in pieces, so a chunk's transient memory does not grow with the prefix.
     """
 
     chunk_size: int = 512
+    max_score_elements: int = DEFAULT_SCORE_ELEMENTS
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.max_score_elements < 1:
+            raise ValueError(f"max_score_elements must be >= 1, got {self.max_score_elements}")
 
 
 class Engine:
@@ -57,7 +63,9 @@ class Engine:
         self.model = model
         self.adapter: FamilyAdapter = adapter_for(model)
         config = config or EngineConfig()
-        self.config = EngineConfig(chunk_size=chunk_size) if chunk_size is not None else config
+        if chunk_size is not None:
+            config = EngineConfig(chunk_size=chunk_size, max_score_elements=config.max_score_elements)
+        self.config = config
 
     @property
     def family(self) -> str:
@@ -104,7 +112,7 @@ class Engine:
         self._check_state(state)
         ids = self._check_ids(ids)
         contexts = self._contexts(state, len(state.segments), grad)
-        hidden, _ = self.adapter.forward(ids, state.num_tokens, contexts)
+        hidden, _ = self._forward(ids, state.num_tokens, contexts)
         return self.adapter.lm_head(hidden)
 
     def backward(
@@ -137,6 +145,9 @@ class Engine:
             self._backward_segment(state, j, ids[seg.start - base : seg.end - base], grad, loss_fn)
 
     # --- internals ------------------------------------------------------------------------------------------
+    def _forward(self, ids: Tensor, start: int, contexts: list[LayerContext]):
+        return self.adapter.forward(ids, start, contexts, max_score_elements=self.config.max_score_elements)
+
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
         if not isinstance(ids, Tensor):
             try:
@@ -216,7 +227,7 @@ class Engine:
                 piece = ids[lo : lo + chunk]
                 current = State(tuple(segments), state.num_layers, state.checkpoints, state.owner)
                 contexts = self._contexts(current, len(segments), None)
-                hidden, new = self.adapter.forward(piece, current.num_tokens, contexts)
+                hidden, new = self._forward(piece, current.num_tokens, contexts)
                 record = self._record(current.num_tokens, piece.shape[0], new, arenas)
                 if segments and not state.checkpoints:
                     segments[-1] = segments[-1].without_checkpoints()
@@ -245,7 +256,7 @@ class Engine:
         grads: list[Tensor] = []
         with torch.enable_grad():
             contexts = self._contexts(state, j, grad)
-            hidden, new = self.adapter.forward(ids, seg.start, contexts)
+            hidden, new = self._forward(ids, seg.start, contexts)
             for i, entry in enumerate(new):
                 block, rec = seg.blocks[i], seg.recurrent[i]
                 if block is not None:

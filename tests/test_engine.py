@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from longstraw_agents import attention
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import UnsupportedModelError, state_size, supported_model_types
@@ -164,12 +163,11 @@ def test_analytic_bytes_per_token_full_size_meta_configs():
     assert size.bytes_per_token == expected and size.fixed_bytes == 0
 
 
-def test_capture_peak_is_state_plus_one_chunk(monkeypatch):
+def test_capture_peak_is_state_plus_one_chunk():
     """Capture holds the state and one chunk's activations: the overhead over the final state does not grow with
     the prefix once a chunk's keys are split into bounded pieces."""
-    monkeypatch.setattr(attention, "MAX_KEYS_PER_PARTIAL", 16)
     model = make_model("llama", torch.float32)
-    engine = Engine(model, chunk_size=16)
+    engine = Engine(model, EngineConfig(chunk_size=16, max_score_elements=16 * 16 * 2))
     overheads = []
     for length in (64, 512):
         ids = random_ids(length, 0)

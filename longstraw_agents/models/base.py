@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS
+
 
 class UnsupportedModelError(ValueError):
     """The model is not of a family the engine supports (the message names the supported ones)."""
@@ -63,6 +65,7 @@ class MixerInput:
     ``past``: earlier blocks of this layer's per-position tensors (growing mixers), possibly autograd leaves.
     ``recurrent``: the layer's state before the first new token (recurrent mixers), None at position 0.
     ``shared``: scratch shared by the layers of one forward (e.g. DSA's top-k reused by "shared" layers).
+    ``max_score_elements``: bound on the attention scores one partial materialises (see ``attention``).
     """
 
     x: Tensor
@@ -71,6 +74,7 @@ class MixerInput:
     past: list[tuple[Tensor, ...]] = field(default_factory=list)
     recurrent: tuple[Tensor, ...] | None = None
     shared: dict[str, Any] = field(default_factory=dict)
+    max_score_elements: int = DEFAULT_SCORE_ELEMENTS
 
 
 @dataclass
@@ -157,7 +161,12 @@ class FamilyAdapter(ABC):
         return cos[0], sin[0]
 
     def forward(
-        self, ids: Tensor, start: int, contexts: list[LayerContext], shared: dict[str, Any] | None = None
+        self,
+        ids: Tensor,
+        start: int,
+        contexts: list[LayerContext],
+        shared: dict[str, Any] | None = None,
+        max_score_elements: int = DEFAULT_SCORE_ELEMENTS,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         """Run ``ids`` (positions ``start..``) through the decoder; returns the final-normed hidden states
         ``[n, hidden]`` and, per layer, what the layer adds to the state."""
@@ -167,7 +176,8 @@ class FamilyAdapter(ABC):
         shared = {} if shared is None else shared
         new_entries: list[tuple[Tensor, ...]] = []
         for layer, ctx in zip(self.layers, contexts, strict=True):
-            out = layer.mixer.forward(MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared))
+            inp = MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, max_score_elements)
+            out = layer.mixer.forward(inp)
             h = h + out.y
             h = h + layer.mlp(layer.post_norm(h))
             new_entries.append(out.new)

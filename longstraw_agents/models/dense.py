@@ -80,7 +80,7 @@ class AttentionMixer(Mixer):
         # [n, H, D] -> [H_kv, groups*n, D]: the query heads of one KV head, group-major, then positions
         q = q.view(n, self.num_kv_heads, self.groups, self.head_dim).permute(1, 2, 0, 3)
         q = q.reshape(self.num_kv_heads, self.groups * n, self.head_dim)
-        out = attend(q, [(pk, pv) for pk, pv in inp.past], (k, v), self.scale, self.groups)
+        out = attend(q, [(pk, pv) for pk, pv in inp.past], (k, v), self.scale, self.groups, inp.max_score_elements)
         out = out.view(self.num_kv_heads, self.groups, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
         if gate is not None:
             out = out * gate.sigmoid()

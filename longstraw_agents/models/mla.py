@@ -84,7 +84,14 @@ class DSAIndexer:
         return torch.cat([rope_interleaved(k_rot, *rope), k_pass], dim=-1)[:, 0]
 
     def select(
-        self, x: Tensor, q_resid: Tensor, rope: tuple[Tensor, Tensor], past: list[Tensor], own: Tensor, start: int
+        self,
+        x: Tensor,
+        q_resid: Tensor,
+        rope: tuple[Tensor, Tensor],
+        past: list[Tensor],
+        own: Tensor,
+        start: int,
+        max_score_elements: int,
     ) -> Tensor | None:
         """Global positions ``[n, topk]`` each query attends to, or None when every query may see all keys."""
         n = x.shape[0]
@@ -104,7 +111,7 @@ class DSAIndexer:
         running = None
         offset = 0
         for keys in past:
-            for piece in split_keys(keys.shape[0]):
+            for piece in split_keys(keys.shape[0], n * self.heads, max_score_elements):
                 positions = torch.arange(offset + piece.start, offset + piece.stop, device=x.device)
                 running = _topk_merge(running, scores(keys[piece]), positions, self.topk)
             offset += keys.shape[0]
@@ -149,7 +156,10 @@ class MLAMixer(Mixer):
             index_keys = self.indexer.keys(x, inp.rope)
             new = new + (index_keys,)
             with torch.no_grad():
-                selected = self.indexer.select(x, q_resid, inp.rope, [p[2] for p in inp.past], index_keys, start)
+                past_keys = [p[2] for p in inp.past]
+                selected = self.indexer.select(
+                    x, q_resid, inp.rope, past_keys, index_keys, start, inp.max_score_elements
+                )
             inp.shared[SELECTION_KEY] = selected
         elif SELECTION_KEY in inp.shared:
             selected = inp.shared[SELECTION_KEY]
@@ -166,7 +176,7 @@ class MLAMixer(Mixer):
         offset = 0
         for block in inp.past:
             lat, rk = block[0], block[1]
-            for piece in split_keys(lat.shape[0]):
+            for piece in split_keys(lat.shape[0], heads * n, inp.max_score_elements):
                 mask = None
                 if selected is not None:
                     mask = selection_mask(selected, offset + piece.start, piece.stop - piece.start)
