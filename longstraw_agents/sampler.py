@@ -1,0 +1,281 @@
+"""Samplers: generate assistant turns token by token for the members of a group, recording behaviour logprobs.
+
+``TorchSampler`` runs the policy in-process with the engine: the group's prompt is captured once and forked for the
+G members; each member's state is then extended with its own tokens and with the environment's observations, so
+no turn ever re-prefills the episode. ``OpenAISampler`` speaks to an OpenAI-compatible completions server (vLLM,
+SGLang) with token-id prompts. Both implement the same small interface (``fork`` / ``generate`` / ``append``).
+
+Behaviour logprobs are the log-probabilities of the sampled tokens under the temperature-scaled distribution
+(before top-p truncation); train with ``LossConfig(temperature=...)`` equal to the sampling temperature.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from longstraw_agents.engine import Engine
+from longstraw_agents.state import State
+
+FinishReason = Literal["stop", "length"]
+
+
+class SamplingConfig(BaseModel):
+    """How tokens are drawn."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    max_new_tokens: int = Field(256, ge=1, description="tokens per assistant turn at most")
+    seed: int = Field(0, description="seed of the sampler's random generator")
+
+
+@dataclass
+class Generation:
+    """One assistant turn: the sampled ids (incl. the stop token when one was sampled) and their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class Sampler(Protocol):
+    """What the rollout loop needs of a policy."""
+
+    policy_version: int
+
+    def fork(self, prompt_ids: Sequence[int], n: int) -> list[Any]: ...
+
+    def generate(self, handle: Any, max_new_tokens: int | None = None) -> Generation: ...
+
+    def append(self, handle: Any, ids: Sequence[int]) -> None: ...
+
+    def num_tokens(self, handle: Any) -> int: ...
+
+
+def sample_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> tuple[int, float]:
+    """Draw one token from ``logits [V]``; returns (id, logprob under the temperature-scaled distribution)."""
+    logits = logits.detach().double()
+    if config.temperature == 0.0:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logits))
+        return token, float(logprobs[token])
+    logprobs = torch.log_softmax(logits / config.temperature, dim=-1)
+    probs = logprobs.exp()
+    if config.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= config.top_p  # keeps at least one token
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return token, float(logprobs[token])
+
+
+@dataclass
+class TorchHandle:
+    """A member's position in its episode: the engine state and the next-token logits after it."""
+
+    state: State
+    next_logits: torch.Tensor
+    history: list[int] = field(default_factory=list, repr=False)
+
+
+class TorchSampler:
+    """In-process sampling with the engine (capture once, fork, extend per turn)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Engine,
+        stop_token_ids: Sequence[int],
+        config: SamplingConfig | None = None,
+        *,
+        policy_version: int = 0,
+        chunk_size: int = 512,
+    ):
+        self.engine = model if isinstance(model, Engine) else Engine(model, chunk_size=chunk_size)
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        if not self.stop_token_ids:
+            raise ValueError("stop_token_ids is empty: generation could only end by length")
+        self.config = config or SamplingConfig()
+        self.policy_version = policy_version
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+
+    def fork(self, prompt_ids: Sequence[int], n: int) -> list[TorchHandle]:
+        """``n`` members sharing one capture of the prompt."""
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError("empty prompt")
+        with torch.no_grad():
+            state = self.engine.capture(ids[:-1]) if ids.numel() > 1 else self.engine.empty_state()
+            state, logits = self.engine.step(state, ids[-1:], reserve=self._reserve())
+        return [TorchHandle(state=state, next_logits=logits, history=ids.tolist()) for _ in range(n)]
+
+    def generate(self, handle: TorchHandle, max_new_tokens: int | None = None) -> Generation:
+        limit = max_new_tokens or self.config.max_new_tokens
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finish: FinishReason = "length"
+        with torch.no_grad():
+            while len(ids) < limit:
+                token, logprob = sample_token(handle.next_logits, self.config, self.generator)
+                ids.append(token)
+                logprobs.append(logprob)
+                handle.state, handle.next_logits = self.engine.step(
+                    handle.state, torch.tensor([token]), reserve=self._reserve()
+                )
+                if token in self.stop_token_ids:
+                    finish = "stop"
+                    break
+        handle.history.extend(ids)
+        return Generation(ids, logprobs, finish)
+
+    def append(self, handle: TorchHandle, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            return
+        with torch.no_grad():
+            handle.state, handle.next_logits = self.engine.step(
+                handle.state, torch.as_tensor(list(ids), dtype=torch.long), reserve=self._reserve()
+            )
+        handle.history.extend(int(i) for i in ids)
+
+    def num_tokens(self, handle: TorchHandle) -> int:
+        return handle.state.num_tokens
+
+    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> Generation:
+        """One completion of a token prompt (what an OpenAI-compatible server answers)."""
+        return self.generate(self.fork(prompt_ids, 1)[0], max_new_tokens)
+
+    def _reserve(self) -> int:
+        return self.config.max_new_tokens
+
+
+class SamplerError(RuntimeError):
+    """A sampler could not produce a generation (server unreachable after retries, malformed response...)."""
+
+
+@dataclass
+class OpenAIHandle:
+    token_ids: list[int]
+
+
+class OpenAISampler:
+    """Sampling from an OpenAI-compatible completions endpoint (vLLM, SGLang) with token-id prompts.
+
+    Request: ``POST {base_url}/v1/completions`` with ``prompt`` = token ids, ``logprobs=1``,
+    ``return_tokens_as_token_ids=true`` (vLLM), ``stop_token_ids``, ``skip_special_tokens=false``. The response's
+    ``choices[0].logprobs.tokens`` (``"token_id:123"``) and ``token_logprobs`` give ids and behaviour logprobs.
+    Transient failures (connection errors, timeouts, HTTP 429/5xx) are retried with exponential backoff; then a
+    ``SamplerError`` says what failed. Point it at vLLM with
+    ``vllm serve MODEL --port 8000`` and ``OpenAISampler("http://127.0.0.1:8000", model="MODEL", ...)``.
+    """
+
+    RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+    def __init__(
+        self,
+        base_url: str,
+        stop_token_ids: Sequence[int],
+        config: SamplingConfig | None = None,
+        *,
+        model: str = "default",
+        policy_version: int = 0,
+        timeout_s: float = 60.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.5,
+        api_key: str | None = None,
+        client: Any | None = None,
+    ):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.stop_token_ids = [int(t) for t in stop_token_ids]
+        self.config = config or SamplingConfig()
+        self.model = model
+        self.policy_version = policy_version
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = client or httpx.Client(timeout=timeout_s, headers=headers)
+
+    def fork(self, prompt_ids: Sequence[int], n: int) -> list[OpenAIHandle]:
+        if len(prompt_ids) == 0:
+            raise ValueError("empty prompt")
+        return [OpenAIHandle(token_ids=[int(t) for t in prompt_ids]) for _ in range(n)]
+
+    def generate(self, handle: OpenAIHandle, max_new_tokens: int | None = None) -> Generation:
+        body = {
+            "model": self.model,
+            "prompt": handle.token_ids,
+            "max_tokens": max_new_tokens or self.config.max_new_tokens,
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "seed": self.config.seed,
+            "logprobs": 1,
+            "stop_token_ids": self.stop_token_ids,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        generation = self._parse(self._post("/v1/completions", body))
+        handle.token_ids.extend(generation.token_ids)
+        return generation
+
+    def append(self, handle: OpenAIHandle, ids: Sequence[int]) -> None:
+        handle.token_ids.extend(int(i) for i in ids)
+
+    def num_tokens(self, handle: OpenAIHandle) -> int:
+        return len(handle.token_ids)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        url = self.base_url + path
+        last_error = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self.client.post(url, json=body)
+            except httpx.TransportError as err:  # connection refused, reset, timeouts
+                last_error = f"{type(err).__name__}: {err}"
+                continue
+            if response.status_code in self.RETRY_STATUS:
+                last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+                continue
+            if response.status_code != 200:
+                raise SamplerError(f"{url} answered HTTP {response.status_code}: {response.text[:500]}")
+            try:
+                return response.json()
+            except ValueError as err:
+                raise SamplerError(f"{url} returned invalid JSON: {err}") from None
+        raise SamplerError(f"{url} failed after {self.max_retries + 1} attempts; last error: {last_error}")
+
+    def _parse(self, payload: dict[str, Any]) -> Generation:
+        try:
+            choice = payload["choices"][0]
+            logprobs = choice["logprobs"]
+            ids = [_token_id(t) for t in logprobs["tokens"]]
+            values = [float(v) for v in logprobs["token_logprobs"]]
+            finish = "stop" if choice.get("finish_reason") == "stop" else "length"
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise SamplerError(f"malformed completions response ({err!r}): {str(payload)[:300]}") from None
+        if len(ids) != len(values):
+            raise SamplerError(f"{len(ids)} tokens but {len(values)} logprobs in the response")
+        return Generation(ids, values, finish)
+
+
+def _token_id(token: Any) -> int:
+    """vLLM's ``return_tokens_as_token_ids`` gives ``"token_id:123"``; plain ints are accepted too."""
+    if isinstance(token, int):
+        return token
+    if isinstance(token, str) and token.startswith("token_id:"):
+        return int(token.split(":", 1)[1])
+    raise ValueError(f"cannot read a token id from {token!r} (is return_tokens_as_token_ids supported?)")

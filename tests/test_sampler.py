@@ -1,0 +1,170 @@
+"""Samplers: in-process TorchSampler and OpenAISampler against a loopback server that serves a tiny model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.sampler import (
+    OpenAISampler,
+    SamplerError,
+    SamplingConfig,
+    TorchSampler,
+    sample_token,
+)
+from longstraw_agents.serving import CompletionServer
+
+STOP = 7
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3_5", dtype=torch.float64)
+
+
+def full_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_generation_logprobs_match_the_models_distribution(model):
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=12, seed=3), chunk_size=4)
+    prompt = list(range(20, 31))
+    handles = sampler.fork(prompt, 3)
+    for handle in handles:
+        gen = sampler.generate(handle)
+        sampler.append(handle, [40, 41, 42])  # an observation: extends the state, no re-prefill
+        gen2 = sampler.generate(handle)
+        history = prompt + gen.token_ids + [40, 41, 42] + gen2.token_ids
+        assert handle.history == history and sampler.num_tokens(handle) == len(history)
+        reference = full_logprobs(model, history)
+        offset = len(prompt)
+        for k, (token, lp) in enumerate(zip(gen.token_ids, gen.logprobs, strict=True)):
+            assert lp == pytest.approx(float(reference[offset + k - 1, token]), abs=1e-5)
+        offset = len(prompt) + len(gen.token_ids) + 3
+        for k, (token, lp) in enumerate(zip(gen2.token_ids, gen2.logprobs, strict=True)):
+            assert lp == pytest.approx(float(reference[offset + k - 1, token]), abs=1e-5)
+
+
+def test_members_share_the_prompt_capture_and_diverge(model):
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=8, seed=0))
+    handles = sampler.fork(list(range(10, 40)), 4)
+    first = handles[0].state
+    assert all(h.state is first for h in handles)  # one capture, shared
+    outputs = {tuple(sampler.generate(h).token_ids) for h in handles}
+    assert len(outputs) > 1  # sampling at temperature 1 diverges
+
+
+def test_greedy_and_top_p_tiny_pick_the_argmax():
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
+    gen = torch.Generator().manual_seed(0)
+    assert sample_token(logits, SamplingConfig(temperature=0.0), gen)[0] == 1
+    picks = {sample_token(logits, SamplingConfig(top_p=0.01), gen)[0] for _ in range(20)}
+    assert picks == {1}
+    token, lp = sample_token(logits, SamplingConfig(temperature=0.5), gen)
+    assert lp == pytest.approx(float(torch.log_softmax(logits.double() / 0.5, -1)[token]))
+
+
+def test_stop_and_length_finish_reasons(model):
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=5, temperature=0.0))
+    gen = sampler.complete([1, 2, 3])
+    assert gen.finish_reason == "length" and len(gen.token_ids) == 5
+    eager_stop = TorchSampler(model, [gen.token_ids[0]], SamplingConfig(max_new_tokens=5, temperature=0.0))
+    stopped = eager_stop.complete([1, 2, 3])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == gen.token_ids[:1]
+    with pytest.raises(ValueError):
+        TorchSampler(model, [])
+    with pytest.raises(ValueError):
+        sampler.fork([], 2)
+
+
+def test_openai_sampler_against_loopback_server(model):
+    config = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    local = TorchSampler(model, [STOP], config)
+    with CompletionServer(TorchSampler(model, [STOP], config)) as server:
+        remote = OpenAISampler(server.url, [STOP], config, max_retries=1, backoff_s=0.01)
+        handle = remote.fork([5, 6, 7, 8], 1)[0]
+        gen = remote.generate(handle)
+        remote.append(handle, [9, 10])
+        gen2 = remote.generate(handle)
+        remote.close()
+    lh = local.fork([5, 6, 7, 8], 1)[0]
+    expected = local.generate(lh)
+    local.append(lh, [9, 10])
+    expected2 = local.generate(lh)
+    assert gen.token_ids == expected.token_ids and gen2.token_ids == expected2.token_ids
+    assert gen.logprobs == pytest.approx(expected.logprobs, abs=1e-9)
+    assert handle.token_ids == [5, 6, 7, 8, *gen.token_ids, 9, 10, *gen2.token_ids]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_down_retries_then_clear_error():
+    sampler = OpenAISampler(f"http://127.0.0.1:{free_port()}", [STOP], max_retries=2, backoff_s=0.01, timeout_s=1)
+    with pytest.raises(SamplerError, match="after 3 attempts"):
+        sampler.generate(sampler.fork([1, 2], 1)[0])
+
+
+class FlakyHandler(BaseHTTPRequestHandler):
+    """Fails with 503 a given number of times, then answers; or answers garbage."""
+
+    failures_left = 0
+    garbage = False
+    calls = 0
+
+    def do_POST(self):  # noqa: N802
+        type(self).calls += 1
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if type(self).failures_left > 0:
+            type(self).failures_left -= 1
+            status, payload = 503, {"error": "busy"}
+        elif type(self).garbage:
+            status, payload = 200, {"choices": [{"logprobs": {"tokens": ["hello"], "token_logprobs": [0.0]}}]}
+        else:
+            logprobs = {"tokens": ["token_id:3", "token_id:7"], "token_logprobs": [-0.5, -0.1]}
+            status, payload = 200, {"choices": [{"finish_reason": "stop", "logprobs": logprobs}]}
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky_server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    FlakyHandler.failures_left, FlakyHandler.garbage, FlakyHandler.calls = 0, False, 0
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_transient_server_errors_are_retried(flaky_server):
+    FlakyHandler.failures_left = 2
+    sampler = OpenAISampler(flaky_server, [STOP], max_retries=3, backoff_s=0.01)
+    gen = sampler.generate(sampler.fork([1], 1)[0])
+    assert gen.token_ids == [3, 7] and gen.logprobs == [-0.5, -0.1] and gen.finish_reason == "stop"
+    assert FlakyHandler.calls == 3
+
+
+def test_malformed_response_is_a_clear_error(flaky_server):
+    FlakyHandler.garbage = True
+    sampler = OpenAISampler(flaky_server, [STOP], max_retries=0)
+    with pytest.raises(SamplerError, match="token_id"):
+        sampler.generate(sampler.fork([1], 1)[0])
