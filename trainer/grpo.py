@@ -100,7 +100,7 @@ class NodeLoss:
 
     def __call__(self, logits: Tensor, lo: int, hi: int, stats: WalkStats) -> Tensor:
         """Loss of rows ``[lo, hi)`` of the node given their logits."""
-        logp = token_logprobs(logits, self.targets[lo:hi]).to(torch.float64)
+        logp = token_logprobs(logits, self.targets[lo:hi], self.config.temperature).to(torch.float64)
         mask = self.mask[:, lo:hi]
         old = None if self.old is None else self.old[:, lo:hi]
         ref = None if self.ref is None else self.ref[lo:hi].to(torch.float64)
@@ -151,14 +151,14 @@ class NaiveMode(ExecutionMode):
             targets = ids[1:]
             logits = self.engine.logits(self.engine.empty_state(), ids[:-1])
             stats.forward_tokens += ids.shape[0] - 1
-            logp = token_logprobs(logits, targets).to(torch.float64)
+            logp = token_logprobs(logits, targets, self.config.temperature).to(torch.float64)
             mask = torch.as_tensor(member.loss_mask[1:], device=ids.device)
             old = None if member.logprobs is None else torch.as_tensor(member.logprobs[1:], device=ids.device)
             ref = None
             if self.ref_engine is not None:
                 with torch.no_grad():
                     ref_logits = self.ref_engine.logits(self.ref_engine.empty_state(), ids[:-1])
-                ref = token_logprobs(ref_logits, targets).to(torch.float64)
+                ref = token_logprobs(ref_logits, targets, self.config.temperature).to(torch.float64)
                 delta = ref - logp.detach()
                 stats.kl_sum += float(((torch.exp(delta) - delta - 1.0) * mask).sum())
                 stats.kl_tokens += int(mask.sum())
@@ -192,7 +192,8 @@ class TreeMode(ExecutionMode):
         loss = NodeLoss(self.group, node, self.config, inputs.device) if node.has_loss else None
         if loss is not None and self.ref_engine is not None and inputs.numel():
             with torch.no_grad():
-                loss.ref = token_logprobs(self.ref_engine.logits(ref_parent, inputs), loss.targets)
+                ref_logits = self.ref_engine.logits(ref_parent, inputs)
+                loss.ref = token_logprobs(ref_logits, loss.targets, self.config.temperature)
         if not node.children:
             if loss is not None and inputs.numel():
                 self.leaf(node, inputs, parent, loss)

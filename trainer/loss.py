@@ -9,7 +9,12 @@ current log-prob ``l``, behaviour log-prob ``l_old`` (``l.detach()`` on-policy) 
     per_token = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3(l_ref - l)
     k3(d) = exp(d) - d - 1
 
-and the group's loss is ``Σ_i c_i Σ_t per_token``, where the aggregation sets the member weight ``c_i``:
+Off-policy data (offline replay) can instead use truncated importance sampling (``importance="tis"``, as verl's
+TIS): the ratio is taken w.r.t. the current policy (``l_old = l.detach()``) and each token's loss is weighted by
+``min(exp(l.detach() - l_behaviour), tis_cap)``. Log-probs are of ``softmax(logits / temperature)``, the
+distribution the sampler drew from.
+
+The group's loss is ``Σ_i c_i Σ_t per_token``, where the aggregation sets the member weight ``c_i``:
 token-mean ``1 / Σ_j n_j`` (default), seq-mean ``1 / (G n_i)``, dr-grpo ``1 / (G L)`` with L the max completion
 length. Because the loss is linear in per-member terms, a token shared by several members (a shared loss node of
 the segment tree) carries the sum of their terms and the total equals the naive per-member loss exactly.
@@ -43,6 +48,11 @@ class LossConfig(BaseModel):
     max_completion_length: int | None = Field(
         None, ge=1, description="dr-grpo's normaliser L (default: the longest completion of the group)"
     )
+    temperature: float = Field(1.0, gt=0.0, description="log-probs of softmax(logits / temperature), as sampled")
+    importance: Literal["ratio", "tis"] = Field(
+        "ratio", description="ratio: behaviour logprobs as l_old; tis: truncated importance weights (offline)"
+    )
+    tis_cap: float = Field(2.0, gt=0.0, description="cap of the truncated importance weight (importance='tis')")
 
     @property
     def clip_high(self) -> float:
@@ -106,9 +116,11 @@ class MemberTerms:
     weight: float
 
 
-def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target] per row, in at least fp32."""
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[target] per row, in at least fp32."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -119,11 +131,21 @@ def per_token_loss(
     old_logp: Tensor | None = None,
     ref_logp: Tensor | None = None,
 ) -> Tensor:
-    """The clipped-ratio objective (+ k3 KL) of one member at its loss tokens (unreduced)."""
-    old = logp.detach() if old_logp is None else torch.where(torch.isnan(old_logp), logp.detach(), old_logp)
+    """The clipped-ratio objective (+ k3 KL) of one member at its loss tokens (unreduced).
+
+    ``old_logp``: behaviour log-probs (NaN where unknown: treated as on-policy)."""
+    current = logp.detach()
+    behaviour = None if old_logp is None else torch.where(torch.isnan(old_logp), current, old_logp)
+    weight = None
+    if behaviour is not None and config.importance == "tis":
+        weight = torch.clamp(torch.exp(current - behaviour), max=config.tis_cap)
+        behaviour = None
+    old = current if behaviour is None else behaviour
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1.0 - config.epsilon, 1.0 + config.clip_high)
     loss = -torch.minimum(ratio * advantage, clipped * advantage)
+    if weight is not None:
+        loss = loss * weight
     if config.beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs (pass a ref_model)")

@@ -176,11 +176,20 @@ class GRPOTrainer:
         return final
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        path = Path(directory)
-        if not (path / TRAINER_STATE).exists():
-            raise FileNotFoundError(f"{path} is not a GRPOTrainer checkpoint (no {TRAINER_STATE})")
-        self.accelerator.load_state(str(path))
+        self.accelerator.load_state(str(self.resolve_checkpoint(directory)))
 
     @staticmethod
-    def checkpoint_info(directory: str | os.PathLike) -> dict[str, Any]:
-        return json.loads((Path(directory) / TRAINER_STATE).read_text())
+    def resolve_checkpoint(directory: str | os.PathLike) -> Path:
+        """The checkpoint folder to read: ``directory``, or its ``.old`` twin when a save was killed after moving
+        the previous checkpoint aside and before renaming the new one into place."""
+        path = Path(directory)
+        if (path / TRAINER_STATE).exists():
+            return path
+        previous = path.with_name(path.name + ".old")
+        if (previous / TRAINER_STATE).exists():
+            return previous
+        raise FileNotFoundError(f"{path} is not a GRPOTrainer checkpoint (no {TRAINER_STATE})")
+
+    @classmethod
+    def checkpoint_info(cls, directory: str | os.PathLike) -> dict[str, Any]:
+        return json.loads((cls.resolve_checkpoint(directory) / TRAINER_STATE).read_text())

@@ -1,0 +1,112 @@
+"""Peak-memory structure: the tracker on a hand-computed graph, and the trainer's modes flat in group size.
+
+Parameter gradients are materialised before each tracked call (``p.grad = zeros_like(p)``) so that gradient
+accumulation is in place and the tracker sees only what a mode itself keeps alive.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from longstraw_agents.memory import MemoryTracker, tensor_bytes
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.trainer import grpo_backward
+
+N = 1000  # float32 elements: 4000 bytes per tensor
+
+
+# --- the tracker ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_tracker_follows_a_hand_computed_graph(device: str):
+    x = torch.ones(N, device=device).requires_grad_()  # made before the tracker: never counted
+    with MemoryTracker() as mem:
+        y = x * 2  # 4000
+        assert mem.current_bytes == 4000
+        z = y.exp()  # 4000, saved by exp's backward
+        loss = z.sum()  # 4
+        assert mem.current_bytes == mem.peak_bytes == 8004
+        view = y.view(10, 100)  # a view shares y's storage: counted once
+        y.add_(1)  # in place: no new storage
+        assert mem.current_bytes == 8004
+        del y, view  # nothing saved y (exp saves its output): released
+        assert mem.current_bytes == 4004
+        loss.backward()
+        # backward's peak: z + loss + d loss (4) + d z (4000, a 4-byte expand is a view) + d x (4000)
+        assert mem.peak_bytes == 4000 + 4 + 4 + 4000 + 4000
+        del z, loss  # the graph is gone; x.grad (made inside the tracker) is all that lives on
+        assert mem.current_bytes == 4000 == x.grad.untyped_storage().nbytes()
+    assert mem.peak_bytes == 12008
+
+
+def test_tracker_baseline_and_reset_peak():
+    with MemoryTracker(baseline=100) as mem:
+        assert mem.current_bytes == mem.peak_bytes == 100
+        a = torch.zeros(N)
+        del a
+        assert mem.current_bytes == 100 and mem.peak_bytes == 4100
+        mem.reset_peak()
+        assert mem.peak_bytes == 100
+        b = torch.zeros(N // 2)
+        assert mem.peak_bytes == 2100
+        del b
+
+
+def test_tracker_sees_tensors_kept_alive_by_autograd_until_the_graph_dies():
+    w = torch.ones(N, requires_grad=True)
+    with MemoryTracker() as mem:
+        out = (w * w).sin().sum()  # w*w is saved by sin's backward though no Python name holds it
+        assert mem.peak_bytes == 4000 + 4000 + 4  # w*w, sin(w*w), the sum
+        assert mem.current_bytes == 4000 + 4  # sin saves its input, not its output: sin(w*w) is gone already
+        del out
+        assert mem.current_bytes == 0
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    a = torch.zeros(N)
+    b = torch.zeros(10, dtype=torch.float64)
+    assert tensor_bytes([a, a[:10], a.view(10, 100), b]) == 4000 + 80
+    assert tensor_bytes([]) == 0
+
+
+# --- the trainer's modes -----------------------------------------------------------------------------------------
+@functools.cache
+def model(family: str) -> nn.Module:
+    net = tiny_model(family)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    return net
+
+
+def peak_bytes(family: str, mode: str, group_size: int, prompt_len: int, chunk: int, completion_len: int = 6) -> int:
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, 256, (prompt_len,), generator=gen)
+    completions = [torch.randint(0, 256, (completion_len,), generator=gen) for _ in range(group_size)]
+    rewards = [float(k % 3) for k in range(group_size)]
+    stats = grpo_backward(model(family), prompt, completions, rewards, mode=mode, chunk_size=chunk)
+    return stats["peak_bytes"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_tree_modes_peak_is_flat_in_group_size(family: str, mode: str):
+    small, large = (peak_bytes(family, mode, g, prompt_len=60, chunk=8) for g in (2, 8))
+    assert large <= 1.05 * small, f"{mode}: G=2 {small} B, G=8 {large} B"
+
+
+def test_naive_peak_grows_with_group_size():
+    """Naive is the reference the other modes are measured against: one full graph per member over the whole
+    sequence, all alive together as in a batched forward (DESIGN.md: memory grows with context x G)."""
+    small, large = (peak_bytes("llama", "naive", g, prompt_len=60, chunk=8) for g in (2, 8))
+    assert large >= 2.5 * small, f"naive: G=2 {small} B, G=8 {large} B"
+
+
+def test_exact_peak_on_a_long_prompt_stays_well_below_naive():
+    exact = peak_bytes("llama", "exact", 4, prompt_len=400, chunk=16)
+    naive = peak_bytes("llama", "naive", 4, prompt_len=400, chunk=16)
+    detached = peak_bytes("llama", "detached", 4, prompt_len=400, chunk=16)
+    assert exact < 0.25 * naive, f"exact {exact} B vs naive {naive} B"
+    assert detached <= exact  # exact holds the state's gradient and one recomputed chunk on top

@@ -1,0 +1,325 @@
+"""GRPOTrainer: configuration, optimizer steps, gradient clipping, and checkpoints that resume bit-exactly in a fresh
+process — also when the process that wrote them was SIGKILLed right after, or in the middle of, a save."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+from grpo_reference import flat, parameter_grads, relative_l2
+
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, LossConfig, OptimizerConfig, backward_group
+from longstraw_agents.trajectory import Segment, Trajectory
+
+TESTS = Path(__file__).resolve().parent
+PROMPT_LEN, CHUNK, G = 20, 8, 3
+
+
+def make_trainer(mode: str = "exact", max_grad_norm: float | None = 1.0, lr: float = 1e-2, **config) -> GRPOTrainer:
+    net = tiny_model("llama", seed=0)
+    cfg = GRPOConfig(G=G, mode=mode, chunk_size=CHUNK, lr=lr, max_grad_norm=max_grad_norm, **config)
+    return GRPOTrainer(net, cfg)
+
+
+def step_groups(trainer: GRPOTrainer, step: int, num_groups: int = 2):
+    """The groups of one step. Completions and rewards are drawn from the global torch RNG — like a sampler
+    would — so that an exact resume also needs the checkpoint's RNG states."""
+    groups = []
+    for k in range(num_groups):
+        prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(100 * step + k))
+        completions = [torch.randint(0, 256, (int(n),)) for n in torch.randint(2, 6, (G,))]
+        rewards = torch.rand(G).tolist()
+        groups.append(trainer.group_from_completions(prompt, completions, rewards))
+    return groups
+
+
+def parameters(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+# --- configuration ------------------------------------------------------------------------------------------------
+def test_flat_names_land_in_the_nested_configs():
+    flat_config = GRPOConfig(G=4, epsilon=0.1, lr=1e-3)
+    assert flat_config.group_size == 4 and flat_config.loss.epsilon == 0.1 and flat_config.optim.lr == 1e-3
+    nested = GRPOConfig(group_size=4, loss=LossConfig(epsilon=0.1), optim=OptimizerConfig(lr=1e-3))
+    assert flat_config == nested
+    trl_names = GRPOConfig(num_generations=6, learning_rate=2e-5, loss_type="dr-grpo", beta=0.04, max_grad_norm=None)
+    assert trl_names.group_size == 6 and trl_names.optim.lr == 2e-5 and trl_names.optim.max_grad_norm is None
+    assert trl_names.loss.aggregation == "dr-grpo" and trl_names.loss.beta == 0.04
+
+
+def test_flat_names_merge_with_a_nested_section():
+    config = GRPOConfig(loss=LossConfig(beta=0.1, epsilon=0.3), epsilon_high=0.4, optim={"weight_decay": 0.1}, lr=1)
+    assert (config.loss.beta, config.loss.epsilon, config.loss.epsilon_high) == (0.1, 0.3, 0.4)
+    assert (config.optim.weight_decay, config.optim.lr) == (0.1, 1.0)
+
+
+def test_config_round_trips_through_json():
+    config = GRPOConfig(G=4, mode="detached", epsilon=0.1, epsilon_high=0.2, beta=0.01, lr=3e-4, chunk_size=64)
+    assert GRPOConfig.model_validate_json(config.model_dump_json()) == config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "loc"),
+    [
+        ({"G": 0}, ("group_size",)),
+        ({"mode": "full"}, ("mode",)),
+        ({"chunk_size": 0}, ("chunk_size",)),
+        ({"lr": 0.0}, ("optim", "lr")),
+        ({"max_grad_norm": -1.0}, ("optim", "max_grad_norm")),
+        ({"epsilon": -0.2}, ("loss", "epsilon")),
+        ({"aggregation": "mean"}, ("loss", "aggregation")),
+        ({"loss": {"beta": -1.0}}, ("loss", "beta")),
+        ({"gradient_accumulation": 4}, ("gradient_accumulation",)),
+    ],
+)
+def test_bad_config_values_name_the_field(kwargs, loc):
+    with pytest.raises(pydantic.ValidationError) as info:
+        GRPOConfig(**kwargs)
+    assert [error["loc"] for error in info.value.errors()] == [loc]
+
+
+def test_beta_without_a_reference_model_is_rejected():
+    with pytest.raises(ValueError, match="ref_model"):
+        GRPOTrainer(tiny_model("llama"), GRPOConfig(beta=0.1))
+
+
+# --- steps ----------------------------------------------------------------------------------------------------
+def test_steps_change_the_parameters_and_advance_the_policy_version():
+    trainer = make_trainer()
+    before = parameters(trainer)
+    assert trainer.step_count == trainer.policy_version == 0
+    for step in range(3):
+        metrics = trainer.train_step(step_groups(trainer, step))
+        assert metrics["step"] == metrics["policy_version"] == step + 1 == trainer.policy_version
+    after = parameters(trainer)
+    assert relative_l2(after, before) > 1e-3
+    assert metrics["mode"] == "exact" and metrics["grad_norm"] > 0
+    assert metrics["loss_tokens"] > 0 and metrics["unique_tokens"] > 2 * PROMPT_LEN
+    with pytest.raises(ValueError, match="at least one group"):
+        trainer.train_step([])
+
+
+def test_a_step_uses_the_mean_of_the_groups_gradients_and_the_configured_mode():
+    """After a step without clipping, ``param.grad`` holds the mean of the groups' gradients, each computed by
+    ``backward_group`` on its own; exact and naive trainers agree, detached differs."""
+    grads = {}
+    for mode in ("exact", "naive", "detached"):
+        torch.manual_seed(0)
+        trainer = make_trainer(mode, max_grad_norm=None)
+        groups = step_groups(trainer, 0)
+        expected = {}
+        for group in groups:
+            trainer.model.zero_grad(set_to_none=True)
+            backward_group(trainer.engine, group, mode, trainer.config.loss)
+            expected = {n: expected.get(n, 0) + g / len(groups) for n, g in parameter_grads(trainer.model).items()}
+        metrics = trainer.train_step(groups)
+        grads[mode] = parameter_grads(trainer.model)
+        assert relative_l2(grads[mode], expected) <= 1e-6
+        assert metrics["grad_norm"] == pytest.approx(float(flat(expected).norm()), rel=1e-5)
+    assert relative_l2(grads["exact"], grads["naive"]) <= 1e-5
+    assert relative_l2(grads["detached"], grads["naive"]) > 1e-2
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, None])
+def test_gradient_clipping_reports_the_raw_norm_and_clips_to_max(max_norm):
+    trainer = make_trainer(max_grad_norm=max_norm)
+    metrics = trainer.train_step(step_groups(trainer, 0))
+    clipped_norm = float(flat(parameter_grads(trainer.model)).norm())
+    assert metrics["grad_norm"] > 1e-2  # the raw norm, before clipping
+    expected = metrics["grad_norm"] if max_norm is None else max_norm
+    assert clipped_norm == pytest.approx(expected, rel=1e-4)
+
+
+def test_trajectory_groups_train_and_report_peak_memory():
+    trainer = make_trainer(track_memory=True)
+    prompt = [Segment("system", list(range(10, 30))), Segment("user", list(range(30, 40)))]
+    trajectories = [
+        Trajectory([*prompt, Segment("assistant", [1, 2, 3]), Segment("tool", [4, 5]), Segment("assistant", [6])]),
+        Trajectory([*prompt, Segment("assistant", [1, 2, 3]), Segment("tool", [4, 5]), Segment("assistant", [7])]),
+        Trajectory([*prompt, Segment("assistant", [8, 9])]),
+    ]
+    for traj, reward in zip(trajectories, (1.0, 0.0, 0.5), strict=True):
+        traj.reward = reward
+    metrics = trainer.train_step([trainer.group_from_trajectories(trajectories)])
+    assert metrics["reward_mean"] == pytest.approx(0.5) and metrics["loss_tokens"] == 4 + 4 + 2
+    assert metrics["unique_tokens"] == 30 + 3 + 2 + 1 + 1 + 2
+    assert metrics["peak_bytes"] > 0
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------------
+TOTAL_STEPS, SAVE_AT = 4, 2
+
+
+def _worker(spec: dict) -> None:
+    """Run a trainer in this (fresh) process as ``spec`` says; write its parameters and counters to spec["out"].
+
+    spec: ckpt (folder), load (resume from ckpt first), steps (run until this step), save_at (steps after which
+    to save), kill ("after_save": SIGKILL right after the save at the last save_at; "in_state": during the state
+    write of that save; "between_renames": after the old checkpoint was moved aside, before the new one is in place).
+    """
+    torch.set_num_threads(1)
+    trainer = make_trainer()
+    if spec["load"]:
+        trainer.load_checkpoint(spec["ckpt"])
+    resumed_at = trainer.step_count
+    for step in range(trainer.step_count, spec["steps"]):
+        trainer.train_step(step_groups(trainer, step))
+        if step + 1 in spec["save_at"]:
+            if step + 1 == spec["save_at"][-1] and spec.get("kill"):
+                _arm_kill(trainer, spec["kill"])
+            trainer.save_checkpoint(spec["ckpt"])
+    torch.save(parameters(trainer), spec["out"])
+    Path(spec["out"] + ".json").write_text(
+        json.dumps({"resumed_at": resumed_at, "step": trainer.step_count, "policy_version": trainer.policy_version})
+    )
+
+
+def _arm_kill(trainer: GRPOTrainer, when: str) -> None:
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if when == "after_save":
+        save = trainer.save_checkpoint
+        trainer.save_checkpoint = lambda directory: (save(directory), die())
+    elif when == "in_state":
+        save_state = trainer.accelerator.save_state
+        trainer.accelerator.save_state = lambda directory: (save_state(directory), die())
+    elif when == "between_renames":
+        rename = Path.rename
+
+        def rename_then_die(self: Path, target):
+            moved = rename(self, target)
+            if str(target).endswith(".old"):
+                die()
+            return moved
+
+        Path.rename = rename_then_die
+    else:
+        raise ValueError(f"unknown kill point {when!r}")
+
+
+def _launch(spec: dict) -> subprocess.Popen:
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); "
+        "import test_trainer; test_trainer._worker(json.loads(sys.argv[2]))"
+    )
+    return subprocess.Popen([sys.executable, "-c", code, str(TESTS), json.dumps(spec)], stderr=subprocess.PIPE)
+
+
+def _run_all(specs: dict[str, dict]) -> dict[str, tuple[int, str]]:
+    """Run the workers in parallel; their exit codes and the tail of their stderr, by name."""
+    procs = {name: _launch(spec) for name, spec in specs.items()}
+    outcomes = {}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        outcomes[name] = (proc.returncode, err.decode()[-3000:])
+    return outcomes
+
+
+KILL_POINTS = ["after_save", "in_state", "between_renames"]
+
+
+@dataclass
+class ResumeRuns:
+    """Parameters and counters each finished worker wrote, by worker name; the uninterrupted run's checkpoint."""
+
+    results: dict[str, tuple[dict[str, torch.Tensor], dict]] = field(repr=False)
+    failures: dict[str, str] = field(repr=False)  # resume workers that exited with an error: their stderr
+    checkpoint: Path
+
+    def finished(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        assert name not in self.failures, f"worker {name} failed:\n{self.failures[name]}"
+        return self.results[name]
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory) -> ResumeRuns:
+    """Phase 1 (in parallel): an uninterrupted run that also saves at SAVE_AT, and one run per kill point that
+    is SIGKILLed at its save (for the mid-save kills, the save at SAVE_AT is complete and the next one is cut).
+    Phase 2 (in parallel): a fresh process per checkpoint resumes and runs to TOTAL_STEPS."""
+    root = tmp_path_factory.mktemp("resume")
+    first = {"uninterrupted": {"steps": TOTAL_STEPS, "save_at": [SAVE_AT]}}
+    for kill in KILL_POINTS:
+        save_at = [SAVE_AT] if kill == "after_save" else [SAVE_AT, SAVE_AT + 1]
+        first[kill] = {"steps": TOTAL_STEPS, "save_at": save_at, "kill": kill}
+    for name, spec in first.items():
+        spec.update(ckpt=str(root / name / "ckpt"), load=False, out=str(root / f"{name}.pt"))
+    outcomes = _run_all(first)
+    assert outcomes["uninterrupted"][0] == 0, outcomes["uninterrupted"][1]
+    for kill in KILL_POINTS:
+        assert outcomes[kill][0] == -signal.SIGKILL, outcomes[kill]
+
+    second = {
+        f"resume-{name}": {**spec, "load": True, "save_at": [], "kill": None, "out": str(root / f"resume-{name}.pt")}
+        for name, spec in first.items()
+    }
+    failures = {name: err for name, (code, err) in _run_all(second).items() if code != 0}
+    results = {
+        name: (torch.load(spec["out"]), json.loads(Path(spec["out"] + ".json").read_text()))
+        for name, spec in {**first, **second}.items()
+        if Path(spec["out"]).exists()
+    }
+    return ResumeRuns(results, failures, root / "uninterrupted" / "ckpt")
+
+
+@pytest.mark.slow
+def test_resume_in_a_fresh_process_is_bit_exact(resume_runs):
+    expected, done = resume_runs.results["uninterrupted"]
+    resumed, info = resume_runs.finished("resume-uninterrupted")
+    assert done == {"resumed_at": 0, "step": TOTAL_STEPS, "policy_version": TOTAL_STEPS}
+    assert info == {"resumed_at": SAVE_AT, "step": TOTAL_STEPS, "policy_version": TOTAL_STEPS}
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", KILL_POINTS)
+def test_resume_after_sigkill_is_bit_exact(resume_runs, kill):
+    """Killed right after a save, or in the middle of the next one: the last complete checkpoint (step SAVE_AT)
+    is what loads, and continuing from it reproduces the uninterrupted parameters."""
+    assert kill not in resume_runs.results  # the killed process never finished
+    expected, _ = resume_runs.results["uninterrupted"]
+    resumed, info = resume_runs.finished(f"resume-{kill}")
+    assert info["resumed_at"] == SAVE_AT and info["policy_version"] == TOTAL_STEPS
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected)
+
+
+@pytest.mark.slow
+def test_checkpoint_info_describes_the_checkpoint(resume_runs):
+    info = GRPOTrainer.checkpoint_info(resume_runs.checkpoint)
+    assert info["step"] == info["policy_version"] == SAVE_AT
+    assert GRPOConfig.model_validate(info["config"]) == make_trainer().config
+
+
+def test_save_then_load_in_process_restores_counters_and_parameters(tmp_path):
+    trainer = make_trainer()
+    trainer.train_step(step_groups(trainer, 0))
+    saved = parameters(trainer)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    trainer.save_checkpoint(tmp_path / "ckpt")  # overwriting a checkpoint leaves one complete folder, no debris
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    trainer.train_step(step_groups(trainer, 1))
+    assert trainer.policy_version == 2
+    trainer.load_checkpoint(tmp_path / "ckpt")
+    assert trainer.step_count == trainer.policy_version == 1
+    assert all(torch.equal(p, saved[name]) for name, p in parameters(trainer).items())
+
+
+def test_loading_a_folder_that_is_not_a_checkpoint_fails_clearly(tmp_path):
+    trainer = make_trainer()
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is not a GRPOTrainer checkpoint"):
+        trainer.load_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is not a GRPOTrainer checkpoint"):
+        trainer.load_checkpoint(tmp_path / "missing")
+    assert trainer.step_count == 0

@@ -1,0 +1,70 @@
+"""Supervised warm start: next-token cross-entropy on the loss-masked (assistant) tokens of trajectories.
+
+A tiny random-init policy cannot discover a tool-call format by exploration; a short warm start on a reference
+policy's traces (e.g. an environment's scripted policy) gives GRPO something to improve.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from longstraw_agents.trajectory import Trajectory
+
+
+class SFTConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(100, ge=0, description="optimizer steps")
+    batch_size: int = Field(8, ge=1, description="trajectories per step")
+    lr: float = Field(3e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    seed: int = 0
+
+
+def masked_nll(model: nn.Module, trajectory: Trajectory) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over the trajectory's loss tokens, and their count."""
+    rendered = trajectory.render()
+    ids = torch.as_tensor(rendered.token_ids, dtype=torch.long)
+    mask = torch.as_tensor(rendered.loss_mask[1:], dtype=torch.bool)
+    logits = model(ids[:-1].unsqueeze(0)).logits[0]
+    nll = torch.nn.functional.cross_entropy(logits.float(), ids[1:], reduction="none")
+    return (nll * mask).sum(), int(mask.sum())
+
+
+def supervised_warm_start(
+    model: nn.Module,
+    trajectories: Sequence[Trajectory],
+    config: SFTConfig | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train on ``trajectories`` (token-mean NLL per batch); returns the loss of each step."""
+    config = config or SFTConfig()
+    if not trajectories:
+        raise ValueError("no trajectories to warm-start on")
+    rng = random.Random(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    model.train()
+    losses = []
+    for step in range(config.steps):
+        batch = [trajectories[rng.randrange(len(trajectories))] for _ in range(config.batch_size)]
+        optimizer.zero_grad(set_to_none=True)
+        total, count = torch.zeros(()), 0
+        for trajectory in batch:
+            nll, n = masked_nll(model, trajectory)
+            total, count = total + nll, count + n
+        loss = total / max(count, 1)
+        loss.backward()
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    model.eval()
+    return losses
