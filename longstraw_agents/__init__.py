@@ -7,3 +7,10 @@ Agent side: ``longstraw_agents.envs`` and ``longstraw_agents.tools``; training: 
 """
 
 __version__ = "0.1.0"
+
+try:  # make the LongStraw/... ids known to gymnasium.make (lazy entry points: nothing heavy is imported)
+    from longstraw_agents.registration import register_envs as _register_envs
+
+    _register_envs()
+except ImportError:  # gymnasium is a dependency; a partial install still imports the model side
+    pass

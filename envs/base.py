@@ -1,0 +1,459 @@
+"""`ToolEnv`: the token-in / token-out Gymnasium environment that every LongStraw task subclasses.
+
+An episode, in token ids (ChatML, rendered by `ChatFormatter`; see ``longstraw_agents/chat.py``)::
+
+    reset()      → the prompt: system message, user message, generation prompt ("\\n<|im_start|>assistant\\n")
+    step(action) ← one assistant turn: the ids the policy sampled, normally ending with <|im_end|>
+                 → the ids to append: the tool results (or a correction) as the next message + generation prompt
+
+Nothing is ever re-tokenized. The prompt, every action and every observation become `Segment`\\ s of
+``env.unwrapped.trajectory`` exactly as they were exchanged, so ``trajectory.token_ids()`` is the concatenation of
+everything ``reset`` and ``step`` returned and received. Each turn is read as follows:
+
+1. An ``<answer>…</answer>`` block ends the episode: ``terminated``, reward ``score(task, answer)``. Tool calls
+   in the same turn are not run.
+2. Otherwise, the turn that spends the turn budget ends the episode: ``truncated``, finish reason
+   ``"max_turns"``, reward 0; its tool calls are not run (nobody would read their results).
+3. Otherwise the turn's ``<tool_call>`` blocks are run in order (several per turn are fine) and their results,
+   failures included, are the next observation (role ``tool``). A turn with neither a call nor an answer — random
+   tokens, say — gets a user message saying how to call a tool or answer. Nothing the policy writes raises.
+4. An observation that would take the episode past ``max_tokens`` is not appended: ``truncated``, finish reason
+   ``"max_tokens"``, reward 0.
+
+The observation that ends an episode is empty: nothing follows the final action. A turn that does not end with a
+stop token (the sampler hit its length limit) is closed by the environment: the next observation starts with
+``<|im_end|>``, so the context stays well-formed ChatML. Behaviour logprobs of an action can be given with
+``record_logprobs`` before ``step`` or in a dict action ``{"token_ids": ids, "logprobs": lps}``.
+
+A task is a subclass that fills in a few hooks: ``make_task(rng)`` (deterministic given the generator),
+``user_prompt(task)``, ``score(task, answer)`` and usually ``tools(task)``; ``system_prompt(task)`` and
+``scripted_turns(task)`` (the oracle used by `ScriptedPolicy`) are optional.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from gymnasium.error import ResetNeeded
+from pydantic import BaseModel, ConfigDict, Field
+
+from longstraw_agents.chat import ChatFormatter
+from longstraw_agents.tokenizer import Tokenizer, load_tokenizer
+from longstraw_agents.tools import Tool, ToolCall, ToolCallError, ToolRegistry, ToolResult, parse_tool_calls
+from longstraw_agents.trajectory import FinishReason, Segment, Trajectory
+
+from .answers import ANSWER_CLOSE, ANSWER_OPEN, find_answer
+
+TaskT = TypeVar("TaskT")
+
+Action = Sequence[int] | np.ndarray | Mapping[str, Any]
+"""Token ids of one assistant turn, or ``{"token_ids": ids, "logprobs": behaviour_logprobs}``."""
+
+DEFAULT_TOKENIZER = "longstraw-bpe"
+SEED_BOUND = 2**31
+"""Episode seeds drawn by ``reset()`` without a seed lie in ``[0, SEED_BOUND)``."""
+RESET_OPTIONS = ("group_id", "policy_version")
+
+
+class ToolEnvConfig(BaseModel):
+    """Budgets shared by every `ToolEnv`; subclasses extend it with their task's settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(8, ge=1, description="Assistant turns per episode; the last one truncates the episode.")
+    max_tokens: int = Field(
+        16_384, ge=1, description="Token budget of the whole episode: prompt, actions and observations."
+    )
+
+
+@dataclass(frozen=True)
+class Score:
+    """What ``score`` may return instead of a plain float: the reward plus details kept in the trajectory's info."""
+
+    reward: float
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Episode(Generic[TaskT]):
+    task: TaskT
+    registry: ToolRegistry
+    trajectory: Trajectory
+    turn: int = 0
+    num_tokens: int = 0
+    done: bool = False
+    pending_logprobs: np.ndarray | None = None
+
+    def append(self, segment: Segment) -> None:
+        self.trajectory.append(segment)
+        self.num_tokens += len(segment)
+
+
+class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
+    """A multi-turn tool-using task with token-id actions and observations (see the module docstring).
+
+    Args:
+        config: Budgets (and, in subclasses, task settings); keyword ``overrides`` replace its fields, so
+            ``gymnasium.make(env_id, max_turns=4)`` works. Invalid values raise pydantic's ``ValidationError``.
+        tokenizer: A `Tokenizer` or a spec for ``load_tokenizer`` (the shipped BPE by default).
+        render_mode: None or ``"ansi"`` (``render()`` returns the episode's text).
+    """
+
+    # render_fps only matters to viewers that replay frames; 4 is what Gymnasium's own text environments declare.
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 4}
+    config_class: ClassVar[type[ToolEnvConfig]] = ToolEnvConfig
+    instructions: ClassVar[str] = "Solve the user's task."
+    """First paragraph of the default system prompt; the tool list and the answer format follow it."""
+
+    def __init__(
+        self,
+        config: ToolEnvConfig | None = None,
+        *,
+        tokenizer: Tokenizer | str = DEFAULT_TOKENIZER,
+        render_mode: str | None = None,
+        **overrides: Any,
+    ) -> None:
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode must be None or one of {self.metadata['render_modes']}, got {render_mode!r}")
+        base = config.model_dump() if config is not None else {}
+        self.config = self.config_class.model_validate({**base, **overrides})
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.formatter = ChatFormatter(self.tokenizer)
+        self.render_mode = render_mode
+        self.observation_space = spaces.Sequence(spaces.Discrete(self.tokenizer.vocab_size), stack=True)
+        self.action_space = spaces.Sequence(spaces.Discrete(self.tokenizer.vocab_size), stack=True)
+        self._stop_ids = frozenset(self.formatter.stop_token_ids)
+        self._episode: _Episode[TaskT] | None = None
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Hooks for subclasses
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def make_task(self, rng: np.random.Generator) -> TaskT:
+        """A new task, drawn only from ``rng`` (so that the episode seed reproduces it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement make_task(rng)")
+
+    def user_prompt(self, task: TaskT) -> str:
+        """The user message that states the task."""
+        raise NotImplementedError(f"{type(self).__name__} must implement user_prompt(task)")
+
+    def score(self, task: TaskT, answer: str) -> float | Score:
+        """The reward for the final answer (the text inside ``<answer>…</answer>``, stripped)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score(task, answer)")
+
+    def tools(self, task: TaskT) -> Iterable[Tool | Callable[..., Any]]:
+        """The tools of this episode (plain functions are wrapped with ``@tool``)."""
+        return ()
+
+    def system_prompt(self, task: TaskT) -> str:
+        """The system message ("" for none): ``instructions``, then the tools and the call/answer format."""
+        return f"{self.instructions}\n\n{tool_instructions(self.registry)}"
+
+    def scripted_turns(self, task: TaskT) -> list[str]:
+        """The assistant turns (text, without ``<|im_end|>``) of a reference solution: the oracle that
+        `ScriptedPolicy` plays, for demos, supervised warm starts and tests."""
+        raise NotImplementedError(f"{type(self).__name__} has no scripted solution (define scripted_turns(task))")
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # State
+    # ----------------------------------------------------------------------------------------------------------------
+
+    @property
+    def env_id(self) -> str:
+        return self.spec.id if self.spec is not None else type(self).__name__
+
+    @property
+    def task(self) -> TaskT:
+        """The current episode's (hidden) task."""
+        return self._current().task
+
+    @property
+    def registry(self) -> ToolRegistry:
+        """The current episode's tools."""
+        return self._current().registry
+
+    @property
+    def trajectory(self) -> Trajectory:
+        """The current (or just finished) episode as token-exact segments; a new object after every reset."""
+        return self._current().trajectory
+
+    @property
+    def turn(self) -> int:
+        """How many assistant turns the current episode has taken."""
+        return self._current().turn
+
+    @property
+    def num_tokens(self) -> int:
+        return self._current().num_tokens
+
+    @property
+    def done(self) -> bool:
+        return self._current().done
+
+    def _current(self) -> _Episode[TaskT]:
+        if self._episode is None:
+            raise ResetNeeded(f"{self.env_id}: no episode yet; call reset() first")
+        return self._episode
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Gymnasium API
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Start an episode; returns the prompt ids. ``options`` may set ``group_id`` and ``policy_version``.
+
+        Without ``seed`` the episode seed is drawn from ``np_random``; either way it is recorded in the trajectory,
+        and ``reset(seed=trajectory.seed)`` rebuilds the same task.
+        """
+        super().reset(seed=seed)
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(RESET_OPTIONS))
+        if unknown:
+            raise ValueError(f"{self.env_id}: unknown reset option(s) {unknown}; known: {list(RESET_OPTIONS)}")
+        episode_seed = seed if seed is not None else int(self.np_random.integers(SEED_BOUND))
+        task = self.make_task(np.random.default_rng(episode_seed))
+        trajectory = Trajectory(
+            env_id=self.env_id,
+            seed=episode_seed,
+            group_id=str(options.get("group_id", "")),
+            policy_version=int(options.get("policy_version", 0)),
+            info={"max_turns": self.config.max_turns, "max_tokens": self.config.max_tokens},
+        )
+        episode = _Episode(task=task, registry=ToolRegistry(self.tools(task)), trajectory=trajectory)
+        self._episode = episode  # the prompt hooks may read self.registry and self.task
+        try:
+            self._append_prompt(episode)
+        except BaseException:
+            self._episode = None  # no half-built episode to step into
+            raise
+        observation = trajectory.token_ids().astype(np.int64)
+        info = {
+            "text": "".join(segment.text for segment in trajectory),
+            "seed": episode_seed,
+            "turn": 0,
+            "num_tokens": episode.num_tokens,
+            "tools": episode.registry.names,
+            "finish_reason": "running",
+        }
+        return observation, info
+
+    def record_logprobs(self, logprobs: Sequence[float] | np.ndarray) -> None:
+        """Behaviour logprobs of the next action's tokens (one per token), recorded with it by the next ``step``."""
+        episode = self._running()
+        lp = np.asarray(logprobs, dtype=np.float32)
+        if lp.ndim != 1:
+            raise ValueError(f"logprobs must be 1-D (one per action token), got shape {lp.shape}")
+        episode.pending_logprobs = lp
+
+    def step(self, action: Action) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Take one assistant turn; see the module docstring for how it is read. Raises only for actions outside
+        the action space (``ValueError``/``TypeError``) and for steps after the episode ended (``ResetNeeded``);
+        in both cases the episode is left as it was."""
+        episode = self._running()
+        ids, logprobs = self._read_action(action, episode)
+        turn = episode.turn
+        content = self._content(ids)
+        calls = parse_tool_calls(content)
+        answer = find_answer(content)
+        action_segment = self.formatter.assistant(
+            ids, turn, logprobs, tool_calls=[call.to_record() for call in calls] or None
+        )
+
+        # Everything is computed before the episode changes, so an error in a hook leaves the episode intact.
+        if answer.answer is not None:
+            score = _as_score(self.score(episode.task, answer.answer))
+            return self._finish(episode, action_segment, "answered", score, calls, [], answer.answer)
+        if turn + 1 >= self.config.max_turns:
+            return self._finish(episode, action_segment, "max_turns", Score(0.0), calls, [], None)
+        results = [episode.registry.call(call) for call in calls]
+        observation = self._observation(results, content, turn, closes_turn=self._ends_turn(ids))
+        if episode.num_tokens + len(action_segment) + len(observation) > self.config.max_tokens:
+            return self._finish(episode, action_segment, "max_tokens", Score(0.0), calls, results, None)
+
+        episode.append(action_segment)
+        episode.append(observation)
+        episode.turn += 1
+        episode.pending_logprobs = None
+        info = self._step_info(episode, action_segment, observation.text, calls, results, None, "running")
+        return observation.token_ids.astype(np.int64), 0.0, False, False, info
+
+    def end_episode(self, finish_reason: FinishReason = "aborted") -> Trajectory:
+        """End the running episode from outside — e.g. the policy's context is full (``"context_limit"``): the
+        episode is truncated with reward 0 and the reason is recorded in its trajectory."""
+        if finish_reason in ("running", "answered"):
+            raise ValueError(f"end_episode needs a truncation reason, not {finish_reason!r}")
+        episode = self._running()
+        episode.done = True
+        episode.pending_logprobs = None
+        trajectory = episode.trajectory
+        trajectory.reward = 0.0
+        trajectory.finish_reason = finish_reason
+        return trajectory
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi" or self._episode is None:
+            return None
+        return "".join(segment.text for segment in self._episode.trajectory)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Internals
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _append_prompt(self, episode: _Episode[TaskT]) -> None:
+        messages = [{"role": "user", "content": self.user_prompt(episode.task)}]
+        system = self.system_prompt(episode.task)
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        for segment in self.formatter.prompt(messages):
+            episode.append(segment)
+        if episode.num_tokens > self.config.max_tokens:
+            raise ValueError(
+                f"{self.env_id}: the prompt has {episode.num_tokens} tokens, more than max_tokens="
+                f"{self.config.max_tokens}; raise max_tokens"
+            )
+
+    def _running(self) -> _Episode[TaskT]:
+        episode = self._current()
+        if episode.done:
+            reason = episode.trajectory.finish_reason
+            raise ResetNeeded(f"{self.env_id}: the episode has ended ({reason}); call reset() before step()")
+        return episode
+
+    def _read_action(self, action: Action, episode: _Episode[TaskT]) -> tuple[np.ndarray, np.ndarray | None]:
+        logprobs = episode.pending_logprobs
+        if isinstance(action, Mapping):
+            unknown = sorted(set(action) - {"token_ids", "logprobs"})
+            if unknown or "token_ids" not in action:
+                raise ValueError(
+                    f'a dict action has the keys "token_ids" and optionally "logprobs"; got {sorted(action)}'
+                )
+            if action.get("logprobs") is not None:
+                if logprobs is not None:
+                    raise ValueError("logprobs given twice: by record_logprobs() and in the action")
+                logprobs = np.asarray(action["logprobs"], dtype=np.float32)
+            action = action["token_ids"]
+        ids = np.asarray(action)
+        if ids.ndim != 1:
+            raise ValueError(f"an action is a 1-D sequence of token ids, got shape {ids.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"an action holds integer token ids, got dtype {ids.dtype}")
+        vocab_size = self.tokenizer.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            bad = ids[(ids < 0) | (ids >= vocab_size)][:8].tolist()
+            raise ValueError(f"token ids outside the action space [0, {vocab_size}): {bad}")
+        if logprobs is not None and logprobs.shape != ids.shape:
+            raise ValueError(f"{logprobs.shape[0]} logprobs for an action of {ids.shape[0]} tokens")
+        return ids.astype(np.int32), logprobs
+
+    def _ends_turn(self, ids: np.ndarray) -> bool:
+        return bool(ids.size) and int(ids[-1]) in self._stop_ids
+
+    def _content(self, ids: np.ndarray) -> str:
+        """The text of a turn without its final stop token (which is not part of what the assistant said)."""
+        return self.tokenizer.decode(ids[:-1] if self._ends_turn(ids) else ids)
+
+    def _observation(self, results: list[ToolResult], content: str, turn: int, *, closes_turn: bool) -> Segment:
+        if results:
+            segment = self.formatter.tool_observation(
+                [result.content for result in results], turn, tool_calls=[result.to_record() for result in results]
+            )
+        else:
+            segment = self.formatter.observation("user", self._correction(content, self.registry), turn)
+        if closes_turn:
+            return segment
+        ids = np.concatenate([np.array([self.tokenizer.eos_token_id], dtype=np.int32), segment.token_ids])
+        return Segment(
+            role=segment.role,
+            token_ids=ids,
+            turn=turn,
+            text=self.tokenizer.decode(ids),
+            tool_calls=segment.tool_calls,
+        )
+
+    @staticmethod
+    def _correction(content: str, registry: ToolRegistry) -> str:
+        """The user message for a turn that neither called a tool nor answered."""
+        answer_format = f"{ANSWER_OPEN}...{ANSWER_CLOSE}"
+        if find_answer(content).unclosed:
+            return f"Error: your answer is missing its closing {ANSWER_CLOSE}. Write it as {answer_format}."
+        if not len(registry):
+            return f"Error: your reply has no answer. Give the final answer as {answer_format}."
+        return (
+            "Error: your reply has neither a tool call nor an answer. Call a tool with "
+            '<tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> '
+            f"or give the final answer as {answer_format}."
+        )
+
+    def _finish(
+        self,
+        episode: _Episode[TaskT],
+        action_segment: Segment,
+        finish_reason: FinishReason,
+        score: Score,
+        calls: list[ToolCall | ToolCallError],
+        results: list[ToolResult],
+        answer: str | None,
+    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        episode.append(action_segment)
+        episode.turn += 1
+        episode.pending_logprobs = None
+        episode.done = True
+        trajectory = episode.trajectory
+        trajectory.reward = score.reward
+        trajectory.finish_reason = finish_reason
+        trajectory.info.update({"answer": answer, "score": dict(score.details)})
+        info = self._step_info(episode, action_segment, "", calls, results, answer, finish_reason)
+        info["score"] = dict(score.details)
+        terminated = finish_reason == "answered"
+        return np.zeros(0, dtype=np.int64), score.reward, terminated, not terminated, info
+
+    def _step_info(
+        self,
+        episode: _Episode[TaskT],
+        action_segment: Segment,
+        observation_text: str,
+        calls: list[ToolCall | ToolCallError],
+        results: list[ToolResult],
+        answer: str | None,
+        finish_reason: FinishReason,
+    ) -> dict[str, Any]:
+        return {
+            "turn": episode.turn - 1,
+            "text": action_segment.text,
+            "observation_text": observation_text,
+            "tool_calls": [call.to_record() for call in calls],
+            "tool_results": [result.to_record() for result in results],
+            "answer": answer,
+            "num_tokens": episode.num_tokens,
+            "finish_reason": finish_reason,
+        }
+
+
+def tool_instructions(registry: ToolRegistry) -> str:
+    """How to call the registry's tools and how to answer (Qwen-style: the schemas as JSON lines in <tools>)."""
+    answer = f"Give the final answer as {ANSWER_OPEN}...{ANSWER_CLOSE}."
+    if not len(registry):
+        return answer
+    schemas = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in registry.schemas())
+    return (
+        f"Tools:\n<tools>\n{schemas}\n</tools>\n"
+        'Call a tool with <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>; '
+        f"the result comes back in <tool_response> tags. {answer}"
+    )
+
+
+def _as_score(value: float | Score) -> Score:
+    score = value if isinstance(value, Score) else Score(value)
+    reward = float(score.reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"score() must return a finite reward, got {score.reward!r}")
+    return Score(reward, score.details)

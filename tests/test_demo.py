@@ -1,0 +1,42 @@
+"""The scripted ``make demo`` (longstraw_agents/demo.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from longstraw_agents import demo
+from longstraw_agents.store import Store
+
+
+def test_scripted_demo_stores_one_solved_episode_per_env(tmp_path: Path) -> None:
+    result = demo.run_scripted_demo(tmp_path / "out", seed=1)
+    assert result.store_path == tmp_path / "out" / demo.STORE_NAME
+    with Store.open(result.store_path, create=False) as store:
+        assert store.count() == 3
+        [run] = store.runs()
+        assert run.id == result.run_id and run.tokenizer == "longstraw-bpe-v1" and run.model == "scripted-policy"
+        episodes = {t.env_id: t for t in store.episodes()}
+    assert set(episodes) == set(demo.DEMO_ENVS)
+    for env_id, stored in episodes.items():
+        assert stored.reward == 1.0 and stored.finish_reason == "answered" and stored.seed == 1
+        np.testing.assert_array_equal(stored.token_ids(), result.trajectories[env_id].token_ids())
+    for env_id in demo.DEMO_ENVS:
+        assert env_id in result.report
+    assert "finish reasons  answered 3" in result.report
+    assert "<answer>" in result.report and "tool_calls" in result.report  # transcripts, not just the overview
+
+
+def test_main_prints_the_transcript_and_appends_a_run_per_invocation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert demo.main(["--out", str(tmp_path)]) == 0
+    first = capsys.readouterr().out
+    assert "LongStraw/Calculator-v0: reward 1.000 (answered" in first and "What is " in first
+    assert demo.main(["--out", str(tmp_path), "--seed", "4"]) == 0
+    second = capsys.readouterr().out
+    assert "episodes 3 " in second  # the report shows this invocation's run only
+    with Store.open(tmp_path / demo.STORE_NAME, create=False) as store:
+        assert store.count() == 6 and len(store.runs()) == 2
