@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import gymnasium
 
+from longstraw_agents.registration import ENV_IDS, NAMESPACE, register_envs
+
 from .base import Action, Score, ToolEnv, ToolEnvConfig, tool_instructions
 from .calculator import EASY_CALCULATOR_KWARGS, CalculatorConfig, CalculatorEnv
 from .needle_search import NeedleSearchConfig, NeedleSearchEnv
 from .policy import Policy, ScriptedPolicy, run_episode, unwrap_tool_env
 from .python_task import PythonTaskConfig, PythonTaskEnv
-
-from longstraw_agents.registration import ENV_IDS, NAMESPACE, register_envs
 
 
 def registered_env_ids() -> list[str]:

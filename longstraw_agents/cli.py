@@ -34,6 +34,100 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _validation_message(err) -> str:
+    """pydantic's errors as 'field.path: message' lines."""
+    lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in err.errors()]
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _print_metrics(record: dict) -> None:
+    if record.get("phase") == "grpo":
+        print(
+            f"step {record['step']:>4}  reward {record['reward_mean']:.3f}  loss {record['loss']:+.4f}  "
+            f"grad_norm {record['grad_norm']:.3f}  tokens {record.get('episode_tokens_mean', 0):.0f}  "
+            f"{record.get('rollout_seconds', 0) + record['seconds']:.1f}s",
+            flush=True,
+        )
+    elif record.get("phase") == "warm_start":
+        print(
+            f"warm start: {record['episodes']} scripted episodes, {record['steps']} steps, "
+            f"loss {record['loss_first']:.3f} -> {record['loss_last']:.3f}",
+            flush=True,
+        )
+    else:
+        print(" ".join(f"{k}={v}" for k, v in record.items()), flush=True)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from longstraw_agents.training import TrainConfig, load_config, train
+
+    try:
+        config = load_config(args.config)
+        updates = {k: v for k, v in (("output_dir", args.output_dir), ("steps", args.steps)) if v is not None}
+        if updates:
+            config = TrainConfig.model_validate({**config.model_dump(), **updates})
+    except ValidationError as err:
+        return _fail(_validation_message(err))
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    try:
+        run_dir = train(config, resume=args.resume, on_metrics=_print_metrics)
+    except (FileExistsError, FileNotFoundError) as err:
+        return _fail(str(err))
+    except KeyboardInterrupt:
+        print("interrupted; the checkpoint and the store are consistent (resume with --resume)", file=sys.stderr)
+        return 130
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from longstraw_agents.replay import ReplayConfig, ReplayMismatch, replay
+    from longstraw_agents.store import StoreError
+
+    try:
+        config = ReplayConfig(
+            where=args.where,
+            steps=args.steps,
+            groups_per_step=args.groups_per_step,
+            max_staleness=args.max_staleness,
+            keep_stale=args.keep_stale,
+            tis_cap=args.tis_cap,
+            fork_at=args.fork_at,
+            fork_group_size=args.fork_group_size,
+        )
+        out = replay(args.db, config, run_dir=args.run, out_dir=args.out, on_metrics=_print_metrics)
+    except ValidationError as err:
+        return _fail(_validation_message(err))
+    except (StoreError, FileNotFoundError, FileExistsError, ReplayMismatch, ValueError) as err:
+        return _fail(str(err))
+    print(f"replay run directory: {out}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from longstraw_agents.plotting import plot_run
+
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    if not written:
+        return _fail(f"{args.run_dir}/metrics.jsonl has no GRPO steps to plot")
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -52,6 +146,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-text", type=int, default=120, help="cut segment text to this many characters (0: never)")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("train", help="online GRPO: rollout -> store -> GRPO step -> metrics -> checkpoint")
+    p.add_argument("config", help="YAML or TOML training config (see README)")
+    p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
+    p.add_argument("--output-dir", default=None, help="override the config's output_dir")
+    p.add_argument("--steps", type=int, default=None, help="override the config's number of steps")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("replay", help="offline GRPO over logged episodes of a store")
+    p.add_argument("db", help="trajectories.db of a run")
+    p.add_argument("--where", default=None, help='SQL condition on episodes, e.g. "reward > 0 AND policy_version >= 3"')
+    p.add_argument("--run", default=None, help="run directory with config.json + checkpoint (default: the DB's)")
+    p.add_argument("--out", default=None, help="output run directory (default: RUN/replay)")
+    p.add_argument("--steps", type=int, default=1, help="passes over the selected groups")
+    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--max-staleness", type=int, default=None, help="skip episodes this many versions older")
+    p.add_argument("--keep-stale", action="store_true", help="keep stale episodes, flagged in the metrics")
+    p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the truncated importance weights")
+    p.add_argument("--fork-at", type=int, default=None, help="fork new groups from this logged assistant turn")
+    p.add_argument("--fork-group-size", type=int, default=4, help="continuations per forked group")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("plot", help="reward / loss / length / memory curves of a run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="where to write the PNGs (default: the run directory)")
+    p.set_defaults(func=_cmd_plot)
     return parser
 
 

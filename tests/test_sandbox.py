@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from longstraw_agents.tools import SandboxConfig, SandboxUnavailable, ToolRegistry, make_python_tool, run_python
 from longstraw_agents.tools.sandbox import SANDBOX_UID
 

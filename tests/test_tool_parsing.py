@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from longstraw_agents.tools import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
 from longstraw_agents.tools.parsing import MAX_ARGUMENT_DEPTH, tool_call_from_object
 

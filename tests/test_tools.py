@@ -11,6 +11,8 @@ import time
 from typing import Annotated, Literal
 
 import pytest
+from pydantic import BaseModel, Field, ValidationError
+
 from longstraw_agents.tools import (
     ToolCall,
     ToolFailure,
@@ -22,7 +24,6 @@ from longstraw_agents.tools import (
     registry,
     tool,
 )
-from pydantic import BaseModel, Field, ValidationError
 
 
 @tool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from longstraw_agents.tools import CalculatorError, calculator, evaluate
 from longstraw_agents.tools.arithmetic import MAX_EXPRESSION_CHARS, format_number
 

@@ -6,6 +6,7 @@ import math
 import re
 
 import pytest
+
 from longstraw_agents.tools import Corpus, Document, ToolRegistry, make_document_tools
 from longstraw_agents.tools.documents import snippet, tokenize
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from longstraw_agents.tools import HttpGetConfig, ToolRegistry, make_http_get_tool
 
 BIG_BODY = b"b" * 50_000

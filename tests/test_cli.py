@@ -1,0 +1,150 @@
+"""The ``longstraw`` command line end to end: train a tiny run from a YAML file, replay its store, inspect and plot
+it; bad input exits with status 2 and says what is wrong."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny_runs import WARM_START, tiny_config_dict
+
+from longstraw_agents.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def write_yaml(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int, str]:
+    """``longstraw train train.yaml``: a warm start on scripted episodes, then 2 GRPO steps. Returns the config
+    file, the run directory, the exit code and what was printed."""
+    root = tmp_path_factory.mktemp("cli")
+    config = write_yaml(root / "train.yaml", tiny_config_dict(root / "run", warm_start=WARM_START))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["train", str(config)])
+    return config, root / "run", code, out.getvalue()
+
+
+def test_the_console_script_lists_the_subcommands() -> None:
+    script = Path(sys.executable).with_name("longstraw")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: longstraw")
+    for command in ("envs", "inspect", "train", "replay", "plot"):
+        assert f"    {command} " in result.stdout
+
+
+def test_envs_lists_the_registered_environments(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "envs")
+    assert code == 0
+    assert {"LongStraw/Calculator-v0", "LongStraw/NeedleSearch-v0", "LongStraw/PythonTask-v0"} <= set(out.split())
+
+
+def test_train_runs_end_to_end(trained) -> None:
+    _, run_dir, code, out = trained
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"warm start: {WARM_START['episodes']} scripted episodes, 100 steps, loss ")
+    assert [line.split()[:2] for line in lines[1:3]] == [["step", "1"], ["step", "2"]]
+    assert all("reward" in line and "loss" in line for line in lines[1:3])
+    assert lines[-1] == f"run directory: {run_dir}"
+    for name in ("config.json", "trajectories.db", "metrics.jsonl", "checkpoint/trainer_state.json"):
+        assert (run_dir / name).is_file(), name
+    phases = [json.loads(line)["phase"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert phases == ["warm_start", "grpo", "grpo"]
+
+
+def test_train_refuses_an_existing_run_and_resumes_it(trained, tmp_path: Path, capsys) -> None:
+    config, run_dir, _, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    code, _, err = run_cli(capsys, "train", config, "--output-dir", copy)
+    assert code == 2 and "already holds a run" in err and "--resume" in err
+    code, out, _ = run_cli(capsys, "train", config, "--output-dir", copy, "--resume", "--steps", "3")
+    assert code == 0 and "warm start" not in out
+    assert [line.split()[:2] for line in out.splitlines()[:-1]] == [["step", "3"]]
+    grpo = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in grpo if r["phase"] == "grpo"] == [1, 2, 3]
+    code, _, err = run_cli(capsys, "train", config, "--output-dir", tmp_path / "empty", "--resume")
+    assert code == 2 and "no checkpoint" in err
+
+
+def test_invalid_configs_exit_2_and_name_the_fields(tmp_path: Path, capsys) -> None:
+    bad = tiny_config_dict(tmp_path / "run", groups_per_step=0, stepz=3, trainer={"group_size": 0})
+    code, out, err = run_cli(capsys, "train", write_yaml(tmp_path / "bad.yaml", bad))
+    assert code == 2 and out == ""
+    assert err.startswith("error: invalid configuration:")
+    for field in ("  groups_per_step:", "  stepz:", "  trainer.group_size:"):
+        assert field in err
+    code, _, err = run_cli(
+        capsys, "train", write_yaml(tmp_path / "ok.yaml", tiny_config_dict(tmp_path)), "--steps", "-1"
+    )
+    assert code == 2 and "  steps:" in err
+    code, _, err = run_cli(capsys, "train", tmp_path / "missing.yaml")
+    assert code == 2 and "does not exist" in err
+    (tmp_path / "train.ini").write_text("[env]\n")
+    code, _, err = run_cli(capsys, "train", tmp_path / "train.ini")
+    assert code == 2 and ".toml" in err
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_replay_trains_on_the_selected_episodes(trained, tmp_path: Path, capsys) -> None:
+    _, run_dir, _, _ = trained
+    db = run_dir / "trajectories.db"
+    code, out, err = run_cli(capsys, "replay", db, "--where", "reward >= 0", "--out", tmp_path / "replay")
+    assert code == 0, err
+    assert "episodes=16" in out and "groups=4" in out  # the replay_select record
+    assert any(line.split()[:2] == ["step", "3"] for line in out.splitlines())  # the run's policy was at step 2
+    assert out.splitlines()[-1] == f"replay run directory: {tmp_path / 'replay'}"
+    assert (tmp_path / "replay" / "checkpoint" / "trainer_state.json").is_file()
+
+    code, _, err = run_cli(capsys, "replay", tmp_path / "missing.db")
+    assert code == 2 and "no store" in err
+    code, _, err = run_cli(capsys, "replay", db, "--where", "rewrd > 0", "--out", tmp_path / "bad-where")
+    assert code == 2 and "no such column: rewrd" in err
+    code, _, err = run_cli(capsys, "replay", db, "--fork-at", "1", "--fork-group-size", "1")
+    assert code == 2 and "fork_group_size" in err
+
+
+def test_inspect_shows_transcripts_with_roles_and_tool_calls(trained, capsys) -> None:
+    _, run_dir, _, _ = trained
+    code, out, _ = run_cli(capsys, "inspect", run_dir / "trajectories.db", "--transcript")
+    assert code == 0
+    assert "episodes 16  groups 4" in out
+    transcripts = out.split("\nepisode ")[1:]
+    assert len(transcripts) == 16
+    rows = [line.split() for line in transcripts[0].splitlines()[1:]]
+    roles = [row[1] for row in rows if row and row[0].isdigit()]
+    assert roles[:3] == ["system", "user", "assistant"]
+    assert "tool_calls" in out and '"name": "calculator"' in out
+    code, out, _ = run_cli(capsys, "inspect", run_dir / "trajectories.db", "--group", "step1-g0")
+    assert code == 0 and out.startswith("group step1-g0: 4 episodes, reward ")
+
+
+def test_plot_writes_the_curves(trained, tmp_path: Path, capsys) -> None:
+    _, run_dir, _, _ = trained
+    code, out, _ = run_cli(capsys, "plot", run_dir, "--out", tmp_path)
+    assert code == 0
+    written = [Path(line) for line in out.splitlines()]
+    assert [p.name for p in written] == ["reward.png", "loss.png", "length.png"]  # no memory tracked in this run
+    assert all(p.parent == tmp_path and p.read_bytes().startswith(PNG_MAGIC) for p in written)
+    code, _, err = run_cli(capsys, "plot", tmp_path / "not-a-run")
+    assert code == 2 and "metrics.jsonl does not exist" in err

@@ -1,0 +1,79 @@
+"""``plot_run``: one PNG per curve with data, drawn from the GRPO lines of a hand-written ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.figure
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from longstraw_agents.plotting import plot_run, read_metrics
+
+RECORDS = [
+    {"phase": "warm_start", "episodes": 16, "steps": 100, "loss_first": 3.2, "loss_last": 0.4},
+    {"phase": "eval", "step": 0, "reward_mean": 0.9, "episodes": 8},
+    {"phase": "grpo", "step": 1, "reward_mean": 0.25, "reward_std": 0.1, "loss": 0.02, "episode_tokens_mean": 380.0,
+     "peak_bytes": 4096},
+    {"phase": "grpo", "step": 2, "reward_mean": 0.5, "reward_std": 0.2, "loss": -0.01, "episode_tokens_mean": 372.5,
+     "peak_bytes": None},
+    {"phase": "replay_select", "episodes": 16, "groups": 4},
+    {"phase": "grpo", "step": 3, "reward_mean": 0.75, "reward_std": 0.0, "loss": 0.0, "episode_tokens_mean": 360.0,
+     "peak_bytes": 6144},
+]  # fmt: skip
+
+
+def write_metrics(run_dir: Path, records: list[dict]) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, np.ndarray]:
+    """The (step, value) points of the first line of every figure saved, by file name."""
+    points: dict[str, np.ndarray] = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def recording_savefig(fig, path, *args, **kwargs):
+        points[Path(path).name] = fig.axes[0].lines[0].get_xydata()
+        return savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
+    return points
+
+
+def test_plot_run_writes_one_png_per_curve_from_the_grpo_lines(tmp_path: Path, drawn) -> None:
+    run_dir = write_metrics(tmp_path / "run", RECORDS)
+    written = plot_run(run_dir)
+    assert [p.name for p in written] == ["reward.png", "loss.png", "length.png", "memory.png"]
+    for path in written:
+        assert path.parent == run_dir
+        image = imread(path)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    np.testing.assert_array_equal(drawn["reward.png"], [[1, 0.25], [2, 0.5], [3, 0.75]])  # no eval point
+    np.testing.assert_array_equal(drawn["loss.png"], [[1, 0.02], [2, -0.01], [3, 0.0]])
+    np.testing.assert_array_equal(drawn["length.png"], [[1, 380.0], [2, 372.5], [3, 360.0]])
+    np.testing.assert_array_equal(drawn["memory.png"], [[1, 4096], [3, 6144]])  # steps without a value are left out
+
+
+def test_curves_without_data_are_not_written(tmp_path: Path) -> None:
+    records = [{**r, "peak_bytes": None} for r in RECORDS]
+    run_dir = write_metrics(tmp_path / "run", records)
+    written = plot_run(run_dir, tmp_path / "plots")
+    assert [p.name for p in written] == ["reward.png", "loss.png", "length.png"]
+    assert all(p.parent == tmp_path / "plots" for p in written) and not (run_dir / "reward.png").exists()
+    only_warm_start = write_metrics(tmp_path / "warm", RECORDS[:1])
+    assert plot_run(only_warm_start) == []
+
+
+def test_missing_or_malformed_metrics_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl does not exist"):
+        plot_run(tmp_path / "nowhere")
+    run_dir = write_metrics(tmp_path / "run", RECORDS[:2])
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"phase": "grpo", "step": 3,\n')  # a line cut short
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:3: not JSON"):
+        read_metrics(run_dir)

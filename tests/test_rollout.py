@@ -1,0 +1,265 @@
+"""The rollout loop: groups share one prompt capture, trajectories are token-exact, episodes reach the store as each
+finishes, context limits end episodes explicitly, and a failure mid-group leaves only complete episodes stored."""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ToolEnv, unwrap_tool_env
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.rollout import RolloutLimits, make_env_factory, rollout_group, rollout_groups
+from longstraw_agents.sampler import OpenAISampler, SamplerError, SamplingConfig, TorchSampler
+from longstraw_agents.store import Store
+from longstraw_agents.tokenizer import load_tokenizer
+
+ENV_ID = "LongStraw/Calculator-v0"
+ENV_KWARGS = {**EASY_CALCULATOR_KWARGS, "max_turns": 2}
+MAX_NEW_TOKENS = 16
+G = 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("longstraw-bpe")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model("llama", vocab_size=tokenizer.vocab_size, hidden=32, layers=1)
+
+
+def make_sampler(model, tokenizer, policy_version: int = 0, temperature: float = 1.0) -> TorchSampler:
+    config = SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=temperature, seed=0)
+    return TorchSampler(model, [tokenizer.eos_token_id], config, policy_version=policy_version)
+
+
+class Recorder:
+    """Wraps a TorchSampler: counts captures and stepped tokens, keeps the handles of each fork and every
+    generation per handle, and runs ``before_generate`` before each generation."""
+
+    def __init__(self, sampler: TorchSampler, before_generate=None):
+        self.sampler = sampler
+        self.before_generate = before_generate
+        self.captures = 0
+        self.stepped_tokens = 0
+        self.forks: list[tuple[list, list]] = []  # (handles, their states right after the fork)
+        self.generations: dict[int, list] = {}
+        engine = sampler.engine
+        capture, step = engine.capture, engine.step
+
+        def counted_capture(ids, *args, **kwargs):
+            self.captures += 1
+            self.stepped_tokens += len(ids)
+            return capture(ids, *args, **kwargs)
+
+        def counted_step(state, ids, *args, **kwargs):
+            self.stepped_tokens += len(ids)
+            return step(state, ids, *args, **kwargs)
+
+        engine.capture, engine.step = counted_capture, counted_step
+
+    @property
+    def policy_version(self) -> int:
+        return self.sampler.policy_version
+
+    def fork(self, prompt_ids, n):
+        handles = self.sampler.fork(prompt_ids, n)
+        self.forks.append((handles, [h.state for h in handles]))
+        return handles
+
+    def generate(self, handle, max_new_tokens=None):
+        if self.before_generate is not None:
+            self.before_generate()
+        generation = self.sampler.generate(handle, max_new_tokens)
+        self.generations.setdefault(id(handle), []).append(generation)
+        return generation
+
+    def append(self, handle, ids):
+        self.sampler.append(handle, ids)
+
+    def num_tokens(self, handle):
+        return self.sampler.num_tokens(handle)
+
+
+class RecordingFactory:
+    """An env factory that keeps every environment it made."""
+
+    def __init__(self, factory):
+        self.factory = factory
+        self.envs: list[ToolEnv] = []
+
+    def __call__(self):
+        env = self.factory()
+        self.envs.append(unwrap_tool_env(env))
+        return env
+
+
+def test_a_group_shares_one_prompt_capture_and_each_trajectory_is_the_handles_history(model, tokenizer):
+    recorder = Recorder(make_sampler(model, tokenizer))
+    factory = make_env_factory(ENV_ID, ENV_KWARGS)
+    trajectories = rollout_group(factory, recorder, G, seed=11, group_id="g-test", limits=RolloutLimits(16))
+
+    assert recorder.captures == 1
+    [(handles, states)] = recorder.forks
+    assert len(handles) == G and all(state is states[0] for state in states)
+    prompt = states[0].num_tokens
+    for handle, trajectory in zip(handles, trajectories, strict=True):
+        ids = trajectory.token_ids()
+        assert ids.tolist() == handle.history
+        assert recorder.num_tokens(handle) == len(ids)
+        assert trajectory.finish_reason != "running"
+    # No re-prefill: the prompt is run once, every later token once per member.
+    assert recorder.stepped_tokens == prompt + sum(len(h.history) - prompt for h in handles)
+
+
+def test_assistant_segments_carry_the_sampled_ids_and_behaviour_logprobs(model, tokenizer):
+    temperature = 0.7
+    recorder = Recorder(make_sampler(model, tokenizer, policy_version=5, temperature=temperature))
+    factory = make_env_factory(ENV_ID, ENV_KWARGS)
+    groups = rollout_groups(factory, recorder, [3, 4], G, RolloutLimits(16), group_prefix="step7-g", progress=False)
+
+    assert [[t.group_id for t in group] for group in groups] == [["step7-g0"] * G, ["step7-g1"] * G]
+    for (handles, _), group, seed in zip(recorder.forks, groups, [3, 4], strict=True):
+        for handle, trajectory in zip(handles, group, strict=True):
+            assert trajectory.env_id == ENV_ID and trajectory.seed == seed and trajectory.policy_version == 5
+            actions = [s for s in trajectory.segments if s.role == "assistant"]
+            generations = recorder.generations[id(handle)]
+            assert [a.token_ids.tolist() for a in actions] == [g.token_ids for g in generations]
+            for action, generation in zip(actions, generations, strict=True):
+                np.testing.assert_array_equal(action.logprobs, np.float32(generation.logprobs))
+                assert action.loss_mask.all()
+            assert not any(s.loss_mask.any() for s in trajectory.segments if s.role != "assistant")
+
+    # The behaviour logprobs are the temperature-scaled log-probabilities of the stored tokens in their context.
+    trajectory = groups[1][2]
+    rendered = trajectory.render()
+    with torch.no_grad():
+        logits = model(torch.as_tensor(rendered.token_ids[None, :-1], dtype=torch.long)).logits[0].double()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    positions = np.flatnonzero(rendered.loss_mask)
+    expected = logprobs[positions - 1, rendered.token_ids[positions]].numpy()
+    np.testing.assert_allclose(rendered.logprobs[positions], expected, atol=1e-4)
+
+
+def test_episodes_are_stored_as_each_finishes(model, tokenizer, tmp_path: Path):
+    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS))
+    store = Store.open(tmp_path / "trajectories.db")
+    run_id = store.add_run(config={"test": True}, model="tiny", tokenizer=tokenizer.name)
+    seen: list[tuple[int, int]] = []
+
+    def check_store():
+        # Before every generation, the store holds exactly the episodes that have ended so far.
+        seen.append((store.count(), sum(env.done for env in factory.envs)))
+
+    recorder = Recorder(make_sampler(model, tokenizer, policy_version=2), before_generate=check_store)
+    groups = rollout_groups(factory, recorder, [5, 6], G, RolloutLimits(16), store=store, run_id=run_id, progress=False)
+
+    assert all(stored == done for stored, done in seen)
+    assert any(0 < stored < 2 * G for stored, _ in seen)  # written during the rollout, not after it
+    assert store.count() == 2 * G and store.count("run_id = ?", [run_id]) == 2 * G
+    stored = list(store.episodes())
+    for trajectory in (t for group in groups for t in group):
+        assert trajectory in stored  # token-exact: ids, masks, logprobs, text, tool calls and metadata
+    assert {t.group_id for t in stored} == {"g0", "g1"} and {t.policy_version for t in stored} == {2}
+    store.close()
+
+
+def test_a_tight_context_ends_episodes_explicitly_and_the_store_records_why(model, tokenizer, tmp_path: Path):
+    prompt_len = len(unwrap_tool_env(make_env_factory(ENV_ID, ENV_KWARGS)()).reset(seed=1)[0])
+    max_context = prompt_len + MAX_NEW_TOKENS + 8  # room for one turn, not for its observation
+    factory = make_env_factory(ENV_ID, {**ENV_KWARGS, "max_turns": 3}, max_context)
+    limits = RolloutLimits(MAX_NEW_TOKENS, max_context)
+    with Store.open(tmp_path / "trajectories.db") as store:
+        groups = rollout_groups(factory, make_sampler(model, tokenizer), [1], G, limits, store=store, progress=False)
+        rows = list(store.db.query("SELECT finish_reason, reward, num_tokens FROM episodes"))
+    assert len(rows) == G
+    for row, trajectory in zip(rows, groups[0], strict=True):
+        assert row["finish_reason"] in ("context_limit", "max_tokens")
+        assert row["finish_reason"] == trajectory.finish_reason and row["reward"] == 0.0
+        assert row["num_tokens"] == trajectory.num_tokens <= max_context
+
+
+def test_envs_whose_budget_exceeds_the_model_context_are_refused(model, tokenizer):
+    """An env allowed more tokens than the model's context would feed the sampler past it (observations are
+    appended unchecked); the loop refuses such envs up front instead."""
+    sampler = make_sampler(model, tokenizer)
+    limits = RolloutLimits(MAX_NEW_TOKENS, max_context=1000)
+    with pytest.raises(ValueError, match="max_context"):
+        rollout_group(make_env_factory(ENV_ID, ENV_KWARGS), sampler, G, 1, "g0", limits)  # env budget 2048
+    fitted = rollout_group(make_env_factory(ENV_ID, ENV_KWARGS, 1000), sampler, G, 1, "g0", limits)
+    assert all(t.num_tokens <= 1000 for t in fitted)
+
+
+def test_make_env_factory_caps_the_env_budget_at_the_context_and_never_raises_it():
+    def budget(kwargs, max_context):
+        return unwrap_tool_env(make_env_factory(ENV_ID, kwargs, max_context)()).config.max_tokens
+
+    default = unwrap_tool_env(make_env_factory(ENV_ID, ENV_KWARGS)()).config.max_tokens
+    assert budget(ENV_KWARGS, 500) == 500
+    assert budget({**ENV_KWARGS, "max_tokens": 300}, 500) == 300
+    assert budget(ENV_KWARGS, 1 << 20) == default  # the env's own budget stays when the model allows more
+
+
+def test_context_exactly_full_ends_with_context_limit(model, tokenizer):
+    """When the context is full after an observation, the episode ends with "context_limit" before sampling."""
+    factory = make_env_factory(ENV_ID, ENV_KWARGS)
+    env = unwrap_tool_env(factory())
+    prompt = env.reset(seed=2)[0]
+    sampler = make_sampler(model, tokenizer)
+    [handle] = sampler.fork(prompt.tolist(), 1)
+    generation = sampler.generate(handle)
+    observation = env.step({"token_ids": generation.token_ids, "logprobs": generation.logprobs})[0]
+    sampler.append(handle, observation.tolist())
+    full = RolloutLimits(MAX_NEW_TOKENS, max_context=sampler.num_tokens(handle))
+
+    from longstraw_agents.rollout import play_until_done
+
+    [trajectory] = play_until_done([env], [handle], sampler, full)
+    assert trajectory.finish_reason == "context_limit" and trajectory.reward == 0.0
+    assert trajectory.token_ids().tolist() == handle.history  # nothing sampled after the context filled
+
+
+def test_a_failure_mid_group_leaves_only_complete_episodes(model, tokenizer, tmp_path: Path):
+    calls = {"n": 0}
+
+    def fail_on_the_fifth_generation():
+        calls["n"] += 1
+        if calls["n"] == 5:  # round 2 of a 3-member group: member 0 has finished, members 1 and 2 are running
+            raise SamplerError("server went away")
+
+    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS))
+    recorder = Recorder(make_sampler(model, tokenizer), before_generate=fail_on_the_fifth_generation)
+    path = tmp_path / "trajectories.db"
+    with Store.open(path) as store, pytest.raises(SamplerError, match="went away"):
+        rollout_groups(factory, recorder, [8], G, RolloutLimits(16), store=store, progress=False)
+    done = [env for env in factory.envs if env.done]
+    with Store.open(path, create=False) as store:
+        stored = list(store.episodes())
+    assert 0 < len(stored) == len(done) < G
+    assert [t.token_ids().tolist() for t in stored] == [env.trajectory.token_ids().tolist() for env in done]
+    assert all(t.finish_reason != "running" for t in stored)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        segments = conn.execute("SELECT COUNT(*) FROM segments").fetchone()[0]
+    assert segments == sum(len(t.segments) for t in stored)
+
+
+def test_an_unreachable_server_writes_no_episode(tokenizer, tmp_path: Path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sampler = OpenAISampler(f"http://127.0.0.1:{port}", [tokenizer.eos_token_id], max_retries=1, backoff_s=0.01)
+    factory = make_env_factory(ENV_ID, ENV_KWARGS)
+    with Store.open(tmp_path / "trajectories.db") as store:
+        with pytest.raises(SamplerError, match="after 2 attempts"):
+            rollout_groups(factory, sampler, [0], 2, RolloutLimits(8), store=store, progress=False)
+        assert store.count() == 0
+    sampler.close()
