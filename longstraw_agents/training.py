@@ -10,6 +10,7 @@ operation and saves a checkpoint of the last completed step; every stored episod
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import signal
@@ -267,6 +268,25 @@ def evaluate(run: Run, num_episodes: int) -> dict[str, float]:
     return {"reward_mean": sum(rewards) / len(rewards), "episodes": len(rewards), "policy_version": version}
 
 
+REFERENCE = "reference.safetensors"
+
+
+def reference_policy(run: Run, resume: bool) -> torch.nn.Module | None:
+    """The frozen KL reference (beta > 0): the policy as GRPO starts (after the warm start), kept in the run
+    directory so that a resumed run uses the same one."""
+    if run.config.trainer.loss.beta == 0.0:
+        return None
+    from safetensors.torch import load_model, save_model
+
+    reference = copy.deepcopy(run.model).eval().requires_grad_(False)
+    path = run.dir / REFERENCE
+    if resume:
+        load_model(reference, str(path))
+    else:
+        save_model(reference, str(path))
+    return reference
+
+
 def has_checkpoint(run_dir: Path) -> bool:
     """True when ``run_dir`` holds a loadable checkpoint (also one whose last save was cut short)."""
     try:
@@ -298,7 +318,7 @@ def train(
 
     if not resume:
         run.warm_start(emit)
-    run.trainer = GRPOTrainer(run.model, config.trainer)
+    run.trainer = GRPOTrainer(run.model, config.trainer, ref_model=reference_policy(run, resume))
     if resume:
         run.trainer.load_checkpoint(run.dir / CHECKPOINT)
     completed = run.trainer.step_count

@@ -32,10 +32,10 @@ def test_scripted_demo_stores_one_solved_episode_per_env(tmp_path: Path) -> None
 def test_main_prints_the_transcript_and_appends_a_run_per_invocation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert demo.main(["--out", str(tmp_path)]) == 0
+    assert demo.main(["--out", str(tmp_path), "--scripted-only"]) == 0
     first = capsys.readouterr().out
     assert "LongStraw/Calculator-v0: reward 1.000 (answered" in first and "What is " in first
-    assert demo.main(["--out", str(tmp_path), "--seed", "4"]) == 0
+    assert demo.main(["--out", str(tmp_path), "--seed", "4", "--scripted-only"]) == 0
     second = capsys.readouterr().out
     assert "episodes 3 " in second  # the report shows this invocation's run only
     with Store.open(tmp_path / demo.STORE_NAME, create=False) as store:

@@ -25,6 +25,9 @@ class OptimizerConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the global grad norm (None: no clipping)")
+    warmup_steps: int = Field(
+        0, ge=0, description="linear learning-rate warmup: a fresh Adam's first steps are ~lr per weight"
+    )
 
 
 _LOSS_KEYS = set(LossConfig.model_fields)

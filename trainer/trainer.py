@@ -69,7 +69,9 @@ class GRPOTrainer:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        warmup = optim.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.counters = _Counters()
         self.accelerator.register_for_checkpointing(self.counters)
         self.engine = Engine(self.accelerator.unwrap_model(self.model), chunk_size=self.config.chunk_size)
@@ -124,10 +126,12 @@ class GRPOTrainer:
         for p in params:
             p.grad.div_(len(groups))
         grad_norm = self._clip(params)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.scheduler.step()
         self.counters.step += 1
         self.counters.policy_version += 1
-        return self._metrics(results, grad_norm)
+        return {**self._metrics(results, grad_norm), "lr": lr}
 
     def _clip(self, params: list[nn.Parameter]) -> float:
         max_norm = self.config.optim.max_grad_norm

@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -56,6 +57,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     x_rot = x_rot * cos + rotate_half(x_rot) * sin
     return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
+
+
+def norm_eps(module: nn.Module) -> float:
+    """transformers' RMSNorm modules call their epsilon ``variance_epsilon`` or ``eps``."""
+    eps = getattr(module, "variance_epsilon", None)
+    return float(module.eps if eps is None else eps)
+
+
+def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: nn.Module) -> Callable[[Tensor], Tensor]:
+    return partial(fn, weight=module.weight, eps=norm_eps(module))
 
 
 @dataclass
@@ -106,6 +117,22 @@ class DecoderLayer:
     input_norm: Callable[[Tensor], Tensor]
     post_norm: Callable[[Tensor], Tensor]
     mlp: Callable[[Tensor], Tensor]
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_layer: nn.Module,
+        mixer: Mixer,
+        norm: Callable[[Tensor, Tensor, float], Tensor],
+        mlp: Callable[[Tensor], Tensor] | None = None,
+    ) -> DecoderLayer:
+        """A layer over a transformers decoder layer's norms and MLP (``mlp`` replaces its MLP when given)."""
+        return cls(
+            mixer=mixer,
+            input_norm=bound_norm(norm, hf_layer.input_layernorm),
+            post_norm=bound_norm(norm, hf_layer.post_attention_layernorm),
+            mlp=hf_layer.mlp if mlp is None else mlp,
+        )
 
 
 @dataclass

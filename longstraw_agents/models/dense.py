@@ -7,7 +7,6 @@ used by the hybrid family's full-attention layers (which add a sigmoid output ga
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -21,18 +20,10 @@ from longstraw_agents.models.base import (
     MixerOutput,
     UnsupportedModelError,
     apply_rope,
+    bound_norm,
+    norm_eps,
     rms_norm,
 )
-
-
-def norm_eps(module: nn.Module) -> float:
-    """transformers' RMSNorm modules call their epsilon ``variance_epsilon`` or ``eps``."""
-    eps = getattr(module, "variance_epsilon", None)
-    return float(module.eps if eps is None else eps)
-
-
-def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: nn.Module) -> Callable[[Tensor], Tensor]:
-    return partial(fn, weight=module.weight, eps=norm_eps(module))
 
 
 class AttentionMixer(Mixer):
@@ -121,14 +112,7 @@ class DenseAdapter(FamilyAdapter):
                 head_dim,
                 qk_norm=rms_norm if hasattr(attn, "q_norm") else None,
             )
-            layers.append(
-                DecoderLayer(
-                    mixer=mixer,
-                    input_norm=bound_norm(rms_norm, hf_layer.input_layernorm),
-                    post_norm=bound_norm(rms_norm, hf_layer.post_attention_layernorm),
-                    mlp=hf_layer.mlp,
-                )
-            )
+            layers.append(DecoderLayer.from_hf(hf_layer, mixer, rms_norm))
         return layers
 
     def final_norm(self, h: Tensor) -> Tensor:

@@ -23,9 +23,10 @@ from longstraw_agents.models.base import (
     MixerInput,
     MixerOutput,
     compute_dtype,
+    norm_eps,
     rms_norm_zero_centered,
 )
-from longstraw_agents.models.dense import AttentionMixer, bound_norm, kv_bytes_per_token, norm_eps
+from longstraw_agents.models.dense import AttentionMixer, kv_bytes_per_token
 
 DELTA_CHUNK = 64  # positions per block of the chunked delta rule (as transformers' fallback and fla)
 
@@ -170,14 +171,7 @@ class HybridAdapter(FamilyAdapter):
                     qk_norm=rms_norm_zero_centered,
                     output_gate=True,
                 )
-            layers.append(
-                DecoderLayer(
-                    mixer=mixer,
-                    input_norm=bound_norm(rms_norm_zero_centered, hf_layer.input_layernorm),
-                    post_norm=bound_norm(rms_norm_zero_centered, hf_layer.post_attention_layernorm),
-                    mlp=hf_layer.mlp,
-                )
-            )
+            layers.append(DecoderLayer.from_hf(hf_layer, mixer, rms_norm_zero_centered))
         return layers
 
     def final_norm(self, h: Tensor) -> Tensor:

@@ -31,10 +31,11 @@ from longstraw_agents.models.base import (
     MixerInput,
     MixerOutput,
     UnsupportedModelError,
+    bound_norm,
     compute_dtype,
+    norm_eps,
     rms_norm,
 )
-from longstraw_agents.models.dense import bound_norm, norm_eps
 
 SELECTION_KEY = "dsa_selection"
 
@@ -251,11 +252,11 @@ class MLAAdapter(FamilyAdapter):
         for hf_layer in self.backbone.layers:
             mlp = hf_layer.mlp
             layers.append(
-                DecoderLayer(
-                    mixer=MLAMixer(hf_layer.self_attn, self.config),
-                    input_norm=bound_norm(rms_norm, hf_layer.input_layernorm),
-                    post_norm=bound_norm(rms_norm, hf_layer.post_attention_layernorm),
-                    mlp=MoE(mlp) if hasattr(mlp, "experts") else mlp,
+                DecoderLayer.from_hf(
+                    hf_layer,
+                    MLAMixer(hf_layer.self_attn, self.config),
+                    rms_norm,
+                    MoE(mlp) if hasattr(mlp, "experts") else None,
                 )
             )
         return layers
