@@ -161,8 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result['seconds'] / 60:.1f} min"
     )
     print(f"wrote {args.out}/: trajectories.db, metrics.jsonl, checkpoint/, reward.png")
-    print(f"next: longstraw inspect {demo.store_path} --transcript | longstraw replay {demo.store_path} --where "
-          f'"reward > 0" | longstraw plot {args.out}')
+    print(
+        f"next: longstraw inspect {demo.store_path} --transcript | longstraw replay {demo.store_path} --where "
+        f'"reward > 0" | longstraw plot {args.out}'
+    )
     return 0
 
 
