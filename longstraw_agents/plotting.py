@@ -28,6 +28,14 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    sums = [0.0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write one PNG per curve that has data; returns the written paths."""
     import matplotlib
@@ -35,7 +43,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in read_metrics(run_dir) if r.get("phase", "grpo") == "grpo"]
+    all_records = read_metrics(run_dir)
+    records = [r for r in all_records if r.get("phase", "grpo") == "grpo"]
+    evals = [r for r in all_records if r.get("phase") == "eval"]
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -45,11 +55,14 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             continue
         steps, values = zip(*points, strict=True)
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, values, marker="o", markersize=3)
-        if key == "reward_mean" and all(r.get("reward_std") is not None for r in records):
-            lows = [r["reward_mean"] - r["reward_std"] for r in records]
-            highs = [r["reward_mean"] + r["reward_std"] for r in records]
-            ax.fill_between([r["step"] for r in records], lows, highs, alpha=0.2)
+        ax.plot(steps, values, marker="o", markersize=3, alpha=0.5, label="per step")
+        window = min(10, len(values))
+        if window > 1:
+            ax.plot(steps, trailing_mean(values, window), linewidth=2, label=f"mean of last {window}")
+        if key == "reward_mean" and evals:
+            eval_steps, eval_rewards = [e["step"] for e in evals], [e["reward_mean"] for e in evals]
+            ax.plot(eval_steps, eval_rewards, "s", markersize=8, color="black", label="held-out eval")
+        ax.legend(fontsize=8)
         ax.set(xlabel="step", ylabel=label, title=f"{Path(run_dir).name}: {label}")
         ax.grid(alpha=0.3)
         fig.tight_layout()

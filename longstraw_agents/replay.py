@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ from longstraw_agents.rollout import RolloutLimits, play_until_done
 from longstraw_agents.sampler import TorchSampler
 from longstraw_agents.store import Store, StoreError
 from longstraw_agents.trainer import GRPOTrainer, LossConfig
-from longstraw_agents.training import CHECKPOINT, Run, TrainConfig, has_checkpoint
+from longstraw_agents.training import CHECKPOINT, REFERENCE, Run, TrainConfig, has_checkpoint, reference_policy
 from longstraw_agents.trajectory import Segment, Trajectory
 
 
@@ -121,10 +122,22 @@ class Replayer:
         )
         self.config = config
         self.run = Run(train_config, resume=False)
-        self.run.trainer = GRPOTrainer(self.run.model, train_config.trainer)
+        self.run.trainer = GRPOTrainer(
+            self.run.model, train_config.trainer, ref_model=self._reference(run_dir, train_config)
+        )
         if has_checkpoint(run_dir):
             self.run.trainer.load_checkpoint(run_dir / CHECKPOINT)
         self.source = Store.open(self.db_path, create=False)
+
+    def _reference(self, run_dir: Path, config: TrainConfig):
+        """The source run's KL reference (beta > 0), copied into the replay run."""
+        if config.trainer.loss.beta == 0.0:
+            return None
+        source = run_dir / REFERENCE
+        if not source.exists():
+            raise FileNotFoundError(f"the run uses a KL penalty (beta > 0) but {source} is missing")
+        shutil.copyfile(source, self.run.dir / REFERENCE)
+        return reference_policy(self.run, resume=True)
 
     @property
     def trainer(self) -> GRPOTrainer:

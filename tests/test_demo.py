@@ -40,3 +40,13 @@ def test_main_prints_the_transcript_and_appends_a_run_per_invocation(
     assert "episodes 3 " in second  # the report shows this invocation's run only
     with Store.open(tmp_path / demo.STORE_NAME, create=False) as store:
         assert store.count() == 6 and len(store.runs()) == 2
+
+
+@pytest.mark.slow
+def test_quick_training_demo_raises_the_reward(tmp_path: Path) -> None:
+    """The shorter version of `make demo`: warm start + 30 GRPO steps; the held-out reward (same tasks, same
+    sampling seed before and after) must rise, and the run directory must hold what the demo promises."""
+    result = demo.run_training_demo(tmp_path, quick=True, echo=lambda *_: None)
+    assert result["reward_after"] > result["reward_before"]
+    for name in ("trajectories.db", "metrics.jsonl", "checkpoint", "reward.png", "config.json"):
+        assert (tmp_path / name).exists(), name
