@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from longstraw_agents.attention import block_partial, causal_mask, merge, split_keys
+from longstraw_agents.attention import Partial, block_partial, causal_mask, merge, softmax_dtype, split_keys
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -59,15 +59,6 @@ def _topk_merge(
         pos = torch.cat([running[1], pos], dim=1)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
     return scores.gather(1, order), pos.gather(1, order)
-
-
-def selection_mask(selected: Tensor, offset: int, length: int) -> Tensor:
-    """Boolean ``[n, length]``: which keys at positions ``offset..offset+length`` each query selected."""
-    rel = selected - offset
-    inside = (rel >= 0) & (rel < length)
-    mask = torch.zeros(selected.shape[0], length + 1, dtype=torch.bool, device=selected.device)
-    mask.scatter_(1, torch.where(inside, rel, torch.full_like(rel, length)), True)
-    return mask[:, :length]
 
 
 class DSAIndexer:
@@ -173,25 +164,52 @@ class MLAMixer(Mixer):
         q_lat = torch.einsum("nhd,hdr->hnr", q_nope, w_uk).reshape(1, heads * n, self.rank)
         q_rope = q_rot.permute(1, 0, 2).reshape(1, heads * n, self.rope_dim)
 
-        acc = None
-        offset = 0
-        for block in inp.past:
-            lat, rk = block[0], block[1]
-            for piece in split_keys(lat.shape[0], heads * n, inp.max_score_elements):
-                mask = None
-                if selected is not None:
-                    mask = selection_mask(selected, offset + piece.start, piece.stop - piece.start)
-                    mask = mask.repeat(heads, 1).unsqueeze(0)
-                acc = merge(acc, self._partial(q_lat, q_rope, lat[piece], rk[piece], mask))
-            offset += lat.shape[0]
-        own_mask = causal_mask(n, n, heads, x.device)
-        if selected is not None:
-            own_mask = own_mask & selection_mask(selected, start, n).repeat(heads, 1).unsqueeze(0)
-        acc = merge(acc, self._partial(q_lat, q_rope, latent, k_rot, own_mask))
+        blocks = [(b[0], b[1]) for b in inp.past] + [(latent, k_rot)]
+        if selected is None:
+            acc = self._dense(q_lat, q_rope, blocks, n, inp.max_score_elements)
+        else:
+            acc = self._sparse(q_lat.view(heads, n, -1), q_rope.view(heads, n, -1), blocks, selected, start)
 
         out_latent = acc.out.view(heads, n, self.rank)
         out = torch.einsum("hnr,hvr->nhv", out_latent, w_uv).reshape(n, heads * self.v_dim)
         return MixerOutput(y=attn.o_proj(out), new=new)
+
+    def _dense(self, q_lat: Tensor, q_rope: Tensor, blocks: list[tuple[Tensor, Tensor]], n: int, limit: int):
+        """Every visible key: earlier blocks in full, the own (last) block causally."""
+        acc = None
+        for lat, rk in blocks[:-1]:
+            for piece in split_keys(lat.shape[0], self.heads * n, limit):
+                acc = merge(acc, self._partial(q_lat, q_rope, lat[piece], rk[piece], None))
+        own_mask = causal_mask(n, n, self.heads, q_lat.device)
+        return merge(acc, self._partial(q_lat, q_rope, *blocks[-1], own_mask))
+
+    def _sparse(
+        self, q_lat: Tensor, q_rope: Tensor, blocks: list[tuple[Tensor, Tensor]], selected: Tensor, start: int
+    ) -> Partial:
+        """Each query attends to its own top-k keys only, gathered per block (O(n·k) whatever the prefix).
+
+        ``q_*``: ``[H, n, d]``; ``selected``: global positions ``[n, k]``. A block contributes the selected keys it
+        holds (and, for the own block, only causally visible ones); gathering's backward scatter-adds into the
+        state's gradient."""
+        heads, n = q_lat.shape[:2]
+        query_pos = torch.arange(start, start + n, device=selected.device).unsqueeze(1)
+        acc, offset = None, 0
+        for lat, rk in blocks:
+            rel = selected - offset
+            visible = (rel >= 0) & (rel < lat.shape[0]) & (selected <= query_pos)  # [n, k]
+            offset += lat.shape[0]
+            if not bool(visible.any()):
+                continue
+            index = rel.clamp(0, lat.shape[0] - 1)
+            lat_g, rk_g = lat[index], rk[index]  # [n, k, d]
+            scores = torch.einsum("hnr,nkr->hnk", q_lat, lat_g) + torch.einsum("hnd,nkd->hnk", q_rope, rk_g)
+            scores = (scores * self.scale).to(softmax_dtype(lat.dtype))
+            scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+            lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible, 0.0).to(lat.dtype)
+            out = torch.einsum("hnk,nkr->hnr", probs, lat_g)
+            acc = merge(acc, Partial(out=out.reshape(1, heads * n, -1), lse=lse.reshape(1, heads * n)))
+        return acc
 
     def _partial(self, q_lat: Tensor, q_rope: Tensor, latent: Tensor, rope_key: Tensor, mask: Tensor | None):
         keys = latent.unsqueeze(1)  # the latent is both the key (with the rope key) and the value
