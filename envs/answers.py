@@ -38,7 +38,10 @@ def single_number(text: str) -> Fraction | None:
     found = _NUMBER.findall(text)
     if len(found) != 1:
         return None
-    return Fraction(found[0].replace(",", ""))
+    try:
+        return Fraction(found[0].replace(",", ""))
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits): not a usable answer
+        return None
 
 
 def number_matches(answer: str, expected: int | Fraction) -> bool:

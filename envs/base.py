@@ -10,14 +10,16 @@ Nothing is ever re-tokenized. The prompt, every action and every observation bec
 ``env.unwrapped.trajectory`` exactly as they were exchanged, so ``trajectory.token_ids()`` is the concatenation of
 everything ``reset`` and ``step`` returned and received. Each turn is read as follows:
 
-1. An ``<answer>…</answer>`` block ends the episode: ``terminated``, reward ``score(task, answer)``. Tool calls
+1. A turn that alone takes the episode past ``max_tokens`` ends it: ``truncated``, finish reason
+   ``"max_tokens"``, reward 0, even if it holds an answer (the budget binds what gets scored).
+2. An ``<answer>…</answer>`` block ends the episode: ``terminated``, reward ``score(task, answer)``. Tool calls
    in the same turn are not run.
-2. Otherwise, the turn that spends the turn budget ends the episode: ``truncated``, finish reason
+3. Otherwise, the turn that spends the turn budget ends the episode: ``truncated``, finish reason
    ``"max_turns"``, reward 0; its tool calls are not run (nobody would read their results).
-3. Otherwise the turn's ``<tool_call>`` blocks are run in order (several per turn are fine) and their results,
+4. Otherwise the turn's ``<tool_call>`` blocks are run in order (several per turn are fine) and their results,
    failures included, are the next observation (role ``tool``). A turn with neither a call nor an answer — random
    tokens, say — gets a user message saying how to call a tool or answer. Nothing the policy writes raises.
-4. An observation that would take the episode past ``max_tokens`` is not appended: ``truncated``, finish reason
+5. An observation that would take the episode past ``max_tokens`` is not appended: ``truncated``, finish reason
    ``"max_tokens"``, reward 0.
 
 The observation that ends an episode is empty: nothing follows the final action. A turn that does not end with a
@@ -269,6 +271,8 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         )
 
         # Everything is computed before the episode changes, so an error in a hook leaves the episode intact.
+        if episode.num_tokens + len(action_segment) > self.config.max_tokens:  # over budget: even an answer
+            return self._finish(episode, action_segment, "max_tokens", Score(0.0), calls, [], None)
         if answer.answer is not None:
             score = _as_score(self.score(episode.task, answer.answer))
             return self._finish(episode, action_segment, "answered", score, calls, [], answer.answer)

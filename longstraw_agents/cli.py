@@ -129,7 +129,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="longstraw",
+        description="Long-context GRPO for agents: list environments, train, replay logged episodes offline, "
+        "inspect trajectory stores, plot runs.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("envs", help="list the registered LongStraw environments")

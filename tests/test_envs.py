@@ -237,6 +237,29 @@ def test_token_budget_truncates_before_an_observation_that_does_not_fit() -> Non
     assert trajectory.finish_reason == "max_tokens" and trajectory.num_tokens == len(prompt) + len(call)
 
 
+def test_an_answer_in_a_turn_past_the_token_budget_is_not_scored() -> None:
+    probe = make_calculator()
+    prompt, _ = probe.reset(seed=0)
+    answer = encode_turn(f"<answer>{probe.unwrapped.task.answer}</answer>")
+    env = make_calculator(max_tokens=len(prompt) + len(answer) - 1)
+    env.reset(seed=0)
+    observation, reward, terminated, truncated, info = env.step(answer)
+    assert (reward, terminated, truncated, len(observation)) == (0.0, False, True, 0)
+    assert info["finish_reason"] == "max_tokens"
+    assert env.unwrapped.trajectory.num_tokens == len(prompt) + len(answer)  # the action is kept, and flagged
+    env = make_calculator(max_tokens=len(prompt) + len(answer))  # exactly at the budget: scored
+    env.reset(seed=0)
+    assert env.step(answer)[1:4] == (1.0, True, False)
+
+
+@pytest.mark.parametrize("env_id", ["LongStraw/Calculator-v0", "LongStraw/NeedleSearch-v0"])
+def test_an_answer_with_more_digits_than_python_converts_scores_zero(env_id: str) -> None:
+    env = gymnasium.make(env_id, max_tokens=200_000)
+    env.reset(seed=0)
+    observation, reward, terminated, truncated, info = env.step(encode_turn(f"<answer>{'9' * 5000}</answer>"))
+    assert (reward, terminated, truncated) == (0.0, True, False)
+
+
 def test_a_prompt_longer_than_the_token_budget_is_a_clear_error() -> None:
     env = make_calculator(max_tokens=10)
     with pytest.raises(ValueError, match="raise max_tokens"):

@@ -39,6 +39,18 @@ def crash(reason: str) -> str:
     raise RuntimeError(reason)
 
 
+@tool
+def leave(code: int) -> str:
+    """Try to end the process."""
+    raise SystemExit(code)
+
+
+@tool
+def scale(x: int, y: float) -> float:
+    """Scale a number."""
+    return x * y
+
+
 @pytest.fixture(scope="module")
 def registry() -> ToolRegistry:
     corpus = Corpus([Document("doc-1", "Only document", "The needle is in here.")])
@@ -47,6 +59,8 @@ def registry() -> ToolRegistry:
             calculator,
             repeat,
             crash,
+            leave,
+            scale,
             make_python_tool(SandboxConfig(timeout_s=1, cpu_time_s=2, memory_bytes=256 * 2**20)),
             *make_document_tools(corpus),
             make_http_get_tool(HttpGetConfig(allowed_hosts=("127.0.0.1:9",), timeout_s=0.5)),
@@ -77,6 +91,12 @@ CATALOGUE = {
     "arguments-null": (call("calculator", None), "parse"),
     "arguments-bad-json-string": (call("calculator", '{"expression": "2+3"'), "parse"),
     "arguments-json-string-of-list": (call("calculator", "[1, 2]"), "parse"),
+    "huge-integer-literal": (
+        '<tool_call>{"name": "repeat", "arguments": {"times": ' + "9" * 5000 + "}}</tool_call>",
+        "parse",
+    ),
+    "huge-integer-in-arguments-string": (call("repeat", '{"times": ' + "9" * 5000 + "}"), "parse"),
+    "float-overflow": ('<tool_call>{"name": "scale", "arguments": {"x": 1, "y": 1e999}}</tool_call>', "parse"),
     "deep-nesting": (f'<tool_call>{{"name": "repeat", "arguments": {{"text": {DEEP}}}}}</tool_call>', "parse"),
     "unknown-tool": (call("weather", {"city": "Oslo"}), "unknown_tool"),
     "unicode-unknown-tool": (call("калькулятор ☃", {}), "unknown_tool"),
@@ -97,6 +117,7 @@ CATALOGUE = {
     "unicode-digits": (call("calculator", {"expression": "２+３"}), "exception"),
     "explosive-power": (call("calculator", {"expression": "9**9**9**9"}), "exception"),
     "tool-raises": (call("crash", {"reason": "kaboom"}), "exception"),
+    "tool-calls-sys-exit": (call("leave", {"code": 3}), "exception"),
     "python-raises": (call("python", {"code": "raise SystemExit('bye')"}), "exception"),
     "python-hangs": (call("python", {"code": "import time\ntime.sleep(60)"}), "timeout"),
     "oversize-output": (call("repeat", {"text": "ab", "times": 1_000_000}), "output_too_large"),
@@ -152,3 +173,11 @@ def test_a_turn_mixing_good_and_bad_calls(registry: ToolRegistry) -> None:
     results = registry.execute_text(text)
     assert [(r.ok, r.error) for r in results] == [(True, None), (False, "parse"), (False, "unknown_tool"), (True, None)]
     assert [results[0].content, results[3].content] == ["42", "hi"]
+
+
+def test_directly_handed_arguments_are_checked_strictly() -> None:
+    """Python values that are not JSON (here inf) are validated as strictly as JSON: "5" and True are no integers."""
+    assert scale.invoke({"x": 2, "y": float("inf")}).ok
+    for bad in ("5", True, 2.0):
+        result = scale.invoke({"x": bad, "y": float("inf")})
+        assert (result.ok, result.error) == (False, "bad_arguments"), bad

@@ -135,7 +135,7 @@ class Tool:
             output = ToolOutput(f"Error: {exc.message}", error=exc.kind)
         except _Timeout:
             output = ToolOutput(f"Error: tool {self.name!r} timed out after {self.timeout_s:g} s", error="timeout")
-        except Exception as exc:  # the tool's own bug or a failure it did not anticipate: report, do not raise
+        except (Exception, SystemExit) as exc:  # the tool's own bug or a failure it did not anticipate: report it
             output = ToolOutput(f"Error: tool {self.name!r} raised {_describe_exception(exc)}", error="exception")
         return self._result(output, recorded, _since(start))
 
@@ -149,7 +149,7 @@ class Tool:
             try:
                 as_json = json.dumps(arguments, allow_nan=False, ensure_ascii=False)
             except (TypeError, ValueError):  # Python objects handed over directly: validate them as they are
-                return self.arguments_model.model_validate(dict(arguments))
+                return self.arguments_model.model_validate(dict(arguments), strict=True)
             try:
                 encoded = as_json.encode("utf-8")
             except UnicodeEncodeError as exc:  # JSON allows "\ud800"; text must not carry half a character

@@ -12,6 +12,7 @@ what is wrong and where, so the policy can be told and the episode goes on.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -96,7 +97,7 @@ def parse_tool_call_payload(raw: str, span: tuple[int, int] | None = None) -> To
     if not payload:
         return ToolCallError(f"empty {OPEN_TAG} block. {FORMAT_HINT}", raw=raw, span=span)
     try:
-        value = json.loads(payload, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+        value = json.loads(payload, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         message = (
             f"malformed JSON in tool call: {exc.msg} at line {exc.lineno} column {exc.colno} (character {exc.pos})"
@@ -106,6 +107,8 @@ def parse_tool_call_payload(raw: str, span: tuple[int, int] | None = None) -> To
         return ToolCallError(f"invalid JSON in tool call: {exc}", raw=raw, span=span)
     except RecursionError:
         return ToolCallError("tool call JSON is nested too deeply", raw=raw, span=span)
+    except ValueError as exc:  # e.g. an integer literal past Python's int-string conversion limit
+        return ToolCallError(f"invalid JSON in tool call: {exc}", raw=raw, span=span)
     return tool_call_from_object(value, raw=raw, span=span)
 
 
@@ -131,13 +134,15 @@ def tool_call_from_object(value: Any, raw: str = "", span: tuple[int, int] | Non
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+            arguments = json.loads(arguments, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float)
         except json.JSONDecodeError as exc:
             return error(f'"arguments" is a string but not valid JSON: {exc.msg} at character {exc.pos}', name)
         except _InvalidJSON as exc:
             return error(f'"arguments" is a string but not valid JSON: {exc}', name)
         except RecursionError:
             return error('"arguments" is nested too deeply', name)
+        except ValueError as exc:  # e.g. an integer literal past Python's int-string conversion limit
+            return error(f'"arguments" is a string but not valid JSON: {exc}', name)
     if not isinstance(arguments, Mapping):
         kind = json_type(arguments)
         return error(f'"arguments" must be a JSON object mapping argument names to values, got {kind}', name)
@@ -184,6 +189,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _reject_constant(constant: str) -> Any:
     raise _InvalidJSON(f"{constant} is not a JSON value")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # 1e999 parses to inf, which no JSON value denotes
+        raise _InvalidJSON(f"{preview(literal)} is out of the range of a float")
+    return value
 
 
 def _depth_exceeds(value: Any, limit: int) -> bool:

@@ -78,7 +78,7 @@ class ToolRegistry:
         start = time.perf_counter()
         try:
             return self._tools[call.name].invoke(call.arguments)
-        except Exception as exc:  # a Tool subclass that broke the never-raise contract still must not kill the env
+        except (Exception, SystemExit) as exc:  # a Tool that broke the never-raise contract must not kill the env
             message = f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}"
             return ToolResult.failure(call.name, "exception", message, elapsed_s=time.perf_counter() - start)
 
