@@ -136,6 +136,7 @@ def main() -> None:
     lengths = {"naive": naive_lengths, "detached": long_lengths, "exact": long_lengths}
     budget = by_prompt["naive"][naive_lengths.index(budget_prompt)]
     longest = {m: longest_within(lengths[m], by_prompt[m], budget) for m in MODES}
+    verified: dict[str, dict] = {}
     for mode in MODES:
         points = ", ".join(f"{n}: {p / 2**20:.1f}M" for n, p in zip(lengths[mode], by_prompt[mode], strict=True))
         value, extrapolated = longest[mode]
@@ -143,6 +144,11 @@ def main() -> None:
         ratio = value / longest["naive"][0]
         print(f"{mode:<10} {points}")
         print(f"{'':<10} longest within {budget / 2**20:.1f}M: {value:,.0f} tokens = {ratio:.0f}x naive{note}")
+        if extrapolated:  # check the fit: measure at the predicted length
+            check = peak_bytes(model, mode, int(value), 8, completion_len, chunk)
+            verified[mode] = {"prompt": int(value), "peak": check, "fits": check <= budget}
+            verdict = "fits" if check <= budget else "over"
+            print(f"{'':<10} measured at {int(value):,} tokens: {check / 2**20:.1f}M ({verdict})")
 
     print("\n3) step time at G=8 (grpo_backward, no memory tracking; median of 3)")
     times = step_times(model, prompt_len, 8, completion_len, chunk, repeats=1 if args.quick else 3)
@@ -163,6 +169,7 @@ def main() -> None:
         "memory_vs_prompt": by_prompt,
         "budget": budget,
         "longest_within_budget": {m: v for m, (v, _) in longest.items()},
+        "longest_verified": verified,
         "step_seconds": times,
     }
     suffix = "_quick" if args.quick else ""

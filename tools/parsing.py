@@ -97,7 +97,7 @@ def parse_tool_call_payload(raw: str, span: tuple[int, int] | None = None) -> To
     if not payload:
         return ToolCallError(f"empty {OPEN_TAG} block. {FORMAT_HINT}", raw=raw, span=span)
     try:
-        value = json.loads(payload, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = _strict_json(payload)
     except json.JSONDecodeError as exc:
         message = (
             f"malformed JSON in tool call: {exc.msg} at line {exc.lineno} column {exc.colno} (character {exc.pos})"
@@ -134,7 +134,7 @@ def tool_call_from_object(value: Any, raw: str = "", span: tuple[int, int] | Non
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float)
+            arguments = _strict_json(arguments)
         except json.JSONDecodeError as exc:
             return error(f'"arguments" is a string but not valid JSON: {exc.msg} at character {exc.pos}', name)
         except _InvalidJSON as exc:
@@ -176,6 +176,11 @@ def json_type(value: Any) -> str:
 
 class _InvalidJSON(ValueError):
     pass
+
+
+def _strict_json(text: str) -> Any:
+    """JSON as the spec has it: no duplicate keys, no NaN/Infinity, no float literal that overflows to inf."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
