@@ -1,9 +1,9 @@
 """Engine benchmark: turn-append cost vs turn index against re-prefilling from scratch, and state bytes/token
-measured vs analytic — printed as ratios measured side by side in one run.
+measured vs analytic — printed as ratios measured side by side in one run, saved to bench/results/engine.json.
 
 An agent episode grows turn by turn: a long opening context, then per turn an assistant reply and a tool output.
-The engine extends the previous turn's state by the new turn only; the baseline re-prefills the whole episode
-(chunked capture from position 0, i.e. the engine's own fastest prefill) each turn.
+The engine extends the previous turn's state by the new turn only; the baselines re-evaluate the whole episode every
+turn: the engine's own chunked capture from position 0 (its fastest prefill), and transformers' full forward.
 
     python bench/engine.py [--families llama qwen3_5 glm_moe_dsa] [--context 2048] [--turn 64] [--turns 32]
 """
@@ -11,14 +11,18 @@ The engine extends the previous turn's state by the new turn only; the baseline 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from longstraw_agents.engine import Engine
+from longstraw_agents.engine import Engine, State
 from longstraw_agents.models import state_size
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
+
+RESULTS = Path(__file__).parent / "results"
 
 
 def bench_config(family: str):
@@ -29,51 +33,70 @@ def bench_config(family: str):
     return TINY_PRESETS[family](**overrides)
 
 
-def timed(fn, repeats: int = 3) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def append_times(engine: Engine, opening: State, episode: torch.Tensor, turn: int, turns: int) -> list[float]:
+    """One episode's per-turn extend times (s). Each turn appends in place into storage reserved at turn 1 (as the
+    sampler does), so each repetition from the same opening state is an independent, identical run."""
+    state, times = opening, []
+    for t in range(turns):
+        lo = opening.num_tokens + t * turn
         start = time.perf_counter()
-        out = fn()
+        state = engine.extend(state, episode[lo : lo + turn], reserve=turns * turn)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    return times
 
 
-def run_family(family: str, context: int, turn: int, turns: int, chunk: int) -> dict[str, float]:
+def run_family(family: str, context: int, turn: int, turns: int, chunk: int, repeats: int) -> dict:
     model = build_model(bench_config(family), dtype=torch.float32)
     engine = Engine(model, chunk_size=chunk)
-    vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    episode = torch.randint(0, vocab, (context + turns * turn,), generator=gen)
-    state = engine.capture(episode[:context])
-    reserve = turns * turn
-    base_tokens = state.num_tokens
-    append_ms, reprefill_ms = [], []
-    for t in range(turns):
-        lo, hi = context + t * turn, context + (t + 1) * turn
-        # turn appends go into reserved storage (as the sampler does), so the state stays two blocks; one timing
-        # per turn (a repeated extend of the same parent would fork instead of appending in place)
-        seconds, state = timed(lambda s=state, lo=lo, hi=hi: engine.extend(s, episode[lo:hi], reserve=reserve), 1)
-        append_ms.append(seconds * 1e3)
-        if t in (0, turns // 2, turns - 1):
-            seconds, _ = timed(lambda hi=hi: engine.capture(episode[:hi]), repeats=1)
-            reprefill_ms.append(seconds * 1e3)
-    # bytes/token from a plain capture of the final length (reserved storage would count unused capacity)
-    final = engine.capture(episode[: state.num_tokens])
-    small = engine.capture(episode[:base_tokens])
+    episode = torch.randint(0, model.config.vocab_size, (context + turns * turn,), generator=gen)
+    opening = engine.capture(episode[:context])
+    runs = [append_times(engine, opening, episode, turn, turns) for _ in range(repeats)]
+    append_ms = [statistics.median(r[t] for r in runs) * 1e3 for t in range(turns)]
+
+    probes = sorted({0, turns // 2, turns - 1})  # re-prefill at the first, middle and last turn
+    reprefill_ms, hf_ms = {}, {}
+    for t in probes:
+        ids = episode[: context + (t + 1) * turn]
+        reprefill_ms[t + 1] = seconds(lambda ids=ids: engine.capture(ids)) * 1e3
+        with torch.no_grad():
+            hf_ms[t + 1] = seconds(lambda ids=ids: model(ids[None], use_cache=False)) * 1e3
+
+    # bytes/token from plain captures (reserved storage would count unused capacity)
+    final, small = engine.capture(episode), opening
     measured = (final.nbytes - small.nbytes) / (final.num_tokens - small.num_tokens)
     analytic = state_size(model.config, torch.float32).bytes_per_token
-    first, last = statistics.median(append_ms[:5]), statistics.median(append_ms[-5:])
+    window = max(1, turns // 4)
+    first, last = statistics.median(append_ms[:window]), statistics.median(append_ms[-window:])
     return {
+        "append_ms": append_ms,
         "append_first_ms": first,
         "append_last_ms": last,
         "flatness": last / first,
-        "reprefill_last_ms": reprefill_ms[-1],
-        "reprefill_growth": reprefill_ms[-1] / reprefill_ms[0],
-        "speedup_at_last_turn": reprefill_ms[-1] / last,
+        "reprefill_ms": reprefill_ms,
+        "transformers_ms": hf_ms,
+        "speedup_at_last_turn": reprefill_ms[turns] / append_ms[-1],
+        "speedup_vs_transformers_at_last_turn": hf_ms[turns] / append_ms[-1],
         "bytes_per_token": measured,
+        "bytes_per_token_analytic": analytic,
         "bytes_ratio": measured / analytic,
-        "state_mib": state.nbytes / 2**20,
+        "state_mib": final.nbytes / 2**20,
     }
+
+
+def print_row(family: str, r: dict, turns: int) -> None:
+    print(
+        f"{family:<12} {r['append_first_ms']:>9.1f} {r['append_last_ms']:>9.1f} {r['flatness']:>10.2f} "
+        f"{r['reprefill_ms'][turns]:>13.1f} {r['transformers_ms'][turns]:>10.1f} "
+        f"{r['speedup_at_last_turn']:>7.1f}x {r['speedup_vs_transformers_at_last_turn']:>7.1f}x "
+        f"{r['bytes_per_token']:>8.0f} {r['bytes_ratio']:>8.3f}"
+    )
 
 
 def main() -> None:
@@ -83,23 +106,32 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=64, help="tokens appended per turn")
     parser.add_argument("--turns", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3, help="episodes timed per family (per-turn median)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "engine.json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"context {args.context} tokens + {args.turns} turns x {args.turn} tokens, fp32, CPU, chunk {args.chunk}")
-    header = (
-        f"{'family':<12} {'append t1 ms':>12} {'append t32 ms':>13} {'t32/t1':>7} {'re-prefill t32 ms':>17} "
-        f"{'re-prefill t32/t1':>17} {'speedup':>8} {'B/token':>8} {'meas/analytic':>13}"
+    print(
+        f"context {args.context} tokens + {args.turns} turns x {args.turn} tokens, fp32, CPU, chunk {args.chunk}, "
+        f"median of {args.repeats} episodes per turn"
     )
+    early, late = f"t1-{max(1, args.turns // 4)}", f"t{args.turns - max(1, args.turns // 4) + 1}-{args.turns}"
+    header = (
+        f"{'family':<12} {early + ' ms':>9} {late + ' ms':>9} {'late/early':>10} {'re-prefill ms':>13} "
+        f"{'HF fwd ms':>10} {'speedup':>8} {'vs HF':>8} {'B/token':>8} {'meas/an.':>8}"
+    )
+    print("append (median ms over the first and last quarter of the turns) vs re-evaluating the whole episode")
     print(header)
     print("-" * len(header))
+    results = {}
     for family in args.families:
-        r = run_family(family, args.context, args.turn, args.turns, args.chunk)
-        print(
-            f"{family:<12} {r['append_first_ms']:>12.1f} {r['append_last_ms']:>13.1f} {r['flatness']:>7.2f} "
-            f"{r['reprefill_last_ms']:>17.1f} {r['reprefill_growth']:>17.2f} {r['speedup_at_last_turn']:>7.1f}x "
-            f"{r['bytes_per_token']:>8.0f} "
-            f"{r['bytes_ratio']:>13.3f}"
-        )
+        results[family] = r = run_family(family, args.context, args.turn, args.turns, args.chunk, args.repeats)
+        print_row(family, r, args.turns)
+    print("\nappend ms by turn index")
+    for family, r in results.items():
+        print(f"{family:<12} " + " ".join(f"{ms:.1f}" for ms in r["append_ms"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

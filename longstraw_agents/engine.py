@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS
-from longstraw_agents.models import FamilyAdapter, adapter_for
+from longstraw_agents.models import FamilyAdapter, StateSize, adapter_for, state_size
 from longstraw_agents.models.base import LayerContext
 from longstraw_agents.state import (
     Arena,
@@ -31,6 +31,8 @@ from longstraw_agents.state import (
     StateGrad,
     leaf_into,
 )
+
+__all__ = ["Engine", "EngineConfig", "SegmentLoss", "State", "StateGrad", "StateSize", "state_size"]
 
 # loss_fn(logits [n, V], start, end) -> scalar loss for the tokens at positions [start, end), or None
 SegmentLoss = Callable[[Tensor, int, int], Tensor | None]
@@ -151,7 +153,8 @@ class Engine:
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
         if not isinstance(ids, Tensor):
             try:
-                ids = torch.as_tensor(list(ids), dtype=torch.long)
+                values = list(ids)  # no dtype given: floats and bools are refused below, never cast
+                ids = torch.as_tensor(values) if values else torch.empty(0, dtype=torch.long)
             except (TypeError, ValueError) as err:
                 raise TypeError(f"token ids must be a 1-D integer tensor or a sequence of ints: {err}") from None
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):

@@ -230,6 +230,9 @@ def test_unsupported_model_names_supported_families():
         (torch.tensor([1, VOCAB]), ValueError),
         (torch.tensor([-1, 2]), ValueError),
         ("not ids", TypeError),
+        ([], ValueError),
+        ([1.5, 2.0], TypeError),  # a list of floats is refused, not truncated to token ids
+        ([True, False], TypeError),
     ],
 )
 def test_bad_ids_get_clear_errors(ids, error):

@@ -75,6 +75,9 @@ def chunk_gated_delta_rule(
     return out.transpose(0, 1), state
 
 
+_FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _fla_kernel():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -120,7 +123,7 @@ class GatedDeltaNetMixer(Mixer):
         return (x * F.silu(gate.to(dt))).to(core.dtype)
 
     def _delta_rule(self, q, k, v, g, beta, initial):
-        fla = _fla_kernel() if q.is_cuda else None
+        fla = _fla_kernel() if q.is_cuda and q.dtype in _FLA_DTYPES else None  # Triton kernels: no fp64
         if fla is not None:
             out, final = fla(
                 q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
