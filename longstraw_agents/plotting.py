@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
-CURVES = {
-    "reward.png": ("reward_mean", "mean reward"),
-    "loss.png": ("loss", "GRPO loss"),
-    "length.png": ("episode_tokens_mean", "episode tokens (mean)"),
-    "memory.png": ("peak_bytes", "peak tracked bytes"),
+log = logging.getLogger(__name__)
+
+# File → (metric, label) candidates; the first metric with data is drawn. Memory: the tracked tensor peak needs
+# trainer.track_memory; every run logs the process's peak RSS (and the CUDA peak on a GPU).
+CURVES: dict[str, tuple[tuple[str, str], ...]] = {
+    "reward.png": (("reward_mean", "mean reward"),),
+    "loss.png": (("loss", "GRPO loss"),),
+    "length.png": (("episode_tokens_mean", "episode tokens (mean)"),),
+    "memory.png": (
+        ("peak_bytes", "peak tracked bytes"),
+        ("cuda_peak_bytes", "peak CUDA bytes allocated"),
+        ("rss_peak_bytes", "peak process RSS (bytes)"),
+    ),
 }
 
 
@@ -20,12 +29,28 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"{path} does not exist (is {run_dir} a longstraw run directory?)")
     records = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not JSON ({err})") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not JSON ({err})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object (a metrics line is {{...}}): {line[:80]}")
+        if record.get("phase", "grpo") in ("grpo", "eval") and not _is_number(record.get("step")):
+            log.warning("%s:%d: skipped (a %r line without a step)", path, number, record.get("phase", "grpo"))
+            continue
+        records.append(record)
     return records
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _points(records: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(step, value) of the records with a numeric ``key``."""
+    return [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
 
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
@@ -34,6 +59,17 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
     for v in values:
         sums.append(sums[-1] + v)
     return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def _first_curve(
+    records: list[dict[str, Any]], candidates: tuple[tuple[str, str], ...]
+) -> tuple[str, str, list[tuple[float, float]]] | None:
+    """(metric, label, points) of the first candidate metric with data, or None."""
+    for key, label in candidates:
+        points = _points(records, key)
+        if points:
+            return key, label, points
+    return None
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
@@ -49,18 +85,20 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for filename, (key, label) in CURVES.items():
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        if not points:
+    for filename, candidates in CURVES.items():
+        curve = _first_curve(records, candidates)
+        if curve is None:
             continue
+        key, label, points = curve
         steps, values = zip(*points, strict=True)
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, values, marker="o", markersize=3, alpha=0.5, label="per step")
         window = min(10, len(values))
         if window > 1:
             ax.plot(steps, trailing_mean(values, window), linewidth=2, label=f"mean of last {window}")
-        if key == "reward_mean" and evals:
-            eval_steps, eval_rewards = [e["step"] for e in evals], [e["reward_mean"] for e in evals]
+        eval_points = _points(evals, "reward_mean") if key == "reward_mean" else []
+        if eval_points:
+            eval_steps, eval_rewards = zip(*eval_points, strict=True)
             ax.plot(eval_steps, eval_rewards, "s", markersize=8, color="black", label="held-out eval")
         ax.legend(fontsize=8)
         ax.set(xlabel="step", ylabel=label, title=f"{Path(run_dir).name}: {label}")

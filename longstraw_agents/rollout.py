@@ -1,5 +1,5 @@
 """The rollout loop: environments + a sampler → groups of token-exact trajectories, written to the store as each
-episode finishes.
+group finishes (one transaction per group, so the store never holds part of a group).
 
 A group is G episodes of the same task (same env seed). The sampler captures the shared prompt once and forks it
 for the G members; each turn, a member's new tokens and the environment's observation extend its own state, so no
@@ -22,6 +22,10 @@ from longstraw_agents.store import Store
 from longstraw_agents.trajectory import Trajectory
 
 EnvFactory = Callable[[], gymnasium.Env]
+
+
+class ContextLimitError(ValueError):
+    """A task's prompt does not fit the model's context."""
 
 
 @dataclass
@@ -65,11 +69,27 @@ def rollout_group(
             "make_env_factory(env_id, kwargs, max_context)"
         )
     options = {"group_id": group_id, "policy_version": sampler.policy_version}
-    prompts = [env.reset(seed=seed, options=options)[0] for env in envs]
+    prompts = [reset_prompt(env, seed, options, limits.max_context) for env in envs]
     if any(not np.array_equal(p, prompts[0]) for p in prompts[1:]):
         raise RuntimeError(f"{envs[0].env_id}: reset(seed={seed}) gave different prompts; the env is not seeded")
     handles = sampler.fork(prompts[0].tolist(), group_size)
     return play_until_done(envs, handles, sampler, limits, on_episode)
+
+
+def reset_prompt(env: ToolEnv, seed: int, options: dict | None = None, max_context: int | None = None) -> np.ndarray:
+    """``env.reset(seed=seed, options=options)``'s prompt. When the env's budget is the model's context (capped by
+    ``make_env_factory``), a prompt over it is a ContextLimitError that names the model's limit: the env's own
+    advice, "raise max_tokens", would have no effect."""
+    try:
+        return env.reset(seed=seed, options=options)[0]
+    except ValueError as err:
+        if max_context is None or env.config.max_tokens < max_context:
+            raise
+        raise ContextLimitError(
+            f"{env.env_id}: the task's prompt does not fit the model's context limit of {max_context} tokens (set by "
+            "model.max_context or the model config's max_position_embeddings; it caps the env's max_tokens, so "
+            f"raising max_tokens has no effect). The environment said: {err}"
+        ) from err
 
 
 def play_until_done(
@@ -122,20 +142,22 @@ def rollout_groups(
     run_id: str | None = None,
     progress: bool = True,
 ) -> list[list[Trajectory]]:
-    """One group per seed; every episode is written to ``store`` (if given) as soon as it finishes."""
-    on_episode = (lambda t: store.add_episode(t, run_id=run_id)) if store is not None else None
+    """One group per seed; each group is written to ``store`` (if given) in one transaction once all its members
+    have finished, so a failure mid-group (server gone, Ctrl-C) leaves no partial group behind."""
     groups = []
     bar = tqdm(total=len(seeds) * group_size, desc="rollout", unit="ep", disable=not progress, leave=False)
     try:
         for g, seed in enumerate(seeds):
+            finished: list[Trajectory] = []  # in finishing order, as episode ids were before
 
-            def finished(trajectory: Trajectory) -> None:
+            def on_episode(trajectory: Trajectory, finished: list[Trajectory] = finished) -> None:
                 bar.update(1)
-                if on_episode is not None:
-                    on_episode(trajectory)
+                finished.append(trajectory)
 
             group_id = f"{group_prefix}{g}"
-            groups.append(rollout_group(env_factory, sampler, group_size, seed, group_id, limits, finished))
+            groups.append(rollout_group(env_factory, sampler, group_size, seed, group_id, limits, on_episode))
+            if store is not None:
+                store.add_episodes(finished, run_id=run_id)
     finally:
         bar.close()
     return groups

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,7 +34,7 @@ class SamplingConfig(BaseModel):
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     max_new_tokens: int = Field(256, ge=1, description="tokens per assistant turn at most")
-    seed: int = Field(0, description="seed of the sampler's random generator")
+    seed: int = Field(0, description="seed of the sampler's random generator (base of the per-request seeds)")
 
 
 @dataclass
@@ -199,6 +200,7 @@ class OpenAISampler:
         self.model = model
         self.policy_version = policy_version
         self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.requests = 0  # completions requested so far: each gets its own seed
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = client or httpx.Client(timeout=timeout_s, headers=headers)
 
@@ -214,7 +216,7 @@ class OpenAISampler:
             "max_tokens": max_new_tokens or self.config.max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
-            "seed": self.config.seed,
+            "seed": self._next_seed(),
             "logprobs": 1,
             "stop_token_ids": self.stop_token_ids,
             "return_tokens_as_token_ids": True,
@@ -227,6 +229,13 @@ class OpenAISampler:
 
     def append(self, handle: OpenAIHandle, ids: Sequence[int]) -> None:
         handle.token_ids.extend(int(i) for i in ids)
+
+    def _next_seed(self) -> int:
+        """A distinct seed per request, derived from (config seed, request number): with one seed for all, the G
+        members of a group (same prompt) would come back identical and their advantages would all be zero; derived
+        this way, a run with the same base seed still draws the same completions."""
+        index, self.requests = self.requests, self.requests + 1
+        return request_seed(self.config.seed, index)
 
     def num_tokens(self, handle: OpenAIHandle) -> int:
         return len(handle.token_ids)
@@ -270,6 +279,13 @@ class OpenAISampler:
         if len(ids) != len(values):
             raise SamplerError(f"{len(ids)} tokens but {len(values)} logprobs in the response")
         return Generation(ids, values, finish)
+
+
+def request_seed(base: int, index: int) -> int:
+    """The seed of request ``index`` of a sampler seeded with ``base``: well mixed (nearby bases and indices give
+    unrelated seeds) and in [0, 2**31) so that every server accepts it."""
+    state = np.random.SeedSequence([base % 2**64, index]).generate_state(1, dtype=np.uint32)
+    return int(state[0]) >> 1
 
 
 def _token_id(token: Any) -> int:

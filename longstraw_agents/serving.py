@@ -11,6 +11,7 @@ to tools that speak the OpenAI API. Bind it to loopback only; it is single-model
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -59,7 +60,7 @@ class CompletionServer:
             temperature=float(body.get("temperature", 1.0)),
             top_p=float(body.get("top_p", 1.0)),
             max_new_tokens=int(body.get("max_tokens", 16)),
-            seed=int(body.get("seed", 0)),
+            seed=_seed(body.get("seed")),
         )
         stop = body.get("stop_token_ids") or sorted(self.sampler.stop_token_ids)
         with self._lock:
@@ -108,3 +109,8 @@ class CompletionServer:
                 pass
 
         return Handler
+
+
+def _seed(value: Any) -> int:
+    """The request's seed; none (or null) means a fresh random one, as with the OpenAI API."""
+    return secrets.randbits(31) if value is None else int(value)

@@ -4,7 +4,9 @@ A run directory holds ``config.json``, ``trajectories.db`` (every episode, token
 line per step), ``checkpoint/`` (model, optimizer, RNG states, step counters; written atomically) and plots.
 ``--resume`` continues from the checkpoint; a run resumed after a kill reproduces the uninterrupted run, because
 each step's task seeds and sampling generator are derived from (seed, step). Ctrl-C stops after the current
-operation and saves a checkpoint of the last completed step; every stored episode is complete (one transaction).
+operation, writes the metrics line of an update it let finish and saves a checkpoint of the last completed step;
+the store holds whole groups only (one transaction per group). Configuration errors (unknown env, bad env kwargs, a
+prompt over the model's context) are raised before anything is written.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import copy
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,20 +26,26 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from longstraw_agents.envs import ScriptedPolicy, run_episode
+from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
-from longstraw_agents.rollout import RolloutLimits, make_env_factory, rollout_groups
+from longstraw_agents.rollout import RolloutLimits, make_env_factory, reset_prompt, rollout_groups
 from longstraw_agents.sampler import SamplingConfig, TorchSampler
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 from longstraw_agents.trainer.sft import SFTConfig, supervised_warm_start
+from longstraw_agents.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint"
 METRICS = "metrics.jsonl"
 STORE = "trajectories.db"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot run (unknown environment, bad env kwargs, a prompt over the model's context...);
+    raised before the run directory is written."""
 
 
 class EnvSpec(BaseModel):
@@ -102,18 +111,52 @@ def load_config(path: str | Path) -> TrainConfig:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist")
-    text = path.read_text()
-    if path.suffix == ".toml":
-        import tomllib
-
-        data = tomllib.loads(text)
-    elif path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
-    else:
+    if path.suffix not in (".toml", ".yaml", ".yml"):
         raise ValueError(f"config must be .yaml, .yml or .toml, got {path.name}")
+    data = _parse_config(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings at the top level, got {type(data).__name__}")
     return TrainConfig.model_validate(data)
+
+
+def _parse_config(path: Path) -> Any:
+    """The file's data; a syntax error is a ValueError that names the file (the parsers' own errors do not)."""
+    import tomllib
+
+    import yaml
+
+    kind = "TOML" if path.suffix == ".toml" else "YAML"
+    try:
+        text = path.read_text()
+        return tomllib.loads(text) if kind == "TOML" else (yaml.safe_load(text) or {})
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid {kind}: {err}") from None
+
+
+def check_env(spec: EnvSpec) -> None:
+    """Make one environment of ``spec``, so that an unknown id or bad kwargs fail now with a ConfigError that names
+    the field, not at the first rollout after the model was built."""
+    import gymnasium
+    from pydantic import ValidationError
+
+    from longstraw_agents.envs import registered_env_ids
+
+    try:
+        env = gymnasium.make(spec.id, **spec.kwargs)
+    except (gymnasium.error.Error, ImportError) as err:  # NameNotFound, VersionNotFound, "module:Id" not importable
+        known = ", ".join(registered_env_ids())
+        raise ConfigError(f"env.id: unknown environment {spec.id!r} ({err}); registered: {known}") from None
+    except ValidationError as err:  # the env's own config model
+        lines = [f"  env.kwargs.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
+        raise ConfigError(f"invalid env.kwargs for {spec.id}:\n" + "\n".join(lines)) from None
+    except TypeError as err:  # an env class without a config model rejects an argument
+        raise ConfigError(f"invalid env.kwargs for {spec.id}: {err}") from None
+    try:
+        unwrap_tool_env(env)
+    except TypeError as err:
+        raise ConfigError(f"env.id: {spec.id} is not a LongStraw environment ({err})") from None
+    finally:
+        env.close()
 
 
 def build_policy(spec: ModelSpec, vocab_size: int, seed: int) -> torch.nn.Module:
@@ -142,16 +185,29 @@ class Run:
             raise FileExistsError(f"{self.dir} already holds a run; pass --resume or choose another output_dir")
         if resume and not existing:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.dir}")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.json").write_text(config.model_dump_json(indent=2))
+        check_env(config.env)  # cheap, and before the model is built
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.model = build_policy(config.model, self.tokenizer.vocab_size, config.seed)
         self.max_context = max_context_of(self.model, config.model)
         self.env_factory = make_env_factory(config.env.id, config.env.kwargs, self.max_context)
+        self._check_prompt_fits()
+        # Nothing is written before the configuration is known to run: a config error leaves no run directory.
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(config.model_dump_json(indent=2))
         self.store = Store.open(self.dir / STORE)
         self.run_id = self._run_row(resume)
         self.trainer: GRPOTrainer | None = None
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
+
+    def _check_prompt_fits(self) -> None:
+        """The first task's prompt fits the env's budget and the model's context (else every rollout fails)."""
+        env = unwrap_tool_env(self.env_factory())
+        try:
+            reset_prompt(env, self.task_seeds(0)[0], max_context=self.max_context)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        finally:
+            env.close()
 
     def _run_row(self, resume: bool) -> str:
         runs = self.store.runs()
@@ -206,16 +262,51 @@ class Run:
             progress=config.progress,
         )
         rollout_s = time.perf_counter() - start
-        with _sigint_deferred():  # an update is applied whole or not at all
-            metrics = self.trainer.train_step([self.trainer.group_from_trajectories(g) for g in groups])
-        episodes = [t for g in groups for t in g]
-        metrics.update(
-            rollout_seconds=rollout_s,
-            episode_tokens_mean=sum(t.num_tokens for t in episodes) / len(episodes),
-            solved_fraction=sum(1 for t in episodes if (t.reward or 0) >= 1.0) / len(episodes),
-            finish_reasons=_count(t.finish_reason for t in episodes),
-        )
-        return metrics
+        try:
+            with _sigint_deferred():  # an update is applied whole or not at all
+                metrics = self.trainer.train_step([self.trainer.group_from_trajectories(g) for g in groups])
+        except _DeferredInterrupt as interrupt:
+            # The update was applied and the checkpoint will record it: its metrics line must not be lost.
+            interrupt.record = _step_record(metrics, groups, rollout_s)
+            raise
+        return _step_record(metrics, groups, rollout_s)
+
+
+def _step_record(metrics: dict[str, Any], groups: list[list[Trajectory]], rollout_s: float) -> dict[str, Any]:
+    """The step's metrics line: the trainer's figures, rollout statistics and memory."""
+    episodes = [t for g in groups for t in g]
+    return {
+        "phase": "grpo",
+        **metrics,
+        "rollout_seconds": rollout_s,
+        "episode_tokens_mean": sum(t.num_tokens for t in episodes) / len(episodes),
+        "solved_fraction": sum(1 for t in episodes if (t.reward or 0) >= 1.0) / len(episodes),
+        "finish_reasons": _count(t.finish_reason for t in episodes),
+        **memory_metrics(),
+    }
+
+
+def memory_metrics() -> dict[str, int]:
+    """Memory figures cheap enough for every step (``peak_bytes`` needs ``trainer.track_memory``): the process's
+    peak resident set size and, when CUDA is in use, its peak allocation since the last call."""
+    out: dict[str, int] = {}
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        pass
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["rss_peak_bytes"] = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+class _DeferredInterrupt(KeyboardInterrupt):
+    """Ctrl-C held until a block was done; ``record`` is the metrics line of the step it completed, if any."""
+
+    record: dict[str, Any] | None = None
 
 
 @contextlib.contextmanager
@@ -231,7 +322,7 @@ def _sigint_deferred():
     finally:
         signal.signal(signal.SIGINT, previous)
     if received:
-        raise KeyboardInterrupt
+        raise _DeferredInterrupt
 
 
 class _SkipStored:
@@ -246,11 +337,14 @@ class _SkipStored:
         )
         self.stored = {row["group_id"]: row["n"] for row in rows}
 
-    def add_episode(self, trajectory, run_id=None):
-        if self.stored.get(trajectory.group_id, 0) > 0:
-            self.stored[trajectory.group_id] -= 1
-            return None
-        return self.store.add_episode(trajectory, run_id=run_id)
+    def add_episodes(self, trajectories: list[Trajectory], run_id: str | None = None) -> list[int]:
+        fresh = []
+        for trajectory in trajectories:
+            if self.stored.get(trajectory.group_id, 0) > 0:
+                self.stored[trajectory.group_id] -= 1
+            else:
+                fresh.append(trajectory)
+        return self.store.add_episodes(fresh, run_id=run_id) if fresh else []
 
 
 EVAL_SEED_BASE = 900_000_000  # held-out task seeds, disjoint from the training seeds
@@ -326,13 +420,16 @@ def train(
         emit({"phase": "eval", "step": completed, **evaluate(run, config.eval_episodes)})
     try:
         for step in range(run.trainer.step_count, config.steps):
-            emit({"phase": "grpo", **run.step(step)})
+            emit(run.step(step))
             completed = step + 1
             if completed % config.checkpoint_every == 0 or completed == config.steps:
                 run.trainer.save_checkpoint(run.dir / CHECKPOINT)
-    except KeyboardInterrupt:
-        log.warning("interrupted: saving the checkpoint of step %d", run.trainer.step_count)
-        run.trainer.save_checkpoint(run.dir / CHECKPOINT)
+    except KeyboardInterrupt as interrupt:
+        with _sigint_deferred():  # a second Ctrl-C must not cut the metrics line or the checkpoint short
+            if isinstance(interrupt, _DeferredInterrupt) and interrupt.record is not None:
+                emit(interrupt.record)  # the step the interrupt waited for was applied: report it
+            log.warning("interrupted: saving the checkpoint of step %d", run.trainer.step_count)
+            run.trainer.save_checkpoint(run.dir / CHECKPOINT)
         raise
     finally:
         run.store.close()

@@ -69,6 +69,33 @@ def test_curves_without_data_are_not_written(tmp_path: Path) -> None:
     assert plot_run(only_warm_start) == []
 
 
+def test_memory_falls_back_to_the_process_memory_every_run_logs(tmp_path: Path, drawn) -> None:
+    """Without trainer.track_memory, peak_bytes is null: memory.png shows rss_peak_bytes (logged every step) instead;
+    a tracked peak, when there is one, is preferred."""
+    records = [{**r, "peak_bytes": None, "rss_peak_bytes": 1000 * r["step"]} for r in RECORDS if "reward_std" in r]
+    written = plot_run(write_metrics(tmp_path / "rss", records))
+    assert [p.name for p in written] == ["reward.png", "loss.png", "length.png", "memory.png"]
+    np.testing.assert_array_equal(drawn["memory.png"], [[1, 1000], [2, 2000], [3, 3000]])
+    both = [{**r, "rss_peak_bytes": 1} for r in RECORDS]
+    plot_run(write_metrics(tmp_path / "both", both))
+    np.testing.assert_array_equal(drawn["memory.png"], [[1, 4096], [3, 6144]])
+
+
+def test_malformed_metrics_lines_are_errors_or_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = write_metrics(tmp_path / "array", [*RECORDS[:2]])
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write("[1, 2, 3]\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:3: not a JSON object"):
+        plot_run(run_dir)
+    no_step = {k: v for k, v in RECORDS[2].items() if k != "step"}
+    run_dir = write_metrics(tmp_path / "no-step", [no_step, RECORDS[3], {"phase": "eval", "reward_mean": 1.0}])
+    with caplog.at_level("WARNING", logger="longstraw_agents.plotting"):
+        written = plot_run(run_dir)
+    assert [p.name for p in written] == ["reward.png", "loss.png", "length.png"]  # from the line with a step
+    assert "metrics.jsonl:1: skipped (a 'grpo' line without a step)" in caplog.text
+    assert "metrics.jsonl:3: skipped (a 'eval' line without a step)" in caplog.text
+
+
 def test_missing_or_malformed_metrics_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl does not exist"):
         plot_run(tmp_path / "nowhere")

@@ -1,5 +1,5 @@
-"""The rollout loop: groups share one prompt capture, trajectories are token-exact, episodes reach the store as each
-finishes, context limits end episodes explicitly, and a failure mid-group leaves only complete episodes stored."""
+"""The rollout loop: groups share one prompt capture, trajectories are token-exact, groups reach the store as each
+finishes, context limits end episodes explicitly, and a failure mid-group leaves no part of that group stored."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import torch
 
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ToolEnv, unwrap_tool_env
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.rollout import RolloutLimits, make_env_factory, rollout_group, rollout_groups
+from longstraw_agents.rollout import (
+    ContextLimitError,
+    RolloutLimits,
+    make_env_factory,
+    rollout_group,
+    rollout_groups,
+)
 from longstraw_agents.sampler import OpenAISampler, SamplerError, SamplingConfig, TorchSampler
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
@@ -147,21 +153,24 @@ def test_assistant_segments_carry_the_sampled_ids_and_behaviour_logprobs(model, 
     np.testing.assert_allclose(rendered.logprobs[positions], expected, atol=1e-4)
 
 
-def test_episodes_are_stored_as_each_finishes(model, tokenizer, tmp_path: Path):
+def test_groups_are_stored_whole_as_each_finishes(model, tokenizer, tmp_path: Path):
     factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS))
     store = Store.open(tmp_path / "trajectories.db")
     run_id = store.add_run(config={"test": True}, model="tiny", tokenizer=tokenizer.name)
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int]] = []
 
     def check_store():
-        # Before every generation, the store holds exactly the episodes that have ended so far.
-        seen.append((store.count(), sum(env.done for env in factory.envs)))
+        # Before every generation, the store holds exactly the episodes of the groups that have ended so far.
+        groups = [factory.envs[k : k + G] for k in range(0, len(factory.envs), G)]
+        whole = sum(G for group in groups if all(env.done for env in group))
+        seen.append((store.count(), whole, sum(env.done for env in factory.envs)))
 
     recorder = Recorder(make_sampler(model, tokenizer, policy_version=2), before_generate=check_store)
     groups = rollout_groups(factory, recorder, [5, 6], G, RolloutLimits(16), store=store, run_id=run_id, progress=False)
 
-    assert all(stored == done for stored, done in seen)
-    assert any(0 < stored < 2 * G for stored, _ in seen)  # written during the rollout, not after it
+    assert all(stored == whole for stored, whole, _ in seen)
+    assert any(stored < done for stored, _, done in seen)  # a finished member waits for the rest of its group
+    assert any(stored == G for stored, _, _ in seen)  # written during the rollout, not after it
     assert store.count() == 2 * G and store.count("run_id = ?", [run_id]) == 2 * G
     stored = list(store.episodes())
     for trajectory in (t for group in groups for t in group):
@@ -225,29 +234,42 @@ def test_context_exactly_full_ends_with_context_limit(model, tokenizer):
     assert trajectory.token_ids().tolist() == handle.history  # nothing sampled after the context filled
 
 
-def test_a_failure_mid_group_leaves_only_complete_episodes(model, tokenizer, tmp_path: Path):
-    calls = {"n": 0}
+def test_a_failure_mid_group_stores_no_part_of_that_group(model, tokenizer, tmp_path: Path):
+    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS))
 
-    def fail_on_the_fifth_generation():
-        calls["n"] += 1
-        if calls["n"] == 5:  # round 2 of a 3-member group: member 0 has finished, members 1 and 2 are running
+    def fail_once_a_member_of_the_second_group_has_finished():
+        second = factory.envs[G:]
+        if any(env.done for env in second):  # others of the group are still running
             raise SamplerError("server went away")
 
-    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS))
-    recorder = Recorder(make_sampler(model, tokenizer), before_generate=fail_on_the_fifth_generation)
+    recorder = Recorder(
+        make_sampler(model, tokenizer), before_generate=fail_once_a_member_of_the_second_group_has_finished
+    )
     path = tmp_path / "trajectories.db"
     with Store.open(path) as store, pytest.raises(SamplerError, match="went away"):
-        rollout_groups(factory, recorder, [8], G, RolloutLimits(16), store=store, progress=False)
-    done = [env for env in factory.envs if env.done]
+        rollout_groups(factory, recorder, [7, 8], G, RolloutLimits(16), store=store, progress=False)
+    first, second = factory.envs[:G], factory.envs[G:]
+    assert all(env.done for env in first) and 0 < sum(env.done for env in second) < G
     with Store.open(path, create=False) as store:
         stored = list(store.episodes())
-    assert 0 < len(stored) == len(done) < G
-    assert [t.token_ids().tolist() for t in stored] == [env.trajectory.token_ids().tolist() for env in done]
-    assert all(t.finish_reason != "running" for t in stored)
+    assert sorted(t.token_ids().tolist() for t in stored) == sorted(
+        env.trajectory.token_ids().tolist() for env in first
+    )
+    assert {t.group_id for t in stored} == {"g0"}  # the finished members of g1 were not written
     with closing(sqlite3.connect(path)) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         segments = conn.execute("SELECT COUNT(*) FROM segments").fetchone()[0]
     assert segments == sum(len(t.segments) for t in stored)
+
+
+def test_a_prompt_over_the_model_context_names_the_model_limit(model, tokenizer):
+    sampler = make_sampler(model, tokenizer)
+    factory = make_env_factory(ENV_ID, ENV_KWARGS, max_context=16)  # the env budget is capped at the context
+    with pytest.raises(ContextLimitError, match="model's context limit of 16 tokens"):
+        rollout_group(factory, sampler, G, 0, "g", RolloutLimits(MAX_NEW_TOKENS, 16))
+    with pytest.raises(ValueError, match="raise max_tokens") as err:  # the env's own budget: its advice stands
+        rollout_group(make_env_factory(ENV_ID, {**ENV_KWARGS, "max_tokens": 16}), sampler, G, 0, "g", RolloutLimits(8))
+    assert not isinstance(err.value, ContextLimitError)
 
 
 def test_an_unreachable_server_writes_no_episode(tokenizer, tmp_path: Path):

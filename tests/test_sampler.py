@@ -104,6 +104,23 @@ def test_openai_sampler_against_loopback_server(model):
     assert handle.token_ids == [5, 6, 7, 8, *gen.token_ids, 9, 10, *gen2.token_ids]
 
 
+def test_openai_group_members_differ_and_runs_reproduce(model):
+    """Every request carries its own seed (derived from the config's): the members of a group, which share their
+    prompt, must not come back identical at temperature 1 (zero advantages), and the same base seed repeats them."""
+    config = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=5)
+
+    def group(server: CompletionServer, seed: int) -> list[tuple[int, ...]]:
+        remote = OpenAISampler(server.url, [STOP], config.model_copy(update={"seed": seed}), max_retries=0)
+        outputs = [tuple(remote.generate(h).token_ids) for h in remote.fork([5, 6, 7, 8], 4)]
+        remote.close()
+        return outputs
+
+    with CompletionServer(TorchSampler(model, [STOP], config)) as server:
+        first, again, other = group(server, 5), group(server, 5), group(server, 6)
+    assert len(set(first)) > 1
+    assert again == first and other != first
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,7 +26,7 @@ from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.trainer import GRPOTrainer
-from longstraw_agents.training import TrainConfig, load_config, train
+from longstraw_agents.training import ConfigError, TrainConfig, load_config, train
 
 STEPS, GROUPS, G = 3, 2, 4
 
@@ -75,6 +75,7 @@ def test_a_run_writes_config_store_metrics_and_checkpoint(uninterrupted: Path, p
     for line in lines:
         assert {"reward_mean", "reward_std", "loss", "grad_norm", "rollout_seconds", "episode_tokens_mean"} <= set(line)
         assert sum(line["finish_reasons"].values()) == GROUPS * G
+        assert line["peak_bytes"] is None and line["rss_peak_bytes"] > 0  # memory is logged without track_memory
     assert any(line["grad_norm"] > 0 for line in lines), "no step had mixed rewards: the resume tests prove nothing"
 
     with Store.open(uninterrupted / "trajectories.db", create=False) as store:
@@ -173,6 +174,29 @@ def test_load_config_reads_yaml_and_toml_alike(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("env: {id: LongStraw/Calculator-v0}\nsteps: -1\n")
     with pytest.raises(pydantic.ValidationError, match="steps"):
         load_config(tmp_path / "bad.yaml")
+    (tmp_path / "broken.yaml").write_text("env: {id: [unclosed\n")
+    with pytest.raises(ValueError, match=r"broken\.yaml: not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+    (tmp_path / "broken.toml").write_text("[env\n")
+    with pytest.raises(ValueError, match=r"broken\.toml: not valid TOML"):
+        load_config(tmp_path / "broken.toml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(tmp_path: Path) -> None:
+    """An unknown env, bad env kwargs or a prompt over the model's context: a ConfigError before the model is
+    trained or anything is written (it used to surface at the first rollout)."""
+    cases = {
+        "env.id: unknown environment": {"env": {"id": "LongStraw/Nope-v0"}},
+        r"env\.kwargs\.max_turns": {"env": {"id": ENV_ID, "kwargs": {"max_turns": 0}}},
+        "context limit of 16 tokens": {"model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 16}},
+    }
+    for message, update in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            train(tiny_config(tmp_path / "run", **update))
+        assert not (tmp_path / "run").exists()
 
 
 def interrupt_on_call(target, number: int, *, after: bool = False, via_signal: bool = False):
@@ -252,8 +276,12 @@ def test_ctrl_c_during_the_optimizer_update_leaves_a_consistent_checkpoint(
     with pytest.raises(KeyboardInterrupt):
         train(run_config(run_dir, policy, checkpoint_every=5))
     monkeypatch.undo()
+    # The 2nd update was applied whole and checkpointed: its metrics line was written too.
+    assert GRPOTrainer.checkpoint_info(run_dir / "checkpoint")["step"] == 2
+    assert [line["step"] for line in grpo_lines(run_dir)] == [1, 2]
     interrupted_then_resumed(run_dir, policy)
     assert_same_weights(checkpoint_weights(run_dir), checkpoint_weights(uninterrupted))
+    assert [line["step"] for line in grpo_lines(run_dir)] == [1, 2, 3]
 
 
 def test_ctrl_c_after_a_step_before_its_checkpoint_still_leaves_one(tmp_path: Path, policy: Path, uninterrupted):
