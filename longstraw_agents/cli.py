@@ -66,7 +66,8 @@ def _print_metrics(record: dict) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from longstraw_agents.training import TrainConfig, load_config, train
+    from longstraw_agents.rollout import ContextLimitError
+    from longstraw_agents.training import ConfigError, TrainConfig, load_config, train
 
     try:
         config = load_config(args.config)
@@ -75,11 +76,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
             config = TrainConfig.model_validate({**config.model_dump(), **updates})
     except ValidationError as err:
         return _fail(_validation_message(err))
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError) as err:  # incl. YAML/TOML syntax errors, which name the file
         return _fail(str(err))
     try:
         run_dir = train(config, resume=args.resume, on_metrics=_print_metrics)
-    except (FileExistsError, FileNotFoundError) as err:
+    except (ConfigError, ContextLimitError, FileExistsError, FileNotFoundError) as err:
         return _fail(str(err))
     except KeyboardInterrupt:
         print("interrupted; the checkpoint and the store are consistent (resume with --resume)", file=sys.stderr)
@@ -104,6 +105,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             tis_cap=args.tis_cap,
             fork_at=args.fork_at,
             fork_group_size=args.fork_group_size,
+            recorded_tools=args.recorded_tools,
         )
         out = replay(args.db, config, run_dir=args.run, out_dir=args.out, on_metrics=_print_metrics)
     except ValidationError as err:
@@ -160,9 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="offline GRPO over logged episodes of a store")
     p.add_argument("db", help="trajectories.db of a run")
-    p.add_argument("--where", default=None, help='SQL condition on episodes, e.g. "reward > 0 AND policy_version >= 3"')
+    p.add_argument(
+        "--where",
+        default=None,
+        help='SQL condition on episodes, e.g. "reward > 0 AND policy_version >= 3"; keeps every group with at least '
+        "one matching episode whole (unmatched members included: a group learns from its reward differences); "
+        "with --fork-at it selects the episodes to fork from",
+    )
     p.add_argument("--run", default=None, help="run directory with config.json + checkpoint (default: the DB's)")
-    p.add_argument("--out", default=None, help="output run directory (default: RUN/replay)")
+    p.add_argument("--out", default=None, help="output run directory, must not hold a run (default: RUN/replay)")
     p.add_argument("--steps", type=int, default=1, help="passes over the selected groups")
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--max-staleness", type=int, default=None, help="skip episodes this many versions older")
@@ -170,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the truncated importance weights")
     p.add_argument("--fork-at", type=int, default=None, help="fork new groups from this logged assistant turn")
     p.add_argument("--fork-group-size", type=int, default=4, help="continuations per forked group")
+    p.add_argument(
+        "--recorded-tools",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--fork-at: give the replayed turns' tool calls their logged results (default), or run the tools "
+        "again and check their output against the log token for token (--no-recorded-tools; for stateful tools)",
+    )
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("plot", help="reward / loss / length / memory curves of a run directory")

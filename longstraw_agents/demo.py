@@ -37,6 +37,9 @@ DEMO_QUICK_STEPS = 30
 # with a small KL, or a 0.8M-parameter policy collapses into repetition within ~40 steps (measured).
 DEMO_TRAINER: dict[str, Any] = {"G": 8, "mode": "exact", "lr": 2e-4, "warmup_steps": 10, "beta": 0.02}
 DEMO_SAMPLING: dict[str, Any] = {"max_new_tokens": 32, "temperature": 1.0}
+# The replay the demo suggests: `--where` keeps whole groups with a matching member, so this trains on the groups
+# that solved the task at least once, failures included (an all-solved or unsolved group has no advantage).
+REPLAY_WHERE = "reward > 0"
 DEMO_ENVS: dict[str, dict[str, Any]] = {
     "LongStraw/Calculator-v0": dict(EASY_CALCULATOR_KWARGS),  # the setting the CPU training demo learns
     "LongStraw/NeedleSearch-v0": {"target_tokens": 4096},
@@ -130,6 +133,11 @@ def run_training_demo(out_dir: str | Path, quick: bool = False, echo=print) -> d
     }
 
 
+def replay_hint(store_path: str | Path) -> str:
+    """The ``longstraw replay`` command line the demo suggests (offline GRPO on its logged groups)."""
+    return f'longstraw replay {store_path} --where "{REPLAY_WHERE}"  # groups with a solved member, whole'
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m longstraw_agents.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="output directory (default: runs/demo)")
@@ -165,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.out}/: trajectories.db, metrics.jsonl, checkpoint/, reward.png")
     print("next:")
     print(f"  longstraw inspect {demo.store_path} --transcript --max-text 0")
-    print(f'  longstraw replay {demo.store_path} --where "reward > 0"')
+    print(f"  {replay_hint(demo.store_path)}")
     print(f"  longstraw plot {args.out}")
     return 0
 

@@ -1,46 +1,75 @@
 """Offline GRPO from a store: ``longstraw replay DB --where "SQL"``.
 
-Episodes are selected with an SQL condition over the ``episodes`` table and regrouped by ``group_id``. Their
-behaviour logprobs (stored per token) give truncated importance weights ``min(π_θ/μ, cap)`` (``LossConfig(
-importance="tis")``), so data from older policies is corrected rather than trusted. Staleness is the current
-policy version minus the episode's: episodes older than ``max_staleness`` are skipped, or kept and flagged.
+Groups are rebuilt by ``(run_id, group_id)``; ``where`` is an SQL condition over the ``episodes`` table that keeps
+every group with at least one matching member, whole (``reward > 0``: the groups that solved the task at least
+once, unsolved members included, since a group learns from the difference). Episodes without a group id (scripted
+or eval episodes) are in no group. Groups of fewer than 2 members or with equal rewards have zero advantages, so
+they are counted in the metrics and skipped rather than trained on. Behaviour logprobs (stored per token) give
+truncated importance weights ``min(π_θ/μ, cap)`` (``LossConfig(importance="tis")``), so data from older policies is
+corrected rather than trusted. Staleness is the current policy version minus the episode's: episodes older than
+``max_staleness`` are skipped, or kept and flagged.
 
-``fork_at=k`` starts new groups from logged turns instead: a fresh environment with the episode's seed replays the
-recorded assistant turns up to turn k — tools are executed again and every observation is checked token for token
-against the log (``ReplayMismatch`` otherwise) — and the current policy samples G continuations from there. The
-replayed prefix is context (no loss); the continuations are written to the store and trained on-policy.
+``fork_at=k`` starts new groups from logged turns instead (``where`` then selects the episodes to fork from): a
+fresh environment built from the episode's env id and its run's env kwargs, reset with the episode's seed, replays
+the recorded assistant turns up to turn k and every observation is checked token for token against the log. By
+default (``recorded_tools``) the prefix's tool calls are answered with their logged results, so nondeterministic or
+side-effecting tools (web, timings) replay exactly; a tool that keeps state between calls then starts the
+continuation without the prefix's calls, so pass ``recorded_tools=False`` to execute them again (and check them
+against the log). Episodes that cannot be forked (too short, no seed, unknown env, a mismatch) are skipped and
+counted. The current policy samples G continuations from each prefix; the replayed prefix is context (no loss);
+the continuations are written to the store and trained on-policy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import gymnasium
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from longstraw_agents.envs import ToolEnv, unwrap_tool_env
-from longstraw_agents.rollout import RolloutLimits, play_until_done
+from longstraw_agents.rollout import RolloutLimits, make_env_factory, play_until_done
 from longstraw_agents.sampler import TorchSampler
-from longstraw_agents.store import Store, StoreError
+from longstraw_agents.store import EpisodeRecord, Store, StoreError
+from longstraw_agents.tools import ToolCall, ToolResult
 from longstraw_agents.trainer import GRPOTrainer, LossConfig
 from longstraw_agents.training import CHECKPOINT, REFERENCE, Run, TrainConfig, has_checkpoint, reference_policy
 from longstraw_agents.trajectory import Segment, Trajectory
 
+log = logging.getLogger(__name__)
+
+# Why a logged episode could not be forked; each is counted as ``fork_skipped_<reason>`` in the metrics.
+FORK_SKIP_REASONS = ("too_short", "no_seed", "env", "mismatch")
+
 
 class ReplayMismatch(RuntimeError):
-    """Re-executing a logged episode did not reproduce its logged observations."""
+    """Re-executing a logged episode did not reproduce its logged observations, or it cannot be re-executed.
+
+    ``reason`` is one of `FORK_SKIP_REASONS`."""
+
+    def __init__(self, message: str, reason: str = "mismatch") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ReplayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    where: str | None = Field(None, description="SQL condition over the episodes table")
+    where: str | None = Field(
+        None,
+        description="SQL condition over the episodes table: keeps whole groups with at least one matching member "
+        "(with fork_at: the episodes to fork from)",
+    )
     steps: int = Field(1, ge=1, description="passes over the selected groups")
     groups_per_step: int = Field(4, ge=1)
     max_staleness: int | None = Field(None, ge=0, description="skip episodes older than this many policy versions")
@@ -48,28 +77,85 @@ class ReplayConfig(BaseModel):
     tis_cap: float = Field(2.0, gt=0.0, description="cap of the truncated importance weights")
     fork_at: int | None = Field(None, ge=0, description="fork new groups from this logged turn")
     fork_group_size: int = Field(4, ge=2, description="continuations per forked group")
+    recorded_tools: bool = Field(
+        True, description="fork_at: answer the replayed turns' tool calls with their logged results (no re-run)"
+    )
 
 
-def replay_prefix(env: ToolEnv, logged: Trajectory, turns: int) -> np.ndarray:
-    """Bring ``env`` to the start of turn ``turns`` of ``logged`` by re-executing its recorded assistant turns.
+class _LoggedTools:
+    """Stands in for ``ToolRegistry.call`` while a prefix is replayed: each call gets the result logged for it."""
 
-    Returns every token id of the episode so far (prompt, replayed actions and observations)."""
+    def __init__(self, logged: Trajectory, env: ToolEnv) -> None:
+        self._by_turn: dict[int, list[dict[str, Any]]] = {}
+        for s in logged.segments:
+            if s.role == "tool" and s.tool_calls:
+                self._by_turn.setdefault(s.turn, []).extend(s.tool_calls)
+        self._env, self._turn, self._pending = env, 0, []
+
+    def start_turn(self, turn: int) -> None:
+        self._turn, self._pending = turn, list(self._by_turn.get(turn, []))
+
+    def end_turn(self) -> None:
+        if self._pending:
+            raise ReplayMismatch(f"turn {self._turn} made fewer tool calls than the log ({len(self._pending)} left)")
+
+    def call(self, call: Any) -> ToolResult:
+        if not self._pending:
+            raise ReplayMismatch(f"turn {self._turn} made more tool calls than the log")
+        result = ToolResult.model_validate(self._pending.pop(0))
+        if isinstance(call, ToolCall) and call.name in self._env.registry and call.name != result.name:
+            raise ReplayMismatch(f"turn {self._turn} called {call.name!r} where the log has {result.name!r}")
+        return result
+
+
+@contextlib.contextmanager
+def _answering_from_log(env: ToolEnv, tools: _LoggedTools | None) -> Iterator[None]:
+    """Route the episode's tool calls to ``tools`` (None: run them); the live registry is back afterwards."""
+    if tools is None:
+        yield
+        return
+    registry = env.registry  # one per episode; the instance attribute shadows ToolRegistry.call, the one entry point
+    registry.call = tools.call
+    try:
+        yield
+    finally:
+        del registry.call
+
+
+def replay_prefix(env: ToolEnv, logged: Trajectory, turns: int, recorded_tools: bool = True) -> np.ndarray:
+    """Bring ``env`` to the start of turn ``turns`` of ``logged`` by replaying its recorded assistant turns.
+
+    With ``recorded_tools`` the tool calls get their logged results; otherwise the tools run again. Either way every
+    observation must equal the log token for token (``ReplayMismatch`` otherwise). Returns every token id of the
+    episode so far (prompt, replayed actions and observations)."""
     if logged.seed is None:
-        raise ReplayMismatch("the logged episode has no seed; it cannot be re-executed")
-    observation, _ = env.reset(seed=logged.seed, options={"group_id": logged.group_id})
+        raise ReplayMismatch("the logged episode has no seed; it cannot be re-executed", "no_seed")
+    actions = [s for s in logged.segments if s.role == "assistant"]
+    if len(actions) < turns:
+        raise ReplayMismatch(f"episode has fewer than {turns} assistant turns", "too_short")
+    try:
+        observation, _ = env.reset(seed=logged.seed, options={"group_id": logged.group_id})
+    except ValueError as err:  # e.g. the prompt no longer fits the (model-capped) token budget
+        raise ReplayMismatch(f"{logged.env_id} seed {logged.seed}: reset failed: {err}", "env") from err
     history = [observation]
     segments = iter(logged.segments)
     expected = _take_context(segments, len(observation))
     _check(observation, expected, logged, "prompt")
-    for turn in range(turns):
-        action = next((s for s in segments if s.role == "assistant"), None)
-        if action is None:
-            raise ReplayMismatch(f"episode has fewer than {turns} assistant turns")
-        observation, _, terminated, truncated, _ = env.step(action.token_ids)
-        if terminated or truncated:
-            raise ReplayMismatch(f"the episode ended at turn {turn}, before the fork point {turns}")
-        _check(observation, _take_context(segments, len(observation)), logged, f"observation after turn {turn}")
-        history += [action.token_ids, observation]
+    tools = _LoggedTools(logged, env) if recorded_tools else None
+    with _answering_from_log(env, tools):
+        for turn in range(turns):
+            action = next((s for s in segments if s.role == "assistant"), None)
+            if action is None:  # the log's observations were shorter than the re-executed ones
+                raise ReplayMismatch(f"the log has no assistant turn {turn} after the re-executed observations")
+            if tools is not None:
+                tools.start_turn(turn)
+            observation, _, terminated, truncated, _ = env.step(action.token_ids)
+            if terminated or truncated:
+                raise ReplayMismatch(f"the episode ended at turn {turn}, before the fork point {turns}", "too_short")
+            if tools is not None:
+                tools.end_turn()
+            _check(observation, _take_context(segments, len(observation)), logged, f"observation after turn {turn}")
+            history += [action.token_ids, observation]
     return np.concatenate(history)
 
 
@@ -100,34 +186,111 @@ def as_context(trajectory: Trajectory, before_turn: int) -> Trajectory:
     return dataclasses.replace(trajectory, segments=segments)
 
 
+def logged_env_kwargs(trajectory: Trajectory, run_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``gymnasium.make`` kwargs a logged episode was played with: what its run recorded for its env id (a
+    training run's ``env``, or the demo's ``envs`` table), with the budgets the env wrote into the episode's info
+    (``max_tokens`` may have been capped to the model's context)."""
+    kwargs: dict[str, Any] = {}
+    config = run_config or {}
+    env, envs = config.get("env"), config.get("envs")
+    if isinstance(env, Mapping) and env.get("id") == trajectory.env_id:
+        kwargs = dict(env.get("kwargs") or {})
+    elif isinstance(envs, Mapping) and isinstance(envs.get(trajectory.env_id), Mapping):
+        kwargs = dict(envs[trajectory.env_id])
+    budgets = {k: trajectory.info[k] for k in ("max_turns", "max_tokens") if k in trajectory.info}
+    return {**kwargs, **budgets}
+
+
+def _rewards_differ(group: Sequence[Trajectory]) -> bool:
+    # The trainer reads a missing reward as 0; equal rewards give every member a zero advantage.
+    return len({float(t.reward if t.reward is not None else 0.0) for t in group}) > 1
+
+
+def trainable(groups: list[list[Trajectory]], counts: dict[str, Any]) -> list[list[Trajectory]]:
+    """The groups whose rewards differ; the others are counted as ``groups_skipped_uniform``."""
+    kept = [g for g in groups if _rewards_differ(g)]
+    counts.update(groups=len(groups), groups_skipped_uniform=len(groups) - len(kept), groups_trained=len(kept))
+    return kept
+
+
+def select_logged_groups(
+    source: Store, config: ReplayConfig, policy_version: int
+) -> tuple[list[list[Trajectory]], dict[str, int]]:
+    """Whole groups with a member matching ``config.where``, staleness applied, uniform ones dropped; plus counts."""
+    counts = dict.fromkeys(("episodes", "stale", "skipped_stale", "skipped_small_groups"), 0)
+    counts["skipped_ungrouped"] = source.ungrouped_count(config.where)
+    groups = []
+    for group in source.group_records(config.where):
+        kept = []
+        for t in group.trajectories:
+            counts["episodes"] += 1
+            if config.max_staleness is not None and policy_version - t.policy_version > config.max_staleness:
+                counts["stale"] += 1
+                if not config.keep_stale:
+                    counts["skipped_stale"] += 1
+                    continue
+            kept.append(t)
+        if len(kept) < 2:
+            counts["skipped_small_groups"] += 1 if kept else 0
+            continue
+        groups.append(kept)
+    return trainable(groups, counts), counts
+
+
+def _open_source(db: Path, where: str | None) -> Store:
+    """The source store, checked before anything is built: a store, with episodes, and ``where`` valid SQL."""
+    source = Store.open(db, create=False)
+    try:
+        if not source.count():
+            raise StoreError(f"{db} holds no episodes; nothing to replay")
+        source.count(where)  # bad SQL fails here, before a model is built
+    except BaseException:
+        source.close()
+        raise
+    return source
+
+
+def _replay_config(run_dir: Path, db: Path, out_dir: Path, config: ReplayConfig) -> TrainConfig:
+    """The source run's config with TIS on, writing to ``out_dir`` (which must not hold a run yet)."""
+    config_file = run_dir / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{run_dir} has no config.json; pass --run RUN_DIR of the run that made {db}")
+    if out_dir.resolve() == run_dir.resolve():
+        raise FileExistsError(f"--out {out_dir} is the source run directory; choose another --out")
+    if has_checkpoint(out_dir):
+        raise FileExistsError(f"{out_dir} already holds a run; choose another --out")
+    base = TrainConfig.model_validate_json(config_file.read_text())
+    loss = base.trainer.loss.model_copy(update={"importance": "tis", "tis_cap": config.tis_cap})
+    return base.model_copy(
+        update={
+            "output_dir": str(out_dir),
+            "trainer": base.trainer.model_copy(update={"loss": LossConfig.model_validate(loss.model_dump())}),
+            "warm_start": None,
+        }
+    )
+
+
 class Replayer:
     """Loads the policy of a run and trains it on logged (or forked) groups."""
 
     def __init__(self, db: str | Path, run_dir: str | Path | None, out_dir: str | Path, config: ReplayConfig):
         self.db_path = Path(db)
-        if not self.db_path.exists():
-            raise StoreError(f"no store at {self.db_path}")
-        run_dir = Path(run_dir) if run_dir is not None else self.db_path.parent
-        config_file = run_dir / "config.json"
-        if not config_file.exists():
-            raise FileNotFoundError(f"{run_dir} has no config.json; pass --run RUN_DIR of the run that made {db}")
-        base = TrainConfig.model_validate_json(config_file.read_text())
-        loss = base.trainer.loss.model_copy(update={"importance": "tis", "tis_cap": config.tis_cap})
-        train_config = base.model_copy(
-            update={
-                "output_dir": str(out_dir),
-                "trainer": base.trainer.model_copy(update={"loss": LossConfig.model_validate(loss.model_dump())}),
-                "warm_start": None,
-            }
-        )
         self.config = config
-        self.run = Run(train_config, resume=False)
-        self.run.trainer = GRPOTrainer(
-            self.run.model, train_config.trainer, ref_model=self._reference(run_dir, train_config)
-        )
-        if has_checkpoint(run_dir):
-            self.run.trainer.load_checkpoint(run_dir / CHECKPOINT)
-        self.source = Store.open(self.db_path, create=False)
+        self.source = _open_source(self.db_path, config.where)  # the DB first: its errors name the real problem
+        try:
+            run_dir = Path(run_dir) if run_dir is not None else self.db_path.parent
+            train_config = _replay_config(run_dir, self.db_path, Path(out_dir), config)
+            self.run = Run(train_config, resume=False)
+        except BaseException:
+            self.source.close()
+            raise
+        try:
+            reference = self._reference(run_dir, train_config)
+            self.run.trainer = GRPOTrainer(self.run.model, train_config.trainer, ref_model=reference)
+            self.policy_source = self._load_policy(run_dir)
+        except BaseException:
+            self.close()
+            raise
 
     def _reference(self, run_dir: Path, config: TrainConfig):
         """The source run's KL reference (beta > 0), copied into the replay run."""
@@ -139,35 +302,28 @@ class Replayer:
         shutil.copyfile(source, self.run.dir / REFERENCE)
         return reference_policy(self.run, resume=True)
 
+    def _load_policy(self, run_dir: Path) -> str:
+        """Load the run's checkpoint; without one, say loudly what is trained instead. Returns where it came from."""
+        if has_checkpoint(run_dir):
+            self.trainer.load_checkpoint(run_dir / CHECKPOINT)
+            return "checkpoint"
+        path = self.run.config.model.path
+        what = f"the weights of {path}" if path else "a RANDOMLY INITIALISED policy"
+        log.warning("%s has no checkpoint: replay trains %s, not the run's trained policy", run_dir, what)
+        return "model_path" if path else "random_init"
+
     @property
     def trainer(self) -> GRPOTrainer:
         return self.run.trainer
 
     def logged_groups(self) -> tuple[list[list[Trajectory]], dict[str, int]]:
-        """Selected episodes regrouped by group_id, with staleness applied; plus counts for the metrics."""
-        version = self.trainer.policy_version
-        counts = {"episodes": 0, "stale": 0, "skipped_stale": 0, "skipped_small_groups": 0}
-        groups = []
-        for members in self.source.groups(self.config.where).values():
-            kept = []
-            for t in members:
-                counts["episodes"] += 1
-                stale = self.config.max_staleness is not None and version - t.policy_version > self.config.max_staleness
-                if stale:
-                    counts["stale"] += 1
-                    if not self.config.keep_stale:
-                        counts["skipped_stale"] += 1
-                        continue
-                kept.append(t)
-            if len(kept) < 2:
-                counts["skipped_small_groups"] += 1 if kept else 0
-                continue
-            groups.append(kept)
-        return groups, counts
+        """Selected groups with staleness applied and uniform groups dropped; plus counts for the metrics."""
+        return select_logged_groups(self.source, self.config, self.trainer.policy_version)
 
-    def forked_groups(self) -> list[list[Trajectory]]:
-        """New groups sampled by the current policy from turn ``fork_at`` of each selected episode."""
-        turn, size = self.config.fork_at, self.config.fork_group_size
+    def forked_groups(self) -> tuple[list[list[Trajectory]], dict[str, Any]]:
+        """New groups sampled by the current policy from turn ``fork_at`` of each selected episode; episodes that
+        cannot be forked are skipped and counted by reason."""
+        turn = self.config.fork_at
         sampler = TorchSampler(
             self.trainer.engine,
             self.run.stop_ids,
@@ -175,43 +331,111 @@ class Replayer:
             policy_version=self.trainer.policy_version,
         )
         limits = RolloutLimits(self.run.config.sampling.max_new_tokens, self.run.max_context)
+        run_configs = {run.id: run.config for run in self.source.runs()}
+        own_config = self.run.config.model_dump(mode="json")  # for episodes without a recorded run
+        skipped: Counter[str] = Counter()
+        examples: dict[str, str] = {}
         groups = []
         for record in self.source.records(self.config.where):
-            logged = record.trajectory
-            envs = [unwrap_tool_env(self.run.env_factory()) for _ in range(size)]
-            prefixes = [replay_prefix(env, logged, turn) for env in envs]
-            group_id = f"fork-episode{record.id}-t{turn}"
+            run_config = run_configs.get(record.run_id, own_config)
+            try:
+                envs, prefix = self._replayed_envs(record, run_config)
+            except ReplayMismatch as err:
+                skipped[err.reason] += 1
+                examples.setdefault(err.reason, f"episode {record.id}: {err}")
+                continue
+            try:
+                groups.append(self._fork(record, envs, prefix, sampler, limits))
+            finally:
+                for env in envs:
+                    env.close()
+        if skipped:
+            log.warning(
+                "fork_at=%d: skipped %d episodes that cannot be forked (%s)",
+                turn,
+                sum(skipped.values()),
+                "; ".join(f"{n} {reason}, e.g. {examples[reason]}" for reason, n in skipped.items()),
+            )
+        counts: dict[str, Any] = {"forked_groups": len(groups), "fork_skipped": sum(skipped.values())}
+        counts.update({f"fork_skipped_{reason}": skipped[reason] for reason in FORK_SKIP_REASONS})
+        return trainable(groups, counts), counts
+
+    def _replayed_envs(self, record: EpisodeRecord, run_config: Mapping[str, Any]) -> tuple[list[ToolEnv], np.ndarray]:
+        """``fork_group_size`` fresh envs of the logged episode's own env, each replayed to turn ``fork_at``."""
+        logged = record.trajectory
+        factory = make_env_factory(logged.env_id, logged_env_kwargs(logged, run_config), self.run.max_context)
+        envs: list[ToolEnv] = []
+        try:
+            for _ in range(self.config.fork_group_size):
+                envs.append(_make_env(factory, logged.env_id))
+                prefix = replay_prefix(envs[-1], logged, self.config.fork_at, self.config.recorded_tools)
+        except BaseException:
             for env in envs:
-                env.trajectory.group_id = group_id
-                env.trajectory.policy_version = self.trainer.policy_version
-            handles = sampler.fork(prefixes[0].tolist(), size)
-            played = play_until_done(envs, handles, sampler, limits)
-            forked = [as_context(t, turn) for t in played]
-            self.run.store.add_episodes(forked, run_id=self.run.run_id)
-            groups.append(forked)
-        return groups
+                env.close()
+            raise
+        return envs, prefix
+
+    def _fork(
+        self,
+        record: EpisodeRecord,
+        envs: list[ToolEnv],
+        prefix: np.ndarray,
+        sampler: TorchSampler,
+        limits: RolloutLimits,
+    ) -> list[Trajectory]:
+        """G continuations of ``prefix`` sampled by the current policy, stored in the replay run as one group."""
+        turn = self.config.fork_at
+        group_id = f"fork-episode{record.id}-t{turn}"
+        for env in envs:
+            env.trajectory.group_id = group_id
+            env.trajectory.policy_version = self.trainer.policy_version
+        handles = sampler.fork(prefix.tolist(), len(envs))
+        played = play_until_done(envs, handles, sampler, limits)
+        forked = [as_context(t, turn) for t in played]
+        self.run.store.add_episodes(forked, run_id=self.run.run_id)
+        return forked
 
     def train(self, emit: Callable[[dict[str, Any]], None]) -> None:
-        if self.config.fork_at is not None:
-            groups = self.forked_groups()
-            counts = {"forked_groups": len(groups)}
-        else:
-            groups, counts = self.logged_groups()
-        emit({"phase": "replay_select", **counts, "groups": len(groups), "policy_version": self.trainer.policy_version})
+        groups, counts = self.forked_groups() if self.config.fork_at is not None else self.logged_groups()
+        version = self.trainer.policy_version
+        emit({"phase": "replay_select", **counts, "policy_version": version, "policy_source": self.policy_source})
         if not groups:
-            raise ValueError("no trainable groups selected (need >= 2 episodes per group); check --where")
+            raise ValueError(
+                "no trainable groups selected: a group needs >= 2 episodes with different rewards "
+                f"({_skip_summary(counts)}); check --where"
+            )
         per_step = self.config.groups_per_step
         for _ in range(self.config.steps):
             for lo in range(0, len(groups), per_step):
                 start = time.perf_counter()
-                batch = [self.trainer.group_from_trajectories(g) for g in groups[lo : lo + per_step]]
-                metrics = self.trainer.train_step(batch)
-                emit({"phase": "grpo", **metrics, "replay_seconds": time.perf_counter() - start})
+                chunk = groups[lo : lo + per_step]
+                metrics = self.trainer.train_step([self.trainer.group_from_trajectories(g) for g in chunk])
+                tokens = [t.num_tokens for g in chunk for t in g]
+                emit(
+                    {
+                        "phase": "grpo",
+                        **metrics,
+                        "episode_tokens_mean": sum(tokens) / len(tokens),
+                        "replay_seconds": time.perf_counter() - start,
+                    }
+                )
         self.trainer.save_checkpoint(self.run.dir / CHECKPOINT)
 
     def close(self) -> None:
         self.source.close()
         self.run.store.close()
+
+
+def _make_env(factory: Callable[[], gymnasium.Env], env_id: str) -> ToolEnv:
+    try:
+        return unwrap_tool_env(factory())
+    except (gymnasium.error.Error, ValueError, TypeError) as err:  # unknown id, kwargs this version rejects
+        raise ReplayMismatch(f"cannot build {env_id}: {err}", "env") from err
+
+
+def _skip_summary(counts: Mapping[str, Any]) -> str:
+    skips = {k: v for k, v in counts.items() if ("skipped" in k or k == "groups") and isinstance(v, int) and v}
+    return ", ".join(f"{k} {v}" for k, v in skips.items()) or "nothing selected"
 
 
 def replay(
@@ -221,7 +445,7 @@ def replay(
     out_dir: str | Path | None = None,
     on_metrics: Callable[[dict[str, Any]], None] | None = None,
 ) -> Path:
-    out = Path(out_dir) if out_dir is not None else Path(db).parent / "replay"
+    out = Path(out_dir) if out_dir is not None else Path(run_dir if run_dir is not None else Path(db).parent) / "replay"
     replayer = Replayer(db, run_dir, out, config)
     metrics_path = replayer.run.dir / "metrics.jsonl"
 
@@ -238,4 +462,14 @@ def replay(
     return replayer.run.dir
 
 
-__all__ = ["ReplayConfig", "ReplayMismatch", "Replayer", "as_context", "replay", "replay_prefix"]
+__all__ = [
+    "FORK_SKIP_REASONS",
+    "ReplayConfig",
+    "ReplayMismatch",
+    "Replayer",
+    "as_context",
+    "logged_env_kwargs",
+    "replay",
+    "replay_prefix",
+    "select_logged_groups",
+]

@@ -120,6 +120,19 @@ class EpisodeRecord:
     trajectory: Trajectory
 
 
+@dataclass(frozen=True)
+class EpisodeGroup:
+    """One GRPO group as stored: the episodes of one run that share a (non-empty) group id, by episode id."""
+
+    run_id: str | None
+    group_id: str
+    records: tuple[EpisodeRecord, ...]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [record.trajectory for record in self.records]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Encoding: numpy arrays <-> fixed little-endian blobs, metadata <-> strict JSON.
 
@@ -282,9 +295,15 @@ def _new_run_id() -> str:
     return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
-def _where_sql(where: str | None) -> str:
+def _where_sql(where: str | None, *conditions: str) -> str:
+    """`` WHERE`` with the caller's condition (if any) and ours, all ANDed; "" when there is none."""
     # The newlines keep a trailing `-- comment` in the caller's condition from swallowing the closing parenthesis.
-    return "" if where is None else f" WHERE (\n{where}\n)"
+    parts = [*conditions, *([] if where is None else [f"(\n{where}\n)"])]
+    return f" WHERE {' AND '.join(parts)}" if parts else ""
+
+
+# An episode without a group id was played alone (a scripted demo, an eval): it is in no GRPO group.
+_GROUPED, _UNGROUPED = "group_id != ''", "group_id = ''"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -544,13 +563,50 @@ class Store:
     ) -> dict[str, list[Trajectory]]:
         """Episodes matching ``where`` grouped by ``group_id`` (groups in order of first episode, members by id).
 
-        ``where`` selects episodes, not groups; to keep whole groups select them with a subquery, e.g.
-        ``"group_id IN (SELECT group_id FROM episodes WHERE policy_version >= 3)"``.
+        ``where`` selects episodes, not groups (``group_records`` can keep whole groups). Episodes with an empty
+        group id belong to no group and are left out. A group id is only unique within a run: when the selection
+        holds one group id in several runs this raises ``StoreError``; use ``group_records``, which keys groups
+        by ``(run_id, group_id)``.
         """
         grouped: dict[str, list[Trajectory]] = {}
-        for trajectory in self.episodes(where, params):
-            grouped.setdefault(trajectory.group_id, []).append(trajectory)
+        for group in self.group_records(where, params, whole_groups=False):
+            if group.group_id in grouped:
+                raise StoreError(
+                    f"group id {group.group_id!r} occurs in several runs of {self.path}; "
+                    "use group_records() (groups by run and group id) or select one run_id"
+                )
+            grouped[group.group_id] = group.trajectories
         return grouped
+
+    def group_records(
+        self,
+        where: str | None = None,
+        params: Sequence[Any] | Mapping[str, Any] = (),
+        *,
+        whole_groups: bool = True,
+    ) -> list[EpisodeGroup]:
+        """GRPO groups: episodes grouped by ``(run_id, group_id)``, in order of their first episode.
+
+        With ``whole_groups`` a group is kept whole when at least one of its members matches ``where``, so a
+        condition such as ``reward > 0`` keeps the unsolved members that give the group its reward variance;
+        otherwise only the matching members are kept. Episodes with an empty group id are in no group.
+        """
+        if whole_groups:
+            # Unqualified names in the caller's condition resolve to the inner (unaliased) `episodes`.
+            same_group = "episodes.run_id IS member.run_id AND episodes.group_id = member.group_id"
+            matches = f"EXISTS (SELECT 1 FROM episodes{_where_sql(where, same_group)})"
+            sql = f"SELECT * FROM episodes AS member{_where_sql(None, _GROUPED, matches)} ORDER BY id"
+        else:
+            sql = f"SELECT * FROM episodes{_where_sql(where, _GROUPED)} ORDER BY id"
+        grouped: dict[tuple[str | None, str], list[EpisodeRecord]] = {}
+        for row in self._select(sql, params):
+            grouped.setdefault((row["run_id"], row["group_id"]), []).append(self._load(row))
+        return [EpisodeGroup(run_id, group_id, tuple(records)) for (run_id, group_id), records in grouped.items()]
+
+    def ungrouped_count(self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()) -> int:
+        """How many episodes matching ``where`` have no group id (and so are in no group)."""
+        sql = f"SELECT COUNT(*) AS n FROM episodes{_where_sql(where, _UNGROUPED)}"
+        return self._select(sql, params)[0]["n"]
 
     def runs(self) -> list[RunRecord]:
         return [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_runs import WARM_START, tiny_config_dict
+from tiny_runs import ENV_ID, TINY_MODEL, WARM_START, tiny_config_dict
 
 from longstraw_agents.cli import main
 
@@ -106,6 +106,39 @@ def test_invalid_configs_exit_2_and_name_the_fields(tmp_path: Path, capsys) -> N
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
+def test_config_errors_found_before_training_exit_2_and_leave_no_run(tmp_path: Path, capsys) -> None:
+    """Errors that used to surface as tracebacks (at the first rollout, after the model was built) are one
+    ``error:`` message, and no run directory is left behind."""
+    run = tmp_path / "run"
+    cases = {
+        "unknown-env": ({"env": {"id": "LongStraw/Nope-v0"}}, ["env.id: unknown environment", "Calculator-v0"]),
+        "bad-kwargs": (
+            {"env": {"id": ENV_ID, "kwargs": {"max_turns": 0, "colour": "red"}}},
+            ["invalid env.kwargs", "  env.kwargs.max_turns:", "  env.kwargs.colour:"],
+        ),
+        "long-prompt": ({"model": {**TINY_MODEL, "max_context": 16}}, ["model's context limit of 16 tokens"]),
+    }
+    for name, (update, expected) in cases.items():
+        code, out, err = run_cli(
+            capsys, "train", write_yaml(tmp_path / f"{name}.yaml", tiny_config_dict(run, **update))
+        )
+        assert code == 2 and out == "" and err.startswith("error: "), (name, err)
+        assert all(text in err for text in expected), (name, err)
+        assert "Traceback" not in err and not run.exists(), name
+
+
+def test_malformed_config_files_exit_2_and_name_the_file(tmp_path: Path, capsys) -> None:
+    files = {
+        "broken.yaml": ("env: {id: [unclosed\n", "not valid YAML"),
+        "broken.toml": ("steps = = 3\n", "not valid TOML"),
+        "list.yaml": ("- env\n- steps\n", "expected a mapping"),
+    }
+    for name, (text, expected) in files.items():
+        (tmp_path / name).write_text(text)
+        code, _, err = run_cli(capsys, "train", tmp_path / name)
+        assert code == 2 and err.startswith(f"error: {tmp_path / name}: {expected}"), err
+
+
 def test_replay_trains_on_the_selected_episodes(trained, tmp_path: Path, capsys) -> None:
     _, run_dir, _, _ = trained
     db = run_dir / "trajectories.db"
@@ -144,7 +177,8 @@ def test_plot_writes_the_curves(trained, tmp_path: Path, capsys) -> None:
     code, out, _ = run_cli(capsys, "plot", run_dir, "--out", tmp_path)
     assert code == 0
     written = [Path(line) for line in out.splitlines()]
-    assert [p.name for p in written] == ["reward.png", "loss.png", "length.png"]  # no memory tracked in this run
+    # memory.png too: without trainer.track_memory, the steps' process memory (rss_peak_bytes) is plotted
+    assert [p.name for p in written] == ["reward.png", "loss.png", "length.png", "memory.png"]
     assert all(p.parent == tmp_path and p.read_bytes().startswith(PNG_MAGIC) for p in written)
     code, _, err = run_cli(capsys, "plot", tmp_path / "not-a-run")
     assert code == 2 and "metrics.jsonl does not exist" in err

@@ -127,3 +127,26 @@ def test_episode_and_group_are_exclusive(db: Path, capsys: pytest.CaptureFixture
         main(["inspect", str(db), "--episode", "1", "--group", "g0"])
     assert exit_info.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_replay_checks_the_store_before_the_run_directory(
+    db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty" / "trajectories.db"
+    Store.open(empty).close()
+    code = main(["replay", str(empty)])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds no episodes" in err and "config.json" not in err
+    code = main(["replay", str(db)])  # a store with episodes, but no run directory around it
+    err = capsys.readouterr().err
+    assert code == 2 and "has no config.json" in err
+    assert not (db.parent / "replay").exists()
+
+
+def test_replay_help_says_where_keeps_whole_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", "--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "keeps every group with at least one matching episode whole" in help_text
+    assert "--recorded-tools, --no-recorded-tools" in help_text and "--out OUT" in help_text

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from longstraw_agents import demo
+from longstraw_agents.replay import ReplayConfig, select_logged_groups
 from longstraw_agents.store import Store
 
 
@@ -40,6 +42,24 @@ def test_main_prints_the_transcript_and_appends_a_run_per_invocation(
     assert "episodes 3 " in second  # the report shows this invocation's run only
     with Store.open(tmp_path / demo.STORE_NAME, create=False) as store:
         assert store.count() == 6 and len(store.runs()) == 2
+
+
+def test_the_suggested_replay_learns_from_groups_with_reward_differences(tmp_path: Path) -> None:
+    """`--where` keeps whole groups: the suggested condition must leave groups whose members' rewards differ (an
+    episode-level "reward > 0" would keep only solved members: zero advantages), and the scripted episodes, which
+    have no group id, must not form a group."""
+    result = demo.run_scripted_demo(tmp_path, seed=2)
+    calculator = result.trajectories["LongStraw/Calculator-v0"]
+    with Store.open(result.store_path, create=False) as store:
+        run_id = store.add_run(config={}, model="tiny", tokenizer="longstraw-bpe-v1")
+        for group, rewards in (("step0-g0", (1.0, 0.0, 0.0, 1.0)), ("step0-g1", (0.0, 0.0, 0.0, 0.0))):
+            members = [dataclasses.replace(calculator, group_id=group, reward=r) for r in rewards]
+            store.add_episodes(members, run_id=run_id)
+        groups, counts = select_logged_groups(store, ReplayConfig(where=demo.REPLAY_WHERE), policy_version=1)
+    assert [[t.reward for t in g] for g in groups] == [[1.0, 0.0, 0.0, 1.0]]
+    assert counts["skipped_ungrouped"] == 3 and counts["groups_trained"] == 1
+    hint = demo.replay_hint(result.store_path)
+    assert hint.startswith(f'longstraw replay {result.store_path} --where "{demo.REPLAY_WHERE}"')
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -16,10 +17,20 @@ from tiny_runs import ENV_ID, ENV_KWARGS, checkpoint_weights, tiny_config, warm_
 
 import longstraw_agents.trainer.grpo as grpo
 from longstraw_agents.envs import unwrap_tool_env
-from longstraw_agents.replay import ReplayConfig, Replayer, ReplayMismatch, as_context, replay, replay_prefix
+from longstraw_agents.replay import (
+    ReplayConfig,
+    Replayer,
+    ReplayMismatch,
+    as_context,
+    replay,
+    replay_prefix,
+    select_logged_groups,
+)
 from longstraw_agents.store import Store, StoreError
+from longstraw_agents.tools import ToolRegistry, ToolResult
 from longstraw_agents.trainer import GRPOTrainer
 from longstraw_agents.training import train
+from longstraw_agents.trajectory import Segment, Trajectory
 
 SOURCE_STEPS, G = 2, 4
 
@@ -64,9 +75,12 @@ def test_replay_trains_on_the_selected_groups(source: Path, tmp_path: Path) -> N
     assert out == tmp_path / "replay"
     selected, step = metrics(out)
     assert selected["phase"] == "replay_select" and selected["policy_version"] == SOURCE_STEPS
-    assert selected["episodes"] == G * len(groups) and selected["groups"] == len(groups)
+    assert selected["episodes"] == G * len(groups) and selected["groups"] == selected["groups_trained"] == len(groups)
+    assert selected["policy_source"] == "checkpoint" and selected["skipped_ungrouped"] == 0
     assert step["phase"] == "grpo" and step["step"] == step["policy_version"] == SOURCE_STEPS + 1
     assert step["grad_norm"] > 0
+    tokens = [t.num_tokens for t in logged(source, where)]
+    assert step["episode_tokens_mean"] == pytest.approx(sum(tokens) / len(tokens))  # printed as "tokens N"
     assert GRPOTrainer.checkpoint_info(out / "checkpoint")["policy_version"] == SOURCE_STEPS + 1
     before, after = checkpoint_weights(source), checkpoint_weights(out)
     assert any(not after[name].equal(before[name]) for name in before)
@@ -76,27 +90,78 @@ def test_replay_trains_on_the_selected_groups(source: Path, tmp_path: Path) -> N
         assert store.count() == SOURCE_STEPS * 2 * G  # the source store is only read
 
 
-def test_where_filters_the_episodes(source: Path, tmp_path: Path) -> None:
-    groups, counts = select(source, tmp_path / "a", where="group_id = 'step1-g0'")
-    assert counts["episodes"] == G and [{t.group_id for t in g} for g in groups] == [{"step1-g0"}]
+def test_where_keeps_whole_groups_and_only_groups_with_reward_differences_train(source: Path, tmp_path: Path) -> None:
+    mixed = mixed_groups(source)
+    groups, counts = select(source, tmp_path / "a", where="group_id = 'step1-g0' AND id % 4 = 0")
+    assert counts["episodes"] == G and counts["groups"] == 1 and counts["skipped_small_groups"] == 0  # the whole group
+    assert [{t.group_id for t in g} for g in groups] == ([{"step1-g0"}] if "step1-g0" in mixed else [])
     groups, counts = select(source, tmp_path / "b", where="reward >= 0")
-    assert counts["episodes"] == SOURCE_STEPS * 2 * G and len(groups) == SOURCE_STEPS * 2
-    _, counts = select(source, tmp_path / "c", where="group_id = 'step1-g0' AND id % 4 = 0")
-    assert counts == {"episodes": 1, "stale": 0, "skipped_stale": 0, "skipped_small_groups": 1}
+    assert counts["episodes"] == SOURCE_STEPS * 2 * G and counts["groups"] == SOURCE_STEPS * 2
+    assert sorted(g[0].group_id for g in groups) == sorted(mixed)  # all-equal rewards: zero advantages, skipped
+    assert counts["groups_skipped_uniform"] == SOURCE_STEPS * 2 - len(mixed) == counts["groups"] - len(groups)
+    # "reward > 0" selects the groups that solved the task at least once, with their failures.
+    groups, counts = select(source, tmp_path / "c", where="reward > 0")
+    assert sorted(g[0].group_id for g in groups) == sorted(mixed)
+    assert all(len(g) == G and any(t.reward == 0 for t in g) for g in groups)
     with pytest.raises(StoreError, match="no such column"):
         select(source, tmp_path / "d", where="rewrd > 0")
+
+
+def scripted_episode(group: str, reward: float, env_id: str = "LongStraw/Calculator-v0") -> Trajectory:
+    return Trajectory([Segment("user", [1, 2]), Segment("assistant", [3, 4])], env_id, group, 5, reward)
+
+
+def test_groups_are_per_run_and_ungrouped_episodes_are_skipped(tmp_path: Path) -> None:
+    """Two runs reuse the group id "g0", and scripted episodes of several envs have no group id: neither may be
+    merged into one bogus group."""
+    with Store.open(tmp_path / "mixed.db") as store:
+        a = store.add_run("a", config={}, model="m", tokenizer="t")
+        b = store.add_run("b", config={}, model="m", tokenizer="t")
+        store.add_episodes([scripted_episode("g0", r) for r in (1.0, 0.0)], run_id=a)
+        store.add_episodes([scripted_episode("", 1.0, env) for env in ("A-v0", "B-v0", "C-v0")], run_id=a)
+        store.add_episodes([scripted_episode("", 0.0)], run_id=a)
+        store.add_episodes([scripted_episode("g0", 1.0) for _ in range(2)], run_id=b)  # uniform
+        store.add_episodes([scripted_episode("g1", 0.0)], run_id=b)  # alone
+        groups, counts = select_logged_groups(store, ReplayConfig(), policy_version=0)
+        assert [[t.reward for t in g] for g in groups] == [[1.0, 0.0]]
+        assert counts == {
+            "episodes": 5,
+            "stale": 0,
+            "skipped_stale": 0,
+            "skipped_small_groups": 1,
+            "skipped_ungrouped": 4,
+            "groups": 2,
+            "groups_skipped_uniform": 1,
+            "groups_trained": 1,
+        }
+        _, counts = select_logged_groups(store, ReplayConfig(where="reward > 0"), policy_version=0)
+        assert counts["skipped_ungrouped"] == 3 and counts["episodes"] == 4  # both g0 groups, whole
 
 
 def test_stale_episodes_are_skipped_or_kept_and_flagged(source: Path, tmp_path: Path) -> None:
     # The source policy is at version 2; episodes of step 0 are 2 versions old, those of step 1 one.
     groups, counts = select(source, tmp_path / "skip", max_staleness=1)
-    assert counts["stale"] == counts["skipped_stale"] == 2 * G
-    assert {t.policy_version for g in groups for t in g} == {1}
+    assert counts["stale"] == counts["skipped_stale"] == 2 * G and counts["groups"] == 2
+    assert {t.policy_version for g in groups for t in g} <= {1}
     groups, counts = select(source, tmp_path / "keep", max_staleness=1, keep_stale=True)
-    assert counts["stale"] == 2 * G and counts["skipped_stale"] == 0 and len(groups) == 4
+    assert counts["stale"] == 2 * G and counts["skipped_stale"] == 0 and counts["groups"] == 4
     with pytest.raises(ValueError, match="no trainable groups"):
         replay(source / "trajectories.db", ReplayConfig(max_staleness=0), out_dir=tmp_path / "none")
     assert metrics(tmp_path / "none")[0]["skipped_stale"] == SOURCE_STEPS * 2 * G
+
+
+def test_uniform_groups_spend_no_policy_version(source: Path, tmp_path: Path) -> None:
+    uniform = [
+        g for g in (f"step{s}-g{k}" for s in range(SOURCE_STEPS) for k in range(2)) if g not in mixed_groups(source)
+    ]
+    if not uniform:
+        pytest.skip("every logged group has mixed rewards")
+    where = f"group_id = '{uniform[0]}'"
+    with pytest.raises(ValueError, match="no trainable groups.*groups_skipped_uniform 1"):
+        replay(source / "trajectories.db", ReplayConfig(where=where), out_dir=tmp_path / "out")
+    [selected] = metrics(tmp_path / "out")
+    assert selected["groups"] == selected["groups_skipped_uniform"] == 1 and selected["groups_trained"] == 0
+    assert not (tmp_path / "out" / "checkpoint").exists()
 
 
 def test_truncated_importance_weights_come_from_the_stored_behaviour_logprobs(
@@ -127,7 +192,7 @@ def test_truncated_importance_weights_come_from_the_stored_behaviour_logprobs(
 def test_fork_at_replays_the_logged_turns_and_trains_on_new_continuations(source: Path, tmp_path: Path) -> None:
     where = "group_id = 'step1-g1'"
     originals = logged(source, where)
-    config = ReplayConfig(where=where, fork_at=1, fork_group_size=2)
+    config = ReplayConfig(where=where, fork_at=1, fork_group_size=2, recorded_tools=False)
     out = replay(source / "trajectories.db", config, out_dir=tmp_path / "fork")
 
     selected, step = metrics(out)
@@ -148,6 +213,71 @@ def test_fork_at_replays_the_logged_turns_and_trains_on_new_continuations(source
             assert _tool_results(member) == _tool_results(original)  # the tool ran again, with the same result
     # One group per logged episode, even though the logged members of a group share their seed.
     assert sorted(len(g) for g in groups.values()) == [2] * len(originals)
+
+
+def run_copy(source: Path, path: Path, **config_updates) -> Path:
+    """A copy of the source run directory whose config.json has ``config_updates`` applied (top-level keys)."""
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **config_updates}))
+    return path
+
+
+def test_fork_at_skips_what_cannot_be_forked_and_rebuilds_the_logged_env(
+    source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The run's config now names other tasks: the env must come from the episode's own run row and info.
+    run = run_copy(
+        source, tmp_path / "run", env={"id": ENV_ID, "kwargs": {**ENV_KWARGS, "min_operand": 50, "max_operand": 99}}
+    )
+    with Store.open(run / "trajectories.db", create=False) as store:
+        record = store.get_record(1)  # a two-turn episode: a calculator call, then the answer
+        original, run_id = record.trajectory, record.run_id
+        prompt = [s for s in original.segments if s.role in ("system", "user") and s.turn == 0]
+        answer = [s for s in original.segments if s.role == "assistant"][-1]
+        answered_at_once = dataclasses.replace(original, segments=[*prompt, dataclasses.replace(answer, turn=0)])
+        bad = [
+            dataclasses.replace(original, env_id="LongStraw/Nope-v0"),
+            dataclasses.replace(original, seed=None),
+            answered_at_once,
+        ]
+        ids = store.add_episodes(bad, run_id=run_id)
+    where = f"id IN (1, {', '.join(map(str, ids))})"
+    replayer = Replayer(run / "trajectories.db", None, tmp_path / "out", ReplayConfig(where=where, fork_at=1))
+    try:
+        with caplog.at_level(logging.WARNING, logger="longstraw_agents.replay"):
+            groups, counts = replayer.forked_groups()
+    finally:
+        replayer.close()
+    assert counts["forked_groups"] == 1 and counts["fork_skipped"] == 3
+    assert [counts[f"fork_skipped_{r}"] for r in ("env", "no_seed", "too_short", "mismatch")] == [1, 1, 1, 0]
+    assert "skipped 3 episodes that cannot be forked" in caplog.text and "LongStraw/Nope-v0" in caplog.text
+    with Store.open(tmp_path / "out" / "trajectories.db", create=False) as store:
+        members = list(store.episodes())
+    prefix = np.concatenate([s.token_ids for s in original.segments[: _end_of_turn(original, 0)]])
+    assert len(members) == 4 and len(groups) == counts["groups_trained"] <= 1
+    for member in members:
+        np.testing.assert_array_equal(member.token_ids()[: len(prefix)], prefix)
+        # The logged result itself (its timing too): the tool was not run again.
+        assert (
+            next(s for s in member.segments if s.role == "tool").tool_calls
+            == next(s for s in original.segments if s.role == "tool").tool_calls
+        )
+
+
+def test_recorded_tools_replay_a_nondeterministic_tool(source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = logged(source, "id = 1")[0]
+
+    def another_answer(self, call) -> ToolResult:  # a tool whose output changed since the episode was logged
+        return ToolResult(name="calculator", ok=True, content="13")
+
+    monkeypatch.setattr(ToolRegistry, "call", another_answer)
+    with pytest.raises(ReplayMismatch, match="observation after turn 0"):
+        replay_prefix(fresh_env(), original, 1, recorded_tools=False)
+    env = fresh_env()
+    ids = replay_prefix(env, original, 1)  # recorded tools by default
+    np.testing.assert_array_equal(ids, original.token_ids()[: len(ids)])
+    assert "call" not in vars(env.registry)  # the continuation's own tool calls run live
 
 
 def _tool_results(trajectory) -> list[dict]:
@@ -213,6 +343,15 @@ def test_replay_loads_the_policy_of_a_checkpoint_whose_save_was_cut_short(source
 def test_bad_input_is_a_clear_error(source: Path, tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no store"):
         replay(tmp_path / "missing.db", ReplayConfig())
+    (tmp_path / "notes.db").write_text("not a database\n" * 100)
+    with pytest.raises(StoreError, match="not a longstraw store"):
+        replay(tmp_path / "notes.db", ReplayConfig())
+    # The store is checked before the run directory: an empty store is the problem, not the missing config.json.
+    empty = tmp_path / "empty"
+    Store.open(empty / "trajectories.db").close()
+    with pytest.raises(StoreError, match="holds no episodes"):
+        replay(empty / "trajectories.db", ReplayConfig())
+    assert not (empty / "replay").exists()  # nothing was built
     orphan = tmp_path / "orphan"
     orphan.mkdir()
     shutil.copy(source / "trajectories.db", orphan / "trajectories.db")
@@ -220,3 +359,43 @@ def test_bad_input_is_a_clear_error(source: Path, tmp_path: Path) -> None:
         replay(orphan / "trajectories.db", ReplayConfig())
     with pytest.raises(ValueError, match="fork_group_size"):
         ReplayConfig(fork_at=1, fork_group_size=1)
+
+
+def test_an_output_directory_that_holds_a_run_is_refused_naming_out(source: Path, tmp_path: Path) -> None:
+    used = run_copy(source, tmp_path / "used")
+    for out, message in ((used, "already holds a run; choose another --out"), (source, "is the source run")):
+        with pytest.raises(FileExistsError, match=message) as error:
+            replay(source / "trajectories.db", ReplayConfig(), out_dir=out)
+        assert "--resume" not in str(error.value)
+
+
+def test_a_failed_start_closes_the_stores_it_opened(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = json.loads((source / "config.json").read_text())
+    config["trainer"]["loss"]["beta"] = 0.1  # a KL penalty, but the run has no reference policy
+    run = run_copy(source, tmp_path / "run", trainer=config["trainer"])
+    opened, closed = [], []
+    real_open, real_close = Store.open.__func__, Store.close
+    monkeypatch.setattr(
+        Store, "open", classmethod(lambda cls, *a, **k: opened.append(real_open(cls, *a, **k)) or opened[-1])
+    )
+    monkeypatch.setattr(Store, "close", lambda self: closed.append(self) or real_close(self))
+    with pytest.raises(FileNotFoundError, match="reference"):
+        Replayer(run / "trajectories.db", None, tmp_path / "out", ReplayConfig())
+    assert len(opened) == 2 and all(store in closed for store in opened)  # the source and the replay run's store
+
+
+def test_a_run_without_checkpoint_warns_that_an_untrained_policy_is_trained(
+    source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = json.loads((source / "config.json").read_text())
+    run = run_copy(source, tmp_path / "run", model={**config["model"], "preset": "llama", "path": None})
+    shutil.rmtree(run / "checkpoint")
+    with caplog.at_level(logging.WARNING, logger="longstraw_agents.replay"):
+        replayer = Replayer(run / "trajectories.db", None, tmp_path / "out", ReplayConfig())
+    try:
+        assert replayer.policy_source == "random_init" and replayer.trainer.policy_version == 0
+    finally:
+        replayer.close()
+    assert "has no checkpoint" in caplog.text and "RANDOMLY INITIALISED" in caplog.text

@@ -294,6 +294,41 @@ def test_groups_rebuild_grpo_groups(store: Store) -> None:
     assert store.groups("policy_version = 0") == {"group-0": [originals[0]], "group-1": [originals[5]]}
 
 
+def small_episode(group: str, reward: float | None) -> Trajectory:
+    return Trajectory([Segment("user", [1, 2]), Segment("assistant", [3])], "LongStraw/Env-v0", group, 0, reward)
+
+
+def test_group_records_group_by_run_and_group_id_and_keep_whole_groups(store: Store) -> None:
+    """A group id is only unique within its run, and an episode without one (scripted, eval) is in no group."""
+    a = store.add_run("a", config={}, model="m", tokenizer="t")
+    b = store.add_run("b", config={}, model="m", tokenizer="t")
+    store.add_episodes([small_episode("g0", r) for r in (1.0, 0.0)], run_id=a)
+    store.add_episodes([small_episode("", 1.0), small_episode("", 0.0)], run_id=a)
+    store.add_episodes([small_episode("g0", r) for r in (0.0, 0.0, 0.5)], run_id=b)
+
+    groups = store.group_records()
+    assert [(g.run_id, g.group_id, [r.id for r in g.records]) for g in groups] == [
+        ("a", "g0", [1, 2]),
+        ("b", "g0", [5, 6, 7]),
+    ]
+    assert [t.reward for t in groups[1].trajectories] == [0.0, 0.0, 0.5]
+    assert store.ungrouped_count() == 2 and store.ungrouped_count("reward > 0") == 1
+    # `where` keeps every group with a matching member, whole; unqualified columns are the episode's own.
+    whole = store.group_records("reward > 0")
+    assert [[r.id for r in g.records] for g in whole] == [[1, 2], [5, 6, 7]]
+    assert [[r.id for r in g.records] for g in store.group_records("id = 6 -- a comment")] == [[5, 6, 7]]
+    partial = store.group_records("reward > 0", whole_groups=False)
+    assert [[r.id for r in g.records] for g in partial] == [[1], [7]]
+    assert store.group_records("run_id = ? AND reward = ?", ["b", 0.5])[0].group_id == "g0"
+    with pytest.raises(StoreError, match="no such column"):
+        store.group_records("rewrd > 0")
+    # groups() is keyed by group id alone: it refuses to merge two runs' groups rather than mix them.
+    with pytest.raises(StoreError, match="several runs"):
+        store.groups()
+    assert {k: len(v) for k, v in store.groups("run_id = 'b'").items()} == {"g0": 3}
+    assert {k: len(v) for k, v in store.groups("run_id = 'a'").items()} == {"g0": 2}  # no "" group
+
+
 def test_get_missing_episode(store: Store) -> None:
     with pytest.raises(StoreError, match=r"no episode 99 in .*trajectories\.db"):
         store.get_episode(99)
