@@ -26,7 +26,7 @@ from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.trainer import GRPOTrainer
-from longstraw_agents.training import ConfigError, TrainConfig, load_config, train
+from longstraw_agents.training import ConfigError, TrainConfig, check_env, load_config, train
 
 STEPS, GROUPS, G = 3, 2, 4
 
@@ -183,6 +183,13 @@ def test_load_config_reads_yaml_and_toml_alike(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_the_example_config_is_valid_and_runnable() -> None:
+    """examples/train_calculator.yaml (shown in README) validates and names a registered env with valid kwargs."""
+    config = load_config(Path(__file__).parents[1] / "examples" / "train_calculator.yaml")
+    check_env(config.env)
+    assert (config.trainer.mode, config.group_size, config.trainer.loss.beta) == ("exact", 8, 0.02)
 
 
 def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(tmp_path: Path) -> None:
