@@ -59,6 +59,15 @@ def _scores(pairs: Sequence[Tensor], scale: float, dtype: torch.dtype, mask: Ten
     return scores
 
 
+def _softmax_with_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim and its log normaliser with one exp pass (``logsumexp`` then ``exp(s - lse)``
+    would exponentiate the scores twice, the costliest elementwise op of attention). Consumes ``scores``."""
+    peak = scores.amax(dim=-1, keepdim=True)
+    probs = scores.sub_(peak).exp_()
+    total = probs.sum(dim=-1, keepdim=True)
+    return probs.div_(total), (peak + total.log()).squeeze(-1)
+
+
 class _BlockAttention(torch.autograd.Function):
     """``(out, lse)`` of softmax attention over one block, saving inputs and outputs only (no probabilities).
 
@@ -70,10 +79,8 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale: float, mask: Tensor | None, v: Tensor, *pairs: Tensor):
         sdt = softmax_dtype(v.dtype)
-        scores = _scores(pairs, scale, sdt, mask)
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
-        out = torch.matmul(probs, v.transpose(0, 1))
+        probs, lse = _softmax_with_lse(_scores(pairs, scale, sdt, mask))
+        out = torch.matmul(probs.to(v.dtype), v.transpose(0, 1))
         ctx.scale, ctx.has_mask = scale, mask is not None
         ctx.save_for_backward(v, out, lse, *(() if mask is None else (mask,)), *pairs)
         return out, lse
@@ -110,22 +117,6 @@ def block_partial(pairs: Sequence[tuple[Tensor, Tensor]], v: Tensor, scale: floa
     """Partial attention over one block from query/key pairs (scores summed over pairs) and values ``v``."""
     flat = [t for pair in pairs for t in pair]
     out, lse = _BlockAttention.apply(scale, mask, v, *flat)
-    return Partial(out=out, lse=lse)
-
-
-def partial_from_scores(scores: Tensor, v: Tensor, mask: Tensor | None = None) -> Partial:
-    """Softmax over the block given its scores ``[H_kv, R, M]``; ``mask`` (broadcastable, True = visible).
-
-    Hidden keys get the most negative finite score (as transformers does) rather than -inf: a query that sees no
-    key of the block then gets a finite log normaliser whose merge weight underflows to exactly 0, and no NaN can
-    reach the gradients.
-    """
-    scores = scores.to(softmax_dtype(scores.dtype))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(0, 1))  # [H_kv, R, M] @ [H_kv, M, Dv]
     return Partial(out=out, lse=lse)
 
 
