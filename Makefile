@@ -30,8 +30,9 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	$(PY) bench/engine.py
-	$(PY) bench/trainer.py
+	$(PY) -m bench.engine
+	$(PY) -m bench.trainer
+	$(PY) -m bench.ablation
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

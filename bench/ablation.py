@@ -2,7 +2,7 @@
 shared prompt grows. Prints, per prompt length, the cosine and the relative L2 distance between the detached and
 the exact gradient (exact equals the full-graph gradient; see tests/test_grpo.py), averaged over a few groups.
 
-    python bench/ablation.py [--lengths 16 64 256 1024] [--groups 3]
+    python -m bench.ablation [--lengths 16 64 256 1024] [--groups 3]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ An agent episode grows turn by turn: a long opening context, then per turn an as
 The engine extends the previous turn's state by the new turn only; the baselines re-evaluate the whole episode every
 turn: the engine's own chunked capture from position 0 (its fastest prefill), and transformers' full forward.
 
-    python bench/engine.py [--families llama qwen3_5 glm_moe_dsa] [--context 2048] [--turn 64] [--turns 32]
+    python -m bench.engine [--families llama qwen3_5 glm_moe_dsa] [--context 2048] [--turn 64] [--turns 32]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Peak memory is what ``longstraw_agents.memory.MemoryTracker`` sees during one ``
 gradients are allocated beforehand, so they are not counted: they are the same in every mode). Writes
 ``bench/results/trainer.json`` and ``bench/results/trainer_memory.png``.
 
-    python bench/trainer.py [--quick]
+    python -m bench.trainer [--quick]
 """
 
 from __future__ import annotations
