@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from longstraw_agents.memory import MemoryTracker, tensor_bytes
@@ -63,6 +64,81 @@ def test_tracker_sees_tensors_kept_alive_by_autograd_until_the_graph_dies():
         assert mem.current_bytes == 4000 + 4  # sin saves its input, not its output: sin(w*w) is gone already
         del out
         assert mem.current_bytes == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_tracker_ignores_views_and_in_place_updates_of_pre_existing_tensors(device: str):
+    w = torch.ones(N, N, device=device)  # 4 MB made before the tracker, like a parameter
+    buf = torch.empty(N, N, device=device)  # like a pre-allocated .grad
+    with MemoryTracker() as mem:
+        views = [w.t(), w.view(-1), w[:10], w.detach(), torch.ops.aten.alias(w), w.as_strided((10,), (1,))]
+        w.add_(1)
+        torch.mul(w, 2, out=buf)
+        torch.empty(0, device=device).set_(w)  # a fresh 0-byte tensor moved onto w's storage
+        assert mem.peak_bytes == 0
+        copy = w.t().contiguous()  # a fresh storage: counted
+        assert mem.current_bytes == 4 * N * N
+        del copy, views
+    assert mem.current_bytes == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_tracker_follows_an_out_buffer_it_allocated_as_it_grows(device: str):
+    a = torch.ones(N, device=device)
+    with MemoryTracker() as mem:
+        out = torch.empty(0, device=device)  # counted at 0 bytes
+        torch.mul(a, 2, out=out)  # resized in place to 4000 bytes
+        assert mem.current_bytes == mem.peak_bytes == 4000
+        out.add_(1)
+        view = out.view(10, 100)
+        assert mem.current_bytes == 4000
+        del out, view
+        assert mem.current_bytes == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_tracker_counts_what_linear_allocates_not_its_pre_existing_weight(device: str):
+    x = torch.ones(4, N, device=device)
+    w1 = torch.ones(500, N, device=device, requires_grad=True)  # 2 MB
+    b1 = torch.zeros(500, device=device, requires_grad=True)
+    w2 = torch.ones(10, 500, device=device, requires_grad=True)
+    with MemoryTracker() as mem:
+        with torch.no_grad():
+            y = F.linear(x, w1, b1)  # addmm(b1, x, w1.t()): the transpose views w1, only y (4 x 500) is new
+        assert mem.peak_bytes == mem.current_bytes == 8000
+        del y
+        mem.reset_peak()
+        r = F.linear(x, w1, b1).relu()  # the linear output (8000) dies once relu (8000, saved) has run
+        out = F.linear(r, w2)  # 160; saves r and w2, and w2 costs nothing
+        del r
+        assert mem.peak_bytes == 8000 + 8000
+        assert mem.current_bytes == 8000 + 160  # the saved activation and the output
+        del out
+        assert mem.current_bytes == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_backward_into_materialised_grads_counts_no_grad_buffers(device: str):
+    x = torch.ones(4, N, device=device)
+    w1, b1, w2 = (torch.ones(*s, device=device, requires_grad=True) for s in ((500, N), (500,), (10, 500)))
+    params = [w1, b1, w2]
+
+    def step() -> MemoryTracker:
+        with MemoryTracker() as mem:
+            F.linear(F.linear(x, w1, b1).relu(), w2).sum().backward()
+        return mem
+
+    fresh = step()  # .grad is None: backward allocates the gradients and they live on
+    assert fresh.current_bytes == tensor_bytes(p.grad for p in params) == tensor_bytes(params)
+    grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    accumulated = step()
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))  # accumulated in place
+    assert accumulated.current_bytes == 0
+    # the peak holds the activations and one weight gradient before it is added in place, never a .grad buffer
+    assert fresh.peak_bytes >= tensor_bytes(params)
+    assert accumulated.peak_bytes < tensor_bytes([w1]) + 16000
 
 
 def test_tensor_bytes_counts_each_storage_once():
