@@ -84,7 +84,7 @@ def grpo_loss(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     aggregation: str = "token-mean",
-    max_completion_length: int | None = None,
+    max_completion_length: int | None = 256,
     scale_rewards: bool = True,
     importance: str = "ratio",
     tis_cap: float = 2.0,
@@ -93,7 +93,8 @@ def grpo_loss(
 
     old_logps: behaviour log-probs per row (None: on-policy, ``logp.detach()``); only masked entries are read.
     aggregation: "token-mean" (TRL's "bnpo"/"dapo": Σ loss / Σ mask), "seq-mean" (TRL's "grpo": mean over members
-    of each member's token mean), "dr-grpo" (Σ loss / (G · L), L = max_completion_length or the longest member).
+    of each member's token mean), "dr-grpo" (TRL's "dr_grpo": Σ loss / (G · L), L = max_completion_length, TRL's
+    default 256; None: the longest member).
     importance: "ratio" (behaviour log-probs are the ratio's denominator) or "tis" (verl's truncated importance
     sampling: the ratio is on-policy and each token is weighted by min(π/μ, tis_cap), π/μ detached).
     """

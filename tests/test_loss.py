@@ -73,10 +73,24 @@ def test_seq_mean_weights_each_member_by_its_own_length():
     assert sum(w * n for w, n in zip(weights, LENGTHS, strict=True)) == pytest.approx(1.0)  # mean of member means
 
 
-def test_dr_grpo_normalises_by_group_size_times_max_length():
-    assert AGGREGATIONS["dr-grpo"].weights(LENGTHS, LossConfig()) == pytest.approx([1 / 15] * 3)
+def test_dr_grpo_normalises_by_group_size_times_a_fixed_max_completion_length():
+    """TRL's dr_grpo: Σ loss / (G · max_completion_length), L fixed (TRL's default 256), not the group's longest."""
+    assert LossConfig().max_completion_length == 256
+    assert AGGREGATIONS["dr-grpo"].weights(LENGTHS, LossConfig()) == pytest.approx([1 / (3 * 256)] * 3)
     config = LossConfig(aggregation="dr-grpo", max_completion_length=10)
     assert AGGREGATIONS["dr-grpo"].weights(LENGTHS, config) == pytest.approx([1 / 30] * 3)
+    longest = LossConfig(aggregation="dr-grpo", max_completion_length=None)  # opt-in: each group's longest
+    assert AGGREGATIONS["dr-grpo"].weights(LENGTHS, longest) == pytest.approx([1 / 15] * 3)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "aggregation"),
+    [("dapo", "token-mean"), ("bnpo", "token-mean"), ("grpo", "seq-mean"), ("dr_grpo", "dr-grpo")],
+)
+def test_trl_loss_type_names_map_to_their_aggregation(loss_type, aggregation):
+    config = LossConfig(aggregation=loss_type)
+    assert config.aggregation == aggregation
+    assert LossConfig.model_validate_json(config.model_dump_json()) == config
 
 
 def test_members_without_loss_tokens_get_zero_weight():
@@ -238,12 +252,8 @@ def test_loss_config_rejects_bad_values_naming_the_field(kwargs, field):
 
 def test_loss_config_defaults_match_trl_and_are_frozen():
     config = LossConfig()
-    assert (config.epsilon, config.epsilon_high, config.beta, config.aggregation, config.scale_rewards) == (
-        0.2,
-        None,
-        0.0,
-        "token-mean",
-        True,
-    )
+    defaults = (config.epsilon, config.epsilon_high, config.beta, config.aggregation, config.scale_rewards)
+    assert defaults == (0.2, None, 0.0, "token-mean", True)
+    assert config.max_completion_length == 256
     with pytest.raises(pydantic.ValidationError):
         config.beta = 1.0

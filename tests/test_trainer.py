@@ -6,16 +6,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pydantic
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from grpo_reference import flat, parameter_grads, relative_l2
 
+from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, LossConfig, OptimizerConfig, backward_group
 from longstraw_agents.trajectory import Segment, Trajectory
@@ -24,10 +31,12 @@ TESTS = Path(__file__).resolve().parent
 PROMPT_LEN, CHUNK, G = 20, 8, 3
 
 
-def make_trainer(mode: str = "exact", max_grad_norm: float | None = 1.0, lr: float = 1e-2, **config) -> GRPOTrainer:
+def make_trainer(
+    mode: str = "exact", max_grad_norm: float | None = 1.0, lr: float = 1e-2, accelerator=None, **config
+) -> GRPOTrainer:
     net = tiny_model("llama", seed=0)
     cfg = GRPOConfig(G=G, mode=mode, chunk_size=CHUNK, lr=lr, max_grad_norm=max_grad_norm, **config)
-    return GRPOTrainer(net, cfg)
+    return GRPOTrainer(net, cfg, accelerator=accelerator)
 
 
 def step_groups(trainer: GRPOTrainer, step: int, num_groups: int = 2):
@@ -63,6 +72,46 @@ def test_flat_names_merge_with_a_nested_section():
     assert (config.optim.weight_decay, config.optim.lr) == (0.1, 1.0)
 
 
+def test_flat_eps_is_refused_because_it_is_ambiguous():
+    """A TRL user writing eps=0.2 means the clip range; AdamW would have read it."""
+    with pytest.raises(pydantic.ValidationError, match="adam_epsilon.*'epsilon' for the clip"):
+        GRPOConfig(eps=0.2)
+    assert GRPOConfig(optim={"eps": 1e-6}).optim.eps == 1e-6  # the nested form stays unambiguous
+    assert GRPOConfig(epsilon=0.3).loss.epsilon == 0.3
+
+
+def test_hf_optimizer_names_land_in_the_optimizer_config():
+    config = GRPOConfig(
+        learning_rate=3e-4,
+        adam_epsilon=1e-6,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        warmup_steps=3,
+    )
+    assert config.optim == OptimizerConfig(
+        lr=3e-4, eps=1e-6, betas=(0.8, 0.95), weight_decay=0.1, max_grad_norm=0.5, warmup_steps=3
+    )
+    assert config.loss == LossConfig()  # nothing leaked into the loss (the clip epsilon keeps its default)
+    assert GRPOConfig(adam_beta2=0.9, optim={"betas": (0.5, 0.6)}).optim.betas == (0.5, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "aggregation"),
+    [("dapo", "token-mean"), ("bnpo", "token-mean"), ("grpo", "seq-mean"), ("dr_grpo", "dr-grpo")],
+)
+def test_trl_loss_type_names_are_accepted(loss_type, aggregation):
+    config = GRPOConfig(loss_type=loss_type)
+    assert config.loss.aggregation == aggregation
+    assert GRPOConfig.model_validate_json(config.model_dump_json()) == config
+
+
+def test_two_spellings_of_one_option_are_an_error():
+    with pytest.raises(pydantic.ValidationError, match="learning_rate.*lr"):
+        GRPOConfig(lr=1e-3, learning_rate=1e-4)
+
+
 def test_config_round_trips_through_json():
     config = GRPOConfig(G=4, mode="detached", epsilon=0.1, epsilon_high=0.2, beta=0.01, lr=3e-4, chunk_size=64)
     assert GRPOConfig.model_validate_json(config.model_dump_json()) == config
@@ -91,6 +140,72 @@ def test_bad_config_values_name_the_field(kwargs, loc):
 def test_beta_without_a_reference_model_is_rejected():
     with pytest.raises(ValueError, match="ref_model"):
         GRPOTrainer(tiny_model("llama"), GRPOConfig(beta=0.1))
+
+
+def test_reference_model_is_moved_to_the_device_frozen_and_in_eval_mode():
+    reference = tiny_model("llama", seed=1).train()
+    moved_to = []
+    to = reference.to
+    reference.to = lambda *args, **kwargs: (moved_to.append(args), to(*args, **kwargs))[1]
+    trainer = GRPOTrainer(tiny_model("llama"), GRPOConfig(beta=0.1, chunk_size=CHUNK), ref_model=reference)
+    assert moved_to == [(trainer.accelerator.device,)]
+    assert not reference.training and not any(p.requires_grad for p in reference.parameters())
+    assert trainer.ref_engine.config.chunk_size == CHUNK
+
+
+@pytest.mark.gpu
+def test_reference_model_follows_the_policy_to_the_gpu():
+    reference = tiny_model("llama", seed=1)
+    trainer = GRPOTrainer(tiny_model("llama"), GRPOConfig(beta=0.1), ref_model=reference)
+    assert {p.device.type for p in reference.parameters()} == {trainer.accelerator.device.type} == {"cuda"}
+
+
+def test_the_policy_itself_is_refused_as_reference():
+    net = tiny_model("llama")
+    with pytest.raises(ValueError, match="copy"):
+        GRPOTrainer(net, GRPOConfig(beta=0.1), ref_model=net)
+
+
+def test_an_engine_is_accepted_when_its_chunk_size_matches_the_config():
+    net = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"chunk_size \(4\) differs from GRPOConfig.chunk_size \(8\)"):
+        GRPOTrainer(Engine(net, chunk_size=4), GRPOConfig(chunk_size=8))
+    engine = Engine(net, EngineConfig(chunk_size=8, max_score_elements=1000))
+    trainer = GRPOTrainer(engine, GRPOConfig(chunk_size=8))
+    assert trainer.engine.config == engine.config and trainer.engine.model is net
+
+
+# --- groups ---------------------------------------------------------------------------------------------------
+def test_completion_groups_must_have_group_size_members():
+    trainer = make_trainer()
+    prompt = torch.arange(1, 6)
+    with pytest.raises(ValueError, match="2 completions for a group of GRPOConfig.group_size=3"):
+        trainer.group_from_completions(prompt, [torch.tensor([1]), torch.tensor([2])], [0.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[1.0, 2.0], np.array([1.5, 2.0]), torch.tensor([True, False]), torch.tensor([1.0, 2.0]), [True, False]],
+    ids=["float-list", "numpy-float", "bool-tensor", "float-tensor", "bool-list"],
+)
+def test_non_integer_token_ids_are_refused_not_truncated(bad):
+    trainer = make_trainer()
+    good = [torch.tensor([1, 2])] * G
+    with pytest.raises(TypeError, match="integer token ids"):
+        trainer.group_from_completions(torch.arange(1, 6), [bad, *good[1:]], [0.0, 1.0, 0.5])
+    with pytest.raises(TypeError, match="prompt_ids must hold integer token ids"):
+        trainer.group_from_completions(bad, good, [0.0, 1.0, 0.5])
+    group = trainer.group_from_completions(np.arange(1, 6), [[1, 2], np.array([3]), torch.tensor([4])], [0, 1, 0.5])
+    assert group.num_loss_tokens == 4
+
+
+def test_trajectories_without_a_reward_are_an_error_not_zero():
+    trainer = make_trainer()
+    trajectories = [Trajectory([Segment("user", [1, 2]), Segment("assistant", [3 + k])]) for k in range(2)]
+    trajectories[0].reward = 1.0
+    with pytest.raises(ValueError, match=r"trajectories \[1\] have no reward"):
+        trainer.group_from_trajectories(trajectories)
+    assert trainer.group_from_trajectories(trajectories, rewards=[1.0, 0.0]).rewards == [1.0, 0.0]
 
 
 # --- steps ----------------------------------------------------------------------------------------------------
@@ -128,6 +243,48 @@ def test_a_step_uses_the_mean_of_the_groups_gradients_and_the_configured_mode():
         assert metrics["grad_norm"] == pytest.approx(float(flat(expected).norm()), rel=1e-5)
     assert relative_l2(grads["exact"], grads["naive"]) <= 1e-5
     assert relative_l2(grads["detached"], grads["naive"]) > 1e-2
+
+
+def _data_parallel_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0 trains on groups 0 and 1 of step 0, rank 1 on group 2 (2 gloo CPU processes); both save their
+    gradients and parameters."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
+    GradientState._reset_state()
+    trainer = make_trainer(accelerator=Accelerator(cpu=True))
+    assert trainer.accelerator.num_processes == 2
+    groups = step_groups(trainer, 0, num_groups=3)
+    trainer.train_step(groups[:2] if rank == 0 else groups[2:])
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    params = {name: p.detach().clone() for name, p in unwrapped.named_parameters()}
+    torch.save((parameter_grads(unwrapped), params), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_data_parallel_step_equals_one_process_on_the_union_of_the_groups(tmp_path):
+    """The engine bypasses DDP's forward (so DDP's all-reduce hooks never fire): two processes with 2 and 1 groups
+    must end the step with the gradients and parameters of one process given all 3 groups."""
+    # fork: the children skip re-importing torch (~10 s on 2 busy cores); spawn once CUDA is initialised here
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(
+        _data_parallel_worker, args=(_free_port(), str(tmp_path / "rank")), nprocs=2, start_method=start_method
+    )
+    trainer = make_trainer()
+    trainer.train_step(step_groups(trainer, 0, num_groups=3))
+    expected_grads, expected_params = parameter_grads(trainer.model), parameters(trainer)
+    for rank in range(2):
+        grads, params = torch.load(tmp_path / f"rank.{rank}")
+        assert relative_l2(grads, expected_grads) <= 1e-5, rank
+        assert relative_l2(params, expected_params) <= 1e-5, rank
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, None])

@@ -2,6 +2,11 @@
 
 >>> GRPOConfig(group_size=8, mode="exact", loss=LossConfig(epsilon=0.2), optim=OptimizerConfig(lr=1e-5))
 >>> GRPOConfig(G=8, epsilon=0.2, lr=1e-5)        # the same, flat (TRL users write it this way)
+
+Flat names follow TRL / HF ``TrainingArguments``: ``epsilon`` is the clip range, ``adam_epsilon`` /
+``adam_beta1`` / ``adam_beta2`` / ``learning_rate`` / ``weight_decay`` / ``max_grad_norm`` / ``warmup_steps`` are
+AdamW's, ``num_generations`` is G, ``loss_type`` takes TRL's names ("dapo", "bnpo", "grpo", "dr_grpo"). A flat
+``eps`` is refused: it is ambiguous between AdamW's epsilon and the clip range.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ class OptimizerConfig(BaseModel):
     lr: float = Field(1e-5, gt=0.0, description="learning rate")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon (flat form: adam_epsilon)")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the global grad norm (None: no clipping)")
     warmup_steps: int = Field(
         0, ge=0, description="linear learning-rate warmup: a fresh Adam's first steps are ~lr per weight"
@@ -31,8 +36,52 @@ class OptimizerConfig(BaseModel):
 
 
 _LOSS_KEYS = set(LossConfig.model_fields)
-_OPTIM_KEYS = set(OptimizerConfig.model_fields)
-_ALIASES = {"G": "group_size", "num_generations": "group_size", "learning_rate": "lr", "loss_type": "aggregation"}
+_OPTIM_KEYS = set(OptimizerConfig.model_fields)  # after renaming: a flat "eps" can only come from adam_epsilon
+_ALIASES = {
+    "G": "group_size",
+    "num_generations": "group_size",
+    "learning_rate": "lr",
+    "adam_epsilon": "eps",
+    "loss_type": "aggregation",
+}
+_ADAM_BETAS = ("adam_beta1", "adam_beta2")
+
+
+def _rename_aliases(data: dict[str, Any]) -> dict[str, Any]:
+    """TRL / HF names → ours. A flat ``eps`` is refused (a TRL user means the clip range, AdamW reads it), and two
+    spellings of one setting (``lr`` and ``learning_rate``) are an error rather than one silently winning."""
+    if "eps" in data:
+        raise ValueError(
+            "flat 'eps' is ambiguous: use 'adam_epsilon' (or optim={'eps': ...}) for AdamW's epsilon, "
+            "or 'epsilon' for the clip range"
+        )
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = _ALIASES.get(key, key)
+        if name in out:
+            spellings = sorted(k for k in data if _ALIASES.get(k, k) == name)
+            raise ValueError(f"{spellings} set the same option {name!r}; give one")
+        out[name] = value
+    return out
+
+
+def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """The nested section as a dict to merge flat keys into (a malformed one is left for pydantic to report)."""
+    nested = data.get(name, {})
+    if isinstance(nested, BaseModel):
+        return nested.model_dump()
+    return dict(nested) if isinstance(nested, dict) else {}
+
+
+def _adam_betas(data: dict[str, Any], optim: dict[str, Any]) -> dict[str, Any]:
+    """Pop ``adam_beta1`` / ``adam_beta2``: each replaces one entry of the betas, the other keeps its value."""
+    given = {k: data.pop(k) for k in _ADAM_BETAS if k in data}
+    if not given:
+        return {}
+    betas = list(optim.get("betas", OptimizerConfig.model_fields["betas"].default))
+    for index, key in enumerate(_ADAM_BETAS):
+        betas[index] = given.get(key, betas[index])
+    return {"betas": tuple(betas)}
 
 
 class GRPOConfig(BaseModel):
@@ -40,11 +89,13 @@ class GRPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    group_size: int = Field(8, ge=1, description="G: completions per prompt / rollouts per group")
+    group_size: int = Field(
+        8, ge=1, description="G: completions per prompt; GRPOTrainer.group_from_completions checks it"
+    )
     mode: ModeName = Field("exact", description="naive | detached | exact (see longstraw_agents.trainer.grpo)")
     chunk_size: int = Field(512, ge=1, description="tokens per prefill chunk (bounds activation memory)")
-    loss: LossConfig = Field(default_factory=LossConfig)
-    optim: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    loss: LossConfig = Field(default_factory=LossConfig, description="the GRPO objective")
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW, warmup and clipping")
     seed: int = Field(0, description="seed for torch / numpy / python RNGs at trainer start")
     track_memory: bool = Field(False, description="record peak live tensor bytes per step (slower)")
 
@@ -53,12 +104,12 @@ class GRPOConfig(BaseModel):
     def _nest_flat_keys(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        data = {_ALIASES.get(k, k): v for k, v in data.items()}
+        data = _rename_aliases(data)
         for section, keys in (("loss", _LOSS_KEYS), ("optim", _OPTIM_KEYS)):
+            nested = _section(data, section)
             flat = {k: data.pop(k) for k in list(data) if k in keys}
-            if flat:
-                nested = data.get(section, {})
-                if isinstance(nested, BaseModel):
-                    nested = nested.model_dump()
+            if section == "optim":
+                flat.update(_adam_betas(data, {**nested, **flat}))
+            if flat and isinstance(data.get(section, {}), dict | BaseModel):
                 data[section] = {**nested, **flat}
         return data

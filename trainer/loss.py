@@ -15,9 +15,13 @@ TIS): the ratio is taken w.r.t. the current policy (``l_old = l.detach()``) and 
 distribution the sampler drew from.
 
 The group's loss is ``Σ_i c_i Σ_t per_token``, where the aggregation sets the member weight ``c_i``:
-token-mean ``1 / Σ_j n_j`` (default), seq-mean ``1 / (G n_i)``, dr-grpo ``1 / (G L)`` with L the max completion
-length. Because the loss is linear in per-member terms, a token shared by several members (a shared loss node of
-the segment tree) carries the sum of their terms and the total equals the naive per-member loss exactly.
+token-mean ``1 / Σ_j n_j`` (default), seq-mean ``1 / (G n_i)``, dr-grpo ``1 / (G L)`` with L a fixed
+``max_completion_length`` (TRL's GRPOConfig default, 256; set it to the sampling budget, e.g. max_new_tokens x
+max_turns for agents). TRL's ``loss_type`` names are accepted: "dapo" and "bnpo" (Σ loss / Σ tokens) are token-mean,
+"grpo" (mean over sequences of each sequence's token mean) is seq-mean, "dr_grpo" is dr-grpo.
+
+Because the loss is linear in per-member terms, a token shared by several members (a shared loss node of the segment
+tree) carries the sum of their terms and the total equals the naive per-member loss exactly.
 """
 
 from __future__ import annotations
@@ -28,11 +32,15 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 AggregationName = Literal["token-mean", "seq-mean", "dr-grpo"]
 ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
+TRL_MAX_COMPLETION_LENGTH = 256  # TRL GRPOConfig.max_completion_length default: dr-grpo's fixed normaliser
+# TRL's loss_type -> our aggregation, for one group (TRL's "dapo" divides by the tokens of the whole batch: across
+# several groups see GRPOTrainer.train_step, which averages groups)
+TRL_LOSS_TYPES: dict[str, str] = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo"}
 
 
 class LossConfig(BaseModel):
@@ -43,16 +51,26 @@ class LossConfig(BaseModel):
     epsilon: float = Field(0.2, ge=0.0, description="lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float | None = Field(None, ge=0.0, description="upper clip range (default: epsilon)")
     beta: float = Field(0.0, ge=0.0, description="weight of the k3 KL penalty to the reference model")
-    aggregation: AggregationName = Field("token-mean", description="how per-token losses become the group loss")
+    aggregation: AggregationName = Field(
+        "token-mean",
+        description="how per-token losses become the group loss; TRL's dapo/bnpo/grpo/dr_grpo are accepted too",
+    )
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
     max_completion_length: int | None = Field(
-        None, ge=1, description="dr-grpo's normaliser L (default: the longest completion of the group)"
+        TRL_MAX_COMPLETION_LENGTH,
+        ge=1,
+        description="dr-grpo's fixed normaliser L, as TRL (default 256); None: each group's longest completion",
     )
     temperature: float = Field(1.0, gt=0.0, description="log-probs of softmax(logits / temperature), as sampled")
     importance: Literal["ratio", "tis"] = Field(
         "ratio", description="ratio: behaviour logprobs as l_old; tis: truncated importance weights (offline)"
     )
     tis_cap: float = Field(2.0, gt=0.0, description="cap of the truncated importance weight (importance='tis')")
+
+    @field_validator("aggregation", mode="before")
+    @classmethod
+    def _trl_loss_type(cls, value: object) -> object:
+        return TRL_LOSS_TYPES.get(value, value) if isinstance(value, str) else value
 
     @property
     def clip_high(self) -> float:
@@ -101,6 +119,7 @@ class DrGRPO(Aggregation):
     name = "dr-grpo"
 
     def weights(self, lengths: Sequence[int], config: LossConfig) -> list[float]:
+        # a constant L (TRL) keeps the per-token weight independent of how long this group's completions are
         norm = config.max_completion_length or max(lengths)
         return [1.0 / (len(lengths) * norm) if norm else 0.0 for _ in lengths]
 

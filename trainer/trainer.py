@@ -1,10 +1,10 @@
 """GRPOTrainer: optimizer steps over groups, checkpoints that resume exactly, accelerate for placement.
 
-One step: zero grads → ``backward_group`` for each group (mean over groups) → clip → AdamW step → policy
-version + 1. Checkpoints hold the model, optimizer, RNG states (via ``accelerate.Accelerator.save_state``) and
-the trainer's counters; they are written to a temporary folder and renamed into place, so a kill during a save
-leaves the previous checkpoint intact. Resuming from step k and running to step n gives bit-identical parameters
-to an uninterrupted run to step n (given the same data per step).
+One step: zero grads → ``backward_group`` for each group → mean over groups (over all processes' groups when data
+parallel) → clip → AdamW step → policy version + 1. Checkpoints hold the model, optimizer, RNG states (via
+``accelerate.Accelerator.save_state``) and the trainer's counters; they are written to a temporary folder and renamed
+into place, so a kill during a save leaves the previous checkpoint intact. Resuming from step k and running to step n
+gives bit-identical parameters to an uninterrupted run to step n (given the same data per step).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from torch import Tensor, nn
 
-from longstraw_agents.engine import Engine
+from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.config import GRPOConfig
 from longstraw_agents.trainer.grpo import BackwardResult, Group, backward_group, make_group
@@ -51,33 +52,76 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def token_ids(values: Tensor | np.ndarray | Sequence[int], name: str) -> list[int]:
+    """A 1-D integer id sequence as a list; floats and bools are refused rather than truncated to ids."""
+    array = values.detach().cpu().numpy() if isinstance(values, Tensor) else np.asarray(values)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids, got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {array.dtype}")
+    return array.tolist()
+
+
 class GRPOTrainer:
-    """GRPO over segment trees with one of the three execution modes."""
+    """GRPO over segment trees with one of the three execution modes.
+
+    model: a transformers CausalLM, or an ``Engine`` over one (to set e.g. ``max_score_elements``; its chunk size
+        must equal ``config.chunk_size``). ref_model: the frozen KL reference (needed when beta > 0); it is moved
+        to the accelerator's device, put in eval mode and frozen.
+    """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Engine,
         config: GRPOConfig | None = None,
         *,
-        ref_model: nn.Module | None = None,
+        ref_model: nn.Module | Engine | None = None,
         accelerator: Accelerator | None = None,
     ):
         self.config = config or GRPOConfig()
         seed_everything(self.config.seed)
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        engine_config = self._engine_config(model)
+        module = model.model if isinstance(model, Engine) else model
         optim = self.config.optim
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            module.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
         warmup = optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, optimizer, scheduler)
         self.counters = _Counters()
         self.accelerator.register_for_checkpointing(self.counters)
-        self.engine = Engine(self.accelerator.unwrap_model(self.model), chunk_size=self.config.chunk_size)
-        self.ref_engine = Engine(ref_model.eval(), chunk_size=self.config.chunk_size) if ref_model is not None else None
+        # The engine calls the model's submodules directly (embeddings, layers, lm_head) and never the wrapper's
+        # forward, so it gets the unwrapped model. With DDP that also bypasses the wrapper's gradient all-reduce
+        # (its autograd hooks only fire after a wrapper forward): train_step all-reduces gradients itself.
+        self.engine = Engine(self.accelerator.unwrap_model(self.model), engine_config)
+        self.ref_engine = self._reference_engine(ref_model, engine_config, module)
         if self.config.loss.beta > 0 and self.ref_engine is None:
             raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
+
+    def _engine_config(self, model: nn.Module | Engine) -> EngineConfig:
+        if not isinstance(model, Engine):
+            return EngineConfig(chunk_size=self.config.chunk_size)
+        if model.config.chunk_size != self.config.chunk_size:
+            raise ValueError(
+                f"the Engine's chunk_size ({model.config.chunk_size}) differs from GRPOConfig.chunk_size "
+                f"({self.config.chunk_size}); set them equal (GRPOConfig(chunk_size={model.config.chunk_size}) or "
+                f"Engine(model, chunk_size={self.config.chunk_size}))"
+            )
+        return model.config
+
+    def _reference_engine(
+        self, ref_model: nn.Module | Engine | None, engine_config: EngineConfig, policy: nn.Module
+    ) -> Engine | None:
+        """The KL reference on the policy's device, in eval mode, without gradients."""
+        if ref_model is None:
+            return None
+        module = ref_model.model if isinstance(ref_model, Engine) else ref_model
+        if module is policy:
+            raise ValueError("ref_model is the policy itself; pass a frozen copy (copy.deepcopy(model))")
+        module.to(self.accelerator.device).eval().requires_grad_(False)
+        return Engine(module, ref_model.config if isinstance(ref_model, Engine) else engine_config)
 
     @property
     def step_count(self) -> int:
@@ -95,23 +139,44 @@ class GRPOTrainer:
         rewards: Sequence[float],
         old_logprobs: Sequence[Sequence[float] | None] | None = None,
     ) -> Group:
-        prompt = torch.as_tensor(prompt_ids).tolist()
+        """A group of ``config.group_size`` completions of one prompt (token ids must be integers)."""
+        if len(completions) != self.config.group_size:
+            raise ValueError(
+                f"{len(completions)} completions for a group of GRPOConfig.group_size={self.config.group_size}"
+            )
+        prompt = token_ids(prompt_ids, "prompt_ids")
         members = [
             Member.from_prompt_completion(
-                prompt, torch.as_tensor(c).tolist(), None if old_logprobs is None else old_logprobs[k]
+                prompt, token_ids(c, f"completion {k}"), None if old_logprobs is None else old_logprobs[k]
             )
             for k, c in enumerate(completions)
         ]
         return make_group(members, rewards, self.config.loss)
 
-    def group_from_trajectories(self, trajectories: Sequence[Trajectory], rewards: Sequence[float] | None = None):
+    def group_from_trajectories(
+        self, trajectories: Sequence[Trajectory], rewards: Sequence[float] | None = None
+    ) -> Group:
+        """A group of whole trajectories, rewards from ``rewards`` or each trajectory's own.
+
+        Any number of trajectories is accepted (not only ``group_size``): offline replay regroups logged episodes
+        and forks groups of ``fork_group_size``."""
         if rewards is None:
-            rewards = [float(t.reward if t.reward is not None else 0.0) for t in trajectories]
+            missing = [k for k, t in enumerate(trajectories) if t.reward is None]
+            if missing:
+                raise ValueError(f"trajectories {missing} have no reward; set trajectory.reward or pass rewards=...")
+            rewards = [float(t.reward) for t in trajectories]
         return make_group([Member.from_trajectory(t) for t in trajectories], rewards, self.config.loss)
 
     # --- training -------------------------------------------------------------------------------------------
     def train_step(self, groups: Sequence[Group]) -> dict[str, Any]:
-        """One optimizer step over ``groups`` (the loss is the mean of the groups' losses)."""
+        """One optimizer step over ``groups``: the gradient is the mean of the groups' gradients.
+
+        Each group's loss is normalised within the group (its aggregation), then groups count equally. For
+        token-mean this differs from TRL's "dapo" over a multi-group batch (Σ tokens of the whole batch), which
+        weights a group by its token count; with one group per step they agree. Data parallel: each process passes
+        its own groups and the mean runs over every process's groups (gradients are all-reduced here, since the
+        engine bypasses DDP's forward and so its hooks). Metrics describe this process's groups.
+        """
         if not groups:
             raise ValueError("train_step needs at least one group")
         self.model.train()
@@ -122,9 +187,11 @@ class GRPOTrainer:
             )
             for g in groups
         ]
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        total_groups = self._sum_gradients_across_processes(params, len(groups))
+        params = [p for p in params if p.grad is not None]
         for p in params:
-            p.grad.div_(len(groups))
+            p.grad.div_(total_groups)
         grad_norm = self._clip(params)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -132,6 +199,25 @@ class GRPOTrainer:
         self.counters.step += 1
         self.counters.policy_version += 1
         return {**self._metrics(results, grad_norm), "lr": lr}
+
+    def _sum_gradients_across_processes(self, params: list[nn.Parameter], num_groups: int) -> int:
+        """All-reduce (sum) the gradients and group counts of all processes; returns the total group count.
+
+        A parameter without a gradient on every process keeps ``grad=None`` (AdamW then skips it, as in one
+        process); one with a gradient somewhere gets zeros where it had none, so every process reduces the same
+        tensors in the same order."""
+        if self.accelerator.num_processes == 1:
+            return num_groups
+        device = self.accelerator.device
+        flags = torch.tensor([num_groups] + [p.grad is not None for p in params], dtype=torch.int64, device=device)
+        dist.all_reduce(flags)
+        for p, present in zip(params, flags[1:].tolist(), strict=True):  # counts of processes with a gradient
+            if present and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        handles = [dist.all_reduce(p.grad, async_op=True) for p in params if p.grad is not None]
+        for handle in handles:
+            handle.wait()
+        return int(flags[0])
 
     def _clip(self, params: list[nn.Parameter]) -> float:
         max_norm = self.config.optim.max_grad_norm

@@ -2,6 +2,11 @@
 
 The state of every layer is its post-RoPE keys and values, ``[n, H_kv, D]`` each. The attention mixer here is also
 used by the hybrid family's full-attention layers (which add a sigmoid output gate and zero-centred norms).
+
+Sliding-window configs (Mistral's default ``sliding_window=4096``, Qwen2/Qwen3 with ``use_sliding_window``) are
+accepted: while a sequence fits in the window, sliding-window attention *is* full attention (transformers lets query
+q see key k iff ``q - W < k <= q``). The engine attends to the full context, so a forward that would reach past the
+window raises ``SlidingWindowExceededError`` instead of silently computing something else.
 """
 
 from __future__ import annotations
@@ -11,14 +16,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from longstraw_agents.attention import attend
+from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS, attend
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
+    LayerContext,
     Mixer,
     MixerInput,
     MixerOutput,
-    UnsupportedModelError,
     apply_rope,
     bound_norm,
     norm_eps,
@@ -83,20 +88,48 @@ def kv_bytes_per_token(config: Any, itemsize: int) -> int:
     return 2 * config.num_key_value_heads * head_dim * itemsize
 
 
+class SlidingWindowExceededError(ValueError):
+    """A sequence of a sliding-window model reached past its window (the engine implements full attention only)."""
+
+
+def sliding_windows(config: Any) -> list[int | None]:
+    """Per layer, the attention window in tokens (None: full attention), read as transformers reads the config."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:  # Qwen2 / Qwen3: per-layer "sliding_attention" | "full_attention"
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if config.model_type == "mistral":  # every layer uses config.sliding_window
+        return [window] * config.num_hidden_layers
+    return [None] * config.num_hidden_layers
+
+
 class DenseAdapter(FamilyAdapter):
     family = "dense"
     model_types = ("llama", "qwen2", "qwen3", "mistral")
 
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        layer_types = getattr(config, "layer_types", None) or []
-        sliding = "sliding_attention" in layer_types or (
-            config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
-        )
-        if sliding:
-            raise UnsupportedModelError(
-                f"{config.model_type} with sliding-window attention is not supported; use full attention "
-                "(sliding_window=None / use_sliding_window=False)"
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        windows = [w for w in sliding_windows(self.config) if w is not None]
+        self.window: int | None = min(windows) if windows else None
+
+    def forward(
+        self,
+        ids: Tensor,
+        start: int,
+        contexts: list[LayerContext],
+        shared: dict[str, Any] | None = None,
+        max_score_elements: int = DEFAULT_SCORE_ELEMENTS,
+    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+        self._check_window(start + ids.shape[0])
+        return super().forward(ids, start, contexts, shared, max_score_elements)
+
+    def _check_window(self, end: int) -> None:
+        if self.window is not None and end > self.window:
+            raise SlidingWindowExceededError(
+                f"{self.config.model_type} uses sliding-window attention (sliding_window={self.window}) and this "
+                f"sequence reaches {end} tokens; the engine implements full attention, identical to the window only "
+                f"up to {self.window} tokens. Keep contexts within the window, or set sliding_window=None if the "
+                "model was trained with full attention"
             )
 
     def build_layers(self) -> list[DecoderLayer]:
