@@ -202,8 +202,8 @@ def logged_env_kwargs(trajectory: Trajectory, run_config: Mapping[str, Any] | No
 
 
 def _rewards_differ(group: Sequence[Trajectory]) -> bool:
-    # The trainer reads a missing reward as 0; equal rewards give every member a zero advantage.
-    return len({float(t.reward if t.reward is not None else 0.0) for t in group}) > 1
+    # equal rewards give every member a zero advantage: no GRPO signal
+    return len({float(t.reward) for t in group}) > 1
 
 
 def trainable(groups: list[list[Trajectory]], counts: dict[str, Any]) -> list[list[Trajectory]]:
@@ -217,13 +217,16 @@ def select_logged_groups(
     source: Store, config: ReplayConfig, policy_version: int
 ) -> tuple[list[list[Trajectory]], dict[str, int]]:
     """Whole groups with a member matching ``config.where``, staleness applied, uniform ones dropped; plus counts."""
-    counts = dict.fromkeys(("episodes", "stale", "skipped_stale", "skipped_small_groups"), 0)
+    counts = dict.fromkeys(("episodes", "stale", "skipped_stale", "skipped_unrewarded", "skipped_small_groups"), 0)
     counts["skipped_ungrouped"] = source.ungrouped_count(config.where)
     groups = []
     for group in source.group_records(config.where):
         kept = []
         for t in group.trajectories:
             counts["episodes"] += 1
+            if t.reward is None:  # an episode that never finished has no reward to learn from
+                counts["skipped_unrewarded"] += 1
+                continue
             if config.max_staleness is not None and policy_version - t.policy_version > config.max_staleness:
                 counts["stale"] += 1
                 if not config.keep_stale:

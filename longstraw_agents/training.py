@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
+from longstraw_agents.models.dense import DenseAdapter, sliding_windows
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.rollout import RolloutLimits, make_env_factory, reset_prompt, rollout_groups
 from longstraw_agents.sampler import SamplingConfig, TorchSampler
@@ -171,7 +172,12 @@ def build_policy(spec: ModelSpec, vocab_size: int, seed: int) -> torch.nn.Module
 
 
 def max_context_of(model: torch.nn.Module, spec: ModelSpec) -> int | None:
-    return spec.max_context or getattr(model.config, "max_position_embeddings", None)
+    """The longest episode the policy may see: the config's limit, or a sliding window the engine stops at."""
+    limits = [spec.max_context or getattr(model.config, "max_position_embeddings", None)]
+    if model.config.model_type in DenseAdapter.model_types:
+        limits += sliding_windows(model.config)
+    limits = [limit for limit in limits if limit is not None]
+    return min(limits) if limits else None
 
 
 class Run:

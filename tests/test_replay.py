@@ -128,6 +128,7 @@ def test_groups_are_per_run_and_ungrouped_episodes_are_skipped(tmp_path: Path) -
             "episodes": 5,
             "stale": 0,
             "skipped_stale": 0,
+            "skipped_unrewarded": 0,
             "skipped_small_groups": 1,
             "skipped_ungrouped": 4,
             "groups": 2,
@@ -136,6 +137,16 @@ def test_groups_are_per_run_and_ungrouped_episodes_are_skipped(tmp_path: Path) -
         }
         _, counts = select_logged_groups(store, ReplayConfig(where="reward > 0"), policy_version=0)
         assert counts["skipped_ungrouped"] == 3 and counts["episodes"] == 4  # both g0 groups, whole
+
+
+def test_episodes_without_a_reward_are_skipped_and_counted(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "unrewarded.db") as store:
+        run = store.add_run("a", config={}, model="m", tokenizer="t")
+        store.add_episodes([scripted_episode("g0", r) for r in (1.0, 0.0, None)], run_id=run)  # type: ignore[arg-type]
+        store.add_episodes([scripted_episode("g1", r) for r in (1.0, None)], run_id=run)  # type: ignore[arg-type]
+        groups, counts = select_logged_groups(store, ReplayConfig(), policy_version=0)
+    assert [[t.reward for t in g] for g in groups] == [[1.0, 0.0]]
+    assert (counts["skipped_unrewarded"], counts["skipped_small_groups"]) == (2, 1)
 
 
 def test_stale_episodes_are_skipped_or_kept_and_flagged(source: Path, tmp_path: Path) -> None:

@@ -299,3 +299,19 @@ def test_ctrl_c_after_a_step_before_its_checkpoint_still_leaves_one(tmp_path: Pa
         train(run_config(run_dir, policy, checkpoint_every=5), on_metrics=on_metrics)
     interrupted_then_resumed(run_dir, policy)
     assert_same_weights(checkpoint_weights(run_dir), checkpoint_weights(uninterrupted))
+
+
+def test_the_context_limit_stops_at_a_sliding_window_the_engine_cannot_pass() -> None:
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from longstraw_agents.training import ModelSpec, max_context_of
+
+    config = MistralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, sliding_window=48,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    assert max_context_of(model, ModelSpec(preset="llama")) == 48
+    assert max_context_of(model, ModelSpec(preset="llama", max_context=32)) == 32
+    config.sliding_window = None
+    assert max_context_of(AutoModelForCausalLM.from_config(config), ModelSpec(preset="llama")) == 512
