@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from longstraw_agents.store import Store
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -23,3 +26,42 @@ def test_readme_shows_the_custom_env_example_verbatim() -> None:
     section = readme.split("## Environments and tools", 1)[1]
     shown = section.split("```python\n", 1)[1].split("```\n", 1)[0]
     assert shown == (EXAMPLES / "custom_env.py").read_text()
+
+
+def test_needle_long_context_example_runs_end_to_end(tmp_path: Path) -> None:
+    """The long-context example at a small size: stored episodes share a scripted prefix of >= --tokens tokens
+    that carries no loss; only the continuations after it do."""
+    script = EXAMPLES / "needle_long_context.py"
+    assert len(script.read_text().splitlines()) < 150
+    tokens, group = 2112, 3
+    argv = ["--tokens", str(tokens), "--group", str(group), "--steps", "1", "--max-new-tokens", "8"]
+    done = subprocess.run(
+        [sys.executable, str(script), *argv, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exact GRPO: loss" in done.stdout and "peak tracked" in done.stdout and "wall time" in done.stdout
+
+    with Store.open(tmp_path / "trajectories.db", create=False) as store:
+        episodes = list(store.episodes())
+    assert len(episodes) == group and len({t.group_id for t in episodes}) == 1  # one group, one task
+    starts = {t.completion_start() for t in episodes}
+    assert len(starts) == 1 and (prefix := starts.pop()) >= tokens  # first loss token: the end of the prefix
+    shared = episodes[0].token_ids()[:prefix]
+    assert all((t.token_ids()[:prefix] == shared).all() for t in episodes)
+    # G-1 members sampled by the policy (behaviour logprobs on every loss turn) and the scripted answer (reward 1)
+    trained = [[s for s in t if s.loss_mask.any()] for t in episodes]
+    assert all(segments and all(s.role == "assistant" for s in segments) for segments in trained)
+    sampled = [all(s.logprobs is not None for s in segments) for segments in trained]
+    assert sampled.count(True) == group - 1
+    assert episodes[sampled.index(False)].reward == 1.0
+
+
+def test_needle_long_context_prefix_reaches_the_target_where_the_env_falls_short() -> None:
+    """At target_tokens=4096 the scripted episode of seed 7 stops at 4,072 tokens; the example grows the task."""
+    spec = importlib.util.spec_from_file_location("needle_long_context", EXAMPLES / "needle_long_context.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    short, _ = example.scripted_prefix(example.make_env(4096), seed=7, options={})
+    assert len(short) < 4096
+    envs, prefix, turns = example.long_group(4096, 2, seed=7, options={})
+    assert len(prefix) >= 4096 and turns == 4 and all(env.num_tokens == len(prefix) for env in envs)
