@@ -223,21 +223,17 @@ class Engine:
         self._check_state(state)
         chunk = chunk_size or self.config.chunk_size
         arenas = self._arenas_for(state, ids.shape[0], reserve)
-        segments = list(state.segments)
+        current = state
         last_logits = None
         with torch.no_grad():
             for lo in range(0, ids.shape[0], chunk):
                 piece = ids[lo : lo + chunk]
-                current = State(tuple(segments), state.num_layers, state.checkpoints, state.owner)
-                contexts = self._contexts(current, len(segments), None)
+                contexts = self._contexts(current, len(current.segments), None)
                 hidden, new = self._forward(piece, current.num_tokens, contexts)
-                record = self._record(current.num_tokens, piece.shape[0], new, arenas)
-                if segments and not state.checkpoints:
-                    segments[-1] = segments[-1].without_checkpoints()
-                segments.append(record)
+                current = current.append(self._record(current.num_tokens, piece.shape[0], new, arenas))
                 if want_logits and lo + chunk >= ids.shape[0]:
                     last_logits = self.adapter.lm_head(hidden[-1:])[0]
-        return State(tuple(segments), state.num_layers, state.checkpoints, state.owner), last_logits
+        return current, last_logits
 
     def _record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> SegmentRecord:
         blocks: list[Block | None] = []

@@ -5,7 +5,8 @@ at different depths. The trie over their token ids turns the group into nodes; e
 ``[start, end)`` shared by a set of members and homogeneous in whether any of them puts loss there: *context*
 nodes (prompt, tool output — evaluated without a graph) and *loss* nodes (assistant tokens — replayed under
 autograd). Tokens of a shared loss node carry every member's loss term (member weights, advantages and behaviour
-logprobs are kept per member), so the tree's loss equals the naive per-member loss exactly.
+logprobs are kept per member), so the tree's loss equals the naive per-member loss exactly. ``fuse_chains`` turns
+runs of single-child nodes (many short turns) into single mixed nodes, for walks where that changes nothing.
 
 Positions here are *target* positions: token ``t`` is predicted from the tokens before it, so a node covering
 targets ``[start, end)`` feeds the model the inputs ``ids[start-1 : end-1]`` (``Node.input_ids``); position 0 is
@@ -94,9 +95,12 @@ class Node:
         return max(self.start, 1)
 
     def walk(self) -> Iterator[Node]:
-        yield self
-        for child in self.children:
-            yield from child.walk()
+        """Pre-order (node, then each child's subtree in order) with an explicit stack: depth is unbounded."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children))
 
 
 @dataclass
@@ -169,15 +173,25 @@ def _target_slice(values: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _build(members: list[Member], indices: list[int], start: int) -> Node:
-    end = _common_run(members, indices, start)
-    first, last = _make_chain(members, indices, start, end)
+    """The subtree of ``indices`` from ``start``; iterative (a group may diverge at arbitrarily many depths)."""
+    root, last = _make_chain(members, indices, start, _common_run(members, indices, start))
+    stack = [(last, indices)]  # the last node of a run, and the members that reach it
+    while stack:
+        last, group = stack.pop()
+        for sub in _split_by_next_token(members, group, last.end):
+            first, sub_last = _make_chain(members, sub, last.end, _common_run(members, sub, last.end))
+            last.children.append(first)
+            stack.append((sub_last, sub))
+    return root
+
+
+def _split_by_next_token(members: list[Member], indices: list[int], end: int) -> list[list[int]]:
+    """The members that continue past ``end``, grouped by their token there (first-seen order)."""
     groups: dict[int, list[int]] = {}
     for i in indices:
         if len(members[i]) > end:
             groups.setdefault(int(members[i].token_ids[end]), []).append(i)
-    for sub in groups.values():
-        last.children.append(_build(members, sub, end))
-    return first
+    return list(groups.values())
 
 
 def build_tree(members: Sequence[Member]) -> SegmentTree:
@@ -198,6 +212,77 @@ def build_tree(members: Sequence[Member]) -> SegmentTree:
             groups.setdefault(int(m.token_ids[0]), []).append(k)
         root.children = [_build(members, sub, 0) for sub in groups.values()]
     return SegmentTree(root=root, members=members)
+
+
+def fuse_chains(tree: SegmentTree, max_context: int) -> SegmentTree:
+    """A copy of ``tree`` in which each run of single-child nodes with the same members is one node.
+
+    For walks that treat context and loss nodes alike before a branch point (exact mode: every interior node is
+    extended without a graph and recomputed chunk by chunk in reverse), a fused node gives the same loss and
+    gradient with one forward per chunk instead of one per node; its per-member masks keep loss off the context
+    tokens. Leaves (and nodes with no loss below them) are never fused into their parent: a walk replays a leaf as
+    one graph, which must stay short. Context nodes longer than ``max_context`` tokens stay on their own (long
+    tool outputs stay loss-free).
+    """
+    if max_context < 0:
+        raise ValueError(f"max_context must be >= 0, got {max_context}")
+    live = nodes_with_loss_below(tree.root)
+    root, last = _fuse(tree.root, max_context, live)
+    stack = [(last, root)]  # the last original node of a run, and the fused node that stands for the run
+    while stack:
+        last, fused = stack.pop()
+        for child in last.children:
+            fused_child, child_last = _fuse(child, max_context, live)
+            fused.children.append(fused_child)
+            stack.append((child_last, fused_child))
+    return SegmentTree(root=root, members=tree.members)
+
+
+def nodes_with_loss_below(root: Node) -> set[int]:
+    """``id``s of the nodes whose subtree holds a loss token (walks skip the others: nothing to backpropagate)."""
+    live: set[int] = set()
+    for node in list(root.walk())[::-1]:  # reversed pre-order: every node after its descendants
+        if node.has_loss or any(id(c) in live for c in node.children):
+            live.add(id(node))
+    return live
+
+
+def _fusable(node: Node, max_context: int) -> bool:
+    return node.end > node.start and (node.has_loss or node.end - node.start <= max_context)
+
+
+def _run(node: Node, max_context: int, live: set[int]) -> list[Node]:
+    """``node`` and the single-child descendants that fuse into it: same members, not long context, and not a
+    leaf for a walk (a node with loss below it, so that the fused node is never replayed as one long graph)."""
+    run = [node]
+    while len(run[-1].children) == 1 and _fusable(run[-1], max_context):
+        child = run[-1].children[0]
+        interior = any(id(g) in live for g in child.children)
+        if not (interior and child.members == node.members and _fusable(child, max_context)):
+            break
+        run.append(child)
+    return run
+
+
+def _fuse(node: Node, max_context: int, live: set[int]) -> tuple[Node, Node]:
+    """A childless node covering ``_run(node)`` (tokens, inputs, masks and logprobs concatenated), and the run's
+    last node (whose children follow the fused node)."""
+    run = _run(node, max_context, live)
+    last = run[-1]
+
+    def cat(parts: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if parts[0] is None else np.concatenate(parts)
+
+    fused = Node(
+        start=node.start,
+        end=last.end,
+        token_ids=np.concatenate([n.token_ids for n in run]),
+        input_ids=np.concatenate([n.input_ids for n in run]),
+        members=list(node.members),
+        masks={i: np.concatenate([n.masks[i] for n in run]) for i in node.members if i in node.masks},
+        logprobs={i: cat([n.logprobs[i] for n in run]) for i in node.members if i in node.logprobs},
+    )
+    return fused, last
 
 
 def tree_from_trajectories(trajectories: Sequence[Trajectory]) -> SegmentTree:

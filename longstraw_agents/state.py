@@ -100,6 +100,10 @@ class SegmentRecord:
         return SegmentRecord(self.start, self.length, self.blocks, tuple(None for _ in self.recurrent))
 
 
+# per layer, the merged blocks of a state with the token position each starts at (see State.blocks)
+MergedBlocks = tuple[tuple[tuple[int, Block], ...], ...]
+
+
 @dataclass(frozen=True, eq=False)
 class State:
     """What the engine keeps of ``num_tokens`` tokens. Immutable; children share its tensors."""
@@ -108,6 +112,7 @@ class State:
     num_layers: int
     checkpoints: bool = False
     owner: int = field(default=0, repr=False)  # id of the engine that made it (a state is tied to its model)
+    _merged: MergedBlocks | None = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -116,18 +121,46 @@ class State:
     def __len__(self) -> int:
         return self.num_tokens
 
+    def append(self, record: SegmentRecord) -> State:
+        """The child covering one more segment (the parent's last recurrent state is dropped from the child unless
+        it keeps checkpoints). Its merged blocks extend the parent's, so a chain of n appends costs O(n), not
+        O(n²) — many-turn trees append thousands of tiny segments."""
+        segments = self.segments
+        if segments and not self.checkpoints:
+            segments = (*segments[:-1], segments[-1].without_checkpoints())
+        child = State((*segments, record), self.num_layers, self.checkpoints, self.owner)
+        merged = tuple(
+            _merge_block(layer, record.start, block)
+            for layer, block in zip(self._merged_blocks(), record.blocks, strict=True)
+        )
+        object.__setattr__(child, "_merged", merged)
+        return child
+
     def blocks(self, layer: int, upto: int | None = None) -> list[Block]:
-        """The layer's blocks for positions ``[0, upto)`` (segment-aligned), adjacent blocks of one arena merged."""
-        merged: list[Block] = []
-        for seg in self.segments[:upto]:
-            block = seg.blocks[layer]
-            if block is None:
-                continue
-            if merged and block.follows(merged[-1]):
-                merged[-1] = Block(block.arena, merged[-1].lo, block.hi)
-            else:
-                merged.append(block)
-        return merged
+        """The layer's blocks for positions ``[0, upto)`` (segment-aligned), adjacent blocks of one arena merged
+        into one (attention then reads one view instead of one block per segment)."""
+        merged = self._merged_blocks()[layer]
+        if upto is None or upto >= len(self.segments):
+            return [block for _, block in merged]
+        limit = self.segments[upto].start  # token positions before segment `upto`
+        out = []
+        for start, block in merged:
+            if start >= limit:
+                break
+            out.append(
+                block if start + block.length <= limit else Block(block.arena, block.lo, block.lo + limit - start)
+            )
+        return out
+
+    def _merged_blocks(self) -> MergedBlocks:
+        if self._merged is None:
+            merged: list[tuple[tuple[int, Block], ...]] = [() for _ in range(self.num_layers)]
+            for seg in self.segments:
+                merged = [
+                    _merge_block(layer, seg.start, block) for layer, block in zip(merged, seg.blocks, strict=True)
+                ]
+            object.__setattr__(self, "_merged", tuple(merged))
+        return self._merged
 
     def recurrent(self, layer: int, after_segment: int | None = None) -> RecurrentState | None:
         """Recurrent state of ``layer`` after segment ``after_segment`` (default: the last); None at position 0."""
@@ -159,6 +192,18 @@ class State:
     def nbytes(self) -> int:
         """Exact bytes held: arenas (their full storage) and recurrent states, each counted once."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _merge_block(
+    merged: tuple[tuple[int, Block], ...], start: int, block: Block | None
+) -> tuple[tuple[int, Block], ...]:
+    """``merged`` plus ``block`` (covering tokens from ``start``), joined to the last block when it follows it."""
+    if block is None:
+        return merged
+    if merged and block.follows(merged[-1][1]):
+        first, last = merged[-1]
+        return (*merged[:-1], (first, Block(block.arena, last.lo, block.hi)))
+    return (*merged, (start, block))
 
 
 class StateGrad:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine import Engine, EngineConfig, StateGrad
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import UnsupportedModelError, state_size, supported_model_types
 from longstraw_agents.models.presets import tiny_model
@@ -257,3 +257,38 @@ def test_engine_config_validation():
     with pytest.raises(ValueError):
         EngineConfig(chunk_size=0)
     assert Engine(make_model("llama", torch.float32), chunk_size=3).config.chunk_size == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
+def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_graph(family):
+    """Extends of a chain into reserved storage land contiguous in one arena: attention reads one block (in the
+    graph-free path and as one gradient leaf), blocks before a chunk are clipped views of it, and the exact
+    backward walk through the coalesced chain gives the full-graph gradient."""
+    model = tiny_model(family, dtype=torch.float64, seed=0)  # glm: index_topk < context, sparse selection on
+    engine = Engine(model, chunk_size=4)
+    ids, branch = random_ids(23, 21), random_ids(5, 22)
+    cuts = [0, 6, 7, 8, 15, 16, 23]  # first extend: two chunks; then single tokens and a multi-chunk extend
+    state = engine.empty_state(checkpoints=True)
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        state = engine.extend(state, ids[lo:hi], reserve=23 - hi if lo == 0 else 0)
+    growing = [i for i, layer in enumerate(engine.adapter.layers) if layer.mixer.grows]
+    for i in growing:
+        assert len(state.blocks(i)) == 1 and state.blocks(i)[0].length == 23
+        for j, seg in enumerate(state.segments):
+            assert sum(b.length for b in state.blocks(i, j)) == seg.start
+
+    weights = torch.randn(5, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    model.zero_grad(set_to_none=True)
+    full = engine.logits(engine.empty_state(), torch.cat([ids, branch]))[23:]
+    (full * weights).sum().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad(set_to_none=True)
+    grad = StateGrad()
+    (engine.logits(state, branch, grad=grad) * weights).sum().backward()
+    engine.backward(state, grad, ids)
+    # the DSA indexer gets exact zeros here where the full graph leaves None (its keys feed no differentiable path)
+    actual = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and (p.grad != 0).any()}
+    assert actual.keys() == expected.keys()
+    diff = sum(float((actual[n] - expected[n]).norm() ** 2) for n in expected) ** 0.5
+    assert diff <= 1e-9 * sum(float(g.norm() ** 2) for g in expected.values()) ** 0.5

@@ -10,6 +10,8 @@ engine's full-sequence forward from an empty state, which shares no code with th
 from __future__ import annotations
 
 import functools
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,9 +31,11 @@ from grpo_reference import (
 from reference_dsa import reference_logits as dsa_reference_logits
 from torch import Tensor, nn
 
+from longstraw_agents import engine as engine_module
 from longstraw_agents.engine import Engine
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.trainer import LossConfig, grpo_backward, grpo_backward_trajectories
+from longstraw_agents.state import Arena
+from longstraw_agents.trainer import LossConfig, grpo, grpo_backward, grpo_backward_trajectories
 from longstraw_agents.trajectory import Segment, Trajectory
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "glm_moe_dsa"]
@@ -524,6 +528,77 @@ def test_tree_form_follows_segment_loss_masks():
     assert relative_l2(grads, naive_grads) <= MODE_TOL[torch.float64]
 
 
+# --- 4. deep trees: many short turns ------------------------------------------------------------------------------
+def many_turns(turns: int, seed: int = 0) -> list[Trajectory]:
+    """Two rollouts sharing ``turns`` one-token segments (assistant and tool alternate), diverging in the final
+    answer: the segment tree is a chain of ``turns + 1`` nodes above two leaves."""
+    rng = np.random.default_rng(seed)
+    shared = [Segment("user", rng.integers(0, VOCAB, 3), turn=0)]
+    for k, token in enumerate(rng.integers(0, VOCAB, turns).tolist()):
+        shared.append(Segment("tool" if k % 2 else "assistant", [token], turn=1 + k // 2))
+    return [Trajectory([*shared, Segment("assistant", [last, 9], turn=turns)]) for last in (1, 2)]
+
+
+@contextmanager
+def shallow_stack(frames: int):
+    """Allow only ``frames`` more Python frames than the caller has: a recursive walk of a deeper tree fails."""
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(depth + frames)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def test_a_thousand_turn_tree_runs_and_exact_equals_naive():
+    """Exact mode fuses the chain of short turns into one node (one forward per chunk, not per turn)."""
+    net = model("llama", torch.float64)
+    trajectories = many_turns(1000)
+    runs = {}
+    for mode in ("naive", "exact"):
+        net.zero_grad(set_to_none=True)
+        stats = grpo_backward_trajectories(net, trajectories, [1.0, 0.0], mode=mode, chunk_size=64, track_memory=False)
+        runs[mode] = stats, parameter_grads(net)
+    exact = runs["exact"][0]
+    assert exact["unique_tokens"] == 3 + 1000 + 2 * 2 and exact["nodes"] == 3
+    assert relative_l2(runs["exact"][1], runs["naive"][1]) <= MODE_TOL[torch.float64]
+    assert_loss_close(exact["loss"], runs["naive"][0]["loss"], LOSS_TOL[torch.float64])
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_the_walk_is_iterative_and_a_chain_lands_in_one_arena_per_layer(mode: str, monkeypatch):
+    """Node by node (exact mode without fusing, as detached mode always runs): no recursion however deep the tree,
+    and the chain's extends append into the storage its first extend reserved, so attention reads one block."""
+    monkeypatch.setattr(grpo.ExactMode, "tree", grpo.TreeMode.tree)
+    arenas = []
+
+    class CountedArena(Arena):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            arenas.append(self)
+
+    monkeypatch.setattr(engine_module, "Arena", CountedArena)
+    net = model("llama", torch.float64)
+    trajectories = many_turns(300)
+    net.zero_grad(set_to_none=True)
+    with shallow_stack(150):  # the tree is 302 nodes deep
+        stats = grpo_backward_trajectories(
+            net, trajectories, [1.0, 0.0], mode=mode, chunk_size=CHUNK, track_memory=False
+        )
+    grads = parameter_grads(net)
+    assert stats["nodes"] == 300 + 3
+    assert len(arenas) == net.config.num_hidden_layers  # one per attention layer: the chain, then two leaves
+    net.zero_grad(set_to_none=True)
+    grpo_backward_trajectories(net, trajectories, [1.0, 0.0], mode="naive", track_memory=False)
+    if mode == "exact":
+        assert relative_l2(grads, parameter_grads(net)) <= MODE_TOL[torch.float64]
+    else:
+        assert relative_l2(grads, parameter_grads(net)) > 1e-2
+
+
 # --- 8. bad input ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
@@ -540,6 +615,16 @@ def test_tree_form_follows_segment_loss_masks():
         ({"prompt_ids": torch.tensor([1, VOCAB])}, ValueError, r"token ids must be in \[0, 256\)"),
         ({"old_logprobs": [[0.0], [0.0, 0.0]]}, ValueError, "1 behaviour logprobs for a completion of 2 tokens"),
         ({"config": LossConfig(beta=0.1)}, ValueError, "reference model"),
+        # float and bool token ids are refused, never truncated ([3.9, 4.0] is not [3, 4])
+        ({"prompt_ids": [3.9, 4.0]}, TypeError, "prompt_ids: token ids must be integers, got dtype float64"),
+        ({"prompt_ids": np.array([3.0, 4.0], np.float32)}, TypeError, "integers, got dtype float32"),
+        ({"completions": [[1, 2], [6.5]]}, TypeError, "completion 1: token ids must be integers"),
+        ({"completions": [torch.tensor([True, False]), torch.tensor([6])]}, TypeError, "completion 0: .* bool"),
+        ({"completions": [[1, 2], [[6, 7]]]}, ValueError, r"completion 1: expected a 1-D sequence, got shape \(1, 2\)"),
+        ({"completions": torch.tensor([[1, 2], [6, 7]])}, TypeError, r"list of G 1-D token tensors.*shape \(2, 2\)"),
+        ({"old_logprobs": [[0.0, 0.0]]}, ValueError, "old_logprobs has 1 entries for 2 completions"),
+        ({"old_logprobs": [None, None, None]}, ValueError, "old_logprobs has 3 entries for 2 completions"),
+        ({"old_logprobs": [["a", "b"], None]}, TypeError, "old_logprobs\\[0\\]: expected real numbers"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, error, match):

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
-from longstraw_agents.segmenter import Member, Node, SegmentTree, build_tree, tree_from_trajectories
+from longstraw_agents.segmenter import (
+    Member,
+    Node,
+    SegmentTree,
+    build_tree,
+    fuse_chains,
+    nodes_with_loss_below,
+    tree_from_trajectories,
+)
 from longstraw_agents.trajectory import Segment, Trajectory
 
 PROMPT = [1, 2, 3, 4]
@@ -151,11 +162,8 @@ def random_group(rng: np.random.Generator, size: int) -> list[Member]:
     return members
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_groups_partition_every_member_exactly(seed: int):
-    rng = np.random.default_rng(seed)
-    members = random_group(rng, size=int(rng.integers(1, 7)))
-    tree = build_tree(members)
+def assert_partitions(tree: SegmentTree, members: list[Member], homogeneous: bool = True) -> None:
+    """Each member's root-to-leaf path covers its tokens, inputs, targets, masks and logprobs exactly once."""
     for k, nodes in paths(tree).items():
         m = members[k]
         starts, ends = [n.start for n in nodes], [n.end for n in nodes]
@@ -167,8 +175,17 @@ def test_random_groups_partition_every_member_exactly(seed: int):
         assert np.array_equal(np.concatenate([n.logprobs[k] for n in nodes]), m.logprobs[1:])
         for node in nodes:
             assert len(node.input_ids) == len(node.targets) == len(node.masks[k])
-            assert len(set(node.masks[k].tolist())) <= 1, "a node is homogeneous in each member's loss mask"
+            if homogeneous:
+                assert len(set(node.masks[k].tolist())) <= 1, "a node is homogeneous in each member's loss mask"
             assert np.array_equal(node.token_ids, m.token_ids[node.start : node.end])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_groups_partition_every_member_exactly(seed: int):
+    rng = np.random.default_rng(seed)
+    members = random_group(rng, size=int(rng.integers(1, 7)))
+    tree = build_tree(members)
+    assert_partitions(tree, members)
     # a trie holds each distinct prefix once: the unique-token count is the number of distinct non-empty prefixes
     prefixes = {tuple(m.token_ids[: n + 1].tolist()) for m in members for n in range(len(m))}
     assert tree.num_unique_tokens == len(prefixes)
@@ -177,6 +194,118 @@ def test_random_groups_partition_every_member_exactly(seed: int):
         # siblings start with different tokens (a trie branches only where members differ)
         firsts = [int(child.token_ids[0]) for child in node.children if child.start == node.end]
         assert len(firsts) == len(set(firsts))
+
+
+# --- fused chains ------------------------------------------------------------------------------------------------
+def test_fuse_chains_joins_short_turns_but_keeps_long_context_and_leaves_apart():
+    prompt, tool_long = list(range(100, 106)), list(range(200, 205))
+    ids = [*prompt, 10, 11, 12, 13, *tool_long, 14, 15]
+    mask = [0] * 6 + [1, 1, 0, 1] + [0] * 5 + [1, 0]
+    a = Member(np.array([*ids, 30, 31]), np.array([*mask, 1, 1], bool), np.arange(len(ids) + 2, dtype=float))
+    b = Member(np.array([*ids, 40]), np.array([*mask, 1], bool), -np.arange(len(ids) + 1, dtype=float))
+    tree = build_tree([a, b])
+    assert spans(tree) == [
+        (0, 6, [0, 1]),  # prompt: context, 6 tokens
+        (6, 8, [0, 1]),  # answer
+        (8, 9, [0, 1]),  # short tool output
+        (9, 10, [0, 1]),  # answer
+        (10, 15, [0, 1]),  # long tool output: 5 tokens
+        (15, 16, [0, 1]),  # answer
+        (16, 17, [0, 1]),  # short tool output, then the members diverge
+        (17, 19, [0]),
+        (17, 18, [1]),
+    ]
+    fused = fuse_chains(tree, max_context=4)
+    assert spans(fused) == [
+        (0, 6, [0, 1]),
+        (6, 10, [0, 1]),
+        (10, 15, [0, 1]),
+        (15, 17, [0, 1]),
+        (17, 19, [0]),
+        (17, 18, [1]),
+    ]
+    turns = fused.root.children[0]
+    assert turns.has_loss and turns.masks[0].tolist() == turns.masks[1].tolist() == [True, True, False, True]
+    assert turns.input_ids.tolist() == [105, 10, 11, 12] and turns.token_ids.tolist() == [10, 11, 12, 13]
+    assert turns.logprobs[0].tolist() == [6.0, 7.0, 8.0, 9.0] and turns.logprobs[1].tolist() == [-6.0, -7.0, -8.0, -9.0]
+    assert fused.num_unique_tokens == tree.num_unique_tokens
+    assert_partitions(fused, [a, b], homogeneous=False)
+    # with every context short enough, the whole shared chain is one node; the leaves still stand alone
+    assert spans(fuse_chains(tree, max_context=6)) == [(0, 17, [0, 1]), (17, 19, [0]), (17, 18, [1])]
+    assert spans(tree)[1] == (6, 8, [0, 1]), "the original tree is left unchanged"
+
+
+def test_fuse_chains_never_makes_a_long_leaf_for_a_walk():
+    """A node whose children carry no loss is a leaf for a walk (replayed as one graph): it is not fused."""
+    ids, mask = [1, 2, 3, 4, 5, 6], [0, 0, 1, 0, 1, 1]  # prompt, answer, tool, answer
+    tree = build_tree([Member(np.array([*ids, t]), np.array([*mask, 0], bool)) for t in (7, 8)])  # loss-free ends
+    assert spans(tree) == [(0, 2, [0, 1]), (2, 3, [0, 1]), (3, 4, [0, 1]), (4, 6, [0, 1]), (6, 7, [0]), (6, 7, [1])]
+    assert spans(fuse_chains(tree, max_context=8)) == [(0, 4, [0, 1]), (4, 6, [0, 1]), (6, 7, [0]), (6, 7, [1])]
+    assert nodes_with_loss_below(tree.root) == {id(n) for n in tree.nodes() if n.end <= 6}
+
+
+def test_fuse_chains_stops_where_the_member_set_changes():
+    tree = build_tree([member(PROMPT, [5, 6, 7, 8, 9]), member(PROMPT, [5, 6]), member(PROMPT, [10])])
+    assert spans(tree) == [(0, 4, [0, 1, 2]), (4, 6, [0, 1]), (6, 9, [0]), (4, 5, [2])]
+    assert spans(fuse_chains(tree, max_context=8)) == spans(tree)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("max_context", [0, 2, 100])
+def test_fused_random_groups_partition_every_member_and_only_fuse_chains(seed: int, max_context: int):
+    rng = np.random.default_rng(seed)
+    members = random_group(rng, size=int(rng.integers(1, 7)))
+    tree = build_tree(members)
+    fused = fuse_chains(tree, max_context)
+    assert_partitions(fused, members, homogeneous=False)
+    assert fused.num_unique_tokens == tree.num_unique_tokens and fused.num_nodes <= tree.num_nodes
+    original = {(n.start, n.end, tuple(n.members)): n for n in tree.nodes()}
+    leaves = sorted(key for key, n in original.items() if not n.children)
+    assert sorted((n.start, n.end, tuple(n.members)) for n in fused.nodes() if not n.children) == leaves
+    for node in fused.nodes():
+        if (node.start, node.end, tuple(node.members)) in original:
+            continue
+        parts = sorted(k for k in original if k[2] == tuple(node.members) and node.start <= k[0] < node.end)
+        assert parts[0][0] == node.start and parts[-1][1] == node.end and len(parts) > 1
+        live = nodes_with_loss_below(tree.root)
+        for index, (start, end, _) in enumerate(parts):
+            part = original[(start, end, tuple(node.members))]
+            assert part.has_loss or end - start <= max_context  # long context is never fused
+            if index:  # what fuses into a run is interior for a walk: it has loss below it
+                assert any(id(child) in live for child in part.children)
+
+
+# --- deep trees ----------------------------------------------------------------------------------------------------
+@contextmanager
+def shallow_stack(frames: int):
+    """Allow only ``frames`` more Python frames than the caller has: a recursive walk of a deeper tree fails."""
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(depth + frames)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def test_deep_trees_are_built_walked_and_fused_without_recursion():
+    turns = 400  # a chain of 800 nodes: assistant and tool tokens alternate
+    ids = np.concatenate([[1, 2, 3], np.tile([5, 7], turns)])
+    mask = np.concatenate([[False] * 3, np.tile([True, False], turns)])
+    chain = [Member(np.append(ids, last), np.append(mask, True)) for last in (8, 9)]
+    # members leaving a shared run one by one: every divergence point nests inside the previous one
+    stairs = [Member(np.array([0] * (k + 1) + [1, 1]), np.array([False] * (k + 1) + [True] * 2)) for k in range(150)]
+    with shallow_stack(60):
+        tree = build_tree(chain)
+        assert tree.num_nodes == 2 * turns + 1 + 2 and tree.num_unique_tokens == len(ids) + 2
+        assert [len(path) for path in paths(tree).values()] == [2 * turns + 2] * 2
+        fused = fuse_chains(tree, max_context=4)
+        assert spans(fused) == [(0, len(ids), [0, 1]), (len(ids), len(ids) + 1, [0]), (len(ids), len(ids) + 1, [1])]
+        staircase = build_tree(stairs)
+        assert staircase.num_nodes == 2 * 150 and staircase.num_unique_tokens == 150 + 2 * 150
+        assert fuse_chains(staircase, max_context=4).num_nodes == staircase.num_nodes
 
 
 # --- validation ----------------------------------------------------------------------------------------------------

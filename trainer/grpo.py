@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from longstraw_agents.engine import Engine
 from longstraw_agents.memory import MemoryTracker
-from longstraw_agents.segmenter import Member, Node, SegmentTree, build_tree
+from longstraw_agents.segmenter import Member, Node, SegmentTree, build_tree, fuse_chains, nodes_with_loss_below
 from longstraw_agents.state import State, StateGrad
 from longstraw_agents.trainer.loss import (
     AGGREGATIONS,
@@ -172,21 +172,57 @@ class NaiveMode(ExecutionMode):
             total.backward()
 
 
+@dataclass
+class _Pending:
+    """An interior node whose children are being walked; finished (post-order) when popped off the stack."""
+
+    node: Node
+    inputs: Tensor
+    parent: State
+    state: State
+    ref_state: State | None
+    loss: NodeLoss | None
+
+
 class TreeMode(ExecutionMode):
-    """Depth-first walk of the segment tree; subclasses say how interior and leaf nodes are processed."""
+    """Depth-first walk of the segment tree; subclasses say how interior and leaf nodes are processed.
+
+    The walk uses an explicit stack (trees of thousands of turns are as deep). An interior node is extended with
+    room reserved for the single-child chain below it, so the chain lands contiguous in one arena per layer and
+    attention reads it as one block; siblings at a branch point get fresh storage (an append goes in place only at
+    the fill mark), so every state on the active path stays valid.
+    """
 
     checkpoints = False
+
+    def tree(self, group: Group) -> SegmentTree:
+        return group.tree
 
     def run(self, group: Group, stats: WalkStats) -> None:
         self.group, self.stats = group, stats
         self.grad = StateGrad()
+        tree = self.tree(group)
+        self.live = nodes_with_loss_below(tree.root)
+        self.reserve = _chain_reserve(tree.root, self.live)
         root_state = self.engine.empty_state(self.checkpoints)
         ref_root = self.ref_engine.empty_state() if self.ref_engine is not None else None
-        self._visit(group.tree.root, root_state, ref_root)
+        stack: list[tuple[Node, State, State | None] | _Pending] = []
+        if id(tree.root) in self.live:
+            stack.append((tree.root, root_state, ref_root))
+        while stack:
+            item = stack.pop()
+            if isinstance(item, _Pending):
+                if item.inputs.numel():
+                    self.interior(item.node, item.inputs, item.parent, item.state, item.loss)
+                continue
+            pending = self._enter(*item)
+            if pending is not None:
+                stack.append(pending)
+                live = [c for c in pending.node.children if id(c) in self.live]
+                stack.extend((c, pending.state, pending.ref_state) for c in reversed(live))
 
-    def _visit(self, node: Node, parent: State, ref_parent: State | None) -> None:
-        if not _subtree_has_loss(node):
-            return
+    def _enter(self, node: Node, parent: State, ref_parent: State | None) -> _Pending | None:
+        """Pre-order work: a leaf is processed now; an interior node is extended and returned to finish later."""
         self.stats.nodes += 1
         inputs = self._ids(node.input_ids)
         loss = NodeLoss(self.group, node, self.config, inputs.device) if node.has_loss else None
@@ -194,20 +230,19 @@ class TreeMode(ExecutionMode):
             with torch.no_grad():
                 ref_logits = self.ref_engine.logits(ref_parent, inputs)
                 loss.ref = token_logprobs(ref_logits, loss.targets, self.config.temperature)
-        if not node.children:
+        if not any(id(c) in self.live for c in node.children):
             if loss is not None and inputs.numel():
                 self.leaf(node, inputs, parent, loss)
-            return
-        state, ref_state = parent, ref_parent
-        if inputs.numel():
-            state = self.engine.extend(parent, inputs)
-            self.stats.forward_tokens += inputs.numel()
-            if self.ref_engine is not None:
-                ref_state = self.ref_engine.extend(ref_parent, inputs)
-        for child in node.children:
-            self._visit(child, state, ref_state)
-        if inputs.numel():
-            self.interior(node, inputs, parent, state, loss)
+            return None
+        if not inputs.numel():  # the virtual root of a group without a shared first token
+            return _Pending(node, inputs, parent, parent, ref_parent, None)
+        reserve = self.reserve.get(id(node), 0)
+        state = self.engine.extend(parent, inputs, reserve=reserve)
+        self.stats.forward_tokens += inputs.numel()
+        ref_state = ref_parent
+        if self.ref_engine is not None:
+            ref_state = self.ref_engine.extend(ref_parent, inputs, reserve=reserve)
+        return _Pending(node, inputs, parent, state, ref_state, loss)
 
     def _loss_fn(self, loss: NodeLoss, base: int):
         def segment_loss(logits: Tensor, start: int, end: int) -> Tensor:
@@ -247,6 +282,11 @@ class ExactMode(TreeMode):
     name = "exact"
     checkpoints = True
 
+    def tree(self, group: Group) -> SegmentTree:
+        # every interior node is extended and recomputed in chunks whether or not it has loss, so runs of short
+        # turns fuse without changing the gradient; long context stays apart (no lm_head over it in backward)
+        return fuse_chains(group.tree, max_context=self.engine.config.chunk_size)
+
     def leaf(self, node: Node, inputs: Tensor, parent: State, loss: NodeLoss) -> None:
         logits = self.engine.logits(parent, inputs, grad=self.grad)
         self.stats.forward_tokens += inputs.numel()
@@ -258,8 +298,18 @@ class ExactMode(TreeMode):
         self.stats.forward_tokens += inputs.numel()
 
 
-def _subtree_has_loss(node: Node) -> bool:
-    return node.has_loss or any(_subtree_has_loss(c) for c in node.children)
+def _chain_reserve(root: Node, live: set[int]) -> dict[int, int]:
+    """Per interior node: the input tokens of the single-child chain of interior nodes below it (what later
+    extends will append right after it), so the whole chain can land in the storage its first extend allocates."""
+    reserve: dict[int, int] = {}
+    for node in list(root.walk())[::-1]:  # reversed pre-order: every node after its descendants
+        children = [c for c in node.children if id(c) in live]
+        if len(children) != 1:
+            continue
+        child = children[0]
+        if any(id(c) in live for c in child.children):  # the child is extended too (a leaf is only replayed)
+            reserve[id(node)] = len(child.input_ids) + reserve.get(id(child), 0)
+    return reserve
 
 
 MODES: dict[str, type[ExecutionMode]] = {m.name: m for m in (NaiveMode, DetachedMode, ExactMode)}
@@ -351,17 +401,23 @@ def grpo_backward(
     (on-policy when omitted). Returns a dict with "loss", token counts and "peak_bytes" (tracked tensor bytes).
     """
     config = config or LossConfig()
-    prompt = _as_numpy(prompt_ids)
+    prompt = _token_array(prompt_ids, "prompt_ids")
     if prompt.size == 0:
         raise ValueError("prompt_ids is empty")
-    if not completions:
-        raise ValueError("completions is empty")
+    completions = _completion_list(completions)
+    if old_logprobs is not None and len(old_logprobs) != len(completions):
+        raise ValueError(
+            f"old_logprobs has {len(old_logprobs)} entries for {len(completions)} completions "
+            "(one per completion, None where unknown)"
+        )
     members = []
     for k, completion in enumerate(completions):
-        comp = _as_numpy(completion)
+        comp = _token_array(completion, f"completion {k}")
         if comp.size == 0:
             raise ValueError(f"completion {k} is empty")
-        lp = None if old_logprobs is None or old_logprobs[k] is None else _as_numpy(old_logprobs[k], np.float64)
+        lp = None
+        if old_logprobs is not None and old_logprobs[k] is not None:
+            lp = _float_array(old_logprobs[k], f"old_logprobs[{k}]")
         members.append(Member.from_prompt_completion(prompt, comp, lp))
     engine = _engine_for(model, chunk_size)
     ref_engine = _engine_for(ref_model, chunk_size) if ref_model is not None else None
@@ -396,11 +452,44 @@ def grpo_backward_trajectories(
     return backward_group(engine, group, mode, config, ref_engine, track_memory).as_dict()
 
 
-def _as_numpy(values: Tensor | Sequence[int] | Sequence[float], dtype=np.int64) -> np.ndarray:
+def _completion_list(completions: Sequence[Tensor | Sequence[int]]) -> list[Tensor | Sequence[int]]:
+    if isinstance(completions, Tensor):  # a padded batch would silently train on its padding
+        raise TypeError(
+            f"completions must be a list of G 1-D token tensors (one per member), got a tensor of shape "
+            f"{tuple(completions.shape)}; pass list(completions) if its rows are unpadded completions"
+        )
+    completions = list(completions)
+    if not completions:
+        raise ValueError("completions is empty")
+    return completions
+
+
+def _one_d(values: Tensor | Sequence, what: str) -> np.ndarray:
     if isinstance(values, Tensor):
         if values.dim() != 1:
-            raise ValueError(f"expected a 1-D tensor, got shape {tuple(values.shape)}")
-        if dtype == np.int64 and values.dtype.is_floating_point:
-            raise TypeError(f"token ids must be integers, got {values.dtype}")
-        return values.detach().cpu().numpy().astype(dtype)
-    return np.asarray(values, dtype=dtype)
+            raise ValueError(f"{what}: expected a 1-D tensor, got shape {tuple(values.shape)}")
+        values = values.detach().cpu()
+        return (values.float() if values.dtype == torch.bfloat16 else values).numpy()  # numpy has no bfloat16
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as err:  # ragged nesting
+        raise ValueError(f"{what}: expected a 1-D sequence of numbers: {err}") from None
+    if array.ndim != 1:
+        raise ValueError(f"{what}: expected a 1-D sequence, got shape {array.shape}")
+    return array
+
+
+def _token_array(values: Tensor | Sequence[int], what: str) -> np.ndarray:
+    """1-D int64 token ids. Floats and bools are refused, never truncated ([3.9, 4.0] is not [3, 4])."""
+    array = _one_d(values, what)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{what}: token ids must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64)
+
+
+def _float_array(values: Tensor | Sequence[float], what: str) -> np.ndarray:
+    """1-D float64 log-probs (ints are fine; bools and strings are not numbers here)."""
+    array = _one_d(values, what)
+    if array.size and array.dtype.kind not in "iuf":
+        raise TypeError(f"{what}: expected real numbers, got dtype {array.dtype}")
+    return array.astype(np.float64)
