@@ -184,10 +184,10 @@ class Engine:
             if layer.mixer.grows:
                 past = []
                 for block in state.blocks(i, upto):
-                    views = block.views()
-                    if grad is not None:
-                        views = tuple(leaf_into(v, g) for v, g in zip(views, grad.block_grads(block), strict=True))
-                    past.append(views)
+                    if grad is None:
+                        past.append(block.views())
+                    else:
+                        past.extend(self._leaf_pieces(block.views(), grad.block_grads(block)))
                 contexts.append(LayerContext(past=past))
             else:
                 rec = state.recurrent(i, upto - 1) if upto else None
@@ -200,6 +200,18 @@ class Engine:
                         )
                 contexts.append(LayerContext(recurrent=tensors))
         return contexts
+
+    def _leaf_pieces(self, views: tuple[Tensor, ...], buffers: tuple[Tensor, ...]) -> list[tuple[Tensor, ...]]:
+        """A block as leaves of at most ``chunk_size`` positions, each feeding its slice of the gradient buffers.
+
+        Autograd sums a leaf's whole gradient (one full-size tensor per use, e.g. per attention piece) before the
+        hook adds it to the buffer: one leaf over a long merged block would hold transient gradients as large as
+        the layer's whole state. Piece-sized leaves keep that transient at one chunk's worth."""
+        step = self.config.chunk_size
+        return [
+            tuple(leaf_into(v[lo : lo + step], g[lo : lo + step]) for v, g in zip(views, buffers, strict=True))
+            for lo in range(0, views[0].shape[0], step)
+        ]
 
     def _arenas_for(self, state: State, n: int, reserve: int) -> list[Arena | None]:
         """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one."""
