@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +27,7 @@ from grpo_reference import (
     target_logprobs,
     transformers_logits,
 )
+from recursion import shallow_stack
 from reference_dsa import reference_logits as dsa_reference_logits
 from torch import Tensor, nn
 
@@ -539,20 +538,6 @@ def many_turns(turns: int, seed: int = 0) -> list[Trajectory]:
     for k, token in enumerate(rng.integers(0, VOCAB, turns).tolist()):
         shared.append(Segment("tool" if k % 2 else "assistant", [token], turn=1 + k // 2))
     return [Trajectory([*shared, Segment("assistant", [last, 9], turn=turns)]) for last in (1, 2)]
-
-
-@contextmanager
-def shallow_stack(frames: int):
-    """Allow only ``frames`` more Python frames than the caller has: a recursive walk of a deeper tree fails."""
-    depth, frame = 0, sys._getframe()
-    while frame is not None:
-        depth, frame = depth + 1, frame.f_back
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(depth + frames)
-    try:
-        yield
-    finally:
-        sys.setrecursionlimit(limit)
 
 
 def test_a_thousand_turn_tree_runs_and_exact_equals_naive():

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
+from recursion import shallow_stack
 
 from longstraw_agents.segmenter import (
     Member,
@@ -276,20 +274,6 @@ def test_fused_random_groups_partition_every_member_and_only_fuse_chains(seed: i
 
 
 # --- deep trees ----------------------------------------------------------------------------------------------------
-@contextmanager
-def shallow_stack(frames: int):
-    """Allow only ``frames`` more Python frames than the caller has: a recursive walk of a deeper tree fails."""
-    depth, frame = 0, sys._getframe()
-    while frame is not None:
-        depth, frame = depth + 1, frame.f_back
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(depth + frames)
-    try:
-        yield
-    finally:
-        sys.setrecursionlimit(limit)
-
-
 def test_deep_trees_are_built_walked_and_fused_without_recursion():
     turns = 400  # a chain of 800 nodes: assistant and tool tokens alternate
     ids = np.concatenate([[1, 2, 3], np.tile([5, 7], turns)])
