@@ -202,12 +202,14 @@ class Engine:
         return contexts
 
     def _leaf_pieces(self, views: tuple[Tensor, ...], buffers: tuple[Tensor, ...]) -> list[tuple[Tensor, ...]]:
-        """A block as leaves of at most ``chunk_size`` positions, each feeding its slice of the gradient buffers.
+        """A block as leaves that each feed their slice of the gradient buffers.
 
         Autograd sums a leaf's whole gradient (one full-size tensor per use, e.g. per attention piece) before the
         hook adds it to the buffer: one leaf over a long merged block would hold transient gradients as large as
-        the layer's whole state. Piece-sized leaves keep that transient at one chunk's worth."""
-        step = self.config.chunk_size
+        the layer's whole state. A leaf holds at most ``max_score_elements`` elements per tensor (the bound on a
+        chunk's attention scores) but never fewer than ``chunk_size`` positions (fewer, larger attention pieces)."""
+        per_position = max(t[0].numel() for t in views) if views[0].shape[0] else 1
+        step = max(self.config.chunk_size, self.config.max_score_elements // per_position)
         return [
             tuple(leaf_into(v[lo : lo + step], g[lo : lo + step]) for v, g in zip(views, buffers, strict=True))
             for lo in range(0, views[0].shape[0], step)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS
 from longstraw_agents.engine import Engine, EngineConfig, StateGrad
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import UnsupportedModelError, state_size, supported_model_types
@@ -259,13 +260,14 @@ def test_engine_config_validation():
     assert Engine(make_model("llama", torch.float32), chunk_size=3).config.chunk_size == 3
 
 
+@pytest.mark.parametrize("max_score_elements", [DEFAULT_SCORE_ELEMENTS, 1], ids=["one-leaf", "chunk-leaves"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
-def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_graph(family):
+def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_graph(family, max_score_elements):
     """Extends of a chain into reserved storage land contiguous in one arena: attention reads one block (in the
-    graph-free path and as one gradient leaf), blocks before a chunk are clipped views of it, and the exact
-    backward walk through the coalesced chain gives the full-graph gradient."""
+    graph-free path, and as one gradient leaf or as chunk-sized leaves when the score budget is small), blocks
+    before a chunk are clipped views of it, and the exact backward walk through it gives the full-graph gradient."""
     model = tiny_model(family, dtype=torch.float64, seed=0)  # glm: index_topk < context, sparse selection on
-    engine = Engine(model, chunk_size=4)
+    engine = Engine(model, EngineConfig(chunk_size=4, max_score_elements=max_score_elements))
     ids, branch = random_ids(23, 21), random_ids(5, 22)
     cuts = [0, 6, 7, 8, 15, 16, 23]  # first extend: two chunks; then single tokens and a multi-chunk extend
     state = engine.empty_state(checkpoints=True)
