@@ -191,9 +191,9 @@ def test_completion_groups_must_have_group_size_members():
 def test_non_integer_token_ids_are_refused_not_truncated(bad):
     trainer = make_trainer()
     good = [torch.tensor([1, 2])] * G
-    with pytest.raises(TypeError, match="integer token ids"):
+    with pytest.raises(TypeError, match="token ids must be integers"):
         trainer.group_from_completions(torch.arange(1, 6), [bad, *good[1:]], [0.0, 1.0, 0.5])
-    with pytest.raises(TypeError, match="prompt_ids must hold integer token ids"):
+    with pytest.raises(TypeError, match="prompt_ids: token ids must be integers"):
         trainer.group_from_completions(bad, good, [0.0, 1.0, 0.5])
     group = trainer.group_from_completions(np.arange(1, 6), [[1, 2], np.array([3]), torch.tensor([4])], [0, 1, 0.5])
     assert group.num_loss_tokens == 4

@@ -401,7 +401,7 @@ def grpo_backward(
     (on-policy when omitted). Returns a dict with "loss", token counts and "peak_bytes" (tracked tensor bytes).
     """
     config = config or LossConfig()
-    prompt = _token_array(prompt_ids, "prompt_ids")
+    prompt = token_array(prompt_ids, "prompt_ids")
     if prompt.size == 0:
         raise ValueError("prompt_ids is empty")
     completions = _completion_list(completions)
@@ -412,7 +412,7 @@ def grpo_backward(
         )
     members = []
     for k, completion in enumerate(completions):
-        comp = _token_array(completion, f"completion {k}")
+        comp = token_array(completion, f"completion {k}")
         if comp.size == 0:
             raise ValueError(f"completion {k} is empty")
         lp = None
@@ -479,7 +479,7 @@ def _one_d(values: Tensor | Sequence, what: str) -> np.ndarray:
     return array
 
 
-def _token_array(values: Tensor | Sequence[int], what: str) -> np.ndarray:
+def token_array(values: Tensor | Sequence[int], what: str) -> np.ndarray:
     """1-D int64 token ids. Floats and bools are refused, never truncated ([3.9, 4.0] is not [3, 4])."""
     array = _one_d(values, what)
     if array.size and array.dtype.kind not in "iu":

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.config import GRPOConfig
-from longstraw_agents.trainer.grpo import BackwardResult, Group, backward_group, make_group
+from longstraw_agents.trainer.grpo import BackwardResult, Group, backward_group, make_group, token_array
 from longstraw_agents.trajectory import Trajectory
 
 TRAINER_STATE = "trainer_state.json"
@@ -53,12 +53,10 @@ def seed_everything(seed: int) -> None:
 
 
 def token_ids(values: Tensor | np.ndarray | Sequence[int], name: str) -> list[int]:
-    """A 1-D integer id sequence as a list; floats and bools are refused rather than truncated to ids."""
-    array = values.detach().cpu().numpy() if isinstance(values, Tensor) else np.asarray(values)
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids, got shape {array.shape}")
-    if not np.issubdtype(array.dtype, np.integer):
-        raise TypeError(f"{name} must hold integer token ids, got dtype {array.dtype}")
+    """A non-empty 1-D integer id sequence as a list; floats and bools are refused rather than truncated to ids."""
+    array = token_array(values, name)
+    if array.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids")
     return array.tolist()
 
 
