@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
 
 from longstraw_agents.engine import Engine
@@ -35,15 +31,6 @@ def materialise_grads(model: torch.nn.Module) -> None:
             p.grad = torch.zeros_like(p)
         else:
             p.grad.zero_()
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def prefix_grouper_backward(engine: Engine, prompt, completions, rewards, config: LossConfig | None = None) -> float:

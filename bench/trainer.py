@@ -15,7 +15,10 @@ gradients are allocated beforehand, so they are not counted: they are the same i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +28,6 @@ from bench.common import (
     bench_model,
     flat_grad,
     materialise_grads,
-    median_seconds,
     prefix_grouper_backward,
     synthetic_group,
 )
@@ -62,27 +64,26 @@ def longest_within(lengths: list[int], peaks: list[int], budget: int) -> tuple[f
 
 
 def step_times(model, prompt_len, group, completion_len, chunk, repeats) -> dict[str, float]:
+    """Median seconds per step of each mode and of the PrefixGrouper baseline, timed round-robin (one step of each
+    per round) so that a slow spell of the machine hits all of them alike."""
     prompt, completions, rewards = synthetic_group(prompt_len, group, completion_len)
     engine = Engine(model, chunk_size=chunk)
-    times = {}
+    runs = {mode: functools.partial(grpo_backward, engine, prompt, completions, rewards, mode, track_memory=False)
+            for mode in MODES}  # fmt: skip
+    runs["prefix_grouper"] = functools.partial(prefix_grouper_backward, engine, prompt, completions, rewards)
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     grads = {}
-    for mode in MODES:
-
-        def run(mode=mode):
+    for _ in range(repeats):
+        for name, run in runs.items():
             model.zero_grad(set_to_none=True)
-            grpo_backward(engine, prompt, completions, rewards, mode, track_memory=False)
-
-        times[mode] = median_seconds(run, repeats)
-        grads[mode] = flat_grad(model)
-
-    def run_pg():
-        model.zero_grad(set_to_none=True)
-        prefix_grouper_backward(engine, prompt, completions, rewards)
-
-    times["prefix_grouper"] = median_seconds(run_pg, repeats)
-    pg_grad = flat_grad(model)
-    check = float((pg_grad - grads["naive"]).norm() / grads["naive"].norm())
-    exact_check = float((grads["exact"] - grads["naive"]).norm() / grads["naive"].norm())
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+            grads[name] = flat_grad(model)
+    times = {name: statistics.median(values) for name, values in samples.items()}
+    naive = grads["naive"]
+    check = float((grads["prefix_grouper"] - naive).norm() / naive.norm())
+    exact_check = float((grads["exact"] - naive).norm() / naive.norm())
     return {**times, "prefix_grouper_vs_naive_grad_rel": check, "exact_vs_naive_grad_rel": exact_check}
 
 
@@ -150,8 +151,8 @@ def main() -> None:
             verdict = "fits" if check <= budget else "over"
             print(f"{'':<10} measured at {int(value):,} tokens: {check / 2**20:.1f}M ({verdict})")
 
-    print("\n3) step time at G=8 (grpo_backward, no memory tracking; median of 3)")
-    times = step_times(model, prompt_len, 8, completion_len, chunk, repeats=1 if args.quick else 3)
+    print("\n3) step time at G=8 (grpo_backward, no memory tracking; median of 5 rounds, modes timed round-robin)")
+    times = step_times(model, prompt_len, 8, completion_len, chunk, repeats=1 if args.quick else 5)
     for name in ("naive", "detached", "exact", "prefix_grouper"):
         print(f"{name:<15} {times[name] * 1e3:>8.0f} ms  {times[name] / times['naive']:>6.2f}x naive")
     print(f"exact / prefix_grouper: {times['exact'] / times['prefix_grouper']:.2f}x")

@@ -44,8 +44,9 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def block_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """Scaled dot products ``[H_kv, R, M]`` of queries ``[H_kv, R, D]`` with keys ``[M, H_kv, D]``."""
-    return torch.matmul(q, k.permute(1, 2, 0)) * scale
+    """Scaled dot products ``[H_kv, R, M]`` of queries ``[H_kv, R, D]`` with keys ``[M, H_kv, D]`` (the scale is
+    applied to the queries: R x D multiplies instead of R x M)."""
+    return torch.matmul(q * scale, k.permute(1, 2, 0))
 
 
 def _scores(pairs: Sequence[Tensor], scale: float, dtype: torch.dtype, mask: Tensor | None) -> Tensor:
@@ -104,12 +105,11 @@ class _BlockAttention(torch.autograd.Function):
             d_scores = d_scores + probs * d_lse.to(sdt).unsqueeze(-1)
         if mask is not None:  # hidden keys get no gradient (a fully hidden row has uniform, not zero, probs)
             d_scores = d_scores.masked_fill(~mask, 0.0)
-        d_scores = d_scores * ctx.scale
         grads = []
-        for q, k in zip(pairs[0::2], pairs[1::2], strict=True):
+        for q, k in zip(pairs[0::2], pairs[1::2], strict=True):  # scores = (q * scale) k^T
             ds = d_scores.to(q.dtype)
-            grads.append(torch.matmul(ds, k.permute(1, 0, 2)))  # d q: [H_kv, R, D]
-            grads.append(torch.matmul(ds.transpose(1, 2), q).permute(1, 0, 2))  # d k: [M, H_kv, D]
+            grads.append(torch.matmul(ds, k.permute(1, 0, 2)) * ctx.scale)  # d q: [H_kv, R, D]
+            grads.append(torch.matmul(ds.transpose(1, 2), q * ctx.scale).permute(1, 0, 2))  # d k: [M, H_kv, D]
         return None, None, d_v, *grads
 
 
