@@ -13,17 +13,12 @@ from longstraw_agents.models.dense import SlidingWindowExceededError, sliding_wi
 WINDOW, VOCAB = 8, 64
 
 
+TINY = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2}  # fmt: skip
+
+
 def mistral(sliding_window: int | None = WINDOW, seed: int = 0) -> torch.nn.Module:
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        sliding_window=sliding_window,
-    )
+    config = MistralConfig(**TINY, num_hidden_layers=2, max_position_embeddings=1024, sliding_window=sliding_window)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
@@ -41,14 +36,7 @@ IDS = torch.randint(0, VOCAB, (WINDOW + 1,), generator=torch.Generator().manual_
 
 
 def test_mistral_default_config_is_accepted():
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = MistralConfig(**TINY, num_hidden_layers=1)  # sliding_window left at Mistral's default
     assert config.sliding_window == 4096
     engine = Engine(AutoModelForCausalLM.from_config(config))
     assert engine.adapter.window == 4096 and engine.capture(IDS).num_tokens == len(IDS)
