@@ -40,9 +40,9 @@ def _fail(message: str) -> int:
 
 
 def _validation_message(err) -> str:
-    """pydantic's errors as 'field.path: message' lines."""
-    lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in err.errors()]
-    return "invalid configuration:\n" + "\n".join(lines)
+    from longstraw_agents.training import validation_lines
+
+    return "invalid configuration:\n" + validation_lines(err)
 
 
 def _print_metrics(record: dict) -> None:

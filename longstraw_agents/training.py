@@ -134,6 +134,11 @@ def _parse_config(path: Path) -> Any:
         raise ValueError(f"{path}: not valid {kind}: {err}") from None
 
 
+def validation_lines(err: Any, prefix: str = "") -> str:
+    """A pydantic ValidationError as indented ``field.path: message`` lines (paths after ``prefix``)."""
+    return "\n".join(f"  {prefix}{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in err.errors())
+
+
 def check_env(spec: EnvSpec) -> None:
     """Make one environment of ``spec``, so that an unknown id or bad kwargs fail now with a ConfigError that names
     the field, not at the first rollout after the model was built."""
@@ -148,8 +153,7 @@ def check_env(spec: EnvSpec) -> None:
         known = ", ".join(registered_env_ids())
         raise ConfigError(f"env.id: unknown environment {spec.id!r} ({err}); registered: {known}") from None
     except ValidationError as err:  # the env's own config model
-        lines = [f"  env.kwargs.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()]
-        raise ConfigError(f"invalid env.kwargs for {spec.id}:\n" + "\n".join(lines)) from None
+        raise ConfigError(f"invalid env.kwargs for {spec.id}:\n" + validation_lines(err, "env.kwargs.")) from None
     except TypeError as err:  # an env class without a config model rejects an argument
         raise ConfigError(f"invalid env.kwargs for {spec.id}: {err}") from None
     try:
