@@ -53,12 +53,13 @@ def long_group(tokens: int, size: int, seed: int, options: dict) -> tuple[list[T
     """``size`` envs at the end of the same scripted prefix of at least ``tokens`` tokens."""
     target = tokens
     while True:  # the env sizes its documents to about target_tokens: grow the target until the prefix suffices
-        prefix, turns = scripted_prefix(make_env(target), seed, options)
+        first = make_env(target)
+        prefix, turns = scripted_prefix(first, seed, options)
         if len(prefix) >= tokens:
             break
         target += tokens - len(prefix) + 64
-    envs = [make_env(target) for _ in range(size)]
-    assert all(scripted_prefix(env, seed, options)[0] == prefix for env in envs), "the scripted prefix is seeded"
+    envs = [first, *(make_env(target) for _ in range(size - 1))]
+    assert all(scripted_prefix(env, seed, options)[0] == prefix for env in envs[1:]), "the scripted prefix is seeded"
     assert len(prefix) >= tokens, f"prefix {len(prefix)} < {tokens} tokens"
     return envs, prefix, turns
 
