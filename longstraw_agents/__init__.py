@@ -1,7 +1,7 @@
 """longstraw-agents: long-context GRPO post-training for agents.
 
 Core modules (one concept each): ``trajectory`` (token-exact episodes), ``tokenizer`` and ``chat`` (token-in /
-token-out formatting), ``segmenter`` (group → segment tree), ``engine`` (incremental prefill: capture / extend /
+token-out formatting), ``segmenter`` (group → prefix tree), ``engine`` (incremental prefill: capture / extend /
 logits), ``models`` (one adapter per model family), ``store`` (SQLite), ``memory`` (peak live tensor bytes).
 Agent side: ``longstraw_agents.envs`` and ``longstraw_agents.tools``; training: ``longstraw_agents.trainer``.
 """

@@ -26,16 +26,16 @@ from longstraw_agents.state import (
     Arena,
     Block,
     RecurrentState,
-    SegmentRecord,
+    ChunkRecord,
     State,
     StateGrad,
     leaf_into,
 )
 
-__all__ = ["Engine", "EngineConfig", "SegmentLoss", "State", "StateGrad", "StateSize", "state_size"]
+__all__ = ["Engine", "EngineConfig", "ChunkLoss", "State", "StateGrad", "StateSize", "state_size"]
 
 # loss_fn(logits [n, V], start, end) -> scalar loss for the tokens at positions [start, end), or None
-SegmentLoss = Callable[[Tensor, int, int], Tensor | None]
+ChunkLoss = Callable[[Tensor, int, int], Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Engine:
 
     # --- public API -----------------------------------------------------------------------------------------
     def empty_state(self, checkpoints: bool = False) -> State:
-        return State(segments=(), num_layers=self.num_layers, checkpoints=checkpoints, owner=id(self.model))
+        return State(chunks=(), num_layers=self.num_layers, checkpoints=checkpoints, owner=id(self.model))
 
     def capture(
         self, ids: Tensor | Sequence[int], *, checkpoints: bool = False, chunk_size: int | None = None
@@ -113,7 +113,7 @@ class Engine:
         """
         self._check_state(state)
         ids = self._check_ids(ids)
-        contexts = self._contexts(state, len(state.segments), grad)
+        contexts = self._contexts(state, len(state.chunks), grad)
         hidden, _ = self._forward(ids, state.num_tokens, contexts)
         return self.adapter.lm_head(hidden)
 
@@ -124,7 +124,7 @@ class Engine:
         ids: Tensor | Sequence[int],
         *,
         since: State | None = None,
-        loss_fn: SegmentLoss | None = None,
+        loss_fn: ChunkLoss | None = None,
     ) -> None:
         """Backpropagate ``grad`` (and ``loss_fn``'s loss) through the chunks of ``state`` after ``since``.
 
@@ -139,12 +139,12 @@ class Engine:
             raise ValueError(
                 f"ids cover {ids.shape[0]} tokens; the chunks after `since` cover {state.num_tokens - base}"
             )
-        first = next((j for j, seg in enumerate(state.segments) if seg.start >= base), len(state.segments))
-        if first < len(state.segments) and state.segments[first].start != base:
+        first = next((j for j, chunk in enumerate(state.chunks) if chunk.start >= base), len(state.chunks))
+        if first < len(state.chunks) and state.chunks[first].start != base:
             raise ValueError("`since` must be an ancestor of `state` (its end must fall on a chunk boundary)")
-        for j in reversed(range(first, len(state.segments))):
-            seg = state.segments[j]
-            self._backward_segment(state, j, ids[seg.start - base : seg.end - base], grad, loss_fn)
+        for j in reversed(range(first, len(state.chunks))):
+            chunk = state.chunks[j]
+            self._backward_chunk(state, j, ids[chunk.start - base : chunk.end - base], grad, loss_fn)
 
     # --- internals ------------------------------------------------------------------------------------------
     def _forward(self, ids: Tensor, start: int, contexts: list[LayerContext]):
@@ -178,7 +178,7 @@ class Engine:
             raise ValueError("this state was made by an engine over a different model")
 
     def _contexts(self, state: State, upto: int, grad: StateGrad | None) -> list[LayerContext]:
-        """What each layer reads of the first ``upto`` segments; leaves feeding ``grad`` when it is given."""
+        """What each layer reads of the first ``upto`` chunks; leaves feeding ``grad`` when it is given."""
         contexts = []
         for i, layer in enumerate(self.adapter.layers):
             if layer.mixer.grows:
@@ -242,14 +242,14 @@ class Engine:
         with torch.no_grad():
             for lo in range(0, ids.shape[0], chunk):
                 piece = ids[lo : lo + chunk]
-                contexts = self._contexts(current, len(current.segments), None)
+                contexts = self._contexts(current, len(current.chunks), None)
                 hidden, new = self._forward(piece, current.num_tokens, contexts)
                 current = current.append(self._record(current.num_tokens, piece.shape[0], new, arenas))
                 if want_logits and lo + chunk >= ids.shape[0]:
                     last_logits = self.adapter.lm_head(hidden[-1:])[0]
         return current, last_logits
 
-    def _record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> SegmentRecord:
+    def _record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> ChunkRecord:
         blocks: list[Block | None] = []
         recurrent: list[RecurrentState | None] = []
         for entry, arena in zip(new, arenas, strict=True):
@@ -259,19 +259,19 @@ class Engine:
             else:
                 blocks.append(None)
                 recurrent.append(RecurrentState(tuple(t.detach() for t in entry)))
-        return SegmentRecord(start, n, tuple(blocks), tuple(recurrent))
+        return ChunkRecord(start, n, tuple(blocks), tuple(recurrent))
 
-    def _backward_segment(
-        self, state: State, j: int, ids: Tensor, grad: StateGrad, loss_fn: SegmentLoss | None
+    def _backward_chunk(
+        self, state: State, j: int, ids: Tensor, grad: StateGrad, loss_fn: ChunkLoss | None
     ) -> None:
-        seg = state.segments[j]
+        chunk = state.chunks[j]
         outputs: list[Tensor] = []
         grads: list[Tensor] = []
         with torch.enable_grad():
             contexts = self._contexts(state, j, grad)
-            hidden, new = self._forward(ids, seg.start, contexts)
+            hidden, new = self._forward(ids, chunk.start, contexts)
             for i, entry in enumerate(new):
-                block, rec = seg.blocks[i], seg.recurrent[i]
+                block, rec = chunk.blocks[i], chunk.recurrent[i]
                 if block is not None:
                     upstream = grad.block_grads(block, create=False)
                 else:
@@ -282,18 +282,18 @@ class Engine:
                     outputs.extend(entry)
                     grads.extend(upstream)
             if loss_fn is not None:
-                loss = loss_fn(self.adapter.lm_head(hidden), seg.start, seg.end)
+                loss = loss_fn(self.adapter.lm_head(hidden), chunk.start, chunk.end)
                 if loss is not None:
                     outputs.append(loss)
                     grads.append(torch.ones_like(loss))
             if outputs:
                 torch.autograd.backward(outputs, grads)
-        self._release(seg, grad)
+        self._release(chunk, grad)
 
     @staticmethod
-    def _release(seg: SegmentRecord, grad: StateGrad) -> None:
+    def _release(chunk: ChunkRecord, grad: StateGrad) -> None:
         """Drop gradient buffers nothing earlier can add to any more."""
-        for block, rec in zip(seg.blocks, seg.recurrent, strict=True):
+        for block, rec in zip(chunk.blocks, chunk.recurrent, strict=True):
             if block is not None and block.lo == 0:
                 grad.release_arena(block.arena)
             if rec is not None:

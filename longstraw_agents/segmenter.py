@@ -1,4 +1,4 @@
-"""Segment trees: a group of token sequences → a prefix trie whose nodes are processed once each.
+"""Prefix trees: a group of token sequences → a prefix trie whose nodes are processed once each.
 
 Members of an agent group share a long context (system prompt, documents, tool outputs, earlier turns) and diverge
 at different depths. The trie over their token ids turns the group into nodes; each node is a run of positions
@@ -104,7 +104,7 @@ class Node:
 
 
 @dataclass
-class SegmentTree:
+class PrefixTree:
     root: Node
     members: list[Member]
 
@@ -194,8 +194,8 @@ def _split_by_next_token(members: list[Member], indices: list[int], end: int) ->
     return list(groups.values())
 
 
-def build_tree(members: Sequence[Member]) -> SegmentTree:
-    """The segment tree of a group (members may diverge at any depth, or be prefixes of one another)."""
+def build_tree(members: Sequence[Member]) -> PrefixTree:
+    """The prefix tree of a group (members may diverge at any depth, or be prefixes of one another)."""
     members = list(members)
     if not members:
         raise ValueError("a group needs at least one member")
@@ -211,10 +211,10 @@ def build_tree(members: Sequence[Member]) -> SegmentTree:
         for k, m in enumerate(members):
             groups.setdefault(int(m.token_ids[0]), []).append(k)
         root.children = [_build(members, sub, 0) for sub in groups.values()]
-    return SegmentTree(root=root, members=members)
+    return PrefixTree(root=root, members=members)
 
 
-def fuse_chains(tree: SegmentTree, max_context: int) -> SegmentTree:
+def fuse_chains(tree: PrefixTree, max_context: int) -> PrefixTree:
     """A copy of ``tree`` in which each run of single-child nodes with the same members is one node.
 
     For walks that treat context and loss nodes alike before a branch point (exact mode: every interior node is
@@ -235,7 +235,7 @@ def fuse_chains(tree: SegmentTree, max_context: int) -> SegmentTree:
             fused_child, child_last = _fuse(child, max_context, live)
             fused.children.append(fused_child)
             stack.append((child_last, fused_child))
-    return SegmentTree(root=root, members=tree.members)
+    return PrefixTree(root=root, members=tree.members)
 
 
 def nodes_with_loss_below(root: Node) -> set[int]:
@@ -285,5 +285,5 @@ def _fuse(node: Node, max_context: int, live: set[int]) -> tuple[Node, Node]:
     return fused, last
 
 
-def tree_from_trajectories(trajectories: Sequence[Trajectory]) -> SegmentTree:
+def tree_from_trajectories(trajectories: Sequence[Trajectory]) -> PrefixTree:
     return build_tree([Member.from_trajectory(t) for t in trajectories])

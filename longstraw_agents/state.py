@@ -2,8 +2,8 @@
 
 Layers that grow with length (full attention: K/V; MLA: compressed latent + rope key + DSA indexer key) keep their
 per-position tensors in ``Arena``s — append-only buffers, position first, written once. A ``State`` is a tuple of
-``SegmentRecord``s, one per evaluated chunk, each pointing at the positions it wrote (``Block``: arena + range).
-Recurrent layers (GatedDeltaNet) keep a fixed-size ``RecurrentState`` per segment end; only the last is needed to
+``ChunkRecord``s, one per evaluated chunk, each pointing at the positions it wrote (``Block``: arena + range).
+Recurrent layers (GatedDeltaNet) keep a fixed-size ``RecurrentState`` per chunk end; only the last is needed to
 continue, earlier ones are kept as checkpoints when exact prefix gradients are wanted.
 
 Forking is free: a child state is the parent's tuple plus new records, sharing every tensor; the parent's
@@ -80,7 +80,7 @@ class RecurrentState:
 
 
 @dataclass(frozen=True, eq=False)
-class SegmentRecord:
+class ChunkRecord:
     """One evaluated chunk: positions ``[start, start+length)``, what each layer wrote for them.
 
     ``blocks[i]`` is the block of growing layer i (None for recurrent layers); ``recurrent[i]`` the recurrent state
@@ -96,8 +96,8 @@ class SegmentRecord:
     def end(self) -> int:
         return self.start + self.length
 
-    def without_checkpoints(self) -> SegmentRecord:
-        return SegmentRecord(self.start, self.length, self.blocks, tuple(None for _ in self.recurrent))
+    def without_checkpoints(self) -> ChunkRecord:
+        return ChunkRecord(self.start, self.length, self.blocks, tuple(None for _ in self.recurrent))
 
 
 # per layer, the merged blocks of a state with the token position each starts at (see State.blocks)
@@ -108,7 +108,7 @@ MergedBlocks = tuple[tuple[tuple[int, Block], ...], ...]
 class State:
     """What the engine keeps of ``num_tokens`` tokens. Immutable; children share its tensors."""
 
-    segments: tuple[SegmentRecord, ...]
+    chunks: tuple[ChunkRecord, ...]
     num_layers: int
     checkpoints: bool = False
     owner: int = field(default=0, repr=False)  # id of the engine that made it (a state is tied to its model)
@@ -116,19 +116,19 @@ class State:
 
     @property
     def num_tokens(self) -> int:
-        return self.segments[-1].end if self.segments else 0
+        return self.chunks[-1].end if self.chunks else 0
 
     def __len__(self) -> int:
         return self.num_tokens
 
-    def append(self, record: SegmentRecord) -> State:
-        """The child covering one more segment (the parent's last recurrent state is dropped from the child unless
+    def append(self, record: ChunkRecord) -> State:
+        """The child covering one more chunk (the parent's last recurrent state is dropped from the child unless
         it keeps checkpoints). Its merged blocks extend the parent's, so a chain of n appends costs O(n), not
-        O(n²) — many-turn trees append thousands of tiny segments."""
-        segments = self.segments
-        if segments and not self.checkpoints:
-            segments = (*segments[:-1], segments[-1].without_checkpoints())
-        child = State((*segments, record), self.num_layers, self.checkpoints, self.owner)
+        O(n²) — many-turn trees append thousands of tiny chunks."""
+        chunks = self.chunks
+        if chunks and not self.checkpoints:
+            chunks = (*chunks[:-1], chunks[-1].without_checkpoints())
+        child = State((*chunks, record), self.num_layers, self.checkpoints, self.owner)
         merged = tuple(
             _merge_block(layer, record.start, block)
             for layer, block in zip(self._merged_blocks(), record.blocks, strict=True)
@@ -137,12 +137,12 @@ class State:
         return child
 
     def blocks(self, layer: int, upto: int | None = None) -> list[Block]:
-        """The layer's blocks for positions ``[0, upto)`` (segment-aligned), adjacent blocks of one arena merged
-        into one (attention then reads one view instead of one block per segment)."""
+        """The layer's blocks for positions ``[0, upto)`` (chunk-aligned), adjacent blocks of one arena merged
+        into one (attention then reads one view instead of one block per chunk)."""
         merged = self._merged_blocks()[layer]
-        if upto is None or upto >= len(self.segments):
+        if upto is None or upto >= len(self.chunks):
             return [block for _, block in merged]
-        limit = self.segments[upto].start  # token positions before segment `upto`
+        limit = self.chunks[upto].start  # token positions before chunk `upto`
         out = []
         for start, block in merged:
             if start >= limit:
@@ -155,19 +155,19 @@ class State:
     def _merged_blocks(self) -> MergedBlocks:
         if self._merged is None:
             merged: list[tuple[tuple[int, Block], ...]] = [() for _ in range(self.num_layers)]
-            for seg in self.segments:
+            for chunk in self.chunks:
                 merged = [
-                    _merge_block(layer, seg.start, block) for layer, block in zip(merged, seg.blocks, strict=True)
+                    _merge_block(layer, chunk.start, block) for layer, block in zip(merged, chunk.blocks, strict=True)
                 ]
             object.__setattr__(self, "_merged", tuple(merged))
         return self._merged
 
-    def recurrent(self, layer: int, after_segment: int | None = None) -> RecurrentState | None:
-        """Recurrent state of ``layer`` after segment ``after_segment`` (default: the last); None at position 0."""
-        index = len(self.segments) - 1 if after_segment is None else after_segment
+    def recurrent(self, layer: int, after_chunk: int | None = None) -> RecurrentState | None:
+        """Recurrent state of ``layer`` after chunk ``after_chunk`` (default: the last); None at position 0."""
+        index = len(self.chunks) - 1 if after_chunk is None else after_chunk
         if index < 0:
             return None
-        found = self.segments[index].recurrent[layer]
+        found = self.chunks[index].recurrent[layer]
         if found is None:
             raise ValueError(
                 "this state keeps no recurrent checkpoint here; capture/extend with checkpoints=True "
@@ -178,12 +178,12 @@ class State:
     def tensors(self) -> Iterator[Tensor]:
         """Every tensor the state holds (arena storages once each, recurrent states)."""
         seen: set[int] = set()
-        for seg in self.segments:
-            for block in seg.blocks:
+        for chunk in self.chunks:
+            for block in chunk.blocks:
                 if block is not None and id(block.arena) not in seen:
                     seen.add(id(block.arena))
                     yield from block.arena.tensors
-            for rec in seg.recurrent:
+            for rec in chunk.recurrent:
                 if rec is not None and id(rec) not in seen:
                     seen.add(id(rec))
                     yield from rec.tensors
@@ -207,7 +207,7 @@ def _merge_block(
 
 
 class StateGrad:
-    """Gradient with respect to a state's tensors, allocated lazily (zeros) and released segment by segment.
+    """Gradient with respect to a state's tensors, allocated lazily (zeros) and released chunk by chunk.
 
     Buffers are keyed by the arena (same shape as its storage) or by the recurrent state object.
     """

@@ -109,7 +109,7 @@ def test_nbytes_equals_analytic_size(model_and_dtype, checkpoints):
     engine = Engine(model, chunk_size=8)
     size = state_size(model.config, dtype)
     state = engine.capture(random_ids(37, 5), checkpoints=checkpoints)  # 5 chunks
-    snapshots = len(state.segments) if checkpoints else 1
+    snapshots = len(state.chunks) if checkpoints else 1
     assert state.nbytes == size.total(37, snapshots)
     child = engine.extend(state, random_ids(3, 6))
     assert child.nbytes == size.total(40, snapshots + 1 if checkpoints else 1)
@@ -276,8 +276,8 @@ def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_gr
     growing = [i for i, layer in enumerate(engine.adapter.layers) if layer.mixer.grows]
     for i in growing:
         assert len(state.blocks(i)) == 1 and state.blocks(i)[0].length == 23
-        for j, seg in enumerate(state.segments):
-            assert sum(b.length for b in state.blocks(i, j)) == seg.start
+        for j, chunk in enumerate(state.chunks):
+            assert sum(b.length for b in state.blocks(i, j)) == chunk.start
 
     weights = torch.randn(5, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     model.zero_grad(set_to_none=True)

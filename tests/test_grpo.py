@@ -532,7 +532,7 @@ def test_tree_form_follows_segment_loss_masks():
 # --- 4. deep trees: many short turns ------------------------------------------------------------------------------
 def many_turns(turns: int, seed: int = 0) -> list[Trajectory]:
     """Two rollouts sharing ``turns`` one-token segments (assistant and tool alternate), diverging in the final
-    answer: the segment tree is a chain of ``turns + 1`` nodes above two leaves."""
+    answer: the prefix tree is a chain of ``turns + 1`` nodes above two leaves."""
     rng = np.random.default_rng(seed)
     shared = [Segment("user", rng.integers(0, VOCAB, 3), turn=0)]
     for k, token in enumerate(rng.integers(0, VOCAB, turns).tolist()):

@@ -1,4 +1,4 @@
-"""Segment trees: trie structure on hand-built groups, invariants on random groups, validation errors."""
+"""Prefix trees: trie structure on hand-built groups, invariants on random groups, validation errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from recursion import shallow_stack
 from longstraw_agents.segmenter import (
     Member,
     Node,
-    SegmentTree,
+    PrefixTree,
     build_tree,
     fuse_chains,
     nodes_with_loss_below,
@@ -24,12 +24,12 @@ def member(prompt: list[int], completion: list[int], logprobs: list[float] | Non
     return Member.from_prompt_completion(prompt, completion, logprobs)
 
 
-def spans(tree: SegmentTree) -> list[tuple[int, int, list[int]]]:
+def spans(tree: PrefixTree) -> list[tuple[int, int, list[int]]]:
     """Pre-order (start, end, members) of every node: the tree's shape in one comparable value."""
     return [(node.start, node.end, node.members) for node in tree.nodes()]
 
 
-def paths(tree: SegmentTree) -> dict[int, list[Node]]:
+def paths(tree: PrefixTree) -> dict[int, list[Node]]:
     """Per member, the nodes on its root-to-leaf path, in position order (the virtual root excluded)."""
     out: dict[int, list[Node]] = {k: [] for k in range(len(tree.members))}
     for node in tree.nodes():
@@ -160,7 +160,7 @@ def random_group(rng: np.random.Generator, size: int) -> list[Member]:
     return members
 
 
-def assert_partitions(tree: SegmentTree, members: list[Member], homogeneous: bool = True) -> None:
+def assert_partitions(tree: PrefixTree, members: list[Member], homogeneous: bool = True) -> None:
     """Each member's root-to-leaf path covers its tokens, inputs, targets, masks and logprobs exactly once."""
     for k, nodes in paths(tree).items():
         m = members[k]

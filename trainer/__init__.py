@@ -1,4 +1,4 @@
-"""GRPO training over segment trees: the loss, the three execution modes and the trainer.
+"""GRPO training over prefix trees: the loss, the three execution modes and the trainer.
 
 >>> from longstraw_agents.trainer import grpo_backward, GRPOConfig, GRPOTrainer
 >>> stats = grpo_backward(model, prompt_ids, completions, rewards, mode="exact")  # accumulates into param.grad

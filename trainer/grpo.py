@@ -8,7 +8,7 @@
   backpropagated through the context by recomputing its chunks in reverse (DESIGN.md, "Exact gradients"); equals
   naive's gradient with peak memory ≈ states on the active root→leaf path + their gradient + one chunk graph.
 
-The tree modes walk the group's segment tree depth first (``longstraw_agents.segmenter``). ``grpo_backward``
+The tree modes walk the group's prefix tree depth first (``longstraw_agents.segmenter``). ``grpo_backward``
 accumulates into ``param.grad`` and returns statistics; it never steps an optimizer.
 """
 
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from longstraw_agents.engine import Engine
 from longstraw_agents.memory import MemoryTracker
-from longstraw_agents.segmenter import Member, Node, SegmentTree, build_tree, fuse_chains, nodes_with_loss_below
+from longstraw_agents.segmenter import Member, Node, PrefixTree, build_tree, fuse_chains, nodes_with_loss_below
 from longstraw_agents.state import State, StateGrad
 from longstraw_agents.trainer.loss import (
     AGGREGATIONS,
@@ -43,9 +43,9 @@ ModeName = Literal["naive", "detached", "exact"]
 
 @dataclass
 class Group:
-    """A GRPO group ready for the loss: its segment tree and each member's advantage and weight."""
+    """A GRPO group ready for the loss: its prefix tree and each member's advantage and weight."""
 
-    tree: SegmentTree
+    tree: PrefixTree
     terms: list[MemberTerms]
     rewards: list[float]
 
@@ -185,7 +185,7 @@ class _Pending:
 
 
 class TreeMode(ExecutionMode):
-    """Depth-first walk of the segment tree; subclasses say how interior and leaf nodes are processed.
+    """Depth-first walk of the prefix tree; subclasses say how interior and leaf nodes are processed.
 
     The walk uses an explicit stack (trees of thousands of turns are as deep). An interior node is extended with
     room reserved for the single-child chain below it, so the chain lands contiguous in one arena per layer and
@@ -195,7 +195,7 @@ class TreeMode(ExecutionMode):
 
     checkpoints = False
 
-    def tree(self, group: Group) -> SegmentTree:
+    def tree(self, group: Group) -> PrefixTree:
         return group.tree
 
     def run(self, group: Group, stats: WalkStats) -> None:
@@ -245,10 +245,10 @@ class TreeMode(ExecutionMode):
         return _Pending(node, inputs, parent, state, ref_state, loss)
 
     def _loss_fn(self, loss: NodeLoss, base: int):
-        def segment_loss(logits: Tensor, start: int, end: int) -> Tensor:
+        def chunk_loss(logits: Tensor, start: int, end: int) -> Tensor:
             return loss(logits, start - base, end - base, self.stats)
 
-        return segment_loss
+        return chunk_loss
 
     @abstractmethod
     def leaf(self, node: Node, inputs: Tensor, parent: State, loss: NodeLoss) -> None: ...
@@ -282,7 +282,7 @@ class ExactMode(TreeMode):
     name = "exact"
     checkpoints = True
 
-    def tree(self, group: Group) -> SegmentTree:
+    def tree(self, group: Group) -> PrefixTree:
         # every interior node is extended and recomputed in chunks whether or not it has loss, so runs of short
         # turns fuse without changing the gradient; long context stays apart (no lm_head over it in backward)
         return fuse_chains(group.tree, max_context=self.engine.config.chunk_size)

@@ -1,5 +1,5 @@
 """The GRPO objective (defaults match TRL's GRPOTrainer), written per token so that any execution mode and any
-segment tree can evaluate it piece by piece.
+prefix tree can evaluate it piece by piece.
 
 For member i of a group with reward r_i, advantage ``A_i = (r_i - mean r) / (std r + 1e-4)`` (unbiased std, as
 ``torch.std``; ``scale_rewards=False`` drops the division, as Dr. GRPO). For each loss token t of member i, with

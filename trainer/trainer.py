@@ -61,7 +61,7 @@ def token_ids(values: Tensor | np.ndarray | Sequence[int], name: str) -> list[in
 
 
 class GRPOTrainer:
-    """GRPO over segment trees with one of the three execution modes.
+    """GRPO over prefix trees with one of the three execution modes.
 
     model: a transformers CausalLM, or an ``Engine`` over one (to set e.g. ``max_score_elements``; its chunk size
         must equal ``config.chunk_size``). ref_model: the frozen KL reference (needed when beta > 0); it is moved
