@@ -7,7 +7,7 @@ import torch
 from longstraw_agents.engine import Engine
 from longstraw_agents.models.base import LayerContext
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
-from longstraw_agents.trainer.loss import AGGREGATIONS, LossConfig, group_advantages, per_token_loss, token_logprobs
+from longstraw_agents.trainer.loss import AGGREGATIONS, GRPOLoss, LossConfig, group_advantages, token_logprobs
 
 VOCAB = 2048
 
@@ -46,12 +46,14 @@ def prefix_grouper_backward(engine: Engine, prompt, completions, rewards, config
     ]
     advantages = group_advantages(rewards, config.scale_rewards).tolist()
     weights = AGGREGATIONS[config.aggregation].weights([len(c) for c in completions], config)
+    objective = GRPOLoss.from_config(config)
     total = None
     for completion, advantage, weight in zip(completions, advantages, weights, strict=True):
         inputs = torch.cat([prompt[-1:], completion[:-1]])
         hidden, _ = adapter.forward(inputs, prompt.shape[0] - 1, contexts)
         logp = token_logprobs(adapter.lm_head(hidden), completion).double()
-        loss = per_token_loss(logp, advantage, config).sum() * weight
+        per_token, _ = objective(logp, advantage)
+        loss = per_token.sum() * weight
         total = loss if total is None else total + loss
     total.backward()
     return float(total.detach())

@@ -42,7 +42,7 @@ def peak_bytes(model, mode: str, prompt_len: int, group: int, completion_len: in
     prompt, completions, rewards = synthetic_group(prompt_len, group, completion_len)
     materialise_grads(model)
     stats = grpo_backward(model, prompt, completions, rewards, mode, chunk_size=chunk, track_memory=True)
-    return int(stats["peak_bytes"])
+    return int(stats.peak_bytes)
 
 
 def memory_vs_group(model, prompt_len, completion_len, chunk, groups) -> dict[str, list[int]]:

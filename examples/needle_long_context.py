@@ -109,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         rollout_s = time.perf_counter() - t0
 
         metrics = trainer.train_step([trainer.group_from_trajectories(group)])
-        peak = max(peak, metrics["peak_bytes"])
+        peak = max(peak, metrics.peak_bytes)
         rewards = " ".join(f"{t.reward:.0f}" for t in group)
         print(
             f"step {step + 1}/{args.steps}: prefix {len(prefix):,} tokens ({turns} scripted turns), G={args.group}, "
-            f"rewards [{rewards}], rollout {rollout_s:.1f}s | exact GRPO: loss {metrics['loss']:+.4f}, "
-            f"loss tokens {metrics['loss_tokens']}, unique tokens {metrics['unique_tokens']:,}, "
-            f"forward tokens {metrics['forward_tokens']:,}, peak tracked {metrics['peak_bytes'] / MiB:.1f} MiB, "
-            f"grad norm {metrics['grad_norm']:.3g}, {metrics['seconds']:.1f}s",
+            f"rewards [{rewards}], rollout {rollout_s:.1f}s | exact GRPO: loss {metrics.loss:+.4f}, "
+            f"loss tokens {metrics.loss_tokens}, unique tokens {metrics.unique_tokens:,}, "
+            f"forward tokens {metrics.forward_tokens:,}, peak tracked {metrics.peak_bytes / MiB:.1f} MiB, "
+            f"grad norm {metrics.grad_norm:.3g}, {metrics.seconds:.1f}s",
             flush=True,
         )
     episodes = store.count("run_id = ?", [run_id])

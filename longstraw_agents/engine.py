@@ -31,6 +31,7 @@ from longstraw_agents.state import (
     StateGrad,
     leaf_into,
 )
+from longstraw_agents.token_ids import as_token_ids
 
 __all__ = ["Engine", "EngineConfig", "ChunkLoss", "State", "StateGrad", "StateSize", "state_size"]
 
@@ -151,25 +152,8 @@ class Engine:
         return self.adapter.forward(ids, start, contexts, max_score_elements=self.config.max_score_elements)
 
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
-        if not isinstance(ids, Tensor):
-            try:
-                values = list(ids)  # no dtype given: floats and bools are refused below, never cast
-                ids = torch.as_tensor(values) if values else torch.empty(0, dtype=torch.long)
-            except (TypeError, ValueError) as err:
-                raise TypeError(f"token ids must be a 1-D integer tensor or a sequence of ints: {err}") from None
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise TypeError(f"token ids must be an integer tensor (torch.long), got dtype {ids.dtype}")
-        if ids.dim() != 1:
-            raise ValueError(f"token ids must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.numel() == 0:
-            if allow_empty:
-                return ids.to(device=self.adapter.device, dtype=torch.long)
-            raise ValueError("token ids are empty: pass at least one token")
-        vocab = self.adapter.vocab_size
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"token ids must be in [0, {vocab}); got values in [{lo}, {hi}]")
-        return ids.to(device=self.adapter.device, dtype=torch.long)
+        ids = as_token_ids(ids, allow_empty=allow_empty, vocab_size=self.adapter.vocab_size)
+        return ids.to(device=self.adapter.device)
 
     def _check_state(self, state: State) -> None:
         if not isinstance(state, State):
@@ -261,9 +245,7 @@ class Engine:
                 recurrent.append(RecurrentState(tuple(t.detach() for t in entry)))
         return ChunkRecord(start, n, tuple(blocks), tuple(recurrent))
 
-    def _backward_chunk(
-        self, state: State, j: int, ids: Tensor, grad: StateGrad, loss_fn: ChunkLoss | None
-    ) -> None:
+    def _backward_chunk(self, state: State, j: int, ids: Tensor, grad: StateGrad, loss_fn: ChunkLoss | None) -> None:
         chunk = state.chunks[j]
         outputs: list[Tensor] = []
         grads: list[Tensor] = []

@@ -35,7 +35,7 @@ from longstraw_agents import engine as engine_module
 from longstraw_agents.engine import Engine
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.state import Arena
-from longstraw_agents.trainer import LossConfig, grpo, grpo_backward, grpo_backward_trajectories
+from longstraw_agents.trainer import BackwardResult, LossConfig, grpo_backward, grpo_backward_trajectories, modes
 from longstraw_agents.trajectory import Segment, Trajectory
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "glm_moe_dsa"]
@@ -187,16 +187,16 @@ def test_matches_transformers_reference_fp32(scenario: Scenario, mode: str):
     expected, expected_grads = run_reference(net, logps_fn, group, scenario, transformers_logits(ref_net))
     stats, grads = run_mode(net, group, mode, scenario, ref_net)
 
-    assert_loss_close(stats["loss"], float(expected.loss.detach()), LOSS_TOL[torch.float32])
+    assert_loss_close(stats.loss, float(expected.loss.detach()), LOSS_TOL[torch.float32])
     assert relative_l2(grads, expected_grads) <= TRANSFORMERS_TOL[torch.float32]
     if scenario.kl:
-        assert stats["kl"] == pytest.approx(expected.kl, rel=KL_TOL[torch.float32])
+        assert stats.kl == pytest.approx(expected.kl, rel=KL_TOL[torch.float32])
     else:
-        assert stats["kl"] is None
-    assert stats["loss_tokens"] == sum(len(c) for c in group.completions)
-    assert stats["prompt_tokens"] == PROMPT_LEN
-    assert stats["unique_tokens"] == PROMPT_LEN + sum(len(c) for c in group.completions)
-    assert stats["num_members"] == 4 and stats["mode"] == mode
+        assert stats.kl is None
+    assert stats.loss_tokens == sum(len(c) for c in group.completions)
+    assert stats.prompt_tokens == PROMPT_LEN
+    assert stats.unique_tokens == PROMPT_LEN + sum(len(c) for c in group.completions)
+    assert stats.num_members == 4 and stats.mode == mode
 
 
 @pytest.mark.parametrize("mode", ["naive", "exact"])
@@ -213,10 +213,10 @@ def test_matches_full_forward_reference_fp64(scenario: Scenario, mode: str):
     expected, expected_grads = run_reference(net, logps_fn, group, scenario, engine_logits(Engine(ref_net)))
     stats, grads = run_mode(net, group, mode, scenario, ref_net)
 
-    assert_loss_close(stats["loss"], float(expected.loss.detach()), LOSS_TOL[torch.float64])
+    assert_loss_close(stats.loss, float(expected.loss.detach()), LOSS_TOL[torch.float64])
     assert relative_l2(grads, expected_grads) <= 1e-9
     if scenario.kl:
-        assert stats["kl"] == pytest.approx(expected.kl, rel=KL_TOL[torch.float64])
+        assert stats.kl == pytest.approx(expected.kl, rel=KL_TOL[torch.float64])
 
 
 @pytest.mark.parametrize(
@@ -234,7 +234,7 @@ def test_matches_reference_other_families(family: str, dtype: torch.dtype):
         net, functools.partial(completion_logprobs, logits_fn), group, scenario, ref_logits_fn
     )
     stats, grads = run_mode(net, group, "exact", scenario, ref_net)
-    assert_loss_close(stats["loss"], float(expected.loss.detach()), max(tol, LOSS_TOL[dtype]))
+    assert_loss_close(stats.loss, float(expected.loss.detach()), max(tol, LOSS_TOL[dtype]))
     assert relative_l2(grads, expected_grads) <= tol
 
 
@@ -265,7 +265,7 @@ def test_reference_batches_exercise_clipping_and_the_on_policy_constant():
     lengths = torch.tensor([len(c) for c in group.completions], dtype=torch.float64)
     assert float(on_policy.loss.detach()) == pytest.approx(float(-(adv * lengths).sum() / lengths.sum()), rel=1e-12)
     stats, _ = run_mode(net, group, "exact", Scenario("on", off_policy=False))
-    assert stats["loss"] == pytest.approx(float(on_policy.loss.detach()), rel=1e-12)
+    assert stats.loss == pytest.approx(float(on_policy.loss.detach()), rel=1e-12)
 
 
 # --- 2. the modes against each other, every family, fp32 and fp64 --------------------------------------------------
@@ -279,7 +279,7 @@ def mode_group(family: str, dtype: torch.dtype) -> PromptGroup:
 
 
 @functools.cache
-def mode_runs(family: str, dtype: torch.dtype) -> dict[str, tuple[dict, dict[str, Tensor]]]:
+def mode_runs(family: str, dtype: torch.dtype) -> dict[str, tuple[BackwardResult, dict[str, Tensor]]]:
     """All three modes on one off-policy group with clipping and KL (computed once per family and dtype)."""
     net, ref_net = model(family, dtype), model(family, dtype, seed=1)
     group = mode_group(family, dtype)
@@ -303,9 +303,9 @@ def test_loss_identical_in_all_modes(family: str, dtype: torch.dtype):
     naive = runs["naive"][0]
     for mode in ("detached", "exact"):
         stats = runs[mode][0]
-        assert_loss_close(stats["loss"], naive["loss"], LOSS_TOL[dtype])
-        assert stats["kl"] == pytest.approx(naive["kl"], rel=KL_TOL[dtype])
-        assert stats["loss_tokens"] == naive["loss_tokens"]
+        assert_loss_close(stats.loss, naive.loss, LOSS_TOL[dtype])
+        assert stats.kl == pytest.approx(naive.kl, rel=KL_TOL[dtype])
+        assert stats.loss_tokens == naive.loss_tokens
 
 
 @family_dtype
@@ -343,7 +343,7 @@ def test_detached_mode_equals_independent_detached_reference(family: str, dtype:
     stats, grads = mode_runs(family, dtype)["detached"]
     tol = TRANSFORMERS_TOL[dtype] if family in ("llama", "qwen3") else EXACT_REFERENCE_TOL[dtype]
     assert relative_l2(grads, expected_grads) <= tol
-    assert_loss_close(stats["loss"], float(expected.loss.detach()), max(tol, LOSS_TOL[dtype]))
+    assert_loss_close(stats.loss, float(expected.loss.detach()), max(tol, LOSS_TOL[dtype]))
 
 
 def test_gradients_accumulate_into_existing_grads():
@@ -466,8 +466,8 @@ def test_tree_form_exact_equals_naive_and_reference(family: str, dtype: torch.dt
     assert relative_l2(runs["exact"][1], expected_grads) <= tol
     assert relative_l2(runs["detached"][1], runs["naive"][1]) > 1e-2
     for mode in MODES:
-        assert_loss_close(runs[mode][0]["loss"], runs["naive"][0]["loss"], LOSS_TOL[dtype])
-    assert_loss_close(runs["exact"][0]["loss"], float(expected.loss.detach()), max(tol, LOSS_TOL[dtype]))
+        assert_loss_close(runs[mode][0].loss, runs["naive"][0].loss, LOSS_TOL[dtype])
+    assert_loss_close(runs["exact"][0].loss, float(expected.loss.detach()), max(tol, LOSS_TOL[dtype]))
 
 
 def test_tree_form_counts_shared_tokens_once():
@@ -477,11 +477,11 @@ def test_tree_form_counts_shared_tokens_once():
     total = sum(t.num_tokens for t in trajectories)
     loss_tokens = sum(int(t.loss_mask()[1:].sum()) for t in trajectories)
     for s in stats.values():
-        assert s["unique_tokens"] == AGENT_UNIQUE_TOKENS < total
-        assert s["loss_tokens"] == loss_tokens  # the shared first answer still counts once per member in the loss
-        assert s["num_members"] == 5
-    assert stats["naive"]["forward_tokens"] == total - len(trajectories)  # every member from scratch
-    assert stats["detached"]["forward_tokens"] < stats["naive"]["forward_tokens"]  # the shared context once
+        assert s.unique_tokens == AGENT_UNIQUE_TOKENS < total
+        assert s.loss_tokens == loss_tokens  # the shared first answer still counts once per member in the loss
+        assert s.num_members == 5
+    assert stats["naive"].forward_tokens == total - len(trajectories)  # every member from scratch
+    assert stats["detached"].forward_tokens < stats["naive"].forward_tokens  # the shared context once
 
 
 def test_tree_form_takes_rewards_from_trajectories():
@@ -493,7 +493,7 @@ def test_tree_form_takes_rewards_from_trajectories():
     stats = grpo_backward_trajectories(net, trajectories, mode="exact", chunk_size=CHUNK)
     implicit = parameter_grads(net)
     explicit_stats, explicit = run_tree(net, trajectories, "exact", {})
-    assert stats["rewards"] == AGENT_REWARDS and stats["loss"] == explicit_stats["loss"]
+    assert list(stats.rewards) == AGENT_REWARDS and stats.loss == explicit_stats.loss
     assert relative_l2(implicit, explicit) == 0.0
 
     trajectories[2].reward = None
@@ -522,8 +522,8 @@ def test_tree_form_follows_segment_loss_masks():
     masked[3] = remask(masked[3], 2, np.zeros(6, bool))
     stats, grads = run_tree(net, masked, "exact", {})
     expected, expected_grads = tree_reference(net, engine_logits(Engine(net)), masked, AGENT_REWARDS, {})
-    assert stats["loss_tokens"] == sum(int(t.loss_mask()[1:].sum()) for t in trajectories) - 2 - 6
-    assert_loss_close(stats["loss"], float(expected.loss.detach()), LOSS_TOL[torch.float64])
+    assert stats.loss_tokens == sum(int(t.loss_mask()[1:].sum()) for t in trajectories) - 2 - 6
+    assert_loss_close(stats.loss, float(expected.loss.detach()), LOSS_TOL[torch.float64])
     assert relative_l2(grads, expected_grads) <= 1e-9
     _, naive_grads = run_tree(net, masked, "naive", {})
     assert relative_l2(grads, naive_grads) <= MODE_TOL[torch.float64]
@@ -550,16 +550,16 @@ def test_a_thousand_turn_tree_runs_and_exact_equals_naive():
         stats = grpo_backward_trajectories(net, trajectories, [1.0, 0.0], mode=mode, chunk_size=64, track_memory=False)
         runs[mode] = stats, parameter_grads(net)
     exact = runs["exact"][0]
-    assert exact["unique_tokens"] == 3 + 1000 + 2 * 2 and exact["nodes"] == 3
+    assert exact.unique_tokens == 3 + 1000 + 2 * 2 and exact.nodes == 3
     assert relative_l2(runs["exact"][1], runs["naive"][1]) <= MODE_TOL[torch.float64]
-    assert_loss_close(exact["loss"], runs["naive"][0]["loss"], LOSS_TOL[torch.float64])
+    assert_loss_close(exact.loss, runs["naive"][0].loss, LOSS_TOL[torch.float64])
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_the_walk_is_iterative_and_a_chain_lands_in_one_arena_per_layer(mode: str, monkeypatch):
     """Node by node (exact mode without fusing, as detached mode always runs): no recursion however deep the tree,
     and the chain's extends append into the storage its first extend reserved, so attention reads one block."""
-    monkeypatch.setattr(grpo.ExactMode, "tree", grpo.TreeMode.tree)
+    monkeypatch.setattr(modes.ExactMode, "tree", modes.TreeMode.tree)
     arenas = []
 
     class CountedArena(Arena):
@@ -576,7 +576,7 @@ def test_the_walk_is_iterative_and_a_chain_lands_in_one_arena_per_layer(mode: st
             net, trajectories, [1.0, 0.0], mode=mode, chunk_size=CHUNK, track_memory=False
         )
     grads = parameter_grads(net)
-    assert stats["nodes"] == 300 + 3
+    assert stats.nodes == 300 + 3
     assert len(arenas) == net.config.num_hidden_layers  # one per attention layer: the chain, then two leaves
     net.zero_grad(set_to_none=True)
     grpo_backward_trajectories(net, trajectories, [1.0, 0.0], mode="naive", track_memory=False)
@@ -652,9 +652,9 @@ def test_behaviour_logprobs_over_fused_context_and_members_without_them(importan
             net, trajectories, [1.0, 0.0], mode=mode, config=LossConfig(**loss), chunk_size=CHUNK, track_memory=False
         )
         runs[mode] = stats, parameter_grads(net)
-    assert runs["exact"][0]["nodes"] < 40  # the chain was fused
+    assert runs["exact"][0].nodes < 40  # the chain was fused
     for stats, grads in runs.values():
-        assert math.isfinite(stats["loss"]) and all(torch.isfinite(g).all() for g in grads.values())
+        assert math.isfinite(stats.loss) and all(torch.isfinite(g).all() for g in grads.values())
     assert relative_l2(runs["exact"][1], runs["naive"][1]) <= MODE_TOL[torch.float64]
     _, expected = tree_reference(net, logits_fn, trajectories, [1.0, 0.0], loss)
     assert relative_l2(runs["exact"][1], expected) <= tol

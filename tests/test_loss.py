@@ -10,12 +10,22 @@ import torch
 
 from longstraw_agents.trainer.loss import (
     AGGREGATIONS,
+    LOSSES,
+    GRPOLoss,
     LossConfig,
+    RatioLoss,
+    TISLoss,
     clip_fraction,
     group_advantages,
-    per_token_loss,
+    k3_kl,
     token_logprobs,
 )
+
+
+def per_token(logp, advantage, config: LossConfig, old_logp=None, ref_logp=None) -> torch.Tensor:
+    """The per-token loss of the objective ``config`` selects (its metrics dropped)."""
+    loss, _ = GRPOLoss.from_config(config)(logp, advantage, old_logp, ref_logp)
+    return loss
 
 
 # --- advantages ----------------------------------------------------------------------------------------------------
@@ -108,7 +118,7 @@ def ratio_loss(ratio: float, advantage: float, **config) -> tuple[float, float]:
     """Per-token loss and its gradient d loss / d logp at a given ratio exp(logp - old)."""
     old = torch.tensor([0.0], dtype=torch.float64)
     logp = torch.tensor([math.log(ratio)], dtype=torch.float64, requires_grad=True)
-    loss = per_token_loss(logp, advantage, LossConfig(**config), old_logp=old)
+    loss = per_token(logp, advantage, LossConfig(**config), old_logp=old)
     loss.sum().backward()
     return float(loss.detach()), float(logp.grad)
 
@@ -145,7 +155,7 @@ def test_clip_boundaries_and_asymmetric_upper_range():
 
 def test_on_policy_ratio_is_one_with_the_policy_gradient():
     logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
-    loss = per_token_loss(logp, 1.5, LossConfig())
+    loss = per_token(logp, 1.5, LossConfig())
     assert loss.tolist() == [-1.5] * 3
     loss.sum().backward()
     assert logp.grad.tolist() == [-1.5] * 3
@@ -154,14 +164,21 @@ def test_on_policy_ratio_is_one_with_the_policy_gradient():
 def test_unknown_behaviour_logprobs_fall_back_to_on_policy():
     logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([float("nan"), -2.0 - math.log(1.1)], dtype=torch.float64)
-    loss = per_token_loss(logp, 1.0, LossConfig(), old_logp=old)
+    loss = per_token(logp, 1.0, LossConfig(), old_logp=old)
     assert loss.tolist() == pytest.approx([-1.0, -1.1])
 
 
 def test_per_token_loss_broadcasts_advantages_per_member_row():
     logp = torch.zeros(2, 3, dtype=torch.float64)
-    loss = per_token_loss(logp, torch.tensor([[1.0], [-2.0]], dtype=torch.float64), LossConfig())
+    loss = per_token(logp, torch.tensor([[1.0], [-2.0]], dtype=torch.float64), LossConfig())
     assert loss.tolist() == [[-1.0] * 3, [2.0] * 3]
+
+
+def test_each_importance_variant_is_one_loss_class_chosen_from_the_config():
+    names = set(LossConfig.model_fields["importance"].annotation.__args__)
+    assert names == set(LOSSES) == {"ratio", "tis"}
+    assert type(GRPOLoss.from_config(LossConfig())) is RatioLoss
+    assert type(GRPOLoss.from_config(LossConfig(importance="tis"))) is TISLoss
 
 
 # --- truncated importance sampling (offline replay) ------------------------------------------------------------
@@ -171,7 +188,7 @@ def test_truncated_importance_weights_an_on_policy_ratio():
     config = LossConfig(importance="tis", tis_cap=2.0, epsilon=0.2)
     logp = torch.tensor([-1.0, -1.0, -1.0, -1.0], dtype=torch.float64, requires_grad=True)
     behaviour = torch.tensor([-1.0, -1.5, -4.0, float("nan")], dtype=torch.float64)
-    loss = per_token_loss(logp, 2.0, config, old_logp=behaviour)
+    loss = per_token(logp, 2.0, config, old_logp=behaviour)
     weights = [1.0, math.exp(0.5), 2.0, 1.0]  # equal, above 1, capped, unknown behaviour: on-policy
     assert loss.tolist() == pytest.approx([-2.0 * w for w in weights], rel=1e-12)
     loss.sum().backward()
@@ -180,7 +197,7 @@ def test_truncated_importance_weights_an_on_policy_ratio():
 
 def test_truncated_importance_without_behaviour_logprobs_is_plain_on_policy():
     logp = torch.tensor([-0.5, -2.0], dtype=torch.float64)
-    assert per_token_loss(logp, 1.0, LossConfig(importance="tis")).tolist() == [-1.0, -1.0]
+    assert per_token(logp, 1.0, LossConfig(importance="tis")).tolist() == [-1.0, -1.0]
 
 
 # --- KL ---------------------------------------------------------------------------------------------------------
@@ -188,7 +205,7 @@ def test_k3_kl_term_and_its_gradient():
     logp = torch.tensor([-1.0, -2.0, -0.3], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([-1.5, -2.0, -0.1], dtype=torch.float64)
     beta = 0.3
-    with_kl = per_token_loss(logp, 0.0, LossConfig(beta=beta), ref_logp=ref)  # A = 0: only the KL remains
+    with_kl = per_token(logp, 0.0, LossConfig(beta=beta), ref_logp=ref)  # A = 0: only the KL remains
     delta = ref - logp.detach()
     k3 = torch.exp(delta) - delta - 1
     assert with_kl.tolist() == pytest.approx((beta * k3).tolist(), rel=1e-14)
@@ -197,14 +214,24 @@ def test_k3_kl_term_and_its_gradient():
     assert logp.grad.tolist() == pytest.approx((beta * (1 - torch.exp(delta))).tolist(), rel=1e-12)
 
 
+def test_the_kl_metric_is_the_detached_k3_of_the_loss_shape_and_absent_without_beta():
+    logp = torch.tensor([[-1.0, -2.0], [-0.3, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.5, -2.0], dtype=torch.float64)  # one reference row broadcast over the member rows
+    loss, metrics = GRPOLoss.from_config(LossConfig(beta=0.3))(logp, torch.ones(2, 1, dtype=torch.float64), None, ref)
+    assert metrics.kl.shape == loss.shape == (2, 2) and not metrics.kl.requires_grad
+    assert torch.equal(metrics.kl, k3_kl(logp.detach(), ref))
+    _, without = GRPOLoss.from_config(LossConfig())(logp, 1.0, None, ref)
+    assert without.kl is None
+
+
 def test_kl_needs_reference_logprobs():
     with pytest.raises(ValueError, match="reference"):
-        per_token_loss(torch.zeros(2), 1.0, LossConfig(beta=0.1))
+        per_token(torch.zeros(2), 1.0, LossConfig(beta=0.1))
 
 
 def test_beta_zero_ignores_reference_logprobs():
     logp = torch.zeros(2, dtype=torch.float64)
-    assert per_token_loss(logp, 1.0, LossConfig(), ref_logp=torch.full((2,), -3.0)).tolist() == [-1.0, -1.0]
+    assert per_token(logp, 1.0, LossConfig(), ref_logp=torch.full((2,), -3.0)).tolist() == [-1.0, -1.0]
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------

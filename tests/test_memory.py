@@ -163,7 +163,7 @@ def peak_bytes(family: str, mode: str, group_size: int, prompt_len: int, chunk: 
     completions = [torch.randint(0, 256, (completion_len,), generator=gen) for _ in range(group_size)]
     rewards = [float(k % 3) for k in range(group_size)]
     stats = grpo_backward(model(family), prompt, completions, rewards, mode=mode, chunk_size=chunk)
-    return stats["peak_bytes"]
+    return stats.peak_bytes
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

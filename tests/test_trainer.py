@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +26,15 @@ from grpo_reference import flat, parameter_grads, relative_l2
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, LossConfig, OptimizerConfig, backward_group
+from longstraw_agents.trainer import (
+    MODES,
+    GRPOConfig,
+    GRPOTrainer,
+    LossConfig,
+    ModeName,
+    OptimizerConfig,
+    backward_group,
+)
 from longstraw_agents.trajectory import Segment, Trajectory
 
 TESTS = Path(__file__).resolve().parent
@@ -129,12 +139,18 @@ def test_config_round_trips_through_json():
         ({"aggregation": "mean"}, ("loss", "aggregation")),
         ({"loss": {"beta": -1.0}}, ("loss", "beta")),
         ({"gradient_accumulation": 4}, ("gradient_accumulation",)),
+        ({"seed": 0}, ("seed",)),  # the trainer draws no random numbers: there is nothing to seed
     ],
 )
 def test_bad_config_values_name_the_field(kwargs, loc):
     with pytest.raises(pydantic.ValidationError) as info:
         GRPOConfig(**kwargs)
     assert [error["loc"] for error in info.value.errors()] == [loc]
+
+
+def test_every_configurable_mode_is_one_execution_mode():
+    assert GRPOConfig.model_fields["mode"].annotation is ModeName  # one definition of the mode names
+    assert set(typing.get_args(ModeName)) == set(MODES) == {"naive", "detached", "exact"}
 
 
 def test_beta_without_a_reference_model_is_rejected():
@@ -215,13 +231,39 @@ def test_steps_change_the_parameters_and_advance_the_policy_version():
     assert trainer.step_count == trainer.policy_version == 0
     for step in range(3):
         metrics = trainer.train_step(step_groups(trainer, step))
-        assert metrics["step"] == metrics["policy_version"] == step + 1 == trainer.policy_version
+        assert metrics.step == metrics.policy_version == step + 1 == trainer.policy_version
     after = parameters(trainer)
     assert relative_l2(after, before) > 1e-3
-    assert metrics["mode"] == "exact" and metrics["grad_norm"] > 0
-    assert metrics["loss_tokens"] > 0 and metrics["unique_tokens"] > 2 * PROMPT_LEN
+    assert metrics.mode == "exact" and metrics.grad_norm > 0
+    assert metrics.loss_tokens > 0 and metrics.unique_tokens > 2 * PROMPT_LEN
     with pytest.raises(ValueError, match="at least one group"):
         trainer.train_step([])
+
+
+def test_step_metrics_are_a_frozen_record_with_a_plain_dict_form():
+    trainer = make_trainer()
+    metrics = trainer.train_step(step_groups(trainer, 0))
+    assert list(metrics.to_dict()) == [
+        "step", "policy_version", "mode", "loss", "reward_mean", "reward_std", "grad_norm", "lr", "loss_tokens",
+        "unique_tokens", "forward_tokens", "seconds", "peak_bytes", "kl",
+    ]  # fmt: skip
+    assert json.loads(json.dumps(metrics.to_dict())) == metrics.to_dict()
+    assert metrics.peak_bytes is None and metrics.kl is None  # memory not tracked, no KL term
+    with pytest.raises(AttributeError):
+        metrics.loss = 0.0
+
+
+def test_the_trainer_leaves_the_global_random_state_alone():
+    """No hidden reseeding: building a trainer and stepping it neither reads nor changes torch's, numpy's or
+    Python's global generators."""
+    torch.manual_seed(123)
+    groups = step_groups(make_trainer(), 0)
+    net = tiny_model("llama", seed=0)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    trainer = GRPOTrainer(net, GRPOConfig(G=G, chunk_size=CHUNK))
+    trainer.train_step(groups)
+    after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    assert torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1]) and before[2] == after[2]
 
 
 def test_a_step_uses_the_mean_of_the_groups_gradients_and_the_configured_mode():
@@ -240,7 +282,7 @@ def test_a_step_uses_the_mean_of_the_groups_gradients_and_the_configured_mode():
         metrics = trainer.train_step(groups)
         grads[mode] = parameter_grads(trainer.model)
         assert relative_l2(grads[mode], expected) <= 1e-6
-        assert metrics["grad_norm"] == pytest.approx(float(flat(expected).norm()), rel=1e-5)
+        assert metrics.grad_norm == pytest.approx(float(flat(expected).norm()), rel=1e-5)
     assert relative_l2(grads["exact"], grads["naive"]) <= 1e-5
     assert relative_l2(grads["detached"], grads["naive"]) > 1e-2
 
@@ -254,6 +296,7 @@ def _data_parallel_worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
     GradientState._reset_state()
+    torch.manual_seed(0)  # the data's seed (the trainer itself leaves the global RNGs alone)
     trainer = make_trainer(accelerator=Accelerator(cpu=True))
     assert trainer.accelerator.num_processes == 2
     groups = step_groups(trainer, 0, num_groups=3)
@@ -278,6 +321,7 @@ def test_data_parallel_step_equals_one_process_on_the_union_of_the_groups(tmp_pa
     mp.start_processes(
         _data_parallel_worker, args=(_free_port(), str(tmp_path / "rank")), nprocs=2, start_method=start_method
     )
+    torch.manual_seed(0)  # the same data as the workers
     trainer = make_trainer()
     trainer.train_step(step_groups(trainer, 0, num_groups=3))
     expected_grads, expected_params = parameter_grads(trainer.model), parameters(trainer)
@@ -292,8 +336,8 @@ def test_gradient_clipping_reports_the_raw_norm_and_clips_to_max(max_norm):
     trainer = make_trainer(max_grad_norm=max_norm)
     metrics = trainer.train_step(step_groups(trainer, 0))
     clipped_norm = float(flat(parameter_grads(trainer.model)).norm())
-    assert metrics["grad_norm"] > 1e-2  # the raw norm, before clipping
-    expected = metrics["grad_norm"] if max_norm is None else max_norm
+    assert metrics.grad_norm > 1e-2  # the raw norm, before clipping
+    expected = metrics.grad_norm if max_norm is None else max_norm
     assert clipped_norm == pytest.approx(expected, rel=1e-4)
 
 
@@ -308,9 +352,9 @@ def test_trajectory_groups_train_and_report_peak_memory():
     for traj, reward in zip(trajectories, (1.0, 0.0, 0.5), strict=True):
         traj.reward = reward
     metrics = trainer.train_step([trainer.group_from_trajectories(trajectories)])
-    assert metrics["reward_mean"] == pytest.approx(0.5) and metrics["loss_tokens"] == 4 + 4 + 2
-    assert metrics["unique_tokens"] == 30 + 3 + 2 + 1 + 1 + 2
-    assert metrics["peak_bytes"] > 0
+    assert metrics.reward_mean == pytest.approx(0.5) and metrics.loss_tokens == 4 + 4 + 2
+    assert metrics.unique_tokens == 30 + 3 + 2 + 1 + 1 + 2
+    assert metrics.peak_bytes > 0
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------------
@@ -325,6 +369,7 @@ def _worker(spec: dict) -> None:
     write of that save; "between_renames": after the old checkpoint was moved aside, before the new one is in place).
     """
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # the data's seed; a resumed worker gets the saved RNG states from the checkpoint
     trainer = make_trainer()
     if spec["load"]:
         trainer.load_checkpoint(spec["ckpt"])

@@ -11,13 +11,12 @@ AdamW's, ``num_generations`` is G, ``loss_type`` takes TRL's names ("dapo", "bnp
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from longstraw_agents.trainer.loss import LossConfig
-
-ModeName = Literal["naive", "detached", "exact"]
+from longstraw_agents.trainer.modes import ModeName
 
 
 class OptimizerConfig(BaseModel):
@@ -92,11 +91,10 @@ class GRPOConfig(BaseModel):
     group_size: int = Field(
         8, ge=1, description="G: completions per prompt; GRPOTrainer.group_from_completions checks it"
     )
-    mode: ModeName = Field("exact", description="naive | detached | exact (see longstraw_agents.trainer.grpo)")
+    mode: ModeName = Field("exact", description="naive | detached | exact (see longstraw_agents.trainer.modes)")
     chunk_size: int = Field(512, ge=1, description="tokens per prefill chunk (bounds activation memory)")
     loss: LossConfig = Field(default_factory=LossConfig, description="the GRPO objective")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW, warmup and clipping")
-    seed: int = Field(0, description="seed for torch / numpy / python RNGs at trainer start")
     track_memory: bool = Field(False, description="record peak live tensor bytes per step (slower)")
 
     @model_validator(mode="before")

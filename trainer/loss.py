@@ -20,6 +20,9 @@ token-mean ``1 / Σ_j n_j`` (default), seq-mean ``1 / (G n_i)``, dr-grpo ``1 / (
 max_turns for agents). TRL's ``loss_type`` names are accepted: "dapo" and "bnpo" (Σ loss / Σ tokens) are token-mean,
 "grpo" (mean over sequences of each sequence's token mean) is seq-mean, "dr_grpo" is dr-grpo.
 
+``GRPOLoss.from_config(config)`` picks the per-token objective once (``RatioLoss`` or ``TISLoss``); ``k3_kl`` is the
+one place the KL term is computed.
+
 Because the loss is linear in per-member terms, a token shared by several members (a shared loss node of the segment
 tree) carries the sum of their terms and the total equals the naive per-member loss exactly.
 """
@@ -34,6 +37,8 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
+
+from longstraw_agents.trainer.metrics import TokenMetrics
 
 AggregationName = Literal["token-mean", "seq-mean", "dr-grpo"]
 ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
@@ -143,34 +148,85 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) ->
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def per_token_loss(
-    logp: Tensor,
-    advantage: float,
-    config: LossConfig,
-    old_logp: Tensor | None = None,
-    ref_logp: Tensor | None = None,
-) -> Tensor:
-    """The clipped-ratio objective (+ k3 KL) of one member at its loss tokens (unreduced).
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """The k3 estimator of KL(policy || reference) per token: ``exp(d) - d - 1`` with ``d = l_ref - l`` (>= 0, zero
+    where the two agree; differentiable in ``logp``)."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
 
-    ``old_logp``: behaviour log-probs (NaN where unknown: treated as on-policy)."""
-    current = logp.detach()
-    behaviour = None if old_logp is None else torch.where(torch.isnan(old_logp), current, old_logp)
-    weight = None
-    if behaviour is not None and config.importance == "tis":
-        weight = torch.clamp(torch.exp(current - behaviour), max=config.tis_cap)
-        behaviour = None
-    old = current if behaviour is None else behaviour
-    ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1.0 - config.epsilon, 1.0 + config.clip_high)
-    loss = -torch.minimum(ratio * advantage, clipped * advantage)
-    if weight is not None:
-        loss = loss * weight
-    if config.beta > 0.0:
+
+class GRPOLoss(ABC):
+    """The per-token GRPO objective; one subclass per ``LossConfig.importance``, chosen once by ``from_config``.
+
+    ``loss(logp, advantage, old_logp, ref_logp) -> (per_token_loss, metrics)``. Shapes: ``logp`` is ``[..., T]``
+    (current log-probs of T tokens, e.g. ``[T]`` for one member or ``[M, T]`` for M members sharing a node);
+    ``advantage`` a float or a tensor broadcasting against it (``[M, 1]``: one per member row); ``old_logp``
+    (behaviour log-probs, NaN where unknown: treated as on-policy) and ``ref_logp`` (reference log-probs, needed
+    when beta > 0 and ignored otherwise) broadcast against ``logp``. ``per_token_loss`` has ``logp``'s shape and is
+    unreduced (no mask, no member weight); ``metrics.kl`` is the detached k3 KL of that shape (None when beta = 0).
+    """
+
+    importance: ClassVar[str]
+
+    def __init__(self, config: LossConfig):
+        self.config = config
+
+    @staticmethod
+    def from_config(config: LossConfig) -> GRPOLoss:
+        return LOSSES[config.importance](config)
+
+    def __call__(
+        self,
+        logp: Tensor,
+        advantage: float | Tensor,
+        old_logp: Tensor | None = None,
+        ref_logp: Tensor | None = None,
+    ) -> tuple[Tensor, TokenMetrics]:
+        current = logp.detach()
+        behaviour = None if old_logp is None else torch.where(torch.isnan(old_logp), current, old_logp)
+        loss = self.policy_loss(logp, advantage, behaviour)
+        if self.config.beta == 0.0:
+            return loss, TokenMetrics()
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs (pass a ref_model)")
-        delta = ref_logp - logp
-        loss = loss + config.beta * (torch.exp(delta) - delta - 1.0)
-    return loss
+        kl = k3_kl(logp, ref_logp)
+        return loss + self.config.beta * kl, TokenMetrics(kl=kl.detach())
+
+    @abstractmethod
+    def policy_loss(self, logp: Tensor, advantage: float | Tensor, behaviour: Tensor | None) -> Tensor:
+        """The policy-gradient term per token; ``behaviour``: known behaviour log-probs (None: on-policy)."""
+
+    def clipped(self, log_ratio: Tensor, advantage: float | Tensor) -> Tensor:
+        """``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with ``r = exp(log_ratio)``."""
+        ratio = torch.exp(log_ratio)
+        clipped = torch.clamp(ratio, 1.0 - self.config.epsilon, 1.0 + self.config.clip_high)
+        return -torch.minimum(ratio * advantage, clipped * advantage)
+
+
+class RatioLoss(GRPOLoss):
+    """``importance="ratio"``: the clipped ratio against the behaviour log-probs (``l.detach()`` on-policy)."""
+
+    importance = "ratio"
+
+    def policy_loss(self, logp: Tensor, advantage: float | Tensor, behaviour: Tensor | None) -> Tensor:
+        return self.clipped(logp - (logp.detach() if behaviour is None else behaviour), advantage)
+
+
+class TISLoss(GRPOLoss):
+    """``importance="tis"`` (verl's truncated importance sampling, for offline replay): the ratio is taken against
+    the current policy and each token is weighted by the constant ``min(exp(l - l_behaviour), tis_cap)``."""
+
+    importance = "tis"
+
+    def policy_loss(self, logp: Tensor, advantage: float | Tensor, behaviour: Tensor | None) -> Tensor:
+        current = logp.detach()
+        loss = self.clipped(logp - current, advantage)
+        if behaviour is None:
+            return loss
+        return loss * torch.clamp(torch.exp(current - behaviour), max=self.config.tis_cap)
+
+
+LOSSES: dict[str, type[GRPOLoss]] = {cls.importance: cls for cls in (RatioLoss, TISLoss)}
 
 
 def clip_fraction(logp: Tensor, old_logp: Tensor, config: LossConfig) -> Tensor:

@@ -5,28 +5,31 @@ parallel) → clip → AdamW step → policy version + 1. Checkpoints hold the m
 ``accelerate.Accelerator.save_state``) and the trainer's counters; they are written to a temporary folder and renamed
 into place, so a kill during a save leaves the previous checkpoint intact. Resuming from step k and running to step n
 gives bit-identical parameters to an uninterrupted run to step n (given the same data per step).
+
+A GRPO step draws no random numbers and the trainer never seeds the global RNGs: seed (or give generators to) whatever
+samples the data. Checkpoints carry the global RNG states (accelerate), so a sampler on them resumes exactly.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from torch import Tensor, nn
+from torch import nn
 
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.segmenter import Member
+from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
-from longstraw_agents.trainer.grpo import BackwardResult, Group, backward_group, make_group, token_array
+from longstraw_agents.trainer.group import Group, completion_members, make_group, token_array, trajectory_group
+from longstraw_agents.trainer.grpo import backward_group
+from longstraw_agents.trainer.metrics import StepMetrics
 from longstraw_agents.trajectory import Trajectory
 
 TRAINER_STATE = "trainer_state.json"
@@ -46,20 +49,6 @@ class _Counters:
         self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def token_ids(values: Tensor | np.ndarray | Sequence[int], name: str) -> list[int]:
-    """A non-empty 1-D integer id sequence as a list; floats and bools are refused rather than truncated to ids."""
-    array = token_array(values, name)
-    if array.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids")
-    return array.tolist()
-
-
 class GRPOTrainer:
     """GRPO over prefix trees with one of the three execution modes.
 
@@ -77,7 +66,6 @@ class GRPOTrainer:
         accelerator: Accelerator | None = None,
     ):
         self.config = config or GRPOConfig()
-        seed_everything(self.config.seed)
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         engine_config = self._engine_config(model)
         module = model.model if isinstance(model, Engine) else model
@@ -132,8 +120,8 @@ class GRPOTrainer:
     # --- groups ---------------------------------------------------------------------------------------------
     def group_from_completions(
         self,
-        prompt_ids: Tensor | Sequence[int],
-        completions: Sequence[Tensor | Sequence[int]],
+        prompt_ids: TokenIds,
+        completions: Sequence[TokenIds],
         rewards: Sequence[float],
         old_logprobs: Sequence[Sequence[float] | None] | None = None,
     ) -> Group:
@@ -142,13 +130,7 @@ class GRPOTrainer:
             raise ValueError(
                 f"{len(completions)} completions for a group of GRPOConfig.group_size={self.config.group_size}"
             )
-        prompt = token_ids(prompt_ids, "prompt_ids")
-        members = [
-            Member.from_prompt_completion(
-                prompt, token_ids(c, f"completion {k}"), None if old_logprobs is None else old_logprobs[k]
-            )
-            for k, c in enumerate(completions)
-        ]
+        members = completion_members(token_array(prompt_ids, "prompt_ids"), completions, old_logprobs)
         return make_group(members, rewards, self.config.loss)
 
     def group_from_trajectories(
@@ -158,15 +140,10 @@ class GRPOTrainer:
 
         Any number of trajectories is accepted (not only ``group_size``): offline replay regroups logged episodes
         and forks groups of ``fork_group_size``."""
-        if rewards is None:
-            missing = [k for k, t in enumerate(trajectories) if t.reward is None]
-            if missing:
-                raise ValueError(f"trajectories {missing} have no reward; set trajectory.reward or pass rewards=...")
-            rewards = [float(t.reward) for t in trajectories]
-        return make_group([Member.from_trajectory(t) for t in trajectories], rewards, self.config.loss)
+        return trajectory_group(trajectories, rewards, self.config.loss)
 
     # --- training -------------------------------------------------------------------------------------------
-    def train_step(self, groups: Sequence[Group]) -> dict[str, Any]:
+    def train_step(self, groups: Sequence[Group]) -> StepMetrics:
         """One optimizer step over ``groups``: the gradient is the mean of the groups' gradients.
 
         Each group's loss is normalised within the group (its aggregation), then groups count equally. For
@@ -179,7 +156,7 @@ class GRPOTrainer:
             raise ValueError("train_step needs at least one group")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        results: list[BackwardResult] = [
+        results = [
             backward_group(
                 self.engine, g, self.config.mode, self.config.loss, self.ref_engine, self.config.track_memory
             )
@@ -196,7 +173,14 @@ class GRPOTrainer:
         self.scheduler.step()
         self.counters.step += 1
         self.counters.policy_version += 1
-        return {**self._metrics(results, grad_norm), "lr": lr}
+        return StepMetrics.of_groups(
+            results,
+            step=self.counters.step,
+            policy_version=self.counters.policy_version,
+            mode=self.config.mode,
+            grad_norm=grad_norm,
+            lr=lr,
+        )
 
     def _sum_gradients_across_processes(self, params: list[nn.Parameter], num_groups: int) -> int:
         """All-reduce (sum) the gradients and group counts of all processes; returns the total group count.
@@ -224,26 +208,6 @@ class GRPOTrainer:
         if max_norm is None:
             return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
         return float(self.accelerator.clip_grad_norm_(params, max_norm))
-
-    def _metrics(self, results: list[BackwardResult], grad_norm: float) -> dict[str, Any]:
-        rewards = [r for res in results for r in res.rewards]
-        peaks = [res.peak_bytes for res in results if res.peak_bytes is not None]
-        kls = [res.kl for res in results if res.kl is not None]
-        return {
-            "step": self.counters.step,
-            "policy_version": self.counters.policy_version,
-            "loss": float(np.mean([res.loss for res in results])),
-            "reward_mean": float(np.mean(rewards)),
-            "reward_std": float(np.std(rewards)),
-            "grad_norm": grad_norm,
-            "loss_tokens": sum(res.loss_tokens for res in results),
-            "unique_tokens": sum(res.unique_tokens for res in results),
-            "forward_tokens": sum(res.forward_tokens for res in results),
-            "seconds": sum(res.seconds for res in results),
-            "peak_bytes": max(peaks) if peaks else None,
-            "kl": float(np.mean(kls)) if kls else None,
-            "mode": self.config.mode,
-        }
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str | os.PathLike) -> Path:

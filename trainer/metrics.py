@@ -1,0 +1,156 @@
+"""Typed metric records, from one node's tokens up to one optimizer step.
+
+- ``TokenMetrics``: what ``GRPOLoss`` reports per token besides the loss (the k3 KL).
+- ``LossSums``: running sums over a group's loss tokens, kept as 0-d tensors on the device, so a walk adds to them
+  node by node without a host sync; ``reduce`` turns them into Python numbers once per group.
+- ``WalkMetrics``: what an execution mode returns for one group (the sums and host-side counts).
+- ``BackwardResult``: one group's backward (``backward_group``, ``grpo_backward``), in Python numbers.
+- ``StepMetrics``: one optimizer step (``GRPOTrainer.train_step``); ``to_dict`` gives its JSON form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TokenMetrics:
+    """Per-token figures of ``GRPOLoss`` besides the loss, detached.
+
+    kl: ``k3(l_ref - l)`` per token, the shape of the per-token loss; None without a KL term (beta = 0).
+    """
+
+    kl: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossSums:
+    """Sums over loss tokens, as 0-d tensors on the loss's device (adding two never syncs with the host).
+
+    loss: ``Σ c_i · per_token_loss`` (float64, detached); kl_sum: ``Σ k3`` over loss tokens with a KL term
+    (float64); kl_tokens: how many tokens those are (int64).
+    """
+
+    loss: Tensor
+    kl_sum: Tensor
+    kl_tokens: Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device | str) -> LossSums:
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(zero, zero, torch.zeros((), dtype=torch.int64, device=device))
+
+    def __add__(self, other: LossSums) -> LossSums:
+        return LossSums(self.loss + other.loss, self.kl_sum + other.kl_sum, self.kl_tokens + other.kl_tokens)
+
+    def reduce(self) -> tuple[float, float | None]:
+        """``(loss, mean k3 KL per loss token or None)`` in one host transfer."""
+        loss, kl_sum, kl_tokens = torch.stack([self.loss, self.kl_sum, self.kl_tokens.to(torch.float64)]).tolist()
+        return loss, (kl_sum / kl_tokens if kl_tokens else None)
+
+
+@dataclass(frozen=True)
+class WalkMetrics:
+    """One group's evaluation by an execution mode.
+
+    nodes: loss evaluations (tree nodes visited, or members in naive mode); forward_tokens: tokens run through the
+    policy, with or without a graph, recomputation included.
+    """
+
+    sums: LossSums
+    nodes: int
+    forward_tokens: int
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    """One group's GRPO backward (the gradient itself went into ``param.grad``).
+
+    loss: the group's loss value; mode: the execution mode; num_members: G; loss_tokens: loss tokens summed over
+    members (a shared token counts once per member); unique_tokens: token positions of the prefix tree (each shared
+    token once); forward_tokens / nodes: as ``WalkMetrics``; peak_bytes: peak live tensor bytes (None when not
+    tracked); seconds: wall time; advantages / rewards: per member; kl: mean k3 KL per loss token (None without a
+    KL term); prompt_tokens: the shared prompt's length (``grpo_backward`` only).
+    """
+
+    loss: float
+    mode: str
+    num_members: int
+    loss_tokens: int
+    unique_tokens: int
+    forward_tokens: int
+    nodes: int
+    peak_bytes: int | None
+    seconds: float
+    advantages: tuple[float, ...]
+    rewards: tuple[float, ...]
+    kl: float | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step over this process's groups.
+
+    step / policy_version: the counters after the step; loss: mean of the groups' losses; reward_mean /
+    reward_std: over all members (population std); grad_norm: the global norm before clipping; lr: the learning
+    rate the step used; loss_tokens / unique_tokens / forward_tokens / seconds: summed over groups; peak_bytes: the
+    largest group's peak (None when not tracked); kl: mean of the groups' KL (None without a KL term).
+    """
+
+    step: int
+    policy_version: int
+    mode: str
+    loss: float
+    reward_mean: float
+    reward_std: float
+    grad_norm: float
+    lr: float
+    loss_tokens: int
+    unique_tokens: int
+    forward_tokens: int
+    seconds: float
+    peak_bytes: int | None
+    kl: float | None
+
+    @classmethod
+    def of_groups(
+        cls,
+        results: Sequence[BackwardResult],
+        *,
+        step: int,
+        policy_version: int,
+        mode: str,
+        grad_norm: float,
+        lr: float,
+    ) -> StepMetrics:
+        rewards = [r for res in results for r in res.rewards]
+        peaks = [res.peak_bytes for res in results if res.peak_bytes is not None]
+        kls = [res.kl for res in results if res.kl is not None]
+        return cls(
+            step=step,
+            policy_version=policy_version,
+            mode=mode,
+            loss=float(np.mean([res.loss for res in results])),
+            reward_mean=float(np.mean(rewards)),
+            reward_std=float(np.std(rewards)),
+            grad_norm=grad_norm,
+            lr=lr,
+            loss_tokens=sum(res.loss_tokens for res in results),
+            unique_tokens=sum(res.unique_tokens for res in results),
+            forward_tokens=sum(res.forward_tokens for res in results),
+            seconds=sum(res.seconds for res in results),
+            peak_bytes=max(peaks) if peaks else None,
+            kl=float(np.mean(kls)) if kls else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict with the same keys."""
+        return dataclasses.asdict(self)

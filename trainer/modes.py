@@ -1,0 +1,239 @@
+"""Execution modes: how one group's GRPO loss is evaluated and backpropagated. All three give the same loss value;
+they differ in what they keep alive and in whether the gradient reaches the shared context.
+
+- ``naive``: one full autograd graph per member over its whole sequence — the reference; memory grows with
+  context × G.
+- ``detached``: the shared context is evaluated once without a graph and each loss segment is replayed under
+  autograd from it; the gradient through the context state is dropped (the published LongStraw system).
+- ``exact``: as detached, but the gradient w.r.t. the context state is accumulated over all branches and
+  backpropagated through the context by recomputing its chunks in reverse (DESIGN.md, "Exact gradients"); equals
+  naive's gradient with peak memory ≈ states on the active root→leaf path + their gradient + one chunk graph.
+
+The tree modes walk the group's prefix tree depth first (``longstraw_agents.segmenter``). Every mode evaluates its
+loss through ``NodeLoss`` (naive: a member's whole sequence is one node) and returns ``WalkMetrics``, whose sums stay
+on the device until ``backward_group`` reduces them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from longstraw_agents.engine import ChunkLoss, Engine
+from longstraw_agents.segmenter import Node, PrefixTree, fuse_chains, nodes_with_loss_below
+from longstraw_agents.state import State, StateGrad
+from longstraw_agents.trainer.group import Group
+from longstraw_agents.trainer.loss import GRPOLoss, LossConfig
+from longstraw_agents.trainer.metrics import LossSums, WalkMetrics
+from longstraw_agents.trainer.node_loss import NodeLoss, member_node
+
+ModeName = Literal["naive", "detached", "exact"]
+
+
+class ExecutionMode(ABC):
+    """How one group's loss is evaluated and backpropagated; ``run`` walks one group (a mode is used once)."""
+
+    name: ClassVar[ModeName]
+
+    def __init__(self, engine: Engine, config: LossConfig, ref_engine: Engine | None = None):
+        self.engine = engine
+        self.config = config
+        self.objective = GRPOLoss.from_config(config)
+        self.ref_engine = ref_engine if config.beta > 0 else None
+        if config.beta > 0 and ref_engine is None:
+            raise ValueError("beta > 0 needs a reference model (ref_model=...)")
+
+    def run(self, group: Group) -> WalkMetrics:
+        """Accumulate the group's gradient into ``param.grad``; the loss sums and counts of the walk."""
+        self.group = group
+        self.sums = LossSums.zeros(self.engine.adapter.device)
+        self.nodes = self.forward_tokens = 0
+        self.walk(group)
+        return WalkMetrics(sums=self.sums, nodes=self.nodes, forward_tokens=self.forward_tokens)
+
+    @abstractmethod
+    def walk(self, group: Group) -> None: ...
+
+    def node_loss(self, node: Node, inputs: Tensor, ref_state: State | None) -> NodeLoss:
+        """The node's loss; with a KL term, the reference log-probs come from ``ref_state`` + ``inputs``."""
+        ref_logits = None
+        if self.ref_engine is not None and ref_state is not None and inputs.numel():
+            with torch.no_grad():
+                ref_logits = self.ref_engine.logits(ref_state, inputs)
+        return NodeLoss(self.group, node, self.objective, inputs.device, ref_logits)
+
+    def evaluate(self, loss: NodeLoss, logits: Tensor, lo: int, hi: int) -> Tensor:
+        """The loss of rows ``[lo, hi)`` of a node; its sums are added to the walk's (on the device)."""
+        value, sums = loss(logits, lo, hi)
+        self.sums = self.sums + sums
+        return value
+
+    def _ids(self, array: np.ndarray) -> Tensor:
+        return torch.as_tensor(array, dtype=torch.long, device=self.engine.adapter.device)
+
+
+class NaiveMode(ExecutionMode):
+    """One full graph per member over its whole sequence, all G alive until one backward (the reference, and how
+    a conventional trainer batches a group)."""
+
+    name = "naive"
+
+    def walk(self, group: Group) -> None:
+        total = None
+        for k, member in enumerate(group.members):
+            node = member_node(member, k)
+            if not node.has_loss:
+                continue
+            inputs = self._ids(node.input_ids)
+            ref_state = self.ref_engine.empty_state() if self.ref_engine is not None else None
+            loss = self.node_loss(node, inputs, ref_state)
+            logits = self.engine.logits(self.engine.empty_state(), inputs)
+            self.forward_tokens += inputs.numel()
+            value = self.evaluate(loss, logits, 0, inputs.numel())
+            total = value if total is None else total + value
+            self.nodes += 1
+        if total is not None:
+            total.backward()
+
+
+@dataclass
+class _Pending:
+    """An interior node whose children are being walked; finished (post-order) when popped off the stack."""
+
+    node: Node
+    inputs: Tensor
+    parent: State
+    state: State
+    ref_state: State | None
+    loss: NodeLoss | None
+
+
+class TreeMode(ExecutionMode):
+    """Depth-first walk of the prefix tree; subclasses say how interior and leaf nodes are processed.
+
+    The walk uses an explicit stack (trees of thousands of turns are as deep). An interior node is extended with
+    room reserved for the single-child chain below it, so the chain lands contiguous in one arena per layer and
+    attention reads it as one block; siblings at a branch point get fresh storage (an append goes in place only at
+    the fill mark), so every state on the active path stays valid.
+    """
+
+    checkpoints = False
+
+    def tree(self, group: Group) -> PrefixTree:
+        return group.tree
+
+    def walk(self, group: Group) -> None:
+        self.grad = StateGrad()
+        tree = self.tree(group)
+        self.live = nodes_with_loss_below(tree.root)
+        self.reserve = _chain_reserve(tree.root, self.live)
+        root_state = self.engine.empty_state(self.checkpoints)
+        ref_root = self.ref_engine.empty_state() if self.ref_engine is not None else None
+        stack: list[tuple[Node, State, State | None] | _Pending] = []
+        if id(tree.root) in self.live:
+            stack.append((tree.root, root_state, ref_root))
+        while stack:
+            item = stack.pop()
+            if isinstance(item, _Pending):
+                if item.inputs.numel():
+                    self.interior(item.node, item.inputs, item.parent, item.state, item.loss)
+                continue
+            pending = self._enter(*item)
+            if pending is not None:
+                stack.append(pending)
+                live = [c for c in pending.node.children if id(c) in self.live]
+                stack.extend((c, pending.state, pending.ref_state) for c in reversed(live))
+
+    def _enter(self, node: Node, parent: State, ref_parent: State | None) -> _Pending | None:
+        """Pre-order work: a leaf is processed now; an interior node is extended and returned to finish later."""
+        self.nodes += 1
+        inputs = self._ids(node.input_ids)
+        loss = self.node_loss(node, inputs, ref_parent) if node.has_loss else None
+        if not any(id(c) in self.live for c in node.children):
+            if loss is not None and inputs.numel():
+                self.leaf(node, inputs, parent, loss)
+            return None
+        if not inputs.numel():  # the virtual root of a group without a shared first token
+            return _Pending(node, inputs, parent, parent, ref_parent, None)
+        reserve = self.reserve.get(id(node), 0)
+        state = self.engine.extend(parent, inputs, reserve=reserve)
+        self.forward_tokens += inputs.numel()
+        ref_state = ref_parent
+        if self.ref_engine is not None and ref_parent is not None:
+            ref_state = self.ref_engine.extend(ref_parent, inputs, reserve=reserve)
+        return _Pending(node, inputs, parent, state, ref_state, loss)
+
+    def _loss_fn(self, loss: NodeLoss, base: int) -> ChunkLoss:
+        def chunk_loss(logits: Tensor, start: int, end: int) -> Tensor:
+            return self.evaluate(loss, logits, start - base, end - base)
+
+        return chunk_loss
+
+    @abstractmethod
+    def leaf(self, node: Node, inputs: Tensor, parent: State, loss: NodeLoss) -> None: ...
+
+    @abstractmethod
+    def interior(self, node: Node, inputs: Tensor, parent: State, state: State, loss: NodeLoss | None) -> None:
+        """Called after all children are done (post-order)."""
+
+
+class DetachedMode(TreeMode):
+    """Loss segments replayed from a constant state: gradients never reach the context (the seed's behaviour)."""
+
+    name = "detached"
+
+    def leaf(self, node: Node, inputs: Tensor, parent: State, loss: NodeLoss) -> None:
+        self._replay(inputs, parent, loss)
+
+    def interior(self, node: Node, inputs: Tensor, parent: State, state: State, loss: NodeLoss | None) -> None:
+        if loss is not None:
+            self._replay(inputs, parent, loss)
+
+    def _replay(self, inputs: Tensor, parent: State, loss: NodeLoss) -> None:
+        logits = self.engine.logits(parent, inputs)
+        self.forward_tokens += inputs.numel()
+        self.evaluate(loss, logits, 0, inputs.numel()).backward()
+
+
+class ExactMode(TreeMode):
+    """Branch gradients w.r.t. the state are accumulated, then pushed through the context chunk by chunk."""
+
+    name = "exact"
+    checkpoints = True
+
+    def tree(self, group: Group) -> PrefixTree:
+        # every interior node is extended and recomputed in chunks whether or not it has loss, so runs of short
+        # turns fuse without changing the gradient; long context stays apart (no lm_head over it in backward)
+        return fuse_chains(group.tree, max_context=self.engine.config.chunk_size)
+
+    def leaf(self, node: Node, inputs: Tensor, parent: State, loss: NodeLoss) -> None:
+        logits = self.engine.logits(parent, inputs, grad=self.grad)
+        self.forward_tokens += inputs.numel()
+        self.evaluate(loss, logits, 0, inputs.numel()).backward()
+
+    def interior(self, node: Node, inputs: Tensor, parent: State, state: State, loss: NodeLoss | None) -> None:
+        loss_fn = self._loss_fn(loss, parent.num_tokens) if loss is not None else None
+        self.engine.backward(state, self.grad, inputs, since=parent, loss_fn=loss_fn)
+        self.forward_tokens += inputs.numel()
+
+
+def _chain_reserve(root: Node, live: set[int]) -> dict[int, int]:
+    """Per interior node: the input tokens of the single-child chain of interior nodes below it (what later
+    extends will append right after it), so the whole chain can land in the storage its first extend allocates."""
+    reserve: dict[int, int] = {}
+    for node in list(root.walk())[::-1]:  # reversed pre-order: every node after its descendants
+        children = [c for c in node.children if id(c) in live]
+        if len(children) != 1:
+            continue
+        child = children[0]
+        if any(id(c) in live for c in child.children):  # the child is extended too (a leaf is only replayed)
+            reserve[id(node)] = len(child.input_ids) + reserve.get(id(child), 0)
+    return reserve
+
+
+MODES: dict[str, type[ExecutionMode]] = {m.name: m for m in (NaiveMode, DetachedMode, ExactMode)}
