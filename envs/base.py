@@ -58,6 +58,9 @@ TaskT = TypeVar("TaskT")
 Action = Sequence[int] | np.ndarray | Mapping[str, Any]
 """Token ids of one assistant turn, or ``{"token_ids": ids, "logprobs": behaviour_logprobs}``."""
 
+ToolExecutor = Callable[[ToolCall | ToolCallError], ToolResult]
+"""What answers a parsed tool call (or a malformed one) with a result: the episode's registry by default."""
+
 DEFAULT_TOKENIZER = "longstraw-bpe"
 SEED_BOUND = 2**31
 """Episode seeds drawn by ``reset()`` without a seed lie in ``[0, SEED_BOUND)``."""
@@ -69,9 +72,11 @@ class ToolEnvConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_turns: int = Field(8, ge=1, description="Assistant turns per episode; the last one truncates the episode.")
+    max_turns: int = Field(
+        default=8, ge=1, description="Assistant turns per episode; the last one truncates the episode."
+    )
     max_tokens: int = Field(
-        16_384, ge=1, description="Token budget of the whole episode: prompt, actions and observations."
+        default=16_384, ge=1, description="Token budget of the whole episode: prompt, actions and observations."
     )
 
 
@@ -109,7 +114,7 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
     """
 
     # render_fps only matters to viewers that replay frames; 4 is what Gymnasium's own text environments declare.
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 4}
+    metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 4}
     config_class: ClassVar[type[ToolEnvConfig]] = ToolEnvConfig
     instructions: ClassVar[str] = "Solve the user's task."
     """First paragraph of the default system prompt; the tool list and the answer format follow it."""
@@ -129,10 +134,16 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.formatter = ChatFormatter(self.tokenizer)
         self.render_mode = render_mode
-        self.observation_space = spaces.Sequence(spaces.Discrete(self.tokenizer.vocab_size), stack=True)
+        # gymnasium types a Sequence space's samples as tuples; stacked (stack=True), they are arrays
+        self.observation_space = spaces.Sequence(  # type: ignore[assignment]
+            spaces.Discrete(self.tokenizer.vocab_size), stack=True
+        )
         self.action_space = spaces.Sequence(spaces.Discrete(self.tokenizer.vocab_size), stack=True)
         self._stop_ids = frozenset(self.formatter.stop_token_ids)
         self._episode: _Episode[TaskT] | None = None
+        self.tool_executor: ToolExecutor | None = None
+        """Answers the tool calls instead of the episode's registry when set (offline replay answers a logged
+        prefix's calls with their recorded results this way); it must return a ``ToolResult`` for any call."""
 
     # ----------------------------------------------------------------------------------------------------------------
     # Hooks for subclasses
@@ -278,7 +289,8 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             return self._finish(episode, action_segment, "answered", score, calls, [], answer.answer)
         if turn + 1 >= self.config.max_turns:
             return self._finish(episode, action_segment, "max_turns", Score(0.0), calls, [], None)
-        results = [episode.registry.call(call) for call in calls]
+        execute = self.tool_executor or episode.registry.call
+        results = [execute(call) for call in calls]
         observation = self._observation(results, content, turn, closes_turn=self._ends_turn(ids))
         if episode.num_tokens + len(action_segment) + len(observation) > self.config.max_tokens:
             return self._finish(episode, action_segment, "max_tokens", Score(0.0), calls, results, None)

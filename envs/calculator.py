@@ -62,12 +62,14 @@ CALCULATOR = dataclasses.replace(
 
 
 class CalculatorConfig(ToolEnvConfig):
-    num_operations: int = Field(2, ge=1, le=8, description="Operations per problem (1: 'What is 7 + 5?').")
-    min_operand: int = Field(2, ge=1, description="Smallest operand.")
-    max_operand: int = Field(50, ge=1, description="Largest operand.")
-    word_problems: bool = Field(True, description="Tell the problem as a story instead of asking an expression.")
-    max_turns: int = Field(4, ge=1, description="Assistant turns per episode.")
-    max_tokens: int = Field(2048, ge=1, description="Token budget of the whole episode.")
+    num_operations: int = Field(default=2, ge=1, le=8, description="Operations per problem (1: 'What is 7 + 5?').")
+    min_operand: int = Field(default=2, ge=1, description="Smallest operand.")
+    max_operand: int = Field(default=50, ge=1, description="Largest operand.")
+    word_problems: bool = Field(
+        default=True, description="Tell the problem as a story instead of asking an expression."
+    )
+    max_turns: int = Field(default=4, ge=1, description="Assistant turns per episode.")
+    max_tokens: int = Field(default=2048, ge=1, description="Token budget of the whole episode.")
 
     @model_validator(mode="after")
     def _operand_range(self) -> CalculatorConfig:

@@ -35,12 +35,12 @@ MIN_DOCUMENT_TOKENS = 256
 
 class NeedleSearchConfig(ToolEnvConfig):
     target_tokens: int = Field(
-        4096, ge=2048, le=1 << 24, description="About how long the scripted solution's episode is, in tokens."
+        default=4096, ge=2048, le=1 << 24, description="About how long the scripted solution's episode is, in tokens."
     )
-    needles: int = Field(2, ge=2, le=6, description="How many documents the answer needs.")
-    num_documents: int = Field(24, ge=4, le=MAX_DOCUMENTS, description="Documents in the corpus.")
-    max_turns: int = Field(8, ge=1, description="Assistant turns per episode (default: 2 * needles + 4).")
-    max_tokens: int = Field(12_288, ge=1, description="Token budget (default: 2 * target_tokens + 4096).")
+    needles: int = Field(default=2, ge=2, le=6, description="How many documents the answer needs.")
+    num_documents: int = Field(default=24, ge=4, le=MAX_DOCUMENTS, description="Documents in the corpus.")
+    max_turns: int = Field(default=8, ge=1, description="Assistant turns per episode (default: 2 * needles + 4).")
+    max_tokens: int = Field(default=12_288, ge=1, description="Token budget (default: 2 * target_tokens + 4096).")
 
     @model_validator(mode="before")
     @classmethod

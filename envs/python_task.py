@@ -80,12 +80,16 @@ main()
 
 
 class PythonTaskConfig(ToolEnvConfig):
-    num_tests: int = Field(8, ge=1, le=100, description="Hidden tests per problem (the family's edge cases first).")
-    families: tuple[str, ...] = Field(tuple(FAMILIES), min_length=1, description="Problem families to draw from.")
-    test_timeout_s: float = Field(10.0, gt=0, le=300, description="Wall-clock limit of one hidden-test run.")
-    tool_timeout_s: float = Field(5.0, gt=0, le=300, description="Wall-clock limit of one python tool call.")
-    max_turns: int = Field(6, ge=1, description="Assistant turns per episode.")
-    max_tokens: int = Field(8192, ge=1, description="Token budget of the whole episode.")
+    num_tests: int = Field(
+        default=8, ge=1, le=100, description="Hidden tests per problem (the family's edge cases first)."
+    )
+    families: tuple[str, ...] = Field(
+        default=tuple(FAMILIES), min_length=1, description="Problem families to draw from."
+    )
+    test_timeout_s: float = Field(default=10.0, gt=0, le=300, description="Wall-clock limit of one hidden-test run.")
+    tool_timeout_s: float = Field(default=5.0, gt=0, le=300, description="Wall-clock limit of one python tool call.")
+    max_turns: int = Field(default=6, ge=1, description="Assistant turns per episode.")
+    max_tokens: int = Field(default=8192, ge=1, description="Token budget of the whole episode.")
 
     @field_validator("families")
     @classmethod
@@ -161,7 +165,8 @@ def run_hidden_tests(task: PythonProblem, code: str, sandbox: SandboxConfig) -> 
         index = record.get("index")
         if isinstance(index, int) and 0 <= index < total:
             outcomes.setdefault(index, record)  # the harness writes each index once; later lines are not its own
-    passed, failures = 0, []
+    passed = 0
+    failures: list[dict[str, Any]] = []
     for index, (args, expected) in enumerate(zip(task.cases, task.expected, strict=True)):
         outcome = outcomes.get(index, {"error": "did not run (the program ended or timed out before it)"})
         if outcome.get("result") is not None and _same_json(outcome["result"], expected):

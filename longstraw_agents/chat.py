@@ -119,6 +119,7 @@ class ChatFormatter:
         """One assistant action. Ids (what the policy sampled) are taken as they are, with or without the final
         ``<|im_end|>``; text is encoded as a policy would emit it (special tokens allowed) and gets ``<|im_end|>``
         appended unless it already ends with it."""
+        ids: Sequence[int] | np.ndarray
         if isinstance(ids_or_text, str):
             ids = self._tokenizer.encode(_assistant_text(ids_or_text), allow_special=True)
         else:
@@ -132,7 +133,7 @@ class ChatFormatter:
 
     def observation(
         self,
-        role: str,
+        role: Role,
         content: str,
         turn: int,
         add_generation_prompt: bool = True,
@@ -249,11 +250,6 @@ class ChatFormatter:
                 parts.append(SEPARATOR)
             parts += [Control(TOOL_RESPONSE_START), f"\n{result}\n", Control(TOOL_RESPONSE_END)]
         return tuple(parts)
-
-    def _block_ids(self, block: _Block) -> list[int]:
-        if block.assistant_text is not None:
-            return self._tokenizer.encode(_assistant_text(block.assistant_text), allow_special=True)
-        return self._encode_parts(block.parts)
 
     def _block_text(self, block: _Block) -> str:
         if block.assistant_text is not None:

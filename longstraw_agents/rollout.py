@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import gymnasium
 import numpy as np
@@ -18,10 +19,15 @@ from tqdm.auto import tqdm
 
 from longstraw_agents.envs import ToolEnv, unwrap_tool_env
 from longstraw_agents.sampler import Sampler
-from longstraw_agents.store import Store
 from longstraw_agents.trajectory import Trajectory
 
 EnvFactory = Callable[[], gymnasium.Env]
+
+
+class EpisodeSink(Protocol):
+    """Where ``rollout_groups`` writes each finished group: a ``Store``, or a wrapper with its ``add_episodes``."""
+
+    def add_episodes(self, trajectories: list[Trajectory], run_id: str | None = None) -> list[int]: ...
 
 
 class ContextLimitError(ValueError):
@@ -94,7 +100,7 @@ def reset_prompt(env: ToolEnv, seed: int, options: dict | None = None, max_conte
 
 def play_until_done(
     envs: Sequence[ToolEnv],
-    handles: Sequence,
+    handles: Sequence[Any],
     sampler: Sampler,
     limits: RolloutLimits,
     on_episode: Callable[[Trajectory], None] | None = None,
@@ -113,7 +119,7 @@ def play_until_done(
     return [env.trajectory for env in envs]
 
 
-def _play_turn(env: ToolEnv, sampler: Sampler, handle, limits: RolloutLimits) -> bool:
+def _play_turn(env: ToolEnv, sampler: Sampler, handle: Any, limits: RolloutLimits) -> bool:
     """One assistant turn of one member; True when its episode ended."""
     budget = limits.max_new_tokens
     if limits.max_context is not None:
@@ -138,7 +144,7 @@ def rollout_groups(
     limits: RolloutLimits,
     *,
     group_prefix: str = "g",
-    store: Store | None = None,
+    store: EpisodeSink | None = None,
     run_id: str | None = None,
     progress: bool = True,
 ) -> list[list[Trajectory]]:

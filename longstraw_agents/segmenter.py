@@ -58,14 +58,14 @@ class Member:
     def from_prompt_completion(
         cls, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float] | None = None
     ) -> Member:
-        prompt, completion = np.asarray(prompt), np.asarray(completion)
-        mask = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(completion), bool)])
+        prompt_ids, completion_ids = np.asarray(prompt), np.asarray(completion)
+        mask = np.concatenate([np.zeros(len(prompt_ids), bool), np.ones(len(completion_ids), bool)])
         lp = None
         if logprobs is not None:
-            if len(logprobs) != len(completion):
-                raise ValueError(f"{len(logprobs)} behaviour logprobs for a completion of {len(completion)} tokens")
-            lp = np.concatenate([np.full(len(prompt), np.nan), np.asarray(logprobs, dtype=np.float64)])
-        return cls(np.concatenate([prompt, completion]), mask, lp)
+            if len(logprobs) != len(completion_ids):
+                raise ValueError(f"{len(logprobs)} behaviour logprobs for a completion of {len(completion_ids)} tokens")
+            lp = np.concatenate([np.full(len(prompt_ids), np.nan), np.asarray(logprobs, dtype=np.float64)])
+        return cls(np.concatenate([prompt_ids, completion_ids]), mask, lp)
 
 
 @dataclass(eq=False)
@@ -146,7 +146,8 @@ def _mask_breaks(members: list[Member], indices: list[int], start: int, end: int
 def _make_chain(members: list[Member], indices: list[int], start: int, end: int) -> tuple[Node, Node]:
     """Nodes for ``[start, end)`` split at mask changes, linked as a chain; returns (first, last)."""
     cuts = [start, *_mask_breaks(members, indices, start, end), end]
-    first = last = None
+    first: Node | None = None
+    last: Node | None = None
     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
         ids = members[indices[0]].token_ids
         node = Node(
@@ -157,7 +158,8 @@ def _make_chain(members: list[Member], indices: list[int], start: int, end: int)
             members=list(indices),
             masks={i: _target_slice(members[i].loss_mask, lo, hi) for i in indices},
             logprobs={
-                i: None if members[i].logprobs is None else _target_slice(members[i].logprobs, lo, hi) for i in indices
+                i: None if (member_lp := members[i].logprobs) is None else _target_slice(member_lp, lo, hi)
+                for i in indices
             },
         )
         if last is None:
@@ -165,6 +167,7 @@ def _make_chain(members: list[Member], indices: list[int], start: int, end: int)
         else:
             last.children.append(node)
         last = node
+    assert first is not None and last is not None  # cuts holds start and end: there is one node at least
     return first, last
 
 
@@ -271,7 +274,11 @@ def _fuse(node: Node, max_context: int, live: set[int]) -> tuple[Node, Node]:
     last = run[-1]
 
     def cat(parts: list[np.ndarray | None]) -> np.ndarray | None:
-        return None if parts[0] is None else np.concatenate(parts)
+        if parts[0] is None:
+            return None
+        arrays = [part for part in parts if part is not None]
+        assert len(arrays) == len(parts)  # a member's logprobs are known at all its nodes or at none
+        return np.concatenate(arrays)
 
     fused = Node(
         start=node.start,

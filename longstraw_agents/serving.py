@@ -16,7 +16,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from longstraw_agents.sampler import SamplingConfig, TorchSampler
+from longstraw_agents.sampler import SamplingConfig
+from longstraw_agents.torch_sampler import TorchSampler
 
 
 class CompletionServer:
@@ -33,7 +34,9 @@ class CompletionServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self._httpd.server_address[0]}:{self.port}"
+        host = self._httpd.server_address[0]
+        assert isinstance(host, str)  # the name of an AF_INET socket is (host, port)
+        return f"http://{host}:{self.port}"
 
     def start(self) -> CompletionServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)

@@ -27,6 +27,7 @@ import json
 import math
 import numbers
 import os
+import re
 import secrets
 import sqlite3
 import time
@@ -49,6 +50,8 @@ APPLICATION_ID = int.from_bytes(b"LSTR", "big")
 # process holding a transaction open would exhaust it.
 BUSY_TIMEOUT_S = 60.0
 TABLES = ("runs", "episodes", "segments")
+QueryParams = Sequence[Any] | dict[str, Any]
+"""Values of a query's placeholders: a sequence for ``?``, a dict for ``:name`` (sqlite3 takes no other mapping)."""
 
 _SCHEMA = """
 CREATE TABLE runs (
@@ -131,6 +134,30 @@ class EpisodeGroup:
     @property
     def trajectories(self) -> list[Trajectory]:
         return [record.trajectory for record in self.records]
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What a selection of episodes amounts to (versions are None when it is empty)."""
+
+    episodes: int
+    groups: int
+    tokens: int
+    min_version: int | None
+    max_version: int | None
+
+
+@dataclass(frozen=True)
+class EnvTotals:
+    """One environment's share of a selection; reward statistics are None when no episode has a reward."""
+
+    env_id: str
+    episodes: int
+    groups: int
+    tokens: int
+    reward_mean: float | None
+    reward_min: float | None
+    reward_max: float | None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,6 +329,24 @@ def _where_sql(where: str | None, *conditions: str) -> str:
     return f" WHERE {' AND '.join(parts)}" if parts else ""
 
 
+EPISODE_COLUMNS = frozenset(
+    ("id", "run_id", "env_id", "group_id", "seed", "policy_version", "reward", "finish_reason", "num_tokens")
+    + ("num_segments", "created_at")
+)
+_ORDER = re.compile(r"^\s*(\w+)(?:\s+(ASC|DESC))?\s*$", re.IGNORECASE)
+
+
+def _order_sql(order_by: str) -> str:
+    """``column [ASC|DESC]`` of the episodes table, checked (an order is never SQL pasted in as given)."""
+    match = _ORDER.match(order_by) if isinstance(order_by, str) else None
+    if match is None or match.group(1) not in EPISODE_COLUMNS:
+        raise StoreError(
+            f"order_by must be an episodes column with an optional ASC/DESC, got {order_by!r}; "
+            f"columns: {', '.join(sorted(EPISODE_COLUMNS))}"
+        )
+    return f"{match.group(1)} {(match.group(2) or 'ASC').upper()}"
+
+
 # An episode without a group id was played alone (a scripted demo, an eval): it is in no GRPO group.
 _GROUPED, _UNGROUPED = "group_id != ''", "group_id = ''"
 
@@ -367,11 +412,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r})"
-
-    @property
-    def db(self) -> Database:
-        """The underlying ``sqlite_utils.Database``, for ad-hoc queries; write through the Store's methods."""
-        return self._db
 
     @property
     def schema_version(self) -> int:
@@ -476,7 +516,7 @@ class Store:
         with self._write_transaction(f"adding run {run_id!r}"):
             if self._run_exists(run_id):
                 raise StoreError(f"run {run_id!r} already exists in {self.path}")
-            self._db["runs"].insert(row)
+            self._db.table("runs").insert(row)
         return run_id
 
     def add_episode(self, trajectory: Trajectory, run_id: str | None = None) -> int:
@@ -494,9 +534,9 @@ class Store:
             return [self._insert(episode) for episode in encoded]
 
     def _insert(self, encoded: _EncodedEpisode) -> int:
-        episode_id = self._db["episodes"].insert(encoded.episode).last_rowid
+        episode_id = self._db.table("episodes").insert(encoded.episode).last_rowid
         assert episode_id is not None
-        self._db["segments"].insert_all({"episode_id": episode_id, **row} for row in encoded.segments)
+        self._db.table("segments").insert_all({"episode_id": episode_id, **row} for row in encoded.segments)
         return episode_id
 
     def _run_exists(self, run_id: str) -> bool:
@@ -504,7 +544,7 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------------------------
 
-    def _select(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[dict[str, Any]]:
+    def _select(self, sql: str, params: QueryParams = ()) -> list[dict[str, Any]]:
         try:
             return list(self._db.query(sql, params))
         except sqlite3.Error as err:
@@ -527,7 +567,7 @@ class Store:
     def records(
         self,
         where: str | None = None,
-        params: Sequence[Any] | Mapping[str, Any] = (),
+        params: QueryParams = (),
         order_by: str = "id",
         limit: int | None = None,
     ) -> Iterator[EpisodeRecord]:
@@ -539,28 +579,26 @@ class Store:
         if limit is not None and (not isinstance(limit, int) or limit < 0):
             raise StoreError(f"limit must be a non-negative int or None, got {limit!r}")
         limit_sql = "" if limit is None else f" LIMIT {limit}"
-        sql = f"SELECT * FROM episodes{_where_sql(where)} ORDER BY {order_by}{limit_sql}"
+        sql = f"SELECT * FROM episodes{_where_sql(where)} ORDER BY {_order_sql(order_by)}{limit_sql}"
         return (self._load(row) for row in self._select(sql, params))
 
     def episodes(
         self,
         where: str | None = None,
-        params: Sequence[Any] | Mapping[str, Any] = (),
+        params: QueryParams = (),
         order_by: str = "id",
         limit: int | None = None,
     ) -> Iterator[Trajectory]:
         """Trajectories matching ``where``, e.g. ``store.episodes("reward > 0 AND policy_version >= ?", [3])``."""
         return (record.trajectory for record in self.records(where, params, order_by=order_by, limit=limit))
 
-    def episode_ids(self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[int]:
+    def episode_ids(self, where: str | None = None, params: QueryParams = ()) -> list[int]:
         return [row["id"] for row in self._select(f"SELECT id FROM episodes{_where_sql(where)} ORDER BY id", params)]
 
-    def count(self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()) -> int:
+    def count(self, where: str | None = None, params: QueryParams = ()) -> int:
         return self._select(f"SELECT COUNT(*) AS n FROM episodes{_where_sql(where)}", params)[0]["n"]
 
-    def groups(
-        self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()
-    ) -> dict[str, list[Trajectory]]:
+    def groups(self, where: str | None = None, params: QueryParams = ()) -> dict[str, list[Trajectory]]:
         """Episodes matching ``where`` grouped by ``group_id`` (groups in order of first episode, members by id).
 
         ``where`` selects episodes, not groups (``group_records`` can keep whole groups). Episodes with an empty
@@ -581,7 +619,7 @@ class Store:
     def group_records(
         self,
         where: str | None = None,
-        params: Sequence[Any] | Mapping[str, Any] = (),
+        params: QueryParams = (),
         *,
         whole_groups: bool = True,
     ) -> list[EpisodeGroup]:
@@ -603,7 +641,7 @@ class Store:
             grouped.setdefault((row["run_id"], row["group_id"]), []).append(self._load(row))
         return [EpisodeGroup(run_id, group_id, tuple(records)) for (run_id, group_id), records in grouped.items()]
 
-    def ungrouped_count(self, where: str | None = None, params: Sequence[Any] | Mapping[str, Any] = ()) -> int:
+    def ungrouped_count(self, where: str | None = None, params: QueryParams = ()) -> int:
         """How many episodes matching ``where`` have no group id (and so are in no group)."""
         sql = f"SELECT COUNT(*) AS n FROM episodes{_where_sql(where, _UNGROUPED)}"
         return self._select(sql, params)[0]["n"]
@@ -614,169 +652,45 @@ class Store:
             for row in self._select("SELECT * FROM runs ORDER BY created_at, id")
         ]
 
-    # -- people -----------------------------------------------------------------------------------------------
+    def group_sizes(self, run_id: str, group_prefix: str) -> dict[str, int]:
+        """Stored episodes per group id of ``run_id`` whose group id starts with ``group_prefix``."""
+        rows = self._select(
+            "SELECT group_id, COUNT(*) AS n FROM episodes WHERE run_id = ? AND substr(group_id, 1, ?) = ?"
+            " GROUP BY group_id",
+            [run_id, len(group_prefix), group_prefix],
+        )
+        return {row["group_id"]: row["n"] for row in rows}
 
-    def summary_text(
-        self,
-        episode: int | None = None,
-        group: str | None = None,
-        transcript: bool = False,
-        where: str | None = None,
-        params: Sequence[Any] = (),
-        max_text: int = 120,
-    ) -> str:
-        """A readable report: the overview of the episodes matching ``where`` (all by default), then transcripts.
+    # -- aggregates (``longstraw_agents.report`` turns them into text) -----------------------------------------
 
-        ``episode`` or ``group`` shows that episode's (or each group member's) transcript; ``transcript`` adds the
-        transcripts of every matching episode to the overview. Segment text is cut to ``max_text`` characters
-        (0: never cut).
-        """
-        if episode is not None and group is not None:
-            raise StoreError("summary_text takes an episode or a group, not both")
-        if episode is not None:
-            return _format_transcript(self.get_record(episode), max_text)
-        if group is not None:
-            return self._group_text(group, max_text)
-        sections = [self._overview_text(where, params)]
-        if transcript:
-            sections.extend(_format_transcript(record, max_text) for record in self.records(where, params))
-        return "\n\n".join(sections)
-
-    def _group_text(self, group: str, max_text: int) -> str:
-        records = list(self.records("group_id = ?", [group]))
-        if not records:
-            raise StoreError(f"no group {group!r} in {self.path}")
-        rewards = [r.trajectory.reward for r in records if r.trajectory.reward is not None]
-        header = f"group {group}: {len(records)} episodes, reward {_stats(rewards)}"
-        return "\n\n".join([header, *(_format_transcript(record, max_text) for record in records)])
-
-    def _overview_text(self, where: str | None, params: Sequence[Any]) -> str:
-        filter_sql = _where_sql(where)
-        totals = self._select(
+    def totals(self, where: str | None = None, params: Sequence[Any] = ()) -> Totals:
+        """Episode, group and token counts and the policy-version range of the episodes matching ``where``."""
+        row = self._select(
             "SELECT COUNT(*) AS episodes, COUNT(DISTINCT group_id) AS groups, COALESCE(SUM(num_tokens), 0) AS tokens,"
-            f" MIN(policy_version) AS v_min, MAX(policy_version) AS v_max FROM episodes{filter_sql}",
+            f" MIN(policy_version) AS min_version, MAX(policy_version) AS max_version FROM episodes{_where_sql(where)}",
             params,
         )[0]
-        scope = "" if where is None else f"  (where {where})"
-        counts = f"episodes {totals['episodes']:,}  groups {totals['groups']:,}  tokens {totals['tokens']:,}"
-        if totals["episodes"]:
-            counts += f"  policy versions {totals['v_min']}..{totals['v_max']}"
-        runs = self.runs()
-        lines = [f"store {self.path} (schema v{self.schema_version})", f"runs {len(runs)}", counts + scope]
-        if not totals["episodes"]:
-            return "\n".join(lines)
-        lines.extend(["", *self._env_table(filter_sql, params), "", self._finish_reasons_line(filter_sql, params)])
-        if runs:
-            lines.extend(["", *self._runs_table(runs)])
-        return "\n".join(lines)
+        return Totals(**row)
 
-    def _env_table(self, filter_sql: str, params: Sequence[Any]) -> list[str]:
+    def env_totals(self, where: str | None = None, params: Sequence[Any] = ()) -> list[EnvTotals]:
+        """Per environment id: episodes, groups, tokens and reward statistics of the episodes matching ``where``."""
         rows = self._select(
             "SELECT env_id, COUNT(*) AS episodes, COUNT(DISTINCT group_id) AS groups, SUM(num_tokens) AS tokens,"
-            " AVG(reward) AS mean, MIN(reward) AS min, MAX(reward) AS max"
-            f" FROM episodes{filter_sql} GROUP BY env_id ORDER BY env_id",
+            " AVG(reward) AS reward_mean, MIN(reward) AS reward_min, MAX(reward) AS reward_max"
+            f" FROM episodes{_where_sql(where)} GROUP BY env_id ORDER BY env_id",
             params,
         )
-        return _table(
-            ["env", "episodes", "groups", "tokens", "reward mean", "min", "max"],
-            [
-                [row["env_id"] or "(none)", f"{row['episodes']:,}", f"{row['groups']:,}", f"{row['tokens']:,}"]
-                + [_num(row[stat]) for stat in ("mean", "min", "max")]
-                for row in rows
-            ],
-            align="lrrrrr",
-        )
+        return [EnvTotals(**row) for row in rows]
 
-    def _finish_reasons_line(self, filter_sql: str, params: Sequence[Any]) -> str:
+    def finish_reasons(self, where: str | None = None, params: Sequence[Any] = ()) -> dict[str, int]:
+        """How many episodes matching ``where`` ended for each reason, most frequent first."""
         rows = self._select(
-            f"SELECT finish_reason, COUNT(*) AS n FROM episodes{filter_sql} GROUP BY finish_reason"
+            f"SELECT finish_reason, COUNT(*) AS n FROM episodes{_where_sql(where)} GROUP BY finish_reason"
             " ORDER BY n DESC, finish_reason",
             params,
         )
-        return "finish reasons  " + ", ".join(f"{row['finish_reason']} {row['n']:,}" for row in rows)
+        return {row["finish_reason"]: row["n"] for row in rows}
 
-    def _runs_table(self, runs: list[RunRecord]) -> list[str]:
-        per_run = Counter(
-            {
-                row["run_id"]: row["n"]
-                for row in self._select("SELECT run_id, COUNT(*) AS n FROM episodes GROUP BY run_id")
-            }
-        )
-        lines = ["runs"]
-        for run in runs:
-            lines.append(
-                f"  {run.id}  model {run.model}  tokenizer {run.tokenizer}  episodes {per_run[run.id]:,}"
-                f"  created {run.created_at}" + (f"  notes: {run.notes}" if run.notes else "")
-            )
-        return lines
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Text for people.
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _stats(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"mean {_num(sum(values) / len(values))} min {_num(min(values))} max {_num(max(values))}"
-
-
-def _preview(text: str, max_chars: int, *, quote: bool = True) -> str:
-    """Text on one line (quoted, escapes visible); long text keeps its head and tail and says how much was cut."""
-    show = (lambda part: json.dumps(part, ensure_ascii=False)) if quote else (lambda part: part.replace("\n", " "))
-    if not max_chars or len(text) <= max_chars:
-        return show(text)
-    head = text[: max_chars * 2 // 3]
-    tail = text[len(text) - (max_chars - len(head)) :]
-    return f"{show(head)} … {show(tail)} ({len(text):,} chars)"
-
-
-def _format_transcript(record: EpisodeRecord, max_text: int) -> str:
-    t = record.trajectory
-    header = (
-        f"episode {record.id}  env {t.env_id or '(none)'}  group {t.group_id or '(none)'}  seed {t.seed}"
-        f"  policy v{t.policy_version}  reward {_num(t.reward)}  {t.finish_reason}"
-        f"  {t.num_tokens:,} tokens in {len(t.segments)} segments  run {record.run_id or '-'}"
-    )
-    lines = [header]
-    if t.info:
-        lines.append(f"  info {_preview(_to_json(t.info, what='info'), max_text, quote=False)}")
-    rows = []
-    for idx, seg in enumerate(t.segments):
-        cells = [str(idx), seg.role, str(seg.turn), f"{len(seg):,}", _loss_fraction(seg), _mean_logprob(seg)]
-        rows.append([*cells, _preview(seg.text, max_text)])
-        if seg.tool_calls is not None:
-            calls = _preview(_to_json(seg.tool_calls, what="tool_calls"), max_text, quote=False)
-            rows.append([""] * len(cells) + [f"tool_calls {calls}"])
-    lines.extend(_table(["#", "role", "turn", "tokens", "loss", "logp", "text"], rows, align="rlrrrr", indent="  "))
-    return "\n".join(lines)
-
-
-def _table(header: list[str], rows: list[list[str]], align: str, indent: str = "") -> list[str]:
-    """Columns two spaces apart, aligned per ``align`` ("l"/"r", one per column but the last, which is unpadded)."""
-    widths = [max(len(cells[i]) for cells in [header, *rows]) for i in range(len(align))]
-
-    def line(cells: list[str]) -> str:
-        padded = [
-            cell.ljust(width) if how == "l" else cell.rjust(width)
-            for cell, width, how in zip(cells, widths, align, strict=False)
-        ]
-        return (indent + "  ".join([*padded, cells[-1]])).rstrip()
-
-    return [line(header), *(line(cells) for cells in rows)]
-
-
-def _loss_fraction(segment: Segment) -> str:
-    return "-" if not len(segment) else f"{segment.loss_mask.mean():.0%}"
-
-
-def _mean_logprob(segment: Segment) -> str:
-    """Mean behaviour logprob over the tokens where it is known."""
-    if segment.logprobs is None:
-        return "-"
-    known = segment.logprobs[~np.isnan(segment.logprobs)]
-    return f"{known.mean():.3f}" if known.size else "nan"
+    def episodes_per_run(self) -> Counter[str | None]:
+        rows = self._select("SELECT run_id, COUNT(*) AS n FROM episodes GROUP BY run_id")
+        return Counter({row["run_id"]: row["n"] for row in rows})

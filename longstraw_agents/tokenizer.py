@@ -245,9 +245,10 @@ class HFTokenizer:
         from transformers import AutoTokenizer  # lazy: the agent side must import without transformers
 
         self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self._backend = getattr(self._tokenizer, "backend_tokenizer", None)
-        if self._backend is None:
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None:
             raise TypeError(f"{path} holds a slow tokenizer; HFTokenizer needs a fast one (tokenizer.json)")
+        self._backend: Any = backend  # a tokenizers.Tokenizer
         self._name = str(path)
         self._special_tokens = {
             token.content: int(token_id)

@@ -33,7 +33,7 @@ def _as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype(np.int32, copy=False)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class Segment:
     """One run of tokens with one role.
 
@@ -45,29 +45,45 @@ class Segment:
 
     role: Role
     token_ids: np.ndarray
-    loss_mask: np.ndarray | None = None
+    loss_mask: np.ndarray
     logprobs: np.ndarray | None = None
     turn: int = 0
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
 
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"unknown role {self.role!r}; expected one of {ROLES}")
-        ids = _as_ids(self.token_ids)
-        object.__setattr__(self, "token_ids", ids)
-        if self.loss_mask is None:
-            mask = np.full(ids.shape, self.role == "assistant", dtype=bool)
+    # Written out (not generated with a __post_init__) so that the fields have their validated types: the arguments
+    # may be lists or None, the fields are arrays (``loss_mask`` always).
+    def __init__(
+        self,
+        role: Role,
+        token_ids: Sequence[int] | np.ndarray,
+        loss_mask: Sequence[bool] | np.ndarray | None = None,
+        logprobs: Sequence[float] | np.ndarray | None = None,
+        turn: int = 0,
+        text: str = "",
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        ids = _as_ids(token_ids)
+        if loss_mask is None:
+            mask = np.full(ids.shape, role == "assistant", dtype=bool)
         else:
-            mask = np.asarray(self.loss_mask, dtype=bool)
+            mask = np.asarray(loss_mask, dtype=bool)
             if mask.shape != ids.shape:
                 raise ValueError(f"loss_mask has shape {mask.shape}, token_ids {ids.shape}")
-        object.__setattr__(self, "loss_mask", mask)
-        if self.logprobs is not None:
-            lp = np.asarray(self.logprobs, dtype=np.float32)
+        lp: np.ndarray | None = None
+        if logprobs is not None:
+            lp = np.asarray(logprobs, dtype=np.float32)
             if lp.shape != ids.shape:
                 raise ValueError(f"logprobs has shape {lp.shape}, token_ids {ids.shape}")
-            object.__setattr__(self, "logprobs", lp)
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "token_ids", ids)
+        object.__setattr__(self, "loss_mask", mask)
+        object.__setattr__(self, "logprobs", lp)
+        object.__setattr__(self, "turn", turn)
+        object.__setattr__(self, "text", text)
+        object.__setattr__(self, "tool_calls", tool_calls)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

@@ -196,7 +196,15 @@ class Tool:
 
 
 @overload
-def tool(fn: F, /) -> Tool: ...
+def tool(
+    fn: F,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+    timeout_s: float | None = None,
+) -> Tool: ...
 
 
 @overload
@@ -218,7 +226,8 @@ def tool(
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
     timeout_s: float | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
-    """Turn a typed function into a `Tool`; use as ``@tool`` or ``@tool(name=..., timeout_s=...)``.
+    """Turn a typed function into a `Tool`; use as ``@tool``, ``@tool(name=..., timeout_s=...)`` or
+    ``tool(fn, name=...)``.
 
     >>> @tool
     ... def add(a: int, b: int = 1) -> int:
@@ -263,7 +272,7 @@ def arguments_model(fn: Callable[..., Any], tool_name: str, arg_docs: Mapping[st
 
 def _field_info(param: inspect.Parameter, annotation: Any, doc: str | None) -> FieldInfo:
     described = _annotation_has_description(annotation)
-    extra = {"description": doc} if doc and not described else {}
+    extra: dict[str, Any] = {"description": doc} if doc and not described else {}
     default = param.default
     if isinstance(default, FieldInfo):  # `def f(k: int = Field(5, ge=1))`
         return FieldInfo.merge_field_infos(default, **extra) if extra and default.description is None else default

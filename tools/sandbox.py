@@ -89,25 +89,36 @@ class SandboxConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit; the whole process group is killed after it.")
-    cpu_time_s: int = Field(10, ge=1, description="RLIMIT_CPU: CPU seconds of each process.")
-    memory_bytes: int = Field(1024 * MiB, ge=32 * MiB, description="RLIMIT_AS: address space of each process.")
-    max_processes: int = Field(
-        64, ge=1, description="RLIMIT_NPROC: processes and threads of the sandbox user (all of them, machine-wide)."
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="Wall-clock limit; the whole process group is killed after it."
     )
-    max_file_bytes: int = Field(16 * MiB, ge=0, description="RLIMIT_FSIZE: largest file the program may write.")
-    max_open_files: int = Field(256, ge=16, description="RLIMIT_NOFILE: file descriptors of each process.")
+    cpu_time_s: int = Field(default=10, ge=1, description="RLIMIT_CPU: CPU seconds of each process.")
+    memory_bytes: int = Field(default=1024 * MiB, ge=32 * MiB, description="RLIMIT_AS: address space of each process.")
+    max_processes: int = Field(
+        default=64,
+        ge=1,
+        description="RLIMIT_NPROC: processes and threads of the sandbox user (all of them, machine-wide).",
+    )
+    max_file_bytes: int = Field(default=16 * MiB, ge=0, description="RLIMIT_FSIZE: largest file the program may write.")
+    max_open_files: int = Field(default=256, ge=16, description="RLIMIT_NOFILE: file descriptors of each process.")
     max_output_bytes: int = Field(
-        64 * 1024, ge=1, description="Bytes of stdout, and of stderr, kept; the rest dropped."
+        default=64 * 1024, ge=1, description="Bytes of stdout, and of stderr, kept; the rest dropped."
     )
     python_executable: str | None = Field(
-        None, description="Interpreter to run; default: the system python3 (found on /usr/local/bin:/usr/bin:/bin)."
+        default=None,
+        description="Interpreter to run; default: the system python3 (found on /usr/local/bin:/usr/bin:/bin).",
     )
-    drop_privileges: bool = Field(True, description="When running as root, run the child as sandbox_uid/gid.")
-    sandbox_uid: int = Field(SANDBOX_UID, ge=1, description="The unprivileged user the child runs as (root only).")
-    sandbox_gid: int = Field(SANDBOX_GID, ge=1, description="The unprivileged group the child runs as (root only).")
+    drop_privileges: bool = Field(default=True, description="When running as root, run the child as sandbox_uid/gid.")
+    sandbox_uid: int = Field(
+        default=SANDBOX_UID, ge=1, description="The unprivileged user the child runs as (root only)."
+    )
+    sandbox_gid: int = Field(
+        default=SANDBOX_GID, ge=1, description="The unprivileged group the child runs as (root only)."
+    )
     extra_env: dict[str, str] = Field(default_factory=dict, description="Variables added to the scrubbed environment.")
-    work_root: str | None = Field(None, description="Where temporary run directories go; default: the system temp dir.")
+    work_root: str | None = Field(
+        default=None, description="Where temporary run directories go; default: the system temp dir."
+    )
 
     @property
     def switches_user(self) -> bool:
@@ -264,9 +275,7 @@ def _command(python: str, config: SandboxConfig) -> list[str]:
 
 
 def _run(python: str, workdir: str, stdin: IO[bytes] | int, config: SandboxConfig) -> SandboxResult:
-    user_switch = (
-        {"user": config.sandbox_uid, "group": config.sandbox_gid, "extra_groups": []} if config.switches_user else {}
-    )
+    switch_user = config.switches_user
     start = time.monotonic()
     try:
         process = subprocess.Popen(
@@ -277,10 +286,12 @@ def _run(python: str, workdir: str, stdin: IO[bytes] | int, config: SandboxConfi
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            **user_switch,
+            user=config.sandbox_uid if switch_user else None,
+            group=config.sandbox_gid if switch_user else None,
+            extra_groups=[] if switch_user else None,
         )
     except OSError as exc:
-        who = f"uid {config.sandbox_uid}" if config.switches_user else "the current user"
+        who = f"uid {config.sandbox_uid}" if switch_user else "the current user"
         raise SandboxUnavailable(
             f"cannot start {python} as {who}: {exc}. The interpreter must be executable by that user "
             "(a Python installed under /root is not); set SandboxConfig.python_executable"

@@ -32,13 +32,20 @@ class HttpGetConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     allowed_hosts: tuple[str, ...] = Field(
-        (), description='Hosts the tool may fetch from: "example.com" (any port) or "127.0.0.1:8080" (that port).'
+        default=(),
+        description='Hosts the tool may fetch from: "example.com" (any port) or "127.0.0.1:8080" (that port).',
     )
-    allowed_schemes: tuple[str, ...] = Field(("http", "https"), description="URL schemes the tool may use.")
-    timeout_s: float = Field(10.0, gt=0, description="Deadline for the whole fetch, redirects and body included.")
-    max_bytes: int = Field(100_000, ge=1, description="Bytes of the body read at most; the rest is not downloaded.")
-    max_redirects: int = Field(5, ge=0, description="Redirects followed at most (each checked against the list).")
-    user_agent: str = Field("longstraw-agents http_get", description="The User-Agent header.")
+    allowed_schemes: tuple[str, ...] = Field(default=("http", "https"), description="URL schemes the tool may use.")
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="Deadline for the whole fetch, redirects and body included."
+    )
+    max_bytes: int = Field(
+        default=100_000, ge=1, description="Bytes of the body read at most; the rest is not downloaded."
+    )
+    max_redirects: int = Field(
+        default=5, ge=0, description="Redirects followed at most (each checked against the list)."
+    )
+    user_agent: str = Field(default="longstraw-agents http_get", description="The User-Agent header.")
 
     @field_validator("allowed_hosts")
     @classmethod
