@@ -254,8 +254,8 @@ def test_step_metrics_are_a_frozen_record_with_a_plain_dict_form():
 
 
 def test_the_trainer_leaves_the_global_random_state_alone():
-    """No hidden reseeding: building a trainer and stepping it neither reads nor changes torch's, numpy's or
-    Python's global generators."""
+    """No hidden reseeding: building a trainer and stepping it leaves torch's, numpy's and Python's global
+    generators where they were."""
     torch.manual_seed(123)
     groups = step_groups(make_trainer(), 0)
     net = tiny_model("llama", seed=0)
