@@ -19,11 +19,13 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m longstraw_agents.demo --out runs/demo
+	$(PY) -m longstraw_agents.app.demo --out runs/demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/lint_imports.py
+	$(PY) scripts/typecheck.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

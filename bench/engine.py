@@ -130,7 +130,8 @@ def main() -> None:
     for family, r in results.items():
         print(f"{family:<12} " + " ".join(f"{ms:.1f}" for ms in r["append_ms"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    settings = {k: str(v) for k, v in vars(args).items() if k != "out"}  # no machine paths in committed results
+    args.out.write_text(json.dumps({"args": settings, "results": results}, indent=1))
     print(f"\nwrote {args.out}")
 
 

@@ -21,13 +21,14 @@ from pathlib import Path
 import gymnasium
 
 import longstraw_agents.envs  # noqa: F401 - registers the LongStraw ids
+from longstraw_agents.app.replay import as_context
 from longstraw_agents.envs import ScriptedPolicy, ToolEnv, unwrap_tool_env
 from longstraw_agents.models import state_size
 from longstraw_agents.models.presets import build_model, tiny_llama
-from longstraw_agents.replay import as_context
 from longstraw_agents.rollout import RolloutLimits, play_until_done
-from longstraw_agents.sampler import SamplingConfig, TorchSampler
+from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.store import Store
+from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 
 ENV_ID = "LongStraw/NeedleSearch-v0"

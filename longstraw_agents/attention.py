@@ -50,10 +50,8 @@ def block_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
 
 
 def _scores(pairs: Sequence[Tensor], scale: float, dtype: torch.dtype, mask: Tensor | None) -> Tensor:
-    scores = None
-    for q, k in zip(pairs[0::2], pairs[1::2], strict=True):
-        term = block_scores(q, k, scale)
-        scores = term if scores is None else scores + term
+    scores = sum(block_scores(q, k, scale) for q, k in zip(pairs[0::2], pairs[1::2], strict=True))
+    assert isinstance(scores, Tensor), "at least one query/key pair"
     scores = scores.to(dtype)
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(dtype).min)
@@ -128,15 +126,6 @@ def merge(acc: Partial | None, part: Partial) -> Partial:
     w_acc = torch.exp(acc.lse - lse).unsqueeze(-1).to(acc.out.dtype)
     w_part = torch.exp(part.lse - lse).unsqueeze(-1).to(part.out.dtype)
     return Partial(out=acc.out * w_acc + part.out * w_part, lse=lse)
-
-
-def merge_all(partials: list[Partial]) -> Partial:
-    acc = None
-    for part in partials:
-        acc = merge(acc, part)
-    if acc is None:
-        raise ValueError("nothing to merge")
-    return acc
 
 
 def causal_mask(n_queries: int, n_keys: int, groups: int, device: torch.device) -> Tensor:

@@ -16,11 +16,13 @@ def _cmd_envs(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from longstraw_agents.report import summary_text
     from longstraw_agents.store import Store, StoreError
 
     try:
         with Store.open(args.db, create=False) as store:
-            report = store.summary_text(
+            report = summary_text(
+                store,
                 episode=args.episode,
                 group=args.group,
                 transcript=args.transcript,
@@ -40,34 +42,21 @@ def _fail(message: str) -> int:
 
 
 def _validation_message(err) -> str:
-    from longstraw_agents.training import validation_lines
+    from longstraw_agents.app.config import validation_lines
 
     return "invalid configuration:\n" + validation_lines(err)
 
 
-def _print_metrics(record: dict) -> None:
-    if record.get("phase") == "grpo":
-        print(
-            f"step {record['step']:>4}  reward {record['reward_mean']:.3f}  loss {record['loss']:+.4f}  "
-            f"grad_norm {record['grad_norm']:.3f}  tokens {record.get('episode_tokens_mean', 0):.0f}  "
-            f"{record.get('rollout_seconds', 0) + record['seconds']:.1f}s",
-            flush=True,
-        )
-    elif record.get("phase") == "warm_start":
-        print(
-            f"warm start: {record['episodes']} scripted episodes, {record['steps']} steps, "
-            f"loss {record['loss_first']:.3f} -> {record['loss_last']:.3f}",
-            flush=True,
-        )
-    else:
-        print(" ".join(f"{k}={v}" for k, v in record.items()), flush=True)
+def _print_record(record) -> None:
+    print(record.summary(), flush=True)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from longstraw_agents.app.config import ConfigError, TrainConfig, load_config
+    from longstraw_agents.app.training import train
     from longstraw_agents.rollout import ContextLimitError
-    from longstraw_agents.training import ConfigError, TrainConfig, load_config, train
 
     try:
         config = load_config(args.config)
@@ -79,7 +68,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:  # incl. YAML/TOML syntax errors, which name the file
         return _fail(str(err))
     try:
-        run_dir = train(config, resume=args.resume, on_metrics=_print_metrics)
+        run_dir = train(config, resume=args.resume, on_metrics=_print_record)
     except (ConfigError, ContextLimitError, FileExistsError, FileNotFoundError) as err:
         return _fail(str(err))
     except KeyboardInterrupt:
@@ -92,7 +81,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from longstraw_agents.replay import ReplayConfig, ReplayMismatch, replay
+    from longstraw_agents.app.replay import ReplayConfig, ReplayMismatch, replay
     from longstraw_agents.store import StoreError
 
     try:
@@ -107,7 +96,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             fork_group_size=args.fork_group_size,
             recorded_tools=args.recorded_tools,
         )
-        out = replay(args.db, config, run_dir=args.run, out_dir=args.out, on_metrics=_print_metrics)
+        out = replay(args.db, config, run_dir=args.run, out_dir=args.out, on_metrics=_print_record)
     except ValidationError as err:
         return _fail(_validation_message(err))
     except (StoreError, FileNotFoundError, FileExistsError, ReplayMismatch, ValueError) as err:
@@ -117,7 +106,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from longstraw_agents.plotting import plot_run
+    from longstraw_agents.app.plotting import plot_run
 
     try:
         written = plot_run(args.run_dir, args.out)

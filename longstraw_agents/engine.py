@@ -25,8 +25,8 @@ from longstraw_agents.models.base import LayerContext
 from longstraw_agents.state import (
     Arena,
     Block,
-    RecurrentState,
     ChunkRecord,
+    RecurrentState,
     State,
     StateGrad,
     leaf_into,
@@ -105,6 +105,7 @@ class Engine:
     def step(self, state: State, ids: Tensor | Sequence[int], *, reserve: int = 0) -> tuple[State, Tensor]:
         """``extend`` plus the next-token logits after the last of ``ids`` (``[V]``), in one forward: sampling."""
         child, last = self._extend(state, self._check_ids(ids), None, reserve, want_logits=True)
+        assert last is not None  # the last chunk's logits were asked for
         return child, last
 
     def logits(self, state: State, ids: Tensor | Sequence[int], *, grad: StateGrad | None = None) -> Tensor:
@@ -255,11 +256,11 @@ class Engine:
             for i, entry in enumerate(new):
                 block, rec = chunk.blocks[i], chunk.recurrent[i]
                 if block is not None:
-                    upstream = grad.block_grads(block, create=False)
+                    upstream = grad.existing_block_grads(block)
                 else:
                     if rec is None:
                         raise ValueError("state keeps no recurrent checkpoint for this chunk (checkpoints=True)")
-                    upstream = grad.recurrent_grads(rec, create=False)
+                    upstream = grad.existing_recurrent_grads(rec)
                 if upstream is not None:
                     outputs.extend(entry)
                     grads.extend(upstream)

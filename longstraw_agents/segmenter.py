@@ -56,7 +56,10 @@ class Member:
 
     @classmethod
     def from_prompt_completion(
-        cls, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float] | None = None
+        cls,
+        prompt: Sequence[int] | np.ndarray,
+        completion: Sequence[int] | np.ndarray,
+        logprobs: Sequence[float] | np.ndarray | None = None,
     ) -> Member:
         prompt_ids, completion_ids = np.asarray(prompt), np.asarray(completion)
         mask = np.concatenate([np.zeros(len(prompt_ids), bool), np.ones(len(completion_ids), bool)])

@@ -153,14 +153,16 @@ class State:
         return out
 
     def _merged_blocks(self) -> MergedBlocks:
-        if self._merged is None:
-            merged: list[tuple[tuple[int, Block], ...]] = [() for _ in range(self.num_layers)]
-            for chunk in self.chunks:
-                merged = [
-                    _merge_block(layer, chunk.start, block) for layer, block in zip(merged, chunk.blocks, strict=True)
-                ]
-            object.__setattr__(self, "_merged", tuple(merged))
-        return self._merged
+        if self._merged is not None:
+            return self._merged
+        merged: list[tuple[tuple[int, Block], ...]] = [() for _ in range(self.num_layers)]
+        for chunk in self.chunks:
+            merged = [
+                _merge_block(layer, chunk.start, block) for layer, block in zip(merged, chunk.blocks, strict=True)
+            ]
+        result = tuple(merged)
+        object.__setattr__(self, "_merged", result)
+        return result
 
     def recurrent(self, layer: int, after_chunk: int | None = None) -> RecurrentState | None:
         """Recurrent state of ``layer`` after chunk ``after_chunk`` (default: the last); None at position 0."""
@@ -223,19 +225,23 @@ class StateGrad:
             self._arena[id(arena)] = entry
         return entry[1]
 
-    def block_grads(self, block: Block, create: bool = True) -> tuple[Tensor, ...] | None:
-        if not create and id(block.arena) not in self._arena:
-            return None
+    def block_grads(self, block: Block) -> tuple[Tensor, ...]:
+        """The gradient buffers of ``block``'s positions (its arena's buffers allocated on first use)."""
         return tuple(buf[block.lo : block.hi] for buf in self.arena_buffers(block.arena))
 
-    def recurrent_grads(self, rec: RecurrentState, create: bool = True) -> tuple[Tensor, ...] | None:
+    def existing_block_grads(self, block: Block) -> tuple[Tensor, ...] | None:
+        """``block_grads`` if anything was added to its arena yet, else None (nothing to backpropagate)."""
+        return self.block_grads(block) if id(block.arena) in self._arena else None
+
+    def recurrent_grads(self, rec: RecurrentState) -> tuple[Tensor, ...]:
         entry = self._recurrent.get(id(rec))
         if entry is None:
-            if not create:
-                return None
             entry = (rec, tuple(torch.zeros_like(t) for t in rec.tensors))
             self._recurrent[id(rec)] = entry
         return entry[1]
+
+    def existing_recurrent_grads(self, rec: RecurrentState) -> tuple[Tensor, ...] | None:
+        return self.recurrent_grads(rec) if id(rec) in self._recurrent else None
 
     def release_arena(self, arena: Arena) -> None:
         self._arena.pop(id(arena), None)
@@ -260,6 +266,7 @@ def leaf_into(view: Tensor, grad_buffer: Tensor) -> Tensor:
     leaf = view.detach().requires_grad_(True)
 
     def _accumulate(t: Tensor) -> None:
+        assert t.grad is not None  # the hook runs after the gradient was accumulated
         grad_buffer.add_(t.grad)
         t.grad = None
 

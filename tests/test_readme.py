@@ -34,3 +34,27 @@ def test_the_module_qualified_env_id_in_the_readme_works_in_a_fresh_interpreter(
     assert "longstraw_agents.envs:LongStraw/Calculator-v0" in README
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def _layout_names(path: str) -> set[str]:
+    """The module names README's layout table lists (in backticks) for ``path``."""
+    row = next(line for line in README.splitlines() if line.startswith(f"| `{path}` |"))
+    return {name.rstrip("/") for name in re.findall(r"`([a-z_]+/?)`", row.split("|")[3])}
+
+
+def _modules(directory: Path) -> set[str]:
+    names = {p.stem for p in directory.glob("*.py") if p.stem != "__init__"}
+    return names | {p.name for p in directory.iterdir() if (p / "__init__.py").exists()}
+
+
+def test_the_layout_table_names_every_module_and_only_modules_that_exist() -> None:
+    core = _modules(ROOT / "longstraw_agents") - {"app"}
+    assert _layout_names("longstraw_agents/") == core
+    assert _layout_names("longstraw_agents/app/") == _modules(ROOT / "longstraw_agents" / "app")
+
+
+def test_every_path_the_readme_names_exists() -> None:
+    named = set(
+        re.findall(r"`((?:tests|examples|scripts|bench|envs|tools|trainer|longstraw_agents)/[\w/.]+\.py)`", README)
+    )
+    assert named and not [path for path in named if not (ROOT / path).exists()]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sqlite_utils
 import torch
 
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ToolEnv, unwrap_tool_env
@@ -20,9 +21,10 @@ from longstraw_agents.rollout import (
     rollout_group,
     rollout_groups,
 )
-from longstraw_agents.sampler import OpenAISampler, SamplerError, SamplingConfig, TorchSampler
+from longstraw_agents.sampler import OpenAISampler, SamplerError, SamplingConfig
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
+from longstraw_agents.torch_sampler import TorchSampler
 
 ENV_ID = "LongStraw/Calculator-v0"
 ENV_KWARGS = {**EASY_CALCULATOR_KWARGS, "max_turns": 2}
@@ -186,7 +188,8 @@ def test_a_tight_context_ends_episodes_explicitly_and_the_store_records_why(mode
     limits = RolloutLimits(MAX_NEW_TOKENS, max_context)
     with Store.open(tmp_path / "trajectories.db") as store:
         groups = rollout_groups(factory, make_sampler(model, tokenizer), [1], G, limits, store=store, progress=False)
-        rows = list(store.db.query("SELECT finish_reason, reward, num_tokens FROM episodes"))
+    db = sqlite_utils.Database(tmp_path / "trajectories.db")  # any SQLite reader can read the store
+    rows = list(db.query("SELECT finish_reason, reward, num_tokens FROM episodes"))
     assert len(rows) == G
     for row, trajectory in zip(rows, groups[0], strict=True):
         assert row["finish_reason"] in ("context_limit", "max_tokens")

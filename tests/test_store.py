@@ -20,71 +20,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from sqlite_utils.cli import cli as sqlite_utils_cli
+from stored_episodes import LARGEST_ID, edge_case_trajectory, make_trajectory
 
 from longstraw_agents.store import APPLICATION_ID, SCHEMA_VERSION, Store, StoreError
-from longstraw_agents.trajectory import ROLES, Segment, Trajectory
+from longstraw_agents.trajectory import Segment, Trajectory
 
-LARGEST_ID = 2**31 - 1
-TEXTS = ("", "plain words", "héllo wörld ✓ 🦙", "line\nbreak\ttab", "nul\x00byte", "中文字符 and émoji 🎉")
-FINISH_REASONS = ("answered", "max_turns", "max_tokens", "error")
 TESTS_DIR = Path(__file__).resolve().parent
-
-
-def make_segment(rng: np.random.Generator, idx: int, max_tokens: int) -> Segment:
-    length = 0 if rng.random() < 0.15 else int(rng.integers(1, max_tokens + 1))
-    ids = rng.integers(0, 2**31, size=length)
-    if length:
-        ids[0], ids[-1] = LARGEST_ID, 0
-    logprobs = None
-    if rng.random() < 0.6:
-        logprobs = -rng.exponential(size=length).astype(np.float32)
-        logprobs[rng.random(length) < 0.2] = np.nan
-        logprobs[rng.random(length) < 0.05] = -np.inf
-    tool_calls = [None, [], [{"name": "calculator", "arguments": {"expression": f"{idx} * 7"}, "id": f"c{idx}"}]]
-    return Segment(
-        role=ROLES[int(rng.integers(len(ROLES)))],
-        token_ids=ids,
-        loss_mask=(rng.random(length) < 0.5) if rng.random() < 0.5 else None,
-        logprobs=logprobs,
-        turn=idx // 2,
-        text=TEXTS[int(rng.integers(len(TEXTS)))] + f" #{idx}",
-        tool_calls=tool_calls[int(rng.integers(3))],
-    )
-
-
-def make_trajectory(n: int, *, num_segments: int | None = None, max_tokens: int = 64) -> Trajectory:
-    """A trajectory determined by ``n`` alone, so another process can rebuild exactly what it should have stored."""
-    rng = np.random.default_rng(n)
-    count = int(rng.integers(1, 9)) if num_segments is None else num_segments
-    return Trajectory(
-        segments=[make_segment(rng, idx, max_tokens) for idx in range(count)],
-        env_id=f"LongStraw/Env{n % 3}-v0",
-        group_id=f"group-{n // 4}",
-        seed=None if n % 5 == 0 else n * 1_000_003,
-        reward=None if n % 7 == 0 else float(rng.normal()),
-        finish_reason=FINISH_REASONS[n % len(FINISH_REASONS)],
-        policy_version=n % 5,
-        info={"n": n, "nested": {"values": [1, 2.5, None, True, "ü"]}, "empty": {}},
-    )
-
-
-def edge_case_trajectory() -> Trajectory:
-    return Trajectory(
-        segments=[
-            Segment("system", np.array([0, 1, LARGEST_ID], dtype=np.int64), text="sÿstem 🦙"),
-            Segment("user", [], text=""),
-            Segment("assistant", [LARGEST_ID, 5], logprobs=[np.nan, -np.inf], loss_mask=[True, False], turn=3),
-            Segment("tool", [7], tool_calls=[]),
-            Segment("assistant", [], logprobs=[], tool_calls=[{"name": "x", "arguments": {}}]),
-        ],
-        env_id="LongStraw/Edge-v0",
-        group_id="edge",
-        seed=2**63 - 1,
-        reward=1.0,
-        finish_reason="context_limit",
-        policy_version=2**40,
-        info={"unicode": "ümlaut ✓", "list": [1, [2, [3]]], "float": 0.1},
-    )
+SUPPORT_DIR = TESTS_DIR / "support"
 
 
 @pytest.fixture
@@ -191,7 +133,7 @@ def test_add_episodes_writes_all_or_nothing(store: Store) -> None:
 
 
 def test_failure_in_the_middle_of_an_episode_leaves_nothing_behind(store: Store) -> None:
-    store.db.execute(
+    store._db.execute(
         "CREATE TRIGGER fail_third_segment BEFORE INSERT ON segments WHEN NEW.idx = 2"
         " BEGIN SELECT RAISE(ABORT, 'disk on fire'); END"
     )
@@ -200,7 +142,7 @@ def test_failure_in_the_middle_of_an_episode_leaves_nothing_behind(store: Store)
         store.add_episodes([make_trajectory(2, num_segments=2), make_trajectory(3, num_segments=5)])
     assert store.count() == 1
     assert raw_query(store.path, "SELECT COUNT(*) FROM segments") == [(2,)]
-    store.db.execute("DROP TRIGGER fail_third_segment")
+    store._db.execute("DROP TRIGGER fail_third_segment")
     episode_id = store.add_episode(make_trajectory(3, num_segments=5))
     assert store.get_episode(episode_id) == make_trajectory(3, num_segments=5)
 
@@ -281,7 +223,7 @@ def test_bad_sql_raises_store_error_with_sqlites_message(store: Store, where: st
         store.episodes(where)
     with pytest.raises(StoreError, match=message):
         store.count(where)
-    assert store.count() == 1 and "runs" in store.db.table_names()
+    assert store.count() == 1 and "runs" in store._db.table_names()
 
 
 def test_groups_rebuild_grpo_groups(store: Store) -> None:
@@ -416,11 +358,11 @@ def _stall_inside_episode(store: Store, n: int) -> None:
         print("stalled", flush=True)
         time.sleep(600)
 
-    store.db.conn.create_function("stall", 0, stall)
+    store._db.conn.create_function("stall", 0, stall)
     # A tiny page cache makes SQLite spill the open transaction's pages into the WAL before the kill, so reopening
     # has to skip frames that were written but never committed.
-    store.db.execute("PRAGMA cache_size = 8")
-    store.db.execute(
+    store._db.execute("PRAGMA cache_size = 8")
+    store._db.execute(
         "CREATE TEMP TRIGGER stall_in_episode AFTER INSERT ON segments"
         f" WHEN NEW.idx = {STALL_AFTER_SEGMENTS}"
         f" AND (SELECT json_extract(info, '$.n') FROM episodes WHERE id = NEW.episode_id) = {int(n)}"
@@ -436,7 +378,7 @@ def start_writer() -> Iterator[StartWriter]:
     """Run ``_writer_main(spec)`` in fresh interpreters; any writer still alive at teardown is killed."""
     started: list[subprocess.Popen[bytes]] = []
     code = (
-        f"import sys, json; sys.path.insert(0, {str(TESTS_DIR)!r}); import test_store; "
+        f"import sys, json; sys.path[:0] = [{str(TESTS_DIR)!r}, {str(SUPPORT_DIR)!r}]; import test_store; "
         "test_store._writer_main(json.loads(sys.argv[1]))"
     )
 
@@ -492,9 +434,9 @@ def assert_store_intact(path: Path, numbers: list[int], **size: Any) -> None:
         assert [record.trajectory.info["n"] for record in records] == numbers
         for record in records:
             assert record.trajectory == make_trajectory(record.trajectory.info["n"], **size)
-        orphans = store.db.execute("SELECT COUNT(*) FROM segments WHERE episode_id NOT IN (SELECT id FROM episodes)")
+        orphans = store._db.execute("SELECT COUNT(*) FROM segments WHERE episode_id NOT IN (SELECT id FROM episodes)")
         assert orphans.fetchone()[0] == 0
-        assert store.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert store._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
 def test_writer_killed_inside_a_transaction_loses_only_that_episode(tmp_path: Path, start_writer: StartWriter) -> None:
@@ -550,85 +492,4 @@ def test_four_concurrent_writers_lose_nothing(tmp_path: Path, start_writer: Star
                 record = store.get_record(episode_id)
                 assert record.run_id == f"writer-{w}"
                 assert record.trajectory == make_trajectory(1000 * w + i, **size)
-        assert store.db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-
-
-# -- text for people -----------------------------------------------------------------------------------------------
-
-
-def test_summary_overview(store: Store) -> None:
-    store.add_run("r1", config={}, model="tiny-dense", tokenizer="longstraw-bpe")
-    originals = [make_trajectory(n) for n in range(8)]
-    store.add_episodes(originals, run_id="r1")
-    text = store.summary_text()
-    tokens = sum(t.num_tokens for t in originals)
-    assert f"episodes 8  groups 2  tokens {tokens:,}  policy versions 0..4" in text
-    assert "runs 1" in text and "r1  model tiny-dense  tokenizer longstraw-bpe  episodes 8" in text
-    env0 = [t.reward for t in originals if t.env_id == "LongStraw/Env0-v0" and t.reward is not None]
-    env0_line = next(line for line in text.splitlines() if line.startswith("LongStraw/Env0-v0"))
-    assert env0_line.split()[1:] == [
-        "3",
-        "2",
-        f"{sum(t.num_tokens for t in originals if t.env_id == 'LongStraw/Env0-v0'):,}",
-        f"{sum(env0) / len(env0):.3f}",
-        f"{min(env0):.3f}",
-        f"{max(env0):.3f}",
-    ]
-    assert "finish reasons  answered 2, error 2, max_tokens 2, max_turns 2" in text
-    assert "episode 1  " not in text
-    filtered = store.summary_text(where="policy_version = 0")
-    assert "episodes 2  groups 2" in filtered and "(where policy_version = 0)" in filtered
-
-
-def test_summary_of_an_empty_store(store: Store) -> None:
-    assert store.summary_text().splitlines()[1:] == ["runs 0", "episodes 0  groups 0  tokens 0"]
-
-
-def test_transcript_of_an_episode(store: Store) -> None:
-    long_text = "A" * 500 + "middle" + "Z" * 500
-    trajectory = Trajectory(
-        [
-            Segment("user", [1, 2, 3], text=long_text),
-            Segment(
-                "assistant",
-                [4, 5],
-                logprobs=[-0.5, -1.5],
-                loss_mask=[True, False],
-                text="call\n",
-                tool_calls=[{"name": "calculator", "arguments": {"expression": "6*7"}}],
-            ),
-            Segment("tool", [], text="42"),
-        ],
-        env_id="LongStraw/Calculator-v0",
-        group_id="g",
-        seed=11,
-        reward=1.0,
-        finish_reason="answered",
-        info={"answer": 42},
-    )
-    episode_id = store.add_episode(trajectory)
-    text = store.summary_text(episode=episode_id, max_text=60)
-    lines = text.splitlines()
-    assert lines[0].startswith(f"episode {episode_id}  env LongStraw/Calculator-v0  group g  seed 11")
-    assert "reward 1.000  answered  5 tokens in 3 segments" in lines[0]
-    assert lines[1] == '  info {"answer": 42}'
-    assert lines[2].split() == ["#", "role", "turn", "tokens", "loss", "logp", "text"]
-    assert lines[3].split()[:6] == ["0", "user", "0", "3", "0%", "-"]
-    assert '"AAAA' in lines[3] and 'ZZZZ"' in lines[3] and "middle" not in lines[3] and "(1,006 chars)" in lines[3]
-    assert lines[4].split()[:7] == ["1", "assistant", "0", "2", "50%", "-1.000", '"call\\n"']
-    assert lines[5].strip() == 'tool_calls [{"name": "calculator", "arguments": {"expression": "6*7"}}]'
-    assert lines[6].split() == ["2", "tool", "0", "0", "-", "-", '"42"']
-    assert "middle" in store.summary_text(episode=episode_id, max_text=0)
-
-
-def test_transcripts_of_a_group_and_of_everything(store: Store) -> None:
-    ids = store.add_episodes([make_trajectory(n) for n in range(6)])
-    group = store.summary_text(group="group-1")
-    assert group.splitlines()[0].startswith("group group-1: 2 episodes, reward mean")
-    assert [line.split()[1] for line in group.splitlines() if line.startswith("episode ")] == ["5", "6"]
-    everything = store.summary_text(transcript=True)
-    assert [int(line.split()[1]) for line in everything.splitlines() if line.startswith("episode ")] == ids
-    with pytest.raises(StoreError, match="no group 'missing'"):
-        store.summary_text(group="missing")
-    with pytest.raises(StoreError, match="not both"):
-        store.summary_text(episode=1, group="group-1")
+        assert store._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -206,7 +206,7 @@ class GRPOTrainer:
         if not params:
             return 0.0
         if max_norm is None:
-            return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+            return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
         return float(self.accelerator.clip_grad_norm_(params, max_norm))
 
     # --- checkpoints ----------------------------------------------------------------------------------------

@@ -55,6 +55,17 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     return adapter(model)
 
 
+def context_limit(config: Any, max_positions: int | None = None) -> int | None:
+    """The longest sequence the engine runs for ``config``: ``max_positions`` (default: the config's
+    ``max_position_embeddings``), capped by a sliding window the engine stops at (see ``models.dense``)."""
+    limits = [
+        max_positions or getattr(config, "max_position_embeddings", None),
+        adapter_class(config).window_limit(config),
+    ]
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
 @dataclass(frozen=True)
 class StateSize:
     """Analytic state size of a config: bytes that grow per token, and fixed bytes per recurrent snapshot."""
@@ -84,6 +95,7 @@ __all__ = [
     "StateSize",
     "UnsupportedModelError",
     "adapter_for",
+    "context_limit",
     "state_size",
     "supported_model_types",
 ]

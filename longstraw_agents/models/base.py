@@ -12,13 +12,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS
+
+HFModule = Any
+"""A transformers module (a decoder layer, its attention, a norm...): the adapters read its weights and settings by
+attribute, which differ per architecture, so it is typed dynamically."""
 
 
 class UnsupportedModelError(ValueError):
@@ -59,14 +62,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
 
 
-def norm_eps(module: nn.Module) -> float:
+def norm_eps(module: HFModule) -> float:
     """transformers' RMSNorm modules call their epsilon ``variance_epsilon`` or ``eps``."""
     eps = getattr(module, "variance_epsilon", None)
     return float(module.eps if eps is None else eps)
 
 
-def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: nn.Module) -> Callable[[Tensor], Tensor]:
-    return partial(fn, weight=module.weight, eps=norm_eps(module))
+def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: HFModule) -> Callable[[Tensor], Tensor]:
+    """``fn(x, module's weight, module's epsilon)`` as a function of ``x``."""
+    weight, eps = module.weight, norm_eps(module)
+    return lambda x: fn(x, weight, eps)
 
 
 @dataclass
@@ -121,7 +126,7 @@ class DecoderLayer:
     @classmethod
     def from_hf(
         cls,
-        hf_layer: nn.Module,
+        hf_layer: HFModule,
         mixer: Mixer,
         norm: Callable[[Tensor, Tensor, float], Tensor],
         mlp: Callable[[Tensor], Tensor] | None = None,
@@ -147,10 +152,10 @@ class FamilyAdapter(ABC):
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
 
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.config = model.config
-        self.backbone = model.model
+    def __init__(self, model: HFModule):
+        self.model: HFModule = model
+        self.config: Any = model.config
+        self.backbone: HFModule = model.model
         self.check_config(self.config)
         self.layers: list[DecoderLayer] = self.build_layers()
 
@@ -169,6 +174,12 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def layer_state_bytes(cls, config: Any, itemsize: int) -> list[tuple[int, int]]:
         """Per layer: (bytes per token, fixed bytes) of the state, computed from the config alone."""
+
+    @classmethod
+    def window_limit(cls, config: Any) -> int | None:
+        """The longest sequence the engine computes exactly for this config regardless of its position limit (a
+        sliding window it stops at), or None."""
+        return None
 
     # --- shared ---------------------------------------------------------------------------------------------
     @property

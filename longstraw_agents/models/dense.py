@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS, attend
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
+    HFModule,
     LayerContext,
     Mixer,
     MixerInput,
@@ -38,7 +39,7 @@ class AttentionMixer(Mixer):
 
     def __init__(
         self,
-        attn: nn.Module,
+        attn: HFModule,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -69,7 +70,7 @@ class AttentionMixer(Mixer):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = self.attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = inp.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -107,10 +108,14 @@ class DenseAdapter(FamilyAdapter):
     family = "dense"
     model_types = ("llama", "qwen2", "qwen3", "mistral")
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: HFModule):
         super().__init__(model)
-        windows = [w for w in sliding_windows(self.config) if w is not None]
-        self.window: int | None = min(windows) if windows else None
+        self.window = self.window_limit(self.config)
+
+    @classmethod
+    def window_limit(cls, config: Any) -> int | None:
+        windows = [w for w in sliding_windows(config) if w is not None]
+        return min(windows) if windows else None
 
     def forward(
         self,

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
+    HFModule,
     Mixer,
     MixerInput,
     MixerOutput,
@@ -91,7 +92,7 @@ class GatedDeltaNetMixer(Mixer):
 
     grows = False
 
-    def __init__(self, mod: nn.Module):
+    def __init__(self, mod: HFModule):
         self.mod = mod
         self.kernel = mod.conv_kernel_size
         self.num_k_heads, self.num_v_heads = mod.num_k_heads, mod.num_v_heads

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from longstraw_agents.attention import Partial, block_partial, causal_mask, merge, softmax_dtype, split_keys
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
+    HFModule,
     Mixer,
     MixerInput,
     MixerOutput,
@@ -64,7 +65,7 @@ def _topk_merge(
 class DSAIndexer:
     """The lightning indexer of one layer: produces index keys for the state and top-k selections."""
 
-    def __init__(self, indexer: nn.Module, topk: int):
+    def __init__(self, indexer: HFModule, topk: int):
         self.mod = indexer
         self.topk = topk
         self.heads, self.dim = indexer.n_heads, indexer.head_dim
@@ -117,7 +118,7 @@ class MLAMixer(Mixer):
 
     grows = True
 
-    def __init__(self, attn: nn.Module, config: Any):
+    def __init__(self, attn: HFModule, config: Any):
         self.attn = attn
         self.heads = config.num_attention_heads
         self.nope, self.rope_dim, self.v_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
@@ -209,6 +210,7 @@ class MLAMixer(Mixer):
             probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible, 0.0).to(lat.dtype)
             out = torch.einsum("hnk,nkr->hnr", probs, lat_g)
             acc = merge(acc, Partial(out=out.reshape(1, heads * n, -1), lse=lse.reshape(1, heads * n)))
+        assert acc is not None, "the own block always holds the query's own position"
         return acc
 
     def _partial(self, q_lat: Tensor, q_rope: Tensor, latent: Tensor, rope_key: Tensor, mask: Tensor | None):
@@ -223,7 +225,7 @@ class MoE:
     experts loop over the selected experts in id order, as transformers' eager experts do.
     """
 
-    def __init__(self, moe: nn.Module):
+    def __init__(self, moe: HFModule):
         self.moe = moe
         self.gate, self.experts = moe.gate, moe.experts
 

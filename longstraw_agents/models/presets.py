@@ -29,7 +29,6 @@ def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2) -> Llam
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1 << 20,
-        rope_theta=10000.0,
         tie_word_embeddings=False,
     )
 
@@ -48,6 +47,11 @@ def tiny_qwen3(vocab_size: int = 256, hidden: int = 64, layers: int = 2) -> Qwen
     )
 
 
+def hybrid_layer_types(layers: int, interval: int = 4) -> list[str]:
+    """Qwen3.5 / Qwen3.6's layout: every ``interval``-th layer is full attention, the others GatedDeltaNet."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
 def tiny_qwen3_5(vocab_size: int = 256, hidden: int = 64, layers: int = 4) -> Qwen3_5TextConfig:
     """Three GatedDeltaNet layers per full-attention layer, as in Qwen3.6-27B."""
     return Qwen3_5TextConfig(
@@ -64,7 +68,7 @@ def tiny_qwen3_5(vocab_size: int = 256, hidden: int = 64, layers: int = 4) -> Qw
         linear_value_head_dim=8,
         linear_conv_kernel_dim=4,
         max_position_embeddings=1 << 20,
-        full_attention_interval=4,
+        layer_types=hybrid_layer_types(layers),
         tie_word_embeddings=False,
     )
 
@@ -122,7 +126,7 @@ def qwen3_6_27b_like() -> Qwen3_5TextConfig:
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
-        full_attention_interval=4,
+        layer_types=hybrid_layer_types(64),
         max_position_embeddings=262144,
     )
 
@@ -136,10 +140,13 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype = torch.float32, se
     """A random-init CausalLM for ``config`` (eager attention and experts, so any dtype runs on CPU)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
-    )
+    # transformers initialises weights from torch's global generator: seed it for this call only, so that building
+    # a model neither depends on nor changes anyone else's random state
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+        )
     # transformers keeps some modules in fp32 whatever the dtype (MoE router weights); cast them too so that an
     # fp64 model is fp64 throughout and fp64 gradient checks are not capped at fp32 precision.
     return model.to(dtype).eval()

@@ -12,12 +12,11 @@ from pathlib import Path
 import gymnasium
 import numpy as np
 import pytest
+import sqlite_utils
 import torch
 from tiny_runs import ENV_ID, ENV_KWARGS, checkpoint_weights, tiny_config, warm_started_policy
 
-import longstraw_agents.trainer.grpo as grpo
-from longstraw_agents.envs import unwrap_tool_env
-from longstraw_agents.replay import (
+from longstraw_agents.app.replay import (
     ReplayConfig,
     Replayer,
     ReplayMismatch,
@@ -26,10 +25,12 @@ from longstraw_agents.replay import (
     replay_prefix,
     select_logged_groups,
 )
+from longstraw_agents.app.training import train
+from longstraw_agents.envs import unwrap_tool_env
 from longstraw_agents.store import Store, StoreError
 from longstraw_agents.tools import ToolRegistry, ToolResult
 from longstraw_agents.trainer import GRPOTrainer
-from longstraw_agents.training import train
+from longstraw_agents.trainer.loss import GRPOLoss
 from longstraw_agents.trajectory import Segment, Trajectory
 
 SOURCE_STEPS, G = 2, 4
@@ -61,9 +62,9 @@ def select(source: Path, out: Path, **config) -> tuple[list[list], dict[str, int
 
 
 def mixed_groups(source: Path) -> list[str]:
-    with Store.open(source / "trajectories.db", create=False) as store:
-        rows = store.db.query("SELECT group_id FROM episodes GROUP BY group_id HAVING MIN(reward) < MAX(reward)")
-        return [row["group_id"] for row in rows]
+    db = sqlite_utils.Database(source / "trajectories.db")  # any SQLite reader can read the store
+    rows = db.query("SELECT group_id FROM episodes GROUP BY group_id HAVING MIN(reward) < MAX(reward)")
+    return [row["group_id"] for row in rows]
 
 
 def test_replay_trains_on_the_selected_groups(source: Path, tmp_path: Path) -> None:
@@ -180,12 +181,12 @@ def test_truncated_importance_weights_come_from_the_stored_behaviour_logprobs(
     cap = 1.05
     seen = []
 
-    def spy(logp, advantage, config, old_logp=None, ref_logp=None):
-        seen.append((config.importance, config.tis_cap, logp.detach().clone(), old_logp))
-        return original(logp, advantage, config, old_logp, ref_logp)
+    def spy(self, logp, advantage, old_logp=None, ref_logp=None):
+        seen.append((self.config.importance, self.config.tis_cap, logp.detach().clone(), old_logp))
+        return original(self, logp, advantage, old_logp, ref_logp)
 
-    original = grpo.per_token_loss
-    monkeypatch.setattr(grpo, "per_token_loss", spy)
+    original = GRPOLoss.__call__
+    monkeypatch.setattr(GRPOLoss, "__call__", spy)
     [group_id] = mixed_groups(source)[:1]
     for trajectory in logged(source, f"group_id = '{group_id}'"):  # every loss token has its behaviour logprob
         for segment in trajectory:
@@ -259,7 +260,7 @@ def test_fork_at_skips_what_cannot_be_forked_and_rebuilds_the_logged_env(
     where = f"id IN (1, {', '.join(map(str, ids))})"
     replayer = Replayer(run / "trajectories.db", None, tmp_path / "out", ReplayConfig(where=where, fork_at=1))
     try:
-        with caplog.at_level(logging.WARNING, logger="longstraw_agents.replay"):
+        with caplog.at_level(logging.WARNING, logger="longstraw_agents.app.replay"):
             groups, counts = replayer.forked_groups()
     finally:
         replayer.close()
@@ -397,7 +398,9 @@ def test_a_failed_start_closes_the_stores_it_opened(
     monkeypatch.setattr(Store, "close", lambda self: closed.append(self) or real_close(self))
     with pytest.raises(FileNotFoundError, match="reference"):
         Replayer(run / "trajectories.db", None, tmp_path / "out", ReplayConfig())
-    assert len(opened) == 2 and all(store in closed for store in opened)  # the source and the replay run's store
+    # the source store, closed; the missing reference is found before the replay run writes anything
+    assert len(opened) == 1 and all(store in closed for store in opened)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_run_without_checkpoint_warns_that_an_untrained_policy_is_trained(
@@ -406,7 +409,7 @@ def test_a_run_without_checkpoint_warns_that_an_untrained_policy_is_trained(
     config = json.loads((source / "config.json").read_text())
     run = run_copy(source, tmp_path / "run", model={**config["model"], "preset": "llama", "path": None})
     shutil.rmtree(run / "checkpoint")
-    with caplog.at_level(logging.WARNING, logger="longstraw_agents.replay"):
+    with caplog.at_level(logging.WARNING, logger="longstraw_agents.app.replay"):
         replayer = Replayer(run / "trajectories.db", None, tmp_path / "out", ReplayConfig())
     try:
         assert replayer.policy_source == "random_init" and replayer.trainer.policy_version == 0

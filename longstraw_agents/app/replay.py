@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,15 @@ import gymnasium
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from longstraw_agents.app.config import TrainConfig
+from longstraw_agents.app.records import ReplaySelectRecord, StepRecord
+from longstraw_agents.app.run import CHECKPOINT, REFERENCE, OnMetrics, Run, has_checkpoint
 from longstraw_agents.envs import ToolEnv, unwrap_tool_env
-from longstraw_agents.rollout import RolloutLimits, make_env_factory, play_until_done
-from longstraw_agents.sampler import TorchSampler
+from longstraw_agents.rollout import EnvFactory, RolloutLimits, make_env_factory, play_until_done
 from longstraw_agents.store import EpisodeRecord, Store, StoreError
-from longstraw_agents.tools import ToolCall, ToolResult
+from longstraw_agents.tools import ToolCall, ToolCallError, ToolResult
+from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOTrainer, LossConfig
-from longstraw_agents.training import CHECKPOINT, REFERENCE, Run, TrainConfig, has_checkpoint, reference_policy
 from longstraw_agents.trajectory import Segment, Trajectory
 
 log = logging.getLogger(__name__)
@@ -83,14 +83,16 @@ class ReplayConfig(BaseModel):
 
 
 class _LoggedTools:
-    """Stands in for ``ToolRegistry.call`` while a prefix is replayed: each call gets the result logged for it."""
+    """Answers a replayed prefix's tool calls (as the env's ``tool_executor``): each call gets the result logged for
+    it, turn by turn."""
 
     def __init__(self, logged: Trajectory, env: ToolEnv) -> None:
         self._by_turn: dict[int, list[dict[str, Any]]] = {}
         for s in logged.segments:
             if s.role == "tool" and s.tool_calls:
                 self._by_turn.setdefault(s.turn, []).extend(s.tool_calls)
-        self._env, self._turn, self._pending = env, 0, []
+        self._env, self._turn = env, 0
+        self._pending: list[dict[str, Any]] = []
 
     def start_turn(self, turn: int) -> None:
         self._turn, self._pending = turn, list(self._by_turn.get(turn, []))
@@ -99,7 +101,7 @@ class _LoggedTools:
         if self._pending:
             raise ReplayMismatch(f"turn {self._turn} made fewer tool calls than the log ({len(self._pending)} left)")
 
-    def call(self, call: Any) -> ToolResult:
+    def __call__(self, call: ToolCall | ToolCallError) -> ToolResult:
         if not self._pending:
             raise ReplayMismatch(f"turn {self._turn} made more tool calls than the log")
         result = ToolResult.model_validate(self._pending.pop(0))
@@ -110,16 +112,15 @@ class _LoggedTools:
 
 @contextlib.contextmanager
 def _answering_from_log(env: ToolEnv, tools: _LoggedTools | None) -> Iterator[None]:
-    """Route the episode's tool calls to ``tools`` (None: run them); the live registry is back afterwards."""
+    """Answer the episode's tool calls with ``tools`` (None: run them); the env runs its tools again afterwards."""
     if tools is None:
         yield
         return
-    registry = env.registry  # one per episode; the instance attribute shadows ToolRegistry.call, the one entry point
-    registry.call = tools.call
+    env.tool_executor = tools
     try:
         yield
     finally:
-        del registry.call
+        env.tool_executor = None
 
 
 def replay_prefix(env: ToolEnv, logged: Trajectory, turns: int, recorded_tools: bool = True) -> np.ndarray:
@@ -197,13 +198,13 @@ def logged_env_kwargs(trajectory: Trajectory, run_config: Mapping[str, Any] | No
         kwargs = dict(env.get("kwargs") or {})
     elif isinstance(envs, Mapping) and isinstance(envs.get(trajectory.env_id), Mapping):
         kwargs = dict(envs[trajectory.env_id])
-    budgets = {k: trajectory.info[k] for k in ("max_turns", "max_tokens") if k in trajectory.info}
+    budgets: dict[str, Any] = {k: trajectory.info[k] for k in ("max_turns", "max_tokens") if k in trajectory.info}
     return {**kwargs, **budgets}
 
 
 def _rewards_differ(group: Sequence[Trajectory]) -> bool:
     # equal rewards give every member a zero advantage: no GRPO signal
-    return len({float(t.reward) for t in group}) > 1
+    return len({t.reward for t in group}) > 1
 
 
 def trainable(groups: list[list[Trajectory]], counts: dict[str, Any]) -> list[list[Trajectory]]:
@@ -276,34 +277,30 @@ def _replay_config(run_dir: Path, db: Path, out_dir: Path, config: ReplayConfig)
 class Replayer:
     """Loads the policy of a run and trains it on logged (or forked) groups."""
 
-    def __init__(self, db: str | Path, run_dir: str | Path | None, out_dir: str | Path, config: ReplayConfig):
+    def __init__(
+        self,
+        db: str | Path,
+        run_dir: str | Path | None,
+        out_dir: str | Path,
+        config: ReplayConfig,
+        on_metrics: OnMetrics | None = None,
+    ):
         self.db_path = Path(db)
         self.config = config
         self.source = _open_source(self.db_path, config.where)  # the DB first: its errors name the real problem
         try:
             run_dir = Path(run_dir) if run_dir is not None else self.db_path.parent
             train_config = _replay_config(run_dir, self.db_path, Path(out_dir), config)
-            self.run = Run(train_config, resume=False)
+            # the source run's KL reference (used when beta > 0), copied into the replay run
+            self.run = Run(train_config, resume=False, reference=run_dir / REFERENCE, on_metrics=on_metrics)
         except BaseException:
             self.source.close()
             raise
         try:
-            reference = self._reference(run_dir, train_config)
-            self.run.trainer = GRPOTrainer(self.run.model, train_config.trainer, ref_model=reference)
             self.policy_source = self._load_policy(run_dir)
         except BaseException:
             self.close()
             raise
-
-    def _reference(self, run_dir: Path, config: TrainConfig):
-        """The source run's KL reference (beta > 0), copied into the replay run."""
-        if config.trainer.loss.beta == 0.0:
-            return None
-        source = run_dir / REFERENCE
-        if not source.exists():
-            raise FileNotFoundError(f"the run uses a KL penalty (beta > 0) but {source} is missing")
-        shutil.copyfile(source, self.run.dir / REFERENCE)
-        return reference_policy(self.run, resume=True)
 
     def _load_policy(self, run_dir: Path) -> str:
         """Load the run's checkpoint; without one, say loudly what is trained instead. Returns where it came from."""
@@ -327,12 +324,9 @@ class Replayer:
         """New groups sampled by the current policy from turn ``fork_at`` of each selected episode; episodes that
         cannot be forked are skipped and counted by reason."""
         turn = self.config.fork_at
-        sampler = TorchSampler(
-            self.trainer.engine,
-            self.run.stop_ids,
-            self.run.config.sampling,
-            policy_version=self.trainer.policy_version,
-        )
+        if turn is None:
+            raise ValueError("forked_groups needs ReplayConfig.fork_at (the logged turn to fork from)")
+        sampler = self.run.sampler()  # the run's sampling settings and seed
         limits = RolloutLimits(self.run.config.sampling.max_new_tokens, self.run.max_context)
         run_configs = {run.id: run.config for run in self.source.runs()}
         own_config = self.run.config.model_dump(mode="json")  # for episodes without a recorded run
@@ -340,15 +334,15 @@ class Replayer:
         examples: dict[str, str] = {}
         groups = []
         for record in self.source.records(self.config.where):
-            run_config = run_configs.get(record.run_id, own_config)
+            run_config = own_config if record.run_id is None else run_configs.get(record.run_id, own_config)
             try:
-                envs, prefix = self._replayed_envs(record, run_config)
+                envs, prefix = self._replayed_envs(record, run_config, turn)
             except ReplayMismatch as err:
                 skipped[err.reason] += 1
                 examples.setdefault(err.reason, f"episode {record.id}: {err}")
                 continue
             try:
-                groups.append(self._fork(record, envs, prefix, sampler, limits))
+                groups.append(self._fork(record, envs, prefix, sampler, limits, turn))
             finally:
                 for env in envs:
                     env.close()
@@ -363,15 +357,17 @@ class Replayer:
         counts.update({f"fork_skipped_{reason}": skipped[reason] for reason in FORK_SKIP_REASONS})
         return trainable(groups, counts), counts
 
-    def _replayed_envs(self, record: EpisodeRecord, run_config: Mapping[str, Any]) -> tuple[list[ToolEnv], np.ndarray]:
-        """``fork_group_size`` fresh envs of the logged episode's own env, each replayed to turn ``fork_at``."""
+    def _replayed_envs(
+        self, record: EpisodeRecord, run_config: Mapping[str, Any], turn: int
+    ) -> tuple[list[ToolEnv], np.ndarray]:
+        """``fork_group_size`` fresh envs of the logged episode's own env, each replayed to the start of ``turn``."""
         logged = record.trajectory
         factory = make_env_factory(logged.env_id, logged_env_kwargs(logged, run_config), self.run.max_context)
         envs: list[ToolEnv] = []
         try:
             for _ in range(self.config.fork_group_size):
                 envs.append(_make_env(factory, logged.env_id))
-                prefix = replay_prefix(envs[-1], logged, self.config.fork_at, self.config.recorded_tools)
+                prefix = replay_prefix(envs[-1], logged, turn, self.config.recorded_tools)
         except BaseException:
             for env in envs:
                 env.close()
@@ -385,9 +381,9 @@ class Replayer:
         prefix: np.ndarray,
         sampler: TorchSampler,
         limits: RolloutLimits,
+        turn: int,
     ) -> list[Trajectory]:
         """G continuations of ``prefix`` sampled by the current policy, stored in the replay run as one group."""
-        turn = self.config.fork_at
         group_id = f"fork-episode{record.id}-t{turn}"
         for env in envs:
             env.trajectory.group_id = group_id
@@ -398,10 +394,10 @@ class Replayer:
         self.run.store.add_episodes(forked, run_id=self.run.run_id)
         return forked
 
-    def train(self, emit: Callable[[dict[str, Any]], None]) -> None:
+    def train(self) -> None:
         groups, counts = self.forked_groups() if self.config.fork_at is not None else self.logged_groups()
         version = self.trainer.policy_version
-        emit({"phase": "replay_select", **counts, "policy_version": version, "policy_source": self.policy_source})
+        self.run.emit(ReplaySelectRecord(**counts, policy_version=version, policy_source=self.policy_source))
         if not groups:
             raise ValueError(
                 "no trainable groups selected: a group needs >= 2 episodes with different rewards "
@@ -414,22 +410,21 @@ class Replayer:
                 chunk = groups[lo : lo + per_step]
                 metrics = self.trainer.train_step([self.trainer.group_from_trajectories(g) for g in chunk])
                 tokens = [t.num_tokens for g in chunk for t in g]
-                emit(
-                    {
-                        "phase": "grpo",
-                        **metrics,
-                        "episode_tokens_mean": sum(tokens) / len(tokens),
-                        "replay_seconds": time.perf_counter() - start,
-                    }
+                self.run.emit(
+                    StepRecord(
+                        metrics=metrics,
+                        episode_tokens_mean=sum(tokens) / len(tokens),
+                        replay_seconds=time.perf_counter() - start,
+                    )
                 )
-        self.trainer.save_checkpoint(self.run.dir / CHECKPOINT)
+        self.run.save_checkpoint()
 
     def close(self) -> None:
         self.source.close()
-        self.run.store.close()
+        self.run.close()
 
 
-def _make_env(factory: Callable[[], gymnasium.Env], env_id: str) -> ToolEnv:
+def _make_env(factory: EnvFactory, env_id: str) -> ToolEnv:
     try:
         return unwrap_tool_env(factory())
     except (gymnasium.error.Error, ValueError, TypeError) as err:  # unknown id, kwargs this version rejects
@@ -446,20 +441,12 @@ def replay(
     config: ReplayConfig,
     run_dir: str | Path | None = None,
     out_dir: str | Path | None = None,
-    on_metrics: Callable[[dict[str, Any]], None] | None = None,
+    on_metrics: OnMetrics | None = None,
 ) -> Path:
     out = Path(out_dir) if out_dir is not None else Path(run_dir if run_dir is not None else Path(db).parent) / "replay"
-    replayer = Replayer(db, run_dir, out, config)
-    metrics_path = replayer.run.dir / "metrics.jsonl"
-
-    def emit(record: dict[str, Any]) -> None:
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if on_metrics is not None:
-            on_metrics(record)
-
+    replayer = Replayer(db, run_dir, out, config, on_metrics)
     try:
-        replayer.train(emit)
+        replayer.train()
     finally:
         replayer.close()
     return replayer.run.dir

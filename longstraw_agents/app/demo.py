@@ -1,4 +1,4 @@
-"""``make demo``: ``python -m longstraw_agents.demo --out runs/demo``.
+"""``make demo``: ``python -m longstraw_agents.app.demo --out runs/demo``.
 
 1. The scripted (oracle) policy plays one episode of each LongStraw environment; the episodes go to
    ``OUT/trajectories.db`` (one run row, with the tokenizer's identity).
@@ -16,19 +16,23 @@ import argparse
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gymnasium
 
+from longstraw_agents.app.config import TrainConfig
+from longstraw_agents.app.plotting import plot_run
+from longstraw_agents.app.records import EvalRecord, MetricsRecord, StepRecord
+from longstraw_agents.app.run import STORE
+from longstraw_agents.app.training import train
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ScriptedPolicy, run_episode, unwrap_tool_env
+from longstraw_agents.report import summary_text
 from longstraw_agents.store import Store
-from longstraw_agents.training import TrainConfig, train
 from longstraw_agents.trajectory import Trajectory
 
-STORE_NAME = "trajectories.db"
 # The training demo's settings (chosen on 2 cores; README has the measured curve).
 DEMO_SFT_STEPS = 350  # past the point where the tiny model learns to copy operands (~250 steps), far from perfect
 DEMO_STEPS = 45  # ~11 s a step on 2 cores (rollout + exact update): the whole demo fits in 10 minutes
@@ -60,7 +64,7 @@ class ScriptedDemo:
 
 def run_scripted_demo(out_dir: str | Path, *, seed: int = 0, max_text: int = 160) -> ScriptedDemo:
     """One scripted episode of each env in `DEMO_ENVS`, stored as one run in ``out_dir/trajectories.db``."""
-    store_path = Path(out_dir) / STORE_NAME
+    store_path = Path(out_dir) / STORE
     trajectories: dict[str, Trajectory] = {}
     tokenizer_name = ""
     for env_id, kwargs in DEMO_ENVS.items():
@@ -76,7 +80,7 @@ def run_scripted_demo(out_dir: str | Path, *, seed: int = 0, max_text: int = 160
             notes="one episode of each environment, played by its scripted reference policy",
         )
         episode_ids = dict(zip(trajectories, store.add_episodes(trajectories.values(), run_id=run_id), strict=True))
-        report = store.summary_text(where="run_id = ?", params=[run_id], transcript=True, max_text=max_text)
+        report = summary_text(store, where="run_id = ?", params=[run_id], transcript=True, max_text=max_text)
     return ScriptedDemo(store_path, run_id, episode_ids, trajectories, report)
 
 
@@ -99,26 +103,29 @@ def demo_train_config(out_dir: str | Path, quick: bool = False) -> TrainConfig:
     )
 
 
-def run_training_demo(out_dir: str | Path, quick: bool = False, echo=print) -> dict[str, float]:
-    """Warm start + GRPO on Calculator into ``out_dir``; returns the rewards measured before and after GRPO."""
-    from longstraw_agents.cli import _print_metrics
-    from longstraw_agents.plotting import plot_run
+def _print_now(line: str) -> None:
+    print(line, flush=True)
 
+
+def run_training_demo(
+    out_dir: str | Path, quick: bool = False, echo: Callable[[str], None] = _print_now
+) -> dict[str, float]:
+    """Warm start + GRPO on Calculator into ``out_dir``; returns the rewards measured before and after GRPO."""
     config = demo_train_config(out_dir, quick)
     evals: list[float] = []
     train_rewards: list[float] = []
 
-    def on_metrics(record: dict[str, Any]) -> None:
-        if record["phase"] == "eval":
-            evals.append(record["reward_mean"])
+    def on_metrics(record: MetricsRecord) -> None:
+        if isinstance(record, EvalRecord):
+            evals.append(record.reward_mean)
             when = "before GRPO" if len(evals) == 1 else "after GRPO"
-            echo(f"held-out reward {when}: {record['reward_mean']:.3f} ({record['episodes']} episodes)")
-        elif record["phase"] == "grpo":
-            train_rewards.append(record["reward_mean"])
-            if record["step"] % 10 == 0 or record["step"] == 1:
-                _print_metrics(record)
+            echo(f"held-out reward {when}: {record.reward_mean:.3f} ({record.episodes} episodes)")
+        elif isinstance(record, StepRecord):
+            train_rewards.append(record.metrics.reward_mean)
+            if record.metrics.step % 10 == 0 or record.metrics.step == 1:
+                echo(record.summary())
         else:
-            _print_metrics(record)
+            echo(record.summary())
 
     started = time.perf_counter()
     train(config, on_metrics=on_metrics)
@@ -139,7 +146,7 @@ def replay_hint(store_path: str | Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m longstraw_agents.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m longstraw_agents.app.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="output directory (default: runs/demo)")
     parser.add_argument("--seed", type=int, default=0, help="episode seed (default: 0)")
     parser.add_argument("--max-text", type=int, default=160, help="cut segment text to this many characters (0: never)")

@@ -12,6 +12,7 @@ import pydantic
 import pytest
 import yaml
 from accelerate.optimizer import AcceleratedOptimizer
+from paths import REPO
 from safetensors.torch import load_file
 from tiny_runs import (
     ENV_ID,
@@ -22,11 +23,12 @@ from tiny_runs import (
     warm_started_policy,
 )
 
+from longstraw_agents.app.config import ConfigError, TrainConfig, check_env, load_config
+from longstraw_agents.app.training import train
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.trainer import GRPOTrainer
-from longstraw_agents.training import ConfigError, TrainConfig, check_env, load_config, train
 
 STEPS, GROUPS, G = 3, 2, 4
 
@@ -187,7 +189,7 @@ def test_load_config_reads_yaml_and_toml_alike(tmp_path: Path) -> None:
 
 def test_the_example_config_is_valid_and_runnable() -> None:
     """examples/train_calculator.yaml (shown in README) validates and names a registered env with valid kwargs."""
-    config = load_config(Path(__file__).parents[1] / "examples" / "train_calculator.yaml")
+    config = load_config(REPO / "examples" / "train_calculator.yaml")
     check_env(config.env)
     assert (config.trainer.mode, config.group_size, config.trainer.loss.beta) == ("exact", 8, 0.02)
 
@@ -304,7 +306,8 @@ def test_ctrl_c_after_a_step_before_its_checkpoint_still_leaves_one(tmp_path: Pa
 def test_the_context_limit_stops_at_a_sliding_window_the_engine_cannot_pass() -> None:
     from transformers import AutoModelForCausalLM, MistralConfig
 
-    from longstraw_agents.training import ModelSpec, max_context_of
+    from longstraw_agents.app.config import ModelSpec
+    from longstraw_agents.app.run import max_context_of
 
     config = MistralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -412,10 +412,11 @@ def _arm_kill(trainer: GRPOTrainer, when: str) -> None:
 
 def _launch(spec: dict) -> subprocess.Popen:
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); "
-        "import test_trainer; test_trainer._worker(json.loads(sys.argv[2]))"
+        "import json, sys; sys.path[:0] = sys.argv[1:3]; "
+        "import test_trainer; test_trainer._worker(json.loads(sys.argv[3]))"
     )
-    return subprocess.Popen([sys.executable, "-c", code, str(TESTS), json.dumps(spec)], stderr=subprocess.PIPE)
+    paths = [str(TESTS), str(TESTS.parent / "support")]
+    return subprocess.Popen([sys.executable, "-c", code, *paths, json.dumps(spec)], stderr=subprocess.PIPE)
 
 
 def _run_all(specs: dict[str, dict]) -> dict[str, tuple[int, str]]:

@@ -12,11 +12,11 @@ import stat
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
 from longstraw_agents.tools import SandboxConfig, SandboxUnavailable, ToolRegistry, make_python_tool, run_python
 from longstraw_agents.tools.sandbox import SANDBOX_UID
 
-REPO = Path(__file__).resolve().parents[1]
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="the uid switch (and what depends on it) happens only as root")
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from longstraw_agents.plotting import plot_run, read_metrics
+from longstraw_agents.app.plotting import plot_run, read_metrics
 
 RECORDS = [
     {"phase": "warm_start", "episodes": 16, "steps": 100, "loss_first": 3.2, "loss_last": 0.4},
@@ -89,7 +89,7 @@ def test_malformed_metrics_lines_are_errors_or_skipped(tmp_path: Path, caplog: p
         plot_run(run_dir)
     no_step = {k: v for k, v in RECORDS[2].items() if k != "step"}
     run_dir = write_metrics(tmp_path / "no-step", [no_step, RECORDS[3], {"phase": "eval", "reward_mean": 1.0}])
-    with caplog.at_level("WARNING", logger="longstraw_agents.plotting"):
+    with caplog.at_level("WARNING", logger="longstraw_agents.app.plotting"):
         written = plot_run(run_dir)
     assert [p.name for p in written] == ["reward.png", "loss.png", "length.png"]  # from the line with a step
     assert "metrics.jsonl:1: skipped (a 'grpo' line without a step)" in caplog.text

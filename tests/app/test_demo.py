@@ -1,4 +1,4 @@
-"""The scripted ``make demo`` (longstraw_agents/demo.py)."""
+"""``make demo`` (longstraw_agents/app/demo.py): the scripted episodes, the store they go to, the quick training run."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from longstraw_agents import demo
-from longstraw_agents.replay import ReplayConfig, select_logged_groups
+from longstraw_agents.app import demo
+from longstraw_agents.app.replay import ReplayConfig, select_logged_groups
 from longstraw_agents.store import Store
 
 
 def test_scripted_demo_stores_one_solved_episode_per_env(tmp_path: Path) -> None:
     result = demo.run_scripted_demo(tmp_path / "out", seed=1)
-    assert result.store_path == tmp_path / "out" / demo.STORE_NAME
+    assert result.store_path == tmp_path / "out" / demo.STORE
     with Store.open(result.store_path, create=False) as store:
         assert store.count() == 3
         [run] = store.runs()
@@ -40,7 +40,7 @@ def test_main_prints_the_transcript_and_appends_a_run_per_invocation(
     assert demo.main(["--out", str(tmp_path), "--seed", "4", "--scripted-only"]) == 0
     second = capsys.readouterr().out
     assert "episodes 3 " in second  # the report shows this invocation's run only
-    with Store.open(tmp_path / demo.STORE_NAME, create=False) as store:
+    with Store.open(tmp_path / demo.STORE, create=False) as store:
         assert store.count() == 6 and len(store.runs()) == 2
 
 

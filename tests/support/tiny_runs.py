@@ -14,11 +14,11 @@ import gymnasium
 import torch
 from safetensors.torch import load_file
 
+from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ScriptedPolicy, run_episode
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.trainer.sft import SFTConfig, supervised_warm_start
-from longstraw_agents.training import TrainConfig
 
 ENV_ID = "LongStraw/Calculator-v0"
 ENV_KWARGS: dict[str, Any] = {**EASY_CALCULATOR_KWARGS, "max_turns": 3}

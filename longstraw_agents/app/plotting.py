@@ -1,4 +1,8 @@
-"""``longstraw plot RUN_DIR``: reward, loss, episode length and memory curves from a run's ``metrics.jsonl``."""
+"""``longstraw plot RUN_DIR``: reward, loss, episode length and memory curves from a run's ``metrics.jsonl``.
+
+The reader is lenient on purpose: it plots whatever step and eval lines carry the metric of a curve (lines written by
+older versions, or by hand, may lack fields the current records have), and skips lines without a step.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from longstraw_agents.app.records import EvalRecord, StepRecord
+
 log = logging.getLogger(__name__)
+
+STEP, EVAL = StepRecord.PHASE, EvalRecord.PHASE  # lines without a phase are steps (the first versions wrote none)
 
 # File → (metric, label) candidates; the first metric with data is drawn. Memory: the tracked tensor peak needs
 # trainer.track_memory; every run logs the process's peak RSS (and the CUDA peak on a GPU).
@@ -37,8 +45,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number}: not JSON ({err})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{number}: not a JSON object (a metrics line is {{...}}): {line[:80]}")
-        if record.get("phase", "grpo") in ("grpo", "eval") and not _is_number(record.get("step")):
-            log.warning("%s:%d: skipped (a %r line without a step)", path, number, record.get("phase", "grpo"))
+        if record.get("phase", STEP) in (STEP, EVAL) and not _is_number(record.get("step")):
+            log.warning("%s:%d: skipped (a %r line without a step)", path, number, record.get("phase", STEP))
             continue
         records.append(record)
     return records
@@ -80,8 +88,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     import matplotlib.pyplot as plt
 
     all_records = read_metrics(run_dir)
-    records = [r for r in all_records if r.get("phase", "grpo") == "grpo"]
-    evals = [r for r in all_records if r.get("phase") == "eval"]
+    records = [r for r in all_records if r.get("phase", STEP) == STEP]
+    evals = [r for r in all_records if r.get("phase") == EVAL]
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -95,7 +103,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         ax.plot(steps, values, marker="o", markersize=3, alpha=0.5, label="per step")
         window = min(10, len(values))
         if window > 1:
-            ax.plot(steps, trailing_mean(values, window), linewidth=2, label=f"mean of last {window}")
+            ax.plot(steps, trailing_mean(list(values), window), linewidth=2, label=f"mean of last {window}")
         eval_points = _points(evals, "reward_mean") if key == "reward_mean" else []
         if eval_points:
             eval_steps, eval_rewards = zip(*eval_points, strict=True)

@@ -1,0 +1,122 @@
+"""The lines of a run's ``metrics.jsonl``: one typed record per event, written as one JSON object per line.
+
+Each record class names its ``phase`` (the ``"phase"`` key of its line): ``warm_start`` (the supervised warm start),
+``eval`` (held-out reward), ``grpo`` (one optimizer step, online or replayed) and ``replay_select`` (what offline
+replay selected and skipped). Code that emits or shows metrics works with these classes; ``phase`` strings only
+exist in the file. ``summary()`` is the one-line console form the CLI and the demo print.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from longstraw_agents.trainer import StepMetrics
+
+
+class MetricsRecord(BaseModel):
+    """One line of ``metrics.jsonl``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    PHASE: ClassVar[str]
+
+    def to_json(self) -> str:
+        return json.dumps({"phase": self.PHASE, **self.model_dump(mode="json")})
+
+    def summary(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in {"phase": self.PHASE, **self.model_dump()}.items())
+
+
+class WarmStartRecord(MetricsRecord):
+    PHASE: ClassVar[str] = "warm_start"
+
+    episodes: int
+    steps: int
+    loss_first: float | None
+    loss_last: float | None
+    seconds: float
+
+    def summary(self) -> str:
+        losses = f"loss {self.loss_first:.3f} -> {self.loss_last:.3f}" if self.steps else "no steps"
+        return f"warm start: {self.episodes} scripted episodes, {self.steps} steps, {losses}"
+
+
+class EvalRecord(MetricsRecord):
+    PHASE: ClassVar[str] = "eval"
+
+    step: int
+    reward_mean: float
+    episodes: int
+    policy_version: int
+
+    def summary(self) -> str:
+        return f"eval at step {self.step}: held-out reward {self.reward_mean:.3f} ({self.episodes} episodes)"
+
+
+class StepRecord(MetricsRecord):
+    """An optimizer step: the trainer's ``StepMetrics`` plus what the loop around it measured (its line holds both,
+    flat)."""
+
+    PHASE: ClassVar[str] = "grpo"
+
+    metrics: StepMetrics
+    episode_tokens_mean: float
+    rollout_seconds: float | None = None  # online training: sampling the step's groups
+    replay_seconds: float | None = None  # offline replay: the whole step
+    solved_fraction: float | None = None
+    finish_reasons: dict[str, int] | None = None
+    rss_peak_bytes: int | None = None
+    cuda_peak_bytes: int | None = None
+
+    def to_json(self) -> str:
+        measured = self.model_dump(mode="json", exclude={"metrics"})
+        return json.dumps({"phase": self.PHASE, **self.metrics.to_dict(), **measured})
+
+    def summary(self) -> str:
+        m = self.metrics
+        seconds = (self.rollout_seconds or 0.0) + m.seconds
+        return (
+            f"step {m.step:>4}  reward {m.reward_mean:.3f}  loss {m.loss:+.4f}  "
+            f"grad_norm {m.grad_norm:.3f}  tokens {self.episode_tokens_mean:.0f}  {seconds:.1f}s"
+        )
+
+
+class ReplaySelectRecord(MetricsRecord):
+    """What offline replay selected (logged groups, or groups forked from logged turns) and what it skipped."""
+
+    PHASE: ClassVar[str] = "replay_select"
+
+    policy_version: int
+    policy_source: str  # "checkpoint", "model_path" or "random_init"
+    groups: int
+    groups_skipped_uniform: int
+    groups_trained: int
+    # logged groups
+    episodes: int | None = None
+    stale: int | None = None
+    skipped_stale: int | None = None
+    skipped_unrewarded: int | None = None
+    skipped_small_groups: int | None = None
+    skipped_ungrouped: int | None = None
+    # forked groups
+    forked_groups: int | None = None
+    fork_skipped: int | None = None
+    fork_skipped_too_short: int | None = None
+    fork_skipped_no_seed: int | None = None
+    fork_skipped_env: int | None = None
+    fork_skipped_mismatch: int | None = None
+
+    def summary(self) -> str:
+        counts = {k: v for k, v in self.model_dump(exclude={"policy_version", "policy_source"}).items() if v}
+        return (
+            f"replay: policy v{self.policy_version} from {self.policy_source}; "
+            + " ".join(f"{k}={v}" for k, v in counts.items())
+        ).rstrip()
+
+
+RECORD_TYPES: dict[str, type[MetricsRecord]] = {
+    cls.PHASE: cls for cls in (WarmStartRecord, EvalRecord, StepRecord, ReplaySelectRecord)
+}

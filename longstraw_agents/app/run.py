@@ -1,0 +1,196 @@
+"""A run directory and everything a step needs, assembled in one place.
+
+A run directory holds ``config.json``, ``trajectories.db`` (every episode, token-exact), ``metrics.jsonl`` (one
+typed record per line, ``app.records``), ``checkpoint/`` (model, optimizer, RNG states, step counters; written
+atomically), ``reference.safetensors`` (the frozen KL reference when beta > 0) and plots.
+
+``Run`` checks the configuration before anything is written (unknown env, bad env kwargs, a prompt over the model's
+context raise ``ConfigError`` and leave no run directory), then builds the policy, runs the warm start of a new run,
+builds its ``GRPOTrainer`` with the KL reference, and on ``resume`` loads the checkpoint. It is the only object that
+joins the agent side (environments, store) with the model side (policy, engine, trainer).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env
+from longstraw_agents.app.records import MetricsRecord, WarmStartRecord
+from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
+from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
+from longstraw_agents.models import context_limit
+from longstraw_agents.models.presets import TINY_PRESETS, build_model
+from longstraw_agents.rollout import make_env_factory, reset_prompt
+from longstraw_agents.store import Store
+from longstraw_agents.tokenizer import load_tokenizer
+from longstraw_agents.torch_sampler import TorchSampler
+from longstraw_agents.trainer import GRPOTrainer
+from longstraw_agents.trainer.sft import supervised_warm_start
+
+CHECKPOINT = "checkpoint"
+METRICS = "metrics.jsonl"
+STORE = "trajectories.db"
+REFERENCE = "reference.safetensors"
+
+OnMetrics = Callable[[MetricsRecord], None]
+
+
+def build_policy(spec: ModelSpec, vocab_size: int, seed: int) -> torch.nn.Module:
+    dtype = getattr(torch, spec.dtype)
+    if spec.path is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, local_files_only=True)
+        return model.eval()
+    assert spec.preset is not None  # ModelSpec holds exactly one of path and preset
+    config = TINY_PRESETS[spec.preset](**{"vocab_size": vocab_size, **spec.overrides})
+    return build_model(config, dtype=dtype, seed=seed)
+
+
+def max_context_of(model: torch.nn.Module, spec: ModelSpec) -> int | None:
+    """The longest episode the policy may see: ``spec.max_context`` or the config's limit, capped by a sliding
+    window the engine stops at."""
+    return context_limit(model.config, spec.max_context)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a loadable checkpoint (also one whose last save was cut short)."""
+    try:
+        GRPOTrainer.resolve_checkpoint(run_dir / CHECKPOINT)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+class Run:
+    """One run directory: its store, policy, trainer and environments.
+
+    resume: continue the run in ``config.output_dir`` from its checkpoint (no warm start; the saved reference).
+    reference: a KL reference file to use instead of the policy at GRPO start (offline replay reuses its source
+        run's reference); it is copied into the run directory.
+    on_metrics: called with every record written to ``metrics.jsonl``.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        resume: bool = False,
+        *,
+        reference: Path | None = None,
+        on_metrics: OnMetrics | None = None,
+    ):
+        self.config = config
+        self.dir = Path(config.output_dir)
+        self.on_metrics = on_metrics
+        existing = has_checkpoint(self.dir)
+        if not resume and existing:
+            raise FileExistsError(f"{self.dir} already holds a run; pass --resume or choose another output_dir")
+        if resume and not existing:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.dir}")
+        if reference is not None and config.trainer.loss.beta > 0.0 and not reference.exists():
+            raise FileNotFoundError(f"the run uses a KL penalty (beta > 0) but {reference} is missing")
+        check_env(config.env)  # cheap, and before the model is built
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.model = build_policy(config.model, self.tokenizer.vocab_size, config.seed)
+        self.max_context = max_context_of(self.model, config.model)
+        self.env_factory = make_env_factory(config.env.id, config.env.kwargs, self.max_context)
+        self.stop_ids = sorted({self.tokenizer.eos_token_id})
+        self._check_prompt_fits()
+        # Nothing is written before the configuration is known to run: a config error leaves no run directory.
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(config.model_dump_json(indent=2))
+        self.store = Store.open(self.dir / STORE)
+        try:
+            self.run_id = self._run_row(resume)
+            if not resume:
+                self._warm_start()
+            self.trainer = GRPOTrainer(self.model, config.trainer, ref_model=self._reference(resume, reference))
+            if resume:
+                self.trainer.load_checkpoint(self.dir / CHECKPOINT)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def emit(self, record: MetricsRecord) -> None:
+        """Append ``record`` to ``metrics.jsonl`` and pass it to ``on_metrics``."""
+        with (self.dir / METRICS).open("a") as f:
+            f.write(record.to_json() + "\n")
+        if self.on_metrics is not None:
+            self.on_metrics(record)
+
+    def task_seeds(self, step: int) -> list[int]:
+        return [task_seed(self.config.seed, step, g) for g in range(self.config.groups_per_step)]
+
+    def sampler(self, step: int | None = None, seed: int | None = None) -> TorchSampler:
+        """The policy's sampler for ``step`` (its seed derived from the run's), or with an explicit ``seed``."""
+        seed = sampling_seed(self.config.seed, step) if seed is None and step is not None else seed
+        sampling = self.config.sampling if seed is None else self.config.sampling.model_copy(update={"seed": seed})
+        return TorchSampler(self.trainer.engine, self.stop_ids, sampling, policy_version=self.trainer.policy_version)
+
+    def save_checkpoint(self) -> None:
+        self.trainer.save_checkpoint(self.dir / CHECKPOINT)
+
+    def close(self) -> None:
+        self.store.close()
+
+    # --- assembly -------------------------------------------------------------------------------------------
+    def _check_prompt_fits(self) -> None:
+        """The first task's prompt fits the env's budget and the model's context (else every rollout fails)."""
+        env = unwrap_tool_env(self.env_factory())
+        try:
+            reset_prompt(env, self.task_seeds(0)[0], max_context=self.max_context)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        finally:
+            env.close()
+
+    def _run_row(self, resume: bool) -> str:
+        runs = self.store.runs()
+        if resume and runs:
+            return runs[-1].id
+        model_id = self.config.model.path or f"preset:{self.config.model.preset}"
+        return self.store.add_run(
+            config=self.config.model_dump(mode="json"), model=model_id, tokenizer=self.tokenizer.name
+        )
+
+    def _warm_start(self) -> None:
+        spec = self.config.warm_start
+        if spec is None:
+            return
+        env = self.env_factory()
+        policy = ScriptedPolicy(env)
+        traces = [run_episode(env, policy, seed=warm_start_seed(k)) for k in range(spec.episodes)]
+        start = time.perf_counter()
+        losses = supervised_warm_start(self.model, traces, spec.sft)
+        self.emit(
+            WarmStartRecord(
+                episodes=len(traces),
+                steps=len(losses),
+                loss_first=losses[0] if losses else None,
+                loss_last=losses[-1] if losses else None,
+                seconds=time.perf_counter() - start,
+            )
+        )
+
+    def _reference(self, resume: bool, source: Path | None) -> torch.nn.Module | None:
+        """The frozen KL reference (beta > 0): the policy as GRPO starts (after the warm start), kept in the run
+        directory so that a resumed run uses the same one; or the given ``source`` file's weights."""
+        if self.config.trainer.loss.beta == 0.0:
+            return None
+        from safetensors.torch import load_model, save_model
+
+        reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        path = self.dir / REFERENCE
+        if source is not None:
+            shutil.copyfile(source, path)
+        if resume or source is not None:
+            load_model(reference, str(path))
+        else:
+            save_model(reference, str(path))
+        return reference

@@ -1,0 +1,170 @@
+"""The online GRPO loop behind ``longstraw train``: rollout → store → GRPO step → metrics → checkpoint.
+
+``--resume`` continues from the checkpoint; a run resumed after a kill reproduces the uninterrupted run, because
+each step's task seeds and sampling generator are derived from (seed, step) (``app.seeds``). Ctrl-C stops after the
+current operation, writes the metrics line of an update it let finish and saves a checkpoint of the last completed
+step; the store holds whole groups only (one transaction per group), and a resumed step does not store again the
+groups it had already written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from longstraw_agents.app.config import TrainConfig
+from longstraw_agents.app.records import EvalRecord, StepRecord
+from longstraw_agents.app.run import OnMetrics, Run
+from longstraw_agents.app.seeds import EVAL_SAMPLING_SEED, eval_task_seed
+from longstraw_agents.rollout import RolloutLimits, rollout_groups
+from longstraw_agents.store import Store
+from longstraw_agents.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def train(config: TrainConfig, resume: bool = False, on_metrics: OnMetrics | None = None) -> Path:
+    """Run (or resume) a training run; returns the run directory."""
+    run = Run(config, resume, on_metrics=on_metrics)
+    completed = run.trainer.step_count
+    try:
+        if config.eval_episodes and not resume:
+            run.emit(evaluate(run, config.eval_episodes))
+        for step in range(run.trainer.step_count, config.steps):
+            run.emit(rollout_and_train(run, step))
+            completed = step + 1
+            if completed % config.checkpoint_every == 0 or completed == config.steps:
+                run.save_checkpoint()
+    except KeyboardInterrupt as interrupt:
+        with _sigint_deferred():  # a second Ctrl-C must not cut the metrics line or the checkpoint short
+            if isinstance(interrupt, _DeferredInterrupt) and interrupt.record is not None:
+                run.emit(interrupt.record)  # the step the interrupt waited for was applied: report it
+            log.warning("interrupted: saving the checkpoint of step %d", run.trainer.step_count)
+            run.save_checkpoint()
+        raise
+    finally:
+        run.close()
+    if config.eval_episodes:
+        run.emit(evaluate(run, config.eval_episodes, step=completed))
+    return run.dir
+
+
+def rollout_and_train(run: Run, step: int) -> StepRecord:
+    """Roll out the step's groups (storing each whole), then one optimizer step on them."""
+    config = run.config
+    limits = RolloutLimits(config.sampling.max_new_tokens, run.max_context)
+    prefix = f"step{step}-g"
+    start = time.perf_counter()
+    groups = rollout_groups(
+        run.env_factory,
+        run.sampler(step),
+        run.task_seeds(step),
+        config.group_size,
+        limits,
+        group_prefix=prefix,
+        store=_SkipStored(run.store, run.run_id, prefix),
+        run_id=run.run_id,
+        progress=config.progress,
+    )
+    rollout_s = time.perf_counter() - start
+    try:
+        with _sigint_deferred():  # an update is applied whole or not at all
+            metrics = run.trainer.train_step([run.trainer.group_from_trajectories(g) for g in groups])
+    except _DeferredInterrupt as interrupt:
+        # The update was applied and the checkpoint will record it: its metrics line must not be lost.
+        interrupt.record = _step_record(metrics, groups, rollout_s)
+        raise
+    return _step_record(metrics, groups, rollout_s)
+
+
+def _step_record(metrics, groups: list[list[Trajectory]], rollout_s: float) -> StepRecord:
+    episodes = [t for g in groups for t in g]
+    return StepRecord(
+        metrics=metrics,
+        rollout_seconds=rollout_s,
+        episode_tokens_mean=sum(t.num_tokens for t in episodes) / len(episodes),
+        solved_fraction=sum(1 for t in episodes if (t.reward or 0) >= 1.0) / len(episodes),
+        finish_reasons=dict(Counter(t.finish_reason for t in episodes)),
+        **memory_metrics(),
+    )
+
+
+def evaluate(run: Run, num_episodes: int, step: int | None = None) -> EvalRecord:
+    """Mean reward of one episode per held-out task with the current policy (not stored, not trained on)."""
+    seeds = [eval_task_seed(k) for k in range(num_episodes)]
+    limits = RolloutLimits(run.config.sampling.max_new_tokens, run.max_context)
+    sampler = run.sampler(seed=EVAL_SAMPLING_SEED)
+    groups = rollout_groups(run.env_factory, sampler, seeds, 1, limits, group_prefix="eval-", progress=False)
+    rewards = [t.reward or 0.0 for g in groups for t in g]
+    return EvalRecord(
+        step=run.trainer.step_count if step is None else step,
+        reward_mean=sum(rewards) / len(rewards),
+        episodes=len(rewards),
+        policy_version=run.trainer.policy_version,
+    )
+
+
+def memory_metrics() -> dict[str, int]:
+    """Memory figures cheap enough for every step (``peak_bytes`` needs ``trainer.track_memory``): the process's
+    peak resident set size and, when CUDA is in use, its peak allocation since the last call."""
+    out: dict[str, int] = {}
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        pass
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["rss_peak_bytes"] = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+class _DeferredInterrupt(KeyboardInterrupt):
+    """Ctrl-C held until a block was done; ``record`` is the metrics line of the step it completed, if any."""
+
+    record: StepRecord | None = None
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C until the block is done, then raise KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise _DeferredInterrupt
+
+
+class _SkipStored:
+    """On resume, the interrupted step is rolled out again and reproduces the episodes already stored: write only
+    the ones that are not (per group, in finishing order)."""
+
+    def __init__(self, store: Store, run_id: str, group_prefix: str):
+        self.store = store
+        self.stored = store.group_sizes(run_id, group_prefix)
+
+    def add_episodes(self, trajectories: list[Trajectory], run_id: str | None = None) -> list[int]:
+        fresh = []
+        for trajectory in trajectories:
+            if self.stored.get(trajectory.group_id, 0) > 0:
+                self.stored[trajectory.group_id] -= 1
+            else:
+                fresh.append(trajectory)
+        return self.store.add_episodes(fresh, run_id=run_id) if fresh else []
