@@ -1,90 +1,195 @@
-"""Trainer benchmark, one run, ratios side by side (CPU, tiny Llama-layout model, fp32):
+"""Trainer benchmark: this project's GRPO modes against the real peers, one run, ratios side by side (CPU, fp32).
 
-1. peak tracked memory vs group size G = 2..16 per mode (targets: exact, detached <= 2 % growth; naive linear);
-2. peak vs prompt length and the longest prompt within a fixed memory budget per mode (target: >= 50x naive);
-3. step time at G = 8: naive, detached, exact and a PrefixGrouper-style baseline (shared prefix once with a full
-   graph) — targets detached <= 0.25x naive, exact <= 0.5x naive, exact <= 1.0x PrefixGrouper.
+Contenders, all on one transformers ``LlamaForCausalLM`` (the same weights) and one GRPO loss (on-policy, TRL's
+"dapo" / token-mean aggregation for one group, advantages ``(r - mean) / (std + 1e-4)``):
 
-Peak memory is what ``longstraw_agents.memory.MemoryTracker`` sees during one ``grpo_backward`` call (parameter
-gradients are allocated beforehand, so they are not counted: they are the same in every mode). Writes
-``bench/results/trainer.json`` and ``bench/results/trainer_memory.png``.
+- this project's modes through ``longstraw_agents.trainer.grpo_backward``: ``naive`` (one graph per member through
+  the engine), ``detached`` (the prefix gradient dropped) and ``exact``;
+- ``prefix_grouper``: the real PrefixGrouper (``prefix-grouper`` on PyPI, the ``bench`` extra) through its own
+  transformers attention hook on transformers' SDPA (``bench/peers.py`` says how it is wired, and why its hook needs
+  a few lines of mask adapter to run on SDPA correctly), ``split_output`` over the final hidden states and the LM
+  head on the completions only — the leaner way to use it and the baseline of every "/ PG" ratio;
+  ``prefix_grouper_logits``: the same with its README's snippet as written (``split_output`` over the logits of
+  every position);
+- ``per_member_sdpa``: a conventional trainer's step — the G sequences prompt + completion through ``model(...)``
+  with transformers' SDPA attention, one backward.
 
-    python -m bench.trainer [--quick]
+The model is issue 12's measurement model: Llama layout, hidden 64, 2 layers, 8 heads / 2 KV heads (head_dim 8),
+vocab 2048.
+
+1. Issue 12's setting, prompt 8,192, G = 16, completions of 16: gradient of each contender against exact mode's
+   (relative L2), step time (median of a few rounds, contenders timed round-robin so that a slow spell of the machine
+   hits all alike) and peak memory. Targets: exact <= 1.4x PrefixGrouper's time, detached <= 0.6x, both <= 0.25x
+   its peak.
+2. Peak vs prompt length at G = 2 (2K, 8K, 16K): exact mode's peak growth per prompt token (least-squares slope)
+   over the analytic state bytes per token (target <= 2.5); exact / per_member_sdpa at 2,048 (target <= 0.5); the
+   longest prompt each contender fits within per_member_sdpa's peak at 8,192 tokens.
+3. Peak vs group size G = 2..16 at prompt 1,024.
+
+Peak memory is what ``longstraw_agents.memory.MemoryTracker`` (a ``TorchDispatchMode`` over op outputs) sees during
+one step, parameter gradients allocated beforehand (they are the same for everyone): inside ``grpo_backward`` for
+this project's modes, around the whole peer function for the peers. The bench counts the fused SDPA kernel calls the
+tracker saw in the peers' steps, to show their outputs are counted. Not seen by any dispatch mode, for everyone
+alike: a kernel's internal scratch buffers (the CPU flash kernels' per-thread blocks) and allocator overhead.
+
+Writes ``trainer.json`` and ``trainer_memory.png`` (``_quick`` with ``--quick``) to ``bench/results`` or ``--out``.
+
+    python -m bench.trainer [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import LlamaConfig
 
-from bench.common import (
-    bench_model,
-    flat_grad,
-    materialise_grads,
-    prefix_grouper_backward,
-    synthetic_group,
-)
+from bench.common import VOCAB, flat_grad, materialise_grads, synthetic_group
+from bench.peers import per_member_sdpa_backward, prefix_grouper_backward
 from longstraw_agents.engine import Engine
+from longstraw_agents.memory import MemoryTracker
+from longstraw_agents.models import state_size
+from longstraw_agents.models.presets import build_model
 from longstraw_agents.trainer import grpo_backward
 
 MODES = ("naive", "detached", "exact")
+PEERS: dict[str, Callable[..., float]] = {
+    "prefix_grouper": functools.partial(prefix_grouper_backward, split="hidden"),  # the baseline of the ratios
+    "prefix_grouper_logits": functools.partial(prefix_grouper_backward, split="logits"),  # its README's snippet
+    "per_member_sdpa": per_member_sdpa_backward,
+}
+CONTENDERS = (*MODES, *PEERS)
+TIMED = ("exact", "detached", *PEERS)
 RESULTS = Path(__file__).parent / "results"
+SDPA_KERNEL = "aten._scaled_dot_product_flash_attention_for_cpu"
+TARGETS = {  # issue 12: (what, limit); every figure is a ratio that must stay at or below its limit
+    "exact_time_vs_pg": ("exact step time / PrefixGrouper's", 1.4),
+    "detached_time_vs_pg": ("detached step time / PrefixGrouper's", 0.6),
+    "exact_peak_vs_pg": ("exact peak / PrefixGrouper's", 0.25),
+    "detached_peak_vs_pg": ("detached peak / PrefixGrouper's", 0.25),
+    "exact_growth_vs_state": ("exact peak growth per prompt token / state bytes per token", 2.5),
+    "exact_vs_sdpa_short": ("exact peak / per-member SDPA graph's at the shortest prompt", 0.5),
+}
+MIB = 2**20
+NAME = 23  # width of the contender column
 
 
-def peak_bytes(model, mode: str, prompt_len: int, group: int, completion_len: int, chunk: int) -> int:
-    prompt, completions, rewards = synthetic_group(prompt_len, group, completion_len)
+@dataclass(frozen=True)
+class Sizes:
+    """Every size of one run (full or ``--quick``)."""
+
+    prompt: int  # section 1
+    group: int
+    completion: int
+    rounds: int
+    lengths: tuple[int, ...]  # section 2, at G = 2
+    budget_prompt: int  # per_member_sdpa's peak at this prompt length is the budget
+    group_prompt: int  # section 3
+    groups: tuple[int, ...]
+
+
+FULL = Sizes(8192, 16, 16, 3, (2048, 8192, 16384), 8192, 1024, (2, 4, 8, 16))
+QUICK = Sizes(128, 4, 4, 1, (64, 128, 256), 128, 64, (2, 4))
+
+
+def issue_config() -> LlamaConfig:
+    """Issue 12's measurement model (random-init, fp32; eager attention for the engine, the peers switch to SDPA)."""
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=1 << 20,
+        tie_word_embeddings=False,
+    )
+
+
+class KernelCountingTracker(MemoryTracker):
+    """``MemoryTracker`` that also counts the fused SDPA kernel calls it saw (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel_calls = {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith(SDPA_KERNEL):
+            self.kernel_calls["backward" if "_backward" in name else "forward"] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def measure_peak(engine: Engine, model: torch.nn.Module, name: str, group) -> tuple[int, dict[str, int] | None]:
+    """Peak tracked bytes of one step of ``name`` on ``group`` (and, for a peer, the SDPA kernel calls seen)."""
+    prompt, completions, rewards = group
     materialise_grads(model)
-    stats = grpo_backward(model, prompt, completions, rewards, mode, chunk_size=chunk, track_memory=True)
-    return int(stats.peak_bytes)
+    if name in MODES:
+        result = grpo_backward(engine, prompt, completions, rewards, name, track_memory=True)
+        return int(result.peak_bytes), None
+    with KernelCountingTracker() as tracker:
+        PEERS[name](model, prompt, completions, rewards)
+    return tracker.peak_bytes, dict(tracker.kernel_calls)
 
 
-def memory_vs_group(model, prompt_len, completion_len, chunk, groups) -> dict[str, list[int]]:
-    return {m: [peak_bytes(model, m, prompt_len, g, completion_len, chunk) for g in groups] for m in MODES}
+def runners(engine: Engine, model: torch.nn.Module, group) -> dict[str, Callable[[], object]]:
+    prompt, completions, rewards = group
+    runs: dict[str, Callable[[], object]] = {
+        mode: functools.partial(grpo_backward, engine, prompt, completions, rewards, mode, track_memory=False)
+        for mode in MODES
+    }
+    runs.update({name: functools.partial(peer, model, prompt, completions, rewards) for name, peer in PEERS.items()})
+    return runs
 
 
-def memory_vs_prompt(model, lengths, group, completion_len, chunk, modes=MODES) -> dict[str, list[int]]:
-    return {m: [peak_bytes(model, m, p, group, completion_len, chunk) for p in lengths] for m in modes}
-
-
-def longest_within(lengths: list[int], peaks: list[int], budget: int) -> tuple[float, bool]:
-    """Longest prompt whose peak fits ``budget``: interpolated between measured points; beyond the last measured
-    length, extrapolated with a straight-line fit of the measured peaks (returns (length, extrapolated))."""
-    lengths_a, peaks_a = np.asarray(lengths, float), np.asarray(peaks, float)
-    if peaks_a[-1] >= budget:
-        return float(np.interp(budget, peaks_a, lengths_a)), False
-    slope, intercept = np.polyfit(lengths_a, peaks_a, 1)
-    return float((budget - intercept) / slope), True
-
-
-def step_times(model, prompt_len, group, completion_len, chunk, repeats) -> dict[str, float]:
-    """Median seconds per step of each mode and of the PrefixGrouper baseline, timed round-robin (one step of each
-    per round) so that a slow spell of the machine hits all of them alike."""
-    prompt, completions, rewards = synthetic_group(prompt_len, group, completion_len)
-    engine = Engine(model, chunk_size=chunk)
-    runs = {mode: functools.partial(grpo_backward, engine, prompt, completions, rewards, mode, track_memory=False)
-            for mode in MODES}  # fmt: skip
-    runs["prefix_grouper"] = functools.partial(prefix_grouper_backward, engine, prompt, completions, rewards)
+def step_times(
+    engine: Engine, model: torch.nn.Module, group, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Seconds per step of each timed contender over ``rounds`` rounds (one step of each per round, round-robin,
+    after a warm-up on a tiny group), and each one's gradient against exact mode's (relative L2)."""
+    for run in runners(engine, model, synthetic_group(32, 2, 4, seed=1)).values():
+        model.zero_grad(set_to_none=True)
+        run()
+    runs = {name: run for name, run in runners(engine, model, group).items() if name in TIMED}
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    grads = {}
-    for _ in range(repeats):
+    grads: dict[str, torch.Tensor] = {}
+    for _ in range(rounds):
         for name, run in runs.items():
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             run()
             samples[name].append(time.perf_counter() - start)
-            grads[name] = flat_grad(model)
-    times = {name: statistics.median(values) for name, values in samples.items()}
-    naive = grads["naive"]
-    check = float((grads["prefix_grouper"] - naive).norm() / naive.norm())
-    exact_check = float((grads["exact"] - naive).norm() / naive.norm())
-    return {**times, "prefix_grouper_vs_naive_grad_rel": check, "exact_vs_naive_grad_rel": exact_check}
+            grads[name] = flat_grad(model).double()
+    exact = grads["exact"]
+    rel = {name: float((g - exact).norm() / exact.norm()) for name, g in grads.items() if name != "exact"}
+    return samples, rel
+
+
+def longest_within(lengths, peaks, budget: float) -> tuple[float, bool]:
+    """Longest prompt whose peak fits ``budget``: interpolated between measured points when the budget lies in their
+    range, else from a straight-line fit of the measured peaks (returns (length, extrapolated))."""
+    lengths_a, peaks_a = np.asarray(lengths, float), np.asarray(peaks, float)
+    if peaks_a[0] <= budget <= peaks_a[-1] and np.all(np.diff(peaks_a) > 0):
+        return float(np.interp(budget, peaks_a, lengths_a)), False
+    slope, intercept = np.polyfit(lengths_a, peaks_a, 1)
+    return max(0.0, float((budget - intercept) / slope)), True
+
+
+def target_report(values: dict[str, float]) -> dict[str, dict]:
+    return {
+        key: {"what": what, "value": values[key], "target": limit, "met": values[key] <= limit}
+        for key, (what, limit) in TARGETS.items()
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -93,90 +198,206 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_g, ax_p) = plt.subplots(1, 2, figsize=(11, 4))
-    groups = results["groups"]
-    for mode, peaks in results["memory_vs_group"].items():
-        ax_g.plot(groups, np.asarray(peaks) / 2**20, marker="o", label=mode)
-    ax_g.set(xlabel="group size G", ylabel="peak tracked MiB", title=f"prompt {results['prompt_len']} tokens")
-    for mode, peaks in results["memory_vs_prompt"].items():
-        lengths = results["prompt_lengths"][mode]
-        ax_p.plot(lengths, np.asarray(peaks) / 2**20, marker="o", label=mode)
-    ax_p.axhline(results["budget"] / 2**20, color="grey", linestyle="--", label="budget")
-    ax_p.set(xlabel="prompt tokens", ylabel="peak tracked MiB", xscale="log", yscale="log", title="G = 8")
+    fig, (ax_g, ax_p) = plt.subplots(1, 2, figsize=(12, 4.5))
+    by_group, by_prompt = results["memory_vs_group"], results["memory_vs_prompt"]
+    for name in CONTENDERS:
+        style = {"marker": "o", "label": name, "linestyle": "--" if name in PEERS else "-"}
+        ax_g.plot(by_group["groups"], np.asarray(by_group["peak_bytes"][name]) / MIB, **style)
+        ax_p.plot(by_prompt["lengths"], np.asarray(by_prompt["peak_bytes"][name]) / MIB, **style)
+    ax_g.set(
+        xlabel="group size G",
+        ylabel="peak tracked MiB",
+        xscale="log",
+        yscale="log",
+        title=f"prompt {by_group['prompt_len']} tokens",
+    )
+    ax_g.set_xticks(by_group["groups"], [str(g) for g in by_group["groups"]])
+    budget = results["longest_within_budget"]
+    ax_p.axhline(budget["budget_bytes"] / MIB, color="grey", linestyle=":", label="budget")
+    ax_p.set(
+        xlabel="prompt tokens", ylabel="peak tracked MiB", xscale="log", yscale="log", title=f"G = {by_prompt['group']}"
+    )
     for ax in (ax_g, ax_p):
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+    fig.suptitle("peak tracked memory of one GRPO step (tiny Llama, fp32, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def section_setting(engine: Engine, model: torch.nn.Module, sizes: Sizes) -> dict:
+    group = synthetic_group(sizes.prompt, sizes.group, sizes.completion)
+    print(
+        f"\n1) issue 12's setting: prompt {sizes.prompt}, G={sizes.group}, completions of {sizes.completion} "
+        f"(step time: median of {sizes.rounds} round(s), timed round-robin, no memory tracking)"
+    )
+    samples, grad_rel = step_times(engine, model, group, sizes.rounds)
+    seconds = {name: statistics.median(values) for name, values in samples.items()}
+    peaks, kernels = {}, {}
+    for name in TIMED:
+        peaks[name], seen = measure_peak(engine, model, name, group)
+        if seen is not None:
+            kernels[name] = seen
+    pg_time, pg_peak = seconds["prefix_grouper"], peaks["prefix_grouper"]
+    print(f"{'contender':<{NAME}}{'step s':>10}{'peak MiB':>11}{'time / PG':>11}{'peak / PG':>11}")
+    for name in TIMED:
+        t, p = seconds[name], peaks[name]
+        print(f"{name:<{NAME}}{t:>10.3f}{p / MIB:>11.1f}{t / pg_time:>10.2f}x{p / pg_peak:>10.3f}x")
+    others = ", ".join(f"{name} {grad_rel[name]:.1e}" for name in PEERS)
+    print(
+        f"gradient vs exact mode (relative L2): {others}; "
+        f"detached {grad_rel['detached']:.1e} (drops the prefix gradient by design)"
+    )
+    calls = ", ".join(f"{name} {k['forward']} forward / {k['backward']} backward" for name, k in kernels.items())
+    print(f"fused SDPA kernel calls ({SDPA_KERNEL}) whose outputs MemoryTracker counted: {calls}")
+    unseen = [name for name, k in kernels.items() if not (k["forward"] and k["backward"])]
+    if unseen:
+        print(f"WARNING: the tracker saw no fused SDPA kernel in {unseen}: their peaks undercount")
+    ratios = {
+        "exact_time_vs_pg": seconds["exact"] / pg_time,
+        "detached_time_vs_pg": seconds["detached"] / pg_time,
+        "exact_peak_vs_pg": peaks["exact"] / pg_peak,
+        "detached_peak_vs_pg": peaks["detached"] / pg_peak,
+    }
+    return {
+        "prompt_len": sizes.prompt,
+        "group": sizes.group,
+        "completion_len": sizes.completion,
+        "rounds": sizes.rounds,
+        "step_seconds": seconds,
+        "step_samples": samples,
+        "peak_bytes": peaks,
+        "ratios": ratios,
+        "grad_rel_vs_exact": grad_rel,
+        "sdpa_kernel_calls_tracked": kernels,
+    }
+
+
+def section_prompt(
+    engine: Engine, model: torch.nn.Module, sizes: Sizes, state_bytes_per_token: int
+) -> tuple[dict, dict]:
+    lengths, group_size = list(sizes.lengths), 2
+    print(f"\n2) peak tracked MiB vs prompt length (G={group_size}, completions of {sizes.completion})")
+    peaks: dict[str, list[int]] = {name: [] for name in CONTENDERS}
+    for length in lengths:
+        group = synthetic_group(length, group_size, sizes.completion)
+        for name in CONTENDERS:
+            peaks[name].append(measure_peak(engine, model, name, group)[0])
+    print(f"{'contender':<{NAME}}" + "".join(f"{n:>10}" for n in lengths))
+    for name in CONTENDERS:
+        print(f"{name:<{NAME}}" + "".join(f"{p / MIB:>10.1f}" for p in peaks[name]))
+    growth = float(np.polyfit(lengths, peaks["exact"], 1)[0])
+    growth_ratio = growth / state_bytes_per_token
+    short = peaks["exact"][0] / peaks["per_member_sdpa"][0]
+    print(
+        f"exact peak growth per prompt token: {growth:.0f} B (least-squares slope over {lengths[0]}..{lengths[-1]}) "
+        f"= {growth_ratio:.2f}x the state's {state_bytes_per_token} B/token"
+    )
+    print(f"exact / per_member_sdpa peak at prompt {lengths[0]}: {short:.3f}")
+    budget = peaks["per_member_sdpa"][lengths.index(sizes.budget_prompt)]
+    print(f"longest prompt within per_member_sdpa's peak at {sizes.budget_prompt} tokens ({budget / MIB:.1f} MiB):")
+    longest = {}
+    for name in CONTENDERS:
+        tokens, extrapolated = longest_within(lengths, peaks[name], budget)
+        longest[name] = {"tokens": tokens, "extrapolated": extrapolated}
+        note = " (straight-line fit of the measured peaks)" if extrapolated else ""
+        print(f"  {name:<{NAME}}{tokens:>12,.0f} tokens{note}")
+    by_prompt = {
+        "group": group_size,
+        "completion_len": sizes.completion,
+        "lengths": lengths,
+        "peak_bytes": peaks,
+        "state_bytes_per_token": state_bytes_per_token,
+        "exact_growth_bytes_per_token": growth,
+        "exact_growth_vs_state": growth_ratio,
+        "exact_vs_sdpa_short": short,
+    }
+    return by_prompt, {"budget_prompt": sizes.budget_prompt, "budget_bytes": budget, "longest": longest}
+
+
+def section_group(engine: Engine, model: torch.nn.Module, sizes: Sizes) -> dict:
+    groups = list(sizes.groups)
+    print(f"\n3) peak tracked MiB vs G (prompt {sizes.group_prompt}, completions of {sizes.completion})")
+    peaks: dict[str, list[int]] = {name: [] for name in CONTENDERS}
+    for g in groups:
+        group = synthetic_group(sizes.group_prompt, g, sizes.completion)
+        for name in CONTENDERS:
+            peaks[name].append(measure_peak(engine, model, name, group)[0])
+    print(f"{'contender':<{NAME}}" + "".join(f"{'G=' + str(g):>10}" for g in groups) + f"{'last/first':>12}")
+    for name in CONTENDERS:
+        row = "".join(f"{p / MIB:>10.1f}" for p in peaks[name])
+        print(f"{name:<{NAME}}{row}{peaks[name][-1] / peaks[name][0]:>12.2f}")
+    return {"prompt_len": sizes.group_prompt, "completion_len": sizes.completion, "groups": groups, "peak_bytes": peaks}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    model = bench_model()
-    chunk, completion_len = 256, 32
-    prompt_len = 256 if args.quick else 1024
-    groups = [2, 4, 8, 16]
-    naive_lengths = [64, 128, 256] if args.quick else [128, 256, 512, 1024]
-    long_lengths = [256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192]
-    budget_prompt = 128 if args.quick else 256
-
-    print(f"model: llama layout, hidden 128, 2 layers, {sum(p.numel() for p in model.parameters()):,} params, fp32")
-    print(f"\n1) peak tracked memory vs G (prompt {prompt_len}, completions {completion_len}, chunk {chunk})")
-    by_group = memory_vs_group(model, prompt_len, completion_len, chunk, groups)
-    print(f"{'mode':<10}" + "".join(f"{'G=' + str(g):>10}" for g in groups) + f"{'G16/G2':>9}")
-    for mode, peaks in by_group.items():
-        row = "".join(f"{p / 2**20:>9.1f}M" for p in peaks)
-        print(f"{mode:<10}{row}{peaks[-1] / peaks[0]:>9.3f}")
-
-    print(f"\n2) peak vs prompt length (G=8) and the longest prompt within naive's peak at {budget_prompt} tokens")
-    by_prompt = memory_vs_prompt(model, naive_lengths, 8, completion_len, chunk, ("naive",))
-    by_prompt.update(memory_vs_prompt(model, long_lengths, 8, completion_len, chunk, ("detached", "exact")))
-    lengths = {"naive": naive_lengths, "detached": long_lengths, "exact": long_lengths}
-    budget = by_prompt["naive"][naive_lengths.index(budget_prompt)]
-    longest = {m: longest_within(lengths[m], by_prompt[m], budget) for m in MODES}
-    verified: dict[str, dict] = {}
-    for mode in MODES:
-        points = ", ".join(f"{n}: {p / 2**20:.1f}M" for n, p in zip(lengths[mode], by_prompt[mode], strict=True))
-        value, extrapolated = longest[mode]
-        note = " (linear fit beyond the measured lengths)" if extrapolated else ""
-        ratio = value / longest["naive"][0]
-        print(f"{mode:<10} {points}")
-        print(f"{'':<10} longest within {budget / 2**20:.1f}M: {value:,.0f} tokens = {ratio:.0f}x naive{note}")
-        if extrapolated:  # check the fit: measure at the predicted length
-            check = peak_bytes(model, mode, int(value), 8, completion_len, chunk)
-            verified[mode] = {"prompt": int(value), "peak": check, "fits": check <= budget}
-            verdict = "fits" if check <= budget else "over"
-            print(f"{'':<10} measured at {int(value):,} tokens: {check / 2**20:.1f}M ({verdict})")
-
-    print("\n3) step time at G=8 (grpo_backward, no memory tracking; median of 5 rounds, modes timed round-robin)")
-    times = step_times(model, prompt_len, 8, completion_len, chunk, repeats=1 if args.quick else 5)
-    for name in ("naive", "detached", "exact", "prefix_grouper"):
-        print(f"{name:<15} {times[name] * 1e3:>8.0f} ms  {times[name] / times['naive']:>6.2f}x naive")
-    print(f"exact / prefix_grouper: {times['exact'] / times['prefix_grouper']:.2f}x")
-    print(
-        f"gradient checks: exact vs naive {times['exact_vs_naive_grad_rel']:.1e}, "
-        f"prefix_grouper vs naive {times['prefix_grouper_vs_naive_grad_rel']:.1e} (relative L2)"
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one timing round (a smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and the plot")
+    parser.add_argument("--chunk", type=int, default=512, help="the engine's chunk size")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's; use 1 when other jobs share the cores)"
     )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else FULL
+    config = issue_config()
+    model = build_model(config)
+    engine = Engine(model, chunk_size=args.chunk)
+    state_bytes = state_size(config, torch.float32).bytes_per_token
+    versions = {pkg: importlib.metadata.version(pkg) for pkg in ("torch", "transformers", "prefix-grouper")}
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: Llama layout, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+        f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV heads (head_dim {config.head_dim}), "
+        f"vocab {config.vocab_size}, {params:,} params, fp32; engine chunk {args.chunk}; "
+        f"{torch.get_num_threads()} threads; " + ", ".join(f"{k} {v}" for k, v in versions.items())
+    )
+    setting = section_setting(engine, model, sizes)
+    by_prompt, longest = section_prompt(engine, model, sizes, state_bytes)
+    by_group = section_group(engine, model, sizes)
 
-    RESULTS.mkdir(exist_ok=True)
+    targets = target_report(
+        {
+            **setting["ratios"],
+            "exact_growth_vs_state": by_prompt["exact_growth_vs_state"],
+            "exact_vs_sdpa_short": by_prompt["exact_vs_sdpa_short"],
+        }
+    )
+    scope = " (quick sizes: a smoke run, not the targets' setting)" if args.quick else ""
+    print(f"\ntargets (issue 12; ratios at or below the target){scope}:")
+    for entry in targets.values():
+        verdict = "met" if entry["met"] else "NOT met"
+        print(f"  {entry['what']:<62}{entry['value']:>8.3f}  (target <= {entry['target']}: {verdict})")
+
     results = {
-        "prompt_len": prompt_len,
-        "groups": groups,
-        "memory_vs_group": by_group,
-        "prompt_lengths": lengths,
+        "model": {
+            "layout": "llama",
+            "hidden": config.hidden_size,
+            "layers": config.num_hidden_layers,
+            "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "vocab": config.vocab_size,
+            "params": params,
+            "dtype": "float32",
+        },
+        "chunk": args.chunk,
+        "threads": torch.get_num_threads(),
+        "versions": versions,
+        "setting": setting,
         "memory_vs_prompt": by_prompt,
-        "budget": budget,
-        "longest_within_budget": {m: v for m, (v, _) in longest.items()},
-        "longest_verified": verified,
-        "step_seconds": times,
+        "longest_within_budget": longest,
+        "memory_vs_group": by_group,
+        "targets": targets,
     }
     suffix = "_quick" if args.quick else ""
-    (RESULTS / f"trainer{suffix}.json").write_text(json.dumps(results, indent=2))
-    plot(results, RESULTS / f"trainer_memory{suffix}.png")
-    print(f"\nwrote {RESULTS / f'trainer{suffix}.json'} and trainer_memory{suffix}.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"trainer{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out / f"trainer_memory{suffix}.png")
+    print(f"\nwrote trainer{suffix}.json and trainer_memory{suffix}.png")
 
 
 if __name__ == "__main__":

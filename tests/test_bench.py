@@ -33,3 +33,39 @@ def test_ablation_prints_cosines() -> None:
     stdout = run_module("bench.ablation", "--lengths", "8", "--groups", "1")
     row = stdout.strip().splitlines()[-1].split()
     assert row[0] == "8" and -1.0 <= float(row[1]) <= 1.0
+
+
+def test_trainer_bench_quick_measures_the_real_peers(tmp_path: Path) -> None:
+    """Structure of the printed tables and the JSON, and the real PrefixGrouper's gradient against exact mode's
+    (timings are printed, never asserted). One torch thread: pytest may run in parallel on the same cores."""
+    stdout = run_module("bench.trainer", "--quick", "--threads", "1", "--out", str(tmp_path))
+    contenders = ["naive", "detached", "exact", "prefix_grouper", "prefix_grouper_logits", "per_member_sdpa"]
+    timed = ["exact", "detached", "prefix_grouper", "prefix_grouper_logits", "per_member_sdpa"]
+    for heading in ("1) issue 12's setting", "2) peak tracked MiB vs prompt length", "3) peak tracked MiB vs G"):
+        assert heading in stdout
+    assert "gradient vs exact mode (relative L2)" in stdout and "targets (issue 12" in stdout
+    assert "WARNING" not in stdout  # the tracker saw the peers' fused SDPA kernels
+    table = stdout.split("1) issue 12's setting")[1].splitlines()
+    assert table[1].split() == ["contender", "step", "s", "peak", "MiB", "time", "/", "PG", "peak", "/", "PG"]
+    assert [row.split()[0] for row in table[2:7]] == timed
+
+    text = (tmp_path / "trainer_quick.json").read_text()
+    assert str(tmp_path) not in text and str(ROOT) not in text  # no machine paths
+    results = json.loads(text)
+    setting = results["setting"]
+    assert sorted(setting["step_seconds"]) == sorted(timed) and sorted(setting["peak_bytes"]) == sorted(timed)
+    grad_rel = setting["grad_rel_vs_exact"]
+    for peer in ("prefix_grouper", "prefix_grouper_logits", "per_member_sdpa"):
+        assert grad_rel[peer] < 1e-5, (peer, grad_rel[peer])  # same gradient as exact mode (fp32)
+        calls = setting["sdpa_kernel_calls_tracked"][peer]
+        assert calls["forward"] > 0 and calls["backward"] > 0
+    assert grad_rel["detached"] > 1e-3  # the prefix gradient is dropped: the check can tell gradients apart
+    by_prompt = results["memory_vs_prompt"]
+    assert sorted(by_prompt["peak_bytes"]) == sorted(contenders)
+    assert all(len(peaks) == len(by_prompt["lengths"]) > 1 for peaks in by_prompt["peak_bytes"].values())
+    assert by_prompt["state_bytes_per_token"] > 0 and by_prompt["exact_growth_bytes_per_token"] > 0
+    assert sorted(results["longest_within_budget"]["longest"]) == sorted(contenders)
+    by_group = results["memory_vs_group"]
+    assert all(len(peaks) == len(by_group["groups"]) for peaks in by_group["peak_bytes"].values())
+    assert {entry["target"] for entry in results["targets"].values()} == {1.4, 0.6, 0.25, 2.5, 0.5}
+    assert (tmp_path / "trainer_memory_quick.png").stat().st_size > 0
