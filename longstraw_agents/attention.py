@@ -1,41 +1,56 @@
-"""The one attention primitive: exact softmax attention over key blocks, merged by log-sum-exp.
+"""The attention core: a chunk's queries attend to a list of key/value blocks in ONE autograd node.
 
-A query attends to several blocks of keys — the captured prefix (one block per stored arena), the branch's own
-keys (causal), or sequence shards that live on other ranks. Each block yields a partial result ``(out, lse)``:
-the softmax-weighted values normalised within the block and the log of the block's normaliser. Merging partials
-with their log-sum-exp (flash-decoding style) gives exactly the attention over the union of the blocks, and it is
-differentiable end to end, so gradients reach every block's keys and values.
+Everything long-context in the engine stands on this operation. The blocks are the captured state (one per stored
+arena), the queries' own keys (causal), and — distributed — shards that live on other ranks. See DESIGN.md,
+"Attention core".
 
-Shapes: queries are ``[H_kv, R, D]`` where R folds the query heads of one KV group with the query positions
-(``R = groups * n``, group-major), keys ``[M, H_kv, D]`` and values ``[M, H_kv, Dv]`` (position first, as stored
-in the state). The MLA adapter uses the same primitive with ``H_kv = 1`` (all heads share the compressed latent).
+Forward loops over the blocks, gets each block's partial result ``(out_b, lse_b)`` from a kernel and merges them
+online by log-sum-exp (flash-decoding); it saves only the queries, the queries' own keys and values, the final
+``out`` and ``lse``, and references to the blocks (which are the state, already held). Nothing per block is kept.
+Backward recomputes each block with the *global* normaliser (``P_b = exp(S_b - lse)``, ``D = rowsum(dO ∘ out)``:
+the ring-attention identity), which gives that block's ``dq, dk, dv`` exactly; ``dq`` sums over blocks. A block of
+the captured state carries gradient *sinks*: its ``dk``/``dv`` are added in place into those buffers (slices of the
+state's gradient) as backward reaches it, in pieces of at most ``max_piece`` positions, so no layer-sized gradient
+is ever returned through autograd. A block without sinks gets no key/value gradient at all (detached mode).
 
-Memory: a block's partial is an autograd function that saves its inputs and ``(out, lse)`` only — never the
-``[R, M]`` probabilities — and recomputes them in backward (FlashAttention's trick, here in plain torch). So the
-graph of a chunk attending to a prefix of P keys costs O(chunk·D) per block instead of O(chunk·P), and a recomputed
-prefix chunk in exact mode stays small however long the prefix is.
+Layouts: queries ``[n, H, D]``; keys ``[M, H_kv, D]`` and values ``[M, H_kv, Dv]`` (position first, as the state
+stores them); ``H`` is a multiple of ``H_kv`` (grouped-query attention: query head ``h`` reads KV head
+``h // (H / H_kv)``), never expanded into copies. Kernels see ``[1, heads, length, dim]`` views of these tensors.
+
+Backends (``EngineConfig.attention``; ``"auto"`` picks the first that takes the shapes, in this order):
+
+- ``cuda-flash``: torch's FlashAttention-2 ops on CUDA (``aten._scaled_dot_product_flash_attention`` and its
+  backward, which take the global ``out``/``lse``): fp16/bf16, ``D == Dv <= 256``. (The ``flash-attn`` package's own
+  entry points change signature between releases; torch's ops run the same kernels.)
+- ``cpu-flash``: torch's fused CPU flash kernels (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  ``_backward``): fp32, fp64, bf16, fp16 with ``D == Dv``; GQA natively; never materialises scores, so long blocks are
+  never split in forward.
+- ``eager``: matmul math (the oracle, and any shape: ``D != Dv``, any dtype), keys processed in pieces of at most
+  ``max_score_elements`` scores.
+MLA's latent attention uses the same op with one KV head whose keys and values are the same stored rows (latent and
+rope key side by side: the value's rope columns come out as extra output columns, dropped by the caller), so
+``D == Dv`` holds and the fused kernels take it; on CUDA its head size (e.g. 576) exceeds what flash takes and the
+eager backend runs.
+
+``sparse_attend`` is the DeepSeek-sparse-attention form: each query attends to its own ``k`` selected positions,
+gathered per block; its backward recomputes the gathers and probabilities (nothing score-sized is saved) and
+scatter-adds the key/value gradients into the blocks' sinks.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# Score elements (heads x query rows x keys) one partial materialises at most: long key blocks are split into
-# pieces so that the transient attention memory of a chunk is bounded by the chunk, whatever the prefix length.
+# Score elements (heads x query rows x keys) the eager backend materialises at most: longer key blocks are split
+# into pieces, so the transient attention memory of a chunk is bounded by the chunk whatever the prefix length.
 DEFAULT_SCORE_ELEMENTS = 1 << 20
-
-
-@dataclass(frozen=True)
-class Partial:
-    """Attention of queries over one block of keys: values normalised within the block, and the log normaliser."""
-
-    out: Tensor  # [H_kv, R, Dv]
-    lse: Tensor  # [H_kv, R]; about finfo.min where a query sees no key of the block
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,124 +58,361 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def block_scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """Scaled dot products ``[H_kv, R, M]`` of queries ``[H_kv, R, D]`` with keys ``[M, H_kv, D]`` (the scale is
-    applied to the queries: R x D multiplies instead of R x M)."""
-    return torch.matmul(q * scale, k.permute(1, 2, 0))
+@dataclass(frozen=True, eq=False)
+class KVBlock:
+    """Keys ``[M, H_kv, D]`` and values ``[M, H_kv, Dv]`` every query may see, and optional gradient sinks: buffers
+    of the same shapes into which this block's ``dk`` / ``dv`` are added during backward (None: not wanted)."""
+
+    k: Tensor
+    v: Tensor
+    k_grad: Tensor | None = None
+    v_grad: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def wants_grad(self) -> bool:
+        return self.k_grad is not None or self.v_grad is not None
+
+    def piece(self, lo: int, hi: int) -> KVBlock:
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[lo:hi]
+
+        return KVBlock(self.k[lo:hi], self.v[lo:hi], cut(self.k_grad), cut(self.v_grad))
 
 
-def _scores(pairs: Sequence[Tensor], scale: float, dtype: torch.dtype, mask: Tensor | None) -> Tensor:
-    scores = sum(block_scores(q, k, scale) for q, k in zip(pairs[0::2], pairs[1::2], strict=True))
-    assert isinstance(scores, Tensor), "at least one query/key pair"
-    scores = scores.to(dtype)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(dtype).min)
-    return scores
+def as_heads(t: Tensor) -> Tensor:
+    """``[L, heads, dim]`` → the kernels' ``[1, heads, L, dim]`` (a view)."""
+    return t.transpose(0, 1).unsqueeze(0)
 
 
-def _softmax_with_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax over the last dim and its log normaliser with one exp pass (``logsumexp`` then ``exp(s - lse)``
-    would exponentiate the scores twice, the costliest elementwise op of attention). Consumes ``scores``."""
-    peak = scores.amax(dim=-1, keepdim=True)
-    probs = scores.sub_(peak).exp_()
-    total = probs.sum(dim=-1, keepdim=True)
-    return probs.div_(total), (peak + total.log()).squeeze(-1)
+def from_heads(t: Tensor) -> Tensor:
+    """``[1, heads, L, dim]`` → ``[L, heads, dim]`` (a view)."""
+    return t[0].transpose(0, 1)
+
+
+def merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention over the union of two sets of keys from their partials ``(out [..., L, Dv], lse [..., L])``."""
+    if acc is None:
+        return out.to(lse.dtype), lse
+    acc_out, acc_lse = acc
+    total = torch.logaddexp(acc_lse, lse)
+    # a row that sees no key on either side has -inf on both: weights 0, not exp(-inf - -inf) = nan
+    w_acc = torch.exp(acc_lse - total).nan_to_num_(0.0).unsqueeze(-1)
+    w_new = torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)
+    return acc_out * w_acc + out.to(total.dtype) * w_new, total
+
+
+# --- backends -------------------------------------------------------------------------------------------------
+
+
+class AttentionBackend(ABC):
+    """One kernel family: a block's partial attention and its backward given the global ``out``/``lse``.
+
+    Tensors are ``[1, heads, length, dim]`` (views of the position-first state; heads of K/V may divide the query
+    heads). ``causal``: the block holds exactly the queries' own positions (square, top-left aligned)."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool: ...
+
+    @abstractmethod
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        """``(out [1, H, n, Dv] in q's dtype, lse [1, H, n] in softmax_dtype)``."""
+
+    @abstractmethod
+    def backward(
+        self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of this block, for the attention whose output is ``out`` with log normaliser ``lse``."""
+
+
+class EagerBackend(AttentionBackend):
+    """Matmul math in softmax precision, keys in pieces of at most ``max_score_elements`` scores."""
+
+    name = "eager"
+
+    def __init__(self, max_score_elements: int = DEFAULT_SCORE_ELEMENTS):
+        self.max_score_elements = max_score_elements
+
+    @classmethod
+    def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        return True
+
+    def _pieces(self, q: Tensor, length: int) -> list[slice]:
+        step = max(1, self.max_score_elements // max(q.shape[1] * q.shape[2], 1))
+        return [slice(lo, min(lo + step, length)) for lo in range(0, length, step)]
+
+    @staticmethod
+    def _grouped(q: Tensor, kv_heads: int) -> Tensor:
+        """``[1, H, n, D]`` → ``[H_kv, G, n, D]`` (a view): the query heads of one KV head together."""
+        return q[0].unflatten(0, (kv_heads, -1))
+
+    @staticmethod
+    def _scores(qg: Tensor, k: Tensor, scale: float, dtype: torch.dtype, hide: Tensor | None) -> Tensor:
+        scores = torch.matmul(qg, k[0].transpose(-1, -2).unsqueeze(1)).to(dtype) * scale  # [H_kv, G, n, m]
+        return scores if hide is None else scores.masked_fill(hide, float("-inf"))
+
+    @staticmethod
+    def _hidden(n: int, piece: slice, length: int, device: torch.device) -> Tensor:
+        """Causal mask of an own-block piece: key ``j`` is hidden from query ``i`` when ``j > i + (length - n)``."""
+        keys = torch.arange(piece.start, piece.stop, device=device)
+        return keys.unsqueeze(0) > torch.arange(n, device=device).unsqueeze(1) + (length - n)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        sdt = softmax_dtype(q.dtype)
+        qg, n = self._grouped(q, k.shape[1]), q.shape[2]
+        acc = None
+        for piece in self._pieces(q, k.shape[2]):
+            hide = self._hidden(n, piece, k.shape[2], q.device) if causal else None
+            scores = self._scores(qg, k[:, :, piece], scale, sdt, hide)
+            lse = torch.logsumexp(scores, dim=-1)  # -inf where a causal piece hides every key from a row
+            probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+            out = torch.matmul(probs.to(v.dtype), v[0, :, piece].unsqueeze(1))  # [H_kv, G, n, Dv]
+            acc = merge(acc, out, lse)
+        assert acc is not None, "a block holds at least one key"
+        out, lse = acc
+        return out.flatten(0, 1).unsqueeze(0).to(q.dtype), lse.flatten(0, 1).unsqueeze(0)
+
+    def backward(
+        self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        kv_heads, sdt, n = k.shape[1], lse.dtype, q.shape[2]
+        qg = self._grouped(q, kv_heads)
+        d_og = self._grouped(d_out, kv_heads).to(sdt)
+        lse_g = lse[0].unflatten(0, (kv_heads, -1)).unsqueeze(-1)
+        row = (d_og * self._grouped(out, kv_heads).to(sdt)).sum(-1, keepdim=True)  # D = rowsum(dO ∘ out)
+        dq = torch.zeros(qg.shape, dtype=sdt, device=q.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        for piece in self._pieces(q, k.shape[2]):
+            hide = self._hidden(n, piece, k.shape[2], q.device) if causal else None
+            kp, vp = k[0, :, piece].unsqueeze(1).to(sdt), v[0, :, piece].unsqueeze(1).to(sdt)
+            probs = torch.exp(self._scores(qg, k[:, :, piece], scale, sdt, hide) - lse_g)  # hidden keys: exactly 0
+            dv[0, :, piece] = torch.matmul(probs.transpose(-1, -2), d_og).sum(1).to(v.dtype)
+            d_scores = probs * (torch.matmul(d_og, vp.transpose(-1, -2)) - row) * scale
+            dq += torch.matmul(d_scores, kp)
+            dk[0, :, piece] = torch.matmul(d_scores.transpose(-1, -2), qg.to(sdt)).sum(1).to(k.dtype)
+        return dq.flatten(0, 1).unsqueeze(0).to(q.dtype), dk, dv
+
+
+class CpuFlashBackend(AttentionBackend):
+    """torch's fused flash-attention kernels for CPU, which return the log-sum-exp and take it back in backward."""
+
+    name = "cpu-flash"
+    DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+    @classmethod
+    def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        return q.device.type == "cpu" and q.dtype in cls.DTYPES and q.shape[-1] == k.shape[-1] == v.shape[-1]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+
+    def backward(
+        self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse.float() if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale
+        )
+        return grads[0], grads[1], grads[2]
+
+
+class CudaFlashBackend(AttentionBackend):
+    """torch's FlashAttention-2 ops on CUDA (fp16/bf16, equal head sizes up to 256, GQA natively)."""
+
+    name = "cuda-flash"
+    DTYPES = (torch.float16, torch.bfloat16)
+    MAX_HEAD_DIM = 256
+
+    @classmethod
+    def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        d = q.shape[-1]
+        return (
+            q.is_cuda
+            and q.dtype in cls.DTYPES
+            and d == k.shape[-1] == v.shape[-1]
+            and d <= cls.MAX_HEAD_DIM
+            and d % 8 == 0
+        )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return result[0], result[1]
+
+    def backward(
+        self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        empty = torch.empty(0, device=q.device)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            d_out.contiguous(), q, k, v, out, lse.float(), empty, empty, q.shape[2], k.shape[2], 0.0, causal,
+            empty, empty, scale=scale,
+        )  # fmt: skip
+        return grads[0], grads[1], grads[2]
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (CudaFlashBackend, CpuFlashBackend, EagerBackend)}
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+# --- the op ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attention:
+    """How the engine runs attention: the backend (a name of ``BACKENDS``, or ``"auto"``), the eager backend's score
+    budget, and the most positions of a block whose key/value gradient is computed at once in backward."""
+
+    backend: str = "auto"
+    max_score_elements: int = DEFAULT_SCORE_ELEMENTS
+    max_piece: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {list(BACKEND_NAMES)}")
+
+    def kernel(self, q: Tensor, k: Tensor, v: Tensor) -> AttentionBackend:
+        """The backend for these (kernel-layout) shapes: the named one, or under "auto" the first that takes them."""
+        if self.backend != "auto":
+            chosen = BACKENDS[self.backend]
+            if not chosen.supports(q, k, v):
+                raise ValueError(
+                    f"attention backend {self.backend!r} cannot take {q.dtype} on {q.device.type} with head sizes "
+                    f"q/k {q.shape[-1]}, v {v.shape[-1]}; use 'auto' or 'eager'"
+                )
+            return self._build(chosen)
+        return self._build(next(b for b in BACKENDS.values() if b.supports(q, k, v)))
+
+    def _build(self, backend: type[AttentionBackend]) -> AttentionBackend:
+        return EagerBackend(self.max_score_elements) if backend is EagerBackend else backend()
+
+    def __call__(self, q: Tensor, blocks: Sequence[KVBlock], own_k: Tensor, own_v: Tensor, scale: float) -> Tensor:
+        """Causal attention of ``q [n, H, D]`` over ``blocks`` (all visible) and its own keys/values ``[n, H_kv, *]``
+        (the last ``n`` positions, causal). Returns ``[n, H, Dv]``; one autograd node."""
+        blocks = [b for b in blocks if b.length]
+        out: Tensor = _BlockAttention.apply(q, own_k, own_v, blocks, scale, self)
+        return out
 
 
 class _BlockAttention(torch.autograd.Function):
-    """``(out, lse)`` of softmax attention over one block, saving inputs and outputs only (no probabilities).
-
-    Inputs: ``scale``, ``mask`` (bool, broadcastable to ``[H_kv, R, M]``, or None), values ``v [M, H_kv, Dv]``,
-    then query/key pairs ``q_i [H_kv, R, D_i], k_i [M, H_kv, D_i]`` whose scaled dot products are summed (one pair
-    for standard attention; MLA sums its latent and rope parts).
-    """
-
     @staticmethod
-    def forward(ctx, scale: float, mask: Tensor | None, v: Tensor, *pairs: Tensor):
-        sdt = softmax_dtype(v.dtype)
-        probs, lse = _softmax_with_lse(_scores(pairs, scale, sdt, mask))
-        out = torch.matmul(probs.to(v.dtype), v.transpose(0, 1))
-        ctx.scale, ctx.has_mask = scale, mask is not None
-        ctx.save_for_backward(v, out, lse, *(() if mask is None else (mask,)), *pairs)
-        return out, lse
+    def forward(
+        ctx: Any, q: Tensor, own_k: Tensor, own_v: Tensor, blocks: list[KVBlock], scale: float, attention: Attention
+    ) -> Tensor:
+        q4 = as_heads(q)
+        acc = None
+        for block in blocks:
+            k4, v4 = as_heads(block.k), as_heads(block.v)
+            acc = merge(acc, *attention.kernel(q4, k4, v4).forward(q4, k4, v4, False, scale))
+        k4, v4 = as_heads(own_k), as_heads(own_v)
+        out, lse = merge(acc, *attention.kernel(q4, k4, v4).forward(q4, k4, v4, True, scale))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, own_k, own_v, out, lse)
+        ctx.blocks, ctx.scale, ctx.attention = blocks, scale, attention
+        return from_heads(out)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):
-        v, out, lse, *rest = ctx.saved_tensors
-        mask = rest.pop(0) if ctx.has_mask else None
-        pairs = rest
-        sdt = lse.dtype
-        probs = torch.exp(_scores(pairs, ctx.scale, sdt, mask) - lse.unsqueeze(-1))  # hidden keys: exactly 0
-        d_scores = torch.zeros_like(probs)
-        d_v = None
-        if d_out is not None:
-            d_v = torch.matmul(probs.to(v.dtype).transpose(1, 2), d_out).permute(1, 0, 2)  # [M, H_kv, Dv]
-            d_probs = torch.matmul(d_out, v.permute(1, 2, 0)).to(sdt)  # [H_kv, R, M]
-            row = (d_out * out).sum(dim=-1, dtype=sdt).unsqueeze(-1)
-            d_scores = probs * (d_probs - row)
-        if d_lse is not None:
-            d_scores = d_scores + probs * d_lse.to(sdt).unsqueeze(-1)
-        if mask is not None:  # hidden keys get no gradient (a fully hidden row has uniform, not zero, probs)
-            d_scores = d_scores.masked_fill(~mask, 0.0)
-        grads = []
-        for q, k in zip(pairs[0::2], pairs[1::2], strict=True):  # scores = (q * scale) k^T
-            ds = d_scores.to(q.dtype)
-            grads.append(torch.matmul(ds, k.permute(1, 0, 2)) * ctx.scale)  # d q: [H_kv, R, D]
-            grads.append(torch.matmul(ds.transpose(1, 2), q * ctx.scale).permute(1, 0, 2))  # d k: [M, H_kv, D]
-        return None, None, d_v, *grads
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, own_k, own_v, out, lse = ctx.saved_tensors
+        attention: Attention = ctx.attention
+        q4, d_out4 = as_heads(q), as_heads(d_out).contiguous()
+        dq = torch.zeros(q4.shape, dtype=lse.dtype, device=q.device)
+        for block in ctx.blocks:
+            for lo in range(0, block.length, attention.max_piece):
+                piece = block.piece(lo, lo + attention.max_piece)
+                k4, v4 = as_heads(piece.k), as_heads(piece.v)
+                dq_b, dk, dv = attention.kernel(q4, k4, v4).backward(d_out4, q4, k4, v4, out, lse, False, ctx.scale)
+                dq += dq_b
+                if piece.k_grad is not None:
+                    piece.k_grad.add_(from_heads(dk))
+                if piece.v_grad is not None:
+                    piece.v_grad.add_(from_heads(dv))
+        k4, v4 = as_heads(own_k), as_heads(own_v)
+        dq_o, dk, dv = attention.kernel(q4, k4, v4).backward(d_out4, q4, k4, v4, out, lse, True, ctx.scale)
+        dq += dq_o
+        return from_heads(dq).to(q.dtype), from_heads(dk), from_heads(dv), None, None, None
 
 
-def block_partial(pairs: Sequence[tuple[Tensor, Tensor]], v: Tensor, scale: float, mask: Tensor | None = None):
-    """Partial attention over one block from query/key pairs (scores summed over pairs) and values ``v``."""
-    flat = [t for pair in pairs for t in pair]
-    out, lse = _BlockAttention.apply(scale, mask, v, *flat)
-    return Partial(out=out, lse=lse)
+# --- DeepSeek sparse attention ------------------------------------------------------------------------------------
 
 
-def merge(acc: Partial | None, part: Partial) -> Partial:
-    """Exact attention over the union of two sets of blocks from their partials (log-sum-exp weights)."""
-    if acc is None:
-        return part
-    lse = torch.logaddexp(acc.lse, part.lse)
-    w_acc = torch.exp(acc.lse - lse).unsqueeze(-1).to(acc.out.dtype)
-    w_part = torch.exp(part.lse - lse).unsqueeze(-1).to(part.out.dtype)
-    return Partial(out=acc.out * w_acc + part.out * w_part, lse=lse)
-
-
-def causal_mask(n_queries: int, n_keys: int, groups: int, device: torch.device) -> Tensor:
-    """Mask ``[1, groups*n, n_keys]`` for the block holding the queries' own keys (the last ``n_queries`` keys)."""
-    q_pos = torch.arange(n_queries, device=device) + (n_keys - n_queries)
-    k_pos = torch.arange(n_keys, device=device)
-    visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [n, M]
-    return visible.repeat(groups, 1).unsqueeze(0)
-
-
-def split_keys(length: int, rows: int, max_elements: int = DEFAULT_SCORE_ELEMENTS) -> list[slice]:
-    """Slices covering ``length`` keys such that ``rows x keys`` per slice stays within ``max_elements``."""
-    limit = max(1, max_elements // max(rows, 1))
-    return [slice(lo, min(lo + limit, length)) for lo in range(0, length, limit)]
-
-
-def attend(
-    q: Tensor,
-    past: list[tuple[Tensor, Tensor]],
-    own: tuple[Tensor, Tensor],
+def sparse_attend(
+    q: Tensor, blocks: Sequence[Tensor], sinks: Sequence[Tensor | None], own: Tensor, selected: Tensor, start: int,
     scale: float,
-    groups: int,
-    max_score_elements: int = DEFAULT_SCORE_ELEMENTS,
-) -> Tensor:
-    """Causal attention of ``q`` over earlier key/value blocks (all visible) and its own block (causal).
+) -> Tensor:  # fmt: skip
+    """Each query attends to its own selected positions only (DSA), with keys and values the same rows.
 
-    ``q``: ``[H_kv, groups*n, D]``; each block is ``(k [M, H_kv, D], v [M, H_kv, Dv])``.
-    Returns ``[H_kv, groups*n, Dv]``.
-    """
-    n = q.shape[1] // groups
-    acc = None
-    for k, v in past:
-        for piece in split_keys(k.shape[0], q.shape[0] * q.shape[1], max_score_elements):
-            acc = merge(acc, block_partial([(q, k[piece])], v[piece], scale))
-    k_own, v_own = own
-    mask = causal_mask(n, k_own.shape[0], groups, q.device)
-    acc = merge(acc, block_partial([(q, k_own)], v_own, scale, mask))
-    return acc.out
+    q: ``[n, H, W]``; blocks: the earlier rows ``[M_b, W]`` in position order (positions ``0..``), with ``sinks``
+    (gradient buffers of the same shapes, or None); own: the queries' own rows ``[n, W]`` (positions ``start..``);
+    selected: global positions ``[n, k]`` per query (only those ``<=`` the query's position count). Returns
+    ``[n, H, W]``. Gathers are O(n·k) per block whatever its length; nothing score-sized is saved for backward."""
+    out: Tensor = _SparseAttention.apply(q, own, list(blocks), list(sinks), selected, start, scale)
+    return out
+
+
+def _gathers(blocks: list[Tensor], own: Tensor, selected: Tensor, start: int):
+    """Per block holding selected keys: (block index or -1 for own, its rows, gather index [n, k], visible [n, k])."""
+    n = own.shape[0]
+    query_pos = torch.arange(start, start + n, device=selected.device).unsqueeze(1)
+    offset = 0
+    for b, rows in [*enumerate(blocks), (-1, own)]:
+        rel = selected - (start if b < 0 else offset)
+        visible = (rel >= 0) & (rel < rows.shape[0]) & (selected <= query_pos)
+        if b >= 0:
+            offset += rows.shape[0]
+        if bool(visible.any()):
+            yield b, rows, rel.clamp(0, rows.shape[0] - 1), visible
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        own: Tensor,
+        blocks: list[Tensor],
+        sinks: list[Tensor | None],
+        selected: Tensor,
+        start: int,
+        scale: float,
+    ) -> Tensor:
+        sdt = softmax_dtype(q.dtype)
+        acc = None
+        for _, rows, index, visible in _gathers(blocks, own, selected, start):
+            gathered = rows[index].to(sdt)  # [n, k, W]
+            scores = torch.einsum("nhw,nkw->nhk", q.to(sdt), gathered) * scale
+            scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # [n, H]; -inf where the block holds none of the row's keys
+            probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+            acc = merge(acc, torch.einsum("nhk,nkw->nhw", probs, gathered), lse)
+        assert acc is not None, "every query selects at least its own position"
+        out, lse = acc
+        ctx.save_for_backward(q, own, selected, out, lse)
+        ctx.blocks, ctx.sinks, ctx.start, ctx.scale = blocks, sinks, start, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, own, selected, out, lse = ctx.saved_tensors
+        sdt = lse.dtype
+        qs, d_o = q.to(sdt), d_out.to(sdt)
+        row = (d_o * out).sum(-1, keepdim=True)  # [n, H, 1]
+        dq = torch.zeros_like(qs)
+        d_own = torch.zeros(own.shape, dtype=sdt, device=own.device)
+        for b, rows, index, visible in _gathers(ctx.blocks, own, selected, ctx.start):
+            sink = d_own if b < 0 else ctx.sinks[b]
+            gathered = rows[index].to(sdt)
+            scores = torch.einsum("nhw,nkw->nhk", qs, gathered) * ctx.scale
+            probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible.unsqueeze(1), 0.0)
+            d_scores = probs * (torch.einsum("nhw,nkw->nhk", d_o, gathered) - row) * ctx.scale
+            dq += torch.einsum("nhk,nkw->nhw", d_scores, gathered)
+            if sink is not None:  # the rows are keys (scores) and values (probs) at once
+                d_rows = torch.einsum("nhk,nhw->nkw", d_scores, qs) + torch.einsum("nhk,nhw->nkw", probs, d_o)
+                sink.index_add_(0, index[visible], d_rows[visible].to(sink.dtype))
+        return dq.to(q.dtype), d_own.to(own.dtype), None, None, None, None, None

@@ -13,15 +13,17 @@ recurrent state checkpointed at its start, and backpropagating into the paramete
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS
+from longstraw_agents.attention import BACKEND_NAMES, DEFAULT_SCORE_ELEMENTS, Attention
 from longstraw_agents.models import FamilyAdapter, StateSize, adapter_for, state_size
-from longstraw_agents.models.base import LayerContext
+from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import (
     Arena,
     Block,
@@ -45,11 +47,16 @@ class EngineConfig:
 
     chunk_size: tokens evaluated per forward during capture/extend; bounds activation memory (and, in exact mode,
         the size of one recomputed graph).
-    max_score_elements: attention scores (heads x queries x keys) materialised at once; longer key blocks are
-        processed in pieces, so a chunk's transient memory does not grow with the prefix.
+    attention: the attention backend: "auto" (the fastest one that takes the shapes), "cpu-flash", "cuda-flash" or
+        "eager" (see ``longstraw_agents.attention``).
+    max_score_elements: attention scores (heads x queries x keys) the eager backend (and DSA's indexer) materialise
+        at once; longer key blocks are processed in pieces, so a chunk's transient memory does not grow with the
+        prefix. In backward, a block's key/value gradient is computed for at most
+        ``max(chunk_size, max_score_elements / elements per position)`` positions at a time.
     """
 
     chunk_size: int = 512
+    attention: str = "auto"
     max_score_elements: int = DEFAULT_SCORE_ELEMENTS
 
     def __post_init__(self) -> None:
@@ -57,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.max_score_elements < 1:
             raise ValueError(f"max_score_elements must be >= 1, got {self.max_score_elements}")
+        if self.attention not in BACKEND_NAMES:
+            raise ValueError(f"attention must be one of {list(BACKEND_NAMES)}, got {self.attention!r}")
 
 
 class Engine:
@@ -67,8 +76,9 @@ class Engine:
         self.adapter: FamilyAdapter = adapter_for(model)
         config = config or EngineConfig()
         if chunk_size is not None:
-            config = EngineConfig(chunk_size=chunk_size, max_score_elements=config.max_score_elements)
+            config = dataclasses.replace(config, chunk_size=chunk_size)
         self.config = config
+        self.attention = Attention(config.attention, config.max_score_elements, self._gradient_piece(config))
 
     @property
     def family(self) -> str:
@@ -150,7 +160,20 @@ class Engine:
 
     # --- internals ------------------------------------------------------------------------------------------
     def _forward(self, ids: Tensor, start: int, contexts: list[LayerContext]):
-        return self.adapter.forward(ids, start, contexts, max_score_elements=self.config.max_score_elements)
+        return self.adapter.forward(ids, start, contexts, attention=self.attention)
+
+    def _gradient_piece(self, config: EngineConfig) -> int:
+        """Positions of a state block whose key/value gradient the attention backward computes at once: the score
+        budget's worth of elements, never fewer than a chunk (fewer, larger kernel calls)."""
+        per_position = max(
+            (
+                sum(math.prod(shape) for shape in layer.mixer.state_shapes())
+                for layer in self.adapter.layers
+                if layer.mixer.grows
+            ),
+            default=1,
+        )
+        return max(config.chunk_size, config.max_score_elements // per_position)
 
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
         ids = as_token_ids(ids, allow_empty=allow_empty, vocab_size=self.adapter.vocab_size)
@@ -163,42 +186,26 @@ class Engine:
             raise ValueError("this state was made by an engine over a different model")
 
     def _contexts(self, state: State, upto: int, grad: StateGrad | None) -> list[LayerContext]:
-        """What each layer reads of the first ``upto`` chunks; leaves feeding ``grad`` when it is given."""
+        """What each layer reads of the first ``upto`` chunks. With ``grad``, attention blocks carry their slices of
+        the state's gradient buffers (the attention backward adds into them) and recurrent states enter the graph
+        as leaves whose gradients are added into theirs."""
         contexts = []
         for i, layer in enumerate(self.adapter.layers):
             if layer.mixer.grows:
-                past = []
-                for block in state.blocks(i, upto):
-                    if grad is None:
-                        past.append(block.views())
-                    else:
-                        past.extend(self._leaf_pieces(block.views(), grad.block_grads(block)))
+                past = [
+                    PastBlock(block.views(), None if grad is None else grad.block_grads(block))
+                    for block in state.blocks(i, upto)
+                ]
                 contexts.append(LayerContext(past=past))
-            else:
-                rec = state.recurrent(i, upto - 1) if upto else None
-                tensors = None
-                if rec is not None:
-                    tensors = rec.tensors
-                    if grad is not None:
-                        tensors = tuple(
-                            leaf_into(t, g) for t, g in zip(tensors, grad.recurrent_grads(rec), strict=True)
-                        )
-                contexts.append(LayerContext(recurrent=tensors))
+                continue
+            rec = state.recurrent(i, upto - 1) if upto else None
+            tensors = None
+            if rec is not None:
+                tensors = rec.tensors
+                if grad is not None:
+                    tensors = tuple(leaf_into(t, g) for t, g in zip(tensors, grad.recurrent_grads(rec), strict=True))
+            contexts.append(LayerContext(recurrent=tensors))
         return contexts
-
-    def _leaf_pieces(self, views: tuple[Tensor, ...], buffers: tuple[Tensor, ...]) -> list[tuple[Tensor, ...]]:
-        """A block as leaves that each feed their slice of the gradient buffers.
-
-        Autograd sums a leaf's whole gradient (one full-size tensor per use, e.g. per attention piece) before the
-        hook adds it to the buffer: one leaf over a long merged block would hold transient gradients as large as
-        the layer's whole state. A leaf holds at most ``max_score_elements`` elements per tensor (the bound on a
-        chunk's attention scores) but never fewer than ``chunk_size`` positions (fewer, larger attention pieces)."""
-        per_position = max(t[0].numel() for t in views) if views[0].shape[0] else 1
-        step = max(self.config.chunk_size, self.config.max_score_elements // per_position)
-        return [
-            tuple(leaf_into(v[lo : lo + step], g[lo : lo + step]) for v, g in zip(views, buffers, strict=True))
-            for lo in range(0, views[0].shape[0], step)
-        ]
 
     def _arenas_for(self, state: State, n: int, reserve: int) -> list[Arena | None]:
         """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one."""

@@ -50,3 +50,7 @@ def fresh_view() -> Path:
     VIEW.mkdir()
     installed_view(VIEW)
     return VIEW
+
+
+if __name__ == "__main__":
+    print(fresh_view())

@@ -1,84 +1,195 @@
-"""The attention primitive (attention.py) against plain softmax attention over the concatenated keys (fp64): random
-splits of the earlier keys into blocks (blocks of one key, empty blocks, pieces by the score budget), the causal
-own block, GQA, and gradients of queries, keys and values."""
+"""The attention core (attention.py) against plain softmax attention over the concatenated keys, fp64, for every
+backend present: random splits of the earlier keys into blocks (blocks of one key, empty blocks, pieces), the causal
+own block, GQA, MLA's shared key/value rows, gradients of queries, own keys/values and — through the sinks — of the
+blocks' keys and values; DSA's sparse form with rows that see no key of a block."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from longstraw_agents.attention import attend, block_partial, causal_mask, merge
+from longstraw_agents.attention import (
+    BACKENDS,
+    Attention,
+    AttentionBackend,
+    EagerBackend,
+    KVBlock,
+    sparse_attend,
+)
 
-H_KV, GROUPS, D, DV = 2, 3, 8, 6
-
-
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, n: int) -> torch.Tensor:
-    """Causal softmax attention of the last ``n`` positions over all ``keys`` (``q``: ``[H_kv, groups*n, D]``)."""
-    scores = torch.einsum("hrd,mhd->hrm", q, keys) * scale
-    total = keys.shape[0]
-    q_pos = (torch.arange(n) + total - n).repeat(GROUPS)  # group-major rows
-    hidden = torch.arange(total)[None, :] > q_pos[:, None]
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-    return torch.einsum("hrm,mhd->hrd", probs, values)
+H, H_KV, D, DV = 6, 2, 8, 8
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def random_case(past_sizes: list[int], n: int, seed: int = 0, requires_grad: bool = False):
+def backend_params() -> list:
+    cpu = [pytest.param("eager", torch.float64), pytest.param("cpu-flash", torch.float64)]
+    cuda = [pytest.param("cuda-flash", torch.bfloat16, marks=pytest.mark.gpu)]
+    return cpu + cuda
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+def reference(q, keys, values, scale: float) -> torch.Tensor:
+    """Causal softmax attention of the last n positions over all keys; ``q [n, H, D]``, keys ``[M, H_kv, D]``."""
+    n, total = q.shape[0], keys.shape[0]
+    groups = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(groups, dim=1)
+    v = values.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), k.double()) * scale
+    hidden = torch.arange(total)[None, :] > (torch.arange(n) + total - n)[:, None]
+    probs = torch.softmax(scores.masked_fill(hidden.to(scores.device), float("-inf")), dim=-1)
+    return torch.einsum("hnm,mhd->nhd", probs, v.double())
+
+
+def random_case(sizes: list[int], n: int, dtype: torch.dtype, seed: int = 0, dv: int = DV):
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
 
-    q = rand(H_KV, GROUPS * n, D)
-    past = [(rand(m, H_KV, D), rand(m, H_KV, DV)) for m in past_sizes]
-    own = (rand(n, H_KV, D), rand(n, H_KV, DV))
-    return q, past, own
-
-
-@pytest.mark.parametrize(
-    ("past_sizes", "n", "max_score_elements"),
-    [([], 5, 1 << 20), ([7], 5, 1 << 20), ([1, 0, 9, 1], 4, 1 << 20), ([40, 3], 6, 50), ([5], 1, 1)],
-    ids=["own-only", "one-block", "tiny-and-empty-blocks", "pieces", "one-key-pieces"],
-)
-def test_attend_equals_softmax_over_the_concatenated_keys(past_sizes, n, max_score_elements) -> None:
-    q, past, own = random_case(past_sizes, n)
-    scale = D**-0.5
-    out = attend(q, past, own, scale, GROUPS, max_score_elements)
-    keys = torch.cat([k for k, _ in past] + [own[0]])
-    values = torch.cat([v for _, v in past] + [own[1]])
-    torch.testing.assert_close(out, reference(q, keys, values, scale, n), rtol=1e-12, atol=1e-12)
+    q = rand(n, H, D)
+    blocks = [(rand(m, H_KV, D), rand(m, H_KV, dv)) for m in sizes]
+    return q, blocks, rand(n, H_KV, D), rand(n, H_KV, dv)
 
 
-def test_gradients_of_queries_keys_and_values_equal_the_reference() -> None:
-    q, past, own = random_case([6, 1, 4], 3, seed=1, requires_grad=True)
-    scale = 0.7
-    leaves = [q, *[t for block in past for t in block], *own]
-    weight = torch.randn(H_KV, GROUPS * 3, DV, dtype=torch.float64)
-    got = torch.autograd.grad((attend(q, past, own, scale, GROUPS, 16) * weight).sum(), leaves)
-    keys = torch.cat([k for k, _ in past] + [own[0]])
-    values = torch.cat([v for _, v in past] + [own[1]])
-    want = torch.autograd.grad((reference(q, keys, values, scale, 3) * weight).sum(), leaves)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+SPLITS = [
+    pytest.param([], 5, id="own-only"),
+    pytest.param([7], 5, id="one-block"),
+    pytest.param([1, 0, 9, 1], 4, id="tiny-and-empty-blocks"),
+    pytest.param([40, 3, 17], 6, id="several"),
+    pytest.param([5], 1, id="one-query"),
+]
 
 
-def test_block_partial_passes_gradcheck_with_a_mask() -> None:
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    k = torch.randn(4, 1, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    v = torch.randn(4, 1, 2, dtype=torch.float64, generator=gen, requires_grad=True)
-    mask = causal_mask(4, 4, 1, q.device)
-
-    def out_and_lse(q, k, v):
-        part = block_partial([(q, k)], v, 0.5, mask)
-        return part.out, part.lse
-
-    assert torch.autograd.gradcheck(out_and_lse, (q, k, v))
+@pytest.mark.parametrize(("backend", "dtype"), backend_params())
+@pytest.mark.parametrize(("sizes", "n"), SPLITS)
+def test_forward_equals_softmax_over_the_concatenated_keys(backend: str, dtype, sizes, n) -> None:
+    q, blocks, own_k, own_v = random_case(sizes, n, dtype)
+    attention = Attention(backend, max_score_elements=60, max_piece=4)  # eager: pieces of keys
+    out = attention(q, [KVBlock(k, v) for k, v in blocks], own_k, own_v, 0.3)
+    keys = torch.cat([k for k, _ in blocks] + [own_k])
+    values = torch.cat([v for _, v in blocks] + [own_v])
+    torch.testing.assert_close(out.double(), reference(q, keys, values, 0.3), **tolerance(dtype))
 
 
-def test_merging_partials_equals_one_block_over_their_union() -> None:
-    q, past, _ = random_case([5, 7], 2, seed=3)
-    (k1, v1), (k2, v2) = past
-    merged = merge(block_partial([(q, k1)], v1, 0.4), block_partial([(q, k2)], v2, 0.4))
-    whole = block_partial([(q, torch.cat([k1, k2]))], torch.cat([v1, v2]), 0.4)
-    torch.testing.assert_close(merged.out, whole.out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(merged.lse, whole.lse, rtol=1e-12, atol=1e-12)
+@pytest.mark.parametrize(("backend", "dtype"), backend_params())
+@pytest.mark.parametrize("max_piece", [3, 1 << 16])
+def test_gradients_reach_queries_own_keys_and_the_block_sinks(backend: str, dtype, max_piece: int) -> None:
+    q, blocks, own_k, own_v = random_case([6, 1, 9], 3, dtype, seed=1)
+    leaves = [t.requires_grad_(True) for t in (q, own_k, own_v)]
+    sinks = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in blocks]
+    kv_blocks = [KVBlock(k, v, dk, dv) for (k, v), (dk, dv) in zip(blocks, sinks, strict=True)]
+    weight = torch.randn(3, H, DV, dtype=torch.float64, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    out = Attention(backend, max_score_elements=40, max_piece=max_piece)(q, kv_blocks, own_k, own_v, 0.5)
+    got = torch.autograd.grad((out * weight).sum(), leaves)
+
+    ref_blocks = [(k.double().requires_grad_(True), v.double().requires_grad_(True)) for k, v in blocks]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, own_k, own_v)]
+    keys = torch.cat([k for k, _ in ref_blocks] + [ref_leaves[1]])
+    values = torch.cat([v for _, v in ref_blocks] + [ref_leaves[2]])
+    loss = (reference(ref_leaves[0], keys, values, 0.5) * weight.double()).sum()
+    want = torch.autograd.grad(loss, ref_leaves + [t for block in ref_blocks for t in block])
+    for g, w in zip(got, want[:3], strict=True):
+        torch.testing.assert_close(g.double(), w, **tolerance(dtype))
+    for sink, w in zip([t for pair in sinks for t in pair], want[3:], strict=True):
+        torch.testing.assert_close(sink.double(), w, **tolerance(dtype))
+
+
+def test_a_block_without_sinks_gets_no_gradient_and_leaves_nothing_behind() -> None:
+    q, blocks, own_k, own_v = random_case([4], 2, torch.float64)
+    q.requires_grad_(True)
+    (k, v) = blocks[0]
+    out = Attention("eager")(q, [KVBlock(k, v)], own_k, own_v, 0.5)
+    out.sum().backward()
+    assert q.grad is not None and k.grad is None and not k.requires_grad
+
+
+def test_eager_passes_gradcheck_with_different_value_width() -> None:
+    q, blocks, own_k, own_v = random_case([3], 2, torch.float64, dv=5)
+    leaves = tuple(t.requires_grad_(True) for t in (q, own_k, own_v))
+    k, v = blocks[0]
+    attention = Attention("eager", max_score_elements=7)
+
+    def run(q, own_k, own_v):
+        return attention(q, [KVBlock(k, v)], own_k, own_v, 0.7)
+
+    assert torch.autograd.gradcheck(run, leaves)
+
+
+def test_mla_rows_as_keys_and_values_equal_latent_attention() -> None:
+    """One KV head whose keys and values are the same rows [latent ; rope]: the first ``rank`` output columns are
+    attention over the latent, and the rows' gradient is the sum of their key and value gradients."""
+    rank, rope, n = 6, 2, 3
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(n, 4, rank + rope, dtype=torch.float64, generator=gen)
+    past = torch.randn(5, rank + rope, dtype=torch.float64, generator=gen)
+    own = torch.randn(n, rank + rope, dtype=torch.float64, generator=gen, requires_grad=True)
+    sink = torch.zeros_like(past)
+    out = Attention("cpu-flash")(
+        q, [KVBlock(past[:, None], past[:, None], sink[:, None], sink[:, None])], own[:, None], own[:, None], 0.4
+    )
+    latent_out = out[..., :rank]
+    ref_past = past.clone().requires_grad_(True)
+    rows = torch.cat([ref_past, own])
+    want = reference(q, rows[:, None], rows[:, None, :rank], 0.4)
+    torch.testing.assert_close(latent_out, want, rtol=1e-12, atol=1e-12)
+    latent_out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(sink, ref_past.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_auto_picks_a_fused_backend_when_it_can_and_eager_otherwise() -> None:
+    q, blocks, _, _ = random_case([4], 2, torch.float64)
+    q4, k4 = q.transpose(0, 1)[None], blocks[0][0].transpose(0, 1)[None]
+    assert isinstance(Attention("auto").kernel(q4, k4, k4), BACKENDS["cuda-flash" if q.is_cuda else "cpu-flash"])
+    narrow = k4[..., :5]
+    assert isinstance(Attention("auto").kernel(q4, k4, narrow), EagerBackend)  # Dv != D: no fused kernel
+    with pytest.raises(ValueError, match="cannot take"):
+        Attention("cpu-flash").kernel(q4, k4, narrow)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        Attention("flash-9")
+
+
+def test_every_backend_declares_a_name() -> None:
+    assert all(issubclass(b, AttentionBackend) and b.name == name for name, b in BACKENDS.items())
+
+
+def sparse_reference(q, rows, selected, start, scale):
+    """Each query over its selected visible positions only, from the definition (fp64)."""
+    n = q.shape[0]
+    scores = torch.einsum("nhw,mw->nhm", q, rows) * scale
+    allowed = torch.zeros(n, rows.shape[0], dtype=torch.bool)
+    for i in range(n):
+        for pos in selected[i].tolist():
+            if pos <= start + i:
+                allowed[i, pos] = True
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+    return torch.einsum("nhm,mw->nhw", probs, rows)
+
+
+def test_sparse_attention_and_its_gradients_equal_the_definition() -> None:
+    gen = torch.Generator().manual_seed(5)
+    n, W, start = 5, 6, 7
+    blocks = [
+        torch.randn(3, W, dtype=torch.float64, generator=gen),
+        torch.randn(4, W, dtype=torch.float64, generator=gen),
+    ]
+    own = torch.randn(n, W, dtype=torch.float64, generator=gen, requires_grad=True)
+    q = torch.randn(n, 2, W, dtype=torch.float64, generator=gen, requires_grad=True)
+    # rows 1 and 3 select nothing in either earlier block (their partials there are fully masked)
+    selected = torch.tensor([[0, 7, 8, 9], [8, 9, 10, 11], [1, 2, 3, 9], [11, 10, 9, 8], [4, 5, 6, 8]])
+    sinks = [torch.zeros_like(b) for b in blocks]
+    out = sparse_attend(q, blocks, sinks, own, selected, start, 0.5)
+    leaves = [b.clone().requires_grad_(True) for b in blocks]
+    ref_q, ref_own = q.detach().clone().requires_grad_(True), own.detach().clone().requires_grad_(True)
+    want = sparse_reference(ref_q, torch.cat([*leaves, ref_own]), selected, start, 0.5)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    weight = torch.randn_like(out)
+    (out * weight).sum().backward()
+    (want * weight).sum().backward()
+    torch.testing.assert_close(q.grad, ref_q.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(own.grad, ref_own.grad, rtol=1e-10, atol=1e-10)
+    for sink, leaf in zip(sinks, leaves, strict=True):
+        torch.testing.assert_close(sink, leaf.grad, rtol=1e-10, atol=1e-10)

@@ -41,12 +41,13 @@ def random_ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("attention", ["auto", "eager"])
 @pytest.mark.parametrize(("prefix_len", "branch_len", "chunk"), [(1, 1, 4), (13, 1, 5), (21, 9, 8), (30, 17, 7)])
-def test_logits_match_transformers_full_forward(model_and_dtype, prefix_len, branch_len, chunk):
+def test_logits_match_transformers_full_forward(model_and_dtype, prefix_len, branch_len, chunk, attention):
     _, _, model = model_and_dtype
     ids = random_ids(prefix_len + branch_len, seed=prefix_len)
     ref = reference_logits(model, ids)[prefix_len:]
-    engine = Engine(model, chunk_size=chunk)
+    engine = Engine(model, EngineConfig(chunk_size=chunk, attention=attention, max_score_elements=40))
     state = engine.capture(ids[:prefix_len])
     with torch.no_grad():
         out = engine.logits(state, ids[prefix_len:])
@@ -260,7 +261,9 @@ def test_engine_config_validation():
     assert Engine(make_model("llama", torch.float32), chunk_size=3).config.chunk_size == 3
 
 
-@pytest.mark.parametrize("max_score_elements", [DEFAULT_SCORE_ELEMENTS, 1], ids=["one-leaf", "chunk-leaves"])
+@pytest.mark.parametrize(
+    "max_score_elements", [DEFAULT_SCORE_ELEMENTS, 1], ids=["one-gradient-piece", "chunk-sized-gradient-pieces"]
+)
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
 def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_graph(family, max_score_elements):
     """Extends of a chain into reserved storage land contiguous in one arena: attention reads one block (in the

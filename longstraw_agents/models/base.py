@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS
+from longstraw_agents.attention import Attention
 
 HFModule = Any
 """A transformers module (a decoder layer, its attention, a norm...): the adapters read its weights and settings by
@@ -74,23 +74,35 @@ def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: HFModule) 
     return lambda x: fn(x, weight, eps)
 
 
+@dataclass(frozen=True)
+class PastBlock:
+    """Earlier positions of a growing layer's state: its tensors there (views of the state) and, when the state's
+    gradient is wanted, the buffers those tensors' gradients are added into (same shapes)."""
+
+    tensors: tuple[Tensor, ...]
+    grads: tuple[Tensor, ...] | None = None
+
+    def grad(self, i: int) -> Tensor | None:
+        return None if self.grads is None else self.grads[i]
+
+
 @dataclass
 class MixerInput:
     """What a token mixer sees for ``n`` new tokens.
 
-    ``past``: earlier blocks of this layer's per-position tensors (growing mixers), possibly autograd leaves.
+    ``past``: earlier blocks of this layer's per-position state (growing mixers), in position order from 0.
     ``recurrent``: the layer's state before the first new token (recurrent mixers), None at position 0.
     ``shared``: scratch shared by the layers of one forward (e.g. DSA's top-k reused by "shared" layers).
-    ``max_score_elements``: bound on the attention scores one partial materialises (see ``attention``).
+    ``attention``: the attention op (backend and memory bounds, see ``longstraw_agents.attention``).
     """
 
     x: Tensor
     positions: Tensor
     rope: tuple[Tensor, Tensor]
-    past: list[tuple[Tensor, ...]] = field(default_factory=list)
+    past: list[PastBlock] = field(default_factory=list)
     recurrent: tuple[Tensor, ...] | None = None
     shared: dict[str, Any] = field(default_factory=dict)
-    max_score_elements: int = DEFAULT_SCORE_ELEMENTS
+    attention: Attention = field(default_factory=Attention)
 
 
 @dataclass
@@ -142,7 +154,9 @@ class DecoderLayer:
 
 @dataclass
 class LayerContext:
-    past: list[tuple[Tensor, ...]] = field(default_factory=list)
+    """What one layer reads of the state: past blocks (growing layers) or the recurrent state (recurrent layers)."""
+
+    past: list[PastBlock] = field(default_factory=list)
     recurrent: tuple[Tensor, ...] | None = None
 
 
@@ -204,7 +218,7 @@ class FamilyAdapter(ABC):
         start: int,
         contexts: list[LayerContext],
         shared: dict[str, Any] | None = None,
-        max_score_elements: int = DEFAULT_SCORE_ELEMENTS,
+        attention: Attention | None = None,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         """Run ``ids`` (positions ``start..``) through the decoder; returns the final-normed hidden states
         ``[n, hidden]`` and, per layer, what the layer adds to the state."""
@@ -212,9 +226,10 @@ class FamilyAdapter(ABC):
         h = self.backbone.embed_tokens(ids)
         rope = self.rope(h, positions)
         shared = {} if shared is None else shared
+        attention = Attention() if attention is None else attention
         new_entries: list[tuple[Tensor, ...]] = []
         for layer, ctx in zip(self.layers, contexts, strict=True):
-            inp = MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, max_score_elements)
+            inp = MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention)
             out = layer.mixer.forward(inp)
             h = h + out.y
             h = h + layer.mlp(layer.post_norm(h))

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from longstraw_agents.attention import DEFAULT_SCORE_ELEMENTS, attend
+from longstraw_agents.attention import Attention, KVBlock
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -33,7 +33,7 @@ from longstraw_agents.models.base import (
 
 
 class AttentionMixer(Mixer):
-    """Causal GQA attention over the state's K/V blocks plus the new tokens' own K/V (one LSE-merged primitive)."""
+    """Causal GQA attention over the state's K/V blocks plus the new tokens' own K/V (the attention core's one op)."""
 
     grows = True
 
@@ -49,7 +49,6 @@ class AttentionMixer(Mixer):
         self.attn = attn
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.groups = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = float(attn.scaling)
         self.output_gate = output_gate
@@ -74,11 +73,8 @@ class AttentionMixer(Mixer):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = inp.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # [n, H, D] -> [H_kv, groups*n, D]: the query heads of one KV head, group-major, then positions
-        q = q.view(n, self.num_kv_heads, self.groups, self.head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(self.num_kv_heads, self.groups * n, self.head_dim)
-        out = attend(q, [(pk, pv) for pk, pv in inp.past], (k, v), self.scale, self.groups, inp.max_score_elements)
-        out = out.view(self.num_kv_heads, self.groups, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+        blocks = [KVBlock(b.tensors[0], b.tensors[1], b.grad(0), b.grad(1)) for b in inp.past]
+        out = inp.attention(q, blocks, k, v, self.scale).reshape(n, -1)
         if gate is not None:
             out = out * gate.sigmoid()
         return MixerOutput(y=self.attn.o_proj(out), new=(k, v))
@@ -123,10 +119,10 @@ class DenseAdapter(FamilyAdapter):
         start: int,
         contexts: list[LayerContext],
         shared: dict[str, Any] | None = None,
-        max_score_elements: int = DEFAULT_SCORE_ELEMENTS,
+        attention: Attention | None = None,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         self._check_window(start + ids.shape[0])
-        return super().forward(ids, start, contexts, shared, max_score_elements)
+        return super().forward(ids, start, contexts, shared, attention)
 
     def _check_window(self, end: int) -> None:
         if self.window is not None and end > self.window:

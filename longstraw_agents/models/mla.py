@@ -1,10 +1,10 @@
 """MLA + DeepSeek sparse attention + MoE family: GLM-MoE-DSA (the GLM-5.2 layout).
 
-State per position and layer: MLA's compressed KV latent (after ``kv_a_layernorm``, ``kv_lora_rank`` values), the
-shared rope key (``qk_rope_head_dim``), and on layers that run their own DSA indexer, the indexer key
-(``index_head_dim``). Attention runs in MLA's absorbed form — ``q_nope·(W_uk c) = (W_ukᵀ q_nope)·c`` and
-``p·(W_uv c) = W_uv (p·c)`` — so the prefix latent is read as it is stored and never expanded per head; the
-attention primitive is the same LSE-merged block attention as the other families, with one shared "KV head".
+State per position and layer: one row of MLA's compressed KV latent (after ``kv_a_layernorm``, ``kv_lora_rank``
+values) and the shared rope key (``qk_rope_head_dim``) side by side, and on layers that run their own DSA indexer,
+the indexer key (``index_head_dim``). Attention runs in MLA's absorbed form — ``q_nope·(W_uk c) = (W_ukᵀ q_nope)·c``
+and ``p·(W_uv c) = W_uv (p·c)`` — so the prefix latent is read as it is stored and never expanded per head: the
+attention core's op with one KV head whose keys and values are the stored rows.
 
 DSA, from its definition: query t scores every visible key s with ``Σ_h w_h(t)·relu(q_h(t)·k(s))·scale`` and
 attends only to its ``index_topk`` best keys (all of them while t has fewer). Ties are broken towards earlier
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longstraw_agents.attention import Partial, block_partial, causal_mask, merge, softmax_dtype, split_keys
+from longstraw_agents.attention import KVBlock, sparse_attend
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -103,18 +103,25 @@ class DSAIndexer:
 
         running = None
         offset = 0
+        step = max(1, max_score_elements // (n * self.heads))  # index scores of one piece of keys at a time
         for keys in past:
-            for piece in split_keys(keys.shape[0], n * self.heads, max_score_elements):
-                positions = torch.arange(offset + piece.start, offset + piece.stop, device=x.device)
-                running = _topk_merge(running, scores(keys[piece]), positions, self.topk)
+            for lo in range(0, keys.shape[0], step):
+                positions = torch.arange(offset + lo, offset + min(lo + step, keys.shape[0]), device=x.device)
+                running = _topk_merge(running, scores(keys[lo : lo + step]), positions, self.topk)
             offset += keys.shape[0]
-        own_scores = scores(own).masked_fill(~causal_mask(n, n, 1, x.device)[0], float("-inf"))
+        hidden = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)  # later own positions
+        own_scores = scores(own).masked_fill(hidden, float("-inf"))
         running = _topk_merge(running, own_scores, torch.arange(start, start + n, device=x.device), self.topk)
         return running[1]
 
 
 class MLAMixer(Mixer):
-    """Multi-head latent attention over (latent, rope key[, indexer key]) blocks, with DSA top-k masks."""
+    """Multi-head latent attention over the state's rows (compressed latent and rope key side by side, plus the DSA
+    indexer key on layers with their own indexer), dense or DSA-sparse.
+
+    Absorbed form: a query becomes ``[W_ukᵀ q_nope ; q_rope]`` and every row ``[latent ; rope key]`` serves as its key
+    and — the same row — as its value, so the attention core runs it with one KV head and no copy of the state; the
+    rope columns of the output are dropped and ``W_uv`` maps the latent output to the heads."""
 
     grows = True
 
@@ -129,8 +136,8 @@ class MLAMixer(Mixer):
         self.kv_norm = bound_norm(rms_norm, attn.kv_a_layernorm)
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        shapes = ((self.rank,), (self.rope_dim,))
-        return shapes + ((self.indexer.dim,),) if self.indexer is not None else shapes
+        rows = ((self.rank + self.rope_dim),)
+        return (rows, (self.indexer.dim,)) if self.indexer is not None else (rows,)
 
     def forward(self, inp: MixerInput) -> MixerOutput:
         attn, x = self.attn, inp.x
@@ -139,83 +146,47 @@ class MLAMixer(Mixer):
         q = attn.q_b_proj(q_resid).view(n, heads, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         kv_pass, k_rot = attn.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        latent = self.kv_norm(kv_pass)
-        q_rot = rope_interleaved(q_rot, *inp.rope)
         k_rot = rope_interleaved(k_rot.unsqueeze(1), *inp.rope)[:, 0]
-        new: tuple[Tensor, ...] = (latent, k_rot)
-        start = int(inp.positions[0])
-
+        rows = torch.cat([self.kv_norm(kv_pass), k_rot], dim=-1)  # [n, rank + rope]: key and value at once
+        new: tuple[Tensor, ...] = (rows,)
         if self.indexer is not None:
             index_keys = self.indexer.keys(x, inp.rope)
-            new = new + (index_keys,)
+            new = (rows, index_keys)
             with torch.no_grad():
-                past_keys = [p[2] for p in inp.past]
-                selected = self.indexer.select(
-                    x, q_resid, inp.rope, past_keys, index_keys, start, inp.max_score_elements
-                )
+                past_keys = [b.tensors[1] for b in inp.past]
+                start, budget = int(inp.positions[0]), inp.attention.max_score_elements
+                selected = self.indexer.select(x, q_resid, inp.rope, past_keys, index_keys, start, budget)
             inp.shared[SELECTION_KEY] = selected
-        elif SELECTION_KEY in inp.shared:
-            selected = inp.shared[SELECTION_KEY]
         else:
-            raise UnsupportedModelError("a 'shared' DSA layer needs an earlier layer with its own indexer")
+            selected = self._shared_selection(inp)
 
-        # absorbed MLA: queries in latent space, one shared "KV head" for all query heads
         w_kv = attn.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]
-        q_lat = torch.einsum("nhd,hdr->hnr", q_nope, w_uk).reshape(1, heads * n, self.rank)
-        q_rope = q_rot.permute(1, 0, 2).reshape(1, heads * n, self.rope_dim)
-
-        blocks = [(b[0], b[1]) for b in inp.past] + [(latent, k_rot)]
+        q_rows = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), rope_interleaved(q_rot, *inp.rope)], dim=-1)
         if selected is None:
-            acc = self._dense(q_lat, q_rope, blocks, n, inp.max_score_elements)
+            blocks = [KVBlock(b.tensors[0][:, None], b.tensors[0][:, None], *2 * [_heads(b.grad(0))]) for b in inp.past]
+            own = rows[:, None]
+            out = inp.attention(q_rows, blocks, own, own, self.scale)
         else:
-            acc = self._sparse(q_lat.view(heads, n, -1), q_rope.view(heads, n, -1), blocks, selected, start)
+            out = sparse_attend(
+                q_rows, [b.tensors[0] for b in inp.past], [b.grad(0) for b in inp.past], rows, selected,
+                int(inp.positions[0]), self.scale,
+            )  # fmt: skip
+        latent_out = out[..., : self.rank]  # [n, H, rank]: the rope columns are not values
+        return MixerOutput(y=attn.o_proj(torch.einsum("nhr,hvr->nhv", latent_out, w_uv).reshape(n, -1)), new=new)
 
-        out_latent = acc.out.view(heads, n, self.rank)
-        out = torch.einsum("hnr,hvr->nhv", out_latent, w_uv).reshape(n, heads * self.v_dim)
-        return MixerOutput(y=attn.o_proj(out), new=new)
+    @staticmethod
+    def _shared_selection(inp: MixerInput) -> Tensor | None:
+        """A "shared" layer's selection: the previous full-indexer layer's (None: every key visible)."""
+        if SELECTION_KEY not in inp.shared:
+            raise UnsupportedModelError("a 'shared' DSA layer needs an earlier layer with its own indexer")
+        selected: Tensor | None = inp.shared[SELECTION_KEY]
+        return selected
 
-    def _dense(self, q_lat: Tensor, q_rope: Tensor, blocks: list[tuple[Tensor, Tensor]], n: int, limit: int):
-        """Every visible key: earlier blocks in full, the own (last) block causally."""
-        acc = None
-        for lat, rk in blocks[:-1]:
-            for piece in split_keys(lat.shape[0], self.heads * n, limit):
-                acc = merge(acc, self._partial(q_lat, q_rope, lat[piece], rk[piece], None))
-        own_mask = causal_mask(n, n, self.heads, q_lat.device)
-        return merge(acc, self._partial(q_lat, q_rope, *blocks[-1], own_mask))
 
-    def _sparse(
-        self, q_lat: Tensor, q_rope: Tensor, blocks: list[tuple[Tensor, Tensor]], selected: Tensor, start: int
-    ) -> Partial:
-        """Each query attends to its own top-k keys only, gathered per block (O(n·k) whatever the prefix).
-
-        ``q_*``: ``[H, n, d]``; ``selected``: global positions ``[n, k]``. A block contributes the selected keys it
-        holds (and, for the own block, only causally visible ones); gathering's backward scatter-adds into the
-        state's gradient."""
-        heads, n = q_lat.shape[:2]
-        query_pos = torch.arange(start, start + n, device=selected.device).unsqueeze(1)
-        acc, offset = None, 0
-        for lat, rk in blocks:
-            rel = selected - offset
-            visible = (rel >= 0) & (rel < lat.shape[0]) & (selected <= query_pos)  # [n, k]
-            offset += lat.shape[0]
-            if not bool(visible.any()):
-                continue
-            index = rel.clamp(0, lat.shape[0] - 1)
-            lat_g, rk_g = lat[index], rk[index]  # [n, k, d]
-            scores = torch.einsum("hnr,nkr->hnk", q_lat, lat_g) + torch.einsum("hnd,nkd->hnk", q_rope, rk_g)
-            scores = (scores * self.scale).to(softmax_dtype(lat.dtype))
-            scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-            lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible, 0.0).to(lat.dtype)
-            out = torch.einsum("hnk,nkr->hnr", probs, lat_g)
-            acc = merge(acc, Partial(out=out.reshape(1, heads * n, -1), lse=lse.reshape(1, heads * n)))
-        assert acc is not None, "the own block always holds the query's own position"
-        return acc
-
-    def _partial(self, q_lat: Tensor, q_rope: Tensor, latent: Tensor, rope_key: Tensor, mask: Tensor | None):
-        keys = latent.unsqueeze(1)  # the latent is both the key (with the rope key) and the value
-        return block_partial([(q_lat, keys), (q_rope, rope_key.unsqueeze(1))], keys, self.scale, mask)
+def _heads(t: Tensor | None) -> Tensor | None:
+    """Rows ``[M, W]`` as one KV head ``[M, 1, W]`` (a view)."""
+    return None if t is None else t[:, None]
 
 
 class MoE:

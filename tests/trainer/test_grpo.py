@@ -32,7 +32,7 @@ from reference_dsa import reference_logits as dsa_reference_logits
 from torch import Tensor, nn
 
 from longstraw_agents import engine as engine_module
-from longstraw_agents.engine import Engine
+from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.state import Arena
 from longstraw_agents.trainer import BackwardResult, LossConfig, grpo_backward, grpo_backward_trajectories, modes
@@ -295,6 +295,24 @@ family_dtype = pytest.mark.parametrize(("family", "dtype"), FAMILY_DTYPES, ids=F
 def test_exact_gradient_equals_naive(family: str, dtype: torch.dtype):
     runs = mode_runs(family, dtype)
     assert relative_l2(runs["exact"][1], runs["naive"][1]) <= MODE_TOL[dtype]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_equals_naive_with_the_eager_attention_backend(family: str):
+    """The modes' agreement holds whichever attention backend runs (the default, "auto", is a fused kernel)."""
+    net, ref_net = model(family, torch.float64), model(family, torch.float64, seed=1)
+    group = mode_group(family, torch.float64)
+    grads = {}
+    for mode in ("naive", "exact"):
+        net.zero_grad(set_to_none=True)
+        engine = Engine(net, EngineConfig(chunk_size=CHUNK, attention="eager", max_score_elements=64))
+        grpo_backward(
+            engine, group.prompt, group.completions, group.rewards, mode, config=LossConfig(**MODE_SCENARIO.loss),
+            old_logprobs=group.old_logprobs, ref_model=ref_net,
+        )  # fmt: skip
+        grads[mode] = parameter_grads(net)
+    assert relative_l2(grads["exact"], grads["naive"]) <= MODE_TOL[torch.float64]
+    assert relative_l2(grads["exact"], mode_runs(family, torch.float64)["exact"][1]) <= MODE_TOL[torch.float64]
 
 
 @family_dtype
