@@ -24,7 +24,7 @@ Backends (``EngineConfig.attention``; ``"auto"`` picks the first that takes the 
   entry points change signature between releases; torch's ops run the same kernels.)
 - ``cpu-flash``: torch's fused CPU flash kernels (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
   ``_backward``): fp32, fp64, bf16, fp16 with ``D == Dv``; GQA natively; never materialises scores, so long blocks are
-  never split in forward.
+  never split in forward. For bf16/fp16 its backward is the eager math in fp32 (the fused one is ~5x slower there).
 - ``eager``: matmul math (the oracle, and any shape: ``D != Dv``, any dtype), keys processed in pieces of at most
   ``max_score_elements`` scores.
 MLA's latent attention uses the same op with one KV head whose keys and values are the same stored rows (latent and
@@ -116,6 +116,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
+    def __init__(self, max_score_elements: int = DEFAULT_SCORE_ELEMENTS):
+        self.max_score_elements = max_score_elements  # what the eager math materialises at most
+
     @classmethod
     @abstractmethod
     def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool: ...
@@ -132,12 +135,10 @@ class AttentionBackend(ABC):
 
 
 class EagerBackend(AttentionBackend):
-    """Matmul math in softmax precision, keys in pieces of at most ``max_score_elements`` scores."""
+    """Matmul math in softmax precision (fp32 for bf16/fp16 inputs), keys in pieces of at most
+    ``max_score_elements`` scores."""
 
     name = "eager"
-
-    def __init__(self, max_score_elements: int = DEFAULT_SCORE_ELEMENTS):
-        self.max_score_elements = max_score_elements
 
     @classmethod
     def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -153,8 +154,9 @@ class EagerBackend(AttentionBackend):
         return q[0].unflatten(0, (kv_heads, -1))
 
     @staticmethod
-    def _scores(qg: Tensor, k: Tensor, scale: float, dtype: torch.dtype, hide: Tensor | None) -> Tensor:
-        scores = torch.matmul(qg, k[0].transpose(-1, -2).unsqueeze(1)).to(dtype) * scale  # [H_kv, G, n, m]
+    def _scores(qg: Tensor, k: Tensor, scale: float, hide: Tensor | None) -> Tensor:
+        """Scaled scores ``[H_kv, G, n, m]`` in ``qg``'s dtype (the softmax dtype: CPUs multiply bf16 slowly)."""
+        scores = torch.matmul(qg, k[0].transpose(-1, -2).unsqueeze(1).to(qg.dtype)) * scale
         return scores if hide is None else scores.masked_fill(hide, float("-inf"))
 
     @staticmethod
@@ -165,14 +167,14 @@ class EagerBackend(AttentionBackend):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         sdt = softmax_dtype(q.dtype)
-        qg, n = self._grouped(q, k.shape[1]), q.shape[2]
+        qg, n = self._grouped(q, k.shape[1]).to(sdt), q.shape[2]
         acc = None
         for piece in self._pieces(q, k.shape[2]):
             hide = self._hidden(n, piece, k.shape[2], q.device) if causal else None
-            scores = self._scores(qg, k[:, :, piece], scale, sdt, hide)
+            scores = self._scores(qg, k[:, :, piece], scale, hide)
             lse = torch.logsumexp(scores, dim=-1)  # -inf where a causal piece hides every key from a row
             probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
-            out = torch.matmul(probs.to(v.dtype), v[0, :, piece].unsqueeze(1))  # [H_kv, G, n, Dv]
+            out = torch.matmul(probs, v[0, :, piece].unsqueeze(1).to(sdt))  # [H_kv, G, n, Dv]
             acc = merge(acc, out, lse)
         assert acc is not None, "a block holds at least one key"
         out, lse = acc
@@ -182,7 +184,7 @@ class EagerBackend(AttentionBackend):
         self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         kv_heads, sdt, n = k.shape[1], lse.dtype, q.shape[2]
-        qg = self._grouped(q, kv_heads)
+        qg = self._grouped(q, kv_heads).to(sdt)
         d_og = self._grouped(d_out, kv_heads).to(sdt)
         lse_g = lse[0].unflatten(0, (kv_heads, -1)).unsqueeze(-1)
         row = (d_og * self._grouped(out, kv_heads).to(sdt)).sum(-1, keepdim=True)  # D = rowsum(dO ∘ out)
@@ -191,19 +193,28 @@ class EagerBackend(AttentionBackend):
         for piece in self._pieces(q, k.shape[2]):
             hide = self._hidden(n, piece, k.shape[2], q.device) if causal else None
             kp, vp = k[0, :, piece].unsqueeze(1).to(sdt), v[0, :, piece].unsqueeze(1).to(sdt)
-            probs = torch.exp(self._scores(qg, k[:, :, piece], scale, sdt, hide) - lse_g)  # hidden keys: exactly 0
+            probs = torch.exp(self._scores(qg, k[:, :, piece], scale, hide) - lse_g)  # hidden keys: exactly 0
             dv[0, :, piece] = torch.matmul(probs.transpose(-1, -2), d_og).sum(1).to(v.dtype)
             d_scores = probs * (torch.matmul(d_og, vp.transpose(-1, -2)) - row) * scale
             dq += torch.matmul(d_scores, kp)
-            dk[0, :, piece] = torch.matmul(d_scores.transpose(-1, -2), qg.to(sdt)).sum(1).to(k.dtype)
+            dk[0, :, piece] = torch.matmul(d_scores.transpose(-1, -2), qg).sum(1).to(k.dtype)
         return dq.flatten(0, 1).unsqueeze(0).to(q.dtype), dk, dv
 
 
 class CpuFlashBackend(AttentionBackend):
-    """torch's fused flash-attention kernels for CPU, which return the log-sum-exp and take it back in backward."""
+    """torch's fused flash-attention kernels for CPU, which return the log-sum-exp and take it back in backward.
+
+    For bf16/fp16 the fused CPU backward is ~5x slower than matmul math in fp32 (bench/attention.py), so those
+    dtypes take the fused forward and the eager backward (the same gradient: both use the global ``out``/``lse``).
+    """
 
     name = "cpu-flash"
     DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    FUSED_BACKWARD_DTYPES = (torch.float32, torch.float64)
+
+    def __init__(self, max_score_elements: int = DEFAULT_SCORE_ELEMENTS):
+        super().__init__(max_score_elements)
+        self.eager = EagerBackend(max_score_elements)
 
     @classmethod
     def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -216,8 +227,10 @@ class CpuFlashBackend(AttentionBackend):
     def backward(
         self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if q.dtype not in self.FUSED_BACKWARD_DTYPES:
+            return self.eager.backward(d_out, q, k, v, out, lse, causal, scale)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, k, v, out, lse.float() if q.dtype != torch.float64 else lse, 0.0, causal, scale=scale
+            d_out, q, k, v, out, lse, 0.0, causal, scale=scale
         )
         return grads[0], grads[1], grads[2]
 
@@ -288,7 +301,7 @@ class Attention:
         return self._build(next(b for b in BACKENDS.values() if b.supports(q, k, v)))
 
     def _build(self, backend: type[AttentionBackend]) -> AttentionBackend:
-        return EagerBackend(self.max_score_elements) if backend is EagerBackend else backend()
+        return backend(self.max_score_elements)
 
     def __call__(self, q: Tensor, blocks: Sequence[KVBlock], own_k: Tensor, own_v: Tensor, scale: float) -> Tensor:
         """Causal attention of ``q [n, H, D]`` over ``blocks`` (all visible) and its own keys/values ``[n, H_kv, *]``
@@ -296,6 +309,24 @@ class Attention:
         blocks = [b for b in blocks if b.length]
         out: Tensor = _BlockAttention.apply(q, own_k, own_v, blocks, scale, self)
         return out
+
+
+def partial_attention(
+    q: Tensor, blocks: Sequence[KVBlock], attention: Attention, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Forward only, no autograd: ``(out [n, H, Dv], lse [n, H])`` of ``q [n, H, D]`` over ``blocks``, every key
+    visible to every query — the piece decoding composes (e.g. the G members' queries stacked over their shared
+    prompt in one kernel call, then each member's own blocks, merged with ``merge``)."""
+    q4, acc = as_heads(q), None
+    with torch.no_grad():
+        for block in blocks:
+            if block.length:
+                k4, v4 = as_heads(block.k), as_heads(block.v)
+                acc = merge(acc, *attention.kernel(q4, k4, v4).forward(q4, k4, v4, False, scale))
+    if acc is None:
+        raise ValueError("partial_attention needs at least one non-empty block")
+    out, lse = acc
+    return from_heads(out), lse[0].transpose(0, 1)
 
 
 class _BlockAttention(torch.autograd.Function):

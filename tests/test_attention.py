@@ -14,6 +14,8 @@ from longstraw_agents.attention import (
     AttentionBackend,
     EagerBackend,
     KVBlock,
+    merge,
+    partial_attention,
     sparse_attend,
 )
 
@@ -22,7 +24,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def backend_params() -> list:
-    cpu = [pytest.param("eager", torch.float64), pytest.param("cpu-flash", torch.float64)]
+    cpu = [
+        pytest.param("eager", torch.float64),
+        pytest.param("cpu-flash", torch.float64),
+        pytest.param("cpu-flash", torch.bfloat16),  # fused forward, eager backward in fp32
+    ]
     cuda = [pytest.param("cuda-flash", torch.bfloat16, marks=pytest.mark.gpu)]
     return cpu + cuda
 
@@ -95,6 +101,19 @@ def test_gradients_reach_queries_own_keys_and_the_block_sinks(backend: str, dtyp
         torch.testing.assert_close(g.double(), w, **tolerance(dtype))
     for sink, w in zip([t for pair in sinks for t in pair], want[3:], strict=True):
         torch.testing.assert_close(sink.double(), w, **tolerance(dtype))
+
+
+def test_partials_over_disjoint_blocks_merge_into_the_attention_over_all_of_them() -> None:
+    q, blocks, _, _ = random_case([5, 1, 7], 3, torch.float64, seed=6)
+    attention = Attention("auto")
+    first_out, first_lse = partial_attention(q, [KVBlock(*blocks[0])], attention, 0.3)
+    rest_out, rest_lse = partial_attention(q, [KVBlock(k, v) for k, v in blocks[1:]], attention, 0.3)
+    out, _ = merge((first_out, first_lse), rest_out, rest_lse)
+    keys, values = torch.cat([k for k, _ in blocks]), torch.cat([v for _, v in blocks])
+    full = torch.softmax(torch.einsum("nhd,mhd->hnm", q, keys.repeat_interleave(3, 1)) * 0.3, dim=-1)
+    torch.testing.assert_close(out, torch.einsum("hnm,mhd->nhd", full, values.repeat_interleave(3, 1)))
+    with pytest.raises(ValueError, match="at least one"):
+        partial_attention(q, [], attention, 0.3)
 
 
 def test_a_block_without_sinks_gets_no_gradient_and_leaves_nothing_behind() -> None:
