@@ -13,10 +13,12 @@ recurrent state checkpointed at its start, and backpropagating into the paramete
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -37,8 +39,11 @@ from longstraw_agents.token_ids import as_token_ids
 
 __all__ = ["Engine", "EngineConfig", "ChunkLoss", "State", "StateGrad", "StateSize", "state_size"]
 
-# loss_fn(logits [n, V], start, end) -> scalar loss for the tokens at positions [start, end), or None
+# loss_fn(hidden [n, hidden], start, end) -> scalar loss for the tokens at positions [start, end), or None; it gets
+# the final-normed hidden states, not logits, so that it can apply the LM head in tiles (longstraw_agents.logprobs)
 ChunkLoss = Callable[[Tensor, int, int], Tensor | None]
+GradAccumulation = Literal["fp32", "state"]
+MAX_CHECKPOINT_SPACING = 64  # models without per-token state (all recurrent) keep one snapshot per 64 chunks
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,23 @@ class EngineConfig:
         at once; longer key blocks are processed in pieces, so a chunk's transient memory does not grow with the
         prefix. In backward, a block's key/value gradient is computed for at most
         ``max(chunk_size, max_score_elements / elements per position)`` positions at a time.
+    checkpoint_every: with exact gradients, keep the recurrent (GatedDeltaNet) state after every k-th chunk; the
+        reverse walk recomputes the ones in between forward from the nearest checkpoint (one extra no-grad forward of
+        those chunks). None: the smallest k whose checkpoints take no more memory per token than the attention
+        state (1 for the tiny presets; 5 for a Qwen3.6-27B layout at chunk 512).
+    grad_accumulation: the state gradient's buffers: "fp32" (at least fp32: bf16 models get fp32 buffers) or
+        "state" (the state's own dtype).
+    graph_budget_bytes: exact mode keeps the autograd graphs of the last prefix chunks that fit in this many bytes
+        instead of recomputing them in the reverse walk (0: recompute every chunk, the smallest peak); a budget at
+        a full-graph trainer's peak makes exact mode about as fast as one.
     """
 
     chunk_size: int = 512
     attention: str = "auto"
     max_score_elements: int = DEFAULT_SCORE_ELEMENTS
+    checkpoint_every: int | None = None
+    grad_accumulation: GradAccumulation = "fp32"
+    graph_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -66,6 +83,14 @@ class EngineConfig:
             raise ValueError(f"max_score_elements must be >= 1, got {self.max_score_elements}")
         if self.attention not in BACKEND_NAMES:
             raise ValueError(f"attention must be one of {list(BACKEND_NAMES)}, got {self.attention!r}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(
+                f"checkpoint_every must be >= 1 (or None: chosen from memory), got {self.checkpoint_every}"
+            )
+        if self.graph_budget_bytes < 0:
+            raise ValueError(f"graph_budget_bytes must be >= 0, got {self.graph_budget_bytes}")
+        if self.grad_accumulation not in ("fp32", "state"):
+            raise ValueError(f"grad_accumulation must be 'fp32' or 'state', got {self.grad_accumulation!r}")
 
 
 class Engine:
@@ -88,29 +113,63 @@ class Engine:
     def num_layers(self) -> int:
         return len(self.adapter.layers)
 
+    @property
+    def checkpoint_spacing(self) -> int:
+        """k: exact-mode states keep the recurrent state after every k-th chunk (see ``EngineConfig``)."""
+        if self.config.checkpoint_every is not None:
+            return self.config.checkpoint_every
+        size = state_size(self.model.config, self.adapter.dtype)
+        per_chunk = size.bytes_per_token * self.config.chunk_size
+        if size.fixed_bytes == 0:
+            return 1
+        if per_chunk == 0:
+            return MAX_CHECKPOINT_SPACING
+        return max(1, min(MAX_CHECKPOINT_SPACING, math.ceil(size.fixed_bytes / per_chunk)))
+
     # --- public API -----------------------------------------------------------------------------------------
-    def empty_state(self, checkpoints: bool = False) -> State:
-        return State(chunks=(), num_layers=self.num_layers, checkpoints=checkpoints, owner=id(self.model))
+    def empty_state(self, checkpoints: bool | int = False) -> State:
+        """A state of no tokens. checkpoints: True keeps recurrent checkpoints every ``checkpoint_spacing`` chunks
+        (exact gradients), an int every that many chunks, False only the last."""
+        spacing = self.checkpoint_spacing if checkpoints is True else int(checkpoints)
+        return State(chunks=(), num_layers=self.num_layers, checkpoints=spacing, owner=id(self.model))
+
+    def new_grad(self) -> StateGrad:
+        """An empty state gradient accumulating as ``EngineConfig.grad_accumulation`` says."""
+        return StateGrad(torch.float32 if self.config.grad_accumulation == "fp32" else None)
 
     def capture(
-        self, ids: Tensor | Sequence[int], *, checkpoints: bool = False, chunk_size: int | None = None
+        self, ids: Tensor | Sequence[int], *, checkpoints: bool | int = False, chunk_size: int | None = None
     ) -> State:
         """Evaluate ``ids`` from position 0 in chunks under ``no_grad``.
 
-        checkpoints: keep each chunk's recurrent state so that ``backward`` can recompute chunks (exact mode).
+        checkpoints: keep recurrent checkpoints so that ``backward`` can recompute chunks (exact mode); see
+            ``empty_state``.
         """
         return self.extend(self.empty_state(checkpoints), ids, chunk_size=chunk_size)
 
     def extend(
-        self, state: State, ids: Tensor | Sequence[int], *, chunk_size: int | None = None, reserve: int = 0
+        self,
+        state: State,
+        ids: Tensor | Sequence[int],
+        *,
+        chunk_size: int | None = None,
+        reserve: int = 0,
+        keep: GraphBank | None = None,
     ) -> State:
         """A child state covering ``state`` + ``ids``; ``state`` itself is untouched and stays valid.
 
         reserve: extra positions to allocate for later in-place appends (token-by-token decoding); an append goes
             in place only while no sibling has written past the parent's end, otherwise into fresh storage.
+        keep: exact mode's bank of chunk graphs (``graph_bank``): the chunks are evaluated under autograd and the
+            last ones that fit its budget keep their graphs, so ``backward`` need not recompute them.
         """
-        child, _ = self._extend(state, self._check_ids(ids), chunk_size, reserve, want_logits=False)
+        child, _ = self._extend(state, self._check_ids(ids), chunk_size, reserve, want_logits=False, keep=keep)
         return child
+
+    def graph_bank(self, grad: StateGrad) -> GraphBank:
+        """A bank for ``EngineConfig.graph_budget_bytes`` of kept chunk graphs feeding ``grad``."""
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        return GraphBank(self.config.graph_budget_bytes, grad, params)
 
     def step(self, state: State, ids: Tensor | Sequence[int], *, reserve: int = 0) -> tuple[State, Tensor]:
         """``extend`` plus the next-token logits after the last of ``ids`` (``[V]``), in one forward: sampling."""
@@ -121,13 +180,18 @@ class Engine:
     def logits(self, state: State, ids: Tensor | Sequence[int], *, grad: StateGrad | None = None) -> Tensor:
         """Logits ``[len(ids), V]`` of ``ids`` after ``state``; the graph (if grad is enabled) covers ``ids`` only.
 
-        grad: when given, the state's tensors enter the graph as leaves and their gradients accumulate into it.
+        grad: when given, the state's tensors enter the graph and their gradients accumulate into it.
         """
+        return self.adapter.lm_head(self.hidden(state, ids, grad=grad))
+
+    def hidden(self, state: State, ids: Tensor | Sequence[int], *, grad: StateGrad | None = None) -> Tensor:
+        """The final-normed hidden states ``[len(ids), hidden]`` of ``ids`` after ``state`` (what the LM head reads;
+        ``longstraw_agents.logprobs`` turns them into log-probabilities without a [n, V] tensor)."""
         self._check_state(state)
         ids = self._check_ids(ids)
         contexts = self._contexts(state, len(state.chunks), grad)
         hidden, _ = self._forward(ids, state.num_tokens, contexts)
-        return self.adapter.lm_head(hidden)
+        return hidden
 
     def backward(
         self,
@@ -137,12 +201,17 @@ class Engine:
         *,
         since: State | None = None,
         loss_fn: ChunkLoss | None = None,
+        into_since: bool = True,
+        kept: GraphBank | None = None,
     ) -> None:
         """Backpropagate ``grad`` (and ``loss_fn``'s loss) through the chunks of ``state`` after ``since``.
 
         ``ids`` are the tokens of those chunks (the engine keeps no token ids). Chunks are recomputed in reverse
-        under autograd with earlier chunks' tensors as leaves; parameter gradients accumulate in ``.grad``, the
-        gradients for earlier chunks (and ``since``'s tensors) in ``grad``. Peak: state + grad + one chunk graph.
+        under autograd; parameter gradients accumulate in ``.grad``, the gradients for earlier chunks in ``grad``,
+        and — unless ``into_since`` is False (detached mode's long branches) — those for ``since``'s tensors too.
+        Recurrent states the state does not keep (between checkpoints) are recomputed forward, without a graph,
+        from the nearest checkpoint. Chunks whose graphs ``kept`` holds are not recomputed. Peak: state + grad +
+        one chunk graph (+ up to k-1 recurrent states, + the kept graphs).
         """
         self._check_state(state)
         ids = self._check_ids(ids, allow_empty=True)
@@ -154,9 +223,16 @@ class Engine:
         first = next((j for j, chunk in enumerate(state.chunks) if chunk.start >= base), len(state.chunks))
         if first < len(state.chunks) and state.chunks[first].start != base:
             raise ValueError("`since` must be an ancestor of `state` (its end must fall on a chunk boundary)")
+        walk = _RecurrentWalk(self, state, since, ids, base, first)
         for j in reversed(range(first, len(state.chunks))):
             chunk = state.chunks[j]
-            self._backward_chunk(state, j, ids[chunk.start - base : chunk.end - base], grad, loss_fn)
+            chunk_ids = ids[chunk.start - base : chunk.end - base]
+            before, after = walk.after(j - 1), walk.after(j)
+            graph = kept.pop(chunk) if kept is not None else None
+            self._backward_chunk(
+                state, j, chunk_ids, grad, loss_fn, before, after, base if not into_since else 0, graph
+            )
+            walk.forget(j)
 
     # --- internals ------------------------------------------------------------------------------------------
     def _forward(self, ids: Tensor, start: int, contexts: list[LayerContext]):
@@ -185,27 +261,55 @@ class Engine:
         if state.owner != id(self.model) or state.num_layers != self.num_layers:
             raise ValueError("this state was made by an engine over a different model")
 
-    def _contexts(self, state: State, upto: int, grad: StateGrad | None) -> list[LayerContext]:
+    def _contexts(
+        self,
+        state: State,
+        upto: int,
+        grad: StateGrad | None,
+        recurrent_before: Sequence[RecurrentState | None] | None = None,
+        frozen_before: int = 0,
+    ) -> list[LayerContext]:
         """What each layer reads of the first ``upto`` chunks. With ``grad``, attention blocks carry their slices of
         the state's gradient buffers (the attention backward adds into them) and recurrent states enter the graph
-        as leaves whose gradients are added into theirs."""
+        as leaves whose gradients are added into theirs — except positions before ``frozen_before``, which stay
+        constants. ``recurrent_before``: the recurrent states to start from (default: the state's own)."""
         contexts = []
         for i, layer in enumerate(self.adapter.layers):
             if layer.mixer.grows:
-                past = [
-                    PastBlock(block.views(), None if grad is None else grad.block_grads(block))
-                    for block in state.blocks(i, upto)
-                ]
-                contexts.append(LayerContext(past=past))
+                contexts.append(LayerContext(past=self._past_blocks(state.blocks(i, upto), grad, frozen_before)))
                 continue
-            rec = state.recurrent(i, upto - 1) if upto else None
+            start = state.chunks[upto].start if upto < len(state.chunks) else state.num_tokens
+            rec = (
+                recurrent_before[i]
+                if recurrent_before is not None
+                else (state.recurrent(i, upto - 1) if upto else None)
+            )
             tensors = None
             if rec is not None:
                 tensors = rec.tensors
-                if grad is not None:
+                if grad is not None and start > frozen_before:
                     tensors = tuple(leaf_into(t, g) for t, g in zip(tensors, grad.recurrent_grads(rec), strict=True))
             contexts.append(LayerContext(recurrent=tensors))
         return contexts
+
+    @staticmethod
+    def _past_blocks(blocks: list[Block], grad: StateGrad | None, frozen_before: int) -> list[PastBlock]:
+        """The blocks as the mixers read them, with gradient sinks from ``grad`` for positions >= ``frozen_before``
+        (a block straddling it is split)."""
+        past, position = [], 0
+        for block in blocks:
+            views, end = block.views(), position + block.length
+            if grad is None or end <= frozen_before:
+                past.append(PastBlock(views))
+            elif position >= frozen_before:
+                past.append(PastBlock(views, grad.block_grads(block)))
+            else:
+                cut = frozen_before - position
+                sinks = grad.block_grads(block)
+                past.append(PastBlock(tuple(v[:cut] for v in views)))
+                past.append(PastBlock(tuple(v[cut:] for v in views), tuple(g[cut:] for g in sinks)))
+            position = end
+        return past
 
     def _arenas_for(self, state: State, n: int, reserve: int) -> list[Arena | None]:
         """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one."""
@@ -224,22 +328,39 @@ class Engine:
         return arenas
 
     def _extend(
-        self, state: State, ids: Tensor, chunk_size: int | None, reserve: int, want_logits: bool
+        self,
+        state: State,
+        ids: Tensor,
+        chunk_size: int | None,
+        reserve: int,
+        want_logits: bool,
+        keep: GraphBank | None = None,
     ) -> tuple[State, Tensor | None]:
         self._check_state(state)
         chunk = chunk_size or self.config.chunk_size
         arenas = self._arenas_for(state, ids.shape[0], reserve)
-        current = state
+        keeping = keep is not None and keep.budget_bytes > 0
+        # a kept chunk's graph reads the recurrent state before it: keep every one (the graph holds it anyway)
+        current = state.with_checkpoints(1) if keeping else state
         last_logits = None
-        with torch.no_grad():
-            for lo in range(0, ids.shape[0], chunk):
-                piece = ids[lo : lo + chunk]
-                contexts = self._contexts(current, len(current.chunks), None)
-                hidden, new = self._forward(piece, current.num_tokens, contexts)
-                current = current.append(self._record(current.num_tokens, piece.shape[0], new, arenas))
+        for lo in range(0, ids.shape[0], chunk):
+            piece = ids[lo : lo + chunk]
+            if keeping and keep is not None:
+                with torch.enable_grad(), keep.measuring() as measured:
+                    contexts = self._contexts(current, len(current.chunks), keep.grad)
+                    hidden, new = self._forward(piece, current.num_tokens, contexts)
+            else:
+                with torch.no_grad():
+                    contexts = self._contexts(current, len(current.chunks), None)
+                    hidden, new = self._forward(piece, current.num_tokens, contexts)
+            with torch.no_grad():
+                record = self._record(current.num_tokens, piece.shape[0], new, arenas)
+                current = current.append(record)
                 if want_logits and lo + chunk >= ids.shape[0]:
                     last_logits = self.adapter.lm_head(hidden[-1:])[0]
-        return current, last_logits
+            if keeping and keep is not None:
+                keep.add(record, new, hidden, measured.nbytes)
+        return current.with_checkpoints(state.checkpoints), last_logits
 
     def _record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> ChunkRecord:
         blocks: list[Block | None] = []
@@ -253,38 +374,155 @@ class Engine:
                 recurrent.append(RecurrentState(tuple(t.detach() for t in entry)))
         return ChunkRecord(start, n, tuple(blocks), tuple(recurrent))
 
-    def _backward_chunk(self, state: State, j: int, ids: Tensor, grad: StateGrad, loss_fn: ChunkLoss | None) -> None:
+    def _backward_chunk(
+        self,
+        state: State,
+        j: int,
+        ids: Tensor,
+        grad: StateGrad,
+        loss_fn: ChunkLoss | None,
+        before: Sequence[RecurrentState | None],
+        after: Sequence[RecurrentState | None],
+        frozen_before: int,
+        graph: KeptGraph | None = None,
+    ) -> None:
         chunk = state.chunks[j]
         outputs: list[Tensor] = []
         grads: list[Tensor] = []
         with torch.enable_grad():
-            contexts = self._contexts(state, j, grad)
-            hidden, new = self._forward(ids, chunk.start, contexts)
-            for i, entry in enumerate(new):
-                block, rec = chunk.blocks[i], chunk.recurrent[i]
+            if graph is None:
+                contexts = self._contexts(state, j, grad, before, frozen_before)
+                hidden, new = self._forward(ids, chunk.start, contexts)
+            else:
+                hidden, new = graph.hidden, graph.new
+            for entry, block, rec in zip(new, chunk.blocks, after, strict=True):
                 if block is not None:
                     upstream = grad.existing_block_grads(block)
                 else:
-                    if rec is None:
-                        raise ValueError("state keeps no recurrent checkpoint for this chunk (checkpoints=True)")
-                    upstream = grad.existing_recurrent_grads(rec)
-                if upstream is not None:
+                    upstream = None if rec is None else grad.existing_recurrent_grads(rec)
+                if upstream is not None:  # buffers may be wider than the outputs (fp32 accumulation)
                     outputs.extend(entry)
-                    grads.extend(upstream)
+                    grads.extend(g.to(o.dtype) for o, g in zip(entry, upstream, strict=True))
             if loss_fn is not None:
-                loss = loss_fn(self.adapter.lm_head(hidden), chunk.start, chunk.end)
+                loss = loss_fn(hidden, chunk.start, chunk.end)
                 if loss is not None:
                     outputs.append(loss)
                     grads.append(torch.ones_like(loss))
             if outputs:
                 torch.autograd.backward(outputs, grads)
-        self._release(chunk, grad)
+        self._release(chunk, after, grad)
 
     @staticmethod
-    def _release(chunk: ChunkRecord, grad: StateGrad) -> None:
+    def _release(chunk: ChunkRecord, after: Sequence[RecurrentState | None], grad: StateGrad) -> None:
         """Drop gradient buffers nothing earlier can add to any more."""
-        for block, rec in zip(chunk.blocks, chunk.recurrent, strict=True):
+        for block, rec in zip(chunk.blocks, after, strict=True):
             if block is not None and block.lo == 0:
                 grad.release_arena(block.arena)
             if rec is not None:
                 grad.release_recurrent(rec)
+
+
+@dataclass(frozen=True, eq=False)
+class KeptGraph:
+    """A chunk evaluated under autograd during capture: its final hidden states and new state entries (in the
+    graph), and the bytes its graph saved for backward."""
+
+    hidden: Tensor
+    new: list[tuple[Tensor, ...]]
+    nbytes: int
+
+
+class _SavedBytes:
+    """Bytes of the tensors autograd saves for backward in a block (each storage once), parameters excluded."""
+
+    def __init__(self, skip: set[int]):
+        self.skip, self.seen, self.nbytes = skip, set(skip), 0
+
+    def pack(self, t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.nbytes += storage.nbytes()
+        return t
+
+
+class GraphBank:
+    """Exact mode's memory budget: the autograd graphs of the last capture chunks that fit ``budget_bytes``.
+
+    Chunks are added in capture order; when the kept graphs exceed the budget, the oldest are dropped (their
+    chunks will be recomputed), so what stays is the last chunks — the first the reverse walk reaches. The graphs
+    read the state with ``grad``'s sinks, so backpropagating through one feeds the same buffers recomputation would.
+    """
+
+    def __init__(self, budget_bytes: int, grad: StateGrad, parameter_storages: set[int]):
+        self.budget_bytes, self.grad = budget_bytes, grad
+        self._params = parameter_storages
+        self._graphs: dict[int, KeptGraph] = {}  # by id of the chunk record, in insertion (capture) order
+        self.nbytes = 0
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[_SavedBytes]:
+        counter = _SavedBytes(self._params)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            yield counter
+
+    def add(self, record: ChunkRecord, new: list[tuple[Tensor, ...]], hidden: Tensor, nbytes: int) -> None:
+        self._graphs[id(record)] = KeptGraph(hidden, new, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget_bytes and self._graphs:
+            oldest = next(iter(self._graphs))
+            self.nbytes -= self._graphs.pop(oldest).nbytes
+
+    def pop(self, record: ChunkRecord) -> KeptGraph | None:
+        graph = self._graphs.pop(id(record), None)
+        if graph is not None:
+            self.nbytes -= graph.nbytes
+        return graph
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __contains__(self, record: object) -> bool:
+        return id(record) in self._graphs
+
+
+class _RecurrentWalk:
+    """The recurrent states around each chunk of a backward walk: kept checkpoints, ``since``'s last state, or —
+    between checkpoints — recomputed forward without a graph from the nearest one, a segment at a time (at most
+    ``checkpoints - 1`` of them live at once)."""
+
+    def __init__(self, engine: Engine, state: State, since: State | None, ids: Tensor, base: int, first: int):
+        self.engine, self.state, self.since, self.ids, self.base, self.first = engine, state, since, ids, base, first
+        self.none: tuple[RecurrentState | None, ...] = (None,) * state.num_layers
+        self.cache: dict[int, tuple[RecurrentState | None, ...]] = {}
+
+    def after(self, m: int) -> tuple[RecurrentState | None, ...]:
+        """Every layer's recurrent state after chunk ``m`` (None entries for growing layers and position 0)."""
+        if m < 0:
+            return self.none
+        if m == self.first - 1 and self.since is not None:
+            return self.since.chunks[-1].recurrent  # the parent keeps its own last state
+        kept = self.state.recurrent_after(m)
+        if kept is not None:
+            return kept
+        if m not in self.cache:
+            self._recompute_to(m)
+        return self.cache[m]
+
+    def _recompute_to(self, m: int) -> None:
+        start = m - 1
+        while start >= self.first and self.state.recurrent_after(start) is None and start not in self.cache:
+            start -= 1
+        for t in range(start + 1, m + 1):
+            chunk = self.state.chunks[t]
+            with torch.no_grad():
+                contexts = self.engine._contexts(self.state, t, None, self.after(t - 1))
+                ids = self.ids[chunk.start - self.base : chunk.end - self.base]
+                _, new = self.engine._forward(ids, chunk.start, contexts)
+            self.cache[t] = tuple(
+                None if block is not None else RecurrentState(tuple(x.detach() for x in entry))
+                for entry, block in zip(new, chunk.blocks, strict=True)
+            )
+
+    def forget(self, m: int) -> None:
+        self.cache.pop(m, None)

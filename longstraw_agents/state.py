@@ -4,7 +4,9 @@ Layers that grow with length (full attention: K/V; MLA: compressed latent + rope
 per-position tensors in ``Arena``s — append-only buffers, position first, written once. A ``State`` is a tuple of
 ``ChunkRecord``s, one per evaluated chunk, each pointing at the positions it wrote (``Block``: arena + range).
 Recurrent layers (GatedDeltaNet) keep a fixed-size ``RecurrentState`` per chunk end; only the last is needed to
-continue, earlier ones are kept as checkpoints when exact prefix gradients are wanted.
+continue. For exact prefix gradients a state keeps *checkpoints*: the recurrent state after every ``checkpoints``-th
+chunk (``checkpoints=k``; the reverse walk recomputes the ones in between forward from the nearest checkpoint), so
+their memory is spaced independently of the chunk size.
 
 Forking is free: a child state is the parent's tuple plus new records, sharing every tensor; the parent's
 positions are never written again, so the parent stays valid. ``StateGrad`` holds the gradient with respect to a
@@ -110,7 +112,7 @@ class State:
 
     chunks: tuple[ChunkRecord, ...]
     num_layers: int
-    checkpoints: bool = False
+    checkpoints: int = 0  # keep the recurrent state after every k-th chunk (0: only after the last)
     owner: int = field(default=0, repr=False)  # id of the engine that made it (a state is tied to its model)
     _merged: MergedBlocks | None = field(default=None, init=False, repr=False)
 
@@ -121,12 +123,24 @@ class State:
     def __len__(self) -> int:
         return self.num_tokens
 
+    def with_checkpoints(self, spacing: int) -> State:
+        """The same state whose children keep recurrent checkpoints every ``spacing`` chunks from now on."""
+        if spacing == self.checkpoints:
+            return self
+        twin = State(self.chunks, self.num_layers, spacing, self.owner)
+        object.__setattr__(twin, "_merged", self._merged)
+        return twin
+
+    def keeps_checkpoint(self, index: int) -> bool:
+        """Whether the recurrent state after chunk ``index`` is kept once later chunks follow it."""
+        return self.checkpoints > 0 and (index + 1) % self.checkpoints == 0
+
     def append(self, record: ChunkRecord) -> State:
-        """The child covering one more chunk (the parent's last recurrent state is dropped from the child unless
-        it keeps checkpoints). Its merged blocks extend the parent's, so a chain of n appends costs O(n), not
-        O(n²) — many-turn trees append thousands of tiny chunks."""
+        """The child covering one more chunk (the parent's last recurrent state is dropped from the child unless it
+        is a checkpoint; the parent itself keeps it). Its merged blocks extend the parent's, so a chain of n appends
+        costs O(n), not O(n²) — many-turn trees append thousands of tiny chunks."""
         chunks = self.chunks
-        if chunks and not self.checkpoints:
+        if chunks and not self.keeps_checkpoint(len(chunks) - 1):
             chunks = (*chunks[:-1], chunks[-1].without_checkpoints())
         child = State((*chunks, record), self.num_layers, self.checkpoints, self.owner)
         merged = tuple(
@@ -172,10 +186,26 @@ class State:
         found = self.chunks[index].recurrent[layer]
         if found is None:
             raise ValueError(
-                "this state keeps no recurrent checkpoint here; capture/extend with checkpoints=True "
-                "to recompute earlier chunks (exact prefix gradients)"
+                f"this state keeps no recurrent state after chunk {index} (checkpoints={self.checkpoints}); the "
+                "engine's backward recomputes it from the nearest checkpoint (capture/extend with checkpoints=True)"
             )
         return found
+
+    def recurrent_after(self, index: int) -> tuple[RecurrentState | None, ...] | None:
+        """Every layer's recurrent state after chunk ``index`` if this state keeps it, else None."""
+        kept = self.chunks[index].recurrent
+        return (
+            kept
+            if all(r is not None for r, b in zip(kept, self.chunks[index].blocks, strict=True) if b is None)
+            else None
+        )
+
+    @property
+    def checkpoint_nbytes(self) -> int:
+        """Bytes of the recurrent states kept before the last chunk (the checkpoints), each counted once."""
+        last = {id(r) for r in self.chunks[-1].recurrent if r is not None} if self.chunks else set()
+        kept = {id(r): r for chunk in self.chunks for r in chunk.recurrent if r is not None and id(r) not in last}
+        return sum(r.nbytes for r in kept.values())
 
     def tensors(self) -> Iterator[Tensor]:
         """Every tensor the state holds (arena storages once each, recurrent states)."""
@@ -211,17 +241,25 @@ def _merge_block(
 class StateGrad:
     """Gradient with respect to a state's tensors, allocated lazily (zeros) and released chunk by chunk.
 
-    Buffers are keyed by the arena (same shape as its storage) or by the recurrent state object.
+    Buffers are keyed by the arena (same shape as its storage) or by the recurrent state object. They accumulate in
+    at least fp32 (``accumulate_dtype``; a bf16 model's early-chunk gradient is a sum over thousands of later
+    positions, which bf16 additions would round away); ``nbytes`` counts them at that width.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, accumulate_dtype: torch.dtype | None = torch.float32) -> None:
+        """accumulate_dtype: buffers are ``promote_types(state dtype, accumulate_dtype)``; None: the state's own."""
+        self.accumulate_dtype = accumulate_dtype
         self._arena: dict[int, tuple[Arena, tuple[Tensor, ...]]] = {}
         self._recurrent: dict[int, tuple[RecurrentState, tuple[Tensor, ...]]] = {}
+
+    def _zeros(self, like: Tensor) -> Tensor:
+        dtype = like.dtype if self.accumulate_dtype is None else torch.promote_types(like.dtype, self.accumulate_dtype)
+        return torch.zeros(like.shape, dtype=dtype, device=like.device)
 
     def arena_buffers(self, arena: Arena) -> tuple[Tensor, ...]:
         entry = self._arena.get(id(arena))
         if entry is None:
-            entry = (arena, tuple(torch.zeros_like(t) for t in arena.tensors))
+            entry = (arena, tuple(self._zeros(t) for t in arena.tensors))
             self._arena[id(arena)] = entry
         return entry[1]
 
@@ -236,7 +274,7 @@ class StateGrad:
     def recurrent_grads(self, rec: RecurrentState) -> tuple[Tensor, ...]:
         entry = self._recurrent.get(id(rec))
         if entry is None:
-            entry = (rec, tuple(torch.zeros_like(t) for t in rec.tensors))
+            entry = (rec, tuple(self._zeros(t) for t in rec.tensors))
             self._recurrent[id(rec)] = entry
         return entry[1]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
@@ -104,16 +106,37 @@ def test_children_share_parent_storage(model_and_dtype):
     assert new_bytes == 5 * size.bytes_per_token
 
 
-@pytest.mark.parametrize("checkpoints", [False, True])
+def snapshots(num_chunks: int, spacing: int) -> int:
+    """Recurrent states a state of ``num_chunks`` chunks keeps: every ``spacing``-th one before the last, and the
+    last."""
+    return 1 + (sum(1 for j in range(num_chunks - 1) if (j + 1) % spacing == 0) if spacing else 0)
+
+
+@pytest.mark.parametrize("checkpoints", [False, True, 1, 2])
 def test_nbytes_equals_analytic_size(model_and_dtype, checkpoints):
     _, dtype, model = model_and_dtype
     engine = Engine(model, chunk_size=8)
     size = state_size(model.config, dtype)
     state = engine.capture(random_ids(37, 5), checkpoints=checkpoints)  # 5 chunks
-    snapshots = len(state.chunks) if checkpoints else 1
-    assert state.nbytes == size.total(37, snapshots)
+    spacing = state.checkpoints
+    assert spacing == (engine.checkpoint_spacing if checkpoints is True else int(checkpoints))
+    assert state.nbytes == size.total(37, snapshots(5, spacing))
+    assert state.checkpoint_nbytes == size.fixed_bytes * (snapshots(5, spacing) - 1)
     child = engine.extend(state, random_ids(3, 6))
-    assert child.nbytes == size.total(40, snapshots + 1 if checkpoints else 1)
+    assert child.nbytes == size.total(40, snapshots(6, spacing))
+
+
+def test_the_default_checkpoint_spacing_keeps_checkpoints_within_the_attention_state():
+    """k is the smallest spacing whose checkpoints take no more memory per token than the attention state."""
+    from longstraw_agents.models.presets import qwen3_6_27b_like
+
+    tiny = Engine(make_model("qwen3_5", torch.float32), chunk_size=8)
+    size = state_size(tiny.model.config, torch.float32)
+    k = tiny.checkpoint_spacing
+    assert size.fixed_bytes / k <= size.bytes_per_token * 8 < size.fixed_bytes / max(k - 1, 1e-9)
+    assert Engine(make_model("llama", torch.float32)).checkpoint_spacing == 1  # nothing recurrent to space out
+    big = state_size(qwen3_6_27b_like(), torch.bfloat16)  # 147 MiB of recurrent state, 64 KiB per token
+    assert math.ceil(big.fixed_bytes / (big.bytes_per_token * 512)) == 5
 
 
 def test_only_attention_layers_grow_per_token():
@@ -262,15 +285,21 @@ def test_engine_config_validation():
 
 
 @pytest.mark.parametrize(
-    "max_score_elements", [DEFAULT_SCORE_ELEMENTS, 1], ids=["one-gradient-piece", "chunk-sized-gradient-pieces"]
+    ("max_score_elements", "checkpoint_every"),
+    [(DEFAULT_SCORE_ELEMENTS, 1), (1, 1), (DEFAULT_SCORE_ELEMENTS, 2), (DEFAULT_SCORE_ELEMENTS, 5)],
+    ids=["one-gradient-piece", "chunk-sized-gradient-pieces", "checkpoint-every-2", "checkpoint-every-5"],
 )
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
-def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_graph(family, max_score_elements):
+def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_graph(
+    family, max_score_elements, checkpoint_every
+):
     """Extends of a chain into reserved storage land contiguous in one arena: attention reads one block (in the
-    graph-free path, and as one gradient leaf or as chunk-sized leaves when the score budget is small), blocks
-    before a chunk are clipped views of it, and the exact backward walk through it gives the full-graph gradient."""
+    graph-free path, and with its gradient added in one piece or chunk-sized pieces when the budget is small),
+    blocks before a chunk are clipped views of it, and the exact backward walk through it gives the full-graph
+    gradient — also when recurrent states are kept only every k chunks and recomputed in between."""
     model = tiny_model(family, dtype=torch.float64, seed=0)  # glm: index_topk < context, sparse selection on
-    engine = Engine(model, EngineConfig(chunk_size=4, max_score_elements=max_score_elements))
+    config = EngineConfig(chunk_size=4, max_score_elements=max_score_elements, checkpoint_every=checkpoint_every)
+    engine = Engine(model, config)
     ids, branch = random_ids(23, 21), random_ids(5, 22)
     cuts = [0, 6, 7, 8, 15, 16, 23]  # first extend: two chunks; then single tokens and a multi-chunk extend
     state = engine.empty_state(checkpoints=True)

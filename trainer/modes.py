@@ -28,6 +28,7 @@ from longstraw_agents.engine import ChunkLoss, Engine
 from longstraw_agents.segmenter import Node, PrefixTree, fuse_chains, nodes_with_loss_below
 from longstraw_agents.state import State, StateGrad
 from longstraw_agents.trainer.group import Group
+from longstraw_agents.trainer.head import Head
 from longstraw_agents.trainer.loss import GRPOLoss, LossConfig
 from longstraw_agents.trainer.metrics import LossSums, WalkMetrics
 from longstraw_agents.trainer.node_loss import NodeLoss, member_node
@@ -44,9 +45,11 @@ class ExecutionMode(ABC):
         self.engine = engine
         self.config = config
         self.objective = GRPOLoss.from_config(config)
+        self.head = Head.of(engine)
         self.ref_engine = ref_engine if config.beta > 0 else None
         if config.beta > 0 and ref_engine is None:
             raise ValueError("beta > 0 needs a reference model (ref_model=...)")
+        self.ref_head = Head.of(ref_engine) if self.ref_engine is not None and ref_engine is not None else None
 
     def run(self, group: Group) -> WalkMetrics:
         """Accumulate the group's gradient into ``param.grad``; the loss sums and counts of the walk."""
@@ -61,15 +64,17 @@ class ExecutionMode(ABC):
 
     def node_loss(self, node: Node, inputs: Tensor, ref_state: State | None) -> NodeLoss:
         """The node's loss; with a KL term, the reference log-probs come from ``ref_state`` + ``inputs``."""
-        ref_logits = None
-        if self.ref_engine is not None and ref_state is not None and inputs.numel():
+        ref_logp = None
+        if self.ref_engine is not None and self.ref_head is not None and ref_state is not None and inputs.numel():
+            targets = torch.as_tensor(node.targets, dtype=torch.long, device=inputs.device)
             with torch.no_grad():
-                ref_logits = self.ref_engine.logits(ref_state, inputs)
-        return NodeLoss(self.group, node, self.objective, inputs.device, ref_logits)
+                ref_hidden = self.ref_engine.hidden(ref_state, inputs)
+                ref_logp = self.ref_head.logprobs(ref_hidden, targets, self.config.temperature)
+        return NodeLoss(self.group, node, self.objective, self.head, inputs.device, ref_logp)
 
-    def evaluate(self, loss: NodeLoss, logits: Tensor, lo: int, hi: int) -> Tensor:
-        """The loss of rows ``[lo, hi)`` of a node; its sums are added to the walk's (on the device)."""
-        value, sums = loss(logits, lo, hi)
+    def evaluate(self, loss: NodeLoss, hidden: Tensor, lo: int, hi: int) -> Tensor:
+        """The loss of rows ``[lo, hi)`` of a node from their hidden states; its sums are added to the walk's."""
+        value, sums = loss(hidden, lo, hi)
         self.sums = self.sums + sums
         return value
 
@@ -92,9 +97,9 @@ class NaiveMode(ExecutionMode):
             inputs = self._ids(node.input_ids)
             ref_state = self.ref_engine.empty_state() if self.ref_engine is not None else None
             loss = self.node_loss(node, inputs, ref_state)
-            logits = self.engine.logits(self.engine.empty_state(), inputs)
+            hidden = self.engine.hidden(self.engine.empty_state(), inputs)
             self.forward_tokens += inputs.numel()
-            value = self.evaluate(loss, logits, 0, inputs.numel())
+            value = self.evaluate(loss, hidden, 0, inputs.numel())
             total = value if total is None else total + value
             self.nodes += 1
         if total is not None:
@@ -123,12 +128,14 @@ class TreeMode(ExecutionMode):
     """
 
     checkpoints = False
+    keeps_graphs = False  # exact mode: capture chunks may keep their graphs (EngineConfig.graph_budget_bytes)
 
     def tree(self, group: Group) -> PrefixTree:
         return group.tree
 
     def walk(self, group: Group) -> None:
-        self.grad = StateGrad()
+        self.grad = self.engine.new_grad()
+        self.bank = self.engine.graph_bank(self.grad) if self.keeps_graphs else None
         tree = self.tree(group)
         self.live = nodes_with_loss_below(tree.root)
         self.reserve = _chain_reserve(tree.root, self.live)
@@ -161,7 +168,7 @@ class TreeMode(ExecutionMode):
         if not inputs.numel():  # the virtual root of a group without a shared first token
             return _Pending(node, inputs, parent, parent, ref_parent, None)
         reserve = self.reserve.get(id(node), 0)
-        state = self.engine.extend(parent, inputs, reserve=reserve)
+        state = self.engine.extend(parent, inputs, reserve=reserve, keep=self.bank)
         self.forward_tokens += inputs.numel()
         ref_state = ref_parent
         if self.ref_engine is not None and ref_parent is not None:
@@ -169,10 +176,25 @@ class TreeMode(ExecutionMode):
         return _Pending(node, inputs, parent, state, ref_state, loss)
 
     def _loss_fn(self, loss: NodeLoss, base: int) -> ChunkLoss:
-        def chunk_loss(logits: Tensor, start: int, end: int) -> Tensor:
-            return self.evaluate(loss, logits, start - base, end - base)
+        def chunk_loss(hidden: Tensor, start: int, end: int) -> Tensor:
+            return self.evaluate(loss, hidden, start - base, end - base)
 
         return chunk_loss
+
+    def is_long(self, inputs: Tensor) -> bool:
+        """A loss node longer than a chunk is walked chunk by chunk like the prefix (never one [n] graph)."""
+        return inputs.numel() > self.engine.config.chunk_size
+
+    def chunked_backward(
+        self, inputs: Tensor, parent: State, loss: NodeLoss, grad: StateGrad, into_parent: bool
+    ) -> None:
+        """A long loss node: captured without a graph (with recurrent checkpoints), then its chunks recomputed in
+        reverse, each with its loss; ``into_parent``: also pass the gradient on to ``parent``'s state."""
+        state = self.engine.extend(parent.with_checkpoints(self.engine.checkpoint_spacing), inputs)
+        self.engine.backward(
+            state, grad, inputs, since=parent, loss_fn=self._loss_fn(loss, parent.num_tokens), into_since=into_parent
+        )
+        self.forward_tokens += 2 * inputs.numel()
 
     @abstractmethod
     def leaf(self, node: Node, inputs: Tensor, parent: State, loss: NodeLoss) -> None: ...
@@ -195,9 +217,12 @@ class DetachedMode(TreeMode):
             self._replay(inputs, parent, loss)
 
     def _replay(self, inputs: Tensor, parent: State, loss: NodeLoss) -> None:
-        logits = self.engine.logits(parent, inputs)
+        if self.is_long(inputs):  # the node's own chunks are differentiable, the parent's state is not
+            self.chunked_backward(inputs, parent, loss, self.engine.new_grad(), into_parent=False)
+            return
+        hidden = self.engine.hidden(parent, inputs)
         self.forward_tokens += inputs.numel()
-        self.evaluate(loss, logits, 0, inputs.numel()).backward()
+        self.evaluate(loss, hidden, 0, inputs.numel()).backward()
 
 
 class ExactMode(TreeMode):
@@ -205,21 +230,26 @@ class ExactMode(TreeMode):
 
     name = "exact"
     checkpoints = True
+    keeps_graphs = True
 
     def tree(self, group: Group) -> PrefixTree:
         # every interior node is extended and recomputed in chunks whether or not it has loss, so runs of short
-        # turns fuse without changing the gradient; long context stays apart (no lm_head over it in backward)
+        # turns fuse without changing the gradient; long context stays apart (no LM head over it in backward)
         return fuse_chains(group.tree, max_context=self.engine.config.chunk_size)
 
     def leaf(self, node: Node, inputs: Tensor, parent: State, loss: NodeLoss) -> None:
-        logits = self.engine.logits(parent, inputs, grad=self.grad)
+        if self.is_long(inputs):
+            self.chunked_backward(inputs, parent, loss, self.grad, into_parent=True)
+            return
+        hidden = self.engine.hidden(parent, inputs, grad=self.grad)
         self.forward_tokens += inputs.numel()
-        self.evaluate(loss, logits, 0, inputs.numel()).backward()
+        self.evaluate(loss, hidden, 0, inputs.numel()).backward()
 
     def interior(self, node: Node, inputs: Tensor, parent: State, state: State, loss: NodeLoss | None) -> None:
         loss_fn = self._loss_fn(loss, parent.num_tokens) if loss is not None else None
-        self.engine.backward(state, self.grad, inputs, since=parent, loss_fn=loss_fn)
-        self.forward_tokens += inputs.numel()
+        kept = sum(c.length for c in state.chunks if c.start >= parent.num_tokens and self.bank and c in self.bank)
+        self.engine.backward(state, self.grad, inputs, since=parent, loss_fn=loss_fn, kept=self.bank)
+        self.forward_tokens += inputs.numel() - kept  # the chunks recomputed (kept graphs are not)
 
 
 def _chain_reserve(root: Node, live: set[int]) -> dict[int, int]:

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from longstraw_agents.segmenter import Member, Node
 from longstraw_agents.trainer.group import Group
-from longstraw_agents.trainer.loss import GRPOLoss, token_logprobs
+from longstraw_agents.trainer.head import Head
+from longstraw_agents.trainer.loss import GRPOLoss
 from longstraw_agents.trainer.metrics import LossSums
 
 
@@ -30,13 +31,21 @@ def member_node(member: Member, index: int) -> Node:
 class NodeLoss:
     """The loss of one node's targets, vectorised over the M members with loss there.
 
-    ref_logits: the reference model's logits ``[T, V]`` over the node's inputs (needed when beta > 0).
+    head: the policy's LM head (log-probs come from hidden states in tiles, never as [T, V] logits).
+    ref_logp: the reference model's log-probs of the node's targets ``[T]`` (needed when beta > 0).
     """
 
     def __init__(
-        self, group: Group, node: Node, objective: GRPOLoss, device: torch.device, ref_logits: Tensor | None = None
+        self,
+        group: Group,
+        node: Node,
+        objective: GRPOLoss,
+        head: Head,
+        device: torch.device,
+        ref_logp: Tensor | None = None,
     ):
         self.objective = objective
+        self.head = head
         self.temperature = objective.config.temperature
         self.targets = torch.as_tensor(node.targets, dtype=torch.long, device=device)  # [T]
         members = [i for i in node.members if node.masks[i].any()]
@@ -48,15 +57,13 @@ class NodeLoss:
         if any(lp is not None for lp in old):
             rows = [lp if lp is not None else np.full(len(self.targets), np.nan) for lp in old]
             self.old = torch.as_tensor(np.stack(rows), dtype=torch.float64, device=device)
-        self.ref = None  # [T] reference log-probs of the targets
-        if ref_logits is not None:
-            self.ref = token_logprobs(ref_logits, self.targets, self.temperature).to(torch.float64)
+        self.ref = None if ref_logp is None else ref_logp.to(torch.float64)  # [T] reference log-probs of the targets
         self._zero = LossSums.zeros(device)
 
-    def __call__(self, logits: Tensor, lo: int, hi: int) -> tuple[Tensor, LossSums]:
-        """Loss of rows ``[lo, hi)`` of the node given their logits ``[hi - lo, V]``: a scalar in the logits' dtype
-        (to backpropagate) and its sums (detached, on the device)."""
-        logp = token_logprobs(logits, self.targets[lo:hi], self.temperature).to(torch.float64)
+    def __call__(self, hidden: Tensor, lo: int, hi: int) -> tuple[Tensor, LossSums]:
+        """Loss of rows ``[lo, hi)`` of the node given their final hidden states ``[hi - lo, H]``: a scalar in the
+        model's dtype (to backpropagate) and its sums (detached, on the device)."""
+        logp = self.head.logprobs(hidden, self.targets[lo:hi], self.temperature).to(torch.float64)
         mask = self.mask[:, lo:hi]
         old = None if self.old is None else self.old[:, lo:hi]
         ref = None if self.ref is None else self.ref[lo:hi]
@@ -65,4 +72,4 @@ class NodeLoss:
         kl_sum, kl_tokens = self._zero.kl_sum, self._zero.kl_tokens
         if metrics.kl is not None:
             kl_sum, kl_tokens = torch.where(mask, metrics.kl, 0.0).sum(), mask.sum()
-        return loss.to(logits.dtype), LossSums(loss.detach(), kl_sum, kl_tokens)
+        return loss.to(hidden.dtype), LossSums(loss.detach(), kl_sum, kl_tokens)

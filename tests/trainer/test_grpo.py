@@ -364,6 +364,49 @@ def test_detached_mode_equals_independent_detached_reference(family: str, dtype:
     assert_loss_close(stats.loss, float(expected.loss.detach()), max(tol, LOSS_TOL[dtype]))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_nodes_longer_than_a_chunk_are_walked_chunk_by_chunk(family: str):
+    """Completions of 5-9 tokens with chunks of 3: the branches are captured without a graph and recomputed chunk by
+    chunk with their loss (exact: into the prefix too; detached: within the branch only) — the same gradients as
+    the one-graph replay with chunks longer than any completion."""
+    net, ref_net = model(family, torch.float64), model(family, torch.float64, seed=1)
+    group = with_behaviour_logprobs(prompt_group(seed=6, lengths=(9, 5, 7)), engine_logits(Engine(net)), seed=4)
+
+    def grads(mode: str, chunk: int) -> dict[str, Tensor]:
+        net.zero_grad(set_to_none=True)
+        grpo_backward(
+            net, group.prompt, group.completions, group.rewards, mode, config=LossConfig(**MODE_SCENARIO.loss),
+            old_logprobs=group.old_logprobs, ref_model=ref_net, chunk_size=chunk,
+        )  # fmt: skip
+        return parameter_grads(net)
+
+    naive = grads("naive", 64)
+    assert relative_l2(grads("exact", 3), naive) <= MODE_TOL[torch.float64]
+    assert relative_l2(grads("detached", 3), grads("detached", 64)) <= MODE_TOL[torch.float64]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_mode_is_exact_at_every_graph_budget(family: str):
+    """Kept capture graphs replace recomputation (the last chunks first) without changing the gradient: no budget
+    (recompute everything), budgets for part of the prefix, and one for all of it."""
+    net, ref_net = model(family, torch.float64), model(family, torch.float64, seed=1)
+    group = mode_group(family, torch.float64)
+    naive = mode_runs(family, torch.float64)["naive"][1]
+    recomputed = {}
+    for budget in (0, 50_000, 200_000, 800_000, 3_200_000, 1 << 40):
+        net.zero_grad(set_to_none=True)
+        engine = Engine(net, EngineConfig(chunk_size=CHUNK, graph_budget_bytes=budget))
+        stats = grpo_backward(
+            engine, group.prompt, group.completions, group.rewards, "exact", config=LossConfig(**MODE_SCENARIO.loss),
+            old_logprobs=group.old_logprobs, ref_model=ref_net,
+        )  # fmt: skip
+        recomputed[budget] = stats.forward_tokens
+        assert relative_l2(parameter_grads(net), naive) <= MODE_TOL[torch.float64], budget
+    counts = list(recomputed.values())
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]  # less recomputation as budgets grow
+    assert any(counts[0] > c > counts[-1] for c in counts)  # some budget keeps part of the prefix
+
+
 def test_gradients_accumulate_into_existing_grads():
     """grpo_backward adds to param.grad (as loss.backward does); it never zeroes or steps."""
     net = model("llama", torch.float32)
