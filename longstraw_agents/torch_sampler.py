@@ -1,9 +1,15 @@
-"""``TorchSampler``: in-process sampling with the engine.
+"""``TorchSampler``: in-process sampling with the engine, batched over every member it is given.
 
 The group's prompt is captured once and forked for the G members; each member's state is then extended with its own
-tokens and with the environment's observations, so no turn ever re-prefills the episode. Behaviour logprobs are the
-log-probabilities of the sampled tokens under the temperature-scaled distribution (before top-p truncation); train
-with ``LossConfig(temperature=...)`` equal to the sampling temperature.
+tokens and with the environment's observations, so no turn ever re-prefills the episode. ``generate_batch`` decodes
+all the members it is given at once — one forward per generated token for the whole batch (``decoding``), each
+group's prompt read once per step for all its members — and members that finish drop out of the batch;
+``generate`` decodes one member token by token (``Engine.step``), the reference the batched path is tested against.
+
+Every member draws from its own ``torch.Generator``, seeded from (sampler seed, member index in fork order), so its
+tokens do not depend on which other members share its batch: batched and one-by-one decoding draw the same tokens.
+Behaviour logprobs are the log-probabilities of the sampled tokens under the temperature-scaled distribution (before
+top-p truncation); train with ``LossConfig(temperature=...)`` equal to the sampling temperature.
 """
 
 from __future__ import annotations
@@ -13,40 +19,60 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw_agents.decoding import Decoder, Member
 from longstraw_agents.engine import Engine
-from longstraw_agents.sampler import FinishReason, Generation, SamplingConfig
+from longstraw_agents.sampler import FinishReason, Generation, SamplingConfig, request_seed
 from longstraw_agents.state import State
 
 
-def sample_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token from ``logits [V]``; returns (id, logprob under the temperature-scaled distribution)."""
+def sample_tokens(
+    logits: torch.Tensor, config: SamplingConfig, generators: Sequence[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """Draw one token per row of ``logits [B, V]``, row b with ``generators[b]``; returns the ids and their
+    logprobs under the temperature-scaled distribution.
+
+    A draw is one uniform number from the row's generator, inverted through the row's cumulative distribution, so a
+    row's token depends on its logits and its generator only — not on the other rows of the batch."""
     logits = logits.detach().double()
     if config.temperature == 0.0:
         logprobs = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logits))
-        return token, float(logprobs[token])
-    logprobs = torch.log_softmax(logits / config.temperature, dim=-1)
-    probs = logprobs.exp()
-    if config.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= config.top_p  # keeps at least one token
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-    return token, float(logprobs[token])
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        logprobs = torch.log_softmax(logits / config.temperature, dim=-1)
+        probs = logprobs.exp()
+        if config.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= config.top_p  # keeps at least one token
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        cdf = torch.cumsum(probs, dim=-1)
+        uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(cdf.device)
+        # the first token whose cumulative mass exceeds u · total: a token of zero mass is never drawn
+        tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]
+        tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))[:, 0]
+    return tokens.tolist(), chosen.tolist()
+
+
+def sample_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> tuple[int, float]:
+    """Draw one token from ``logits [V]`` (``sample_tokens`` for one row)."""
+    tokens, logprobs = sample_tokens(logits.unsqueeze(0), config, [generator])
+    return tokens[0], logprobs[0]
 
 
 @dataclass
 class TorchHandle:
-    """A member's position in its episode: the engine state and the next-token logits after it."""
+    """A member's position in its episode: the engine state, the next-token logits after it, its own random
+    generator and the prompt state it shares with its group (the fork)."""
 
     state: State
     next_logits: torch.Tensor
+    generator: torch.Generator
+    prefix: State | None = None
     history: list[int] = field(default_factory=list, repr=False)
 
 
 class TorchSampler:
-    """In-process sampling with the engine (capture once, fork, extend per turn)."""
+    """In-process sampling with the engine (capture once, fork, decode the members batched, extend per turn)."""
 
     def __init__(
         self,
@@ -63,36 +89,66 @@ class TorchSampler:
             raise ValueError("stop_token_ids is empty: generation could only end by length")
         self.config = config or SamplingConfig()
         self.policy_version = policy_version
-        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.members = 0  # members forked so far: member k draws with the seed request_seed(config.seed, k)
 
     def fork(self, prompt_ids: Sequence[int], n: int) -> list[TorchHandle]:
-        """``n`` members sharing one capture of the prompt."""
+        """``n`` members sharing one capture of the prompt, each with its own generator."""
         ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError("empty prompt")
         with torch.no_grad():
             state = self.engine.capture(ids[:-1]) if ids.numel() > 1 else self.engine.empty_state()
             state, logits = self.engine.step(state, ids[-1:], reserve=self._reserve())
-        return [TorchHandle(state=state, next_logits=logits, history=ids.tolist()) for _ in range(n)]
+        return [TorchHandle(state, logits, self._generator(), prefix=state, history=ids.tolist()) for _ in range(n)]
 
     def generate(self, handle: TorchHandle, max_new_tokens: int | None = None) -> Generation:
+        """One member's turn, token by token (``Engine.step``)."""
         limit = max_new_tokens or self.config.max_new_tokens
-        ids: list[int] = []
-        logprobs: list[float] = []
-        finish: FinishReason = "length"
+        turn = _Turn(limit)
         with torch.no_grad():
-            while len(ids) < limit:
-                token, logprob = sample_token(handle.next_logits, self.config, self.generator)
-                ids.append(token)
-                logprobs.append(logprob)
+            while not turn.done:
+                [token], [logprob] = sample_tokens(handle.next_logits.unsqueeze(0), self.config, [handle.generator])
+                turn.add(token, logprob, token in self.stop_token_ids)
                 handle.state, handle.next_logits = self.engine.step(
                     handle.state, torch.tensor([token]), reserve=self._reserve()
                 )
-                if token in self.stop_token_ids:
-                    finish = "stop"
-                    break
-        handle.history.extend(ids)
-        return Generation(ids, logprobs, finish)
+        handle.history.extend(turn.ids)
+        return turn.generation()
+
+    def generate_batch(
+        self, handles: Sequence[TorchHandle], max_new_tokens: Sequence[int | None] | int | None = None
+    ) -> list[Generation]:
+        """A turn of every member in ``handles``, decoded together: one forward per generated token for all the
+        members still generating (a member leaves the batch at its stop token or its token limit).
+        max_new_tokens: one limit for all, or one per member (None: the config's)."""
+        if len({id(h) for h in handles}) != len(handles):
+            raise ValueError("generate_batch got the same handle twice")
+        limits = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(handles)
+        if len(limits) != len(handles):
+            raise ValueError(f"{len(handles)} handles but {len(limits)} token limits")
+        turns = [_Turn(limit or self.config.max_new_tokens) for limit in limits]
+        members = [h for h, turn in zip(handles, turns, strict=True) if not turn.done]
+        self._decode(members, [turn for turn in turns if not turn.done])
+        for handle, turn in zip(handles, turns, strict=True):
+            handle.history.extend(turn.ids)
+        return [turn.generation() for turn in turns]
+
+    def _decode(self, handles: list[TorchHandle], turns: list[_Turn]) -> None:
+        """Sample and step every handle until its turn is done, all in one ``Decoder`` (rows leave as they end)."""
+        if not handles:
+            return
+        decoder = Decoder(self.engine, [Member(h.state, h.prefix) for h in handles], reserve=self._reserve())
+        logits = torch.stack([h.next_logits for h in handles])
+        while decoder.live:
+            live = decoder.live
+            tokens, logprobs = sample_tokens(logits, self.config, [handles[k].generator for k in live])
+            for k, token, logprob in zip(live, tokens, logprobs, strict=True):
+                turns[k].add(token, logprob, token in self.stop_token_ids)
+            logits = decoder.step(tokens)
+            done = [row for row, k in enumerate(live) if turns[k].done]
+            for row, state in zip(done, decoder.leave([live[row] for row in done]), strict=True):
+                handles[live[row]].state, handles[live[row]].next_logits = state, logits[row]
+            logits = logits[[row for row, k in enumerate(live) if not turns[k].done]]
 
     def append(self, handle: TorchHandle, ids: Sequence[int]) -> None:
         if len(ids) == 0:
@@ -110,5 +166,30 @@ class TorchSampler:
         """One completion of a token prompt (what an OpenAI-compatible server answers)."""
         return self.generate(self.fork(prompt_ids, 1)[0], max_new_tokens)
 
+    def _generator(self) -> torch.Generator:
+        index, self.members = self.members, self.members + 1
+        return torch.Generator().manual_seed(request_seed(self.config.seed, index))
+
     def _reserve(self) -> int:
         return self.config.max_new_tokens
+
+
+class _Turn:
+    """The tokens of one member's turn so far, and whether it has ended (stop token or limit)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: FinishReason = "length"
+        self.done = limit <= 0
+
+    def add(self, token: int, logprob: float, stop: bool) -> None:
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        if stop:
+            self.finish = "stop"
+        self.done = stop or len(self.ids) >= self.limit
+
+    def generation(self) -> Generation:
+        return Generation(self.ids, self.logprobs, self.finish)

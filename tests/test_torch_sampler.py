@@ -1,5 +1,6 @@
 """``TorchSampler`` (torch_sampler.py): behaviour logprobs equal the model's distribution, one prompt capture shared
-by a group, greedy / top-p / temperature draws, stop and length finishes."""
+by a group, batched and one-by-one decoding draw the same tokens, greedy / top-p / temperature draws, stop and
+length finishes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.torch_sampler import TorchSampler, sample_token
+from longstraw_agents.torch_sampler import TorchSampler, sample_token, sample_tokens
 
 STOP = 7
 
@@ -24,14 +25,23 @@ def full_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def test_generation_logprobs_match_the_models_distribution(model):
+@pytest.mark.parametrize("batched", [False, True])
+def test_generation_logprobs_match_the_models_distribution(model, batched):
     sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=12, seed=3), chunk_size=4)
     prompt = list(range(20, 31))
     handles = sampler.fork(prompt, 3)
-    for handle in handles:
-        gen = sampler.generate(handle)
-        sampler.append(handle, [40, 41, 42])  # an observation: extends the state, no re-prefill
-        gen2 = sampler.generate(handle)
+    if batched:
+        firsts = sampler.generate_batch(handles)
+        for handle in handles:
+            sampler.append(handle, [40, 41, 42])
+        seconds = sampler.generate_batch(handles)
+    else:
+        firsts, seconds = [], []
+        for handle in handles:
+            firsts.append(sampler.generate(handle))
+            sampler.append(handle, [40, 41, 42])  # an observation: extends the state, no re-prefill
+            seconds.append(sampler.generate(handle))
+    for handle, gen, gen2 in zip(handles, firsts, seconds, strict=True):
         history = prompt + gen.token_ids + [40, 41, 42] + gen2.token_ids
         assert handle.history == history and sampler.num_tokens(handle) == len(history)
         reference = full_logprobs(model, history)
@@ -43,13 +53,75 @@ def test_generation_logprobs_match_the_models_distribution(model):
             assert lp == pytest.approx(float(reference[offset + k - 1, token]), abs=1e-5)
 
 
+def play(sampler: TorchSampler, handles, limits: list[int], batched: bool):
+    """Two turns with an observation between them; per-member token limits so members leave the batch at
+    different steps (and at stop tokens)."""
+    turns = []
+    for turn in range(2):
+        if batched:
+            turns.append(sampler.generate_batch(handles, limits))
+        else:
+            turns.append([sampler.generate(h, limit) for h, limit in zip(handles, limits, strict=True)])
+        if turn == 0:
+            for k, handle in enumerate(handles):
+                sampler.append(handle, [60 + k, 61, 62][: 1 + k % 3])
+    return turns
+
+
+def test_batched_and_one_by_one_decoding_draw_the_same_tokens(model):
+    """fp64: every member draws from its own generator (sampler seed, member index), so the same seeds give the
+    same tokens whether members are decoded together (and drop out of the batch) or alone."""
+    stops = list(range(0, 256, 16))  # frequent enough that some members stop before their limit
+    config = SamplingConfig(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=11)
+    results = []
+    for batched in (True, False):
+        sampler = TorchSampler(model, stops, config, chunk_size=8)
+        handles = sampler.fork(list(range(100, 125)), 4) + sampler.fork([30, 31, 32], 3)
+        turns = play(sampler, handles, [10, 3, 7, 10, 1, 5, 10], batched)
+        results.append((turns, [h.history for h in handles], [sampler.num_tokens(h) for h in handles]))
+    (batched_turns, batched_history, batched_sizes), (alone_turns, alone_history, alone_sizes) = results
+    assert batched_history == alone_history and batched_sizes == alone_sizes
+    finishes = set()
+    for turn_b, turn_a in zip(batched_turns, alone_turns, strict=True):
+        for gb, ga in zip(turn_b, turn_a, strict=True):
+            assert gb.token_ids == ga.token_ids and gb.finish_reason == ga.finish_reason
+            assert gb.logprobs == pytest.approx(ga.logprobs, abs=1e-12)
+            finishes.add(gb.finish_reason)
+    assert finishes == {"stop", "length"}
+    lengths = {len(g.token_ids) for turn in batched_turns for g in turn}
+    assert len(lengths) > 2  # members left the batch at different steps
+
+
+def test_a_members_tokens_do_not_depend_on_its_batch(model):
+    config = SamplingConfig(max_new_tokens=6, seed=2)
+    alone = TorchSampler(model, [STOP], config)
+    together = TorchSampler(model, [STOP], config)
+    [mine] = alone.fork([5, 6, 7], 1)
+    [same] = together.fork([5, 6, 7], 1)
+    others = together.fork([9, 9, 9, 9], 5)
+    assert alone.generate_batch([mine])[0].token_ids == together.generate_batch([*others, same])[-1].token_ids
+
+
+def test_sample_tokens_draws_each_row_with_its_own_generator():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    config = SamplingConfig(temperature=0.7, top_p=0.8)
+    rows = [sample_token(logits[b], config, torch.Generator().manual_seed(b)) for b in range(5)]
+    tokens, logprobs = sample_tokens(logits, config, [torch.Generator().manual_seed(b) for b in range(5)])
+    assert tokens == [t for t, _ in rows] and logprobs == pytest.approx([lp for _, lp in rows])
+    kept = torch.softmax(logits / 0.7, -1)
+    for b, token in enumerate(tokens):  # inside the nucleus: the tokens whose higher-ranked mass is < top_p
+        ranked = kept[b].sort(descending=True)
+        before = ranked.values.cumsum(0) - ranked.values
+        assert token in ranked.indices[before < 0.8].tolist()
+
+
 def test_members_share_the_prompt_capture_and_diverge(model):
     sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=8, seed=0))
     handles = sampler.fork(list(range(10, 40)), 4)
     first = handles[0].state
     assert all(h.state is first for h in handles)  # one capture, shared
-    outputs = {tuple(sampler.generate(h).token_ids) for h in handles}
-    assert len(outputs) > 1  # sampling at temperature 1 diverges
+    outputs = {tuple(g.token_ids) for g in sampler.generate_batch(handles)}
+    assert len(outputs) > 1  # sampling at temperature 1 diverges: every member has its own generator
 
 
 def test_greedy_and_top_p_tiny_pick_the_argmax():

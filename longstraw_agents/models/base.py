@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from longstraw_agents.attention import Attention
+from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeInput
 
 HFModule = Any
 """A transformers module (a decoder layer, its attention, a norm...): the adapters read its weights and settings by
@@ -125,6 +126,11 @@ class Mixer(ABC):
     @abstractmethod
     def forward(self, inp: MixerInput) -> MixerOutput: ...
 
+    @abstractmethod
+    def decode(self, inp: DecodeInput) -> MixerOutput:
+        """One new token for each of B members (``inp.x [B, hidden]``, see ``models.batch``); ``new`` holds the
+        members' additions with the member first (one position each, or each member's new recurrent state)."""
+
 
 @dataclass
 class DecoderLayer:
@@ -231,6 +237,23 @@ class FamilyAdapter(ABC):
         for layer, ctx in zip(self.layers, contexts, strict=True):
             inp = MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention)
             out = layer.mixer.forward(inp)
+            h = h + out.y
+            h = h + layer.mlp(layer.post_norm(h))
+            new_entries.append(out.new)
+        return self.final_norm(h), new_entries
+
+    def decode(
+        self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None
+    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+        """One new token per member (``ids [B]`` at ``batch.positions``) through the decoder in one batched forward:
+        the final-normed hidden states ``[B, hidden]`` and, per layer, what it adds to each member's state."""
+        h = self.backbone.embed_tokens(ids)
+        rope = self.rope(h, batch.positions)
+        shared: dict[str, Any] = {}
+        attention = Attention() if attention is None else attention
+        new_entries: list[tuple[Tensor, ...]] = []
+        for layer, ctx in zip(self.layers, contexts, strict=True):
+            out = layer.mixer.decode(DecodeInput(layer.input_norm(h), rope, batch, ctx, shared, attention))
             h = h + out.y
             h = h + layer.mlp(layer.post_norm(h))
             new_entries.append(out.new)

@@ -30,6 +30,7 @@ from longstraw_agents.models.base import (
     norm_eps,
     rms_norm,
 )
+from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeInput, cascade_attention, write_own
 
 
 class AttentionMixer(Mixer):
@@ -58,8 +59,8 @@ class AttentionMixer(Mixer):
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
 
-    def forward(self, inp: MixerInput) -> MixerOutput:
-        x = inp.x
+    def _project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Queries ``[n, H, D]``, keys and values ``[n, H_kv, D]`` (normed, rotated) and the output gate (or None)."""
         n = x.shape[0]
         q = self.attn.q_proj(x)
         gate = None
@@ -71,13 +72,25 @@ class AttentionMixer(Mixer):
         v = self.attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = inp.rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        blocks = [KVBlock(b.tensors[0], b.tensors[1], b.grad(0), b.grad(1)) for b in inp.past]
-        out = inp.attention(q, blocks, k, v, self.scale).reshape(n, -1)
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def _output(self, out: Tensor, gate: Tensor | None) -> Tensor:
+        out = out.reshape(out.shape[0], -1)
         if gate is not None:
             out = out * gate.sigmoid()
-        return MixerOutput(y=self.attn.o_proj(out), new=(k, v))
+        return self.attn.o_proj(out)
+
+    def forward(self, inp: MixerInput) -> MixerOutput:
+        q, k, v, gate = self._project(inp.x, inp.rope)
+        blocks = [KVBlock(b.tensors[0], b.tensors[1], b.grad(0), b.grad(1)) for b in inp.past]
+        out = inp.attention(q, blocks, k, v, self.scale)
+        return MixerOutput(y=self._output(out, gate), new=(k, v))
+
+    def decode(self, inp: DecodeInput) -> MixerOutput:
+        q, k, v, gate = self._project(inp.x, inp.rope)
+        keys, values = write_own(inp, (k, v))
+        return MixerOutput(y=self._output(cascade_attention(q, keys, values, inp, self.scale), gate), new=())
 
 
 def kv_bytes_per_token(config: Any, itemsize: int) -> int:
@@ -123,6 +136,12 @@ class DenseAdapter(FamilyAdapter):
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         self._check_window(start + ids.shape[0])
         return super().forward(ids, start, contexts, shared, attention)
+
+    def decode(
+        self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None
+    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+        self._check_window(int(batch.positions.max()) + 1)
+        return super().decode(ids, batch, contexts, attention)
 
     def _check_window(self, end: int) -> None:
         if self.window is not None and end > self.window:

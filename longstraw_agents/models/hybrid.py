@@ -27,6 +27,7 @@ from longstraw_agents.models.base import (
     norm_eps,
     rms_norm_zero_centered,
 )
+from longstraw_agents.models.batch import DecodeInput
 from longstraw_agents.models.dense import AttentionMixer, kv_bytes_per_token
 
 DELTA_CHUNK = 64  # positions per block of the chunked delta rule (as transformers' fallback and fla)
@@ -134,11 +135,9 @@ class GatedDeltaNetMixer(Mixer):
             return out[0], final[0]
         return chunk_gated_delta_rule(q, k, v, g, beta, initial)
 
-    def forward(self, inp: MixerInput) -> MixerOutput:
-        mod, x = self.mod, inp.x
-        n = x.shape[0]
-        tail, ssm = inp.recurrent if inp.recurrent is not None else (None, None)
-        mixed, new_tail = self._conv(mod.in_proj_qkv(x), tail)
+    def _heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The conv output ``[n, C]`` as q, k ``[n, H_v, D_k]`` (one per value head) and v ``[n, H_v, D_v]``."""
+        mod, n = self.mod, mixed.shape[0]
         q, k, v = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
         q = q.reshape(n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n, self.num_k_heads, self.head_k_dim)
@@ -146,14 +145,49 @@ class GatedDeltaNetMixer(Mixer):
         if self.num_v_heads != self.num_k_heads:  # each q/k head serves consecutive value heads
             rep = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        dt = compute_dtype(x.dtype)
+        return q, k, v
+
+    def _gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The log decay g (<= 0) and the write strength beta ``[n, H_v]``, in compute precision."""
+        mod, dt = self.mod, compute_dtype(x.dtype)
         a = mod.in_proj_a(x).to(dt)
         beta = mod.in_proj_b(x).sigmoid().to(dt)
-        g = -mod.A_log.to(dt).exp() * F.softplus(a + mod.dt_bias.to(dt))
-        core, new_ssm = self._delta_rule(q.to(dt), k.to(dt), v.to(dt), g, beta, ssm)
-        z = mod.in_proj_z(x).reshape(n, self.num_v_heads, self.head_v_dim)
+        return -mod.A_log.to(dt).exp() * F.softplus(a + mod.dt_bias.to(dt)), beta
+
+    def _output(self, x: Tensor, core: Tensor) -> Tensor:
+        z = self.mod.in_proj_z(x).reshape(x.shape[0], self.num_v_heads, self.head_v_dim)
         out = self._gated_norm(core.to(x.dtype), z)
-        return MixerOutput(y=mod.out_proj(out.reshape(n, -1)), new=(new_tail, new_ssm))
+        return self.mod.out_proj(out.reshape(x.shape[0], -1))
+
+    def forward(self, inp: MixerInput) -> MixerOutput:
+        x = inp.x
+        tail, ssm = inp.recurrent if inp.recurrent is not None else (None, None)
+        mixed, new_tail = self._conv(self.mod.in_proj_qkv(x), tail)
+        q, k, v = self._heads(mixed)
+        g, beta = self._gates(x)
+        dt = g.dtype
+        core, new_ssm = self._delta_rule(q.to(dt), k.to(dt), v.to(dt), g, beta, ssm)
+        return MixerOutput(y=self._output(x, core), new=(new_tail, new_ssm))
+
+    def decode(self, inp: DecodeInput) -> MixerOutput:
+        """B members' states stepped at once (``inp.context.recurrent``: conv tails ``[B, K-1, C]`` and delta-rule
+        states ``[B, H_v, D_k, D_v]``): members are independent, so they stack along the head dimension of one
+        delta-rule call (``[1, B·H_v, ...]``); the conv runs over each member's ``[tail; new]`` window."""
+        x, batch = inp.x, inp.x.shape[0]
+        tails, states = inp.context.recurrent
+        window = torch.cat([tails, self.mod.in_proj_qkv(x).unsqueeze(1)], dim=1)  # [B, K, C]
+        conv = (window.transpose(1, 2) * self.mod.conv1d.weight[:, 0, :]).sum(dim=-1)
+        if self.mod.conv1d.bias is not None:
+            conv = conv + self.mod.conv1d.bias
+        q, k, v = self._heads(F.silu(conv))
+        g, beta = self._gates(x)
+        dt = g.dtype
+        q, k, v = (t.to(dt).reshape(1, batch * self.num_v_heads, t.shape[-1]) for t in (q, k, v))
+        initial = states.reshape(-1, self.head_k_dim, self.head_v_dim)
+        core, new_states = self._delta_rule(q, k, v, g.reshape(1, -1), beta.reshape(1, -1), initial)
+        core = core.reshape(batch, self.num_v_heads, self.head_v_dim)
+        new = (window[:, 1:], new_states.reshape(batch, self.num_v_heads, self.head_k_dim, self.head_v_dim))
+        return MixerOutput(y=self._output(x, core), new=new)
 
 
 class HybridAdapter(FamilyAdapter):

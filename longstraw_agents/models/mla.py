@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longstraw_agents.attention import KVBlock, sparse_attend
+from longstraw_agents.attention import KVBlock, softmax_dtype, sparse_attend
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -37,8 +37,11 @@ from longstraw_agents.models.base import (
     norm_eps,
     rms_norm,
 )
+from longstraw_agents.models.batch import BlockTensors, DecodeInput, cascade_attention, write_own
 
 SELECTION_KEY = "dsa_selection"
+Selection = tuple[Tensor, Tensor]
+"""A decode batch's DSA selection: positions ``[B, k]`` and which of them are real keys ``[B, k]``."""
 
 
 def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -48,6 +51,12 @@ def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _stable_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k best scores per row and their columns; ties go to the earlier column."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    return scores.gather(1, order), order
 
 
 def _topk_merge(
@@ -90,29 +99,73 @@ class DSAIndexer:
         n = x.shape[0]
         if start + n <= self.topk:
             return None
-        dt = compute_dtype(x.dtype)
-        q = self.mod.wq_b(q_resid).view(n, self.heads, self.dim)
-        q_rot, q_pass = q.split([self.rope_dim, self.dim - self.rope_dim], dim=-1)
-        q = torch.cat([rope_interleaved(q_rot, *rope), q_pass], dim=-1).to(dt)
-        w = self.mod.weights_proj(x.to(self.mod.weights_proj.weight.dtype)).to(dt) * self.heads**-0.5
-
-        def scores(keys: Tensor) -> Tensor:  # [n, m] = sum_h w_h relu(q_h . k * scale)
-            s = F.relu(torch.einsum("nhd,md->nhm", q, keys.to(dt)) * self.mod.softmax_scale)
-            # + 0.0 turns -0.0 (negative weight x relu's zero) into +0.0 so exact-zero ties compare equal
-            return torch.einsum("nh,nhm->nm", w, s) + 0.0
-
+        q, w = self._queries(x, q_resid, rope)
         running = None
         offset = 0
         step = max(1, max_score_elements // (n * self.heads))  # index scores of one piece of keys at a time
         for keys in past:
             for lo in range(0, keys.shape[0], step):
                 positions = torch.arange(offset + lo, offset + min(lo + step, keys.shape[0]), device=x.device)
-                running = _topk_merge(running, scores(keys[lo : lo + step]), positions, self.topk)
+                running = _topk_merge(running, self._scores(q, w, keys[lo : lo + step]), positions, self.topk)
             offset += keys.shape[0]
         hidden = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)  # later own positions
-        own_scores = scores(own).masked_fill(hidden, float("-inf"))
+        own_scores = self._scores(q, w, own).masked_fill(hidden, float("-inf"))
         running = _topk_merge(running, own_scores, torch.arange(start, start + n, device=x.device), self.topk)
         return running[1]
+
+    def select_batch(self, x: Tensor, q_resid: Tensor, inp: DecodeInput, own_keys: Tensor) -> Selection | None:
+        """Decoding: member b's ``index_topk`` positions ``[B, k]`` and which of them are real keys (a member that
+        sees fewer than k keys has padding), or None while every member sees all its keys. Each group's queries
+        score its prefix together (one einsum per piece of keys); own keys (``own_keys [B, L, D]``, the new one
+        included) are scored padded to the longest. Ties go to earlier positions, exactly as in ``select``."""
+        batch, ctx = inp.batch, inp.context
+        if int(batch.positions.max()) + 1 <= self.topk:
+            return None
+        q, w = self._queries(x, q_resid, inp.rope)
+        scores = torch.full((batch.size, self.topk), float("-inf"), dtype=q.dtype, device=x.device)
+        positions = torch.full((batch.size, self.topk), -1, dtype=torch.long, device=x.device)
+        for group, blocks in zip(batch.groups, ctx.shared, strict=True):
+            top_scores, top_positions = self._prefix_topk(q[group.rows], w[group.rows], [b[1] for b in blocks], inp)
+            scores[group.rows, : top_scores.shape[1]] = top_scores
+            positions[group.rows, : top_positions.shape[1]] = top_positions
+        dots = torch.matmul(q, own_keys.to(q.dtype).transpose(1, 2))  # [B, heads, L]
+        own_scores = torch.matmul(w.unsqueeze(1), self._relu_scores(dots))[:, 0] + 0.0
+        own_scores = own_scores.masked_fill(~batch.own_mask, float("-inf"))
+        own_positions = batch.own_start.unsqueeze(1) + torch.arange(own_keys.shape[1], device=x.device)
+        best, top = _stable_topk(torch.cat([scores, own_scores], 1), self.topk)
+        return torch.cat([positions, own_positions], 1).gather(1, top), best > float("-inf")
+
+    def _prefix_topk(self, q: Tensor, w: Tensor, keys: list[Tensor], inp: DecodeInput) -> tuple[Tensor, Tensor]:
+        """The best (score, position) pairs ``[g, <= k]`` of a group's queries over its prefix's index keys."""
+        running = None
+        offset = 0
+        step = max(1, inp.attention.max_score_elements // (q.shape[0] * self.heads))
+        for block in keys:
+            for lo in range(0, block.shape[0], step):
+                positions = torch.arange(offset + lo, offset + min(lo + step, block.shape[0]), device=q.device)
+                running = _topk_merge(running, self._scores(q, w, block[lo : lo + step]), positions, self.topk)
+            offset += block.shape[0]
+        assert running is not None  # a group's prefix holds at least one position
+        return running
+
+    def _queries(self, x: Tensor, q_resid: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """The indexer's queries ``[n, heads, dim]`` and head weights ``[n, heads]``, in compute precision."""
+        n = x.shape[0]
+        dt = compute_dtype(x.dtype)
+        q = self.mod.wq_b(q_resid).view(n, self.heads, self.dim)
+        q_rot, q_pass = q.split([self.rope_dim, self.dim - self.rope_dim], dim=-1)
+        q = torch.cat([rope_interleaved(q_rot, *rope), q_pass], dim=-1).to(dt)
+        w = self.mod.weights_proj(x.to(self.mod.weights_proj.weight.dtype)).to(dt) * self.heads**-0.5
+        return q, w
+
+    def _relu_scores(self, dots: Tensor) -> Tensor:
+        return F.relu(dots * self.mod.softmax_scale)
+
+    def _scores(self, q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
+        """``[n, m] = sum_h w_h relu(q_h . k * scale)``."""
+        s = self._relu_scores(torch.einsum("nhd,md->nhm", q, keys.to(q.dtype)))
+        # + 0.0 turns -0.0 (negative weight x relu's zero) into +0.0 so exact-zero ties compare equal
+        return torch.einsum("nh,nhm->nm", w, s) + 0.0
 
 
 class MLAMixer(Mixer):
@@ -139,15 +192,33 @@ class MLAMixer(Mixer):
         rows = ((self.rank + self.rope_dim),)
         return (rows, (self.indexer.dim,)) if self.indexer is not None else (rows,)
 
-    def forward(self, inp: MixerInput) -> MixerOutput:
-        attn, x = self.attn, inp.x
-        n, heads = x.shape[0], self.heads
+    def _project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The query's low-rank residual (the indexer reads it), the absorbed queries ``[n, H, rank + rope]`` and the
+        new rows ``[n, rank + rope]`` (each a key and a value at once)."""
+        attn, n = self.attn, x.shape[0]
         q_resid = self.q_norm(attn.q_a_proj(x))
-        q = attn.q_b_proj(q_resid).view(n, heads, self.nope + self.rope_dim)
+        q = attn.q_b_proj(q_resid).view(n, self.heads, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         kv_pass, k_rot = attn.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        k_rot = rope_interleaved(k_rot.unsqueeze(1), *inp.rope)[:, 0]
-        rows = torch.cat([self.kv_norm(kv_pass), k_rot], dim=-1)  # [n, rank + rope]: key and value at once
+        k_rot = rope_interleaved(k_rot.unsqueeze(1), *rope)[:, 0]
+        rows = torch.cat([self.kv_norm(kv_pass), k_rot], dim=-1)
+        w_uk = self._up_weights()[0]
+        q_rows = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), rope_interleaved(q_rot, *rope)], dim=-1)
+        return q_resid, q_rows, rows
+
+    def _up_weights(self) -> tuple[Tensor, Tensor]:
+        """``W_uk [H, nope, rank]`` and ``W_uv [H, v, rank]`` of the up-projection."""
+        w_kv = self.attn.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        return w_kv[:, : self.nope], w_kv[:, self.nope :]
+
+    def _output(self, out: Tensor) -> Tensor:
+        latent_out = out[..., : self.rank]  # [n, H, rank]: the rope columns are not values
+        w_uv = self._up_weights()[1]
+        return self.attn.o_proj(torch.einsum("nhr,hvr->nhv", latent_out, w_uv).reshape(out.shape[0], -1))
+
+    def forward(self, inp: MixerInput) -> MixerOutput:
+        x = inp.x
+        q_resid, q_rows, rows = self._project(x, inp.rope)
         new: tuple[Tensor, ...] = (rows,)
         if self.indexer is not None:
             index_keys = self.indexer.keys(x, inp.rope)
@@ -158,11 +229,7 @@ class MLAMixer(Mixer):
                 selected = self.indexer.select(x, q_resid, inp.rope, past_keys, index_keys, start, budget)
             inp.shared[SELECTION_KEY] = selected
         else:
-            selected = self._shared_selection(inp)
-
-        w_kv = attn.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]
-        q_rows = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), rope_interleaved(q_rot, *inp.rope)], dim=-1)
+            selected = self._shared_selection(inp.shared)
         if selected is None:
             blocks = [KVBlock(b.tensors[0][:, None], b.tensors[0][:, None], *2 * [_heads(b.grad(0))]) for b in inp.past]
             own = rows[:, None]
@@ -172,16 +239,70 @@ class MLAMixer(Mixer):
                 q_rows, [b.tensors[0] for b in inp.past], [b.grad(0) for b in inp.past], rows, selected,
                 int(inp.positions[0]), self.scale,
             )  # fmt: skip
-        latent_out = out[..., : self.rank]  # [n, H, rank]: the rope columns are not values
-        return MixerOutput(y=attn.o_proj(torch.einsum("nhr,hvr->nhv", latent_out, w_uv).reshape(n, -1)), new=new)
+        return MixerOutput(y=self._output(out), new=new)
+
+    def decode(self, inp: DecodeInput) -> MixerOutput:
+        """Dense: the cascade over the rows (one KV head). DSA: each member's selected rows, gathered from its
+        group's prefix and its own rows (``sparse_decode``)."""
+        x = inp.x
+        q_resid, q_rows, rows = self._project(x, inp.rope)
+        selection: Selection | None
+        if self.indexer is not None:
+            own_rows, own_keys = write_own(inp, (rows, self.indexer.keys(x, inp.rope)))
+            with torch.no_grad():
+                selection = self.indexer.select_batch(x, q_resid, inp, own_keys)
+            inp.shared[SELECTION_KEY] = selection
+        else:
+            (own_rows,) = write_own(inp, (rows,))
+            selection = self._shared_selection(inp.shared)
+        if selection is None:
+            own = own_rows[:, :, None]  # one KV head
+            out = cascade_attention(q_rows, own, own, inp, self.scale, kv_of=_rows_as_kv)
+        else:
+            out = sparse_decode(q_rows, own_rows, inp, selection, self.scale)
+        return MixerOutput(y=self._output(out), new=())
 
     @staticmethod
-    def _shared_selection(inp: MixerInput) -> Tensor | None:
+    def _shared_selection(shared: dict[str, Any]) -> Any:
         """A "shared" layer's selection: the previous full-indexer layer's (None: every key visible)."""
-        if SELECTION_KEY not in inp.shared:
+        if SELECTION_KEY not in shared:
             raise UnsupportedModelError("a 'shared' DSA layer needs an earlier layer with its own indexer")
-        selected: Tensor | None = inp.shared[SELECTION_KEY]
-        return selected
+        return shared[SELECTION_KEY]
+
+
+def _rows_as_kv(block: BlockTensors) -> tuple[Tensor, Tensor]:
+    """A block's rows ``[M, W]`` as the keys and the values of one KV head (views)."""
+    rows = block[0][:, None]
+    return rows, rows
+
+
+def sparse_decode(q: Tensor, own_rows: Tensor, inp: DecodeInput, selection: Selection, scale: float) -> Tensor:
+    """DSA attention of a decode step: member b's query ``q[b] [H, W]`` over its selected rows, gathered from its
+    group's prefix blocks and its own rows ``own_rows[b] [L, W]`` (``write_own``'s buffer). Forward only.
+    Returns ``[B, H, W]``."""
+    selected, valid = selection
+    batch, ctx = inp.batch, inp.context
+    gathered = own_rows.new_zeros((*selected.shape, own_rows.shape[-1]))  # [B, k, W]
+    for group, blocks in zip(batch.groups, ctx.shared, strict=True):
+        gathered[group.rows] = _gather_prefix(gathered[group.rows], [b[0] for b in blocks], selected[group.rows])
+    relative = selected - batch.own_start.unsqueeze(1)
+    index = relative.clamp(0, own_rows.shape[1] - 1).unsqueeze(-1).expand(-1, -1, own_rows.shape[-1])
+    gathered = torch.where((relative >= 0).unsqueeze(-1), own_rows.gather(1, index), gathered)
+    sdt = softmax_dtype(q.dtype)
+    scores = torch.matmul(q.to(sdt), gathered.to(sdt).transpose(1, 2)) * scale  # [B, H, k]
+    probs = torch.softmax(scores.masked_fill(~valid.unsqueeze(1), float("-inf")), dim=-1)
+    return torch.matmul(probs, gathered.to(sdt)).to(q.dtype)
+
+
+def _gather_prefix(gathered: Tensor, blocks: list[Tensor], selected: Tensor) -> Tensor:
+    """``gathered [g, k, W]`` with the selected positions that fall in the prefix ``blocks`` filled in."""
+    offset = 0
+    for block in blocks:
+        relative = selected - offset
+        inside = (relative >= 0) & (relative < block.shape[0])
+        gathered = torch.where(inside.unsqueeze(-1), block[relative.clamp(0, block.shape[0] - 1)], gathered)
+        offset += block.shape[0]
+    return gathered
 
 
 def _heads(t: Tensor | None) -> Tensor | None:

@@ -1,0 +1,244 @@
+"""Batched decoding over engine states: one forward per generated token for every member of a batch.
+
+>>> decoder = Decoder(engine, [Member(fork, prefix=fork)] * 8, reserve=32)   # 8 members of one group
+>>> logits = decoder.step(tokens)            # one token each, one forward; next-token logits [8, V]
+>>> [state] = decoder.leave([3])             # member 3 is done: its state covers every token it was given
+
+A member is an engine ``State`` plus the ``prefix`` it shares with its group (the state the group was forked from,
+an ancestor of the member's). Members with the same prefix object form a group: each growing layer reads that
+prefix once per step for the whole group (its queries stacked as the rows of one kernel call, see
+``models.batch``) and each member's own later positions separately. For the session, the own positions are held in
+batch buffers and the recurrent states stacked, so a step does no per-member work; a member's new positions are
+written to its state when it leaves, exactly as ``Engine.extend`` writes a chunk (in place at its arena's fill
+mark, else into fresh storage with ``reserve`` extra room). The states stay ordinary engine states:
+``Engine.extend`` continues them (tool turns), and their logits equal those of stepping each member alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from longstraw_agents.engine import Engine
+from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeGroup
+from longstraw_agents.state import Arena, Block, ChunkRecord, RecurrentState, State
+from longstraw_agents.token_ids import as_token_ids
+
+
+@dataclass(frozen=True)
+class Member:
+    """A sequence to decode: its state, and the prefix state it shares with its group (None: no sharing)."""
+
+    state: State
+    prefix: State | None = None
+
+
+class Decoder:
+    """A decode session over ``members``: ``step`` feeds one token to every member still in the batch (one
+    forward), ``leave`` takes members out and returns their states. Forward only (no autograd).
+
+    reserve: extra positions allocated when a leaving member's positions go into fresh storage (as
+    ``Engine.step``), so that its next turn's observation can be appended in place.
+    """
+
+    def __init__(self, engine: Engine, members: Sequence[Member], *, reserve: int = 0):
+        if not members:
+            raise ValueError("a decoder needs at least one member")
+        for member in members:
+            _check_member(engine, member)
+        self.engine, self.reserve = engine, reserve
+        self.members = list(members)
+        self.live = list(range(len(members)))  # member index of each batch row
+        self.device = engine.adapter.device
+        self._prefixes, self._group_of = _groups(members)
+        self._shared = [  # per growing layer, per group: the prefix's blocks
+            [[block.views() for block in prefix.blocks(i)] for prefix in self._prefixes] if grows else []
+            for i, grows in enumerate(self._grows())
+        ]
+        starts = [0 if self._group_of[k] < 0 else self._prefixes[self._group_of[k]].num_tokens for k in self.live]
+        self._own_start = torch.tensor(starts, dtype=torch.long, device=self.device)
+        self._positions = torch.tensor([m.state.num_tokens for m in members], dtype=torch.long, device=self.device)
+        self._loaded = [m.state.num_tokens - start for m, start in zip(members, starts, strict=True)]
+        self._stepped = [0] * len(members)  # tokens given to each member in this session
+        self._own = [self._load_own(i) if grows else () for i, grows in enumerate(self._grows())]
+        self._recurrent = [() if grows else self._load_recurrent(i) for i, grows in enumerate(self._grows())]
+
+    # --- public ---------------------------------------------------------------------------------------------
+    def step(self, tokens: Sequence[int] | Tensor) -> Tensor:
+        """One token for each live member (in ``live`` order); returns their next-token logits ``[len(live), V]``."""
+        if not self.live:
+            raise ValueError("every member has left the decoder")
+        adapter = self.engine.adapter
+        ids = as_token_ids(tokens, vocab_size=adapter.vocab_size).to(self.device)
+        if ids.shape[0] != len(self.live):
+            raise ValueError(f"{len(self.live)} members in the batch but {ids.shape[0]} tokens")
+        lengths = [self._loaded[k] + self._stepped[k] for k in self.live]
+        self._reserve_own(max(lengths) + 1)
+        own_lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        slots = torch.arange(max(lengths) + 1, device=self.device)
+        visible = slots < own_lengths[:, None] + 1  # own positions and the new one
+        present, groups = self._batch_groups()
+        batch = DecodeBatch(self._positions, groups, self._own_start, own_lengths, visible)
+        contexts = [
+            DecodeContext(shared=[shared[g] for g in present] if shared else [], own=own, recurrent=recurrent)
+            for shared, own, recurrent in zip(self._shared, self._own, self._recurrent, strict=True)
+        ]
+        with torch.no_grad():
+            hidden, new = adapter.decode(ids, batch, contexts, attention=self.engine.attention)
+            logits = adapter.lm_head(hidden)
+        self._recurrent = [() if grows else entry for grows, entry in zip(self._grows(), new, strict=True)]
+        self._positions = self._positions + 1
+        for k in self.live:
+            self._stepped[k] += 1
+        return logits
+
+    def leave(self, members: Sequence[int]) -> list[State]:
+        """Take ``members`` (indices into the members given) out of the batch; returns their states, each covering
+        every token it was given (the member's own state unchanged if it was given none)."""
+        rows = [self.live.index(k) for k in members]
+        states = [self._state(k, row) for k, row in zip(members, rows, strict=True)]
+        leaving = set(rows)
+        self._compact([row for row in range(len(self.live)) if row not in leaving])
+        return states
+
+    # --- internals ------------------------------------------------------------------------------------------
+    def _grows(self) -> list[bool]:
+        return [layer.mixer.grows for layer in self.engine.adapter.layers]
+
+    def _batch_groups(self) -> tuple[list[int], tuple[DecodeGroup, ...]]:
+        """The groups with members in the batch (their indices, and their rows)."""
+        rows: dict[int, list[int]] = {}
+        for row, k in enumerate(self.live):
+            if self._group_of[k] >= 0:
+                rows.setdefault(self._group_of[k], []).append(row)
+        present = sorted(rows)
+        device = self.device
+        groups = tuple(DecodeGroup(torch.tensor(rows[g], device=device), self._prefixes[g].num_tokens) for g in present)
+        return present, groups
+
+    def _load_own(self, layer: int) -> tuple[Tensor, ...]:
+        """Buffers ``[B, capacity, *shape]`` holding each member's own positions of ``layer`` (after its prefix)."""
+        adapter = self.engine.adapter
+        capacity = max(self._loaded) + 1 + self.reserve
+        buffers = tuple(
+            torch.zeros((len(self.members), capacity, *shape), dtype=adapter.dtype, device=self.device)
+            for shape in adapter.layers[layer].mixer.state_shapes()
+        )
+        for row, member in enumerate(self.members):
+            at = 0
+            for views in _own_views(member.state.blocks(layer), int(self._own_start[row])):
+                for buffer, view in zip(buffers, views, strict=True):
+                    buffer[row, at : at + view.shape[0]] = view
+                at += views[0].shape[0]
+        return buffers
+
+    def _load_recurrent(self, layer: int) -> tuple[Tensor, ...]:
+        """The members' recurrent states of ``layer`` stacked ``[B, ...]``."""
+        states = [member.state.recurrent(layer) for member in self.members]
+        assert all(s is not None for s in states)  # only an empty state (refused) has none
+        return tuple(torch.stack(parts) for parts in zip(*(s.tensors for s in states if s is not None), strict=True))
+
+    def _reserve_own(self, length: int) -> None:
+        """Grow the own buffers (doubling) to hold ``length`` positions per member."""
+        for i, buffers in enumerate(self._own):
+            if buffers and buffers[0].shape[1] < length:
+                grown = tuple(b.new_zeros((b.shape[0], 2 * length, *b.shape[2:])) for b in buffers)
+                for new, old in zip(grown, buffers, strict=True):
+                    new[:, : old.shape[1]] = old
+                self._own[i] = grown
+
+    def _state(self, k: int, row: int) -> State:
+        """Member ``k``'s state plus the positions it was given, as one chunk (row ``row`` of the buffers)."""
+        state, n = self.members[k].state, self._stepped[k]
+        if n == 0:
+            return state
+        lo = self._loaded[k]
+        blocks: list[Block | None] = []
+        recurrent: list[RecurrentState | None] = []
+        for i, (own, stacked) in enumerate(zip(self._own, self._recurrent, strict=True)):
+            if own:
+                arena = _arena_for(self.engine, state, i, n, self.reserve)
+                blocks.append(arena.append(tuple(b[row, lo : lo + n] for b in own)))
+                recurrent.append(None)
+            else:  # the member's own copy: a view would keep the whole batch's tensor alive
+                blocks.append(None)
+                recurrent.append(RecurrentState(tuple(t[row].clone() for t in stacked)))
+        return state.append(ChunkRecord(state.num_tokens, n, tuple(blocks), tuple(recurrent)))
+
+    def _compact(self, keep: list[int]) -> None:
+        """Keep only batch rows ``keep`` (in order)."""
+        if len(keep) == len(self.live):
+            return
+        self.live = [self.live[row] for row in keep]
+        if not keep:
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._own = [tuple(b.index_select(0, index) for b in own) for own in self._own]
+        self._recurrent = [tuple(t.index_select(0, index) for t in stacked) for stacked in self._recurrent]
+        self._positions = self._positions.index_select(0, index)
+        self._own_start = self._own_start.index_select(0, index)
+
+
+def decode_step(
+    engine: Engine, members: Sequence[Member], tokens: Sequence[int] | Tensor, *, reserve: int = 0
+) -> tuple[list[State], Tensor]:
+    """One token for each member in one batched forward: their new states and next-token logits ``[B, V]``."""
+    decoder = Decoder(engine, members, reserve=reserve)
+    logits = decoder.step(tokens)
+    return decoder.leave(range(len(members))), logits
+
+
+def _check_member(engine: Engine, member: Member) -> None:
+    state, prefix = member.state, member.prefix
+    if not isinstance(state, State) or state.owner != id(engine.model) or state.num_layers != engine.num_layers:
+        raise ValueError("a member's state was not made by this engine (Engine.capture / extend / a Decoder)")
+    if state.num_tokens == 0:
+        raise ValueError("a member's state is empty: capture at least one token before decoding")
+    if prefix is not None and prefix.chunks:
+        # a child re-creates its parent's last record without the recurrent state; the blocks stay the same
+        at, last = len(prefix.chunks) - 1, prefix.chunks[-1]
+        if at >= len(state.chunks) or state.chunks[at].blocks is not last.blocks or state.chunks[at].end != last.end:
+            raise ValueError("a member's prefix is not an ancestor of its state")
+
+
+def _groups(members: Sequence[Member]) -> tuple[list[State], list[int]]:
+    """The distinct non-empty prefixes (in order of first appearance) and each member's group (-1: none)."""
+    index: dict[int, int] = {}
+    prefixes: list[State] = []
+    group_of = []
+    for member in members:
+        prefix = member.prefix
+        if prefix is None or prefix.num_tokens == 0:
+            group_of.append(-1)
+            continue
+        if id(prefix) not in index:
+            index[id(prefix)] = len(prefixes)
+            prefixes.append(prefix)
+        group_of.append(index[id(prefix)])
+    return prefixes, group_of
+
+
+def _own_views(blocks: list[Block], start: int) -> list[tuple[Tensor, ...]]:
+    """The views of ``blocks`` (covering positions from 0, in order) past position ``start``."""
+    out = []
+    position = 0
+    for block in blocks:
+        end = position + block.length
+        if end > start:
+            out.append(Block(block.arena, block.lo + max(0, start - position), block.hi).views())
+        position = end
+    return out
+
+
+def _arena_for(engine: Engine, state: State, layer: int, n: int, reserve: int) -> Arena:
+    """Where layer ``layer`` of ``state`` appends ``n`` positions: in place at its last arena's fill mark (no
+    sibling wrote there yet), else fresh storage with ``reserve`` extra positions — ``Engine.extend``'s rule."""
+    blocks = state.blocks(layer)
+    last = blocks[-1] if blocks else None
+    if last is not None and last.arena.can_append(last.hi, n):
+        return last.arena
+    adapter = engine.adapter
+    return Arena(adapter.layers[layer].mixer.state_shapes(), n + reserve, adapter.dtype, adapter.device)
