@@ -278,7 +278,8 @@ BACKEND_NAMES = ("auto", *BACKENDS)
 @dataclass(frozen=True)
 class Attention:
     """How the engine runs attention: the backend (a name of ``BACKENDS``, or ``"auto"``), the eager backend's score
-    budget, and the most positions of a block whose key/value gradient is computed at once in backward."""
+    budget, and the most positions of a block with gradient sinks whose key/value gradient is computed at once in
+    backward (the engine uses its chunk size: the transient is then smaller than the chunk's own graph)."""
 
     backend: str = "auto"
     max_score_elements: int = DEFAULT_SCORE_ELEMENTS
@@ -354,8 +355,10 @@ class _BlockAttention(torch.autograd.Function):
         q4, d_out4 = as_heads(q), as_heads(d_out).contiguous()
         dq = torch.zeros(q4.shape, dtype=lse.dtype, device=q.device)
         for block in ctx.blocks:
-            for lo in range(0, block.length, attention.max_piece):
-                piece = block.piece(lo, lo + attention.max_piece)
+            # a block with sinks in pieces (its dK/dV transient stays piece-sized); one without, whole (no dK/dV kept)
+            step = attention.max_piece if block.wants_grad else max(block.length, 1)
+            for lo in range(0, block.length, step):
+                piece = block.piece(lo, lo + step)
                 k4, v4 = as_heads(piece.k), as_heads(piece.v)
                 dq_b, dk, dv = attention.kernel(q4, k4, v4).backward(d_out4, q4, k4, v4, out, lse, False, ctx.scale)
                 dq += dq_b

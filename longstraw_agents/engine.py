@@ -56,8 +56,7 @@ class EngineConfig:
         "eager" (see ``longstraw_agents.attention``).
     max_score_elements: attention scores (heads x queries x keys) the eager backend (and DSA's indexer) materialise
         at once; longer key blocks are processed in pieces, so a chunk's transient memory does not grow with the
-        prefix. In backward, a block's key/value gradient is computed for at most
-        ``max(chunk_size, max_score_elements / elements per position)`` positions at a time.
+        prefix. In backward, a state block's key/value gradient is computed ``chunk_size`` positions at a time.
     checkpoint_every: with exact gradients, keep the recurrent (GatedDeltaNet) state after every k-th chunk; the
         reverse walk recomputes the ones in between forward from the nearest checkpoint (one extra no-grad forward of
         those chunks). None: the smallest k whose checkpoints take no more memory per token than the attention
@@ -103,7 +102,8 @@ class Engine:
         if chunk_size is not None:
             config = dataclasses.replace(config, chunk_size=chunk_size)
         self.config = config
-        self.attention = Attention(config.attention, config.max_score_elements, self._gradient_piece(config))
+        # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
+        self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size)
 
     @property
     def family(self) -> str:
@@ -238,19 +238,6 @@ class Engine:
     def _forward(self, ids: Tensor, start: int, contexts: list[LayerContext]):
         return self.adapter.forward(ids, start, contexts, attention=self.attention)
 
-    def _gradient_piece(self, config: EngineConfig) -> int:
-        """Positions of a state block whose key/value gradient the attention backward computes at once: the score
-        budget's worth of elements, never fewer than a chunk (fewer, larger kernel calls)."""
-        per_position = max(
-            (
-                sum(math.prod(shape) for shape in layer.mixer.state_shapes())
-                for layer in self.adapter.layers
-                if layer.mixer.grows
-            ),
-            default=1,
-        )
-        return max(config.chunk_size, config.max_score_elements // per_position)
-
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
         ids = as_token_ids(ids, allow_empty=allow_empty, vocab_size=self.adapter.vocab_size)
         return ids.to(device=self.adapter.device)
@@ -371,7 +358,7 @@ class Engine:
                 recurrent.append(None)
             else:
                 blocks.append(None)
-                recurrent.append(RecurrentState(tuple(t.detach() for t in entry)))
+                recurrent.append(RecurrentState.owning(entry))
         return ChunkRecord(start, n, tuple(blocks), tuple(recurrent))
 
     def _backward_chunk(
@@ -520,7 +507,7 @@ class _RecurrentWalk:
                 ids = self.ids[chunk.start - self.base : chunk.end - self.base]
                 _, new = self.engine._forward(ids, chunk.start, contexts)
             self.cache[t] = tuple(
-                None if block is not None else RecurrentState(tuple(x.detach() for x in entry))
+                None if block is not None else RecurrentState.owning(entry)
                 for entry, block in zip(new, chunk.blocks, strict=True)
             )
 

@@ -36,10 +36,11 @@ def _tiles(n: int, vocab: int, max_tile_elements: int) -> tuple[int, int]:
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, lo: int, hi: int, temperature: float) -> Tensor:
+    """One tile of logits ``[rows, hi - lo]`` (a fresh tensor: callers may work on it in place)."""
     tile = h @ weight[lo:hi].to(h.dtype).T
     if bias is not None:
-        tile = tile + bias[lo:hi].to(h.dtype)
-    return tile / temperature if temperature != 1.0 else tile
+        tile.add_(bias[lo:hi].to(h.dtype))
+    return tile.div_(temperature) if temperature != 1.0 else tile
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -92,8 +93,9 @@ class _HeadLogprobs(torch.autograd.Function):
         for r0 in range(0, n, rows):
             h, g_rows = hidden[r0 : r0 + rows].to(dt), g[r0 : r0 + rows].unsqueeze(-1)
             for c0 in range(0, vocab, cols):
-                probs = torch.exp(_logits(h, weight, bias, c0, c0 + cols, temperature) - lse[r0 : r0 + rows, None])
-                d_logits = probs * g_rows  # the softmax part, subtracted
+                # the softmax part of d logp / d logits, in place in the tile (one tile-sized tensor alive)
+                d_logits = _logits(h, weight, bias, c0, c0 + cols, temperature)
+                d_logits.sub_(lse[r0 : r0 + rows, None]).exp_().mul_(g_rows)
                 d_hidden[r0 : r0 + rows] -= d_logits @ weight[c0 : c0 + cols].to(dt)
                 d_weight[c0 : c0 + cols] -= d_logits.T @ h
                 if d_bias is not None:

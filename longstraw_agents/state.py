@@ -76,9 +76,20 @@ class RecurrentState:
 
     tensors: tuple[Tensor, ...]
 
+    @classmethod
+    def owning(cls, tensors: tuple[Tensor, ...]) -> RecurrentState:
+        """The state of ``tensors`` detached, each on a storage of its own size: a mixer's new state is often a view
+        into a chunk-sized tensor (the conv tail is the last rows of the chunk's conv input), which a view would
+        keep alive with every checkpoint."""
+        return cls(tuple(_own_storage(t.detach()) for t in tensors))
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 @dataclass(frozen=True, eq=False)
