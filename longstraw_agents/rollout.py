@@ -3,22 +3,25 @@ group finishes (one transaction per group, so the store never holds part of a gr
 
 A group is G episodes of the same task (same env seed). The sampler captures the shared prompt once and forks it
 for the G members; each turn, a member's new tokens and the environment's observation extend its own state, so no
-turn re-prefills the episode. An episode that would outgrow the model's context is ended explicitly (finish
-reason ``"context_limit"``), never silently cut.
+turn re-prefills the episode. All members of all groups of a call are played turn by turn in lockstep, so a sampler
+that generates many members at once (``BatchSampler``: ``TorchSampler`` runs one forward per token for all of them)
+gets the widest batch; other samplers (``OpenAISampler``) are asked member by member. An episode that would outgrow
+the model's context is ended explicitly (finish reason ``"context_limit"``), never silently cut.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import gymnasium
 import numpy as np
 from tqdm.auto import tqdm
 
 from longstraw_agents.envs import ToolEnv, unwrap_tool_env
-from longstraw_agents.sampler import Sampler
+from longstraw_agents.sampler import Generation, Sampler
 from longstraw_agents.trajectory import Trajectory
 
 EnvFactory = Callable[[], gymnasium.Env]
@@ -67,6 +70,14 @@ def rollout_group(
     on_episode: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes of the task ``seed`` with ``sampler``; returns their trajectories."""
+    members = start_group(env_factory, sampler, group_size, seed, group_id, limits)
+    return play_until_done([m.env for m in members], [m.handle for m in members], sampler, limits, on_episode)
+
+
+def start_group(
+    env_factory: EnvFactory, sampler: Sampler, group_size: int, seed: int, group_id: str, limits: RolloutLimits
+) -> list[_Member]:
+    """``group_size`` environments reset to the task ``seed`` and the sampler's fork of their (shared) prompt."""
     envs = [unwrap_tool_env(env_factory()) for _ in range(group_size)]
     if limits.max_context is not None and envs[0].config.max_tokens > limits.max_context:
         raise ValueError(
@@ -79,7 +90,7 @@ def rollout_group(
     if any(not np.array_equal(p, prompts[0]) for p in prompts[1:]):
         raise RuntimeError(f"{envs[0].env_id}: reset(seed={seed}) gave different prompts; the env is not seeded")
     handles = sampler.fork(prompts[0].tolist(), group_size)
-    return play_until_done(envs, handles, sampler, limits, on_episode)
+    return [_Member(env, handle) for env, handle in zip(envs, handles, strict=True)]
 
 
 def reset_prompt(env: ToolEnv, seed: int, options: dict | None = None, max_context: int | None = None) -> np.ndarray:
@@ -105,34 +116,84 @@ def play_until_done(
     limits: RolloutLimits,
     on_episode: Callable[[Trajectory], None] | None = None,
 ) -> list[Trajectory]:
-    """Step every member (env + sampler handle, both at the same point of their episode) until all have ended."""
-    active = list(range(len(envs)))
-    while active:
-        still = []
-        for k in active:
-            if _play_turn(envs[k], sampler, handles[k], limits):
-                if on_episode is not None:
-                    on_episode(envs[k].trajectory)
-            else:
-                still.append(k)
-        active = still
+    """Step every member (env + sampler handle, both at the same point of their episode) until all have ended,
+    turn by turn in lockstep: each turn's generations are asked of the sampler at once (``generate_turn``)."""
+    members = [_Member(env, handle) for env, handle in zip(envs, handles, strict=True)]
+    end = None if on_episode is None else (lambda k: on_episode(members[k].env.trajectory))
+    play_lockstep(members, sampler, limits, end)
     return [env.trajectory for env in envs]
 
 
-def _play_turn(env: ToolEnv, sampler: Sampler, handle: Any, limits: RolloutLimits) -> bool:
-    """One assistant turn of one member; True when its episode ended."""
-    budget = limits.max_new_tokens
-    if limits.max_context is not None:
-        budget = min(budget, limits.max_context - sampler.num_tokens(handle))
-        if budget <= 0:
-            env.end_episode("context_limit")
-            return True
-    generation = sampler.generate(handle, budget)
+@runtime_checkable
+class BatchSampler(Sampler, Protocol):
+    """A sampler that generates a turn of many members at once (``TorchSampler``: one forward per token for all)."""
+
+    def generate_batch(self, handles: Sequence[Any], max_new_tokens: Sequence[int | None]) -> list[Generation]: ...
+
+
+def generate_turn(sampler: Sampler, handles: Sequence[Any], budgets: Sequence[int]) -> list[Generation]:
+    """One turn of each member: batched when the sampler can (``BatchSampler``), else member by member."""
+    if isinstance(sampler, BatchSampler):
+        return sampler.generate_batch(handles, list(budgets))
+    return [sampler.generate(handle, budget) for handle, budget in zip(handles, budgets, strict=True)]
+
+
+@dataclass
+class _Member:
+    env: ToolEnv
+    handle: Any
+
+
+def play_lockstep(
+    members: Sequence[_Member],
+    sampler: Sampler,
+    limits: RolloutLimits,
+    on_end: Callable[[int], None] | None = None,
+    on_turn: Callable[[list[Generation]], None] | None = None,
+) -> None:
+    """Play ``members`` until all have ended: each turn, every live member generates (all at once), then each
+    steps its env and extends its handle with the observation. ``on_end(k)`` runs when member k's episode ends
+    (in member order within a turn); ``on_turn`` gets each turn's generations."""
+    active = list(range(len(members)))
+    while active:
+        ended, ready, budgets = [], [], []
+        for k in active:
+            budget = _budget(members[k], sampler, limits)
+            if budget <= 0:
+                members[k].env.end_episode("context_limit")
+                ended.append(k)
+            else:
+                ready.append(k)
+                budgets.append(budget)
+        generations = generate_turn(sampler, [members[k].handle for k in ready], budgets) if ready else []
+        if on_turn is not None:
+            on_turn(generations)
+        active = []
+        for k, generation in zip(ready, generations, strict=True):
+            if _apply(members[k], sampler, generation):
+                ended.append(k)
+            else:
+                active.append(k)
+        for k in sorted(ended):
+            if on_end is not None:
+                on_end(k)
+
+
+def _budget(member: _Member, sampler: Sampler, limits: RolloutLimits) -> int:
+    """Tokens the member may generate this turn: the turn limit, capped by the room left in the context."""
+    if limits.max_context is None:
+        return limits.max_new_tokens
+    return min(limits.max_new_tokens, limits.max_context - sampler.num_tokens(member.handle))
+
+
+def _apply(member: _Member, sampler: Sampler, generation: Generation) -> bool:
+    """Step the member's env with its generation and extend its handle with the observation; True when its
+    episode ended."""
     action = {"token_ids": generation.token_ids, "logprobs": generation.logprobs}
-    observation, _, terminated, truncated, _ = env.step(action)
+    observation, _, terminated, truncated, _ = member.env.step(action)
     if terminated or truncated:
         return True
-    sampler.append(handle, observation.tolist())
+    sampler.append(member.handle, observation.tolist())
     return False
 
 
@@ -147,23 +208,55 @@ def rollout_groups(
     store: EpisodeSink | None = None,
     run_id: str | None = None,
     progress: bool = True,
+    desc: str = "rollout",
 ) -> list[list[Trajectory]]:
-    """One group per seed; each group is written to ``store`` (if given) in one transaction once all its members
-    have finished, so a failure mid-group (server gone, Ctrl-C) leaves no partial group behind."""
-    groups = []
-    bar = tqdm(total=len(seeds) * group_size, desc="rollout", unit="ep", disable=not progress, leave=False)
+    """One group per seed, all groups played together turn by turn (one wide batch for a batched sampler); each
+    group is written to ``store`` (if given) in one transaction once all its members have finished, so a failure
+    mid-group (server gone, Ctrl-C) leaves no partial group behind."""
+    groups = [
+        start_group(env_factory, sampler, group_size, seed, f"{group_prefix}{g}", limits)
+        for g, seed in enumerate(seeds)
+    ]
+    members = [member for group in groups for member in group]
+    finished: list[list[Trajectory]] = [[] for _ in groups]  # per group, in finishing order
+    meter = _RolloutMeter(tqdm(total=len(members), desc=desc, unit="ep", disable=not progress, leave=False))
+
+    def on_end(k: int) -> None:
+        g = k // group_size
+        finished[g].append(members[k].env.trajectory)
+        meter.episode(members[k].env.trajectory)
+        if len(finished[g]) == group_size and store is not None:
+            store.add_episodes(finished[g], run_id=run_id)
+
     try:
-        for g, seed in enumerate(seeds):
-            finished: list[Trajectory] = []  # in finishing order, as episode ids were before
-
-            def on_episode(trajectory: Trajectory, finished: list[Trajectory] = finished) -> None:
-                bar.update(1)
-                finished.append(trajectory)
-
-            group_id = f"{group_prefix}{g}"
-            groups.append(rollout_group(env_factory, sampler, group_size, seed, group_id, limits, on_episode))
-            if store is not None:
-                store.add_episodes(finished, run_id=run_id)
+        play_lockstep(members, sampler, limits, on_end, meter.turn)
     finally:
-        bar.close()
-    return groups
+        meter.close()
+    return [[member.env.trajectory for member in group] for group in groups]
+
+
+class _RolloutMeter:
+    """The rollout's progress line: finished episodes, generated tokens per second and the mean reward so far."""
+
+    def __init__(self, bar: Any):
+        self.bar = bar
+        self.started = time.perf_counter()
+        self.tokens = 0
+        self.rewards: list[float] = []
+
+    def turn(self, generations: list[Generation]) -> None:
+        self.tokens += sum(len(g.token_ids) for g in generations)
+        self._show()
+
+    def episode(self, trajectory: Trajectory) -> None:
+        self.rewards.append(trajectory.reward or 0.0)
+        self.bar.update(1)
+        self._show()
+
+    def _show(self) -> None:
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        reward = sum(self.rewards) / len(self.rewards) if self.rewards else float("nan")
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s, reward {reward:.3f}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -96,16 +96,55 @@ class Recorder:
 
 
 class RecordingFactory:
-    """An env factory that keeps every environment it made."""
+    """An env factory that keeps every environment it made; ``max_turns[k]`` (when given) is the turn limit of the
+    k-th environment it makes, so that members and groups end at different turns (the prompt is the same)."""
 
-    def __init__(self, factory):
+    def __init__(self, factory, max_turns: list[int] | None = None):
         self.factory = factory
+        self.max_turns = max_turns
         self.envs: list[ToolEnv] = []
 
     def __call__(self):
-        env = self.factory()
+        if self.max_turns is None:
+            env = self.factory()
+        else:
+            env = make_env_factory(ENV_ID, {**ENV_KWARGS, "max_turns": self.max_turns[len(self.envs)]})()
         self.envs.append(unwrap_tool_env(env))
         return env
+
+
+class PerMember:
+    """A TorchSampler seen through the plain ``Sampler`` protocol (no ``generate_batch``), as an HTTP sampler is."""
+
+    def __init__(self, sampler: TorchSampler):
+        self.sampler = sampler
+        self.policy_version = sampler.policy_version
+        self.fork, self.generate = sampler.fork, sampler.generate
+        self.append, self.num_tokens = sampler.append, sampler.num_tokens
+
+
+def test_every_live_member_of_every_group_generates_its_turn_in_one_batch(tokenizer):
+    """A batched sampler gets each turn of all members of all groups in one call; the episodes are the ones the
+    member-by-member loop plays (fp64: same seeds, same tokens)."""
+    model = tiny_model("llama", vocab_size=tokenizer.vocab_size, hidden=32, layers=1, dtype=torch.float64)
+    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS), max_turns=[1, 2, 2, 2, 2, 2])
+    sampler = make_sampler(model, tokenizer)
+    widths: list[int] = []
+    generate_batch = sampler.generate_batch
+
+    def recorded(handles, max_new_tokens=None):
+        widths.append(len(handles))
+        return generate_batch(handles, max_new_tokens)
+
+    sampler.generate_batch = recorded  # type: ignore[method-assign]
+    batched = rollout_groups(factory, sampler, [3, 4], G, RolloutLimits(16), progress=False)
+    factory.envs.clear()
+    one_by_one = rollout_groups(factory, PerMember(make_sampler(model, tokenizer)), [3, 4], G, RolloutLimits(16))
+    assert widths == [2 * G, 2 * G - 1]  # the member whose episode ended after turn 1 is not asked again
+    for group_b, group_m in zip(batched, one_by_one, strict=True):
+        for b, m in zip(group_b, group_m, strict=True):
+            assert b.token_ids().tolist() == m.token_ids().tolist() and b.finish_reason == m.finish_reason
+            np.testing.assert_allclose(b.render().logprobs, m.render().logprobs, atol=1e-6)
 
 
 def test_a_group_shares_one_prompt_capture_and_each_trajectory_is_the_handles_history(model, tokenizer):
@@ -156,7 +195,10 @@ def test_assistant_segments_carry_the_sampled_ids_and_behaviour_logprobs(model, 
 
 
 def test_groups_are_stored_whole_as_each_finishes(model, tokenizer, tmp_path: Path):
-    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS))
+    """All groups play turn by turn together; a group reaches the store once all its members have ended, while
+    other groups still play. A random policy never answers, so each episode lasts its env's max_turns: the first
+    member of g0 ends after turn 1, the rest of g0 after turn 2, g1 after turn 3."""
+    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS), max_turns=[1, 2, 2, 3, 3, 3])
     store = Store.open(tmp_path / "trajectories.db")
     run_id = store.add_run(config={"test": True}, model="tiny", tokenizer=tokenizer.name)
     seen: list[tuple[int, int, int]] = []
@@ -170,6 +212,10 @@ def test_groups_are_stored_whole_as_each_finishes(model, tokenizer, tmp_path: Pa
     recorder = Recorder(make_sampler(model, tokenizer, policy_version=2), before_generate=check_store)
     groups = rollout_groups(factory, recorder, [5, 6], G, RolloutLimits(16), store=store, run_id=run_id, progress=False)
 
+    assert [[len(recorder.generations[id(h)]) for h in handles] for handles, _ in recorder.forks] == [
+        [1, 2, 2],
+        [3, 3, 3],
+    ]
     assert all(stored == whole for stored, whole, _ in seen)
     assert any(stored < done for stored, _, done in seen)  # a finished member waits for the rest of its group
     assert any(stored == G for stored, _, _ in seen)  # written during the rollout, not after it
@@ -238,7 +284,8 @@ def test_context_exactly_full_ends_with_context_limit(model, tokenizer):
 
 
 def test_a_failure_mid_group_stores_no_part_of_that_group(model, tokenizer, tmp_path: Path):
-    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS))
+    # g0 ends after turn 1; in g1 one member ends after turn 1, the others would play a second turn
+    factory = RecordingFactory(make_env_factory(ENV_ID, ENV_KWARGS), max_turns=[1, 1, 1, 1, 2, 2])
 
     def fail_once_a_member_of_the_second_group_has_finished():
         second = factory.envs[G:]

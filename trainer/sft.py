@@ -7,11 +7,13 @@ policy's traces (e.g. an environment's scripted policy) gives GRPO something to 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from tqdm.auto import tqdm
 
 from longstraw_agents.trajectory import Trajectory
 
@@ -42,8 +44,11 @@ def supervised_warm_start(
     trajectories: Sequence[Trajectory],
     config: SFTConfig | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    progress: bool | None = None,
 ) -> list[float]:
-    """Train on ``trajectories`` (token-mean NLL per batch); returns the loss of each step."""
+    """Train on ``trajectories`` (token-mean NLL per batch); returns the loss of each step.
+
+    progress: a bar with the loss and tokens per second (None: only when writing to a terminal)."""
     config = config or SFTConfig()
     if not trajectories:
         raise ValueError("no trajectories to warm-start on")
@@ -51,20 +56,29 @@ def supervised_warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     model.train()
     losses = []
-    for step in range(config.steps):
-        batch = [trajectories[rng.randrange(len(trajectories))] for _ in range(config.batch_size)]
-        optimizer.zero_grad(set_to_none=True)
-        total, count = torch.zeros(()), 0
-        for trajectory in batch:
-            nll, n = masked_nll(model, trajectory)
-            total, count = total + nll, count + n
-        loss = total / max(count, 1)
-        loss.backward()
-        if config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(step, losses[-1])
+    bar = tqdm(total=config.steps, desc="warm start", unit="step", disable=None if progress is None else not progress)
+    started, tokens = time.perf_counter(), 0
+    try:
+        for step in range(config.steps):
+            batch = [trajectories[rng.randrange(len(trajectories))] for _ in range(config.batch_size)]
+            optimizer.zero_grad(set_to_none=True)
+            total, count = torch.zeros(()), 0
+            for trajectory in batch:
+                nll, n = masked_nll(model, trajectory)
+                total, count = total + nll, count + n
+                tokens += trajectory.num_tokens
+            loss = total / max(count, 1)
+            loss.backward()
+            if config.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            rate = tokens / max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix_str(f"loss {losses[-1]:.3f}, {rate:,.0f} tok/s", refresh=False)
+            bar.update(1)
+            if on_step is not None:
+                on_step(step, losses[-1])
+    finally:
+        bar.close()
     model.eval()
     return losses

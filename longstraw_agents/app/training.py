@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.records import EvalRecord, StepRecord
@@ -33,17 +35,23 @@ log = logging.getLogger(__name__)
 
 
 def train(config: TrainConfig, resume: bool = False, on_metrics: OnMetrics | None = None) -> Path:
-    """Run (or resume) a training run; returns the run directory."""
+    """Run (or resume) a training run; returns the run directory. With ``config.progress``, a bar counts the GRPO
+    steps (reward, loss, episode tokens per second) over the rollout's and evaluations' own bars."""
     run = Run(config, resume, on_metrics=on_metrics)
     completed = run.trainer.step_count
+    bar = tqdm(total=config.steps, initial=completed, desc="GRPO", unit="step", disable=not config.progress)
     try:
-        if config.eval_episodes and not resume:
-            run.emit(evaluate(run, config.eval_episodes))
-        for step in range(run.trainer.step_count, config.steps):
-            run.emit(rollout_and_train(run, step))
-            completed = step + 1
-            if completed % config.checkpoint_every == 0 or completed == config.steps:
-                run.save_checkpoint()
+        with logging_redirect_tqdm():  # warnings print above the bars instead of through them
+            if config.eval_episodes and not resume:
+                run.emit(evaluate(run, config.eval_episodes))
+            for step in range(run.trainer.step_count, config.steps):
+                record = rollout_and_train(run, step)
+                run.emit(record)
+                bar.set_postfix_str(step_postfix(record), refresh=False)
+                bar.update(1)
+                completed = step + 1
+                if completed % config.checkpoint_every == 0 or completed == config.steps:
+                    run.save_checkpoint()
     except KeyboardInterrupt as interrupt:
         with _sigint_deferred():  # a second Ctrl-C must not cut the metrics line or the checkpoint short
             if isinstance(interrupt, _DeferredInterrupt) and interrupt.record is not None:
@@ -52,10 +60,46 @@ def train(config: TrainConfig, resume: bool = False, on_metrics: OnMetrics | Non
             run.save_checkpoint()
         raise
     finally:
+        bar.close()
         run.close()
     if config.eval_episodes:
         run.emit(evaluate(run, config.eval_episodes, step=completed))
     return run.dir
+
+
+def step_postfix(record: StepRecord) -> str:
+    """The GRPO bar's figures for a step: mean reward, loss, and episode tokens (prompts, generations,
+    observations) per second of the whole step (rollout + update)."""
+    m = record.metrics
+    episodes = sum((record.finish_reasons or {}).values())
+    seconds = (record.rollout_seconds or 0.0) + m.seconds
+    rate = record.episode_tokens_mean * episodes / seconds if seconds > 0 else 0.0
+    return f"reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {rate:,.0f} tok/s"
+
+
+def warn_without_learning_signal(groups: list[list[Trajectory]], step: int) -> None:
+    """Warn when every group of a step has uniform rewards: all advantages are zero, so the update changes nothing
+    but the KL term (if any). All failed usually means the policy cannot solve the task yet; all solved, that the
+    task is too easy for it."""
+    rewards = {t.reward or 0.0 for group in groups for t in group}
+    if not groups or any(len({t.reward or 0.0 for t in group}) > 1 for group in groups):
+        return
+    if rewards == {0.0}:
+        hint = (
+            "every episode failed: check that the warm start is long enough to teach the action format "
+            "(warm_start.sft.steps, warm_start.episodes), that max_new_tokens fits an answer, or raise the sampling "
+            "temperature or group size"
+        )
+    else:
+        hint = "the members of each group scored alike: raise the group size or temperature, or use harder tasks"
+    log.warning(
+        "no learning signal at step %d: in all %d groups every member got the same reward (%s), so every advantage "
+        "is zero; %s",
+        step + 1,
+        len(groups),
+        ", ".join(f"{r:g}" for r in sorted(rewards)),
+        hint,
+    )
 
 
 def rollout_and_train(run: Run, step: int) -> StepRecord:
@@ -76,6 +120,7 @@ def rollout_and_train(run: Run, step: int) -> StepRecord:
         progress=config.progress,
     )
     rollout_s = time.perf_counter() - start
+    warn_without_learning_signal(groups, step)
     try:
         with _sigint_deferred():  # an update is applied whole or not at all
             metrics = run.trainer.train_step([run.trainer.group_from_trajectories(g) for g in groups])
@@ -103,7 +148,9 @@ def evaluate(run: Run, num_episodes: int, step: int | None = None) -> EvalRecord
     seeds = [eval_task_seed(k) for k in range(num_episodes)]
     limits = RolloutLimits(run.config.sampling.max_new_tokens, run.max_context)
     sampler = run.sampler(seed=EVAL_SAMPLING_SEED)
-    groups = rollout_groups(run.env_factory, sampler, seeds, 1, limits, group_prefix="eval-", progress=False)
+    groups = rollout_groups(
+        run.env_factory, sampler, seeds, 1, limits, group_prefix="eval-", progress=run.config.progress, desc="eval"
+    )
     rewards = [t.reward or 0.0 for g in groups for t in g]
     return EvalRecord(
         step=run.trainer.step_count if step is None else step,
