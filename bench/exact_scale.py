@@ -130,7 +130,8 @@ def main() -> None:
     print(
         f"1. tiny hybrid, exact mode, default checkpoint spacing k={growth['spacing']}: peak grows "
         f"{growth['growth_bytes_per_token']:.0f} B per prompt token; attention state "
-        f"{growth['attention_bytes_per_token']} B/token + checkpoints {growth['checkpoint_bytes_per_token']:.0f} B/token (held: "
+        f"{growth['attention_bytes_per_token']} B/token + checkpoints "
+        f"{growth['checkpoint_bytes_per_token']:.0f} B/token (held: "
         f"{growth['checkpoint_bytes'][-1] / MIB:.2f} MiB at {growth['lengths'][-1]} tokens) -> "
         f"{growth['ratio']:.2f}x [target <= 2.5]"
     )

@@ -13,10 +13,9 @@ recurrent state checkpointed at its start, and backpropagating into the paramete
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from longstraw_agents.attention import BACKEND_NAMES, DEFAULT_SCORE_ELEMENTS, Attention
+from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import FamilyAdapter, StateSize, adapter_for, state_size
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import (
@@ -168,8 +168,7 @@ class Engine:
 
     def graph_bank(self, grad: StateGrad) -> GraphBank:
         """A bank for ``EngineConfig.graph_budget_bytes`` of kept chunk graphs feeding ``grad``."""
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        return GraphBank(self.config.graph_budget_bytes, grad, params)
+        return GraphBank(self.config.graph_budget_bytes, grad)
 
     def step(self, state: State, ids: Tensor | Sequence[int], *, reserve: int = 0) -> tuple[State, Tensor]:
         """``extend`` plus the next-token logits after the last of ``ids`` (``[V]``), in one forward: sampling."""
@@ -346,7 +345,7 @@ class Engine:
                 if want_logits and lo + chunk >= ids.shape[0]:
                     last_logits = self.adapter.lm_head(hidden[-1:])[0]
             if keeping and keep is not None:
-                keep.add(record, new, hidden, measured.nbytes)
+                keep.add(record, new, hidden, measured.current_bytes)
         return current.with_checkpoints(state.checkpoints), last_logits
 
     def _record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> ChunkRecord:
@@ -412,25 +411,11 @@ class Engine:
 @dataclass(frozen=True, eq=False)
 class KeptGraph:
     """A chunk evaluated under autograd during capture: its final hidden states and new state entries (in the
-    graph), and the bytes its graph saved for backward."""
+    graph), and the bytes its forward left alive (the graph's saved tensors and these outputs)."""
 
     hidden: Tensor
     new: list[tuple[Tensor, ...]]
     nbytes: int
-
-
-class _SavedBytes:
-    """Bytes of the tensors autograd saves for backward in a block (each storage once), parameters excluded."""
-
-    def __init__(self, skip: set[int]):
-        self.skip, self.seen, self.nbytes = skip, set(skip), 0
-
-    def pack(self, t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.seen:
-            self.seen.add(storage.data_ptr())
-            self.nbytes += storage.nbytes()
-        return t
 
 
 class GraphBank:
@@ -441,17 +426,16 @@ class GraphBank:
     read the state with ``grad``'s sinks, so backpropagating through one feeds the same buffers recomputation would.
     """
 
-    def __init__(self, budget_bytes: int, grad: StateGrad, parameter_storages: set[int]):
+    def __init__(self, budget_bytes: int, grad: StateGrad):
         self.budget_bytes, self.grad = budget_bytes, grad
-        self._params = parameter_storages
         self._graphs: dict[int, KeptGraph] = {}  # by id of the chunk record, in insertion (capture) order
         self.nbytes = 0
 
-    @contextlib.contextmanager
-    def measuring(self) -> Iterator[_SavedBytes]:
-        counter = _SavedBytes(self._params)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            yield counter
+    @staticmethod
+    def measuring() -> MemoryTracker:
+        """Counts the storages a chunk's forward allocates; those still alive after it (``current_bytes``) are what
+        its graph and outputs hold."""
+        return MemoryTracker()
 
     def add(self, record: ChunkRecord, new: list[tuple[Tensor, ...]], hidden: Tensor, nbytes: int) -> None:
         self._graphs[id(record)] = KeptGraph(hidden, new, nbytes)
