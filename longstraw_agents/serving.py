@@ -1,11 +1,37 @@
-"""A minimal OpenAI-compatible completions server over ``TorchSampler`` (token-id prompts, vLLM's response shape).
+"""An OpenAI-compatible completions server over ``TorchSampler``: what the official ``openai`` client and vLLM-style
+token-id clients (``OpenAISampler``) use.
 
-It exists so that ``OpenAISampler`` can be tested end to end on one machine, and to serve a tiny local policy
-to tools that speak the OpenAI API. Bind it to loopback only; it is single-model and serialises requests.
+It exists so that ``OpenAISampler`` can be tested end to end on one machine, and to serve a tiny local policy to
+tools that speak the OpenAI API. Bind it to loopback only; it is single-model and serialises requests.
 
->>> server = CompletionServer(TorchSampler(model, stop_token_ids=[eos]))
->>> server.start()          # serves http://127.0.0.1:<server.port>/v1/completions
+>>> server = CompletionServer(TorchSampler(model, stop_token_ids=[eos]), tokenizer=load_tokenizer())
+>>> server.start()          # serves http://127.0.0.1:<server.port>/v1/completions and /v1/models
+>>> OpenAI(base_url=server.url + "/v1", api_key="unused").completions.create(model="default", prompt="Hi", n=3)
 >>> server.stop()
+
+What is served (``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``):
+
+- Responses carry ``id``, ``object``, ``created``, ``model``, ``choices`` and ``usage`` (with ``total_tokens``).
+- ``prompt``: token ids, or text when the server has a tokenizer; a list of either is a batch of prompts.
+- ``n`` choices per prompt, decoded together; choice k of prompt p draws with its own seed, derived from (request
+  seed, p·n + k), so a seeded request repeats and its choices differ. A null or missing ``seed`` is a random one.
+- ``stream=True``: server-sent events in OpenAI's format, one chunk per generated token of each choice (the chunk
+  of a choice's last token carries its ``finish_reason``), a usage chunk when ``stream_options.include_usage``,
+  then ``data: [DONE]``. Streamed and non-streamed requests with one seed draw the same tokens.
+- Null sampling fields (``temperature``, ``top_p``, ``max_tokens``, ``n``, ``seed``, ...) mean their defaults
+  (1, 1, 16, 1, random), as in the OpenAI API.
+- ``text`` is decoded with the server's tokenizer (``tokenizer=``, e.g. ``load_tokenizer()``): special tokens are
+  skipped unless ``skip_special_tokens`` is false, and a final stop token is left out of the text unless
+  ``include_stop_str_in_output``. Without a tokenizer ``text`` is always ``""``, text prompts are refused and the
+  logprob tokens are ids.
+- vLLM's extensions: ``stop_token_ids`` (default: the sampler's), ``return_tokens_as_token_ids`` (logprob tokens
+  as ``"token_id:N"``), ``skip_special_tokens``, ``include_stop_str_in_output``.
+- ``logprobs`` (any integer) returns each sampled token's log-probability under the temperature-scaled
+  distribution; ``top_logprobs`` is always null (the sampler keeps no alternatives).
+
+Refused with a 400 that names the field: stop strings (``stop``), ``echo``, ``suffix``, ``best_of`` other than
+``n``, non-zero penalties and ``logit_bias`` — the sampler cannot honour them, and ignoring them would silently
+change what the client asked for. A request for another model than ``model_name`` is a 404, as with vLLM.
 """
 
 from __future__ import annotations
@@ -13,17 +39,214 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
-from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.torch_sampler import TorchSampler
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from longstraw_agents.sampler import Generation, SamplingConfig
+from longstraw_agents.tokenizer import Tokenizer
+from longstraw_agents.torch_sampler import TorchHandle, TorchSampler
+
+MAX_CHOICES = 128
+"""Choices per request at most (``n`` × prompts): every one is decoded in the same batch."""
+DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for completions
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool | None = None
+
+
+class CompletionRequest(BaseModel):
+    """The fields of ``POST /v1/completions`` this server reads (others are ignored); null means the default."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # what the sampler cannot do: refused unless null or neutral (``unsupported``)
+    stop: str | list[str] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server cannot honour, with why; None when all are fine."""
+        if self.stop:
+            return "stop: stop strings are not supported; use stop_token_ids"
+        if self.echo:
+            return "echo: echoing the prompt is not supported"
+        if self.suffix:
+            return "suffix: insertion (suffix) is not supported"
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of: only best_of equal to n is supported (every choice is returned)"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return f"{name}: penalties are not supported (send 0 or null)"
+        if self.logit_bias:
+            return "logit_bias: logit biases are not supported"
+        return None
+
+
+class RequestError(ValueError):
+    """A request the server answers with an HTTP error: ``status``, a message and the field at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    def payload(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status == 400 else "not_found_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class _Choice:
+    """One choice being generated: its handle, what it drew so far and the text already sent."""
+
+    index: int
+    handle: TorchHandle
+    limit: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    sent_chars: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Job:
+    """A validated request with its prompts forked: ``run`` (one response) or ``events`` (stream chunks)."""
+
+    def __init__(self, server: CompletionServer, request: CompletionRequest):
+        self.server = server
+        self.request = request
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        prompts = server.prompt_ids(request.prompt)
+        n = request.n or 1
+        if n * len(prompts) > MAX_CHOICES:
+            raise RequestError(f"{n} choices x {len(prompts)} prompts exceed {MAX_CHOICES} per request", param="n")
+        self.sampler = server.request_sampler(request)
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        limit = request.max_tokens or DEFAULT_MAX_TOKENS
+        handles = [h for ids in prompts for h in self.sampler.fork(ids, n)]  # member p·n + k: its own seed
+        self.choices = [_Choice(index, handle, limit) for index, handle in enumerate(handles)]
+
+    def run(self) -> dict[str, Any]:
+        generations = self.sampler.generate_batch([c.handle for c in self.choices])
+        for choice, generation in zip(self.choices, generations, strict=True):
+            choice.ids, choice.logprobs = generation.token_ids, generation.logprobs
+            choice.finish_reason = generation.finish_reason
+        choices = [self._choice_payload(c, c.ids, c.logprobs, self.text(c, final=True)) for c in self.choices]
+        return {**self._envelope(), "choices": choices, "usage": self.usage()}
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """One chunk per generated token of each choice (round robin), then a chunk with each finish reason."""
+        live = list(self.choices)
+        while live:
+            for choice in live:
+                generation = self.sampler.generate(choice.handle, 1)
+                yield self._chunk(choice, self._advance(choice, generation))
+            live = [c for c in live if not c.done]
+        if self.request.stream_options is not None and self.request.stream_options.include_usage:
+            yield {**self._envelope(), "choices": [], "usage": self.usage()}
+
+    def _advance(self, choice: _Choice, generation: Generation) -> tuple[list[int], list[float]]:
+        choice.ids += generation.token_ids
+        choice.logprobs += generation.logprobs
+        if generation.finish_reason == "stop" or len(choice.ids) >= choice.limit:
+            choice.finish_reason = generation.finish_reason
+        return generation.token_ids, generation.logprobs
+
+    def _chunk(self, choice: _Choice, new: tuple[list[int], list[float]]) -> dict[str, Any]:
+        ids, logprobs = new
+        payload = self._choice_payload(choice, ids, logprobs, self.text(choice, final=choice.done))
+        return {**self._envelope(), "choices": [payload], "usage": None}
+
+    def text(self, choice: _Choice, *, final: bool) -> str:
+        """The text of ``choice`` not sent yet; before the end, an incomplete trailing character is held back."""
+        text = self.server.decode(self._visible_ids(choice))
+        if not final:
+            text = text.rstrip("\ufffd")  # bytes of a character split across tokens: wait for the rest
+        delta = text[choice.sent_chars :]
+        choice.sent_chars = max(choice.sent_chars, len(text))
+        return delta
+
+    def _visible_ids(self, choice: _Choice) -> list[int]:
+        ids = choice.ids
+        if choice.finish_reason == "stop" and not self.request.include_stop_str_in_output:
+            ids = ids[:-1]
+        if self.request.skip_special_tokens is not False:
+            special = self.server.special_ids
+            ids = [t for t in ids if t not in special]
+        return ids
+
+    def _choice_payload(self, choice: _Choice, ids: list[int], logprobs: list[float], text: str) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": self._logprobs(ids, logprobs) if self.request.logprobs is not None else None,
+            "finish_reason": choice.finish_reason,
+        }
+
+    def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+        tokens = [self.server.token_label(t, self.request.return_tokens_as_token_ids) for t in ids]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+
+    def _envelope(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.server.model_name}
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(len(c.ids) for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
 
 
 class CompletionServer:
-    def __init__(self, sampler: TorchSampler, host: str = "127.0.0.1", port: int = 0, model_name: str = "default"):
+    """The server; ``sampler`` gives the engine, the default stop tokens and the policy version.
+
+    tokenizer: decodes ``text`` and encodes text prompts; without one ``text`` is ``""`` (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        sampler: TorchSampler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "default",
+        tokenizer: Tokenizer | None = None,
+    ):
         self.sampler = sampler
         self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.special_ids = frozenset(tokenizer.special_tokens.values()) if tokenizer is not None else frozenset()
+        self.created = int(time.time())
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer((host, port), self._handler())
         self._thread: threading.Thread | None = None
@@ -55,50 +278,119 @@ class CompletionServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("prompt must be a non-empty list of token ids")
-        config = SamplingConfig(
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            max_new_tokens=int(body.get("max_tokens", 16)),
-            seed=_seed(body.get("seed")),
-        )
-        stop = body.get("stop_token_ids") or sorted(self.sampler.stop_token_ids)
+    # --- requests -------------------------------------------------------------------------------------------
+    def complete(self, body: Any) -> dict[str, Any]:
+        """The response to a completions request, streamed or not, as one JSON object (``RequestError`` for a bad
+        request)."""
         with self._lock:
-            sampler = TorchSampler(self.sampler.engine, stop, config, policy_version=self.sampler.policy_version)
-            generation = sampler.complete(prompt)
-        return {
-            "object": "text_completion",
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "",
-                    "finish_reason": generation.finish_reason,
-                    "logprobs": {
-                        "tokens": [f"token_id:{t}" for t in generation.token_ids],
-                        "token_logprobs": generation.logprobs,
-                    },
-                }
-            ],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(generation.token_ids)},
-        }
+            return self.job(body).run()
 
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "longstraw-agents"}
+
+    def job(self, body: Any) -> _Job:
+        """A checked request with its prompts forked (call under the server's lock: it runs the engine)."""
+        request = parse_request(body)
+        if request.model is not None and request.model != self.model_name:
+            raise RequestError(
+                f"the model {request.model!r} does not exist; this server serves {self.model_name!r}", 404, "model"
+            )
+        return _Job(self, request)
+
+    def request_sampler(self, request: CompletionRequest) -> TorchSampler:
+        """A sampler for one request: its sampling fields (null: the defaults), stop tokens and seed."""
+        try:
+            config = SamplingConfig(
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                max_new_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
+                seed=secrets.randbits(31) if request.seed is None else request.seed,
+            )
+        except ValidationError as err:
+            raise RequestError(_validation_message(err)) from None
+        stop = request.stop_token_ids or sorted(self.sampler.stop_token_ids)
+        if not all(0 <= t < self._vocab_size for t in stop):
+            raise RequestError(f"stop_token_ids must be in [0, {self._vocab_size})", param="stop_token_ids")
+        return TorchSampler(self.sampler.engine, stop, config, policy_version=self.sampler.policy_version)
+
+    def prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+        """The request's prompts as token ids (a text prompt needs the tokenizer)."""
+        batch: Sequence[str | list[int]]
+        if isinstance(prompt, str):
+            batch = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            batch = [cast(list[int], prompt)]  # one prompt of ids
+        else:
+            batch = cast(Sequence[str | list[int]], prompt)  # a batch of prompts
+        if not batch:
+            raise RequestError("prompt is empty", param="prompt")
+        return [self._ids(p, k) for k, p in enumerate(batch)]
+
+    def _ids(self, prompt: str | list[int], index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(
+                    "text prompts need a tokenizer (CompletionServer(..., tokenizer=...)); send token ids",
+                    param="prompt",
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise RequestError(f"prompt {index} is empty: give at least one token", param="prompt")
+        if not all(0 <= t < self._vocab_size for t in ids):
+            raise RequestError(f"prompt {index}: token ids must be in [0, {self._vocab_size})", param="prompt")
+        return ids
+
+    @property
+    def _vocab_size(self) -> int:
+        return self.sampler.engine.adapter.vocab_size
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None and ids else ""
+
+    def token_label(self, token: int, as_id: bool | None) -> str:
+        """A logprob token: ``"token_id:N"`` (vLLM's ``return_tokens_as_token_ids``, or without a tokenizer), else
+        the token's text."""
+        if as_id or self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token])
+
+    # --- HTTP -----------------------------------------------------------------------------------------------
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                path = self.path.rstrip("/")
+                if path == "/v1/models":
+                    self._send(200, server.models())
+                elif path == f"/v1/models/{server.model_name}":
+                    self._send(200, server.model_card())
+                elif path.startswith("/v1/models/"):
+                    self._send(404, RequestError(f"the model {path[11:]!r} does not exist", 404).payload())
+                else:
+                    self._send(404, RequestError(f"no route GET {self.path}", 404).payload())
+
+            def do_POST(self) -> None:  # noqa: N802
                 if self.path.rstrip("/") != "/v1/completions":
-                    self._send(404, {"error": {"message": f"no route {self.path}"}})
+                    self._send(404, RequestError(f"no route POST {self.path}", 404).payload())
                     return
                 try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                    self._send(200, server.complete(body))
-                except (ValueError, TypeError) as err:
-                    self._send(400, {"error": {"message": str(err)}})
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+                    with server._lock:  # one request at a time: the engine is not shared
+                        job = server.job(body)  # checked and forked before any answer is sent
+                        if job.request.stream:
+                            self._send_events(job.events())
+                        else:
+                            self._send(200, job.run())
+                except RequestError as err:
+                    self._send(err.status, err.payload())
+                except ValueError as err:  # unreadable JSON, a prompt the engine refuses
+                    self._send(400, RequestError(str(err)).payload())
 
             def _send(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()
@@ -108,12 +400,45 @@ class CompletionServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _send_events(self, events: Iterator[dict[str, Any]]) -> None:
+                """Server-sent events; the body ends when the connection closes (HTTP/1.0, no length)."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                try:
+                    for event in events:
+                        self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                        self.wfile.flush()
+                    self.wfile.write(b"data: [DONE]\n\n")
+                except (BrokenPipeError, ConnectionResetError):  # the client went away: stop generating
+                    pass
+
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
 
         return Handler
 
 
-def _seed(value: Any) -> int:
-    """The request's seed; none (or null) means a fresh random one, as with the OpenAI API."""
-    return secrets.randbits(31) if value is None else int(value)
+def parse_request(body: Any) -> CompletionRequest:
+    """``body`` as a ``CompletionRequest``; a ``RequestError`` names the first bad or unsupported field."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        request = CompletionRequest.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise RequestError(_validation_message(err), param=str(first["loc"][0]) if first["loc"] else None) from None
+    problem = request.unsupported()
+    if problem is not None:
+        raise RequestError(problem, param=problem.split(":", 1)[0])
+    return request
+
+
+def _validation_message(err: ValidationError) -> str:
+    """Pydantic's errors as one line per field (a union reports each branch; the field is named once)."""
+    seen: dict[str, str] = {}
+    for error in err.errors():
+        name = str(error["loc"][0]) if error["loc"] else "request"
+        seen.setdefault(name, error["msg"])
+    return "; ".join(f"{name}: {message}" for name, message in seen.items())

@@ -1,54 +1,206 @@
-"""``CompletionServer`` (serving.py) on its own: vLLM's completions response shape over a tiny model, the request's
-sampling fields honoured, clear 4xx answers for bad requests and unknown routes."""
+"""``CompletionServer`` (serving.py): the official ``openai`` client against it (n choices, streaming, the models
+list, null sampling fields, decoded text), vLLM's token-id extensions over raw HTTP, and clear 4xx answers."""
 
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 import torch
 
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.serving import CompletionServer
+from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 
 STOP = 7
+TOKENIZER = load_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def server():
+    """Token ids only (no tokenizer): the shape ``OpenAISampler`` reads."""
     model = tiny_model("llama", dtype=torch.float64)
     with CompletionServer(TorchSampler(model, [STOP], SamplingConfig()), model_name="tiny") as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def text_server():
+    """With the shipped tokenizer (and a model of its vocabulary): decoded text and text prompts."""
+    model = tiny_model("llama", dtype=torch.float64, vocab_size=TOKENIZER.vocab_size)
+    sampler = TorchSampler(model, [TOKENIZER.eos_token_id], SamplingConfig())
+    with CompletionServer(sampler, model_name="tiny", tokenizer=TOKENIZER) as running:
+        yield running
+
+
+def client(server: CompletionServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def post(server: CompletionServer, body: object, path: str = "/v1/completions") -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=60)
 
 
+def ids_of(tokens: list[str]) -> list[int]:
+    return [int(t.split(":")[1]) for t in tokens]
+
+
+# --- the official client ------------------------------------------------------------------------------------------
+
+
+def test_openai_client_gets_n_choices_with_id_created_and_usage(server: CompletionServer) -> None:
+    completion = client(server).completions.create(
+        model="tiny", prompt=[3, 4, 5], n=3, max_tokens=6, seed=11, logprobs=1, extra_body={"stop_token_ids": [255]}
+    )
+    assert completion.id.startswith("cmpl-") and completion.created > 0 and completion.model == "tiny"
+    assert completion.object == "text_completion"
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    draws = [tuple(ids_of(c.logprobs.tokens)) for c in completion.choices]
+    assert all(len(d) == 6 for d in draws) and len(set(draws)) > 1  # each choice draws with its own seed
+    assert all(c.finish_reason == "length" and c.text == "" for c in completion.choices)  # no tokenizer: no text
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (3, 18)
+    assert completion.usage.total_tokens == 21
+    again = client(server).completions.create(
+        model="tiny", prompt=[3, 4, 5], n=3, max_tokens=6, seed=11, logprobs=1, extra_body={"stop_token_ids": [255]}
+    )
+    assert [tuple(ids_of(c.logprobs.tokens)) for c in again.choices] == draws and again.id != completion.id
+
+
+def test_choice_k_draws_what_a_sampler_member_k_draws(server: CompletionServer) -> None:
+    """Choice k is member k of one fork (its own seed): the same tokens and log-probs as in-process sampling."""
+    completion = client(server).completions.create(
+        model="tiny", prompt=[9, 8, 7], n=2, max_tokens=5, seed=3, logprobs=1, extra_body={"stop_token_ids": [255]}
+    )
+    local = TorchSampler(server.sampler.engine, [255], SamplingConfig(max_new_tokens=5, seed=3))
+    expected = local.generate_batch(local.fork([9, 8, 7], 2))
+    for choice, generation in zip(completion.choices, expected, strict=True):
+        assert ids_of(choice.logprobs.tokens) == generation.token_ids
+        assert choice.logprobs.token_logprobs == pytest.approx(generation.logprobs, abs=1e-9)
+
+
+def test_null_sampling_fields_mean_the_defaults(server: CompletionServer) -> None:
+    body = {"prompt": [3, 4, 5], "seed": 4, "logprobs": 1, "stop_token_ids": [255]}
+    nulls = {"temperature": None, "top_p": None, "n": None, "max_tokens": None, "stream": None, "best_of": None}
+    with_nulls = post(server, {**body, **nulls})
+    assert with_nulls.status_code == 200, with_nulls.text
+    assert with_nulls.json()["choices"] == post(server, body).json()["choices"]
+    [choice] = with_nulls.json()["choices"]
+    assert len(choice["logprobs"]["tokens"]) == 16  # the API's default max_tokens
+    completion = client(server).completions.create(model="tiny", prompt=[3, 4, 5], temperature=None, max_tokens=2)
+    assert len(completion.choices) == 1
+
+
+def test_streaming_sends_one_chunk_per_token_then_done(server: CompletionServer) -> None:
+    common = {"model": "tiny", "prompt": [3, 4, 5], "n": 2, "max_tokens": 5, "seed": 8, "logprobs": 1}
+    extra = {"stop_token_ids": [255]}
+    chunks = list(
+        client(server).completions.create(
+            **common, stream=True, stream_options={"include_usage": True}, extra_body=extra
+        )
+    )
+    by_choice: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        by_choice[choice.index] += ids_of(choice.logprobs.tokens)
+        assert chunk.id == chunks[0].id and chunk.object == "text_completion"
+    finishes = [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason]
+    assert len(chunks) == 1 + 10 and finishes == ["length", "length"]  # 5 tokens x 2 choices, then usage
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 3 + 10
+    whole = client(server).completions.create(**common, extra_body=extra)  # the same seed, not streamed
+    assert [by_choice[0], by_choice[1]] == [ids_of(c.logprobs.tokens) for c in whole.choices]
+
+
+def test_raw_stream_is_server_sent_events_ending_with_done(server: CompletionServer) -> None:
+    body = {"prompt": [3, 4], "max_tokens": 3, "stream": True, "stop_token_ids": [255]}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and len(lines) == 3 + 1
+
+
+def test_models_list_and_model_lookup(server: CompletionServer) -> None:
+    api = client(server)
+    assert [m.id for m in api.models.list()] == ["tiny"]
+    assert api.models.retrieve("tiny").owned_by == "longstraw-agents"
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-5")
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
+        api.completions.create(model="gpt-5", prompt=[1, 2])
+
+
+def test_text_is_decoded_and_text_prompts_are_encoded(text_server: CompletionServer) -> None:
+    common = {"model": "tiny", "prompt": "Hello world", "n": 2, "max_tokens": 8, "seed": 5, "logprobs": 1}
+    completion = client(text_server).completions.create(**common, extra_body={"stop_token_ids": [2]})
+    assert completion.usage is not None and completion.usage.prompt_tokens == len(TOKENIZER.encode("Hello world"))
+    as_ids = client(text_server).completions.create(
+        **common, extra_body={"stop_token_ids": [2], "return_tokens_as_token_ids": True}
+    )
+    for choice, same in zip(completion.choices, as_ids.choices, strict=True):
+        ids = ids_of(same.logprobs.tokens)
+        assert choice.text == same.text == TOKENIZER.decode(ids) and choice.text
+        assert choice.logprobs.tokens == [TOKENIZER.decode([t]) for t in ids]  # each token's own text
+
+
+def test_a_final_stop_token_stays_out_of_the_text(text_server: CompletionServer) -> None:
+    greedy = {"prompt": [5, 6], "max_tokens": 4, "temperature": 0.0, "logprobs": 1, "return_tokens_as_token_ids": True}
+    first = ids_of(post(text_server, {**greedy, "stop_token_ids": [2]}).json()["choices"][0]["logprobs"]["tokens"])[0]
+    stopped = post(text_server, {**greedy, "stop_token_ids": [first]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == ""
+    kept = post(text_server, {**greedy, "stop_token_ids": [first], "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == TOKENIZER.decode([first])
+
+
+def test_special_tokens_are_skipped_unless_asked_for(text_server: CompletionServer) -> None:
+    body = {"prompt": [5, 6], "n": 32, "max_tokens": 16, "seed": 0, "logprobs": 1, "stop_token_ids": [2]}
+    body["return_tokens_as_token_ids"] = True
+    default = post(text_server, body).json()["choices"]
+    raw = post(text_server, {**body, "skip_special_tokens": False}).json()["choices"]
+    special = set(TOKENIZER.special_tokens.values())
+    drawn = [ids_of(c["logprobs"]["tokens"]) for c in default]
+    assert any(t in special for ids in drawn for t in ids)  # this seed draws some: the check below can fail
+    for ids, skipped, kept in zip(drawn, default, raw, strict=True):
+        assert skipped["text"] == TOKENIZER.decode([t for t in ids if t not in special])
+        assert kept["text"] == TOKENIZER.decode(ids)
+
+
+def test_streamed_text_adds_up_to_the_whole_text(text_server: CompletionServer) -> None:
+    common = {"model": "tiny", "prompt": "Once", "max_tokens": 12, "seed": 2, "extra_body": {"stop_token_ids": [2]}}
+    streamed = "".join(chunk.choices[0].text for chunk in client(text_server).completions.create(**common, stream=True))
+    whole = client(text_server).completions.create(**common).choices[0].text
+    assert streamed == whole and whole
+
+
+# --- vLLM's token-id shape (what OpenAISampler reads) ---------------------------------------------------------------
+
+
 def test_response_has_the_completions_shape_with_token_ids_and_logprobs(server: CompletionServer) -> None:
-    response = post(server, {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "stop_token_ids": [255]})
+    body = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "stop_token_ids": [255], "logprobs": 1}
+    response = post(server, body)
     assert response.status_code == 200
     payload = response.json()
     assert payload["object"] == "text_completion" and payload["model"] == "tiny"
     choice = payload["choices"][0]
-    ids = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+    ids = ids_of(choice["logprobs"]["tokens"])
     assert len(ids) == len(choice["logprobs"]["token_logprobs"]) == 4 and choice["finish_reason"] == "length"
     assert all(lp <= 0.0 for lp in choice["logprobs"]["token_logprobs"])
-    assert payload["usage"] == {"prompt_tokens": 3, "completion_tokens": 4}
-    again = post(server, {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "stop_token_ids": [255]})
-    assert again.json()["choices"] == payload["choices"]  # greedy decoding is deterministic
+    assert payload["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert post(server, body).json()["choices"] == payload["choices"]  # greedy decoding is deterministic
+    assert post(server, {k: v for k, v in body.items() if k != "logprobs"}).json()["choices"][0]["logprobs"] is None
 
 
 def test_a_stop_token_of_the_request_ends_the_completion(server: CompletionServer) -> None:
-    greedy = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "stop_token_ids": [255]}
-    first = int(post(server, greedy).json()["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
+    greedy = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "stop_token_ids": [255], "logprobs": 1}
+    first = ids_of(post(server, greedy).json()["choices"][0]["logprobs"]["tokens"])[0]
     stopped = post(server, {**greedy, "stop_token_ids": [first]}).json()["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["logprobs"]["tokens"] == [f"token_id:{first}"]
 
 
 def test_seeded_requests_repeat_and_differ_by_seed(server: CompletionServer) -> None:
-    body = {"prompt": [9, 8, 7, 6], "max_tokens": 8, "temperature": 1.0, "stop_token_ids": [255]}
+    body = {"prompt": [9, 8, 7, 6], "max_tokens": 8, "temperature": 1.0, "stop_token_ids": [255], "logprobs": 0}
 
     def tokens(seed: int) -> list[str]:
         return post(server, {**body, "seed": seed}).json()["choices"][0]["logprobs"]["tokens"]
@@ -57,16 +209,51 @@ def test_seeded_requests_repeat_and_differ_by_seed(server: CompletionServer) -> 
     assert len({tuple(tokens(seed)) for seed in range(4)}) > 1
 
 
+def test_a_batch_of_prompts_gets_n_choices_each(server: CompletionServer) -> None:
+    body = {"prompt": [[3, 4], [5, 6, 7]], "n": 2, "max_tokens": 2, "seed": 1, "stop_token_ids": [255]}
+    payload = post(server, body).json()
+    assert [c["index"] for c in payload["choices"]] == [0, 1, 2, 3]
+    assert payload["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+
+
+# --- errors -------------------------------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize(
-    "body",
-    [{"prompt": []}, {"prompt": "text"}, {"prompt": [1, "2"]}, {"prompt": [1], "max_tokens": "many"}, {}],
-    ids=["empty", "text", "mixed", "bad-max-tokens", "no-prompt"],
+    ("body", "field"),
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "text"}, "prompt"),  # no tokenizer
+        ({"prompt": [1, "2"]}, "prompt"),
+        ({"prompt": [1, 300]}, "prompt"),  # outside the model's vocabulary
+        ({"prompt": [1], "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": [1], "n": 0}, "n"),
+        ({"prompt": [1], "temperature": -1}, "temperature"),
+        ({"prompt": [1], "stream": "yes"}, "stream"),
+        ({"prompt": [1], "stop": ["\n"]}, "stop"),
+        ({"prompt": [1], "echo": True}, "echo"),
+        ({"prompt": [1], "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": [1], "stop_token_ids": [10_000]}, "stop_token_ids"),
+        ({}, "prompt"),
+        ([1, 2], None),
+    ],
+    ids=lambda v: str(v)[:40],
 )
-def test_bad_requests_get_400_with_a_message(server: CompletionServer, body: dict) -> None:
+def test_bad_requests_get_400_naming_the_field(server: CompletionServer, body: object, field: str | None) -> None:
     response = post(server, body)
-    assert response.status_code == 400 and response.json()["error"]["message"]
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if field is not None:
+        assert field in error["message"]
+
+
+def test_the_official_client_raises_bad_request_with_the_message(server: CompletionServer) -> None:
+    with pytest.raises(openai.BadRequestError, match="stop strings are not supported"):
+        client(server).completions.create(model="tiny", prompt=[1, 2], stop="\n")
 
 
 def test_unknown_route_is_404(server: CompletionServer) -> None:
     response = post(server, {"prompt": [1]}, path="/v1/chat/completions")
     assert response.status_code == 404 and "/v1/chat/completions" in response.json()["error"]["message"]
+    assert httpx.get(server.url + "/v2/models", timeout=10).status_code == 404
