@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -183,9 +184,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a shell reports for a program killed by SIGPIPE (128 + 13): `longstraw inspect DB | head` ends like `cat`.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that left shows up here, not as a traceback at interpreter exit
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it again at exit raises nothing (Python's documented recipe for
+    a closed pipe)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured or replaced): nothing will flush to a pipe
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,16 @@ Layout (plain column types, so ``sqlite-utils rows trajectories.db episodes`` an
   blob, ``loss_mask`` a uint8 blob (0/1), ``logprobs`` a little-endian float32 blob (NULL when unknown),
   ``tool_calls`` JSON. Read a blob back with ``np.frombuffer(blob, "<i4")`` / ``"<f4"``. Nothing is pickled.
 
+Any trajectory an environment produced is accepted. A policy can write a lone UTF-16 surrogate (``"\\ud800"`` in
+tool-call JSON, decoded by the tool parser into a one-character string that UTF-8, and so SQLite, cannot hold); such
+characters in text, tool calls, info and the id/reason strings are *escaped* on the way in: each becomes the six
+characters ``\\ud800`` (Python's ``backslashreplace``), and the episode's ``info["store_escaped_surrogates"]`` lists
+the fields that were altered (``"segments.3.tool_calls"``, ...). Token ids are never touched; the caller's
+trajectory is not modified.
+
+Reading is checked row by row: a damaged segment (a blob of the wrong length or type, negative ids, a loss mask
+other than 0/1, an unknown role, broken tool-call JSON...) raises ``StoreError`` naming its episode and segment.
+
 The schema version lives in ``PRAGMA user_version`` and the file is marked with ``PRAGMA application_id``; a store
 written by a newer version of this package is refused rather than misread.
 
@@ -41,7 +51,7 @@ from typing import Any
 import numpy as np
 from sqlite_utils import Database
 
-from longstraw_agents.trajectory import Segment, Trajectory
+from longstraw_agents.trajectory import ROLES, Segment, Trajectory
 
 SCHEMA_VERSION = 1
 # "LSTR" in the SQLite header: marks the file as a longstraw store for `file(1)` and for `Store.open`.
@@ -95,6 +105,9 @@ CREATE INDEX idx_episodes_policy_version ON episodes(policy_version);
 """
 
 _INT64 = np.iinfo(np.int64)
+ESCAPED_SURROGATES = "store_escaped_surrogates"
+"""The ``info`` key listing the fields whose lone surrogates ``add_episodes`` escaped (absent when none were)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class StoreError(Exception):
@@ -176,11 +189,57 @@ def _logprobs_to_blob(logprobs: np.ndarray | None) -> bytes | None:
     return None if logprobs is None else np.ascontiguousarray(logprobs, dtype="<f4").tobytes()
 
 
-def _blob_to_array(blob: bytes, dtype: str, *, what: str) -> np.ndarray:
+class _Damaged(ValueError):
+    """A stored value that cannot be what its column holds; re-raised as a StoreError naming the row."""
+
+
+def _sql_type(value: Any) -> str:
+    return {str: "text", int: "an integer", float: "a real", type(None): "NULL"}.get(type(value), type(value).__name__)
+
+
+def _blob_to_array(blob: Any, dtype: str, count: int, *, what: str) -> np.ndarray:
+    """The ``count`` values of ``dtype`` in ``blob``, or ``_Damaged`` saying what is wrong with it."""
+    if not isinstance(blob, bytes):
+        raise _Damaged(f"{what} is {_sql_type(blob)} where a blob belongs")
     itemsize = np.dtype(dtype).itemsize
     if len(blob) % itemsize:
-        raise StoreError(f"{what}: blob of {len(blob)} bytes is not a whole number of {dtype} values")
+        raise _Damaged(f"{what}: blob of {len(blob)} bytes is not a whole number of {dtype} values")
+    if len(blob) != count * itemsize:
+        raise _Damaged(f"{what} holds {len(blob) // itemsize} values for a segment of {count} tokens")
     return np.frombuffer(blob, dtype=dtype)
+
+
+# -- lone surrogates: escaped on the way in ---------------------------------------------------------------------
+
+
+def _escape_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings (dict keys too) escaped as ``\\udXXX``; ``value`` itself
+    (the same object) when it holds none, so ``result is not value`` says whether anything changed."""
+    if isinstance(value, str):
+        if not _SURROGATE.search(value):
+            return value
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, Mapping):
+        items = [(_escape_surrogates(k), _escape_surrogates(v)) for k, v in value.items()]
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
+            return value
+        escaped: dict[Any, Any] = {}
+        for key, item in items:
+            while key in escaped:  # "\ud800" next to a literal "\\ud800": keep both entries
+                key = f"{key}~"
+            escaped[key] = item
+        return escaped
+    if isinstance(value, list | tuple):
+        elements = [_escape_surrogates(v) for v in value]
+        return value if all(e is v for e, v in zip(elements, value, strict=True)) else elements
+    return value
+
+
+def _escaped_field(value: Any, name: str, altered: list[str]) -> Any:
+    escaped = _escape_surrogates(value)
+    if escaped is not value:
+        altered.append(name)
+    return escaped
 
 
 def _json_default(value: Any) -> Any:
@@ -220,30 +279,38 @@ def _reward(value: Any) -> float | None:
     return float(value)
 
 
-def _episode_row(trajectory: Trajectory, run_id: str | None, created_at: str) -> dict[str, Any]:
+def _episode_row(trajectory: Trajectory, run_id: str | None, created_at: str, altered: list[str]) -> dict[str, Any]:
+    """The ``episodes`` row; lone surrogates are escaped and their fields listed in ``info`` with ``altered`` (the
+    segments' fields, already escaped)."""
     for name in ("env_id", "group_id", "finish_reason"):
         if not isinstance(getattr(trajectory, name), str):
             raise StoreError(f"trajectory.{name} must be a str, got {getattr(trajectory, name)!r}")
     if not isinstance(trajectory.info, Mapping):
         raise StoreError(f"trajectory.info must be a dict, got {type(trajectory.info).__name__}")
+    names = {name: _escaped_field(getattr(trajectory, name), name, altered) for name in ("env_id", "group_id")}
+    finish_reason = _escaped_field(trajectory.finish_reason, "finish_reason", altered)
+    info = dict(_escaped_field(trajectory.info, "info", altered))
+    if altered:
+        earlier = info.get(ESCAPED_SURROGATES, [])
+        info[ESCAPED_SURROGATES] = [*(earlier if isinstance(earlier, list) else [earlier]), *altered]
     return {
         "run_id": run_id,
-        "env_id": trajectory.env_id,
-        "group_id": trajectory.group_id,
+        **names,
         "seed": _int64(trajectory.seed, what="seed", optional=True),
         "policy_version": _int64(trajectory.policy_version, what="policy_version"),
         "reward": _reward(trajectory.reward),
-        "finish_reason": trajectory.finish_reason,
+        "finish_reason": finish_reason,
         "num_tokens": trajectory.num_tokens,
         "num_segments": len(trajectory.segments),
         "created_at": created_at,
-        "info": _to_json(dict(trajectory.info), what="trajectory.info"),
+        "info": _to_json(info, what="trajectory.info"),
     }
 
 
-def _segment_row(idx: int, segment: Segment) -> dict[str, Any]:
+def _segment_row(idx: int, segment: Segment, altered: list[str]) -> dict[str, Any]:
     if not isinstance(segment, Segment):
         raise StoreError(f"segment {idx} is a {type(segment).__name__}, not a Segment")
+    tool_calls = _escaped_field(segment.tool_calls, f"segments.{idx}.tool_calls", altered)
     return {
         "idx": idx,
         "role": segment.role,
@@ -252,8 +319,8 @@ def _segment_row(idx: int, segment: Segment) -> dict[str, Any]:
         "token_ids": _ids_to_blob(segment.token_ids),
         "loss_mask": _mask_to_blob(segment.loss_mask),
         "logprobs": _logprobs_to_blob(segment.logprobs),
-        "text": segment.text,
-        "tool_calls": None if segment.tool_calls is None else _to_json(segment.tool_calls, what=f"segment {idx}"),
+        "text": _escaped_field(segment.text, f"segments.{idx}.text", altered),
+        "tool_calls": None if tool_calls is None else _to_json(tool_calls, what=f"segment {idx}"),
     }
 
 
@@ -266,24 +333,67 @@ class _EncodedEpisode:
 def _encode(trajectory: Trajectory, run_id: str | None) -> _EncodedEpisode:
     if not isinstance(trajectory, Trajectory):
         raise StoreError(f"expected a Trajectory, got {type(trajectory).__name__}")
-    return _EncodedEpisode(
-        episode=_episode_row(trajectory, run_id, _utc_now()),
-        segments=[_segment_row(idx, seg) for idx, seg in enumerate(trajectory.segments)],
-    )
+    altered: list[str] = []
+    segments = [_segment_row(idx, seg, altered) for idx, seg in enumerate(trajectory.segments)]
+    return _EncodedEpisode(episode=_episode_row(trajectory, run_id, _utc_now(), altered), segments=segments)
 
 
 def _segment_from_row(episode_id: int, row: Mapping[str, Any]) -> Segment:
-    where = f"episode {episode_id} segment {row['idx']}"
-    logprobs = row["logprobs"]
-    return Segment(
-        role=row["role"],
-        token_ids=_blob_to_array(row["token_ids"], "<i4", what=where).astype(np.int32),
-        loss_mask=_blob_to_array(row["loss_mask"], "u1", what=where).astype(bool),
-        logprobs=None if logprobs is None else _blob_to_array(logprobs, "<f4", what=where).astype(np.float32),
-        turn=row["turn"],
-        text=row["text"],
-        tool_calls=None if row["tool_calls"] is None else json.loads(row["tool_calls"]),
-    )
+    """The stored segment; ``StoreError`` naming the episode and the segment when the row is damaged."""
+    try:
+        count = _stored_int(row["num_tokens"], "num_tokens")
+        if count < 0:
+            raise _Damaged(f"num_tokens is {count}")
+        ids = _blob_to_array(row["token_ids"], "<i4", count, what="token_ids")
+        if ids.size and ids.min() < 0:
+            raise _Damaged(f"token_ids holds negative ids: {ids[ids < 0][:8].tolist()}")
+        mask = _blob_to_array(row["loss_mask"], "u1", count, what="loss_mask")
+        if mask.size and mask.max() > 1:
+            raise _Damaged(f"loss_mask holds values other than 0 and 1: {sorted(set(mask.tolist()) - {0, 1})[:8]}")
+        logprobs = row["logprobs"]
+        if row["role"] not in ROLES:
+            raise _Damaged(f"role is {row['role']!r}, not one of {ROLES}")
+        if not isinstance(row["text"], str):
+            raise _Damaged(f"text is {_sql_type(row['text'])} where text belongs")
+        return Segment(
+            role=row["role"],
+            token_ids=ids.astype(np.int32),
+            loss_mask=mask.astype(bool),
+            logprobs=None if logprobs is None else _blob_to_array(logprobs, "<f4", count, what="logprobs").copy(),
+            turn=_stored_int(row["turn"], "turn"),
+            text=row["text"],
+            tool_calls=_stored_tool_calls(row["tool_calls"]),
+        )
+    except _Damaged as err:
+        raise StoreError(f"episode {episode_id} segment {row['idx']} is damaged: {err}") from None
+
+
+def _stored_int(value: Any, what: str) -> int:
+    if not isinstance(value, int):
+        raise _Damaged(f"{what} is {_sql_type(value)} where an integer belongs")
+    return value
+
+
+def _stored_json(value: Any, what: str) -> Any:
+    if not isinstance(value, str):
+        raise _Damaged(f"{what} is {_sql_type(value)} where JSON text belongs")
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise _Damaged(f"{what} is not valid JSON ({err})") from None
+
+
+def _stored_tool_calls(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    calls = _stored_json(value, "tool_calls")
+    if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
+        raise _Damaged(f"tool_calls is {_preview(value)}, not a JSON list of objects")
+    return calls
+
+
+def _preview(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _record_from_rows(episode: Mapping[str, Any], segment_rows: list[dict[str, Any]]) -> EpisodeRecord:
@@ -293,6 +403,10 @@ def _record_from_rows(episode: Mapping[str, Any], segment_rows: list[dict[str, A
             f"episode {episode_id} is damaged: expected segments 0..{episode['num_segments'] - 1}, "
             f"found {[row['idx'] for row in segment_rows]}"
         )
+    try:
+        info = _stored_json(episode["info"], "info")
+    except _Damaged as err:
+        raise StoreError(f"episode {episode_id} is damaged: {err}") from None
     trajectory = Trajectory(
         segments=[_segment_from_row(episode_id, row) for row in segment_rows],
         env_id=episode["env_id"],
@@ -301,7 +415,7 @@ def _record_from_rows(episode: Mapping[str, Any], segment_rows: list[dict[str, A
         reward=episode["reward"],
         finish_reason=episode["finish_reason"],
         policy_version=episode["policy_version"],
-        info=json.loads(episode["info"]),
+        info=info,
     )
     if trajectory.num_tokens != episode["num_tokens"]:
         raise StoreError(
@@ -311,6 +425,14 @@ def _record_from_rows(episode: Mapping[str, Any], segment_rows: list[dict[str, A
     return EpisodeRecord(
         id=episode_id, run_id=episode["run_id"], created_at=episode["created_at"], trajectory=trajectory
     )
+
+
+def _run_from_row(row: Mapping[str, Any]) -> RunRecord:
+    try:
+        config = _stored_json(row["config"], "config")
+    except _Damaged as err:
+        raise StoreError(f"run {row['id']!r} is damaged: {err}") from None
+    return RunRecord(**{**row, "config": config})
 
 
 def _utc_now() -> str:
@@ -358,6 +480,8 @@ _GROUPED, _UNGROUPED = "group_id != ''", "group_id = ''"
 def _connect(path: Path, create: bool) -> sqlite3.Connection:
     if str(path) == ":memory:":
         return sqlite3.connect(":memory:", timeout=BUSY_TIMEOUT_S)
+    if path.is_dir():
+        raise StoreError(f"{path} is a directory, not a store file{_store_hint(path)}")
     if not create:
         if not path.is_file():
             raise StoreError(f"no store at {path}: the file does not exist")
@@ -365,6 +489,12 @@ def _connect(path: Path, create: bool) -> sqlite3.Connection:
         return sqlite3.connect(f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=BUSY_TIMEOUT_S)
     path.parent.mkdir(parents=True, exist_ok=True)
     return sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)
+
+
+def _store_hint(directory: Path) -> str:
+    """Where the store of a run directory is, when ``directory`` holds one."""
+    inside = directory / "trajectories.db"
+    return f" (the run's store is {inside})" if inside.is_file() else ""
 
 
 class Store:
@@ -491,7 +621,7 @@ class Store:
             except BaseException:
                 self._db.rollback()
                 raise
-        except sqlite3.Error as err:
+        except (sqlite3.Error, UnicodeEncodeError) as err:  # the latter: a lone surrogate in a run's strings
             raise StoreError(f"{what} in {self.path} failed, nothing was written: {err}") from err
 
     # -- writing ----------------------------------------------------------------------------------------------
@@ -524,7 +654,10 @@ class Store:
         return self.add_episodes([trajectory], run_id=run_id)[0]
 
     def add_episodes(self, trajectories: Iterable[Trajectory], run_id: str | None = None) -> list[int]:
-        """Write several trajectories in one transaction: all of them are stored, or (on error) none."""
+        """Write several trajectories in one transaction: all of them are stored, or (on error) none.
+
+        Lone surrogates in their strings are escaped (``"\\ud800"`` → ``\\ud800``) and the altered fields listed in
+        the stored ``info["store_escaped_surrogates"]``; the trajectories themselves are left as they are."""
         # Encode before taking the write lock: bad input fails here with nothing written, and other writers wait
         # only for the inserts.
         encoded = [_encode(trajectory, run_id) for trajectory in trajectories]
@@ -647,10 +780,7 @@ class Store:
         return self._select(sql, params)[0]["n"]
 
     def runs(self) -> list[RunRecord]:
-        return [
-            RunRecord(**{**row, "config": json.loads(row["config"])})
-            for row in self._select("SELECT * FROM runs ORDER BY created_at, id")
-        ]
+        return [_run_from_row(row) for row in self._select("SELECT * FROM runs ORDER BY created_at, id")]
 
     def group_sizes(self, run_id: str, group_prefix: str) -> dict[str, int]:
         """Stored episodes per group id of ``run_id`` whose group id starts with ``group_prefix``."""

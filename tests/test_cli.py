@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 import yaml
 from tiny_runs import ENV_ID, TINY_MODEL, WARM_START, tiny_config_dict
 
-from longstraw_agents.cli import main
+from longstraw_agents.cli import EXIT_BROKEN_PIPE, main
 from longstraw_agents.store import Store
 from longstraw_agents.trajectory import Segment, Trajectory
 
@@ -102,6 +103,9 @@ def test_invalid_configs_exit_2_and_name_the_fields(tmp_path: Path, capsys) -> N
         capsys, "train", write_yaml(tmp_path / "ok.yaml", tiny_config_dict(tmp_path)), "--steps", "-1"
     )
     assert code == 2 and "  steps:" in err
+    quoted = write_yaml(tmp_path / "quoted.yaml", tiny_config_dict(tmp_path / "run", steps="3"))
+    code, _, err = run_cli(capsys, "train", quoted)
+    assert code == 2 and "  steps: Input should be a valid integer" in err  # no longer run as 3 steps
     code, _, err = run_cli(capsys, "train", tmp_path / "missing.yaml")
     assert code == 2 and "does not exist" in err
     (tmp_path / "train.ini").write_text("[env]\n")
@@ -121,6 +125,12 @@ def test_config_errors_found_before_training_exit_2_and_leave_no_run(tmp_path: P
             ["invalid env.kwargs", "  env.kwargs.max_turns:", "  env.kwargs.colour:"],
         ),
         "long-prompt": ({"model": {**TINY_MODEL, "max_context": 16}}, ["model's context limit of 16 tokens"]),
+        "preset-argument": (
+            {"model": {"preset": "llama", "overrides": {"hiden": 128}}},
+            ["model.overrides.hiden: not an argument of the llama preset; valid: vocab_size, hidden, layers"],
+        ),
+        "missing-model": ({"model": {"path": str(tmp_path / "no-model")}}, ["model.path: no model directory at"]),
+        "missing-tokenizer": ({"tokenizer": str(tmp_path / "no-tokenizer")}, ["tokenizer: unknown tokenizer"]),
     }
     for name, (update, expected) in cases.items():
         code, out, err = run_cli(
@@ -293,11 +303,31 @@ def test_inspect_refuses_what_is_not_a_store(tmp_path: Path, capsys: pytest.Capt
     code, _, err = run_inspect(capsys, str(text))
     assert code == 2 and "is not a longstraw store: it is not a SQLite database" in err
 
+    code, _, err = run_inspect(capsys, str(tmp_path))  # a run directory given for its store
+    assert code == 2 and err.strip() == f"error: {tmp_path} is a directory, not a store file"
+
     foreign = tmp_path / "other.db"
     with closing(sqlite3.connect(foreign)) as conn:
         conn.execute("CREATE TABLE notes (body TEXT)")
     code, _, err = run_inspect(capsys, str(foreign))
     assert code == 2 and "is not a longstraw store (it is a SQLite database with tables: notes)" in err
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(db: Path) -> None:
+    """``longstraw inspect DB | head``: the reader leaves early; the CLI used to end in a BrokenPipeError traceback.
+    The read end is closed before the CLI writes, so its first write fails, as after ``head`` has its lines."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "longstraw_agents.cli", "inspect", str(db), "--transcript"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr.decode() == "" and done.returncode == EXIT_BROKEN_PIPE == 141
 
 
 def test_episode_and_group_are_exclusive(db: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,13 +1,25 @@
-"""What README.md shows is what the repository has: the config it prints, the commands it names, the env id form."""
+"""What README.md shows is what the repository has: the config it prints, the commands it names, the env id form,
+the code it shows (the served-policy snippet, a custom env trained from the CLI) and what it says about them."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
-from longstraw_agents.cli import build_parser
+import pytest
+import yaml
+
+from longstraw_agents.cli import build_parser, main
+from longstraw_agents.envs import tool_instructions
+from longstraw_agents.sampler import OpenAISampler, SamplingConfig
+from longstraw_agents.store import Store
+from longstraw_agents.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -58,3 +70,80 @@ def test_every_path_the_readme_names_exists() -> None:
         re.findall(r"`((?:tests|examples|scripts|bench|envs|tools|trainer|longstraw_agents)/[\w/.]+\.py)`", README)
     )
     assert named and not [path for path in named if not (ROOT / path).exists()]
+
+
+def _code_blocks(language: str) -> list[str]:
+    return [block.split("```", 1)[0] for block in README.split(f"```{language}\n")[1:]]
+
+
+def _block_with(language: str, text: str) -> str:
+    [block] = [b for b in _code_blocks(language) if text in b]
+    return block
+
+
+def test_the_openai_sampler_snippet_calls_the_real_signature() -> None:
+    """README's example used to pass ``sampling=`` and no stop ids: a TypeError against the real constructor."""
+    snippet = _block_with("python", "OpenAISampler(")
+    [call] = [
+        node
+        for node in ast.walk(ast.parse(snippet))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "OpenAISampler"
+    ]
+    bound = inspect.signature(OpenAISampler).bind(*call.args, **{kw.arg: kw.value for kw in call.keywords if kw.arg})
+    assert {"base_url", "stop_token_ids", "config", "model"} <= set(bound.arguments)
+    # and it runs: the shipped tokenizer stands in for the served model's directory (no request is made)
+    namespace: dict[str, Any] = {}
+    exec(snippet.replace('load_tokenizer("/path/to/model")', 'load_tokenizer("longstraw-bpe")'), namespace)
+    sampler = namespace["sampler"]
+    assert sampler.stop_token_ids == [load_tokenizer().eos_token_id] and sampler.model == "/path/to/model"
+    assert isinstance(sampler.config, SamplingConfig) and sampler.config.temperature == 1.0
+
+
+def test_the_readme_says_how_to_get_the_longstraw_command() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["longstraw"] == "longstraw_agents.cli:main"
+    assert "VENV := .venv" in (ROOT / "Makefile").read_text()
+    assert "source .venv/bin/activate" in README and "`.venv/bin/longstraw`" in README
+
+
+def test_what_the_readme_says_about_instructions_and_system_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``instructions`` keeps the tool schemas in the system message; an override of ``system_prompt`` drops them
+    unless it appends ``tool_instructions(self.registry)``."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from custom_env import ReverseEnv
+
+    class Replaced(ReverseEnv):
+        def system_prompt(self, task: str) -> str:
+            return "Reverse the user's word."
+
+    class Appended(ReverseEnv):
+        def system_prompt(self, task: str) -> str:
+            return f"Reverse the user's word.\n\n{tool_instructions(self.registry)}"
+
+    def system_text(env_class: type[ReverseEnv]) -> str:
+        env = env_class()
+        env.reset(seed=0)
+        return env.trajectory.segments[0].text
+
+    schema = '"name": "reverse"'
+    assert ReverseEnv.instructions in system_text(ReverseEnv) and schema in system_text(ReverseEnv)
+    assert schema not in system_text(Replaced) and schema in system_text(Appended)
+    assert "`tool_instructions(self.registry)`" in README and "set `instructions`" in README
+
+
+def test_the_readme_custom_env_config_trains_from_the_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``env.id: "module:Name-v0"`` trains a custom env with the CLI (the module on the path, as PYTHONPATH=examples
+    puts it), and the stored group ids have the form README gives for ``inspect --group``."""
+    shown = yaml.safe_load(_block_with("yaml", "custom_env:"))
+    assert shown["env"]["id"] == "custom_env:MyTasks/Reverse-v0"
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    small = {"preset": "llama", "overrides": {"hidden": 32, "layers": 1}}
+    config = {**shown, "model": small, "steps": 1, "groups_per_step": 2, "output_dir": str(tmp_path / "run")}
+    config |= {"trainer": {"group_size": 2}, "sampling": {"max_new_tokens": 16}, "progress": False}
+    (tmp_path / "reverse.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "reverse.yaml")]) == 0
+    with Store.open(tmp_path / "run" / "trajectories.db", create=False) as store:
+        groups = store.groups()
+        assert {t.env_id for members in groups.values() for t in members} == {"MyTasks/Reverse-v0"}
+    assert sorted(groups) == ["step0-g0", "step0-g1"]  # stepN-gK: group K of step N
+    assert "`stepN-gK`" in README and "--group step3-g1" in README

@@ -16,6 +16,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import gymnasium
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -276,6 +277,133 @@ def test_get_missing_episode(store: Store) -> None:
         store.get_episode(99)
 
 
+# -- lone surrogates and damaged rows ------------------------------------------------------------------------------
+
+LONE = "\ud800"
+
+
+def surrogate_episode() -> Trajectory:
+    """A real Calculator episode whose policy wrote lone surrogate escapes in tool-call JSON: in the arguments (a
+    value and a key) and in the tool name. The env answers with error observations; its records keep the decoded
+    lone surrogates."""
+    env = gymnasium.make("LongStraw/Calculator-v0", max_turns=4)
+    env.reset(seed=0)
+    tool_env = env.unwrapped
+    turns = [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "\\ud800", "\\udfff": 1}}</tool_call>',
+        '<tool_call>{"name": "calc\\ud800", "arguments": {}}</tool_call>',
+    ]
+    for text in turns:
+        ids = tool_env.tokenizer.encode(text, allow_special=True) + [tool_env.tokenizer.eos_token_id]
+        env.step(np.array(ids))
+    return tool_env.trajectory
+
+
+def test_lone_surrogates_an_env_recorded_are_escaped_and_the_change_is_recorded(store: Store) -> None:
+    """``Store.add_episode`` used to raise a raw UnicodeEncodeError here, and a rollout would lose the group."""
+    trajectory = surrogate_episode()
+    calls, results = trajectory.segments[2].tool_calls, trajectory.segments[3].tool_calls
+    assert calls is not None and results is not None
+    assert calls[0]["arguments"] == {"expression": LONE, "\udfff": 1} and results[0]["ok"] is False
+    assert trajectory.segments[4].tool_calls == [{"name": f"calc{LONE}", "arguments": {}}]
+
+    loaded = store.get_episode(store.add_episode(trajectory))
+    altered = [f"segments.{i}.tool_calls" for i in (2, 3, 4, 5)]
+    assert loaded.info == {**trajectory.info, "store_escaped_surrogates": altered}
+    assert loaded.segments[2].tool_calls == [
+        {"name": "calculator", "arguments": {"expression": "\\ud800", "\\udfff": 1}}
+    ]
+    assert loaded.segments[4].tool_calls == [{"name": "calc\\ud800", "arguments": {}}]
+    assert loaded.segments[5].tool_calls[0]["name"] == "calc\\ud800"
+    for original, stored in zip(trajectory.segments, loaded.segments, strict=True):
+        assert stored.token_ids.tobytes() == original.token_ids.tobytes() and stored.text == original.text
+    assert trajectory.segments[2].tool_calls == calls and calls[0]["arguments"]["expression"] == LONE  # untouched
+    assert store.get_episode(store.add_episode(loaded)) == loaded  # nothing left to escape: stored as it is
+
+
+def test_lone_surrogates_anywhere_in_a_trajectory_are_escaped(store: Store) -> None:
+    trajectory = Trajectory(
+        [Segment("user", [1, 2], text=f"a{LONE}b"), Segment("tool", [3], tool_calls=[{LONE: [LONE], "\\ud800": 0}])],
+        env_id=f"Env{LONE}-v0",
+        group_id=f"g{LONE}",
+        info={"note": LONE, "store_escaped_surrogates": ["earlier"]},
+    )
+    loaded = store.get_episode(store.add_episode(trajectory))
+    assert loaded.segments[0].text == "a\\ud800b" and (loaded.env_id, loaded.group_id) == ("Env\\ud800-v0", "g\\ud800")
+    assert loaded.segments[1].tool_calls == [{"\\ud800": ["\\ud800"], "\\ud800~": 0}]  # a colliding key is kept
+    assert loaded.info == {
+        "note": "\\ud800",
+        "store_escaped_surrogates": [
+            "earlier",
+            "segments.0.text",
+            "segments.1.tool_calls",
+            "env_id",
+            "group_id",
+            "info",
+        ],
+    }
+    assert store.groups() == {"g\\ud800": [loaded]}
+
+
+def corrupt(path: Path, sql: str) -> None:
+    """Damage the file as another program could, through plain sqlite3 (the schema's CHECKs switched off)."""
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("PRAGMA ignore_check_constraints = ON")
+        conn.execute(sql)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("token_ids = substr(token_ids, 1, length(token_ids) - 4)", "token_ids holds 2 values for a segment of 3"),
+        ("token_ids = substr(token_ids, 1, length(token_ids) - 1)", "token_ids: blob of 11 bytes is not a whole"),
+        ("token_ids = X'FFFFFFFF0500000006000000'", r"token_ids holds negative ids: \[-1\]"),
+        ("token_ids = 'abcdefghijkl'", "token_ids is text where a blob belongs"),
+        ("loss_mask = X'0101'", "loss_mask holds 2 values for a segment of 3"),
+        ("loss_mask = X'010201'", r"loss_mask holds values other than 0 and 1: \[2\]"),
+        ("loss_mask = 7", "loss_mask is an integer where a blob belongs"),
+        ("logprobs = X'0000803F'", "logprobs holds 1 values for a segment of 3"),
+        ("tool_calls = '[{\"name\": '", "tool_calls is not valid JSON"),
+        ('tool_calls = \'{"name": "calculator"}\'', "tool_calls is .*, not a JSON list of objects"),
+        ("tool_calls = X'00'", "tool_calls is bytes where JSON text belongs"),
+        ("role = 'robot'", "role is 'robot', not one of"),
+        ("turn = 'first'", "turn is text where an integer belongs"),
+        ("text = X'00'", "text is bytes where text belongs"),
+        ("num_tokens = -1", "num_tokens is -1"),
+    ],
+)
+def test_a_damaged_segment_is_a_store_error_naming_episode_and_segment(store: Store, change: str, message: str) -> None:
+    trajectory = Trajectory(
+        [
+            Segment("user", [1, 2, 3]),
+            Segment("assistant", [4, 5, 6], logprobs=[-0.5, -1.0, -1.5], tool_calls=[{"name": "calculator"}]),
+        ]
+    )
+    episode_id = store.add_episode(trajectory)
+    corrupt(store.path, f"UPDATE segments SET {change} WHERE episode_id = {episode_id} AND idx = 1")
+    with pytest.raises(StoreError, match=f"^episode {episode_id} segment 1 is damaged: {message}"):
+        store.get_episode(episode_id)
+    with pytest.raises(StoreError, match=f"episode {episode_id} segment 1"):
+        list(store.episodes())
+
+
+def test_damaged_episode_and_run_json_name_their_row(store: Store) -> None:
+    store.add_run("r1", config={"lr": 1e-3}, model="m", tokenizer="t")
+    episode_id = store.add_episode(make_trajectory(1), run_id="r1")
+    corrupt(store.path, f"UPDATE episodes SET info = '{{\"n\": ' WHERE id = {episode_id}")
+    with pytest.raises(StoreError, match=f"^episode {episode_id} is damaged: info is not valid JSON"):
+        store.get_episode(episode_id)
+    corrupt(store.path, "UPDATE runs SET config = 'lr=1e-3' WHERE id = 'r1'")
+    with pytest.raises(StoreError, match="^run 'r1' is damaged: config is not valid JSON"):
+        store.runs()
+
+
+def test_a_lone_surrogate_in_a_run_is_a_store_error(store: Store) -> None:
+    with pytest.raises(StoreError, match="adding run 'r1' .* failed, nothing was written: .*surrogates not allowed"):
+        store.add_run("r1", config={}, model=f"m{LONE}", tokenizer="t")
+    assert store.runs() == []
+
+
 # -- opening files -------------------------------------------------------------------------------------------------
 
 
@@ -292,6 +420,15 @@ def test_missing_file_without_create_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match=f"no store at {path}"):
         Store.open(path, create=False)
     assert not path.exists()
+
+
+def test_a_directory_is_named_a_directory_not_a_missing_file(tmp_path: Path) -> None:
+    for create in (False, True):
+        with pytest.raises(StoreError, match=f"^{tmp_path} is a directory, not a store file$"):
+            Store.open(tmp_path, create=create)
+    Store.open(tmp_path / "trajectories.db").close()
+    with pytest.raises(StoreError, match=r"is a directory, not a store file \(the run's store is .*trajectories\.db\)"):
+        Store.open(tmp_path, create=False)
 
 
 def test_file_that_is_not_sqlite(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .result import preview
 
 OPEN_TAG = "<tool_call>"
@@ -152,9 +154,18 @@ def tool_call_from_object(value: Any, raw: str = "", span: tuple[int, int] | Non
 
 
 def format_tool_call(name: str, arguments: Mapping[str, Any] | None = None) -> str:
-    """The text a policy writes to call ``name``: the inverse of `parse_tool_calls` for one call."""
-    payload = json.dumps({"name": name, "arguments": dict(arguments or {})}, ensure_ascii=False)
+    """The text a policy writes to call ``name``: the inverse of `parse_tool_calls` for one call.
+
+    NumPy scalars and arrays in ``arguments`` are written as the JSON numbers and lists they hold (a task drawn with
+    ``rng.integers`` hands out ``np.int64``)."""
+    payload = json.dumps({"name": name, "arguments": dict(arguments or {})}, ensure_ascii=False, default=_plain)
     return f"{OPEN_TAG}\n{payload}\n{CLOSE_TAG}"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"tool argument of type {type(value).__name__} is not JSON serializable")
 
 
 def json_type(value: Any) -> str:

@@ -1,30 +1,48 @@
 """What ``longstraw train CONFIG`` reads: the run's configuration, validated before anything is built or written.
 
 YAML (``.yaml``/``.yml``) or TOML (``.toml``), one mapping validated by pydantic (a wrong key or value is an error
-naming the field). ``check_env`` makes one environment of the configured id and kwargs, so an unknown id or bad
-kwargs fail with a ``ConfigError`` before the model is built.
+naming the field). Numbers must be numbers: ``steps: "3"`` (anywhere in the file, nested parts included) is refused
+rather than coerced, as pydantic's strict mode has it (YAML's ``1e-3``, a string to PyYAML, is read as the float it
+means).
+
+The checks that need more than the file run before anything is built or written, each raising a ``ConfigError``
+that names the setting: ``check_env`` makes one environment of the configured id and kwargs (unknown id, bad
+kwargs), ``check_tokenizer`` loads the tokenizer, and ``check_model`` reads the model's transformers config (a
+preset's arguments, a missing or unreadable ``model.path``, an unsupported family, a vocabulary smaller than the
+tokenizer's) without building any weights.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails
 
 from longstraw_agents.app.seeds import TASK_STEP_STRIDE
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.trainer import GRPOConfig
 from longstraw_agents.trainer.sft import SFTConfig
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from longstraw_agents.tokenizer import Tokenizer
+
+DEFAULT_PRESET = "llama"
+
 
 class ConfigError(ValueError):
-    """The configuration cannot run (unknown environment, bad env kwargs, a prompt over the model's context...);
-    raised before the run directory is written."""
+    """The configuration cannot run (unknown environment, bad env kwargs, a tokenizer or model that cannot serve the
+    run, a prompt over the model's context...); raised before the run directory is written."""
 
 
 class EnvSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     id: str = Field(description="a registered environment id, e.g. LongStraw/Calculator-v0")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to gymnasium.make")
@@ -33,34 +51,49 @@ class EnvSpec(BaseModel):
 class ModelSpec(BaseModel):
     """A tiny preset built from scratch, or a local transformers checkpoint directory."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    preset: Literal["llama", "qwen3", "qwen3_5", "glm_moe_dsa"] | None = Field("llama", description="tiny preset")
+    preset: Literal["llama", "qwen3", "qwen3_5", "glm_moe_dsa"] | None = Field(
+        None, description=f"tiny preset ({DEFAULT_PRESET} when neither preset nor path is given)"
+    )
     path: str | None = Field(None, description="local HF model directory (instead of a preset)")
     overrides: dict[str, Any] = Field(default_factory=dict, description="preset arguments, e.g. hidden, layers")
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     max_context: int | None = Field(None, ge=16, description="context limit (default: the config's)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_preset(cls, data: Any) -> Any:
+        # The default source is the preset only when no path is given: `model: {path: DIR}` alone is complete.
+        if isinstance(data, dict) and "preset" not in data and data.get("path") is None:
+            return {**data, "preset": DEFAULT_PRESET}
+        return data
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
         if (self.preset is None) == (self.path is None):
             raise ValueError("give exactly one of model.preset and model.path")
+        if self.path is not None and self.overrides:
+            raise ValueError("model.overrides are preset arguments; a model.path is used as saved")
         return self
 
 
 class WarmStartSpec(BaseModel):
     """Supervised warm start on the environment's scripted policy before GRPO."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     episodes: int = Field(64, ge=1, description="scripted episodes to learn from")
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
 
 class TrainConfig(BaseModel):
-    """``longstraw train CONFIG`` (YAML or TOML, validated here)."""
+    """``longstraw train CONFIG`` (YAML or TOML, validated here).
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Its own fields are strict (``steps: "3"`` is an error, not 3); ``load_config`` refuses strings for numbers in
+    the nested parts (trainer, sampling, warm start) as well."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     env: EnvSpec
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -91,7 +124,31 @@ def load_config(path: str | Path) -> TrainConfig:
     data = _parse_config(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of settings at the top level, got {type(data).__name__}")
-    return TrainConfig.model_validate(data)
+    try:
+        text = json.dumps(data)
+    except (TypeError, ValueError) as err:  # a TOML/YAML date or time: no setting takes one
+        raise ValueError(f"{path}: holds a value that is not a number, string, list or mapping ({err})") from None
+    config = TrainConfig.model_validate_json(text)
+    _refuse_coerced(text)
+    return config
+
+
+# Strict-mode errors that mean "lax mode would have coerced this string (or bool) into a number or a bool".
+_COERCED = frozenset({"int_type", "float_type", "bool_type"})
+
+
+def _refuse_coerced(text: str) -> None:
+    """Raise the strict errors of a config that lax validation accepted by coercing a string (``"3"``) or a bool
+    into a number, or a string (``"no"``) into a bool, in the nested parts too (trainer, sampling, warm start).
+
+    Strict mode's other complaints are left out: a JSON list filling a tuple (AdamW's betas) loses nothing."""
+    try:
+        TrainConfig.model_validate_json(text, strict=True)
+    except ValidationError as err:
+        coerced = [e for e in err.errors() if e["type"] in _COERCED and isinstance(e["input"], str | bool)]
+        if coerced:
+            details = [InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"]) for e in coerced]
+            raise ValidationError.from_exception_data(TrainConfig.__name__, details) from None
 
 
 def _parse_config(path: Path) -> Any:
@@ -103,9 +160,25 @@ def _parse_config(path: Path) -> Any:
     kind = "TOML" if path.suffix == ".toml" else "YAML"
     try:
         text = path.read_text()
-        return tomllib.loads(text) if kind == "TOML" else (yaml.safe_load(text) or {})
+        return tomllib.loads(text) if kind == "TOML" else (yaml.load(text, Loader=_yaml_loader()) or {})
     except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not valid {kind}: {err}") from None
+
+
+# YAML 1.2 floats: PyYAML (YAML 1.1) reads `1e-3` and `2E5` (no dot) as strings, which strict validation refuses.
+_YAML_FLOAT = re.compile(
+    r"""^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+)$"""
+)
+
+
+def _yaml_loader() -> type:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
+    return Loader
 
 
 def validation_lines(err: ValidationError, prefix: str = "") -> str:
@@ -113,15 +186,22 @@ def validation_lines(err: ValidationError, prefix: str = "") -> str:
     return "\n".join(f"  {prefix}{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in err.errors())
 
 
-def check_env(spec: EnvSpec) -> None:
-    """Make one environment of ``spec``, so that an unknown id or bad kwargs fail now with a ConfigError that names
-    the field, not at the first rollout after the model was built."""
+def check_env(spec: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
+    """Make one environment of ``spec`` (with the run's ``tokenizer``, when given), so that an unknown id or bad
+    kwargs fail now with a ConfigError that names the field, not at the first rollout after the model was built.
+    The kwargs the env's config model declares are checked strictly, as the config file is (no "3" for 3)."""
     import gymnasium
 
     from longstraw_agents.envs import registered_env_ids, unwrap_tool_env
 
+    if "tokenizer" in spec.kwargs:
+        raise ConfigError(
+            "env.kwargs.tokenizer: the run's environments use the top-level `tokenizer` setting (the policy and its "
+            "environments must share one tokenizer)"
+        )
+    extra: dict[str, Any] = {} if tokenizer is None else {"tokenizer": tokenizer}
     try:
-        env = gymnasium.make(spec.id, **spec.kwargs)
+        env = gymnasium.make(spec.id, **spec.kwargs, **extra)
     except (gymnasium.error.Error, ImportError) as err:  # NameNotFound, VersionNotFound, "module:Id" not importable
         known = ", ".join(registered_env_ids())
         raise ConfigError(f"env.id: unknown environment {spec.id!r} ({err}); registered: {known}") from None
@@ -130,8 +210,108 @@ def check_env(spec: EnvSpec) -> None:
     except TypeError as err:  # an env class without a config model rejects an argument
         raise ConfigError(f"invalid env.kwargs for {spec.id}: {err}") from None
     try:
-        unwrap_tool_env(env)
+        _check_env_kwarg_types(spec, unwrap_tool_env(env).config_class)
     except TypeError as err:
         raise ConfigError(f"env.id: {spec.id} is not a LongStraw environment ({err})") from None
     finally:
         env.close()
+
+
+def _check_env_kwarg_types(spec: EnvSpec, config_class: type[BaseModel]) -> None:
+    declared = {name: value for name, value in spec.kwargs.items() if name in config_class.model_fields}
+    try:
+        text = json.dumps(declared)
+    except (TypeError, ValueError):  # Python objects given through the API, not a file: the env has checked them
+        return
+    try:
+        config_class.model_validate_json(text, strict=True)
+    except ValidationError as err:
+        raise ConfigError(f"invalid env.kwargs for {spec.id}:\n" + validation_lines(err, "env.kwargs.")) from None
+
+
+def check_tokenizer(spec: str) -> Tokenizer:
+    """The run's tokenizer, loaded and checked for what the environments' chat format needs (``<|im_start|>`` and
+    ``<|im_end|>`` as special tokens, ``<|im_end|>`` as eos)."""
+    from longstraw_agents.chat import ChatFormatter
+    from longstraw_agents.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(spec)
+        ChatFormatter(tokenizer)
+    except KeyError as err:  # a special token the chat format needs is missing (the message names the known ones)
+        raise ConfigError(f"tokenizer: {err.args[0]}") from None
+    except (OSError, ValueError, TypeError) as err:
+        named = "" if spec in str(err) else f"{spec}: "
+        raise ConfigError(f"tokenizer: {named}{err}") from None
+    return tokenizer
+
+
+def check_model(spec: ModelSpec, vocab_size: int) -> PretrainedConfig:
+    """The policy's transformers config, read from ``model.path`` or built from the preset without any weights, and
+    checked: the family is one the engine supports and the vocabulary covers every id of the tokenizer's
+    ``vocab_size`` (a smaller one would fail at the first rollout, after the run directory was written)."""
+    from longstraw_agents.models import adapter_class
+    from longstraw_agents.models.base import UnsupportedModelError
+
+    if spec.path is not None:
+        config, where = _saved_config(spec.path), "model.path"
+    else:
+        config, where = _preset_config(spec, vocab_size), f"model.preset {spec.preset}"
+    try:
+        adapter_class(config)
+    except UnsupportedModelError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    model_vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if isinstance(model_vocab, int) and model_vocab < vocab_size:
+        if "vocab_size" in spec.overrides:
+            where = "model.overrides.vocab_size"
+        raise ConfigError(
+            f"{where}: the model's vocabulary has {model_vocab} tokens, fewer than the tokenizer's {vocab_size} "
+            "(ids past the embedding would fail at the first rollout); use the tokenizer the model was trained with"
+        )
+    return config
+
+
+def _saved_config(path: str) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    directory = Path(path)
+    if not directory.exists():
+        raise ConfigError(f"model.path: no model directory at {path} (a local directory; nothing is downloaded)")
+    if not directory.is_dir():
+        raise ConfigError(f"model.path: {path} is a file, not a model directory")
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"model.path: {path} has no config.json; it is not a transformers model directory (save_pretrained)"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path: cannot read {directory / 'config.json'}: {err}") from None
+
+
+def _preset_config(spec: ModelSpec, vocab_size: int) -> PretrainedConfig:
+    """The preset's config with ``model.overrides`` (which must be arguments of the preset, of its types, >= 1)."""
+    import pydantic
+    from huggingface_hub.errors import StrictDataclassError
+
+    from longstraw_agents.models.presets import TINY_PRESETS
+
+    assert spec.preset is not None  # ModelSpec holds exactly one of path and preset
+    factory = TINY_PRESETS[spec.preset]
+    arguments = list(inspect.signature(factory).parameters)
+    unknown = [name for name in spec.overrides if name not in arguments]
+    if unknown:
+        named = ", ".join(f"model.overrides.{name}" for name in unknown)
+        raise ConfigError(f"{named}: not an argument of the {spec.preset} preset; valid: {', '.join(arguments)}")
+    small = [name for name, value in spec.overrides.items() if isinstance(value, int) and value < 1]
+    if small:
+        raise ConfigError(f"model.overrides.{small[0]}: must be at least 1, got {spec.overrides[small[0]]}")
+    checked = pydantic.validate_call(config=ConfigDict(strict=True))(factory)
+    try:
+        return checked(**{"vocab_size": vocab_size, **spec.overrides})
+    except ValidationError as err:
+        raise ConfigError("invalid model.overrides:\n" + validation_lines(err, "model.overrides.")) from None
+    except (TypeError, ValueError, StrictDataclassError) as err:  # the transformers config refuses the combination
+        reason = err.__cause__ or err  # transformers' validators wrap the ValueError that says what is wrong
+        raise ConfigError(f"model.overrides: the {spec.preset} preset refuses them: {reason}") from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -362,7 +363,8 @@ class Replayer:
     ) -> tuple[list[ToolEnv], np.ndarray]:
         """``fork_group_size`` fresh envs of the logged episode's own env, each replayed to the start of ``turn``."""
         logged = record.trajectory
-        factory = make_env_factory(logged.env_id, logged_env_kwargs(logged, run_config), self.run.max_context)
+        kwargs = self.run.env_kwargs(logged_env_kwargs(logged, run_config))  # the policy's tokenizer
+        factory = make_env_factory(logged.env_id, kwargs, self.run.max_context)
         envs: list[ToolEnv] = []
         try:
             for _ in range(self.config.fork_group_size):
@@ -443,13 +445,37 @@ def replay(
     out_dir: str | Path | None = None,
     on_metrics: OnMetrics | None = None,
 ) -> Path:
+    """Train the policy of ``run_dir`` (default: the DB's directory) on logged or forked groups into ``out_dir``
+    (default: RUN/replay). A replay that fails leaves nothing behind: what it wrote is removed (a replay directory
+    is complete or absent; it cannot be resumed)."""
     out = Path(out_dir) if out_dir is not None else Path(run_dir if run_dir is not None else Path(db).parent) / "replay"
-    replayer = Replayer(db, run_dir, out, config, on_metrics)
-    try:
-        replayer.train()
-    finally:
-        replayer.close()
+    with _removed_on_failure(out):
+        replayer = Replayer(db, run_dir, out, config, on_metrics)
+        try:
+            replayer.train()
+        finally:
+            replayer.close()
     return replayer.run.dir
+
+
+@contextlib.contextmanager
+def _removed_on_failure(out: Path) -> Iterator[None]:
+    """On an exception, remove what was written under ``out``: the directories created (``out`` and its missing
+    parents), or in an ``out`` that existed, the entries added to it. Nothing that was there before is touched."""
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # the topmost missing one
+    before = set(out.iterdir()) if created is None and out.is_dir() else set()
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif out.is_dir():
+            for entry in set(out.iterdir()) - before:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        raise
 
 
 __all__ = [

@@ -4,10 +4,12 @@ A run directory holds ``config.json``, ``trajectories.db`` (every episode, token
 typed record per line, ``app.records``), ``checkpoint/`` (model, optimizer, RNG states, step counters; written
 atomically), ``reference.safetensors`` (the frozen KL reference when beta > 0) and plots.
 
-``Run`` checks the configuration before anything is written (unknown env, bad env kwargs, a prompt over the model's
-context raise ``ConfigError`` and leave no run directory), then builds the policy, runs the warm start of a new run,
-builds its ``GRPOTrainer`` with the KL reference, and on ``resume`` loads the checkpoint. It is the only object that
-joins the agent side (environments, store) with the model side (policy, engine, trainer).
+``Run`` checks the configuration before anything is written (unknown env, bad env kwargs, a tokenizer without the chat
+tokens, bad preset arguments, a missing model directory, a model vocabulary smaller than the tokenizer's, a prompt over
+the model's context raise ``ConfigError`` and leave no run directory), then builds the policy, runs the warm start of
+a new run, builds its ``GRPOTrainer`` with the KL reference, and on ``resume`` loads the checkpoint. It is the only
+object that joins the agent side (environments, store) with the model side (policy, engine, trainer); the
+environments it makes use the run's tokenizer.
 """
 
 from __future__ import annotations
@@ -15,23 +17,26 @@ from __future__ import annotations
 import copy
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env
+from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, check_model, check_tokenizer
 from longstraw_agents.app.records import MetricsRecord, WarmStartRecord
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
-from longstraw_agents.models.presets import TINY_PRESETS, build_model
+from longstraw_agents.models.presets import build_model
 from longstraw_agents.rollout import make_env_factory, reset_prompt
 from longstraw_agents.store import Store
-from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOTrainer
 from longstraw_agents.trainer.sft import supervised_warm_start
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CHECKPOINT = "checkpoint"
 METRICS = "metrics.jsonl"
@@ -41,15 +46,17 @@ REFERENCE = "reference.safetensors"
 OnMetrics = Callable[[MetricsRecord], None]
 
 
-def build_policy(spec: ModelSpec, vocab_size: int, seed: int) -> torch.nn.Module:
+def build_policy(spec: ModelSpec, config: PretrainedConfig, seed: int) -> torch.nn.Module:
+    """The policy: ``spec.path``'s weights, or a random-init model of the preset's ``config`` (from ``check_model``)."""
     dtype = getattr(torch, spec.dtype)
     if spec.path is not None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, local_files_only=True)
+        except OSError as err:  # a config.json without weights, a truncated safetensors file...
+            raise ConfigError(f"model.path: cannot load the weights in {spec.path}: {err}") from None
         return model.eval()
-    assert spec.preset is not None  # ModelSpec holds exactly one of path and preset
-    config = TINY_PRESETS[spec.preset](**{"vocab_size": vocab_size, **spec.overrides})
     return build_model(config, dtype=dtype, seed=seed)
 
 
@@ -95,11 +102,13 @@ class Run:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.dir}")
         if reference is not None and config.trainer.loss.beta > 0.0 and not reference.exists():
             raise FileNotFoundError(f"the run uses a KL penalty (beta > 0) but {reference} is missing")
-        check_env(config.env)  # cheap, and before the model is built
-        self.tokenizer = load_tokenizer(config.tokenizer)
-        self.model = build_policy(config.model, self.tokenizer.vocab_size, config.seed)
+        # cheap checks first, before any weights are built
+        self.tokenizer = check_tokenizer(config.tokenizer)
+        check_env(config.env, self.tokenizer)
+        model_config = check_model(config.model, self.tokenizer.vocab_size)
+        self.model = build_policy(config.model, model_config, config.seed)
         self.max_context = max_context_of(self.model, config.model)
-        self.env_factory = make_env_factory(config.env.id, config.env.kwargs, self.max_context)
+        self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), self.max_context)
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
         self._check_prompt_fits()
         # Nothing is written before the configuration is known to run: a config error leaves no run directory.
@@ -116,6 +125,11 @@ class Run:
         except BaseException:
             self.store.close()
             raise
+
+    def env_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """``gymnasium.make`` kwargs for this run's environments: ``kwargs`` with the run's tokenizer, so that the
+        prompts the policy reads and the ids it writes are of the vocabulary it was built for."""
+        return {**kwargs, "tokenizer": self.tokenizer}
 
     def emit(self, record: MetricsRecord) -> None:
         """Append ``record`` to ``metrics.jsonl`` and pass it to ``on_metrics``."""

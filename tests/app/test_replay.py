@@ -16,6 +16,7 @@ import sqlite_utils
 import torch
 from tiny_runs import ENV_ID, ENV_KWARGS, checkpoint_weights, tiny_config, warm_started_policy
 
+from longstraw_agents.app.records import MetricsRecord, ReplaySelectRecord
 from longstraw_agents.app.replay import (
     ReplayConfig,
     Replayer,
@@ -157,9 +158,13 @@ def test_stale_episodes_are_skipped_or_kept_and_flagged(source: Path, tmp_path: 
     assert {t.policy_version for g in groups for t in g} <= {1}
     groups, counts = select(source, tmp_path / "keep", max_staleness=1, keep_stale=True)
     assert counts["stale"] == 2 * G and counts["skipped_stale"] == 0 and counts["groups"] == 4
+    records: list[MetricsRecord] = []
     with pytest.raises(ValueError, match="no trainable groups"):
-        replay(source / "trajectories.db", ReplayConfig(max_staleness=0), out_dir=tmp_path / "none")
-    assert metrics(tmp_path / "none")[0]["skipped_stale"] == SOURCE_STEPS * 2 * G
+        config = ReplayConfig(max_staleness=0)
+        replay(source / "trajectories.db", config, out_dir=tmp_path / "none", on_metrics=records.append)
+    [selected] = records  # reported as it happened; the failed replay's directory is removed
+    assert isinstance(selected, ReplaySelectRecord) and selected.skipped_stale == SOURCE_STEPS * 2 * G
+    assert not (tmp_path / "none").exists()
 
 
 def test_uniform_groups_spend_no_policy_version(source: Path, tmp_path: Path) -> None:
@@ -168,11 +173,15 @@ def test_uniform_groups_spend_no_policy_version(source: Path, tmp_path: Path) ->
     ]
     assert uniform, "the source run (seeded) must log at least one group with equal rewards"
     where = f"group_id = '{uniform[0]}'"
+    records: list[MetricsRecord] = []
     with pytest.raises(ValueError, match="no trainable groups.*groups_skipped_uniform 1"):
-        replay(source / "trajectories.db", ReplayConfig(where=where), out_dir=tmp_path / "out")
-    [selected] = metrics(tmp_path / "out")
-    assert selected["groups"] == selected["groups_skipped_uniform"] == 1 and selected["groups_trained"] == 0
-    assert not (tmp_path / "out" / "checkpoint").exists()
+        replay(
+            source / "trajectories.db", ReplayConfig(where=where), out_dir=tmp_path / "out", on_metrics=records.append
+        )
+    [selected] = records
+    assert isinstance(selected, ReplaySelectRecord)
+    assert selected.groups == selected.groups_skipped_uniform == 1 and selected.groups_trained == 0
+    assert not (tmp_path / "out").exists()  # no checkpoint, no partial run
 
 
 def test_truncated_importance_weights_come_from_the_stored_behaviour_logprobs(
@@ -382,6 +391,22 @@ def test_an_output_directory_that_holds_a_run_is_refused_naming_out(source: Path
         with pytest.raises(FileExistsError, match=message) as error:
             replay(source / "trajectories.db", ReplayConfig(), out_dir=out)
         assert "--resume" not in str(error.value)
+
+
+def test_a_failed_replay_leaves_no_output_and_keeps_what_was_there(source: Path, tmp_path: Path) -> None:
+    """The replay run is written (config.json, store, ...) before groups are selected; a replay that then fails used
+    to leave that partial directory behind."""
+    nothing = ReplayConfig(where="reward > 100")  # valid SQL, no group: fails after the replay run was set up
+    out = tmp_path / "new" / "replay"
+    with pytest.raises(ValueError, match="no trainable groups selected"):
+        replay(source / "trajectories.db", nothing, out_dir=out)
+    assert not (tmp_path / "new").exists()  # the parent it created too
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="no trainable groups selected"):
+        replay(source / "trajectories.db", nothing, out_dir=existing)
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"] and (existing / "notes.txt").read_text() == "mine"
 
 
 def test_a_failed_start_closes_the_stores_it_opened(

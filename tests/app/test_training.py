@@ -1,4 +1,5 @@
-"""The online GRPO loop (``longstraw train``): run directory contents, exact resume, refusals and Ctrl-C."""
+"""The online GRPO loop (``longstraw train``): run directory contents, exact resume, refusals and Ctrl-C (the
+configuration itself: test_config.py)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,17 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-import pydantic
 import pytest
-import yaml
 from accelerate.optimizer import AcceleratedOptimizer
-from paths import REPO
 from safetensors.torch import load_file
 from tiny_runs import (
-    ENV_ID,
     assert_same_weights,
     checkpoint_weights,
     tiny_config,
-    tiny_config_dict,
     warm_started_policy,
 )
 
-from longstraw_agents.app.config import ConfigError, TrainConfig, check_env, load_config
+from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.training import train
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.store import Store
@@ -120,92 +116,6 @@ def test_an_existing_run_needs_resume_and_resume_needs_a_checkpoint(tmp_path: Pa
     assert (uninterrupted / "config.json").read_text() == before
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(run_config(tmp_path / "empty", policy), resume=True)
-
-
-def test_invalid_configs_name_the_field() -> None:
-    cases = {
-        ("groups_per_step",): {"groups_per_step": 0},
-        ("trainer", "group_size"): {"trainer": {"group_size": 0}},
-        ("sampling", "temperature"): {"sampling": {"temperature": -1.0}},
-        ("stepz",): {"stepz": 3},
-        ("env", "id"): {"env": {"kwargs": {}}},
-    }
-    for location, update in cases.items():
-        with pytest.raises(pydantic.ValidationError) as err:
-            TrainConfig.model_validate(tiny_config_dict("runs/x", **update))
-        assert [e["loc"] for e in err.value.errors()] == [location]
-    with pytest.raises(pydantic.ValidationError, match="exactly one of model.preset and model.path"):
-        TrainConfig.model_validate(tiny_config_dict("runs/x", model={"preset": "llama", "path": "/models/x"}))
-
-
-TOML = """
-groups_per_step = 2
-steps = 2
-output_dir = "{out}"
-checkpoint_every = 1
-progress = false
-
-[env]
-id = "{env_id}"
-kwargs = {{ num_operations = 1, min_operand = 1, max_operand = 9, word_problems = false, max_turns = 3 }}
-
-[model]
-preset = "llama"
-overrides = {{ hidden = 32, layers = 1 }}
-
-[trainer]
-group_size = 4
-lr = 1e-3
-
-[sampling]
-max_new_tokens = 24
-"""
-
-
-def test_load_config_reads_yaml_and_toml_alike(tmp_path: Path) -> None:
-    expected = tiny_config(tmp_path / "run")
-    (tmp_path / "train.yaml").write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "run")))
-    (tmp_path / "train.toml").write_text(TOML.format(out=tmp_path / "run", env_id=ENV_ID))
-    assert load_config(tmp_path / "train.yaml") == expected
-    assert load_config(tmp_path / "train.toml") == expected
-    (tmp_path / "train.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"\.yaml, \.yml or \.toml"):
-        load_config(tmp_path / "train.json")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_config(tmp_path / "missing.yaml")
-    (tmp_path / "bad.yaml").write_text("env: {id: LongStraw/Calculator-v0}\nsteps: -1\n")
-    with pytest.raises(pydantic.ValidationError, match="steps"):
-        load_config(tmp_path / "bad.yaml")
-    (tmp_path / "broken.yaml").write_text("env: {id: [unclosed\n")
-    with pytest.raises(ValueError, match=r"broken\.yaml: not valid YAML"):
-        load_config(tmp_path / "broken.yaml")
-    (tmp_path / "broken.toml").write_text("[env\n")
-    with pytest.raises(ValueError, match=r"broken\.toml: not valid TOML"):
-        load_config(tmp_path / "broken.toml")
-    (tmp_path / "list.yaml").write_text("- 1\n")
-    with pytest.raises(ValueError, match="expected a mapping"):
-        load_config(tmp_path / "list.yaml")
-
-
-def test_the_example_config_is_valid_and_runnable() -> None:
-    """examples/train_calculator.yaml (shown in README) validates and names a registered env with valid kwargs."""
-    config = load_config(REPO / "examples" / "train_calculator.yaml")
-    check_env(config.env)
-    assert (config.trainer.mode, config.group_size, config.trainer.loss.beta) == ("exact", 8, 0.02)
-
-
-def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(tmp_path: Path) -> None:
-    """An unknown env, bad env kwargs or a prompt over the model's context: a ConfigError before the model is
-    trained or anything is written (it used to surface at the first rollout)."""
-    cases = {
-        "env.id: unknown environment": {"env": {"id": "LongStraw/Nope-v0"}},
-        r"env\.kwargs\.max_turns": {"env": {"id": ENV_ID, "kwargs": {"max_turns": 0}}},
-        "context limit of 16 tokens": {"model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 16}},
-    }
-    for message, update in cases.items():
-        with pytest.raises(ConfigError, match=message):
-            train(tiny_config(tmp_path / "run", **update))
-        assert not (tmp_path / "run").exists()
 
 
 def interrupt_on_call(target, number: int, *, after: bool = False, via_signal: bool = False):

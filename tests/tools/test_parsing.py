@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from longstraw_agents.tools import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
@@ -40,6 +41,18 @@ def test_several_calls_per_turn_keep_their_order() -> None:
 def test_no_calls() -> None:
     assert parse_tool_calls("The answer is 42.") == []
     assert parse_tool_calls("") == []
+
+
+def test_numpy_arguments_are_written_as_the_json_they_hold() -> None:
+    """A task drawn with ``rng.integers`` holds np.int64 values; format_tool_call used to raise TypeError on them."""
+    a, b = np.random.default_rng(0).integers(1, 10, size=2)
+    arguments = {"a": a, "b": b, "scale": np.float32(0.5), "ok": np.bool_(True), "xs": np.arange(3), "w": np.str_("x")}
+    call = only(format_tool_call("add", arguments))
+    assert isinstance(call, ToolCall)
+    assert call.arguments == {"a": int(a), "b": int(b), "scale": 0.5, "ok": True, "xs": [0, 1, 2], "w": "x"}
+    assert type(call.arguments["a"]) is int and type(call.arguments["ok"]) is bool
+    with pytest.raises(TypeError, match="tool argument of type object is not JSON serializable"):
+        format_tool_call("f", {"x": object()})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,228 @@
+"""The training configuration (``app.config``): field-named validation errors, strict numbers, YAML and TOML alike,
+and the checks that need more than the file (env, tokenizer, model) failing before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+from hf_checkpoints import save_bpe_tokenizer, save_tiny_llama
+from paths import REPO
+from tiny_runs import ENV_ID, tiny_config, tiny_config_dict
+from transformers import LlamaConfig
+
+from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, load_config
+from longstraw_agents.app.training import train
+from longstraw_agents.tokenizer import ENDOFTEXT, load_tokenizer
+
+
+def test_invalid_configs_name_the_field() -> None:
+    cases = {
+        ("groups_per_step",): {"groups_per_step": 0},
+        ("trainer", "group_size"): {"trainer": {"group_size": 0}},
+        ("sampling", "temperature"): {"sampling": {"temperature": -1.0}},
+        ("stepz",): {"stepz": 3},
+        ("env", "id"): {"env": {"kwargs": {}}},
+    }
+    for location, update in cases.items():
+        with pytest.raises(pydantic.ValidationError) as err:
+            TrainConfig.model_validate(tiny_config_dict("runs/x", **update))
+        assert [e["loc"] for e in err.value.errors()] == [location]
+    with pytest.raises(pydantic.ValidationError, match="exactly one of model.preset and model.path"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", model={"preset": "llama", "path": "/models/x"}))
+    with pytest.raises(pydantic.ValidationError, match="exactly one of model.preset and model.path"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", model={"preset": None}))
+    with pytest.raises(pydantic.ValidationError, match="overrides are preset arguments"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", model={"path": "/models/x", "overrides": {"layers": 2}}))
+
+
+def test_a_model_path_alone_is_a_complete_model_setting(tmp_path: Path) -> None:
+    """``model: {path: DIR}`` used to be refused: ``preset`` defaulted to llama whether or not a path was given."""
+    assert ModelSpec(path="/models/x").preset is None
+    assert ModelSpec().preset == "llama" and ModelSpec(overrides={"hidden": 32}).preset == "llama"
+    (tmp_path / "train.yaml").write_text(f"env: {{id: {ENV_ID}}}\nmodel: {{path: /models/x}}\n")
+    config = load_config(tmp_path / "train.yaml")
+    assert (config.model.path, config.model.preset) == ("/models/x", None)
+    assert TrainConfig.model_validate_json(config.model_dump_json()) == config  # config.json reads back
+
+
+@pytest.mark.parametrize(
+    ("setting", "location"),
+    [
+        ("steps: '3'", "steps"),
+        ("groups_per_step: '2'", "groups_per_step"),
+        ("eval_episodes: '4'", "eval_episodes"),
+        ("checkpoint_every: '1'", "checkpoint_every"),
+        ("seed: '7'", "seed"),
+        ("steps: 3.0", "steps"),
+        ("steps: true", "steps"),
+        ("model: {max_context: '64'}", "model.max_context"),
+        ("warm_start: {episodes: '8'}", "warm_start.episodes"),
+        ("trainer: {lr: '0.001'}", "trainer.optim.lr"),
+        ("trainer: {loss: {beta: '0.1'}}", "trainer.loss.beta"),
+        ("trainer: {track_memory: 'no'}", "trainer.track_memory"),
+        ("trainer: {group_size: '4'}", "trainer.group_size"),
+        ("sampling: {max_new_tokens: '24'}", "sampling.max_new_tokens"),
+        ("progress: 'no'", "progress"),
+    ],
+)
+def test_a_string_is_no_number(tmp_path: Path, setting: str, location: str) -> None:
+    """A quoted number used to be coerced silently (``steps: "3"`` ran 3 steps); now it names the field."""
+    (tmp_path / "train.yaml").write_text(f"env: {{id: {ENV_ID}}}\n{setting}\n")
+    with pytest.raises(pydantic.ValidationError) as err:
+        load_config(tmp_path / "train.yaml")
+    assert [".".join(map(str, e["loc"])) for e in err.value.errors()] == [location]
+
+
+def test_strict_numbers_still_read_what_config_files_hold(tmp_path: Path) -> None:
+    """YAML's ``2e-4`` (a string to PyYAML), an int where a float goes, a list for AdamW's betas tuple, TOML's
+    numbers: all read as the numbers they are. Python callers get the same strictness for the run's own fields."""
+    (tmp_path / "train.yaml").write_text(
+        f"env: {{id: {ENV_ID}}}\nsteps: 3\ntrainer: {{lr: 2e-4, epsilon: 1, betas: [0.9, 0.95]}}\n"
+        "sampling: {temperature: 1, top_p: .9}\n"
+    )
+    config = load_config(tmp_path / "train.yaml")
+    assert config.steps == 3 and config.trainer.optim.lr == 2e-4 and config.trainer.optim.betas == (0.9, 0.95)
+    assert config.trainer.loss.epsilon == 1.0 and config.sampling.top_p == 0.9
+    (tmp_path / "train.toml").write_text(f'steps = "3"\n[env]\nid = "{ENV_ID}"\n')
+    with pytest.raises(pydantic.ValidationError, match="steps"):
+        load_config(tmp_path / "train.toml")
+    (tmp_path / "date.toml").write_text(f'output_dir = 2024-01-01\n[env]\nid = "{ENV_ID}"\n')
+    with pytest.raises(ValueError, match=r"date\.toml: holds a value that is not a number, string"):
+        load_config(tmp_path / "date.toml")
+    with pytest.raises(pydantic.ValidationError, match="steps"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", steps="3"))
+
+
+TOML = """
+groups_per_step = 2
+steps = 2
+output_dir = "{out}"
+checkpoint_every = 1
+progress = false
+
+[env]
+id = "{env_id}"
+kwargs = {{ num_operations = 1, min_operand = 1, max_operand = 9, word_problems = false, max_turns = 3 }}
+
+[model]
+preset = "llama"
+overrides = {{ hidden = 32, layers = 1 }}
+
+[trainer]
+group_size = 4
+lr = 1e-3
+
+[sampling]
+max_new_tokens = 24
+"""
+
+
+def test_load_config_reads_yaml_and_toml_alike(tmp_path: Path) -> None:
+    expected = tiny_config(tmp_path / "run")
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "run")))
+    (tmp_path / "train.toml").write_text(TOML.format(out=tmp_path / "run", env_id=ENV_ID))
+    assert load_config(tmp_path / "train.yaml") == expected
+    assert load_config(tmp_path / "train.toml") == expected
+    (tmp_path / "train.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"\.yaml, \.yml or \.toml"):
+        load_config(tmp_path / "train.json")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("env: {id: LongStraw/Calculator-v0}\nsteps: -1\n")
+    with pytest.raises(pydantic.ValidationError, match="steps"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "broken.yaml").write_text("env: {id: [unclosed\n")
+    with pytest.raises(ValueError, match=r"broken\.yaml: not valid YAML"):
+        load_config(tmp_path / "broken.yaml")
+    (tmp_path / "broken.toml").write_text("[env\n")
+    with pytest.raises(ValueError, match=r"broken\.toml: not valid TOML"):
+        load_config(tmp_path / "broken.toml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_the_example_config_is_valid_and_runnable() -> None:
+    """examples/train_calculator.yaml (shown in README) validates and names a registered env with valid kwargs."""
+    config = load_config(REPO / "examples" / "train_calculator.yaml")
+    check_env(config.env)
+    assert (config.trainer.mode, config.group_size, config.trainer.loss.beta) == ("exact", 8, 0.02)
+
+
+def fails_before_writing(run_dir: Path, message: str, **update) -> None:
+    """``train`` raises a ConfigError matching ``message`` and leaves no run directory (no config.json, no store)."""
+    with pytest.raises(ConfigError, match=message):
+        train(tiny_config(run_dir, **update))
+    assert not run_dir.exists()
+
+
+def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(tmp_path: Path) -> None:
+    """An unknown env, bad env kwargs or a prompt over the model's context: a ConfigError before the model is
+    trained or anything is written (it used to surface at the first rollout)."""
+    cases = {
+        "env.id: unknown environment": {"env": {"id": "LongStraw/Nope-v0"}},
+        r"env\.kwargs\.max_turns": {"env": {"id": ENV_ID, "kwargs": {"max_turns": 0}}},
+        r"env\.kwargs\.max_turns: Input should be a valid integer": {
+            "env": {"id": ENV_ID, "kwargs": {"max_turns": "3"}}
+        },
+        r"env\.kwargs\.tokenizer: the run's environments use the top-level `tokenizer`": {
+            "env": {"id": ENV_ID, "kwargs": {"tokenizer": "longstraw-bpe"}}
+        },
+        "context limit of 16 tokens": {"model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 16}},
+    }
+    for message, update in cases.items():
+        fails_before_writing(tmp_path / "run", message, **update)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"hiden": 128},
+            r"model\.overrides\.hiden: not an argument of the llama preset; valid: vocab_size, hidden, la",
+        ),
+        ({"hidden": "128"}, r"model\.overrides\.hidden: Input should be a valid integer"),
+        ({"hidden": 0}, r"model\.overrides\.hidden: must be at least 1"),
+        ({"hidden": 30}, r"model\.overrides: the llama preset refuses them: The hidden size \(30\) is not a multiple"),
+        ({"vocab_size": 100}, r"model\.overrides\.vocab_size: the model's vocabulary has 100 tokens, fewer than the"),
+    ],
+)
+def test_bad_preset_arguments_fail_before_writing(tmp_path: Path, overrides: dict, message: str) -> None:
+    """A misspelt preset argument used to be a TypeError from the preset function, after the checks."""
+    fails_before_writing(tmp_path / "run", message, model={"preset": "llama", "overrides": overrides})
+
+
+def test_a_model_path_that_cannot_be_the_policy_fails_before_writing(tmp_path: Path) -> None:
+    """A missing directory used to be transformers' OSError "Repo id must be ..."; a model with fewer embeddings
+    than the tokenizer has ids failed at the first rollout, after config.json and the store were written."""
+    small = save_tiny_llama(tmp_path / "small-vocab", vocab_size=64)
+    config_only = tmp_path / "config-only"
+    LlamaConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(
+        config_only
+    )
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("weights?")
+    vocab = load_tokenizer("longstraw-bpe").vocab_size
+    cases = {
+        tmp_path / "missing": "model.path: no model directory at .*missing",
+        tmp_path / "file": "model.path: .*file is a file, not a model directory",
+        tmp_path / "empty": "model.path: .*empty has no config.json",
+        small: f"model.path: the model's vocabulary has 64 tokens, fewer than the tokenizer's {vocab}",
+        config_only: "model.path: cannot load the weights in .*config-only",
+    }
+    for path, message in cases.items():
+        fails_before_writing(tmp_path / "run", message, model={"path": str(path)})
+
+
+def test_a_tokenizer_that_cannot_serve_the_envs_fails_before_writing(tmp_path: Path) -> None:
+    """A tokenizer without ChatML's tokens (most base models' own) cannot render the envs' prompts."""
+    without_chat_tokens = save_bpe_tokenizer(tmp_path / "plain-bpe", special_tokens=[ENDOFTEXT], eos_token=ENDOFTEXT)
+    cases = {
+        tmp_path / "missing": "tokenizer: unknown tokenizer .*missing",
+        without_chat_tokens: r"tokenizer: '<\|im_start\|>' is not a special token of .*plain-bpe",
+    }
+    for path, message in cases.items():
+        fails_before_writing(tmp_path / "run", message, tokenizer=str(path))
