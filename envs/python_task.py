@@ -88,6 +88,11 @@ class PythonTaskConfig(ToolEnvConfig):
     )
     test_timeout_s: float = Field(default=10.0, gt=0, le=300, description="Wall-clock limit of one hidden-test run.")
     tool_timeout_s: float = Field(default=5.0, gt=0, le=300, description="Wall-clock limit of one python tool call.")
+    allow_network: bool = Field(
+        default=False,
+        description="Run the python tool and the hidden tests with the host's network (SandboxConfig.allow_network); "
+        "only for hosts where the sandbox cannot create a network namespace.",
+    )
     max_turns: int = Field(default=6, ge=1, description="Assistant turns per episode.")
     max_tokens: int = Field(default=8192, ge=1, description="Token budget of the whole episode.")
 
@@ -109,14 +114,20 @@ class PythonTaskEnv(ToolEnv[PythonProblem]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        network = self.config.allow_network
         self._python_tool = make_python_tool(
-            SandboxConfig(timeout_s=self.config.tool_timeout_s, cpu_time_s=_cpu_seconds(self.config.tool_timeout_s)),
+            SandboxConfig(
+                timeout_s=self.config.tool_timeout_s,
+                cpu_time_s=_cpu_seconds(self.config.tool_timeout_s),
+                allow_network=network,
+            ),
             max_output_chars=4000,
         )
         self._test_sandbox = SandboxConfig(
             timeout_s=self.config.test_timeout_s,
             cpu_time_s=_cpu_seconds(self.config.test_timeout_s),
             max_output_bytes=MiB,
+            allow_network=network,
         )
 
     def make_task(self, rng: np.random.Generator) -> PythonProblem:

@@ -17,7 +17,7 @@ from .parsing import ToolCall, ToolCallError, format_tool_call, parse_tool_calls
 from .python_tool import make_python_tool, python
 from .registry import ToolRegistry
 from .result import DEFAULT_MAX_OUTPUT_CHARS, ERROR_KINDS, ErrorKind, ToolFailure, ToolOutput, ToolResult
-from .sandbox import SandboxConfig, SandboxResult, SandboxUnavailable, run_python
+from .sandbox import NetworkIsolationUnavailable, SandboxConfig, SandboxResult, SandboxUnavailable, run_python
 from .web import HttpGetConfig, make_http_get_tool
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Document",
     "ErrorKind",
     "HttpGetConfig",
+    "NetworkIsolationUnavailable",
     "SandboxConfig",
     "SandboxResult",
     "SandboxUnavailable",

@@ -2,6 +2,8 @@
 
 Each call is a fresh process: nothing persists between calls. The model sees stdout, then stderr under a
 ``[stderr]`` line, then, when the run failed, one ``Error:`` line that says how (exit status, timeout, CPU limit).
+Where the sandbox cannot isolate the network (and ``SandboxConfig.allow_network`` is off) no code runs: every call
+fails with error kind ``"denied"`` and a message that says why and how to allow it.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import signal
 
 from .function import Tool, tool
-from .result import DEFAULT_MAX_OUTPUT_CHARS, ErrorKind, ToolOutput, truncation_marker
-from .sandbox import SandboxConfig, SandboxResult, run_python
+from .result import DEFAULT_MAX_OUTPUT_CHARS, ErrorKind, ToolFailure, ToolOutput, truncation_marker
+from .sandbox import NetworkIsolationUnavailable, SandboxConfig, SandboxResult, run_python
 
 _RESERVED_CHARS = 300
 """Room kept for markers and the final error line when the streams share the output budget."""
@@ -31,7 +33,11 @@ def make_python_tool(
         Args:
             code: The complete program to run, e.g. "import math\\nprint(math.comb(10, 3))".
         """
-        return render_sandbox_result(run_python(code, sandbox_config), sandbox_config, max_output_chars)
+        try:
+            result = run_python(code, sandbox_config)
+        except NetworkIsolationUnavailable as exc:  # fail closed: the code was not run
+            raise ToolFailure(f"the python tool is disabled here: {exc}", kind="denied") from None
+        return render_sandbox_result(result, sandbox_config, max_output_chars)
 
     return tool(python, name=name, max_output_chars=max_output_chars)
 

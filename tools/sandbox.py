@@ -9,6 +9,13 @@ What every `run_python` call does:
   ``sys.path.insert(0, "")`` in the program).
 - Scrubs the environment: the child sees ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``/``LC_ALL`` and
   ``SandboxConfig.extra_env``, nothing else of the parent's (no tokens, no keys).
+- Runs the program in its own network namespace, where only an unconfigured loopback interface exists (it is
+  down: even ``127.0.0.1`` is unreachable), so the program can neither reach the network nor services listening
+  on the host's loopback. As root the namespace is created (``unshare(CLONE_NEWNET)``) before the uid switch;
+  otherwise, or without ``CAP_SYS_ADMIN``, inside a new user namespace (``CLONE_NEWUSER | CLONE_NEWNET``) where
+  the kernel allows unprivileged user namespaces (the program then sees itself as uid 65534, the kernel's
+  overflow id). Where neither works, nothing is run: ``NetworkIsolationUnavailable`` says so, unless
+  ``SandboxConfig.allow_network`` is set, which runs programs with the host's network (fail closed).
 - When the parent runs as root, switches the child to uid/gid 65534 (nobody/nogroup, no supplementary groups)
   before anything runs. This is what makes the process limit bind at all (the kernel does not apply
   ``RLIMIT_NPROC`` to root: 20 forks pass a limit of 5) and what keeps the program from writing anywhere root
@@ -23,7 +30,9 @@ What every `run_python` call does:
 
 What it does not do (it is a guard against runaway and careless code, not a security boundary):
 
-- No network isolation: there is no network namespace, the program can open sockets.
+- With ``allow_network=True`` there is no network isolation: the program can open connections.
+- Unix-domain sockets bound to a path stay reachable (the filesystem is shared; the network namespace hides only
+  abstract ones): a socket file that uid 65534 may write to, such as a world-writable ``docker.sock``, is a way out.
 - No seccomp filter and no filesystem namespace: the program can read whatever is world-readable and write
   wherever uid 65534 may (world-writable directories such as ``/tmp``).
 - Not running as root, there is no uid change: the program runs as you and can write wherever you can, and
@@ -67,11 +76,51 @@ _POLL_S = 0.05
 _DRAIN_GRACE_S = 1.0
 """After the main process is gone, how long to keep reading what is still buffered in the pipes."""
 
-# Runs in the child, already as the sandbox user: lower the limits, then replace itself by the real program, so
-# the program starts as a clean interpreter under them (no preexec_fn: it is unsafe when the parent has threads).
+# Runs in the child as the parent's user, before the program: create the network namespace (while still root, if
+# root), drop to the sandbox user, lower the limits, then replace itself by the real program, so the program starts
+# as a clean interpreter under them. (Not preexec_fn: it is unsafe when the parent has threads, and it runs after
+# Popen's own uid switch, too late to create a namespace.) A step that fails writes "step: reason" to the status
+# pipe (close-on-exec, so the program never holds it) and exits without running the program.
 _BOOTSTRAP = """\
 import os, resource, sys
-*limits, program = sys.argv[1:]
+CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+status, network, uid, gid, *limits, program = sys.argv[1:]
+status, uid, gid = int(status), int(uid), int(gid)
+os.set_inheritable(status, False)
+
+def stop(step, reason):
+    os.write(status, f"{step}: {reason}".encode())
+    os._exit(125)
+
+def unshare(flags):
+    if hasattr(os, "unshare"):  # Python 3.12+
+        os.unshare(flags)
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(flags) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+def isolate(flags, name, failures):
+    try:
+        unshare(flags)
+        return True
+    except OSError as exc:
+        failures.append(f"{name}: {exc.strerror or exc}")
+        return False
+
+failures = []
+isolated = network == "allow" or isolate(CLONE_NEWNET, "unshare(CLONE_NEWNET)", failures)
+if uid >= 0:
+    try:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    except OSError as exc:
+        stop("user", f"cannot switch to uid {uid} / gid {gid}: {exc}")
+if not isolated and not isolate(CLONE_NEWUSER | CLONE_NEWNET, "unshare(CLONE_NEWUSER | CLONE_NEWNET)", failures):
+    stop("network", "; ".join(failures))
 for spec in limits:
     name, soft, hard = spec.split(":")
     kind = getattr(resource, name)
@@ -80,7 +129,10 @@ for spec in limits:
     if current_hard != resource.RLIM_INFINITY:
         soft, hard = min(soft, current_hard), min(hard, current_hard)
     resource.setrlimit(kind, (soft, hard))
-os.execv(sys.executable, [sys.executable, "-I", "-X", "utf8", program])
+try:
+    os.execv(sys.executable, [sys.executable, "-I", "-X", "utf8", program])
+except OSError as exc:
+    stop("exec", exc)
 """
 
 
@@ -119,6 +171,11 @@ class SandboxConfig(BaseModel):
     work_root: str | None = Field(
         default=None, description="Where temporary run directories go; default: the system temp dir."
     )
+    allow_network: bool = Field(
+        default=False,
+        description="Run programs with the host's network (no network namespace). Off by default: where no "
+        "namespace can be created, programs are refused rather than run with network access.",
+    )
 
     @property
     def switches_user(self) -> bool:
@@ -139,6 +196,10 @@ class SandboxConfig(BaseModel):
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox cannot start programs at all (no usable interpreter, unusable work directory)."""
+
+
+class NetworkIsolationUnavailable(SandboxUnavailable):
+    """No network namespace can be created here, so programs are not run (``SandboxConfig.allow_network``)."""
 
 
 @dataclass(frozen=True)
@@ -269,38 +330,41 @@ def _environment(workdir: str, config: SandboxConfig) -> dict[str, str]:
     return {**base, **config.extra_env}
 
 
-def _command(python: str, config: SandboxConfig) -> list[str]:
+def _command(python: str, config: SandboxConfig, status_fd: int) -> list[str]:
+    """The bootstrap's command line: status pipe, network mode, uid and gid (-1: keep), limits, program."""
     limits = [f"{name}:{soft}:{hard}" for name, (soft, hard) in config.rlimits().items()]
-    return [python, "-I", "-S", "-c", _BOOTSTRAP, *limits, PROGRAM_NAME]
+    network = "allow" if config.allow_network else "isolate"
+    uid, gid = (config.sandbox_uid, config.sandbox_gid) if config.switches_user else (-1, -1)
+    return [python, "-I", "-S", "-c", _BOOTSTRAP, str(status_fd), network, str(uid), str(gid), *limits, PROGRAM_NAME]
 
 
 def _run(python: str, workdir: str, stdin: IO[bytes] | int, config: SandboxConfig) -> SandboxResult:
-    switch_user = config.switches_user
     start = time.monotonic()
+    status_read, status_write = os.pipe()
     try:
-        process = subprocess.Popen(
-            _command(python, config),
-            cwd=workdir,
-            env=_environment(workdir, config),
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            user=config.sandbox_uid if switch_user else None,
-            group=config.sandbox_gid if switch_user else None,
-            extra_groups=[] if switch_user else None,
-        )
-    except OSError as exc:
-        who = f"uid {config.sandbox_uid}" if switch_user else "the current user"
-        raise SandboxUnavailable(
-            f"cannot start {python} as {who}: {exc}. The interpreter must be executable by that user "
-            "(a Python installed under /root is not); set SandboxConfig.python_executable"
-        ) from exc
-    try:
-        stdout, stderr, timed_out = _collect(process, start + config.timeout_s, config.max_output_bytes)
+        try:
+            process = subprocess.Popen(
+                _command(python, config, status_write),
+                cwd=workdir,
+                env=_environment(workdir, config),
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(status_write,),
+            )
+        except OSError as exc:
+            raise _unavailable("exec", str(exc), python, config) from exc
+        finally:
+            os.close(status_write)  # the child holds the only write end: EOF once it runs the program or exits
+        try:
+            stdout, stderr, timed_out = _collect(process, start + config.timeout_s, config.max_output_bytes)
+        finally:
+            _kill_group(process)
+            process.wait()
+        _raise_if_not_started(status_read, python, config)
     finally:
-        _kill_group(process)
-        process.wait()
+        os.close(status_read)
     return SandboxResult(
         stdout=stdout.text(),
         stderr=stderr.text(),
@@ -311,6 +375,34 @@ def _run(python: str, workdir: str, stdin: IO[bytes] | int, config: SandboxConfi
         elapsed_s=time.monotonic() - start,
         stdout_truncated=stdout.truncated,
         stderr_truncated=stderr.truncated,
+    )
+
+
+def _raise_if_not_started(status_read: int, python: str, config: SandboxConfig) -> None:
+    """Raise when the bootstrap stopped before the program (its reason is on the status pipe, else it is empty)."""
+    report = os.read(status_read, 4096).decode(errors="replace")
+    if report:
+        step, _, reason = report.partition(": ")
+        raise _unavailable(step, reason, python, config)
+
+
+def _unavailable(step: str, reason: str, python: str, config: SandboxConfig) -> SandboxUnavailable:
+    """The error for a run that could not start the program, saying how to fix it."""
+    if step == "network":
+        return NetworkIsolationUnavailable(
+            f"the sandbox cannot create a network namespace here ({reason}), so the program was not run: it would "
+            "have had network access. Run as root (CAP_SYS_ADMIN) or where unprivileged user namespaces are "
+            "allowed, or set SandboxConfig(allow_network=True) to run programs with the host's network"
+        )
+    if step == "user":
+        return SandboxUnavailable(
+            f"{reason}: switching users needs CAP_SETUID and CAP_SETGID (SandboxConfig(drop_privileges=False) keeps "
+            "the current user, and then RLIMIT_NPROC does not bind for root)"
+        )
+    who = f"uid {config.sandbox_uid}" if config.switches_user else "the current user"
+    return SandboxUnavailable(
+        f"cannot start {python} as {who}: {reason}. The interpreter must be executable by that user "
+        "(a Python installed under /root is not); set SandboxConfig.python_executable"
     )
 
 

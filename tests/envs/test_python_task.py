@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 
 import numpy as np
 import pytest
@@ -154,3 +155,20 @@ def test_code_fences_around_the_answer_are_accepted(env: PythonTaskEnv) -> None:
 def test_unknown_families_are_refused() -> None:
     with pytest.raises(ValidationError, match="unknown problem families"):
         PythonTaskEnv(families=("sudoku",))
+
+
+@pytest.mark.parametrize(("allow_network", "outcome"), [(False, "refused"), (True, "connected")])
+def test_the_python_tool_has_no_network_unless_the_config_allows_it(allow_network: bool, outcome: str) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        env = PythonTaskEnv(allow_network=allow_network)
+        env.reset(seed=0)
+        code = (
+            "import socket\ntry:\n"
+            f"    socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=3)\n"
+            "    print('connected')\nexcept OSError:\n    print('refused')\n"
+        )
+        info = env.step(encode_turn(format_tool_call("python", {"code": code})))[4]
+        [result] = [ToolResult.model_validate(record) for record in info["tool_results"]]
+        assert result.content == outcome

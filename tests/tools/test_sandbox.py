@@ -6,15 +6,26 @@ RLIMIT_NPROC counts every process of the sandbox user on the machine, so only th
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
+import socket
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 from paths import REPO
 
-from longstraw_agents.tools import SandboxConfig, SandboxUnavailable, ToolRegistry, make_python_tool, run_python
+from longstraw_agents.tools import (
+    NetworkIsolationUnavailable,
+    SandboxConfig,
+    SandboxUnavailable,
+    ToolRegistry,
+    make_python_tool,
+    run_python,
+)
 from longstraw_agents.tools.sandbox import SANDBOX_UID
 
 IS_ROOT = os.geteuid() == 0
@@ -219,3 +230,129 @@ def test_python_tool_through_the_registry(python_tool) -> None:
     text = '<tool_call>{"name": "python", "arguments": {"code": "print(\\"\\\\u00e9t\\u00e9\\")"}}</tool_call>'
     [result] = tools.execute_text(text)
     assert result.content == "été"
+
+
+# The network namespace
+
+CONNECT = """\
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=3).close()
+    print("connected")
+except OSError as exc:
+    print("refused", exc.errno)
+"""
+
+
+@pytest.fixture
+def listener():
+    """A TCP listener on the test process's loopback (the host's network namespace)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        server.setblocking(False)
+        yield server
+
+
+def connections(listener: socket.socket) -> int:
+    """Connections the listener received (the kernel completes them before accept, so none is missed)."""
+    count = 0
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except BlockingIOError:
+            return count
+        connection.close()
+        count += 1
+
+
+def connect_code(listener: socket.socket) -> str:
+    return CONNECT.format(port=listener.getsockname()[1])
+
+
+def wrapper(tmp_path: Path, *launcher: str) -> str:
+    """An interpreter path that runs the system python3 under ``launcher`` (a real way to change what the sandbox's
+    bootstrap may do: drop a capability, or start in a user namespace)."""
+    script = tmp_path / "python3"
+    script.write_text(f'#!/bin/sh\nexec {" ".join(launcher)} /usr/bin/python3 "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def works(*command: str) -> bool:
+    return shutil.which(command[0]) is not None and subprocess.run(command, capture_output=True).returncode == 0
+
+
+def test_sandboxed_code_cannot_reach_a_loopback_listener(listener: socket.socket) -> None:
+    result = run(connect_code(listener))
+    assert result.stdout == f"refused {errno.ENETUNREACH}\n", result.stderr  # loopback exists but is down
+    assert connections(listener) == 0
+
+
+def test_with_network_allowed_the_same_code_connects(listener: socket.socket) -> None:
+    """The control: the check above fails when the namespace is not there."""
+    assert run(connect_code(listener), allow_network=True).stdout == "connected\n"
+    assert connections(listener) == 1
+
+
+def test_the_namespace_has_only_a_loopback_interface() -> None:
+    assert run("import socket\nprint(socket.if_nameindex())").stdout == "[(1, 'lo')]\n"
+
+
+def test_the_status_pipe_does_not_reach_the_program() -> None:
+    result = run("import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))")
+    assert result.stdout == "[0, 1, 2, 3]\n"  # stdin, stdout, stderr and listdir's own descriptor
+
+
+def test_a_program_cannot_fake_the_refusal() -> None:
+    result = run("import os, sys\nsys.stderr.write('network: faked')\nsys.stderr.flush()\nos._exit(125)")
+    assert result.returncode == 125 and result.stderr == "network: faked"
+
+
+userns_fallback = pytest.mark.skipif(
+    not (
+        IS_ROOT and works("setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "unshare", "-rn", "true")
+    ),
+    reason="needs root, setpriv and unprivileged user namespaces",
+)
+
+
+@userns_fallback
+def test_without_cap_sys_admin_the_namespace_comes_from_a_user_namespace(
+    tmp_path: Path, listener: socket.socket
+) -> None:
+    """Root without CAP_SYS_ADMIN (dropped from the bounding set) cannot unshare the network itself; after the switch
+    to uid 65534 a user namespace gives the program its own network namespace all the same."""
+    python = wrapper(tmp_path, "setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin")
+    result = run(connect_code(listener) + "import os\nprint(os.getuid())", python_executable=python)
+    assert result.stdout == f"refused {errno.ENETUNREACH}\n{SANDBOX_UID}\n", result.stderr
+    assert connections(listener) == 0
+
+
+no_namespace = pytest.mark.skipif(not works("unshare", "--user", "true"), reason="needs unshare(1) and user namespaces")
+
+
+@no_namespace
+def test_where_no_namespace_can_be_created_nothing_runs(tmp_path: Path, listener: socket.socket) -> None:
+    """In a user namespace without a uid mapping the bootstrap has no capabilities and may not create a user
+    namespace either: no network namespace is possible. The program is refused, not run with network access."""
+    config = {"python_executable": wrapper(tmp_path, "unshare", "--user"), "drop_privileges": False}
+    with pytest.raises(NetworkIsolationUnavailable, match=r"allow_network=True") as refused:
+        run(connect_code(listener), **config)
+    assert "unshare(CLONE_NEWNET): Operation not permitted" in str(refused.value)
+    assert connections(listener) == 0
+    assert run(connect_code(listener), **config, allow_network=True).stdout == "connected\n"  # the user's choice
+    assert connections(listener) == 1
+
+
+@no_namespace
+def test_the_python_tool_refuses_where_no_namespace_can_be_created(tmp_path: Path, listener: socket.socket) -> None:
+    config = LIMITS.model_copy(
+        update={"python_executable": wrapper(tmp_path, "unshare", "--user"), "drop_privileges": False}
+    )
+    result = make_python_tool(config).invoke({"code": connect_code(listener)})
+    assert result.error == "denied" and not result.ok
+    assert result.content.startswith("Error: the python tool is disabled here") and "allow_network" in result.content
+    assert connections(listener) == 0
+    allowed = make_python_tool(config.model_copy(update={"allow_network": True}))
+    assert allowed.invoke({"code": connect_code(listener)}).content == "connected"
