@@ -69,3 +69,20 @@ def test_trainer_bench_quick_measures_the_real_peers(tmp_path: Path) -> None:
     assert all(len(peaks) == len(by_group["groups"]) for peaks in by_group["peak_bytes"].values())
     assert {entry["target"] for entry in results["targets"].values()} == {1.4, 0.6, 0.25, 2.5, 0.5}
     assert (tmp_path / "trainer_memory_quick.png").stat().st_size > 0
+
+
+def test_rollout_bench_quick_compares_batched_and_per_member_decoding(tmp_path: Path) -> None:
+    """Both contenders run (the bench itself checks that they generate the same tokens); tables and JSON have
+    their rows. One torch thread: pytest may run in parallel on the same cores."""
+    stdout = run_module("bench.rollout", "--quick", "--threads", "1", "--out", str(tmp_path))
+    for heading in ("1a) rollout tokens/s", "1b) rollout tokens/s", "2) ms per generated token vs prompt length"):
+        assert heading in stdout
+    results = json.loads((tmp_path / "rollout_quick.json").read_text())
+    for table in (results["one_group"], results["demo_step"]["rows"]):
+        assert sorted(table) == ["1", "4"]
+        for row in table.values():
+            assert row["batched_tok_s"] > 0 and row["per_member_tok_s"] > 0 and row["tokens"] > 0
+            assert row["speedup"] == row["batched_tok_s"] / row["per_member_tok_s"]
+    by_length = results["prompt_length"]
+    assert len(by_length["lengths"]) == len(by_length["ms_per_token"]["batched"]) == 2
+    assert by_length["target_ratio"] == 1 / by_length["group"]
