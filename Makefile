@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?= -n 2
+# two workers, each taking whole test files: a module fixture (e.g. the 8 processes of the trainer's resume tests)
+# is then built once, not once per worker
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: test demo lint format bench clean
+.PHONY: test test-fast demo lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +19,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the inner loop: everything but the tests marked slow (CI runs them all through `make test`)
+test-fast: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
 
 demo: $(STAMP)
 	$(PY) -m longstraw_agents.app.demo --out runs/demo
@@ -35,6 +41,7 @@ bench: $(STAMP)
 	$(PY) -m bench.engine
 	$(PY) -m bench.trainer
 	$(PY) -m bench.ablation
+	$(PY) -m bench.rollout
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -20,11 +20,13 @@ FACT_PATTERNS = {
 
 
 def scripted(target_tokens: int, seed: int, **kwargs) -> tuple[NeedleSearchEnv, float]:
+    """The env after its scripted episode, and the CPU seconds the episode took (this process's CPU time, which
+    other work on the machine does not stretch)."""
     env = NeedleSearchEnv(target_tokens=target_tokens, **kwargs)
-    start = time.perf_counter()
+    start = time.process_time()
     trajectory = run_episode(env, ScriptedPolicy(env), seed=seed)
     assert trajectory.reward == 1.0 and trajectory.finish_reason == "answered"
-    return env, time.perf_counter() - start
+    return env, time.process_time() - start
 
 
 @pytest.mark.parametrize(("target", "tolerance"), [(4096, 0.2), (32_768, 0.05)])
@@ -38,7 +40,8 @@ def test_a_million_token_episode_takes_seconds() -> None:
     env, elapsed = scripted(1 << 20, seed=0)
     trajectory = env.trajectory
     assert abs(trajectory.num_tokens / (1 << 20) - 1) < 0.02
-    assert elapsed < 10, f"building and playing a 1M-token episode took {elapsed:.1f} s"
+    # ~1 s of CPU on a quiet machine; the bound is 10x that
+    assert elapsed < 10, f"building and playing a 1M-token episode took {elapsed:.1f} s of CPU"
     opened = [s for s in trajectory if s.role == "tool" and len(s) > 100_000]
     assert len(opened) == 2  # the two needle documents, whole (not cut by the tool's output cap)
     assert all("[truncated" not in s.text for s in opened)

@@ -7,6 +7,7 @@ import doctest
 import json
 import subprocess
 import sys
+import threading
 import time
 from typing import Annotated
 
@@ -169,15 +170,23 @@ def test_tool_failure_chooses_message_and_kind() -> None:
 
 
 def test_timeout() -> None:
+    """The tool sleeps until the test wakes it (or a minute): an answer within 10x its 0.2 s timeout can only come
+    from the timeout (a generous bound, so a busy machine does not fail it)."""
+    wake = threading.Event()
+
     @tool(timeout_s=0.2)
     def sleepy(seconds: float) -> str:
         """Sleep."""
-        time.sleep(seconds)
+        wake.wait(seconds)
         return "awake"
 
     start = time.perf_counter()
-    result = sleepy.invoke({"seconds": 3})
-    assert time.perf_counter() - start < 1.5
+    try:
+        result = sleepy.invoke({"seconds": 60})
+        elapsed = time.perf_counter() - start
+    finally:
+        wake.set()
+    assert elapsed < 10 * 0.2
     assert result.error == "timeout"
     assert result.content == "Error: tool 'sleepy' timed out after 0.2 s"
     assert sleepy.invoke({"seconds": 0}).content == "awake"

@@ -1,6 +1,7 @@
 """The subprocess sandbox (tools/sandbox.py) and the ``python`` tool on top of it (tools/python_tool.py).
 
-Limits are small so that every run ends in well under a second (the timeout tests wait for their 1 s timeout).
+Limits are small so that every run ends in well under a second (the timeout tests wait for their 1 s timeout);
+bounds on elapsed time are 10x what a quiet machine takes, so a busy one does not fail them.
 RLIMIT_NPROC counts every process of the sandbox user on the machine, so only the fork-bomb test sets it tight.
 """
 
@@ -69,7 +70,7 @@ def test_infinite_loop_times_out() -> None:
     result = run("while True:\n    pass", timeout_s=1, cpu_time_s=10)
     assert result.timed_out and not result.ok
     assert result.returncode == -signal.SIGKILL
-    assert 1 <= result.elapsed_s < 3
+    assert 1 <= result.elapsed_s < 10  # killed at its timeout (1 s), long before the CPU limit (10 s of CPU)
 
 
 def test_cpu_limit_kills_a_busy_loop() -> None:
@@ -158,7 +159,8 @@ def test_background_children_die_with_the_program() -> None:
         "print('started')"
     )
     result = run(code)
-    assert result.ok and result.stdout == "started\n" and result.elapsed_s < 3
+    # the program returns at once (well under a second); waiting for the child would take 30 s
+    assert result.ok and result.stdout == "started\n" and result.elapsed_s < 15
 
 
 def test_bad_file_paths_are_refused() -> None:

@@ -12,7 +12,8 @@ import pytest
 from longstraw_agents.tools import HttpGetConfig, ToolRegistry, make_http_get_tool
 
 BIG_BODY = b"b" * 50_000
-SLOW_S = 1.5
+TIMEOUT_S = 0.5  # the tool's
+RELEASE_SLOW = threading.Event()  # /slow answers once the test sets it (or after a minute)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -58,7 +59,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
     def slow(self) -> None:
-        time.sleep(SLOW_S)
+        RELEASE_SLOW.wait(60)
         self.reply(200, b"too late", "text/plain")
 
     def log_message(self, format: str, *args: object) -> None:  # keep the test output clean
@@ -85,7 +86,7 @@ def server() -> Iterator[str]:
 @pytest.fixture
 def http_get(server: str):
     Handler.requests.clear()
-    return make_http_get_tool(HttpGetConfig(allowed_hosts=("127.0.0.1",), timeout_s=0.5, max_bytes=10_000))
+    return make_http_get_tool(HttpGetConfig(allowed_hosts=("127.0.0.1",), timeout_s=TIMEOUT_S, max_bytes=10_000))
 
 
 def test_allowed_fetch(server: str, http_get) -> None:
@@ -149,10 +150,17 @@ def test_server_errors_become_error_results(server: str, http_get) -> None:
 
 
 def test_timeout(server: str, http_get) -> None:
+    """The server holds /slow until the test releases it: an answer within 10x the tool's timeout can only come
+    from the timeout (a generous bound, so a busy machine does not fail it)."""
+    RELEASE_SLOW.clear()
     start = time.perf_counter()
-    result = http_get.invoke({"url": f"{server}/slow"})
+    try:
+        result = http_get.invoke({"url": f"{server}/slow"})
+        elapsed = time.perf_counter() - start
+    finally:
+        RELEASE_SLOW.set()
     assert result.error == "timeout" and "timed out after 0.5 s" in result.content
-    assert time.perf_counter() - start < SLOW_S
+    assert elapsed < 10 * TIMEOUT_S
 
 
 def test_binary_content_is_described_not_shown(server: str, http_get) -> None:

@@ -313,6 +313,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.distributed
 def test_data_parallel_step_equals_one_process_on_the_union_of_the_groups(tmp_path):
     """The engine bypasses DDP's forward (so DDP's all-reduce hooks never fire): two processes with 2 and 1 groups
     must end the step with the gradients and parameters of one process given all 3 groups."""
