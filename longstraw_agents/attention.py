@@ -27,6 +27,7 @@ Backends (``EngineConfig.attention``; ``"auto"`` picks the first that takes the 
   never split in forward. For bf16/fp16 its backward is the eager math in fp32 (the fused one is ~5x slower there).
 - ``eager``: matmul math (the oracle, and any shape: ``D != Dv``, any dtype), keys processed in pieces of at most
   ``max_score_elements`` scores.
+- ``meta``: tensors on the meta device, for the memory planner: a fused kernel's allocations without arithmetic.
 MLA's latent attention uses the same op with one KV head whose keys and values are the same stored rows (latent and
 rope key side by side: the value's rope columns come out as extra output columns, dropped by the caller), so
 ``D == Dv`` holds and the fused kernels take it; on CUDA its head size (e.g. 576) exceeds what flash takes and the
@@ -268,7 +269,29 @@ class CudaFlashBackend(AttentionBackend):
         return grads[0], grads[1], grads[2]
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (CudaFlashBackend, CpuFlashBackend, EagerBackend)}
+class MetaBackend(AttentionBackend):
+    """Tensors on the meta device (the memory planner): a fused kernel's allocations — its outputs and gradients,
+    never scores — with no arithmetic."""
+
+    name = "meta"
+
+    @classmethod
+    def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        return q.device.type == "meta"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        return out, q.new_empty(q.shape[:-1], dtype=softmax_dtype(q.dtype))
+
+    def backward(
+        self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    b.name: b for b in (CudaFlashBackend, CpuFlashBackend, MetaBackend, EagerBackend)
+}
 BACKEND_NAMES = ("auto", *BACKENDS)
 
 
@@ -399,7 +422,7 @@ def _gathers(blocks: list[Tensor], own: Tensor, selected: Tensor, start: int):
         visible = (rel >= 0) & (rel < rows.shape[0]) & (selected <= query_pos)
         if b >= 0:
             offset += rows.shape[0]
-        if bool(visible.any()):
+        if visible.device.type == "meta" or bool(visible.any()):  # meta (the memory planner): assume some are
             yield b, rows, rel.clamp(0, rows.shape[0] - 1), visible
 
 
@@ -448,5 +471,7 @@ class _SparseAttention(torch.autograd.Function):
             dq += torch.einsum("nhk,nkw->nhw", d_scores, gathered)
             if sink is not None:  # the rows are keys (scores) and values (probs) at once
                 d_rows = torch.einsum("nhk,nhw->nkw", d_scores, qs) + torch.einsum("nhk,nhw->nkw", probs, d_o)
-                sink.index_add_(0, index[visible], d_rows[visible].to(sink.dtype))
+                # hidden slots (clamped indices) add exact zeros: no boolean indexing, no host sync
+                d_rows = d_rows * visible.unsqueeze(-1)
+                sink.index_add_(0, index.flatten(), d_rows.flatten(0, 1).to(sink.dtype))
         return dq.to(q.dtype), d_own.to(own.dtype), None, None, None, None, None

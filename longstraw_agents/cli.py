@@ -120,6 +120,42 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantity(text: str) -> int:
+    """``2.1M`` / ``96GB`` / ``512K`` / ``4096`` as an integer (K, M, G: powers of 1000, as GPU sizes are sold)."""
+    units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    value = text.strip().upper().removesuffix("B")
+    scale = units.get(value[-1:], 1)
+    try:
+        number = float(value[:-1] if value[-1:] in units else value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2.1M, 96GB, 4096)") from None
+    return int(number * scale)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from longstraw_agents.planner import PlanRequest, longest_context, plan_memory
+
+    try:
+        request = PlanRequest(
+            model=args.model, context=args.context, group=args.group, completion=args.completion, gpus=args.gpus,
+            gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
+            optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, chunk=args.chunk,
+            checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
+            activation_checkpointing=args.activation_checkpointing,
+        )  # fmt: skip
+        if args.longest:
+            longest, plan = longest_context(request)
+            print(f"longest context that fits: {longest:,} positions" if longest else "nothing fits")
+        else:
+            plan = plan_memory(request)
+    except ValueError as err:
+        return _fail(str(err))
+    print(plan.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longstraw",
@@ -181,6 +217,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: the run directory)")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("plan", help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed)")
+    p.add_argument("--model", default="qwen3.6-27b", help="qwen3.6-27b | glm-5.2 | tiny-<preset> | CONFIG.json")
+    p.add_argument("--context", type=_quantity, default=_quantity("2.1M"), help="shared prompt positions, e.g. 2.1M")
+    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--completion", type=_quantity, default=1024, help="tokens per completion")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: gpus / dp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--mode", choices=["detached", "exact"], default="detached")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
+    p.add_argument("--offload", choices=["none", "optimizer"], default="none", help="keep AdamW state off the GPU")
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight: > 0 plans the reference model too")
+    p.add_argument("--chunk", type=_quantity, default=4096, help="engine chunk size")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="recurrent checkpoint spacing (exact)")
+    p.add_argument("--graph-budget", type=_quantity, default=0, help="exact mode's kept-graph budget in bytes")
+    p.add_argument(
+        "--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+        help="recompute layers in backward (default on: large models' branch graphs otherwise dominate)",
+    )  # fmt: skip
+    p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")
+    p.set_defaults(func=_cmd_plan)
     return parser
 
 

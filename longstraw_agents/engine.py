@@ -17,7 +17,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +66,9 @@ class EngineConfig:
     graph_budget_bytes: exact mode keeps the autograd graphs of the last prefix chunks that fit in this many bytes
         instead of recomputing them in the reverse walk (0: recompute every chunk, the smallest peak); a budget at
         a full-graph trainer's peak makes exact mode about as fast as one.
+    activation_checkpointing: graphs (branch replays, recomputed chunks) keep each layer's input only and recompute
+        the layer in backward — a large model's branch graph shrinks from every layer's activations to one layer's
+        (one more forward of the branch or chunk).
     """
 
     chunk_size: int = 512
@@ -74,6 +77,7 @@ class EngineConfig:
     checkpoint_every: int | None = None
     grad_accumulation: GradAccumulation = "fp32"
     graph_budget_bytes: int = 0
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -90,6 +94,20 @@ class EngineConfig:
             raise ValueError(f"graph_budget_bytes must be >= 0, got {self.graph_budget_bytes}")
         if self.grad_accumulation not in ("fp32", "state"):
             raise ValueError(f"grad_accumulation must be 'fp32' or 'state', got {self.grad_accumulation!r}")
+
+
+def checkpoint_spacing(model_config: Any, dtype: torch.dtype, config: EngineConfig) -> int:
+    """``config.checkpoint_every``, or the smallest k whose recurrent checkpoints (one every k chunks) take no more
+    memory per token than the attention state of ``model_config`` (1 without recurrent layers)."""
+    if config.checkpoint_every is not None:
+        return config.checkpoint_every
+    size = state_size(model_config, dtype)
+    per_chunk = size.bytes_per_token * config.chunk_size
+    if size.fixed_bytes == 0:
+        return 1
+    if per_chunk == 0:
+        return MAX_CHECKPOINT_SPACING
+    return max(1, min(MAX_CHECKPOINT_SPACING, math.ceil(size.fixed_bytes / per_chunk)))
 
 
 class Engine:
@@ -116,15 +134,7 @@ class Engine:
     @property
     def checkpoint_spacing(self) -> int:
         """k: exact-mode states keep the recurrent state after every k-th chunk (see ``EngineConfig``)."""
-        if self.config.checkpoint_every is not None:
-            return self.config.checkpoint_every
-        size = state_size(self.model.config, self.adapter.dtype)
-        per_chunk = size.bytes_per_token * self.config.chunk_size
-        if size.fixed_bytes == 0:
-            return 1
-        if per_chunk == 0:
-            return MAX_CHECKPOINT_SPACING
-        return max(1, min(MAX_CHECKPOINT_SPACING, math.ceil(size.fixed_bytes / per_chunk)))
+        return checkpoint_spacing(self.model.config, self.adapter.dtype, self.config)
 
     # --- public API -----------------------------------------------------------------------------------------
     def empty_state(self, checkpoints: bool | int = False) -> State:
@@ -235,7 +245,9 @@ class Engine:
 
     # --- internals ------------------------------------------------------------------------------------------
     def _forward(self, ids: Tensor, start: int, contexts: list[LayerContext]):
-        return self.adapter.forward(ids, start, contexts, attention=self.attention)
+        return self.adapter.forward(
+            ids, start, contexts, attention=self.attention, checkpoint_layers=self.config.activation_checkpointing
+        )
 
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
         ids = as_token_ids(ids, allow_empty=allow_empty, vocab_size=self.adapter.vocab_size)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from longstraw_agents.attention import Attention
 from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeInput
@@ -104,6 +105,14 @@ class MixerInput:
     recurrent: tuple[Tensor, ...] | None = None
     shared: dict[str, Any] = field(default_factory=dict)
     attention: Attention = field(default_factory=Attention)
+
+    @property
+    def start(self) -> int:
+        """The position of the first new token, read without a device sync (``positions`` may be on the meta
+        device when the memory planner runs the model)."""
+        return self._start if self._start is not None else int(self.positions[0])
+
+    _start: int | None = None
 
 
 @dataclass
@@ -225,21 +234,39 @@ class FamilyAdapter(ABC):
         contexts: list[LayerContext],
         shared: dict[str, Any] | None = None,
         attention: Attention | None = None,
+        checkpoint_layers: bool = False,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         """Run ``ids`` (positions ``start..``) through the decoder; returns the final-normed hidden states
-        ``[n, hidden]`` and, per layer, what the layer adds to the state."""
+        ``[n, hidden]`` and, per layer, what the layer adds to the state.
+
+        checkpoint_layers: under autograd, keep only each layer's input and recompute the layer in backward
+        (activation checkpointing, ``torch.utils.checkpoint``): a graph then holds one hidden vector per token and
+        layer plus one layer's activations, instead of every layer's."""
         positions = torch.arange(start, start + ids.shape[0], device=ids.device)
         h = self.backbone.embed_tokens(ids)
         rope = self.rope(h, positions)
         shared = {} if shared is None else shared
         attention = Attention() if attention is None else attention
         new_entries: list[tuple[Tensor, ...]] = []
+        recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer, ctx in zip(self.layers, contexts, strict=True):
-            inp = MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention)
-            out = layer.mixer.forward(inp)
-            h = h + out.y
-            h = h + layer.mlp(layer.post_norm(h))
-            new_entries.append(out.new)
+            # a layer reads the scratch as it was before it: a recomputation must not see what later layers wrote
+            seen: dict[str, Any] = dict(shared)
+            written: dict[str, Any] = {}
+
+            def run(h: Tensor, layer: DecoderLayer = layer, ctx: LayerContext = ctx, seen=seen, written=written):
+                scratch = dict(seen)
+                x = layer.input_norm(h)
+                out = layer.mixer.forward(
+                    MixerInput(x, positions, rope, ctx.past, ctx.recurrent, scratch, attention, start)
+                )
+                written.update(scratch)
+                h = h + out.y
+                return (h + layer.mlp(layer.post_norm(h)), *out.new)
+
+            h, *new = checkpoint(run, h, use_reentrant=False) if recompute else run(h)
+            shared.update(written)
+            new_entries.append(tuple(new))
         return self.final_norm(h), new_entries
 
     def decode(

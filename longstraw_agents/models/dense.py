@@ -133,9 +133,10 @@ class DenseAdapter(FamilyAdapter):
         contexts: list[LayerContext],
         shared: dict[str, Any] | None = None,
         attention: Attention | None = None,
+        checkpoint_layers: bool = False,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         self._check_window(start + ids.shape[0])
-        return super().forward(ids, start, contexts, shared, attention)
+        return super().forward(ids, start, contexts, shared, attention, checkpoint_layers)
 
     def decode(
         self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None

@@ -40,6 +40,7 @@ from longstraw_agents.models.base import (
 from longstraw_agents.models.batch import BlockTensors, DecodeInput, cascade_attention, write_own
 
 SELECTION_KEY = "dsa_selection"
+MAX_PLANNED_EXPERT_GROUPS = 8
 Selection = tuple[Tensor, Tensor]
 """A decode batch's DSA selection: positions ``[B, k]`` and which of them are real keys ``[B, k]``."""
 
@@ -225,7 +226,7 @@ class MLAMixer(Mixer):
             new = (rows, index_keys)
             with torch.no_grad():
                 past_keys = [b.tensors[1] for b in inp.past]
-                start, budget = int(inp.positions[0]), inp.attention.max_score_elements
+                start, budget = inp.start, inp.attention.max_score_elements
                 selected = self.indexer.select(x, q_resid, inp.rope, past_keys, index_keys, start, budget)
             inp.shared[SELECTION_KEY] = selected
         else:
@@ -237,7 +238,7 @@ class MLAMixer(Mixer):
         else:
             out = sparse_attend(
                 q_rows, [b.tensors[0] for b in inp.past], [b.grad(0) for b in inp.past], rows, selected,
-                int(inp.positions[0]), self.scale,
+                inp.start, self.scale,
             )  # fmt: skip
         return MixerOutput(y=self._output(out), new=new)
 
@@ -341,13 +342,25 @@ class MoE:
     def __call__(self, x: Tensor) -> Tensor:
         top_idx, weights = self.route(x)
         out = torch.zeros_like(x)
-        for expert in torch.unique(top_idx).tolist():
-            token, slot = torch.where(top_idx == expert)
+        for expert, token, slot in self._assignments(top_idx):
             gate_up = F.linear(x[token], self.experts.gate_up_proj[expert])
             g, u = gate_up.chunk(2, dim=-1)
             h = F.linear(self.experts.act_fn(g) * u, self.experts.down_proj[expert])
             out = out.index_add(0, token, (h * weights[token, slot, None]).to(out.dtype))
         return out + self.moe.shared_experts(x)
+
+    def _assignments(self, top_idx: Tensor) -> list[tuple[int, Tensor, Tensor]]:
+        """(expert, its tokens, their top-k slots) for every expert some token chose, in id order. On the meta device
+        (the memory planner) there is no routing to read: the ``n x top_k`` slots are spread evenly over the experts,
+        so the loop makes tensors of the sizes a balanced routing would."""
+        if top_idx.device.type != "meta":
+            return [(e, *torch.where(top_idx == e)) for e in torch.unique(top_idx).tolist()]
+        # the activations a backward keeps are the same whether 256 experts take 1/256 of the slots each or 8 take
+        # 1/8 each; 8 keep the planner's Python loop short (the weights, by slice, allocate nothing)
+        groups = min(self.experts.gate_up_proj.shape[0], MAX_PLANNED_EXPERT_GROUPS, top_idx.numel())
+        slots = top_idx.numel()
+        counts = [slots // groups + (1 if e < slots % groups else 0) for e in range(groups)]
+        return [(e, top_idx.new_empty(c), top_idx.new_empty(c)) for e, c in enumerate(counts)]
 
 
 class MLAAdapter(FamilyAdapter):

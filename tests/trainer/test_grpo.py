@@ -407,6 +407,21 @@ def test_exact_mode_is_exact_at_every_graph_budget(family: str):
     assert any(counts[0] > c > counts[-1] for c in counts)  # some budget keeps part of the prefix
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_checkpointing_changes_no_gradient(family: str):
+    """Layers recomputed in backward (branch replays and the reverse walk's chunks) give the same exact gradient."""
+    net, ref_net = model(family, torch.float64), model(family, torch.float64, seed=1)
+    group = mode_group(family, torch.float64)
+    net.zero_grad(set_to_none=True)
+    engine = Engine(net, EngineConfig(chunk_size=CHUNK, activation_checkpointing=True))
+    grpo_backward(
+        engine, group.prompt, group.completions, group.rewards, "exact", config=LossConfig(**MODE_SCENARIO.loss),
+        old_logprobs=group.old_logprobs, ref_model=ref_net,
+    )  # fmt: skip
+    naive = mode_runs(family, torch.float64)["naive"][1]
+    assert relative_l2(parameter_grads(net), naive) <= MODE_TOL[torch.float64]
+
+
 def test_gradients_accumulate_into_existing_grads():
     """grpo_backward adds to param.grad (as loss.backward does); it never zeroes or steps."""
     net = model("llama", torch.float32)

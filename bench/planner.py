@@ -1,0 +1,66 @@
+"""The memory planner against the published LongStraw figures (issue 15): ``longstraw plan`` for each row.
+
+Published: on 8 H20 (96 GB) a Qwen3.6-27B layout completes grouped scoring and response backward at 2.1M positions
+for G = 2 and 8, going from G = 2 to 8 adding 0.21 GB of peak allocated memory; a stress test reaches 4.46M; a
+GLM-5.2 layout (78 layers) runs a 2.1M-token prompt on 32 H20. Writes ``bench/results/planner.json``.
+
+    python -m bench.planner
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from longstraw_agents.planner import GIB, Plan, PlanRequest, longest_context, plan_memory
+
+RESULTS = Path(__file__).parent / "results"
+QWEN = PlanRequest(model="qwen3.6-27b", context=2_100_000, gpus=8, completion=1024)
+GLM = PlanRequest(model="glm-5.2", context=2_100_000, gpus=32, completion=1024, chunk=1024)
+
+
+def row(label: str, plan: Plan) -> dict:
+    r = plan.request
+    print(
+        f"{label:<58} {r.context / 1e6:>5.2f}M {r.mode:<8} G={r.group} opt={r.optimizer} "
+        f"-> {plan.total / GIB:7.1f} GiB of {r.gpu_mem_bytes / GIB:.1f}: {'fits' if plan.fits else 'does NOT fit'}",
+        flush=True,
+    )
+    request = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(r).items()}
+    categories = {k: v / GIB for k, v in plan.categories.items()}
+    return {"label": label, "request": request, "gib": categories, "total_gib": plan.total / GIB, "fits": plan.fits}
+
+
+def main() -> None:
+    rows = []
+    g2, g8 = plan_memory(replace(QWEN, group=2)), plan_memory(QWEN)
+    rows += [row("Qwen3.6-27B, 8 x 96 GB, detached, G=2", g2), row("Qwen3.6-27B, 8 x 96 GB, detached, G=8", g8)]
+    growth = (g8.total - g2.total) / 1e9
+    print(f"G=2 -> 8 adds {growth:.3f} GB (published: 0.21 GB)")
+    for mode, optimizer, offload in [
+        ("detached", "adamw", False),
+        ("detached", "none", False),
+        ("exact", "none", False),
+    ]:
+        plan = plan_memory(replace(QWEN, context=4_460_000, mode=mode, optimizer=optimizer, offload_optimizer=offload))
+        rows.append(row("Qwen3.6-27B stress, 8 x 96 GB", plan))
+    for optimizer in ("adamw", "none"):
+        rows.append(row("GLM-5.2, 32 x 96 GB, detached", plan_memory(replace(GLM, optimizer=optimizer))))
+    longest = {}
+    for base, gpus in [(QWEN, 8), (QWEN, 32), (GLM, 8), (GLM, 32)]:
+        for optimizer in ("adamw", "none"):
+            request = replace(base, gpus=gpus, mode="exact", optimizer=optimizer)
+            tokens, plan = longest_context(request)
+            key = f"{base.model}, {gpus} GPUs, exact, optimizer {optimizer}"
+            longest[key] = tokens
+            print(f"longest exact context: {key}: {tokens:,} positions ({plan.total / GIB:.1f} GiB)", flush=True)
+    out = RESULTS / "planner.json"
+    out.write_text(json.dumps({"rows": rows, "growth_g2_to_g8_gb": growth, "longest_exact": longest}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""The memory planner: the peak per GPU of a GRPO step before renting the GPUs (``longstraw plan``).
+
+It runs the project's real engine and trainer code — capture, branch replay, exact mode's reverse walk — on the meta
+device under ``MemoryTracker``: tensors have shapes and byte sizes but no storage and no arithmetic (attention takes
+the ``meta`` backend, a fused kernel's allocations without its work; MoE routing is taken as balanced). Walking
+2M tokens x 64 layers in Python would take long, so it simulates a few chunks on models cut to one and two periods
+of their layer pattern, and extrapolates:
+
+- what grows with the context is exact: the engine's state of the rank's positions (``state_size``: attention K/V,
+  MLA rows, DSA index keys), exact mode's state gradient (fp32 for bf16 states), recurrent checkpoints every k
+  chunks; with context parallelism each rank holds ``context / cp`` positions (the sharding ``parallel/`` will do,
+  taken analytically here);
+- what does not — one chunk's graph, one branch's graph, the LM head's log-prob tiles and the head's weight gradient —
+  is measured on the cut models (peak minus the exact terms) and extrapolated linearly in the number of layer
+  periods;
+- weights, gradients and AdamW state are counted from the model's parameters, sharded over all ``dp x cp`` GPUs as
+  FSDP2 does, plus two layers' gathered weights (the layer in use and the prefetched next); the frozen reference
+  model and its captured state when ``beta > 0``;
+- an allocator margin, stated as such: 5 % of the total plus 1 GiB (CUDA context, kernels' workspaces,
+  fragmentation).
+
+    plan = plan_memory(PlanRequest(model="qwen3.6-27b", context=2_100_000, group=8, gpus=8))
+    print(plan.table())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from longstraw_agents.engine import Engine, EngineConfig, checkpoint_spacing
+from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
+from longstraw_agents.memory import MemoryTracker
+from longstraw_agents.models import state_size
+from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
+from longstraw_agents.segmenter import Member
+from longstraw_agents.trainer.group import make_group
+from longstraw_agents.trainer.loss import LossConfig
+from longstraw_agents.trainer.modes import MODES
+
+GIB = 2**30
+MARGIN_FRACTION = 0.05
+MARGIN_FIXED = GIB
+NAMED_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen3.6-27b": qwen3_6_27b_like,
+    "glm-5.2": glm_5_2_like,
+    **{f"tiny-{name}": fn for name, fn in TINY_PRESETS.items()},
+}
+PER_LAYER_LISTS = ("layer_types", "indexer_types", "mlp_layer_types")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan. ``context`` counts the shared prompt's positions; ``completion`` each member's own tokens."""
+
+    model: str = "qwen3.6-27b"  # a name of NAMED_MODELS or a path to a transformers config.json
+    context: int = 2_100_000
+    group: int = 8
+    completion: int = 1024
+    gpus: int = 8
+    gpu_mem_bytes: int = 96 * 10**9
+    cp: int | None = None  # context-parallel ranks (default: all GPUs, dp = 1)
+    dp: int = 1
+    mode: Literal["detached", "exact"] = "detached"
+    dtype: torch.dtype = torch.bfloat16
+    optimizer: Literal["adamw", "none"] = "adamw"
+    offload_optimizer: bool = False
+    beta: float = 0.0
+    chunk: int = 4096
+    checkpoint_every: int | None = None
+    graph_budget_bytes: int = 0
+    activation_checkpointing: bool = True  # at these sizes a branch's full graph would dominate (see the README)
+    max_score_elements: int = 1 << 27  # a GPU's budget for DSA index scores (512 MiB fp32), not a CPU test's 4 MiB
+
+    @property
+    def context_parallel(self) -> int:
+        return self.cp if self.cp is not None else self.gpus // self.dp
+
+    def validated(self) -> PlanRequest:
+        if self.dp * self.context_parallel != self.gpus:
+            raise ValueError(f"dp ({self.dp}) x cp ({self.context_parallel}) must equal gpus ({self.gpus})")
+        if min(self.context, self.group, self.completion, self.chunk) < 1:
+            raise ValueError("context, group, completion and chunk must be >= 1")
+        return self
+
+
+@dataclass
+class Plan:
+    """Bytes per GPU by category, the allocator margin, and how the figures were obtained."""
+
+    request: PlanRequest
+    categories: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def subtotal(self) -> int:
+        return sum(self.categories.values())
+
+    @property
+    def margin(self) -> int:
+        return int(MARGIN_FRACTION * self.subtotal) + MARGIN_FIXED
+
+    @property
+    def total(self) -> int:
+        return self.subtotal + self.margin
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.request.gpu_mem_bytes
+
+    def table(self) -> str:
+        r = self.request
+        lines = [
+            f"{r.model}: {r.context:,} positions, G={r.group} x {r.completion} tokens, {r.mode}, "
+            f"{str(r.dtype).removeprefix('torch.')}, {r.gpus} GPUs x {r.gpu_mem_bytes / 1e9:.0f} GB "
+            f"(dp={r.dp}, cp={r.context_parallel}), optimizer {r.optimizer}"
+            + (" offloaded" if r.offload_optimizer else "")
+            + (f", beta={r.beta}" if r.beta else ""),
+            f"{'per GPU':<32} {'GiB':>9}",
+        ]
+        lines += [f"  {name:<30} {value / GIB:>9.2f}" for name, value in self.categories.items()]
+        lines.append(f"  {'allocator margin (5% + 1 GiB)':<30} {self.margin / GIB:>9.2f}")
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"  {'total':<30} {self.total / GIB:>9.2f}  of {r.gpu_mem_bytes / GIB:.1f} GiB: {verdict}")
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def load_config(model: str) -> PretrainedConfig:
+    if model in NAMED_MODELS:
+        return NAMED_MODELS[model]()
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {model!r}: give one of {sorted(NAMED_MODELS)} or a config.json path")
+    data = json.loads(path.read_text())
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+# --- layer periods: cut a config to a few layers and extrapolate ------------------------------------------------
+
+
+def layer_kinds(config: PretrainedConfig) -> list[tuple[Any, ...]]:
+    """Per layer, what distinguishes it (attention kind, indexer kind, MLP kind)."""
+    lists = [getattr(config, name, None) or [None] * config.num_hidden_layers for name in PER_LAYER_LISTS]
+    dense = getattr(config, "first_k_dense_replace", 0) or 0
+    return [(*(lst[i] for lst in lists), i < dense) for i in range(config.num_hidden_layers)]
+
+
+def layer_period(config: PretrainedConfig) -> tuple[int, int]:
+    """``(head, period)``: the first ``head`` layers are special, the rest repeat every ``period`` layers."""
+    kinds = layer_kinds(config)
+    n = len(kinds)
+    for head in range(n):
+        tail = kinds[head:]
+        for period in range(1, max(len(tail) // 2, 1) + 1):
+            if all(tail[i] == tail[i % period] for i in range(len(tail))):
+                return head, period
+    return 0, n
+
+
+def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """The config cut to its first ``layers`` layers."""
+    data = config.to_dict()
+    data["num_hidden_layers"] = layers
+    for name in PER_LAYER_LISTS:
+        if data.get(name):
+            data[name] = data[name][:layers]
+    return type(config)(**data)
+
+
+# --- one simulated step on the meta device ----------------------------------------------------------------------
+
+
+def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> Any:
+    """A transformers CausalLM of ``config`` on the meta device (no storage)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+        )
+    return model.to(dtype)
+
+
+def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int, engine_config: EngineConfig) -> int:
+    """Peak bytes of one GRPO step of ``request.mode`` (parameter gradients allocated beforehand, not counted)."""
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    engine = Engine(model, engine_config)
+    ref_engine = Engine(model, engine_config) if request.beta > 0 else None  # same shapes as the policy
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, vocab, prompt_len)
+    members = [Member.from_prompt_completion(prompt, rng.integers(0, vocab, request.completion)) for _ in range(group)]
+    config = LossConfig(beta=request.beta)
+    grouped = make_group(members, [float(k % 2) for k in range(group)], config)  # rewards that differ
+    runner = MODES[request.mode](engine, config, ref_engine)
+    with MemoryTracker() as tracker:
+        runner.run(grouped)
+    return tracker.peak_bytes
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Exact:
+    """The terms that grow with the context, from the engine's own accounting."""
+
+    state: int
+    dstate: int
+    checkpoints: int
+    reference_state: int
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) -> _Exact:
+    """State, its gradient (exact mode: at least fp32), recurrent checkpoints and the reference's state."""
+    size = state_size(config, request.dtype)
+    state = size.total(positions)
+    exact = request.mode == "exact"
+    widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
+    dstate = int(size.bytes_per_token * positions * widen) + size.fixed_bytes if exact else 0
+    spacing = checkpoint_spacing(config, request.dtype, _engine_config(request))
+    checkpoints = size.fixed_bytes * (math.ceil(positions / request.chunk) // spacing) if exact else 0
+    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0)
+
+
+def _engine_config(request: PlanRequest) -> EngineConfig:
+    return EngineConfig(
+        chunk_size=request.chunk,
+        checkpoint_every=request.checkpoint_every,
+        graph_budget_bytes=request.graph_budget_bytes,
+        activation_checkpointing=request.activation_checkpointing,
+        max_score_elements=request.max_score_elements,
+    )
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One simulated step on a cut model: its graph bytes (peak minus the exact terms) and its parameter counts."""
+
+    graphs: int
+    parameters: int
+    largest_layer: int
+
+
+def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
+    """Simulate a step of ``group`` members on ``config`` over two chunks of context."""
+    prompt_len = 2 * request.chunk + 1
+    model = meta_model(config, request.dtype)
+    peak = step_peak(model, request, prompt_len, group, _engine_config(request))
+    exact = exact_terms(config, request, prompt_len - 1)
+    graphs = peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
+    parameters = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    return _Probe(graphs, parameters, largest)
+
+
+def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe, str]:
+    """The full model's graph bytes and parameters from models cut to one and two layer periods (all layers when
+    the model has no more), simulated with two members; the group's own growth (G members instead of two) is
+    measured on the smallest cut and added."""
+    head, period = layer_period(config)
+    n1, n2, full = head + period, head + 2 * period, config.num_hidden_layers
+    pair = min(request.group, 2)
+    if full <= n2:
+        whole = probe(config, request, pair)
+        t1, t2, scale, how = whole, whole, 0.0, f"simulated all {full} layers"
+        small = config
+    else:
+        small = with_layers(config, n1)
+        t1, t2 = probe(small, request, pair), probe(with_layers(config, n2), request, pair)
+        scale = (full - n1) / period
+        how = f"simulated {n1} and {n2} of {full} layers (period {period}) and extrapolated linearly"
+    growth = probe(small, request, request.group).graphs - t1.graphs if request.group > pair else 0
+    graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
+    parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
+    return _Probe(graphs, parameters, t2.largest_layer), how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
+
+
+def parameter_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
+    """Weights, gradients and AdamW state sharded over all GPUs (FSDP2), plus two layers' gathered weights."""
+    params, itemsize = probed.parameters, _itemsize(request.dtype)
+    adam = request.optimizer == "adamw" and not request.offload_optimizer
+    return {
+        "weights": params * itemsize // request.gpus + 2 * probed.largest_layer * itemsize,
+        "gradients": params * itemsize // request.gpus,
+        "optimizer state": 2 * 4 * params // request.gpus if adam else 0,
+        "reference weights": params * itemsize // request.gpus if request.beta > 0 else 0,
+    }
+
+
+def logits_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
+    """What the LM head's log-probs hold at once (part of the measured graphs): three logit tiles, and the head's
+    weight gradient in fp32 and in the model's dtype before it joins the sharded gradients."""
+    head = config.vocab_size * config.hidden_size
+    return 3 * DEFAULT_TILE_ELEMENTS * 4 + head * (4 + _itemsize(request.dtype))
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What a plan measures once per request and reuses for every context length."""
+
+    config: PretrainedConfig
+    parameters: dict[str, int]
+    graphs: int
+    how: str
+
+
+def _measure(request: PlanRequest) -> _Measured:
+    config = load_config(request.model)
+    probed, how = extrapolated(config, request)
+    return _Measured(config, parameter_terms(probed, request), probed.graphs, how)
+
+
+def _plan(request: PlanRequest, measured: _Measured) -> Plan:
+    positions = math.ceil(request.context / request.context_parallel)
+    exact = exact_terms(measured.config, request, positions)
+    categories = {
+        **measured.parameters,
+        "captured state": exact.state,
+        "reference state": exact.reference_state,
+        "dState": exact.dstate,
+        "recurrent checkpoints": exact.checkpoints,
+        "one chunk's or branch's graph": measured.graphs,
+    }
+    notes = [
+        f"graphs: {measured.how}, 2 chunks of {request.chunk} positions on the meta device; they include the LM "
+        f"head's log-prob tiles and its fp32 weight gradient ({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
+        f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); FSDP2 shards weights, "
+        "gradients and AdamW state (2 x fp32 per parameter) over all GPUs, plus two layers' gathered weights",
+    ]
+    if request.mode == "exact":
+        spacing = checkpoint_spacing(measured.config, request.dtype, _engine_config(request))
+        notes.append(f"recurrent checkpoints every {spacing} chunks; the state gradient in fp32")
+    return Plan(request, categories, notes)
+
+
+def plan_memory(request: PlanRequest) -> Plan:
+    """The peak per GPU of one GRPO step of ``request``, by category."""
+    request = request.validated()
+    return _plan(request, _measure(request))
+
+
+def longest_context(request: PlanRequest, low: int = 1024, high: int = 1 << 26) -> tuple[int, Plan]:
+    """The longest context that fits ``request``'s GPUs, by binary search (the graphs are measured once: they do
+    not depend on the context). Returns 0 when not even ``low`` fits."""
+    request = request.validated()
+    measured = _measure(request)
+
+    def fits(context: int) -> bool:
+        return _plan(replace(request, context=context), measured).fits
+
+    if not fits(low):
+        return 0, _plan(replace(request, context=low), measured)
+    while low < high - 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low, _plan(replace(request, context=low), measured)
