@@ -42,8 +42,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -104,6 +104,31 @@ def merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor) -> tuple[
     w_acc = torch.exp(acc_lse - total).nan_to_num_(0.0).unsqueeze(-1)
     w_new = torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)
     return acc_out * w_acc + out.to(total.dtype) * w_new, total
+
+
+class Shards(Protocol):
+    """The ranks that hold a state's positions between them (context parallelism): each attends to its own blocks,
+    and these collectives combine the results so that every rank gets the attention over all of them. Every rank
+    calls them in the same order (the computation around them is replicated). ``longstraw_agents.parallel``
+    implements it over a process group."""
+
+    def merge_partials(
+        self, acc: tuple[Tensor, Tensor] | None, out_shape: tuple[int, ...], lse: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The merge of every rank's ``(out, lse)`` partial (None: this rank holds none); ``lse`` gives the shape
+        and dtype of a partial's normaliser, ``out_shape`` its output's."""
+        ...
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the ranks, in place."""
+        ...
+
+    def merge_topk(
+        self, running: tuple[Tensor, Tensor] | None, n: int, k: int, like: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        """Every rank's best ``k`` (score, position) candidates per query, merged into the global best ``k`` (ties
+        to the earlier position); ``like`` gives the scores' dtype and device."""
+        ...
 
 
 # --- backends -------------------------------------------------------------------------------------------------
@@ -307,6 +332,7 @@ class Attention:
     backend: str = "auto"
     max_score_elements: int = DEFAULT_SCORE_ELEMENTS
     max_piece: int = 1 << 16
+    shards: Shards | None = field(default=None, compare=False)  # context parallelism: other ranks' blocks
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -364,7 +390,10 @@ class _BlockAttention(torch.autograd.Function):
             k4, v4 = as_heads(block.k), as_heads(block.v)
             acc = merge(acc, *attention.kernel(q4, k4, v4).forward(q4, k4, v4, False, scale))
         k4, v4 = as_heads(own_k), as_heads(own_v)
-        out, lse = merge(acc, *attention.kernel(q4, k4, v4).forward(q4, k4, v4, True, scale))
+        own_out, own_lse = attention.kernel(q4, k4, v4).forward(q4, k4, v4, True, scale)
+        if attention.shards is not None:  # the other ranks' blocks
+            acc = attention.shards.merge_partials(acc, tuple(own_out.shape[:-1]) + (own_v.shape[-1],), own_lse)
+        out, lse = merge(acc, own_out, own_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, own_k, own_v, out, lse)
         ctx.blocks, ctx.scale, ctx.attention = blocks, scale, attention
@@ -389,6 +418,8 @@ class _BlockAttention(torch.autograd.Function):
                     piece.k_grad.add_(from_heads(dk))
                 if piece.v_grad is not None:
                     piece.v_grad.add_(from_heads(dv))
+        if attention.shards is not None:  # every rank's blocks add to the queries' gradient
+            attention.shards.sum_(dq)
         k4, v4 = as_heads(own_k), as_heads(own_v)
         dq_o, dk, dv = attention.kernel(q4, k4, v4).backward(d_out4, q4, k4, v4, out, lse, True, ctx.scale)
         dq += dq_o
@@ -399,31 +430,65 @@ class _BlockAttention(torch.autograd.Function):
 
 
 def sparse_attend(
-    q: Tensor, blocks: Sequence[Tensor], sinks: Sequence[Tensor | None], own: Tensor, selected: Tensor, start: int,
+    q: Tensor,
+    blocks: Sequence[Tensor],
+    sinks: Sequence[Tensor | None],
+    own: Tensor,
+    selected: Tensor,
+    start: int,
     scale: float,
-) -> Tensor:  # fmt: skip
+    offsets: Sequence[int] | None = None,
+    shards: Shards | None = None,
+) -> Tensor:
     """Each query attends to its own selected positions only (DSA), with keys and values the same rows.
 
-    q: ``[n, H, W]``; blocks: the earlier rows ``[M_b, W]`` in position order (positions ``0..``), with ``sinks``
-    (gradient buffers of the same shapes, or None); own: the queries' own rows ``[n, W]`` (positions ``start..``);
-    selected: global positions ``[n, k]`` per query (only those ``<=`` the query's position count). Returns
+    q: ``[n, H, W]``; blocks: the earlier rows ``[M_b, W]`` in position order, starting at ``offsets`` (default:
+    back to back from position 0), with ``sinks`` (gradient buffers of the same shapes, or None); own: the queries'
+    own rows ``[n, W]`` (positions ``start..``); selected: global positions ``[n, k]`` per query (only those ``<=``
+    the query's position count); shards: the other ranks holding the rest of the earlier rows. Returns
     ``[n, H, W]``. Gathers are O(n·k) per block whatever its length; nothing score-sized is saved for backward."""
-    out: Tensor = _SparseAttention.apply(q, own, list(blocks), list(sinks), selected, start, scale)
+    if offsets is None:
+        offsets = [sum(b.shape[0] for b in blocks[:i]) for i in range(len(blocks))]
+    spans = [(rows, offset, sink) for rows, offset, sink in zip(blocks, offsets, sinks, strict=True)]
+    out: Tensor = _SparseAttention.apply(q, own, spans, selected, start, scale, shards)
     return out
 
 
-def _gathers(blocks: list[Tensor], own: Tensor, selected: Tensor, start: int):
-    """Per block holding selected keys: (block index or -1 for own, its rows, gather index [n, k], visible [n, k])."""
-    n = own.shape[0]
-    query_pos = torch.arange(start, start + n, device=selected.device).unsqueeze(1)
-    offset = 0
-    for b, rows in [*enumerate(blocks), (-1, own)]:
-        rel = selected - (start if b < 0 else offset)
-        visible = (rel >= 0) & (rel < rows.shape[0]) & (selected <= query_pos)
-        if b >= 0:
-            offset += rows.shape[0]
-        if visible.device.type == "meta" or bool(visible.any()):  # meta (the memory planner): assume some are
-            yield b, rows, rel.clamp(0, rows.shape[0] - 1), visible
+Span = tuple[Tensor, int, "Tensor | None"]  # rows, their first position, their gradient sink
+
+
+def _gather(rows: Tensor, offset: int, selected: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(gather index, visible) ``[n, k]`` of the selected positions ``rows`` hold (None: none of them)."""
+    rel = selected - offset
+    visible = (rel >= 0) & (rel < rows.shape[0]) & (selected <= query_pos)
+    if visible.device.type != "meta" and not bool(visible.any()):  # meta (the memory planner): assume some are
+        return None
+    return rel.clamp(0, rows.shape[0] - 1), visible
+
+
+def _sparse_partial(q: Tensor, rows: Tensor, index: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    gathered = rows[index].to(q.dtype)  # [n, k, W]
+    scores = torch.einsum("nhw,nkw->nhk", q, gathered) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [n, H]; -inf where the block holds none of the row's keys
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.einsum("nhk,nkw->nhw", probs, gathered), lse
+
+
+def _sparse_grads(
+    qs: Tensor, d_o: Tensor, row: Tensor, lse: Tensor, rows: Tensor, index: Tensor, visible: Tensor, scale: float,
+    sink: Tensor | None,
+) -> Tensor:  # fmt: skip
+    """This block's part of dq; its rows' gradient (as keys and as values at once) is added into ``sink``."""
+    gathered = rows[index].to(qs.dtype)
+    scores = torch.einsum("nhw,nkw->nhk", qs, gathered) * scale
+    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible.unsqueeze(1), 0.0)
+    d_scores = probs * (torch.einsum("nhw,nkw->nhk", d_o, gathered) - row) * scale
+    if sink is not None:
+        d_rows = torch.einsum("nhk,nhw->nkw", d_scores, qs) + torch.einsum("nhk,nhw->nkw", probs, d_o)
+        d_rows = d_rows * visible.unsqueeze(-1)  # hidden slots (clamped indices) add exact zeros: no host sync
+        sink.index_add_(0, index.flatten(), d_rows.flatten(0, 1).to(sink.dtype))
+    return torch.einsum("nhk,nkw->nhw", d_scores, gathered)
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -432,25 +497,29 @@ class _SparseAttention(torch.autograd.Function):
         ctx: Any,
         q: Tensor,
         own: Tensor,
-        blocks: list[Tensor],
-        sinks: list[Tensor | None],
+        spans: list[Span],
         selected: Tensor,
         start: int,
         scale: float,
+        shards: Shards | None,
     ) -> Tensor:
         sdt = softmax_dtype(q.dtype)
+        qs = q.to(sdt)
+        query_pos = torch.arange(start, start + own.shape[0], device=selected.device).unsqueeze(1)
         acc = None
-        for _, rows, index, visible in _gathers(blocks, own, selected, start):
-            gathered = rows[index].to(sdt)  # [n, k, W]
-            scores = torch.einsum("nhw,nkw->nhk", q.to(sdt), gathered) * scale
-            scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-            lse = torch.logsumexp(scores, dim=-1)  # [n, H]; -inf where the block holds none of the row's keys
-            probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-            acc = merge(acc, torch.einsum("nhk,nkw->nhw", probs, gathered), lse)
-        assert acc is not None, "every query selects at least its own position"
+        for rows, offset, _ in spans:
+            found = _gather(rows, offset, selected, query_pos)
+            if found is not None:
+                acc = merge(acc, *_sparse_partial(qs, rows, *found, scale))
+        if shards is not None:  # the other ranks' rows
+            acc = shards.merge_partials(acc, tuple(qs.shape), qs.new_empty(qs.shape[:-1]))
+        own_found = _gather(own, start, selected, query_pos)
+        if own_found is not None:
+            acc = merge(acc, *_sparse_partial(qs, own, *own_found, scale))
+        assert acc is not None, "every query selects at least one visible position"
         out, lse = acc
         ctx.save_for_backward(q, own, selected, out, lse)
-        ctx.blocks, ctx.sinks, ctx.start, ctx.scale = blocks, sinks, start, scale
+        ctx.spans, ctx.start, ctx.scale, ctx.shards = spans, start, scale, shards
         return out.to(q.dtype)
 
     @staticmethod
@@ -460,18 +529,16 @@ class _SparseAttention(torch.autograd.Function):
         sdt = lse.dtype
         qs, d_o = q.to(sdt), d_out.to(sdt)
         row = (d_o * out).sum(-1, keepdim=True)  # [n, H, 1]
+        query_pos = torch.arange(ctx.start, ctx.start + own.shape[0], device=selected.device).unsqueeze(1)
         dq = torch.zeros_like(qs)
+        for rows, offset, sink in ctx.spans:
+            found = _gather(rows, offset, selected, query_pos)
+            if found is not None:
+                dq += _sparse_grads(qs, d_o, row, lse, rows, *found, ctx.scale, sink)
+        if ctx.shards is not None:  # every rank's rows add to the queries' gradient
+            ctx.shards.sum_(dq)
         d_own = torch.zeros(own.shape, dtype=sdt, device=own.device)
-        for b, rows, index, visible in _gathers(ctx.blocks, own, selected, ctx.start):
-            sink = d_own if b < 0 else ctx.sinks[b]
-            gathered = rows[index].to(sdt)
-            scores = torch.einsum("nhw,nkw->nhk", qs, gathered) * ctx.scale
-            probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible.unsqueeze(1), 0.0)
-            d_scores = probs * (torch.einsum("nhw,nkw->nhk", d_o, gathered) - row) * ctx.scale
-            dq += torch.einsum("nhk,nkw->nhw", d_scores, gathered)
-            if sink is not None:  # the rows are keys (scores) and values (probs) at once
-                d_rows = torch.einsum("nhk,nhw->nkw", d_scores, qs) + torch.einsum("nhk,nhw->nkw", probs, d_o)
-                # hidden slots (clamped indices) add exact zeros: no boolean indexing, no host sync
-                d_rows = d_rows * visible.unsqueeze(-1)
-                sink.index_add_(0, index.flatten(), d_rows.flatten(0, 1).to(sink.dtype))
+        own_found = _gather(own, ctx.start, selected, query_pos)
+        if own_found is not None:
+            dq += _sparse_grads(qs, d_o, row, lse, own, *own_found, ctx.scale, d_own)
         return dq.to(q.dtype), d_own.to(own.dtype), None, None, None, None, None

@@ -17,12 +17,12 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from longstraw_agents.attention import BACKEND_NAMES, DEFAULT_SCORE_ELEMENTS, Attention
+from longstraw_agents.attention import BACKEND_NAMES, DEFAULT_SCORE_ELEMENTS, Attention, Shards
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import FamilyAdapter, StateSize, adapter_for, state_size
 from longstraw_agents.models.base import LayerContext, PastBlock
@@ -110,18 +110,50 @@ def checkpoint_spacing(model_config: Any, dtype: torch.dtype, config: EngineConf
     return max(1, min(MAX_CHECKPOINT_SPACING, math.ceil(size.fixed_bytes / per_chunk)))
 
 
-class Engine:
-    """capture / extend / logits over a model's own state objects (never a transformers cache)."""
+class StateShards(Shards, Protocol):
+    """Context parallelism as the engine sees it: the ranks of a group hold contiguous shards of the positions'
+    state (``longstraw_agents.parallel.ContextParallel`` implements it). Every rank runs the same computation; a
+    position's attention/MLA state is stored by its owner only, and attention merges every rank's partial."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig | None = None, *, chunk_size: int | None = None):
+    rank: int
+
+    def owner(self, position: int) -> int:
+        """The rank that stores ``position``'s state."""
+        ...
+
+    def shard_end(self, position: int) -> int:
+        """The first position after ``position``'s shard (chunks never cross it)."""
+        ...
+
+    def broadcast(self, tensor: Tensor, src: int) -> Tensor:
+        """``tensor`` as rank ``src`` has it, on every rank (in place)."""
+        ...
+
+
+class Engine:
+    """capture / extend / logits over a model's own state objects (never a transformers cache).
+
+    shards: context parallelism (``longstraw_agents.parallel``): this rank stores the state of its shard of the
+    positions only, and every rank of the group must make the same calls in the same order (the computation is
+    replicated; attention combines the ranks' partials). Results equal one process's."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig | None = None,
+        *,
+        chunk_size: int | None = None,
+        shards: StateShards | None = None,
+    ):
         self.model = model
         self.adapter: FamilyAdapter = adapter_for(model)
         config = config or EngineConfig()
         if chunk_size is not None:
             config = dataclasses.replace(config, chunk_size=chunk_size)
         self.config = config
+        self.shards = shards
         # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
-        self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size)
+        self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size, shards)
 
     @property
     def family(self) -> str:
@@ -274,7 +306,8 @@ class Engine:
         contexts = []
         for i, layer in enumerate(self.adapter.layers):
             if layer.mixer.grows:
-                contexts.append(LayerContext(past=self._past_blocks(state.blocks(i, upto), grad, frozen_before)))
+                blocks = state.positioned_blocks(i, upto)
+                contexts.append(LayerContext(past=self._past_blocks(blocks, grad, frozen_before)))
                 continue
             start = state.chunks[upto].start if upto < len(state.chunks) else state.num_tokens
             rec = (
@@ -291,29 +324,29 @@ class Engine:
         return contexts
 
     @staticmethod
-    def _past_blocks(blocks: list[Block], grad: StateGrad | None, frozen_before: int) -> list[PastBlock]:
-        """The blocks as the mixers read them, with gradient sinks from ``grad`` for positions >= ``frozen_before``
-        (a block straddling it is split)."""
-        past, position = [], 0
-        for block in blocks:
+    def _past_blocks(blocks: list[tuple[int, Block]], grad: StateGrad | None, frozen_before: int) -> list[PastBlock]:
+        """The blocks (with the position each starts at) as the mixers read them, with gradient sinks from ``grad``
+        for positions >= ``frozen_before`` (a block straddling it is split)."""
+        past = []
+        for position, block in blocks:
             views, end = block.views(), position + block.length
             if grad is None or end <= frozen_before:
-                past.append(PastBlock(views))
+                past.append(PastBlock(views, None, position))
             elif position >= frozen_before:
-                past.append(PastBlock(views, grad.block_grads(block)))
+                past.append(PastBlock(views, grad.block_grads(block), position))
             else:
                 cut = frozen_before - position
                 sinks = grad.block_grads(block)
-                past.append(PastBlock(tuple(v[:cut] for v in views)))
-                past.append(PastBlock(tuple(v[cut:] for v in views), tuple(g[cut:] for g in sinks)))
-            position = end
+                past.append(PastBlock(tuple(v[:cut] for v in views), None, position))
+                past.append(PastBlock(tuple(v[cut:] for v in views), tuple(g[cut:] for g in sinks), frozen_before))
         return past
 
     def _arenas_for(self, state: State, n: int, reserve: int) -> list[Arena | None]:
-        """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one."""
+        """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one (none when
+        this rank stores nothing of them)."""
         arenas: list[Arena | None] = []
         for i, layer in enumerate(self.adapter.layers):
-            if not layer.mixer.grows:
+            if not layer.mixer.grows or n + reserve == 0:
                 arenas.append(None)
                 continue
             blocks = state.blocks(i)
@@ -336,13 +369,15 @@ class Engine:
     ) -> tuple[State, Tensor | None]:
         self._check_state(state)
         chunk = chunk_size or self.config.chunk_size
-        arenas = self._arenas_for(state, ids.shape[0], reserve)
+        pieces = self._pieces(state.num_tokens, ids.shape[0], chunk)
+        owned = sum(hi - lo for lo, hi in pieces if self._owns(state.num_tokens + lo))
+        arenas = self._arenas_for(state, owned, reserve if self._owns(state.num_tokens + ids.shape[0] - 1) else 0)
         keeping = keep is not None and keep.budget_bytes > 0
         # a kept chunk's graph reads the recurrent state before it: keep every one (the graph holds it anyway)
         current = state.with_checkpoints(1) if keeping else state
         last_logits = None
-        for lo in range(0, ids.shape[0], chunk):
-            piece = ids[lo : lo + chunk]
+        for lo, hi in pieces:
+            piece = ids[lo:hi]
             if keeping and keep is not None:
                 with torch.enable_grad(), keep.measuring() as measured:
                     contexts = self._contexts(current, len(current.chunks), keep.grad)
@@ -354,18 +389,37 @@ class Engine:
             with torch.no_grad():
                 record = self._record(current.num_tokens, piece.shape[0], new, arenas)
                 current = current.append(record)
-                if want_logits and lo + chunk >= ids.shape[0]:
+                if want_logits and hi == ids.shape[0]:
                     last_logits = self.adapter.lm_head(hidden[-1:])[0]
             if keeping and keep is not None:
                 keep.add(record, new, hidden, measured.current_bytes)
         return current.with_checkpoints(state.checkpoints), last_logits
 
+    def _pieces(self, start: int, n: int, chunk: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` offsets of the chunks of ``n`` tokens from position ``start``: at most ``chunk`` long, and
+        (context parallelism) never across a shard boundary."""
+        pieces, lo = [], 0
+        while lo < n:
+            hi = min(lo + chunk, n)
+            if self.shards is not None:
+                hi = min(hi, self.shards.shard_end(start + lo) - start)
+            pieces.append((lo, hi))
+            lo = hi
+        return pieces
+
+    def _owns(self, position: int) -> bool:
+        """Whether this rank stores the state of ``position`` (always, without context parallelism)."""
+        return self.shards is None or self.shards.owner(position) == self.shards.rank
+
     def _record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> ChunkRecord:
+        """The chunk's record: growing layers' entries appended to their arenas — on the rank that owns the
+        positions (context parallelism: elsewhere the chunk has no block) — and recurrent layers' new states."""
+        store = self._owns(start)
         blocks: list[Block | None] = []
         recurrent: list[RecurrentState | None] = []
-        for entry, arena in zip(new, arenas, strict=True):
-            if arena is not None:
-                blocks.append(arena.append(entry))
+        for entry, arena, layer in zip(new, arenas, self.adapter.layers, strict=True):
+            if layer.mixer.grows:
+                blocks.append(arena.append(entry) if store and arena is not None else None)
                 recurrent.append(None)
             else:
                 blocks.append(None)
@@ -393,9 +447,9 @@ class Engine:
                 hidden, new = self._forward(ids, chunk.start, contexts)
             else:
                 hidden, new = graph.hidden, graph.new
-            for entry, block, rec in zip(new, chunk.blocks, after, strict=True):
-                if block is not None:
-                    upstream = grad.existing_block_grads(block)
+            for entry, block, rec, layer in zip(new, chunk.blocks, after, self.adapter.layers, strict=True):
+                if layer.mixer.grows:
+                    upstream = self._block_upstream(chunk, block, entry, grad)
                 else:
                     upstream = None if rec is None else grad.existing_recurrent_grads(rec)
                 if upstream is not None:  # buffers may be wider than the outputs (fp32 accumulation)
@@ -410,6 +464,21 @@ class Engine:
                 torch.autograd.backward(outputs, grads)
         self._release(chunk, after, grad)
 
+    def _block_upstream(
+        self, chunk: ChunkRecord, block: Block | None, entry: tuple[Tensor, ...], grad: StateGrad
+    ) -> tuple[Tensor, ...] | None:
+        """The gradient waiting for a chunk's new state entries; with context parallelism it lives on the chunk's
+        owner and is broadcast, so that every rank's recomputation backpropagates the same thing."""
+        if self.shards is None:
+            return None if block is None else grad.existing_block_grads(block)
+        owner = self.shards.owner(chunk.start)
+        found = grad.existing_block_grads(block) if block is not None else None
+        buffers = [
+            found[i].clone() if found is not None else torch.zeros(t.shape, dtype=_grad_dtype(t, grad), device=t.device)
+            for i, t in enumerate(entry)
+        ]
+        return tuple(self.shards.broadcast(b, owner) for b in buffers)
+
     @staticmethod
     def _release(chunk: ChunkRecord, after: Sequence[RecurrentState | None], grad: StateGrad) -> None:
         """Drop gradient buffers nothing earlier can add to any more."""
@@ -418,6 +487,10 @@ class Engine:
                 grad.release_arena(block.arena)
             if rec is not None:
                 grad.release_recurrent(rec)
+
+
+def _grad_dtype(t: Tensor, grad: StateGrad) -> torch.dtype:
+    return t.dtype if grad.accumulate_dtype is None else torch.promote_types(t.dtype, grad.accumulate_dtype)
 
 
 @dataclass(frozen=True, eq=False)

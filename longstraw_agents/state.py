@@ -96,21 +96,23 @@ def _own_storage(t: Tensor) -> Tensor:
 class ChunkRecord:
     """One evaluated chunk: positions ``[start, start+length)``, what each layer wrote for them.
 
-    ``blocks[i]`` is the block of growing layer i (None for recurrent layers); ``recurrent[i]`` the recurrent state
-    of layer i after the chunk (None for growing layers, and for recurrent layers whose checkpoint was dropped).
+    ``blocks[i]`` is the block of growing layer i (None for recurrent layers, and — context parallelism — on ranks
+    that do not hold these positions); ``recurrent[i]`` the recurrent state of layer i after the chunk (None for
+    growing layers, and for every layer once the checkpoint was dropped: ``kept`` is then False).
     """
 
     start: int
     length: int
     blocks: tuple[Block | None, ...]
     recurrent: tuple[RecurrentState | None, ...]
+    kept: bool = True
 
     @property
     def end(self) -> int:
         return self.start + self.length
 
     def without_checkpoints(self) -> ChunkRecord:
-        return ChunkRecord(self.start, self.length, self.blocks, tuple(None for _ in self.recurrent))
+        return ChunkRecord(self.start, self.length, self.blocks, tuple(None for _ in self.recurrent), kept=False)
 
 
 # per layer, the merged blocks of a state with the token position each starts at (see State.blocks)
@@ -164,17 +166,21 @@ class State:
     def blocks(self, layer: int, upto: int | None = None) -> list[Block]:
         """The layer's blocks for positions ``[0, upto)`` (chunk-aligned), adjacent blocks of one arena merged
         into one (attention then reads one view instead of one block per chunk)."""
+        return [block for _, block in self.positioned_blocks(layer, upto)]
+
+    def positioned_blocks(self, layer: int, upto: int | None = None) -> list[tuple[int, Block]]:
+        """``blocks`` with the token position each starts at (with context parallelism a rank holds some chunks'
+        blocks only, so positions are not the running sum of lengths)."""
         merged = self._merged_blocks()[layer]
         if upto is None or upto >= len(self.chunks):
-            return [block for _, block in merged]
+            return list(merged)
         limit = self.chunks[upto].start  # token positions before chunk `upto`
         out = []
         for start, block in merged:
             if start >= limit:
                 break
-            out.append(
-                block if start + block.length <= limit else Block(block.arena, block.lo, block.lo + limit - start)
-            )
+            clipped = block if start + block.length <= limit else Block(block.arena, block.lo, block.lo + limit - start)
+            out.append((start, clipped))
         return out
 
     def _merged_blocks(self) -> MergedBlocks:
@@ -204,12 +210,8 @@ class State:
 
     def recurrent_after(self, index: int) -> tuple[RecurrentState | None, ...] | None:
         """Every layer's recurrent state after chunk ``index`` if this state keeps it, else None."""
-        kept = self.chunks[index].recurrent
-        return (
-            kept
-            if all(r is not None for r, b in zip(kept, self.chunks[index].blocks, strict=True) if b is None)
-            else None
-        )
+        chunk = self.chunks[index]
+        return chunk.recurrent if chunk.kept else None
 
     @property
     def checkpoint_nbytes(self) -> int:

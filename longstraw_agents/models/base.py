@@ -83,6 +83,7 @@ class PastBlock:
 
     tensors: tuple[Tensor, ...]
     grads: tuple[Tensor, ...] | None = None
+    start: int = 0  # the token position of the first row
 
     def grad(self, i: int) -> Tensor | None:
         return None if self.grads is None else self.grads[i]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longstraw_agents.attention import KVBlock, softmax_dtype, sparse_attend
+from longstraw_agents.attention import KVBlock, Shards, softmax_dtype, sparse_attend
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -95,22 +95,30 @@ class DSAIndexer:
         own: Tensor,
         start: int,
         max_score_elements: int,
+        past_starts: list[int] | None = None,
+        shards: Shards | None = None,
     ) -> Tensor | None:
-        """Global positions ``[n, topk]`` each query attends to, or None when every query may see all keys."""
+        """Global positions ``[n, topk]`` each query attends to, or None when every query may see all keys.
+
+        past_starts: the position of each past block's first key (default: back to back from 0); shards: the other
+        ranks holding the rest of the keys (their best candidates merge into the global top-k)."""
         n = x.shape[0]
         if start + n <= self.topk:
             return None
         q, w = self._queries(x, q_resid, rope)
         running = None
-        offset = 0
+        starts = (
+            past_starts if past_starts is not None else [sum(k.shape[0] for k in past[:i]) for i in range(len(past))]
+        )
         step = max(1, max_score_elements // (n * self.heads))  # index scores of one piece of keys at a time
-        for keys in past:
+        for keys, offset in zip(past, starts, strict=True):
             for lo in range(0, keys.shape[0], step):
                 positions = torch.arange(offset + lo, offset + min(lo + step, keys.shape[0]), device=x.device)
                 running = _topk_merge(running, self._scores(q, w, keys[lo : lo + step]), positions, self.topk)
-            offset += keys.shape[0]
         hidden = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)  # later own positions
         own_scores = self._scores(q, w, own).masked_fill(hidden, float("-inf"))
+        if shards is not None:
+            running = shards.merge_topk(running, n, self.topk, own_scores)
         running = _topk_merge(running, own_scores, torch.arange(start, start + n, device=x.device), self.topk)
         return running[1]
 
@@ -225,9 +233,11 @@ class MLAMixer(Mixer):
             index_keys = self.indexer.keys(x, inp.rope)
             new = (rows, index_keys)
             with torch.no_grad():
-                past_keys = [b.tensors[1] for b in inp.past]
-                start, budget = inp.start, inp.attention.max_score_elements
-                selected = self.indexer.select(x, q_resid, inp.rope, past_keys, index_keys, start, budget)
+                past_keys, starts = [b.tensors[1] for b in inp.past], [b.start for b in inp.past]
+                start, budget, shards = inp.start, inp.attention.max_score_elements, inp.attention.shards
+                selected = self.indexer.select(
+                    x, q_resid, inp.rope, past_keys, index_keys, start, budget, starts, shards
+                )
             inp.shared[SELECTION_KEY] = selected
         else:
             selected = self._shared_selection(inp.shared)
@@ -238,7 +248,7 @@ class MLAMixer(Mixer):
         else:
             out = sparse_attend(
                 q_rows, [b.tensors[0] for b in inp.past], [b.grad(0) for b in inp.past], rows, selected,
-                inp.start, self.scale,
+                inp.start, self.scale, [b.start for b in inp.past], inp.attention.shards,
             )  # fmt: skip
         return MixerOutput(y=self._output(out), new=new)
 

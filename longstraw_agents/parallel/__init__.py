@@ -1,0 +1,8 @@
+"""Parallelism outside the model code: the device mesh and its process groups (``mesh``), and context parallelism
+for the engine's state (``context``). Model code and adapters know nothing of it; the engine takes a
+``ContextParallel`` (``Engine(model, shards=...)``) and the attention core merges the ranks' partial results."""
+
+from longstraw_agents.parallel.context import ContextParallel
+from longstraw_agents.parallel.mesh import ParallelMesh
+
+__all__ = ["ContextParallel", "ParallelMesh"]

@@ -1,0 +1,103 @@
+"""Context parallelism for the engine's state: the ranks of a process group hold contiguous shards of the positions.
+
+Position ``p`` belongs to rank ``min(p // shard_size, N - 1)``: a prompt is spread evenly when ``shard_size`` is
+its length over N (rounded up to the chunk size), and positions past the last shard (later turns, branches) go to
+the last rank. What each rank stores: the attention K/V, MLA rows and DSA index keys of its own positions — so a
+rank holds ``state / N`` (± one chunk). What every rank computes: everything else, replicated (embeddings,
+projections, MLPs, recurrent layers, the LM head, the loss), so that activations, recurrent states and parameter
+gradients are the same on every rank and nothing else needs reducing. The collectives, all called by every rank in
+the same order:
+
+- attention (``merge_partials``): each rank attends to its own blocks; the partials ``(out, lse)`` are all-gathered
+  and merged by log-sum-exp in rank order (an all-gather rather than a ring: the queries are replicated, so one
+  collective per layer and chunk gives every rank the result; a ring would pass K/V, which is what must not move);
+  in backward each rank adds its blocks' ``dq`` and the sum is all-reduced (``sum_``), while ``dK``/``dV`` stay in
+  the owner's state gradient;
+- DSA (``merge_topk``): each rank selects the top-k over its shard; the candidates are all-gathered and merged into
+  the global top-k (ties to the earlier position, as in one process);
+- exact mode's reverse walk (``broadcast``): the gradient waiting for a chunk's K/V lives on its owner and is
+  broadcast before the replicated recomputation backpropagates it.
+GatedDeltaNet states need no message: every rank computes every chunk (the price of this first schedule:
+compute is replicated, memory is sharded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from longstraw_agents.attention import merge
+
+LAST = 1 << 62  # the last shard reaches past any position
+
+
+@dataclass
+class ContextParallel:
+    """The engine's ``StateShards`` over ``group`` (the ``cp`` dimension of a ``ParallelMesh``)."""
+
+    group: dist.ProcessGroup
+    shard_size: int
+
+    def __post_init__(self) -> None:
+        if self.shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+
+    @classmethod
+    def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
+        """Shards that spread ``prompt_len`` positions evenly, each a whole number of ``chunk``-sized chunks."""
+        size = dist.get_world_size(group)
+        per_rank = -(-prompt_len // size)
+        return cls(group, max(chunk, -(-per_rank // chunk) * chunk))
+
+    def owner(self, position: int) -> int:
+        return min(position // self.shard_size, self.size - 1)
+
+    def shard_end(self, position: int) -> int:
+        owner = self.owner(position)
+        return LAST if owner == self.size - 1 else (owner + 1) * self.shard_size
+
+    def merge_partials(
+        self, acc: tuple[Tensor, Tensor] | None, out_shape: tuple[int, ...], lse: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        if acc is None:  # this rank holds none of the keys: a partial that weighs nothing
+            acc = (lse.new_zeros(out_shape), torch.full_like(lse, float("-inf")))
+        outs = [torch.empty_like(acc[0]) for _ in range(self.size)]
+        lses = [torch.empty_like(acc[1]) for _ in range(self.size)]
+        dist.all_gather(outs, acc[0].contiguous(), group=self.group)
+        dist.all_gather(lses, acc[1].contiguous(), group=self.group)
+        merged = None
+        for out, part_lse in zip(outs, lses, strict=True):  # rank order: the same result on every rank
+            merged = merge(merged, out, part_lse)
+        assert merged is not None
+        return merged
+
+    def sum_(self, tensor: Tensor) -> Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: Tensor, src: int) -> Tensor:
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+        return tensor
+
+    def merge_topk(
+        self, running: tuple[Tensor, Tensor] | None, n: int, k: int, like: Tensor
+    ) -> tuple[Tensor, Tensor] | None:
+        """Pad each rank's candidates to ``k`` (score -inf, position -1: never visible), all-gather them, and keep
+        the best ``k`` by a stable sort over the ranks' lists in rank order (earlier positions first on ties)."""
+        scores = torch.full((n, k), float("-inf"), dtype=like.dtype, device=like.device)
+        positions = torch.full((n, k), -1, dtype=torch.long, device=like.device)
+        if running is not None:
+            scores[:, : running[0].shape[1]] = running[0]
+            positions[:, : running[1].shape[1]] = running[1]
+        all_scores = [torch.empty_like(scores) for _ in range(self.size)]
+        all_positions = [torch.empty_like(positions) for _ in range(self.size)]
+        dist.all_gather(all_scores, scores, group=self.group)
+        dist.all_gather(all_positions, positions, group=self.group)
+        cat_scores, cat_positions = torch.cat(all_scores, 1), torch.cat(all_positions, 1)
+        order = torch.sort(cat_scores, dim=1, descending=True, stable=True).indices[:, :k]
+        return cat_scores.gather(1, order), cat_positions.gather(1, order)

@@ -1,0 +1,45 @@
+"""The device mesh of a training job: ``dp`` (groups of a step split across ranks, gradients averaged over it) by
+``cp`` (one prompt's state sharded across ranks), from ``torch.distributed.device_mesh``. Process groups are taken
+from it explicitly — never the default world group by accident."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from longstraw_agents.parallel.context import ContextParallel
+
+
+@dataclass
+class ParallelMesh:
+    mesh: DeviceMesh
+
+    @classmethod
+    def build(cls, dp: int, cp: int, device_type: str = "cpu") -> ParallelMesh:
+        """The ``(dp, cp)`` mesh over the initialised default process group (its size must be ``dp * cp``)."""
+        world = dist.get_world_size()
+        if dp * cp != world:
+            raise ValueError(f"dp ({dp}) x cp ({cp}) must equal the number of processes ({world})")
+        return cls(init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp")))
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("cp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_local_rank("cp")
+
+    def context_parallel(self, prompt_len: int, chunk: int) -> ContextParallel:
+        """Shards of a prompt of ``prompt_len`` positions over this mesh's ``cp`` ranks."""
+        return ContextParallel.for_prompt(self.cp_group, prompt_len, chunk)

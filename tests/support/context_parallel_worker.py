@@ -1,0 +1,69 @@
+"""One rank of the context-parallel tests (tests/parallel/): the same engine calls with and without shards, the
+differences written to ``out_dir/rank{r}.pt`` for the test process to check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.trainer import grpo_backward
+
+OVERRIDES = {"llama": {}, "qwen3_5": {}, "glm_moe_dsa": {"index_topk": 8}}
+PROMPT, BRANCH, CHUNK = 61, 7, 16
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def growing_bytes(state) -> int:
+    """What a state holds per position (attention K/V, MLA rows, index keys): all but the recurrent states."""
+    recurrent = {id(r): r.nbytes for chunk in state.chunks for r in chunk.recurrent if r is not None}
+    return state.nbytes - sum(recurrent.values())
+
+
+def grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def gradient(engine: Engine, prompt, completions, rewards, mode: str) -> torch.Tensor:
+    engine.model.zero_grad(set_to_none=True)
+    grpo_backward(engine, prompt, completions, rewards, mode, track_memory=False)
+    return grads(engine.model)
+
+
+def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    mesh = ParallelMesh.build(dp=1, cp=world)
+    shards = ContextParallel(mesh.cp_group, shard_size)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (PROMPT,), generator=gen)
+    branch = torch.randint(0, 256, (BRANCH,), generator=gen)
+    completions = [torch.randint(0, 256, (n,), generator=gen) for n in (5, 9, 3)]
+    rewards = [1.0, 0.0, 0.5]
+    results: dict[str, float | int] = {}
+    for family, overrides in OVERRIDES.items():
+        model = tiny_model(family, dtype=torch.float64, **overrides)
+        single = Engine(model, EngineConfig(chunk_size=CHUNK))
+        parallel = Engine(model, EngineConfig(chunk_size=CHUNK), shards=shards)
+        reference = single.capture(prompt)
+        state = parallel.capture(prompt)
+        with torch.no_grad():
+            results[f"{family}/logits"] = relative(parallel.logits(state, branch), single.logits(reference, branch))
+            extended = parallel.extend(state, branch)  # later positions go to the last rank
+            after = single.extend(reference, branch)
+            results[f"{family}/extend"] = relative(parallel.logits(extended, branch), single.logits(after, branch))
+        results[f"{family}/growing_bytes"] = growing_bytes(state)
+        results[f"{family}/single_growing_bytes"] = growing_bytes(reference)
+        results[f"{family}/chunk_bytes"] = growing_bytes(single.capture(prompt[:CHUNK]))
+        for mode in ("exact", "detached"):
+            expected = gradient(single, prompt, completions, rewards, mode)
+            results[f"{family}/{mode}"] = relative(gradient(parallel, prompt, completions, rewards, mode), expected)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
