@@ -86,3 +86,15 @@ def test_rollout_bench_quick_compares_batched_and_per_member_decoding(tmp_path: 
     by_length = results["prompt_length"]
     assert len(by_length["lengths"]) == len(by_length["ms_per_token"]["batched"]) == 2
     assert by_length["target_ratio"] == 1 / by_length["group"]
+
+
+def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
+    """Step 0 reuses what it just captured (no drift); later steps drift (the prefix is from older weights)."""
+    out = tmp_path / "capture_reuse.json"
+    args = ["--prompt", "64", "--group", "2", "--completion", "4", "--mu", "3", "--hidden", "64", "--layers", "2"]
+    stdout = run_module("bench.capture_reuse", *args, "--lr", "1e-4", "--out", str(out))
+    assert "grad drift" in stdout and "saved of" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["grad_drift"] == 0.0 and rows[0]["loss_drift"] == 0.0
+    assert all(r["grad_drift"] > 0.0 for r in rows[1:])

@@ -5,8 +5,9 @@
 
 Flat names follow TRL / HF ``TrainingArguments``: ``epsilon`` is the clip range, ``adam_epsilon`` /
 ``adam_beta1`` / ``adam_beta2`` / ``learning_rate`` / ``weight_decay`` / ``max_grad_norm`` / ``warmup_steps`` are
-AdamW's, ``num_generations`` is G, ``loss_type`` takes TRL's names ("dapo", "bnpo", "grpo", "dr_grpo"). A flat
-``eps`` is refused: it is ambiguous between AdamW's epsilon and the clip range.
+AdamW's, ``num_generations`` is G, ``loss_type`` takes TRL's names ("dapo", "bnpo", "grpo", "dr_grpo", with TRL's
+batch normalisation), ``num_iterations`` is TRL's μ, ``use_bias_correction_kl`` and ``max_completion_length`` are
+the loss's. A flat ``eps`` is refused: it is ambiguous between AdamW's epsilon and the clip range.
 """
 
 from __future__ import annotations
@@ -96,6 +97,26 @@ class GRPOConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig, description="the GRPO objective")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW, warmup and clipping")
     track_memory: bool = Field(False, description="record peak live tensor bytes per step (slower)")
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="μ (TRL's num_iterations): optimizer steps per train_step on the same groups; the ratio is "
+        "against the behaviour logprobs recorded at sampling, so every loss token needs one when μ > 1",
+    )
+    capture_reuse: bool = Field(
+        False,
+        description="detached mode: capture the groups' context once per train_step and reuse it in its μ optimizer "
+        "steps (exact in the first, approximate after: the context then comes from older weights)",
+    )
+
+    @model_validator(mode="after")
+    def _capture_reuse_needs_detached_mode(self) -> GRPOConfig:
+        if self.capture_reuse and self.mode != "detached":
+            raise ValueError(
+                f"capture_reuse needs mode='detached', got mode={self.mode!r}: exact and naive modes backpropagate "
+                "through the context, so they recompute it with the current weights"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

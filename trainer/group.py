@@ -3,6 +3,7 @@ each member's advantage and aggregation weight."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,25 @@ def make_group(members: Sequence[Member], rewards: Sequence[float], config: Loss
     weights = AGGREGATIONS[config.aggregation].weights(lengths, config)
     terms = [MemberTerms(advantage=a, weight=w) for a, w in zip(advantages, weights, strict=True)]
     return Group(tree=build_tree(members), terms=terms, rewards=[float(r) for r in rewards])
+
+
+def batch_weighted(
+    groups: Sequence[Group], config: LossConfig, pool: Sequence[int] | None = None, offset: int = 0
+) -> list[Group]:
+    """The groups with member weights from the aggregation over all their members as one pool
+    (``LossConfig.normalization="batch"``): summed, their losses are the batch's loss, e.g. Σ loss / Σ tokens of
+    the whole batch for token-mean. ``pool``: the loss-token counts of every member of the batch when it spans more
+    than ``groups`` (data parallel: all processes' members in rank order), these groups' members from ``offset``."""
+    own = [m.num_loss_tokens for g in groups for m in g.members]
+    lengths = own if pool is None else list(pool)
+    if lengths[offset : offset + len(own)] != own:
+        raise ValueError(f"pool[{offset}:{offset + len(own)}] must be the loss-token counts of these groups' members")
+    weights = AGGREGATIONS[config.aggregation].weights(lengths, config)[offset : offset + len(own)]
+    rows = iter(weights)
+    return [
+        dataclasses.replace(group, terms=[MemberTerms(t.advantage, next(rows)) for t in group.terms])
+        for group in groups
+    ]
 
 
 def token_array(values: TokenIds, name: str) -> np.ndarray:

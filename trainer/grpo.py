@@ -22,7 +22,7 @@ from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.group import Group, completion_members, make_group, token_array, trajectory_group
 from longstraw_agents.trainer.loss import LossConfig
 from longstraw_agents.trainer.metrics import BackwardResult
-from longstraw_agents.trainer.modes import MODES, ModeName
+from longstraw_agents.trainer.modes import MODES, ModeName, PrefixCache
 from longstraw_agents.trajectory import Trajectory
 
 
@@ -33,12 +33,16 @@ def backward_group(
     config: LossConfig | None = None,
     ref_engine: Engine | None = None,
     track_memory: bool = True,
+    prefix_cache: PrefixCache | None = None,
 ) -> BackwardResult:
-    """Accumulate the group's GRPO gradient into ``param.grad`` with the chosen execution mode."""
+    """Accumulate the group's GRPO gradient into ``param.grad`` with the chosen execution mode.
+
+    prefix_cache: detached mode only; keeps the context states of this call for later calls on the same group
+    (exact now, approximate once the weights changed: ``trainer.modes.PrefixCache``)."""
     config = config or LossConfig()
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {sorted(MODES)}")
-    runner = MODES[mode](engine, config, ref_engine)
+    runner = MODES[mode](engine, config, ref_engine, prefix_cache)
     tracker = MemoryTracker() if track_memory else None
     start = time.perf_counter()
     if tracker is not None:

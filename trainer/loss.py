@@ -1,4 +1,4 @@
-"""The GRPO objective (defaults match TRL's GRPOTrainer), written per token so that any execution mode and any
+"""The GRPO objective (defaults match TRL 1.16's GRPOTrainer), written per token so that any execution mode and any
 prefix tree can evaluate it piece by piece.
 
 For member i of a group with reward r_i, advantage ``A_i = (r_i - mean r) / (std r + 1e-4)`` (unbiased std, as
@@ -6,8 +6,13 @@ For member i of a group with reward r_i, advantage ``A_i = (r_i - mean r) / (std
 current log-prob ``l``, behaviour log-prob ``l_old`` (``l.detach()`` on-policy) and reference log-prob ``l_ref``:
 
     ratio = exp(l - l_old)
-    per_token = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3(l_ref - l)
+    per_token = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i) + beta * ratio * k3(l_ref - l)
     k3(d) = exp(d) - d - 1
+
+The ``ratio`` factor of the KL term is TRL 1.16's ``use_bias_correction_kl`` (its default, and ours): it is 1 in
+value on-policy but differentiable, so each token's KL gradient gains ``beta * k3 * grad l`` (the importance weight
+that makes the k3 estimate unbiased for samples of the behaviour policy); ``use_bias_correction_kl=False`` gives
+plain k3, as TRL before 1.16.
 
 Off-policy data (offline replay) can instead use truncated importance sampling (``importance="tis"``, as verl's
 TIS): the ratio is taken w.r.t. the current policy (``l_old = l.detach()``) and each token's loss is weighted by
@@ -16,12 +21,17 @@ distribution the sampler drew from.
 
 The group's loss is ``Σ_i c_i Σ_t per_token``, where the aggregation sets the member weight ``c_i``:
 token-mean ``1 / Σ_j n_j`` (default), seq-mean ``1 / (G n_i)``, dr-grpo ``1 / (G L)`` with L a fixed
-``max_completion_length`` (TRL's GRPOConfig default, 256; set it to the sampling budget, e.g. max_new_tokens x
-max_turns for agents). TRL's ``loss_type`` names are accepted: "dapo" and "bnpo" (Σ loss / Σ tokens) are token-mean,
-"grpo" (mean over sequences of each sequence's token mean) is seq-mean, "dr_grpo" is dr-grpo.
+``max_completion_length`` (TRL 1.16's GRPOConfig default, 512; set it to the sampling budget, e.g. max_new_tokens x
+max_turns for agents). ``normalization`` says over which members the aggregation runs: ``"group"`` (each group on
+its own, and a step averages its groups) or ``"batch"`` (all members of all groups of the step as one pool, so
+token-mean divides by the loss tokens of the whole batch, as TRL's "dapo"). TRL's ``loss_type`` names are accepted
+and mean TRL's semantics, batch normalisation included: "dapo" and "bnpo" (Σ loss / Σ tokens) are token-mean, "grpo"
+(mean over sequences of each sequence's token mean) is seq-mean, "dr_grpo" is dr-grpo. (TRL's bnpo, grpo and
+dr_grpo normalise over one process's micro-batch, its dapo over the whole batch: with one process and one
+micro-batch per step they are this project's batch normalisation.)
 
-``GRPOLoss.from_config(config)`` picks the per-token objective once (``RatioLoss`` or ``TISLoss``); ``k3_kl`` is the
-one place the KL term is computed.
+``GRPOLoss.from_config(config)`` picks the per-token objective once (``RatioLoss`` or ``TISLoss``); ``k3_kl`` and
+``GRPOLoss.kl_term`` are the one place the KL term is computed.
 
 Because the loss is linear in per-member terms, a token shared by several members (a shared loss node of the segment
 tree) carries the sum of their terms and the total equals the naive per-member loss exactly.
@@ -35,16 +45,16 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor
 
 from longstraw_agents.trainer.metrics import TokenMetrics
 
 AggregationName = Literal["token-mean", "seq-mean", "dr-grpo"]
+NormalizationName = Literal["group", "batch"]
 ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
-TRL_MAX_COMPLETION_LENGTH = 256  # TRL GRPOConfig.max_completion_length default: dr-grpo's fixed normaliser
-# TRL's loss_type -> our aggregation, for one group (TRL's "dapo" divides by the tokens of the whole batch: across
-# several groups see GRPOTrainer.train_step, which averages groups)
+TRL_MAX_COMPLETION_LENGTH = 512  # TRL 1.16 GRPOConfig.max_completion_length default: dr-grpo's fixed normaliser
+# TRL's loss_type -> our aggregation; a TRL name also means TRL's batch normalisation (LossConfig._trl_semantics)
 TRL_LOSS_TYPES: dict[str, str] = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean", "dr_grpo": "dr-grpo"}
 
 
@@ -61,16 +71,35 @@ class LossConfig(BaseModel):
         description="how per-token losses become the group loss; TRL's dapo/bnpo/grpo/dr_grpo are accepted too",
     )
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
+    normalization: NormalizationName = Field(
+        "group",
+        description="group: the aggregation within each group, groups averaged; batch: over all members of the "
+        "step's groups as one pool (TRL's dapo: Σ loss / loss tokens of the whole batch). TRL loss_type names set it "
+        "to batch unless given",
+    )
     max_completion_length: int | None = Field(
         TRL_MAX_COMPLETION_LENGTH,
         ge=1,
-        description="dr-grpo's fixed normaliser L, as TRL (default 256); None: each group's longest completion",
+        description="dr-grpo's fixed normaliser L, as TRL 1.16 (default 512); None: the longest completion among "
+        "the members normalised together",
+    )
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="multiply the k3 term by the differentiable ratio (TRL 1.16's default): adds beta·k3·∇logp",
     )
     temperature: float = Field(1.0, gt=0.0, description="log-probs of softmax(logits / temperature), as sampled")
     importance: Literal["ratio", "tis"] = Field(
         "ratio", description="ratio: behaviour logprobs as l_old; tis: truncated importance weights (offline)"
     )
     tis_cap: float = Field(2.0, gt=0.0, description="cap of the truncated importance weight (importance='tis')")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_semantics(cls, data: object) -> object:
+        """A TRL loss_type name also means TRL's normalisation over the batch, unless ``normalization`` is given."""
+        if isinstance(data, dict) and data.get("aggregation") in TRL_LOSS_TYPES and "normalization" not in data:
+            return {**data, "normalization": "batch"}
+        return data
 
     @field_validator("aggregation", mode="before")
     @classmethod
@@ -163,7 +192,8 @@ class GRPOLoss(ABC):
     ``advantage`` a float or a tensor broadcasting against it (``[M, 1]``: one per member row); ``old_logp``
     (behaviour log-probs, NaN where unknown: treated as on-policy) and ``ref_logp`` (reference log-probs, needed
     when beta > 0 and ignored otherwise) broadcast against ``logp``. ``per_token_loss`` has ``logp``'s shape and is
-    unreduced (no mask, no member weight); ``metrics.kl`` is the detached k3 KL of that shape (None when beta = 0).
+    unreduced (no mask, no member weight); ``metrics.kl`` is the detached k3 KL of that shape, without the bias
+    correction's ratio (None when beta = 0).
     """
 
     importance: ClassVar[str]
@@ -190,7 +220,19 @@ class GRPOLoss(ABC):
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference log-probs (pass a ref_model)")
         kl = k3_kl(logp, ref_logp)
-        return loss + self.config.beta * kl, TokenMetrics(kl=kl.detach())
+        return loss + self.config.beta * self.kl_term(kl, logp, behaviour), TokenMetrics(kl=kl.detach())
+
+    def kl_term(self, kl: Tensor, logp: Tensor, behaviour: Tensor | None) -> Tensor:
+        """The KL penalty per token (before beta): k3, times the policy term's ratio when ``use_bias_correction_kl``
+        (TRL 1.16: 1 in value on-policy, its gradient adds ``k3 * grad logp``)."""
+        if not self.config.use_bias_correction_kl:
+            return kl
+        return kl * torch.exp(self.log_ratio(logp, behaviour))
+
+    @abstractmethod
+    def log_ratio(self, logp: Tensor, behaviour: Tensor | None) -> Tensor:
+        """The log of the clipped ratio (differentiable in ``logp``); ``behaviour``: known behaviour log-probs
+        (None: on-policy)."""
 
     @abstractmethod
     def policy_loss(self, logp: Tensor, advantage: float | Tensor, behaviour: Tensor | None) -> Tensor:
@@ -208,8 +250,11 @@ class RatioLoss(GRPOLoss):
 
     importance = "ratio"
 
+    def log_ratio(self, logp: Tensor, behaviour: Tensor | None) -> Tensor:
+        return logp - (logp.detach() if behaviour is None else behaviour)
+
     def policy_loss(self, logp: Tensor, advantage: float | Tensor, behaviour: Tensor | None) -> Tensor:
-        return self.clipped(logp - (logp.detach() if behaviour is None else behaviour), advantage)
+        return self.clipped(self.log_ratio(logp, behaviour), advantage)
 
 
 class TISLoss(GRPOLoss):
@@ -218,9 +263,12 @@ class TISLoss(GRPOLoss):
 
     importance = "tis"
 
+    def log_ratio(self, logp: Tensor, behaviour: Tensor | None) -> Tensor:
+        return logp - logp.detach()  # against the current policy: behaviour enters as the TIS weight only
+
     def policy_loss(self, logp: Tensor, advantage: float | Tensor, behaviour: Tensor | None) -> Tensor:
         current = logp.detach()
-        loss = self.clipped(logp - current, advantage)
+        loss = self.clipped(self.log_ratio(logp, behaviour), advantage)
         if behaviour is None:
             return loss
         return loss * torch.clamp(torch.exp(current - behaviour), max=self.config.tis_cap)

@@ -5,7 +5,8 @@
   node by node without a host sync; ``reduce`` turns them into Python numbers once per group.
 - ``WalkMetrics``: what an execution mode returns for one group (the sums and host-side counts).
 - ``BackwardResult``: one group's backward (``backward_group``, ``grpo_backward``), in Python numbers.
-- ``StepMetrics``: one optimizer step (``GRPOTrainer.train_step``); ``to_dict`` gives its JSON form.
+- ``IterationMetrics``: one optimizer step of a ``GRPOTrainer.train_step`` (μ = ``num_iterations`` per call).
+- ``StepMetrics``: one ``GRPOTrainer.train_step`` (μ optimizer steps on one batch); ``to_dict`` gives its JSON form.
 """
 
 from __future__ import annotations
@@ -96,13 +97,50 @@ class BackwardResult:
 
 
 @dataclass(frozen=True)
-class StepMetrics:
-    """One optimizer step over this process's groups.
+class IterationMetrics:
+    """One optimizer step on a batch of groups (a ``train_step`` makes ``num_iterations`` of them).
 
-    step / policy_version: the counters after the step; loss: mean of the groups' losses; reward_mean /
-    reward_std: over all members (population std); grad_norm: the global norm before clipping; lr: the learning
-    rate the step used; loss_tokens / unique_tokens / forward_tokens / seconds: summed over groups; peak_bytes: the
-    largest group's peak (None when not tracked); kl: mean of the groups' KL (None without a KL term).
+    loss: the batch's loss (mean of the groups' losses; their sum with batch normalisation, where each group's loss
+    is its share of the batch's); grad_norm: the global norm before clipping; lr: the learning rate it used; kl:
+    mean of the groups' KL (None without a KL term); forward_tokens / seconds: summed over groups; peak_bytes: the
+    largest group's peak (None when not tracked).
+    """
+
+    loss: float
+    grad_norm: float
+    lr: float
+    kl: float | None
+    forward_tokens: int
+    seconds: float
+    peak_bytes: int | None
+
+    @classmethod
+    def of_groups(
+        cls, results: Sequence[BackwardResult], *, grad_norm: float, lr: float, summed: bool = False
+    ) -> IterationMetrics:
+        """``summed``: the groups' losses are shares of one batch loss (batch normalisation)."""
+        losses = [res.loss for res in results]
+        peaks = [res.peak_bytes for res in results if res.peak_bytes is not None]
+        kls = [res.kl for res in results if res.kl is not None]
+        return cls(
+            loss=float(np.sum(losses) if summed else np.mean(losses)),
+            grad_norm=grad_norm,
+            lr=lr,
+            kl=float(np.mean(kls)) if kls else None,
+            forward_tokens=sum(res.forward_tokens for res in results),
+            seconds=sum(res.seconds for res in results),
+            peak_bytes=max(peaks) if peaks else None,
+        )
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One ``train_step`` over this process's groups: ``num_iterations`` optimizer steps on the same batch.
+
+    step / policy_version: the counters after the step; loss / grad_norm / lr / kl: of the first optimizer step
+    (on-policy, as with ``num_iterations=1``); reward_mean / reward_std: over all members (population std);
+    loss_tokens / unique_tokens: summed over groups; forward_tokens / seconds: summed over groups and optimizer
+    steps; peak_bytes: the largest group's peak (None when not tracked); iterations: each optimizer step's figures.
     """
 
     step: int
@@ -119,38 +157,40 @@ class StepMetrics:
     seconds: float
     peak_bytes: int | None
     kl: float | None
+    iterations: tuple[IterationMetrics, ...] = ()
 
     @classmethod
-    def of_groups(
+    def of_iterations(
         cls,
         results: Sequence[BackwardResult],
+        iterations: Sequence[IterationMetrics],
         *,
         step: int,
         policy_version: int,
         mode: str,
-        grad_norm: float,
-        lr: float,
     ) -> StepMetrics:
+        """``results``: the groups of the first optimizer step (rewards and token counts are the same in all)."""
         rewards = [r for res in results for r in res.rewards]
-        peaks = [res.peak_bytes for res in results if res.peak_bytes is not None]
-        kls = [res.kl for res in results if res.kl is not None]
+        first = iterations[0]
+        peaks = [it.peak_bytes for it in iterations if it.peak_bytes is not None]
         return cls(
             step=step,
             policy_version=policy_version,
             mode=mode,
-            loss=float(np.mean([res.loss for res in results])),
+            loss=first.loss,
             reward_mean=float(np.mean(rewards)),
             reward_std=float(np.std(rewards)),
-            grad_norm=grad_norm,
-            lr=lr,
+            grad_norm=first.grad_norm,
+            lr=first.lr,
             loss_tokens=sum(res.loss_tokens for res in results),
             unique_tokens=sum(res.unique_tokens for res in results),
-            forward_tokens=sum(res.forward_tokens for res in results),
-            seconds=sum(res.seconds for res in results),
+            forward_tokens=sum(it.forward_tokens for it in iterations),
+            seconds=sum(it.seconds for it in iterations),
             peak_bytes=max(peaks) if peaks else None,
-            kl=float(np.mean(kls)) if kls else None,
+            kl=first.kl,
+            iterations=tuple(iterations),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain JSON-able dict with the same keys."""
-        return dataclasses.asdict(self)
+        """A plain JSON-able dict with the same keys (``iterations``: a list of dicts)."""
+        return {**dataclasses.asdict(self), "iterations": [dataclasses.asdict(it) for it in self.iterations]}

@@ -1,7 +1,9 @@
 """GRPOTrainer: optimizer steps over groups, checkpoints that resume exactly, accelerate for placement.
 
-One step: zero grads → ``backward_group`` for each group → mean over groups (over all processes' groups when data
-parallel) → clip → AdamW step → policy version + 1. Checkpoints hold the model, optimizer, RNG states (via
+One step (``train_step``): for each of the ``num_iterations`` (μ) optimizer steps on the same groups, zero grads →
+``backward_group`` for each group → mean over groups (over all processes' groups when data parallel; with batch
+normalisation the groups' losses are already shares of one batch loss and are summed) → clip → AdamW step; then
+step and policy version + 1. Checkpoints hold the model, optimizer, RNG states (via
 ``accelerate.Accelerator.save_state``) and the trainer's counters; they are written to a temporary folder and renamed
 into place, so a kill during a save leaves the previous checkpoint intact. Resuming from step k and running to step n
 gives bit-identical parameters to an uninterrupted run to step n (given the same data per step).
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
@@ -27,9 +30,17 @@ from torch import nn
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
-from longstraw_agents.trainer.group import Group, completion_members, make_group, token_array, trajectory_group
+from longstraw_agents.trainer.group import (
+    Group,
+    batch_weighted,
+    completion_members,
+    make_group,
+    token_array,
+    trajectory_group,
+)
 from longstraw_agents.trainer.grpo import backward_group
-from longstraw_agents.trainer.metrics import StepMetrics
+from longstraw_agents.trainer.metrics import BackwardResult, IterationMetrics, StepMetrics
+from longstraw_agents.trainer.modes import PrefixCache
 from longstraw_agents.trajectory import Trajectory
 
 TRAINER_STATE = "trainer_state.json"
@@ -144,43 +155,79 @@ class GRPOTrainer:
 
     # --- training -------------------------------------------------------------------------------------------
     def train_step(self, groups: Sequence[Group]) -> StepMetrics:
-        """One optimizer step over ``groups``: the gradient is the mean of the groups' gradients.
+        """One update on a batch of groups: ``config.num_iterations`` (μ) optimizer steps on the same groups.
 
-        Each group's loss is normalised within the group (its aggregation), then groups count equally. For
-        token-mean this differs from TRL's "dapo" over a multi-group batch (Σ tokens of the whole batch), which
-        weights a group by its token count; with one group per step they agree. Data parallel: each process passes
-        its own groups and the mean runs over every process's groups (gradients are all-reduced here, since the
-        engine bypasses DDP's forward and so its hooks). Metrics describe this process's groups.
+        Normalisation (``LossConfig.normalization``): "group" normalises each group's loss within the group (its
+        aggregation) and the gradient is the mean of the groups' gradients; "batch" runs the aggregation over all
+        members of all groups (of every process when data parallel) as one pool, so token-mean divides by the loss
+        tokens of the whole batch, as TRL's "dapo" (TRL's loss_type names select it). With one group they agree.
+        Data parallel: each process passes its own groups; gradients are all-reduced here (the engine bypasses
+        DDP's forward and so its hooks). Metrics describe this process's groups.
+
+        μ > 1 (TRL's num_iterations): every optimizer step takes the ratio against the behaviour logprobs recorded
+        at sampling, so each loss token needs one (the first step is on-policy when they come from these weights).
+        ``capture_reuse`` (detached mode) captures each group's context in the first step and reuses it in the
+        others: exact in the first, approximate after (``trainer.modes.PrefixCache``). The step and policy-version
+        counters advance once per call: the intermediate weights never sample.
         """
         if not groups:
             raise ValueError("train_step needs at least one group")
+        if self.config.num_iterations > 1:
+            _check_behaviour_logprobs(groups, self.config.num_iterations)
+        batch = self._normalised(groups)
+        caches = [PrefixCache() if self.config.capture_reuse else None for _ in batch]
         self.model.train()
+        first: list[BackwardResult] = []
+        iterations = []
+        for _ in range(self.config.num_iterations):
+            results, iteration = self._optimizer_step(batch, caches)
+            first = first or results
+            iterations.append(iteration)
+        self.counters.step += 1
+        self.counters.policy_version += 1
+        return StepMetrics.of_iterations(
+            first,
+            iterations,
+            step=self.counters.step,
+            policy_version=self.counters.policy_version,
+            mode=self.config.mode,
+        )
+
+    def _normalised(self, groups: Sequence[Group]) -> list[Group]:
+        """The groups as the loss weights them: as built ("group"), or re-weighted over the whole batch ("batch")."""
+        if self.config.loss.normalization == "group":
+            return list(groups)
+        own = [m.num_loss_tokens for g in groups for m in g.members]
+        if self.accelerator.num_processes == 1:
+            return batch_weighted(groups, self.config.loss)
+        gathered: list[list[int] | None] = [None] * self.accelerator.num_processes
+        dist.all_gather_object(gathered, own)
+        rank = self.accelerator.process_index
+        offset = sum(len(lengths or []) for lengths in gathered[:rank])
+        pool = [n for lengths in gathered for n in lengths or []]
+        return batch_weighted(groups, self.config.loss, pool, offset)
+
+    def _optimizer_step(
+        self, groups: Sequence[Group], caches: Sequence[PrefixCache | None]
+    ) -> tuple[list[BackwardResult], IterationMetrics]:
         self.optimizer.zero_grad(set_to_none=True)
+        config = self.config
         results = [
-            backward_group(
-                self.engine, g, self.config.mode, self.config.loss, self.ref_engine, self.config.track_memory
-            )
-            for g in groups
+            backward_group(self.engine, g, config.mode, config.loss, self.ref_engine, config.track_memory, cache)
+            for g, cache in zip(groups, caches, strict=True)
         ]
         params = [p for p in self.model.parameters() if p.requires_grad]
         total_groups = self._sum_gradients_across_processes(params, len(groups))
         params = [p for p in params if p.grad is not None]
-        for p in params:
-            p.grad.div_(total_groups)
+        summed = config.loss.normalization == "batch"  # the groups' losses are shares of one batch loss
+        if not summed:
+            for p in params:
+                p.grad.div_(total_groups)
         grad_norm = self._clip(params)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        self.counters.step += 1
-        self.counters.policy_version += 1
-        return StepMetrics.of_groups(
-            results,
-            step=self.counters.step,
-            policy_version=self.counters.policy_version,
-            mode=self.config.mode,
-            grad_norm=grad_norm,
-            lr=lr,
-        )
+        return results, IterationMetrics.of_groups(results, grad_norm=grad_norm, lr=lr, summed=summed)
 
     def _sum_gradients_across_processes(self, params: list[nn.Parameter], num_groups: int) -> int:
         """All-reduce (sum) the gradients and group counts of all processes; returns the total group count.
@@ -245,3 +292,18 @@ class GRPOTrainer:
     @classmethod
     def checkpoint_info(cls, directory: str | os.PathLike) -> dict[str, Any]:
         return json.loads((cls.resolve_checkpoint(directory) / TRAINER_STATE).read_text())
+
+
+def _check_behaviour_logprobs(groups: Sequence[Group], num_iterations: int) -> None:
+    """μ > 1 takes every optimizer step's ratio against the behaviour logprobs: a loss token without one would be
+    treated as on-policy in every step, silently dropping the clipping the later steps rely on."""
+    for g, group in enumerate(groups):
+        for k, member in enumerate(group.members):
+            targets = member.loss_mask.copy()
+            targets[0] = False  # position 0 is never predicted
+            if member.logprobs is None or np.isnan(member.logprobs[targets]).any():
+                raise ValueError(
+                    f"num_iterations={num_iterations} needs behaviour logprobs on every loss token (the ratio of "
+                    f"the later optimizer steps is against them); member {k} of group {g} lacks some. Sample with a "
+                    "sampler that records them (TorchSampler, OpenAISampler) or pass old_logprobs"
+                )

@@ -84,8 +84,9 @@ def grpo_loss(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     aggregation: str = "token-mean",
-    max_completion_length: int | None = 256,
+    max_completion_length: int | None = 512,
     scale_rewards: bool = True,
+    use_bias_correction_kl: bool = True,
     importance: str = "ratio",
     tis_cap: float = 2.0,
 ) -> Reference:
@@ -93,8 +94,9 @@ def grpo_loss(
 
     old_logps: behaviour log-probs per row (None: on-policy, ``logp.detach()``); only masked entries are read.
     aggregation: "token-mean" (TRL's "bnpo"/"dapo": Σ loss / Σ mask), "seq-mean" (TRL's "grpo": mean over members
-    of each member's token mean), "dr-grpo" (TRL's "dr_grpo": Σ loss / (G · L), L = max_completion_length, TRL's
-    default 256; None: the longest member).
+    of each member's token mean), "dr-grpo" (TRL's "dr_grpo": Σ loss / (G · L), L = max_completion_length, TRL
+    1.16's default 512; None: the longest member).
+    use_bias_correction_kl: TRL 1.16's default, the k3 term times the differentiable ratio ``coef_1``.
     importance: "ratio" (behaviour log-probs are the ratio's denominator) or "tis" (verl's truncated importance
     sampling: the ratio is on-policy and each token is weighted by min(π/μ, tis_cap), π/μ detached).
     """
@@ -118,7 +120,8 @@ def grpo_loss(
     if beta > 0.0:
         ref = pad_sequence([r.to(torch.float64) for r in ref_logps], batch_first=True)
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
-        per_token_loss = per_token_loss + beta * per_token_kl
+        corrected = per_token_kl * coef_1 if use_bias_correction_kl else per_token_kl
+        per_token_loss = per_token_loss + beta * corrected
         kl = float((per_token_kl.detach() * mask).sum() / mask.sum())
 
     if aggregation == "token-mean":

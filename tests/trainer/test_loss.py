@@ -84,9 +84,9 @@ def test_seq_mean_weights_each_member_by_its_own_length():
 
 
 def test_dr_grpo_normalises_by_group_size_times_a_fixed_max_completion_length():
-    """TRL's dr_grpo: Σ loss / (G · max_completion_length), L fixed (TRL's default 256), not the group's longest."""
-    assert LossConfig().max_completion_length == 256
-    assert AGGREGATIONS["dr-grpo"].weights(LENGTHS, LossConfig()) == pytest.approx([1 / (3 * 256)] * 3)
+    """TRL's dr_grpo: Σ loss / (G · max_completion_length), L fixed (TRL 1.16's default 512), not the longest."""
+    assert LossConfig().max_completion_length == 512
+    assert AGGREGATIONS["dr-grpo"].weights(LENGTHS, LossConfig()) == pytest.approx([1 / (3 * 512)] * 3)
     config = LossConfig(aggregation="dr-grpo", max_completion_length=10)
     assert AGGREGATIONS["dr-grpo"].weights(LENGTHS, config) == pytest.approx([1 / 30] * 3)
     longest = LossConfig(aggregation="dr-grpo", max_completion_length=None)  # opt-in: each group's longest
@@ -100,7 +100,13 @@ def test_dr_grpo_normalises_by_group_size_times_a_fixed_max_completion_length():
 def test_trl_loss_type_names_map_to_their_aggregation(loss_type, aggregation):
     config = LossConfig(aggregation=loss_type)
     assert config.aggregation == aggregation
+    assert config.normalization == "batch"  # TRL normalises over the (micro-)batch, not per group
     assert LossConfig.model_validate_json(config.model_dump_json()) == config
+    assert LossConfig(aggregation=loss_type, normalization="group").normalization == "group"  # given: kept
+
+
+def test_this_projects_aggregation_names_normalise_per_group_by_default():
+    assert LossConfig(aggregation="token-mean").normalization == LossConfig().normalization == "group"
 
 
 def test_members_without_loss_tokens_get_zero_weight():
@@ -205,13 +211,41 @@ def test_k3_kl_term_and_its_gradient():
     logp = torch.tensor([-1.0, -2.0, -0.3], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([-1.5, -2.0, -0.1], dtype=torch.float64)
     beta = 0.3
-    with_kl = per_token(logp, 0.0, LossConfig(beta=beta), ref_logp=ref)  # A = 0: only the KL remains
+    plain = LossConfig(beta=beta, use_bias_correction_kl=False)
+    with_kl = per_token(logp, 0.0, plain, ref_logp=ref)  # A = 0: only the KL remains
     delta = ref - logp.detach()
     k3 = torch.exp(delta) - delta - 1
     assert with_kl.tolist() == pytest.approx((beta * k3).tolist(), rel=1e-14)
     assert with_kl[1] == 0.0 and (k3 >= 0).all()  # k3 is non-negative and zero where the policies agree
     with_kl.sum().backward()
     assert logp.grad.tolist() == pytest.approx((beta * (1 - torch.exp(delta))).tolist(), rel=1e-12)
+
+
+def test_the_kl_bias_correction_adds_beta_k3_grad_logp_on_policy():
+    """TRL 1.16's use_bias_correction_kl (the default): k3 times the differentiable ratio, 1 in value on-policy."""
+    assert LossConfig().use_bias_correction_kl
+    ref = torch.tensor([-1.5, -2.0, -0.1], dtype=torch.float64)
+    logp = torch.tensor([-1.0, -2.0, -0.3], dtype=torch.float64, requires_grad=True)
+    beta = 0.3
+    corrected = per_token(logp, 0.0, LossConfig(beta=beta), ref_logp=ref)
+    delta = ref - logp.detach()
+    k3 = torch.exp(delta) - delta - 1
+    assert corrected.tolist() == pytest.approx((beta * k3).tolist(), rel=1e-14)  # the ratio is 1 on-policy
+    corrected.sum().backward()
+    expected = beta * (1 - torch.exp(delta)) + beta * k3
+    assert logp.grad.tolist() == pytest.approx(expected.tolist(), rel=1e-12)
+
+
+@pytest.mark.parametrize("importance", ["ratio", "tis"])
+def test_off_policy_the_kl_term_is_weighted_by_the_policy_terms_ratio(importance):
+    """Off-policy the correction's ratio is the clipped term's: against the behaviour log-probs ("ratio"), or
+    against the current policy ("tis", whose behaviour log-probs only weight the policy term)."""
+    logp = torch.tensor([-1.0, -0.5], dtype=torch.float64)
+    old = torch.tensor([-1.2, -0.2], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -0.1], dtype=torch.float64)
+    loss = per_token(logp, 0.0, LossConfig(beta=1.0, importance=importance), old_logp=old, ref_logp=ref)
+    ratio = torch.exp(logp - old) if importance == "ratio" else torch.ones(2, dtype=torch.float64)
+    assert loss.tolist() == pytest.approx((k3_kl(logp, ref) * ratio).tolist(), rel=1e-14)
 
 
 def test_the_kl_metric_is_the_detached_k3_of_the_loss_shape_and_absent_without_beta():
@@ -268,6 +302,7 @@ def test_clip_fraction_counts_tokens_outside_the_range():
         ({"temperature": 0.0}, "temperature"),
         ({"importance": "is"}, "importance"),
         ({"tis_cap": 0.0}, "tis_cap"),
+        ({"normalization": "all"}, "normalization"),
         ({"epsilon_low": 0.2}, "epsilon_low"),  # unknown names are errors, not silently ignored
     ],
 )
@@ -281,6 +316,7 @@ def test_loss_config_defaults_match_trl_and_are_frozen():
     config = LossConfig()
     defaults = (config.epsilon, config.epsilon_high, config.beta, config.aggregation, config.scale_rewards)
     assert defaults == (0.2, None, 0.0, "token-mean", True)
-    assert config.max_completion_length == 256
+    assert (config.max_completion_length, config.use_bias_correction_kl) == (512, True)  # TRL 1.16
+    assert config.normalization == "group"
     with pytest.raises(pydantic.ValidationError):
         config.beta = 1.0

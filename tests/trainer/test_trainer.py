@@ -245,9 +245,11 @@ def test_step_metrics_are_a_frozen_record_with_a_plain_dict_form():
     metrics = trainer.train_step(step_groups(trainer, 0))
     assert list(metrics.to_dict()) == [
         "step", "policy_version", "mode", "loss", "reward_mean", "reward_std", "grad_norm", "lr", "loss_tokens",
-        "unique_tokens", "forward_tokens", "seconds", "peak_bytes", "kl",
+        "unique_tokens", "forward_tokens", "seconds", "peak_bytes", "kl", "iterations",
     ]  # fmt: skip
     assert json.loads(json.dumps(metrics.to_dict())) == metrics.to_dict()
+    [iteration] = metrics.to_dict()["iterations"]  # one optimizer step (num_iterations=1)
+    assert iteration["loss"] == metrics.loss and iteration["grad_norm"] == metrics.grad_norm
     assert metrics.peak_bytes is None and metrics.kl is None  # memory not tracked, no KL term
     with pytest.raises(AttributeError):
         metrics.loss = 0.0
@@ -287,7 +289,7 @@ def test_a_step_uses_the_mean_of_the_groups_gradients_and_the_configured_mode():
     assert relative_l2(grads["detached"], grads["naive"]) > 1e-2
 
 
-def _data_parallel_worker(rank: int, port: int, out: str) -> None:
+def _data_parallel_worker(rank: int, port: int, out: str, normalization: str) -> None:
     """Rank 0 trains on groups 0 and 1 of step 0, rank 1 on group 2 (2 gloo CPU processes); both save their
     gradients and parameters."""
     os.environ.update(
@@ -297,7 +299,7 @@ def _data_parallel_worker(rank: int, port: int, out: str) -> None:
     AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
     GradientState._reset_state()
     torch.manual_seed(0)  # the data's seed (the trainer itself leaves the global RNGs alone)
-    trainer = make_trainer(accelerator=Accelerator(cpu=True))
+    trainer = make_trainer(accelerator=Accelerator(cpu=True), normalization=normalization)
     assert trainer.accelerator.num_processes == 2
     groups = step_groups(trainer, 0, num_groups=3)
     trainer.train_step(groups[:2] if rank == 0 else groups[2:])
@@ -314,16 +316,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.distributed
-def test_data_parallel_step_equals_one_process_on_the_union_of_the_groups(tmp_path):
+@pytest.mark.parametrize("normalization", ["group", "batch"])
+def test_data_parallel_step_equals_one_process_on_the_union_of_the_groups(tmp_path, normalization):
     """The engine bypasses DDP's forward (so DDP's all-reduce hooks never fire): two processes with 2 and 1 groups
-    must end the step with the gradients and parameters of one process given all 3 groups."""
+    must end the step with the gradients and parameters of one process given all 3 groups. With batch
+    normalisation the pool of members spans both processes (each process's weights come from all of them)."""
     # fork: the children skip re-importing torch (~10 s on 2 busy cores); spawn once CUDA is initialised here
     start_method = "spawn" if torch.cuda.is_initialized() else "fork"
-    mp.start_processes(
-        _data_parallel_worker, args=(_free_port(), str(tmp_path / "rank")), nprocs=2, start_method=start_method
-    )
+    args = (_free_port(), str(tmp_path / "rank"), normalization)
+    mp.start_processes(_data_parallel_worker, args=args, nprocs=2, start_method=start_method)
     torch.manual_seed(0)  # the same data as the workers
-    trainer = make_trainer()
+    trainer = make_trainer(normalization=normalization)
     trainer.train_step(step_groups(trainer, 0, num_groups=3))
     expected_grads, expected_params = parameter_grads(trainer.model), parameters(trainer)
     for rank in range(2):
