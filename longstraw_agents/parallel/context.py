@@ -46,6 +46,7 @@ class ContextParallel:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
+        self.sent_bytes: dict[str, int] = {"partials": 0, "dq": 0, "topk": 0, "state_grad": 0}  # this rank's sends
 
     @classmethod
     def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
@@ -70,6 +71,7 @@ class ContextParallel:
         lses = [torch.empty_like(acc[1]) for _ in range(self.size)]
         dist.all_gather(outs, acc[0].contiguous(), group=self.group)
         dist.all_gather(lses, acc[1].contiguous(), group=self.group)
+        self.sent_bytes["partials"] += _nbytes(acc[0]) + _nbytes(acc[1])
         merged = None
         for out, part_lse in zip(outs, lses, strict=True):  # rank order: the same result on every rank
             merged = merge(merged, out, part_lse)
@@ -78,10 +80,13 @@ class ContextParallel:
 
     def sum_(self, tensor: Tensor) -> Tensor:
         dist.all_reduce(tensor, group=self.group)
+        self.sent_bytes["dq"] += _nbytes(tensor)
         return tensor
 
     def broadcast(self, tensor: Tensor, src: int) -> Tensor:
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+        if src == self.rank:
+            self.sent_bytes["state_grad"] += _nbytes(tensor)
         return tensor
 
     def merge_topk(
@@ -98,6 +103,11 @@ class ContextParallel:
         all_positions = [torch.empty_like(positions) for _ in range(self.size)]
         dist.all_gather(all_scores, scores, group=self.group)
         dist.all_gather(all_positions, positions, group=self.group)
+        self.sent_bytes["topk"] += _nbytes(scores) + _nbytes(positions)
         cat_scores, cat_positions = torch.cat(all_scores, 1), torch.cat(all_positions, 1)
         order = torch.sort(cat_scores, dim=1, descending=True, stable=True).indices[:, :k]
         return cat_scores.gather(1, order), cat_positions.gather(1, order)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
