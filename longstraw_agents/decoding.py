@@ -64,6 +64,7 @@ class Decoder:
         self._loaded = [m.state.num_tokens - start for m, start in zip(members, starts, strict=True)]
         self._stepped = [0] * len(members)  # tokens given to each member in this session
         self._own = [self._load_own(i) if grows else () for i, grows in enumerate(self._grows())]
+        self._groups: tuple[list[int], tuple[DecodeGroup, ...]] | None = None
         self._recurrent = [() if grows else self._load_recurrent(i) for i, grows in enumerate(self._grows())]
 
     # --- public ---------------------------------------------------------------------------------------------
@@ -80,7 +81,9 @@ class Decoder:
         own_lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
         slots = torch.arange(max(lengths) + 1, device=self.device)
         visible = slots < own_lengths[:, None] + 1  # own positions and the new one
-        present, groups = self._batch_groups()
+        if self._groups is None:  # the batch's groups change only when members leave
+            self._groups = self._batch_groups()
+        present, groups = self._groups
         batch = DecodeBatch(self._positions, groups, self._own_start, own_lengths, visible)
         contexts = [
             DecodeContext(shared=[shared[g] for g in present] if shared else [], own=own, recurrent=recurrent)
@@ -173,6 +176,7 @@ class Decoder:
         if len(keep) == len(self.live):
             return
         self.live = [self.live[row] for row in keep]
+        self._groups = None
         if not keep:
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)

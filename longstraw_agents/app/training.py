@@ -93,8 +93,8 @@ def warn_without_learning_signal(groups: list[list[Trajectory]], step: int) -> N
     else:
         hint = "the members of each group scored alike: raise the group size or temperature, or use harder tasks"
     log.warning(
-        "no learning signal at step %d: in all %d groups every member got the same reward (%s), so every advantage "
-        "is zero; %s",
+        "no learning signal at step %d: in each of the %d groups all members got the same reward (rewards seen: %s), "
+        "so every advantage is zero; %s",
         step + 1,
         len(groups),
         ", ".join(f"{r:g}" for r in sorted(rewards)),

@@ -33,7 +33,7 @@ def test_uniform_rewards_in_every_group_warn_and_say_what_to_check(caplog: pytes
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         warn_without_learning_signal(groups_of((1.0, 1.0), (0.0, 0.0)), step=0)  # type: ignore[arg-type]
     [record] = caplog.records
-    assert "(0, 1)" in record.message and "harder tasks" in record.message
+    assert "rewards seen: 0, 1)" in record.message and "harder tasks" in record.message
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         warn_without_learning_signal(groups_of((0.0, 0.0), (0.0, 1.0)), step=0)  # type: ignore[arg-type]
