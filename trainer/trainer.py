@@ -28,6 +28,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
 from longstraw_agents.trainer.group import (
@@ -63,9 +64,12 @@ class _Counters:
 class GRPOTrainer:
     """GRPO over prefix trees with one of the three execution modes.
 
-    model: a transformers CausalLM, or an ``Engine`` over one (to set e.g. ``max_score_elements``; its chunk size
-        must equal ``config.chunk_size``). ref_model: the frozen KL reference (needed when beta > 0); it is moved
-        to the accelerator's device, put in eval mode and frozen.
+    model: a transformers CausalLM, or an ``Engine`` over one (to set e.g. ``max_score_elements``, or context
+        parallel ``shards``; its chunk size must equal ``config.chunk_size``). ref_model: the frozen KL reference
+        (needed when beta > 0); it is moved to the accelerator's device, put in eval mode and frozen.
+    mesh: the job's ``(dp, cp)`` mesh. The trainer's collectives (gradient sums, the batch pool) then run over its
+        ``dp`` group only: the ``cp`` ranks of one dp rank hold the same groups and compute the same gradients.
+        Without a mesh every process is a data-parallel rank (the default world group), as before.
     """
 
     def __init__(
@@ -75,9 +79,12 @@ class GRPOTrainer:
         *,
         ref_model: nn.Module | Engine | None = None,
         accelerator: Accelerator | None = None,
+        mesh: ParallelMesh | None = None,
     ):
         self.config = config or GRPOConfig()
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        self.dp_group = _data_parallel_group(mesh, self.accelerator.num_processes)
+        self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         engine_config = self._engine_config(model)
         module = model.model if isinstance(model, Engine) else model
         optim = self.config.optim
@@ -86,13 +93,18 @@ class GRPOTrainer:
         )
         warmup = optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, optimizer, scheduler)
+        if mesh is None:
+            self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, optimizer, scheduler)
+        else:  # no DDP wrapper: its construction broadcasts over the default world group, not over dp
+            self.model = self.accelerator.prepare_model(module, evaluation_mode=True)
+            self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
         self.counters = _Counters()
         self.accelerator.register_for_checkpointing(self.counters)
         # The engine calls the model's submodules directly (embeddings, layers, lm_head) and never the wrapper's
         # forward, so it gets the unwrapped model. With DDP that also bypasses the wrapper's gradient all-reduce
         # (its autograd hooks only fire after a wrapper forward): train_step all-reduces gradients itself.
-        self.engine = Engine(self.accelerator.unwrap_model(self.model), engine_config)
+        shards = model.shards if isinstance(model, Engine) else None
+        self.engine = Engine(self.accelerator.unwrap_model(self.model), engine_config, shards=shards)
         self.ref_engine = self._reference_engine(ref_model, engine_config, module)
         if self.config.loss.beta > 0 and self.ref_engine is None:
             raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
@@ -161,8 +173,9 @@ class GRPOTrainer:
         aggregation) and the gradient is the mean of the groups' gradients; "batch" runs the aggregation over all
         members of all groups (of every process when data parallel) as one pool, so token-mean divides by the loss
         tokens of the whole batch, as TRL's "dapo" (TRL's loss_type names select it). With one group they agree.
-        Data parallel: each process passes its own groups; gradients are all-reduced here (the engine bypasses
-        DDP's forward and so its hooks). Metrics describe this process's groups.
+        Data parallel: each dp rank passes its own groups (the cp ranks of one dp rank the same ones); gradients are
+        all-reduced here over the dp group (the engine bypasses DDP's forward and so its hooks). Metrics describe
+        this process's groups.
 
         μ > 1 (TRL's num_iterations): every optimizer step takes the ratio against the behaviour logprobs recorded
         at sampling, so each loss token needs one (the first step is on-policy when they come from these weights).
@@ -198,11 +211,11 @@ class GRPOTrainer:
         if self.config.loss.normalization == "group":
             return list(groups)
         own = [m.num_loss_tokens for g in groups for m in g.members]
-        if self.accelerator.num_processes == 1:
+        if self.dp_group is None:
             return batch_weighted(groups, self.config.loss)
-        gathered: list[list[int] | None] = [None] * self.accelerator.num_processes
-        dist.all_gather_object(gathered, own)
-        rank = self.accelerator.process_index
+        gathered: list[list[int] | None] = [None] * self.dp_size
+        dist.all_gather_object(gathered, own, group=self.dp_group)
+        rank = dist.get_rank(self.dp_group)
         offset = sum(len(lengths or []) for lengths in gathered[:rank])
         pool = [n for lengths in gathered for n in lengths or []]
         return batch_weighted(groups, self.config.loss, pool, offset)
@@ -230,20 +243,20 @@ class GRPOTrainer:
         return results, IterationMetrics.of_groups(results, grad_norm=grad_norm, lr=lr, summed=summed)
 
     def _sum_gradients_across_processes(self, params: list[nn.Parameter], num_groups: int) -> int:
-        """All-reduce (sum) the gradients and group counts of all processes; returns the total group count.
+        """All-reduce (sum) the gradients and group counts of the data-parallel ranks; returns the total group count.
 
         A parameter without a gradient on every process keeps ``grad=None`` (AdamW then skips it, as in one
         process); one with a gradient somewhere gets zeros where it had none, so every process reduces the same
         tensors in the same order."""
-        if self.accelerator.num_processes == 1:
+        if self.dp_group is None:
             return num_groups
         device = self.accelerator.device
         flags = torch.tensor([num_groups] + [p.grad is not None for p in params], dtype=torch.int64, device=device)
-        dist.all_reduce(flags)
+        dist.all_reduce(flags, group=self.dp_group)
         for p, present in zip(params, flags[1:].tolist(), strict=True):  # counts of processes with a gradient
             if present and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        handles = [dist.all_reduce(p.grad, async_op=True) for p in params if p.grad is not None]
+        handles = [dist.all_reduce(p.grad, group=self.dp_group, async_op=True) for p in params if p.grad is not None]
         for handle in handles:
             handle.wait()
         return int(flags[0])
@@ -292,6 +305,14 @@ class GRPOTrainer:
     @classmethod
     def checkpoint_info(cls, directory: str | os.PathLike) -> dict[str, Any]:
         return json.loads((cls.resolve_checkpoint(directory) / TRAINER_STATE).read_text())
+
+
+def _data_parallel_group(mesh: ParallelMesh | None, num_processes: int) -> dist.ProcessGroup | None:
+    """The group gradients are summed over: the mesh's ``dp`` group; without a mesh, every process (the world
+    group, named explicitly); None when there is nothing to reduce."""
+    if mesh is not None:
+        return mesh.dp_group if mesh.mesh["dp"].size() > 1 else None
+    return dist.group.WORLD if num_processes > 1 else None
 
 
 def _check_behaviour_logprobs(groups: Sequence[Group], num_iterations: int) -> None:

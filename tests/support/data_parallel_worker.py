@@ -1,0 +1,123 @@
+"""One rank of the data-parallel trainer tests (tests/trainer/test_data_parallel.py): a ``(dp, cp)`` mesh, the dp
+rank's share of one step's groups, one ``train_step``; the rank's parameters (full tensors) and what it holds of
+them are written to ``out_dir/rank{r}.pt`` for the test process to compare with one process holding every group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from torch.distributed.tensor import DTensor
+
+from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
+from longstraw_agents.trainer.group import Group
+
+PROMPT_LEN, CHUNK, SHARD, G, NUM_GROUPS = 20, 8, 16, 3, 3
+
+
+def make_trainer(
+    normalization: str, accelerator: Accelerator | None = None, mesh: ParallelMesh | None = None
+) -> GRPOTrainer:
+    """A fp64 tiny Llama trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards."""
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    config = GRPOConfig(G=G, chunk_size=CHUNK, lr=1e-2, max_grad_norm=1.0, normalization=normalization)
+    policy: torch.nn.Module | Engine = model
+    if mesh is not None and mesh.mesh["cp"].size() > 1:
+        policy = Engine(model, EngineConfig(chunk_size=CHUNK), shards=ContextParallel(mesh.cp_group, SHARD))
+    return GRPOTrainer(policy, config, accelerator=accelerator, mesh=mesh)
+
+
+def step_groups(trainer: GRPOTrainer) -> list[Group]:
+    """The step's groups, the same in every process (own generators, not the global RNG)."""
+    groups = []
+    for k in range(NUM_GROUPS):
+        gen = torch.Generator().manual_seed(k)
+        prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=gen)
+        lengths = torch.randint(2, 6, (G,), generator=gen)
+        completions = [torch.randint(0, 256, (int(n),), generator=gen) for n in lengths]
+        rewards = torch.rand(G, generator=gen).tolist()
+        groups.append(trainer.group_from_completions(prompt, completions, rewards))
+    return groups
+
+
+def share(groups: list[Group], dp_rank: int) -> list[Group]:
+    """dp rank 0 takes the first two groups, dp rank 1 the third (uneven on purpose)."""
+    return groups[:2] if dp_rank == 0 else groups[2:]
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def local_sizes(model: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Per parameter: (elements this rank stores, the full shape)."""
+    return {
+        name: ((p.to_local() if isinstance(p, DTensor) else p).numel(), tuple(p.shape))
+        for name, p in model.named_parameters()
+    }
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "reduce_scatter_tensor", "gather_object")
+
+
+@contextlib.contextmanager
+def stray_collectives(mesh: ParallelMesh) -> Iterator[list[str]]:
+    """The names of the collectives called while the block runs on a group other than the mesh's dp and cp groups
+    (no ``group`` means the default world group, which a dimension spanning every process may be)."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    allowed = {mesh.dp_group, mesh.cp_group}
+
+    def recording(name: str, fn):
+        def call(*args, group=None, **kwargs):
+            if (dist.group.WORLD if group is None else group) not in allowed:
+                calls.append(name)
+            return fn(*args, group=group, **kwargs)
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, recording(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"])
+    trainer = make_trainer(spec["normalization"], accelerator, mesh)
+    with stray_collectives(mesh) as stray:
+        trainer.train_step(share(step_groups(trainer), mesh.dp_rank))
+    model = accelerator.unwrap_model(trainer.model)
+    torch.save(
+        {
+            "params": full_parameters(model),
+            "sizes": local_sizes(model),
+            "dp_rank": mesh.dp_rank,
+            "stray_collectives": stray,
+        },
+        Path(out_dir) / f"rank{rank}.pt",
+    )
+    dist.destroy_process_group()

@@ -1,0 +1,52 @@
+"""GRPOTrainer over a ``(dp, cp)`` mesh on gloo CPU processes: a step where each dp rank holds its own groups (and
+the cp ranks of one dp rank the same groups, their prompt state sharded) ends with every rank holding the parameters
+of one process given all the groups (fp64)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from data_parallel_worker import make_trainer, run, step_groups
+from grpo_reference import relative_l2
+
+pytestmark = pytest.mark.distributed
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(tmp_path: Path, world: int, **spec) -> list[dict]:
+    # fork: the children skip re-importing torch (~10 s on 2 busy cores); spawn once CUDA is initialised here
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(run, args=(world, _free_port(), str(tmp_path), spec), nprocs=world, start_method=start_method)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def _one_process(normalization: str) -> dict[str, torch.Tensor]:
+    trainer = make_trainer(normalization)
+    trainer.train_step(step_groups(trainer))
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("dp", "cp", "normalization"),
+    [(2, 2, "batch"), (2, 1, "group")],
+    ids=["dp2xcp2-batch", "dp2xcp1-group"],
+)
+def test_a_step_on_the_mesh_equals_one_process_holding_every_group(tmp_path, dp, cp, normalization):
+    """Every collective of the step runs on the mesh's dp or cp group, never on the default world group by
+    accident (over all 4 processes each group would count twice — invisible in the result, as the gradient sums and
+    the batch pool would both double, hence the check on the calls themselves)."""
+    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, normalization=normalization)
+    expected = _one_process(normalization)
+    assert sorted(r["dp_rank"] for r in ranks) == sorted(list(range(dp)) * cp)
+    for rank, result in enumerate(ranks):
+        assert relative_l2(result["params"], expected) <= 1e-10, rank
+        assert result["stray_collectives"] == [], rank
