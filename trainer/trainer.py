@@ -29,6 +29,7 @@ from torch import nn
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.parallel import ParallelMesh
+from longstraw_agents.parallel.fsdp import gathered, is_sharded
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
 from longstraw_agents.trainer.group import (
@@ -225,13 +226,14 @@ class GRPOTrainer:
     ) -> tuple[list[BackwardResult], IterationMetrics]:
         self.optimizer.zero_grad(set_to_none=True)
         config = self.config
-        results = [
-            backward_group(self.engine, g, config.mode, config.loss, self.ref_engine, config.track_memory, cache)
-            for g, cache in zip(groups, caches, strict=True)
-        ]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        total_groups = self._sum_gradients_across_processes(params, len(groups))
-        params = [p for p in params if p.grad is not None]
+        with gathered(self.model):  # FSDP2: unsharded for the step, gradients reduce-scattered after (parallel.fsdp)
+            results = [
+                backward_group(self.engine, g, config.mode, config.loss, self.ref_engine, config.track_memory, cache)
+                for g, cache in zip(groups, caches, strict=True)
+            ]
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            total_groups = self._sum_gradients_across_processes(params, len(groups))
+        params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
         summed = config.loss.normalization == "batch"  # the groups' losses are shares of one batch loss
         if not summed:
             for p in params:
@@ -256,6 +258,8 @@ class GRPOTrainer:
         for p, present in zip(params, flags[1:].tolist(), strict=True):  # counts of processes with a gradient
             if present and p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if is_sharded(self.model):  # leaving ``gathered`` reduce-scatters them
+            return int(flags[0])
         handles = [dist.all_reduce(p.grad, group=self.dp_group, async_op=True) for p in params if p.grad is not None]
         for handle in handles:
             handle.wait()

@@ -71,9 +71,10 @@ def norm_eps(module: HFModule) -> float:
 
 
 def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: HFModule) -> Callable[[Tensor], Tensor]:
-    """``fn(x, module's weight, module's epsilon)`` as a function of ``x``."""
-    weight, eps = module.weight, norm_eps(module)
-    return lambda x: fn(x, weight, eps)
+    """``fn(x, module's weight, module's epsilon)`` as a function of ``x``. The weight is read at each call, not
+    bound: a wrapper that swaps the module's parameter (FSDP2's unshard / reshard) must be seen."""
+    eps = norm_eps(module)
+    return lambda x: fn(x, module.weight, eps)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longstraw_agents.parallel.context import ContextParallel
+from longstraw_agents.parallel.fsdp import shard_model
 
 
 @dataclass
@@ -43,3 +45,8 @@ class ParallelMesh:
     def context_parallel(self, prompt_len: int, chunk: int) -> ContextParallel:
         """Shards of a prompt of ``prompt_len`` positions over this mesh's ``cp`` ranks."""
         return ContextParallel.for_prompt(self.cp_group, prompt_len, chunk)
+
+    def fully_shard(self, model: nn.Module) -> None:
+        """Shard ``model``'s parameters over the ``dp`` ranks with FSDP2 (``parallel.fsdp``); the cp ranks of one
+        dp rank hold the same shards."""
+        shard_model(model, self.mesh["dp"])

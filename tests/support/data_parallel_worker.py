@@ -26,10 +26,18 @@ PROMPT_LEN, CHUNK, SHARD, G, NUM_GROUPS = 20, 8, 16, 3, 3
 
 
 def make_trainer(
-    normalization: str, accelerator: Accelerator | None = None, mesh: ParallelMesh | None = None
+    normalization: str,
+    accelerator: Accelerator | None = None,
+    mesh: ParallelMesh | None = None,
+    fsdp: bool = False,
+    family: str = "llama",
 ) -> GRPOTrainer:
-    """A fp64 tiny Llama trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards."""
-    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
+    ``fsdp`` its parameters are sharded over the mesh's dp ranks."""
+    model = tiny_model(family, dtype=torch.float64, seed=0)
+    if fsdp:
+        assert mesh is not None
+        mesh.fully_shard(model)
     config = GRPOConfig(G=G, chunk_size=CHUNK, lr=1e-2, max_grad_norm=1.0, normalization=normalization)
     policy: torch.nn.Module | Engine = model
     if mesh is not None and mesh.mesh["cp"].size() > 1:
@@ -107,9 +115,11 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     GradientState._reset_state()
     accelerator = Accelerator(cpu=True)
     mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"])
-    trainer = make_trainer(spec["normalization"], accelerator, mesh)
+    trainer = make_trainer(
+        spec["normalization"], accelerator, mesh, spec.get("fsdp", False), spec.get("family", "llama")
+    )
     with stray_collectives(mesh) as stray:
-        trainer.train_step(share(step_groups(trainer), mesh.dp_rank))
+        metrics = trainer.train_step(share(step_groups(trainer), mesh.dp_rank))
     model = accelerator.unwrap_model(trainer.model)
     torch.save(
         {
@@ -117,6 +127,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             "sizes": local_sizes(model),
             "dp_rank": mesh.dp_rank,
             "stray_collectives": stray,
+            "grad_norm": metrics.grad_norm,
         },
         Path(out_dir) / f"rank{rank}.pt",
     )

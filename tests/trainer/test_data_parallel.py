@@ -4,6 +4,7 @@ of one process given all the groups (fp64)."""
 
 from __future__ import annotations
 
+import math
 import socket
 from pathlib import Path
 
@@ -29,10 +30,11 @@ def _spawn(tmp_path: Path, world: int, **spec) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-def _one_process(normalization: str) -> dict[str, torch.Tensor]:
-    trainer = make_trainer(normalization)
-    trainer.train_step(step_groups(trainer))
-    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+def _one_process(normalization: str, family: str = "llama") -> tuple[dict[str, torch.Tensor], float]:
+    """Parameters after the step and the gradient norm it reported (before clipping to 1)."""
+    trainer = make_trainer(normalization, family=family)
+    metrics = trainer.train_step(step_groups(trainer))
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, metrics.grad_norm
 
 
 @pytest.mark.parametrize(
@@ -45,8 +47,30 @@ def test_a_step_on_the_mesh_equals_one_process_holding_every_group(tmp_path, dp,
     accident (over all 4 processes each group would count twice — invisible in the result, as the gradient sums and
     the batch pool would both double, hence the check on the calls themselves)."""
     ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, normalization=normalization)
-    expected = _one_process(normalization)
+    expected, grad_norm = _one_process(normalization)
+    assert grad_norm > 1.0  # clipping is part of what is compared
     assert sorted(r["dp_rank"] for r in ranks) == sorted(list(range(dp)) * cp)
     for rank, result in enumerate(ranks):
         assert relative_l2(result["params"], expected) <= 1e-10, rank
         assert result["stray_collectives"] == [], rank
+        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
+
+
+@pytest.mark.parametrize(
+    ("family", "normalization"), [("llama", "group"), ("qwen3_5", "batch"), ("glm_moe_dsa", "group")]
+)
+def test_fsdp2_step_equals_one_process_and_each_rank_holds_half_of_each_parameter(tmp_path, family, normalization):
+    """FSDP2 over dp=2: the engine bypasses FSDP's hooks, so the trainer gathers the units for the step and
+    reduce-scatters the gradients itself (parallel.fsdp.gathered); AdamW steps each rank's shard. After the step
+    the full parameters equal one process's (fp64), and each rank stores half of every parameter (dim 0 split)."""
+    ranks = _spawn(tmp_path, 2, dp=2, cp=1, normalization=normalization, fsdp=True, family=family)
+    expected, grad_norm = _one_process(normalization, family)
+    assert grad_norm > 1.0  # clipping is part of what is compared
+    for rank, result in enumerate(ranks):
+        assert relative_l2(result["params"], expected) <= 1e-10, rank
+        assert result["stray_collectives"] == [], rank
+        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
+    for name, (_, shape) in ranks[0]["sizes"].items():
+        held = [r["sizes"][name][0] for r in ranks]
+        rows = [-(-shape[0] // 2), shape[0] - -(-shape[0] // 2)]  # torch.chunk's split of dim 0
+        assert held == [n * math.prod(shape[1:]) for n in rows], name
