@@ -29,6 +29,7 @@ from torch import nn
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.parallel import ParallelMesh
+from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
 from longstraw_agents.parallel.fsdp import gathered, is_sharded
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
@@ -96,9 +97,12 @@ class GRPOTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         if mesh is None:
             self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, optimizer, scheduler)
-        else:  # no DDP wrapper: its construction broadcasts over the default world group, not over dp
+        elif not is_sharded(module):  # no DDP wrapper: its construction broadcasts over the world group, not dp
             self.model = self.accelerator.prepare_model(module, evaluation_mode=True)
             self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
+        else:  # FSDP2: model and optimizer are checkpointed shard by shard (DCP), not by accelerate's main process
+            self.model, self.optimizer = module, optimizer
+            self.scheduler = self.accelerator.prepare(scheduler)
         self.counters = _Counters()
         self.accelerator.register_for_checkpointing(self.counters)
         # The engine calls the model's submodules directly (embeddings, layers, lm_head) and never the wrapper's
@@ -275,24 +279,39 @@ class GRPOTrainer:
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str | os.PathLike) -> Path:
-        """Write a checkpoint atomically (temporary folder, then rename)."""
+        """Write a checkpoint atomically (temporary folder, then rename).
+
+        Several processes: every one writes its RNG states (and, under FSDP2, its shards) into the temporary folder;
+        after a barrier the main process alone adds the counters and renames it into place, and a last barrier
+        keeps the others from going on (or being killed) before the checkpoint is whole."""
         final = Path(directory)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        main = self.accelerator.is_main_process
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp))
-        (tmp / TRAINER_STATE).write_text(
-            json.dumps({**self.counters.state_dict(), "config": self.config.model_dump(mode="json")}, indent=2)
-        )
-        old = final.with_name(final.name + ".old")
-        if final.exists():
+        if is_sharded(self.model):
+            save_sharded(self.model, self.optimizer, tmp)
+        self.accelerator.wait_for_everyone()
+        if main:
+            (tmp / TRAINER_STATE).write_text(
+                json.dumps({**self.counters.state_dict(), "config": self.config.model_dump(mode="json")}, indent=2)
+            )
+            old = final.with_name(final.name + ".old")
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+            tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
         return final
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        self.accelerator.load_state(str(self.resolve_checkpoint(directory)))
+        path = self.resolve_checkpoint(directory)
+        self.accelerator.load_state(str(path))
+        if is_sharded(self.model):
+            load_sharded(self.model, self.optimizer, path)
 
     @staticmethod
     def resolve_checkpoint(directory: str | os.PathLike) -> Path:

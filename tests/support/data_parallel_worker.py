@@ -106,6 +106,23 @@ def stray_collectives(mesh: ParallelMesh) -> Iterator[list[str]]:
             setattr(dist, name, fn)
 
 
+def _resumed_step(trainer: GRPOTrainer, mesh: ParallelMesh, spec: dict[str, Any], directory: Path) -> dict:
+    """Save a checkpoint, load it into a fresh trainer, and take one more step with both: the parameters must be
+    bit-identical (``equal``, per parameter), and the fresh trainer's counters restored."""
+    trainer.save_checkpoint(directory)
+    fresh = make_trainer(spec["normalization"], Accelerator(cpu=True), mesh, spec.get("fsdp", False))
+    fresh.load_checkpoint(directory)
+    counters = (fresh.step_count, fresh.policy_version)
+    for t in (trainer, fresh):
+        t.train_step(share(step_groups(t), mesh.dp_rank))
+    a, b = full_parameters(trainer.model), full_parameters(fresh.model)
+    return {"equal": [torch.equal(a[name], b[name]) for name in a], "counters": counters, "files": _listing(directory)}
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file())
+
+
 def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
@@ -121,6 +138,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     with stray_collectives(mesh) as stray:
         metrics = trainer.train_step(share(step_groups(trainer), mesh.dp_rank))
     model = accelerator.unwrap_model(trainer.model)
+    resumed = _resumed_step(trainer, mesh, spec, Path(out_dir) / "checkpoint") if spec.get("resume") else None
     torch.save(
         {
             "params": full_parameters(model),
@@ -128,6 +146,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             "dp_rank": mesh.dp_rank,
             "stray_collectives": stray,
             "grad_norm": metrics.grad_norm,
+            "resumed": resumed,
         },
         Path(out_dir) / f"rank{rank}.pt",
     )

@@ -74,3 +74,19 @@ def test_fsdp2_step_equals_one_process_and_each_rank_holds_half_of_each_paramete
         held = [r["sizes"][name][0] for r in ranks]
         rows = [-(-shape[0] // 2), shape[0] - -(-shape[0] // 2)]  # torch.chunk's split of dim 0
         assert held == [n * math.prod(shape[1:]) for n in rows], name
+
+
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2", "replicated"])
+def test_a_checkpoint_on_the_mesh_resumes_bit_exactly(tmp_path, fsdp):
+    """Saved once by every rank together (FSDP2: each rank's shards through DCP; replicated: the main process's
+    files), loaded into fresh trainers: one more step gives bit-identical parameters on every rank."""
+    ranks = _spawn(tmp_path, 2, dp=2, cp=1, normalization="group", fsdp=fsdp, resume=True)
+    for rank, result in enumerate(ranks):
+        resumed = result["resumed"]
+        assert all(resumed["equal"]) and resumed["counters"] == (1, 1), rank
+    files = ranks[0]["resumed"]["files"]
+    assert "trainer_state.json" in files and {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)
+    if fsdp:
+        assert "sharded/.metadata" in files and "model.safetensors" not in files
+    else:
+        assert "model.safetensors" in files and not any(f.startswith("sharded/") for f in files)
