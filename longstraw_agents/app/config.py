@@ -87,6 +87,26 @@ class WarmStartSpec(BaseModel):
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
 
+class ParallelSpec(BaseModel):
+    """How the run spreads over the processes of ``torchrun`` / ``accelerate launch`` (``dp * cp`` must equal
+    their number, ``WORLD_SIZE``; checked when the run starts)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    dp: int = Field(1, ge=1, description="data-parallel ranks: each rolls out and trains on its share of the groups")
+    cp: int = Field(1, ge=1, description="context-parallel ranks per dp rank: they shard one prompt's state")
+    fsdp: bool = Field(False, description="shard parameters, gradients and optimizer state over dp (FSDP2)")
+    timeout_s: float = Field(
+        600.0, gt=0, description="seconds a collective waits for the other ranks before failing (a dead or hung rank)"
+    )
+
+    @model_validator(mode="after")
+    def _fsdp_needs_dp(self) -> ParallelSpec:
+        if self.fsdp and self.dp == 1:
+            raise ValueError("parallel.fsdp shards over the data-parallel ranks: it needs parallel.dp > 1")
+        return self
+
+
 class TrainConfig(BaseModel):
     """``longstraw train CONFIG`` (YAML or TOML, validated here).
 
@@ -108,6 +128,7 @@ class TrainConfig(BaseModel):
     eval_episodes: int = Field(0, ge=0, description="held-out episodes scored before GRPO and after the last step")
     seed: int = Field(0, description="the run's seed: every task seed and sampling seed derives from it")
     progress: bool = True
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
 
     @property
     def group_size(self) -> int:

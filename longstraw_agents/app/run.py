@@ -4,6 +4,10 @@ A run directory holds ``config.json``, ``trajectories.db`` (every episode, token
 typed record per line, ``app.records``), ``checkpoint/`` (model, optimizer, RNG states, step counters; written
 atomically), ``reference.safetensors`` (the frozen KL reference when beta > 0) and plots.
 
+Under ``torchrun`` / ``accelerate launch`` (``config.parallel``, ``app.distributed``) every process builds a ``Run``:
+the writer (global rank 0) alone writes the run directory, the store and the metrics; every rank runs the warm start
+and takes the writer's weights after it; the policy is then sharded (FSDP2) or replicated over the dp ranks.
+
 ``Run`` checks the configuration before anything is written (unknown env, bad env kwargs, a tokenizer without the chat
 tokens, bad preset arguments, a missing model directory, a model vocabulary smaller than the tokenizer's, a prompt over
 the model's context raise ``ConfigError`` and leave no run directory), then builds the policy, runs the warm start of
@@ -24,11 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, check_model, check_tokenizer
+from longstraw_agents.app.distributed import Ranks
 from longstraw_agents.app.records import MetricsRecord, WarmStartRecord
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
+from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
+from longstraw_agents.parallel.fsdp import gathered
 from longstraw_agents.rollout import make_env_factory, reset_prompt
 from longstraw_agents.store import Store
 from longstraw_agents.torch_sampler import TorchSampler
@@ -95,6 +102,7 @@ class Run:
         self.config = config
         self.dir = Path(config.output_dir)
         self.on_metrics = on_metrics
+        self.ranks = Ranks.join(config.parallel, "cuda" if torch.cuda.is_available() else "cpu")
         existing = has_checkpoint(self.dir)
         if not resume and existing:
             raise FileExistsError(f"{self.dir} already holds a run; pass --resume or choose another output_dir")
@@ -112,19 +120,30 @@ class Run:
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
         self._check_prompt_fits()
         # Nothing is written before the configuration is known to run: a config error leaves no run directory.
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.json").write_text(config.model_dump_json(indent=2))
-        self.store = Store.open(self.dir / STORE)
+        self._store: Store | None = None
+        if self.ranks.writes:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "config.json").write_text(config.model_dump_json(indent=2))
+            self._store = Store.open(self.dir / STORE)
         try:
-            self.run_id = self._run_row(resume)
-            if not resume:
+            self.run_id = self.ranks.from_writer(self._run_row(resume) if self.ranks.writes else "")
+            if not resume:  # on every rank (a wait for the writer's could outlast parallel.timeout_s); then its weights
                 self._warm_start()
-            self.trainer = GRPOTrainer(self.model, config.trainer, ref_model=self._reference(resume, reference))
+            self.ranks.same_weights(self.model)
+            self.trainer = self._trainer(self._reference(resume, reference))
+            self.sampling_engine = self._sampling_engine()
             if resume:
                 self.trainer.load_checkpoint(self.dir / CHECKPOINT)
         except BaseException:
-            self.store.close()
+            self.close()
             raise
+
+    @property
+    def store(self) -> Store:
+        """The run's store; only the writer (global rank 0) opens it."""
+        if self._store is None:
+            raise RuntimeError("only the writer process (global rank 0) opens the store")
+        return self._store
 
     def env_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """``gymnasium.make`` kwargs for this run's environments: ``kwargs`` with the run's tokenizer, so that the
@@ -132,7 +151,9 @@ class Run:
         return {**kwargs, "tokenizer": self.tokenizer}
 
     def emit(self, record: MetricsRecord) -> None:
-        """Append ``record`` to ``metrics.jsonl`` and pass it to ``on_metrics``."""
+        """Append ``record`` to ``metrics.jsonl`` and pass it to ``on_metrics`` (the writer; elsewhere nothing)."""
+        if not self.ranks.writes:
+            return
         with (self.dir / METRICS).open("a") as f:
             f.write(record.to_json() + "\n")
         if self.on_metrics is not None:
@@ -142,16 +163,25 @@ class Run:
         return [task_seed(self.config.seed, step, g) for g in range(self.config.groups_per_step)]
 
     def sampler(self, step: int | None = None, seed: int | None = None) -> TorchSampler:
-        """The policy's sampler for ``step`` (its seed derived from the run's), or with an explicit ``seed``."""
-        seed = sampling_seed(self.config.seed, step) if seed is None and step is not None else seed
+        """The policy's sampler for ``step`` (its seed derived from the run's and the dp rank), or with an explicit
+        ``seed``."""
+        if seed is None and step is not None:
+            seed = sampling_seed(self.config.seed, step, self.ranks.dp_rank)
         sampling = self.config.sampling if seed is None else self.config.sampling.model_copy(update={"seed": seed})
-        return TorchSampler(self.trainer.engine, self.stop_ids, sampling, policy_version=self.trainer.policy_version)
+        return TorchSampler(self.sampling_engine, self.stop_ids, sampling, policy_version=self.trainer.policy_version)
+
+    def gathered(self):
+        """The policy's full weights for a block of sampling (FSDP2: every dp rank enters together)."""
+        return gathered(self.trainer.model)
 
     def save_checkpoint(self) -> None:
+        """Every process together (the checkpoint is written collectively)."""
         self.trainer.save_checkpoint(self.dir / CHECKPOINT)
 
     def close(self) -> None:
-        self.store.close()
+        """Close the store; the process group stays up (``Ranks.close`` ends it, after the last evaluation)."""
+        if self._store is not None:
+            self._store.close()
 
     # --- assembly -------------------------------------------------------------------------------------------
     def _check_prompt_fits(self) -> None:
@@ -172,6 +202,27 @@ class Run:
         return self.store.add_run(
             config=self.config.model_dump(mode="json"), model=model_id, tokenizer=self.tokenizer.name
         )
+
+    def _trainer(self, ref_model: torch.nn.Module | None) -> GRPOTrainer:
+        """The GRPO trainer over the run's mesh: with cp > 1 its engine holds each prompt's state in cp shards (a
+        shard per ``max_context / cp`` positions); with ``parallel.fsdp`` the policy is sharded over dp first."""
+        mesh, spec = self.ranks.mesh, self.config.parallel
+        if mesh is not None and spec.fsdp:
+            mesh.fully_shard(self.model)
+        policy: torch.nn.Module | Engine = self.model
+        if mesh is not None and spec.cp > 1:
+            if self.max_context is None:
+                raise ConfigError("parallel.cp > 1 shards the context: set model.max_context")
+            chunk = self.config.trainer.chunk_size
+            shards = mesh.context_parallel(self.max_context, chunk)
+            policy = Engine(self.model, EngineConfig(chunk_size=chunk), shards=shards)
+        return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
+
+    def _sampling_engine(self) -> Engine:
+        """The trainer's engine, or with cp > 1 one over the same weights without shards: a rollout runs on one cp
+        rank (``Ranks.rolls_out``), so it must not wait for its cp peers."""
+        engine = self.trainer.engine
+        return engine if engine.shards is None else Engine(engine.model, engine.config)
 
     def _warm_start(self) -> None:
         spec = self.config.warm_start
@@ -201,10 +252,11 @@ class Run:
 
         reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         path = self.dir / REFERENCE
-        if source is not None:
+        if source is not None and self.ranks.writes:
             shutil.copyfile(source, path)
+        self.ranks.barrier()
         if resume or source is not None:
             load_model(reference, str(path))
-        else:
+        elif self.ranks.writes:  # the others hold the same weights (same_weights)
             save_model(reference, str(path))
         return reference

@@ -7,7 +7,9 @@ every run's tasks):
 
 - training tasks: ``(seed + 1) · 1,000,003 + step · 1,009 + group`` — the prime stride keeps the task seeds of runs
   with nearby seeds apart; ``group < 1,009`` (``groups_per_step`` is checked against it) keeps steps apart;
-- per-step sampling: ``seed · 100,003 + step`` (the sampler derives one seed per request from it);
+- per-step sampling: ``seed · 100,003 + step`` (the sampler derives one seed per request from it), plus
+  ``dp_rank · 2**40`` for the data-parallel ranks after the first (each rolls out other tasks and must not replay
+  the first rank's random draws; rank 0 draws as a one-process run);
 - warm-start traces: ``10,000,000 + episode``, the same for every run (a fixed supervised data set);
 - held-out evaluation: ``900,000,000 + episode`` tasks, sampled with seed 900,000,000 — above every training task
   seed of runs with seed < 899, and the same for every run and step, so evaluations compare like with like.
@@ -18,6 +20,7 @@ from __future__ import annotations
 TASK_RUN_STRIDE = 1_000_003
 TASK_STEP_STRIDE = 1_009
 SAMPLING_RUN_STRIDE = 100_003
+SAMPLING_RANK_STRIDE = 2**40
 WARM_START_BASE = 10_000_000
 EVAL_BASE = 900_000_000
 
@@ -29,14 +32,19 @@ def task_seed(run_seed: int, step: int, group: int) -> int:
     return (run_seed + 1) * TASK_RUN_STRIDE + step * TASK_STEP_STRIDE + group
 
 
-def sampling_seed(run_seed: int, step: int) -> int:
-    """The seed of the sampler that rolls out training step ``step``."""
-    return run_seed * SAMPLING_RUN_STRIDE + step
+def sampling_seed(run_seed: int, step: int, dp_rank: int = 0) -> int:
+    """The seed of the sampler that rolls out training step ``step`` on data-parallel rank ``dp_rank``."""
+    return run_seed * SAMPLING_RUN_STRIDE + step + dp_rank * SAMPLING_RANK_STRIDE
 
 
 def warm_start_seed(episode: int) -> int:
     """The environment seed of scripted warm-start episode ``episode``."""
     return WARM_START_BASE + episode
+
+
+def eval_sampling_seed(dp_rank: int = 0) -> int:
+    """The seed of the sampler that plays the held-out episodes on data-parallel rank ``dp_rank``."""
+    return EVAL_BASE + dp_rank * SAMPLING_RANK_STRIDE
 
 
 def eval_task_seed(episode: int) -> int:

@@ -5,6 +5,10 @@ each step's task seeds and sampling generator are derived from (seed, step) (``a
 current operation, writes the metrics line of an update it let finish and saves a checkpoint of the last completed
 step; the store holds whole groups only (one transaction per group), and a resumed step does not store again the
 groups it had already written.
+
+Under ``torchrun`` (``config.parallel``, ``app.distributed``): each dp rank rolls out its share of the step's tasks
+(every dp-th task seed, its own sampling seed) and trains on it; the groups are gathered to the writer, which stores
+each once (group ids ``step{k}-dp{r}-g{i}``) and writes one metrics line for the whole step.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from longstraw_agents.app.config import TrainConfig
+from longstraw_agents.app.distributed import merged_step_metrics
 from longstraw_agents.app.records import EvalRecord, StepRecord
 from longstraw_agents.app.run import OnMetrics, Run
-from longstraw_agents.app.seeds import EVAL_SAMPLING_SEED, eval_task_seed
+from longstraw_agents.app.seeds import eval_sampling_seed, eval_task_seed
 from longstraw_agents.rollout import RolloutLimits, rollout_groups
 from longstraw_agents.store import Store
+from longstraw_agents.trainer import StepMetrics
 from longstraw_agents.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -38,8 +44,16 @@ def train(config: TrainConfig, resume: bool = False, on_metrics: OnMetrics | Non
     """Run (or resume) a training run; returns the run directory. With ``config.progress``, a bar counts the GRPO
     steps (reward, loss, episode tokens per second) over the rollout's and evaluations' own bars."""
     run = Run(config, resume, on_metrics=on_metrics)
+    try:
+        return _train(run, config, resume)
+    finally:
+        run.ranks.close()
+
+
+def _train(run: Run, config: TrainConfig, resume: bool) -> Path:
     completed = run.trainer.step_count
-    bar = tqdm(total=config.steps, initial=completed, desc="GRPO", unit="step", disable=not config.progress)
+    quiet = not config.progress or not run.ranks.writes
+    bar = tqdm(total=config.steps, initial=completed, desc="GRPO", unit="step", disable=quiet)
     try:
         with logging_redirect_tqdm():  # warnings print above the bars instead of through them
             if config.eval_episodes and not resume:
@@ -102,36 +116,75 @@ def warn_without_learning_signal(groups: list[list[Trajectory]], step: int) -> N
     )
 
 
+def group_prefix(run: Run, step: int, dp_rank: int) -> str:
+    """The group ids' prefix of a step's groups rolled out by ``dp_rank`` (one process: ``step{k}-g``)."""
+    return f"step{step}-g" if run.ranks.dp == 1 else f"step{step}-dp{dp_rank}-g"
+
+
 def rollout_and_train(run: Run, step: int) -> StepRecord:
     """Roll out the step's groups (storing each whole), then one optimizer step on them."""
-    config = run.config
-    limits = RolloutLimits(config.sampling.max_new_tokens, run.max_context)
-    prefix = f"step{step}-g"
     start = time.perf_counter()
-    groups = rollout_groups(
-        run.env_factory,
-        run.sampler(step),
-        run.task_seeds(step),
-        config.group_size,
-        limits,
-        group_prefix=prefix,
-        store=_SkipStored(run.store, run.run_id, prefix),
-        run_id=run.run_id,
-        progress=config.progress,
-    )
+    groups = _rollout_share(run, step)
     rollout_s = time.perf_counter() - start
-    warn_without_learning_signal(groups, step)
+    everyone = run.ranks.to_writer(groups) if run.ranks.mesh is not None else None
+    if everyone is not None:
+        _store_gathered(run, step, everyone)
+    all_groups = groups if everyone is None else [g for part in everyone for g in part]
+    if run.ranks.writes:
+        warn_without_learning_signal(all_groups, step)
     try:
         with _sigint_deferred():  # an update is applied whole or not at all
             metrics = run.trainer.train_step([run.trainer.group_from_trajectories(g) for g in groups])
+            metrics = _step_metrics(run, metrics, len(groups))
     except _DeferredInterrupt as interrupt:
         # The update was applied and the checkpoint will record it: its metrics line must not be lost.
-        interrupt.record = _step_record(metrics, groups, rollout_s)
+        interrupt.record = _step_record(metrics, all_groups, rollout_s)
         raise
-    return _step_record(metrics, groups, rollout_s)
+    return _step_record(metrics, all_groups, rollout_s)
 
 
-def _step_record(metrics, groups: list[list[Trajectory]], rollout_s: float) -> StepRecord:
+def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
+    """This dp rank's groups of the step: rolled out by its first cp rank (one process: stored as each group ends;
+    several: stored by the writer once gathered), sent to its cp peers."""
+    config, ranks = run.config, run.ranks
+    prefix = group_prefix(run, step, ranks.dp_rank)
+    groups: list[list[Trajectory]] = []
+    with run.gathered():  # FSDP2: the full weights for sampling, every dp rank together
+        if ranks.rolls_out:
+            groups = rollout_groups(
+                run.env_factory,
+                run.sampler(step),
+                ranks.share(run.task_seeds(step)),
+                config.group_size,
+                RolloutLimits(config.sampling.max_new_tokens, run.max_context),
+                group_prefix=prefix,
+                store=_SkipStored(run.store, run.run_id, prefix) if ranks.mesh is None else None,
+                run_id=run.run_id,
+                progress=config.progress and ranks.writes,
+            )
+    return ranks.to_cp_peers(groups)
+
+
+def _store_gathered(run: Run, step: int, everyone: list[list[list[Trajectory]]]) -> None:
+    """The writer stores every dp rank's groups, each whole in one transaction (on resume, only what is not yet)."""
+    for dp_rank, groups in enumerate(everyone):
+        sink = _SkipStored(run.store, run.run_id, group_prefix(run, step, dp_rank))
+        for group in groups:
+            sink.add_episodes(group, run_id=run.run_id)
+
+
+def _step_metrics(run: Run, own: StepMetrics, num_groups: int) -> StepMetrics:
+    """The step's metrics over every dp rank's groups (on the writer; elsewhere this rank's own)."""
+    if run.ranks.mesh is None:
+        return own
+    parts = run.ranks.to_writer((own, num_groups))
+    if parts is None:
+        return own
+    summed = run.config.trainer.loss.normalization == "batch"
+    return merged_step_metrics([m for m, _ in parts], [n for _, n in parts], summed)
+
+
+def _step_record(metrics: StepMetrics, groups: list[list[Trajectory]], rollout_s: float) -> StepRecord:
     episodes = [t for g in groups for t in g]
     return StepRecord(
         metrics=metrics,
@@ -144,14 +197,22 @@ def _step_record(metrics, groups: list[list[Trajectory]], rollout_s: float) -> S
 
 
 def evaluate(run: Run, num_episodes: int, step: int | None = None) -> EvalRecord:
-    """Mean reward of one episode per held-out task with the current policy (not stored, not trained on)."""
-    seeds = [eval_task_seed(k) for k in range(num_episodes)]
+    """Mean reward of one episode per held-out task with the current policy (not stored, not trained on); the dp
+    ranks split the tasks and the writer pools their rewards."""
+    ranks = run.ranks
+    seeds = ranks.share([eval_task_seed(k) for k in range(num_episodes)])
     limits = RolloutLimits(run.config.sampling.max_new_tokens, run.max_context)
-    sampler = run.sampler(seed=EVAL_SAMPLING_SEED)
-    groups = rollout_groups(
-        run.env_factory, sampler, seeds, 1, limits, group_prefix="eval-", progress=run.config.progress, desc="eval"
-    )
-    rewards = [t.reward or 0.0 for g in groups for t in g]
+    sampler = run.sampler(seed=eval_sampling_seed(ranks.dp_rank))
+    rewards: list[float] = []
+    with run.gathered():
+        if ranks.rolls_out and seeds:
+            progress = run.config.progress and ranks.writes
+            groups = rollout_groups(
+                run.env_factory, sampler, seeds, 1, limits, group_prefix="eval-", progress=progress, desc="eval"
+            )
+            rewards = [t.reward or 0.0 for g in groups for t in g]
+    pooled = ranks.to_writer(rewards)
+    rewards = rewards if pooled is None else [r for part in pooled for r in part]
     return EvalRecord(
         step=run.trainer.step_count if step is None else step,
         reward_mean=sum(rewards) / len(rewards),

@@ -1,0 +1,127 @@
+"""``torchrun --nproc-per-node 2 -m longstraw_agents.cli train`` (app/distributed.py): each dp rank rolls out its share
+of every step's tasks, the writer stores each group once and writes one metrics line per step covering both ranks'
+groups, the checkpoint resumes; and the parallel settings are checked before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pydantic
+import pytest
+import yaml
+from tiny_runs import tiny_config_dict
+
+from longstraw_agents.app.config import ConfigError, ParallelSpec
+from longstraw_agents.app.distributed import Ranks, merged_step_metrics
+from longstraw_agents.app.seeds import task_seed
+from longstraw_agents.store import Store
+from longstraw_agents.trainer import StepMetrics
+
+GROUPS_PER_STEP, GROUP_SIZE = 2, 4
+
+
+def _torchrun(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone`` (a free port of its own) with 2 processes; on a timeout the whole process group
+    is killed, so that no worker outlives the test."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "longstraw_agents.cli", "train", str(config), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
+    """group id -> the task seeds of its episodes."""
+    store = Store.open(run_dir / "trajectories.db", create=False)
+    try:
+        return {group_id: [t.seed for t in members] for group_id, members in store.groups().items()}
+    finally:
+        store.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_two_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
+    """With FSDP2 (the replicated checkpoint's resume is tested on the trainer, tests/trainer/test_data_parallel.py):
+    2 steps, then --resume to 3."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(run_dir, parallel={"dp": 2, "fsdp": True})))
+    done = _torchrun(config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("step    1 ") == 1  # one metrics line per step, printed by the writer only
+    resumed = _torchrun(config, "--resume", "--steps", "3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    groups = _stored_groups(run_dir)
+    assert sorted(groups) == [f"step{s}-dp{r}-g0" for s in range(3) for r in range(2)]
+    for group_id, seeds in groups.items():
+        assert len(seeds) == GROUP_SIZE and len(set(seeds)) == 1, group_id  # each group once, whole
+    for step in range(3):  # the dp ranks split the step's tasks: every task once
+        seeds = sorted(groups[f"step{step}-dp{r}-g0"][0] for r in range(2))
+        assert seeds == [task_seed(0, step, g) for g in range(GROUPS_PER_STEP)]
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:  # a step's line covers both ranks' groups
+        assert sum(line["finish_reasons"].values()) == GROUPS_PER_STEP * GROUP_SIZE
+    checkpoint = {p.name for p in (run_dir / "checkpoint").iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"} <= checkpoint
+    assert "sharded" in checkpoint and "model.safetensors" not in checkpoint
+    assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
+
+
+def test_dp_times_cp_must_equal_the_number_of_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"parallel\.dp \(2\) x parallel\.cp \(1\).*WORLD_SIZE=3"):
+        Ranks.join(ParallelSpec(dp=2), "cpu")
+
+
+def test_fsdp_needs_data_parallel_ranks() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"parallel\.fsdp .* parallel\.dp > 1"):
+        ParallelSpec(fsdp=True)
+
+
+def _metrics(rewards: list[float], loss: float, loss_tokens: int) -> StepMetrics:
+    return StepMetrics(
+        step=1,
+        policy_version=1,
+        mode="exact",
+        loss=loss,
+        reward_mean=float(np.mean(rewards)),
+        reward_std=float(np.std(rewards)),
+        grad_norm=0.5,
+        lr=1e-3,
+        loss_tokens=loss_tokens,
+        unique_tokens=loss_tokens,
+        forward_tokens=loss_tokens,
+        seconds=1.0,
+        peak_bytes=None,
+        kl=None,
+    )
+
+
+@pytest.mark.parametrize("summed", [False, True], ids=["group", "batch"])
+def test_merged_metrics_pool_the_ranks_members(summed: bool) -> None:
+    """Rank 0 holds 2 groups of 2 members, rank 1 one group: the merged reward statistics are those of all 6
+    members; the loss is the group-weighted mean (group normalisation) or the sum of the ranks' shares (batch)."""
+    rewards = [[1.0, 0.0, 0.5, 0.5], [1.0, 1.0]]
+    merged = merged_step_metrics([_metrics(rewards[0], 0.3, 10), _metrics(rewards[1], 0.6, 4)], [2, 1], summed)
+    pooled = rewards[0] + rewards[1]
+    assert merged.reward_mean == pytest.approx(np.mean(pooled))
+    assert merged.reward_std == pytest.approx(np.std(pooled))
+    assert merged.loss == pytest.approx(0.9 if summed else (2 * 0.3 + 0.6) / 3)
+    assert merged.loss_tokens == 14 and merged.grad_norm == 0.5
