@@ -29,14 +29,23 @@ class SFTConfig(BaseModel):
     seed: int = 0
 
 
-def masked_nll(model: nn.Module, trajectory: Trajectory) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL over the trajectory's loss tokens, and their count."""
-    rendered = trajectory.render()
-    ids = torch.as_tensor(rendered.token_ids, dtype=torch.long)
-    mask = torch.as_tensor(rendered.loss_mask[1:], dtype=torch.bool)
-    logits = model(ids[:-1].unsqueeze(0)).logits[0]
-    nll = torch.nn.functional.cross_entropy(logits.float(), ids[1:], reduction="none")
-    return (nll * mask).sum(), int(mask.sum())
+def masked_nll(model: nn.Module, trajectories: Sequence[Trajectory]) -> tuple[torch.Tensor, int]:
+    """Summed next-token NLL over the trajectories' loss tokens, and their count, in one forward.
+
+    The sequences are right-padded into one batch: under the causal mask a real token never attends to the padding
+    after it, so its logits are those of the sequence alone, and padded positions carry no loss."""
+    rendered = [t.render() for t in trajectories]
+    width = max(len(r.token_ids) for r in rendered) - 1
+    ids = torch.zeros((len(rendered), width + 1), dtype=torch.long)
+    mask = torch.zeros((len(rendered), width), dtype=torch.bool)
+    for row, r in enumerate(rendered):
+        ids[row, : len(r.token_ids)] = torch.as_tensor(r.token_ids, dtype=torch.long)
+        mask[row, : len(r.token_ids) - 1] = torch.as_tensor(r.loss_mask[1:], dtype=torch.bool)
+    # logits only where there is loss (a boolean logits_to_keep: [tokens, V]); the prompt's rows are most of a batch
+    logits = model(ids[:, :-1], logits_to_keep=mask).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 models: the softmax in fp32
+    nll = torch.nn.functional.cross_entropy(logits, ids[:, 1:][mask], reduction="sum")
+    return nll, int(mask.sum())
 
 
 def supervised_warm_start(
@@ -62,11 +71,8 @@ def supervised_warm_start(
         for step in range(config.steps):
             batch = [trajectories[rng.randrange(len(trajectories))] for _ in range(config.batch_size)]
             optimizer.zero_grad(set_to_none=True)
-            total, count = torch.zeros(()), 0
-            for trajectory in batch:
-                nll, n = masked_nll(model, trajectory)
-                total, count = total + nll, count + n
-                tokens += trajectory.num_tokens
+            total, count = masked_nll(model, batch)
+            tokens += sum(trajectory.num_tokens for trajectory in batch)
             loss = total / max(count, 1)
             loss.backward()
             if config.max_grad_norm is not None:
