@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,7 +103,9 @@ def evaluate(expression: str) -> Number:
     if not text:
         raise CalculatorError("expression is empty")
     try:
-        tree = ast.parse(text, mode="eval")
+        with warnings.catch_warnings():  # "1if 2 else 3" parses with a SyntaxWarning printed to stderr: refuse it
+            warnings.simplefilter("error", SyntaxWarning)
+            tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
         where = f" at column {exc.offset}" if exc.offset else ""
         raise CalculatorError(f"invalid syntax{where}: {exc.msg}") from None

@@ -62,6 +62,7 @@ def test_values(expression: str, shown: str) -> None:
         ("max()", "max expected at least 1 argument"),
         ("round(1.5, ndigits=1)", "plain positional arguments"),
         ("2 +", "invalid syntax"),
+        ("1if 2 else 3", "invalid decimal literal"),  # a SyntaxWarning in Python: refused, nothing printed
         ("", "expression is empty"),
         ("1 +\x00 2", "invalid"),
     ],
