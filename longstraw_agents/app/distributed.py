@@ -17,9 +17,11 @@ With one process none of this applies and the run is what it always was.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from longstraw_agents.app.config import ConfigError, ParallelSpec
 from longstraw_agents.parallel import ParallelMesh
-from longstraw_agents.parallel.launch import init_from_env, world_size
+from longstraw_agents.parallel.launch import failing_clearly, init_from_env, world_size
 from longstraw_agents.trainer import StepMetrics
 from longstraw_agents.trajectory import Trajectory
 
@@ -41,6 +43,7 @@ class Ranks:
 
     mesh: ParallelMesh | None = None
     owns_process_group: bool = False
+    timeout_s: float = 0.0
 
     @classmethod
     def join(cls, spec: ParallelSpec, device_type: str) -> Ranks:
@@ -55,7 +58,7 @@ class Ranks:
         if world == 1:
             return cls()
         owns = init_from_env(spec.timeout_s)
-        return cls(ParallelMesh.build(spec.dp, spec.cp, device_type), owns)
+        return cls(ParallelMesh.build(spec.dp, spec.cp, device_type), owns, spec.timeout_s)
 
     @property
     def rank(self) -> int:
@@ -120,6 +123,10 @@ class Ranks:
             return
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)  # all processes, deliberately: the whole job starts from one policy
+
+    def failing_clearly(self, what: Callable[[], str]) -> AbstractContextManager[None]:
+        """A rank that dies or hangs inside the block: a ``RankFailure`` on the others (``parallel.launch``)."""
+        return contextlib.nullcontext() if self.mesh is None else failing_clearly(what, self.timeout_s)
 
     def barrier(self) -> None:
         if self.mesh is not None:

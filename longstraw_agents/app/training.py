@@ -45,7 +45,8 @@ def train(config: TrainConfig, resume: bool = False, on_metrics: OnMetrics | Non
     steps (reward, loss, episode tokens per second) over the rollout's and evaluations' own bars."""
     run = Run(config, resume, on_metrics=on_metrics)
     try:
-        return _train(run, config, resume)
+        with run.ranks.failing_clearly(lambda: f"training step {run.trainer.step_count + 1}"):
+            return _train(run, config, resume)
     finally:
         run.ranks.close()
 

@@ -1,0 +1,77 @@
+"""parallel/launch.py: a dp=2 training step in which one rank dies, or hangs, at the step's first collective (after
+its backward): the other rank raises a ``RankFailure`` naming the step and ``parallel.timeout_s``, within that
+timeout, and can still tear down its process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from data_parallel_worker import make_trainer, share, step_groups
+
+from longstraw_agents.parallel import ParallelMesh
+from longstraw_agents.parallel.launch import RankFailure, failing_clearly, init_from_env
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 3.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _fail_at_the_first_collective(how: str, release: Path) -> None:
+    """Rank 1's end: exit at once, or wait (silent, no collective) until the test releases it."""
+    if how == "dies":
+        os._exit(0)
+    while not release.exists():
+        time.sleep(0.05)
+    os._exit(0)
+
+
+def _worker(rank: int, port: int, out: str, how: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
+    GradientState._reset_state()
+    assert init_from_env(TIMEOUT_S)
+    mesh = ParallelMesh.build(dp=2, cp=1)
+    trainer = make_trainer("group", Accelerator(cpu=True), mesh)
+    groups = share(step_groups(trainer), mesh.dp_rank)
+    if rank == 1:  # dies or hangs after its backward, where the gradients would be summed
+        trainer._sum_gradients_across_processes = lambda *_: _fail_at_the_first_collective(how, Path(out + ".release"))
+    start = time.monotonic()
+    try:
+        with failing_clearly("step 1", TIMEOUT_S):
+            trainer.train_step(groups)
+    except RankFailure as err:
+        result = {"error": str(err), "seconds": time.monotonic() - start}
+    else:
+        result = {"error": None, "seconds": time.monotonic() - start}
+    dist.destroy_process_group()
+    torch.save(result, out)
+    Path(out + ".release").touch()
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_rank_that_dies_or_hangs_mid_step_gives_the_other_a_clear_error(tmp_path: Path, how: str) -> None:
+    out = str(tmp_path / "rank0.pt")
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(_worker, args=(_free_port(), out, how), nprocs=2, start_method=start_method)
+    result = torch.load(out)
+    assert result["error"] is not None
+    assert "step 1: rank 0 gave up on the other ranks" in result["error"]
+    assert "parallel.timeout_s=3 s" in result["error"]
+    # Bounded by the timeout (generous margin for a loaded machine); a dead peer is noticed without waiting for it.
+    assert result["seconds"] < 10 * TIMEOUT_S
