@@ -5,6 +5,12 @@ torch dependency, so rollouts can run in a process without a model. ``OpenAISamp
 OpenAI-compatible completions server (vLLM, SGLang) with token-id prompts; ``TorchSampler``
 (``longstraw_agents.torch_sampler``) runs the policy in-process with the engine.
 
+Served policy versions: SGLang (and ``CompletionServer``) report the version of the weights they serve, a string, as
+``metadata.weight_version`` in every completion and from ``GET /model_info`` (older SGLang: ``GET
+/get_weight_version``); the trainer sets it to its policy version when it pushes weights (``weight_sync``). An
+``OpenAISampler``'s ``policy_version`` follows the versions its responses report, so an episode records the version
+that was served when it started. A server that reports none (vLLM) leaves ``policy_version`` as given.
+
 Behaviour logprobs are the log-probabilities of the sampled tokens under the temperature-scaled distribution
 (before top-p truncation); train with ``LossConfig(temperature=...)`` equal to the sampling temperature.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -69,8 +76,9 @@ class OpenAISampler:
     """Sampling from an OpenAI-compatible completions endpoint (vLLM, SGLang) with token-id prompts.
 
     Request: ``POST {base_url}/v1/completions`` with ``prompt`` = token ids, ``logprobs=1``,
-    ``return_tokens_as_token_ids=true`` (vLLM), ``stop_token_ids``, ``skip_special_tokens=false``. The response's
-    ``choices[0].logprobs.tokens`` (``"token_id:123"``) and ``token_logprobs`` give ids and behaviour logprobs.
+    ``return_token_ids=true`` (SGLang), ``return_tokens_as_token_ids=true`` (vLLM), ``stop_token_ids``,
+    ``skip_special_tokens=false``. The sampled ids are the choice's ``token_ids`` (SGLang) or else read from
+    ``choices[0].logprobs.tokens`` (``"token_id:123"``, vLLM); ``token_logprobs`` are the behaviour logprobs.
     Transient failures (connection errors, timeouts, HTTP 429/5xx) are retried with exponential backoff; then a
     ``SamplerError`` says what failed. Point it at vLLM with
     ``vllm serve MODEL --port 8000`` and ``OpenAISampler("http://127.0.0.1:8000", model="MODEL", ...)``.
@@ -91,6 +99,7 @@ class OpenAISampler:
         backoff_s: float = 0.5,
         api_key: str | None = None,
         client: Any | None = None,
+        max_concurrency: int = 64,
     ):
         import httpx
 
@@ -99,7 +108,11 @@ class OpenAISampler:
         self.config = config or SamplingConfig()
         self.model = model
         self.policy_version = policy_version
+        self.served_versions: set[int] = set()  # the weight versions the responses reported
         self.max_retries, self.backoff_s = max_retries, backoff_s
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        self.max_concurrency = max_concurrency
         self.requests = 0  # completions requested so far: each gets its own seed
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = client or httpx.Client(timeout=timeout_s, headers=headers)
@@ -110,9 +123,35 @@ class OpenAISampler:
         return [OpenAIHandle(token_ids=[int(t) for t in prompt_ids]) for _ in range(n)]
 
     def generate(self, handle: OpenAIHandle, max_new_tokens: int | None = None) -> Generation:
-        body = {
+        generation = self._parse(self._post("/v1/completions", self._body(handle, max_new_tokens)))
+        handle.token_ids.extend(generation.token_ids)
+        return generation
+
+    def generate_batch(
+        self, handles: Sequence[OpenAIHandle], max_new_tokens: Sequence[int | None] | int | None = None
+    ) -> list[Generation]:
+        """A turn of every member, as up to ``max_concurrency`` requests in flight at once (a server batches
+        concurrent requests; one at a time it would idle). Each member gets the seed ``generate`` would give it
+        called in the same order, so batched and one-by-one sampling ask for the same draws."""
+        limits = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(handles)
+        if len(limits) != len(handles):
+            raise ValueError(f"{len(handles)} handles but {len(limits)} token limits")
+        bodies = [self._body(handle, limit) for handle, limit in zip(handles, limits, strict=True)]
+        if len(bodies) <= 1:
+            payloads = [self._post("/v1/completions", body) for body in bodies]
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies))) as pool:
+                payloads = list(pool.map(lambda body: self._post("/v1/completions", body), bodies))
+        generations = [self._parse(payload) for payload in payloads]
+        for handle, generation in zip(handles, generations, strict=True):
+            handle.token_ids.extend(generation.token_ids)
+        return generations
+
+    def _body(self, handle: OpenAIHandle, max_new_tokens: int | None) -> dict[str, Any]:
+        """The completion request of ``handle``'s next turn (with the next request seed)."""
+        return {
             "model": self.model,
-            "prompt": handle.token_ids,
+            "prompt": list(handle.token_ids),
             "max_tokens": max_new_tokens or self.config.max_new_tokens,
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
@@ -120,12 +159,10 @@ class OpenAISampler:
             "logprobs": 1,
             "stop_token_ids": self.stop_token_ids,
             "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
         }
-        generation = self._parse(self._post("/v1/completions", body))
-        handle.token_ids.extend(generation.token_ids)
-        return generation
 
     def append(self, handle: OpenAIHandle, ids: Sequence[int]) -> None:
         handle.token_ids.extend(int(i) for i in ids)
@@ -142,6 +179,11 @@ class OpenAISampler:
 
     def close(self) -> None:
         self.client.close()
+
+    def served_version(self) -> int | None:
+        """The weight version the server reports now (``GET /model_info``, else ``GET /get_weight_version``); None
+        when it reports none or one that is not a number (SGLang's ``"default"`` before any update)."""
+        return served_weight_version(self.client, self.base_url)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         import httpx
@@ -171,14 +213,50 @@ class OpenAISampler:
         try:
             choice = payload["choices"][0]
             logprobs = choice["logprobs"]
-            ids = [_token_id(t) for t in logprobs["tokens"]]
+            listed = choice.get("token_ids")  # SGLang's return_token_ids: the ids themselves, stop token included
+            ids = [int(t) for t in listed] if isinstance(listed, list) else [_token_id(t) for t in logprobs["tokens"]]
             values = [float(v) for v in logprobs["token_logprobs"]]
             finish: FinishReason = "stop" if choice.get("finish_reason") == "stop" else "length"
         except (KeyError, IndexError, TypeError, ValueError) as err:
             raise SamplerError(f"malformed completions response ({err!r}): {str(payload)[:300]}") from None
         if len(ids) != len(values):
             raise SamplerError(f"{len(ids)} tokens but {len(values)} logprobs in the response")
+        self._follow_version(payload.get("metadata"))
         return Generation(ids, values, finish)
+
+    def _follow_version(self, metadata: Any) -> None:
+        """Take the weight version a response reports (SGLang's ``metadata.weight_version``) as the policy version."""
+        version = weight_version_number(metadata.get("weight_version")) if isinstance(metadata, dict) else None
+        if version is not None:
+            self.served_versions.add(version)
+            self.policy_version = version
+
+
+def weight_version_number(value: Any) -> int | None:
+    """A served weight version as the policy version it names: ``"3"`` or 3 is 3; anything else (SGLang's
+    ``"default"``, a tag) is None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+def served_weight_version(client: Any, base_url: str) -> int | None:
+    """The weight version a server reports: ``GET /model_info`` (SGLang, ``CompletionServer``), else the older
+    ``GET /get_weight_version``; None when neither answers with a numeric ``weight_version`` (vLLM has none).
+    Transport errors propagate (``httpx.TransportError``): the caller says what was unreachable."""
+    base = base_url.rstrip("/")
+    for path in ("/model_info", "/get_weight_version"):
+        response = client.get(base + path)
+        if response.status_code == 200:
+            try:
+                return weight_version_number(response.json().get("weight_version"))
+            except (ValueError, AttributeError):  # not JSON, or not an object
+                return None
+    return None
 
 
 def request_seed(base: int, index: int) -> int:

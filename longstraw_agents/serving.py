@@ -29,6 +29,17 @@ What is served (``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{
 - ``logprobs`` (any integer) returns each sampled token's log-probability under the temperature-scaled
   distribution; ``top_logprobs`` is always null (the sampler keeps no alternatives).
 
+Weights and versions (SGLang's protocol, what ``weight_sync.DiskWeightSync`` pushes to):
+
+- ``POST /update_weights_from_disk`` with ``{"model_path": DIR, "weight_version": "N"}`` loads a ``save_pretrained``
+  directory into the served model in place (``weight_sync.load_weights``) between requests, and answers
+  ``{"success": true, "message": ..., "weight_version": "N"}``. Without ``weight_version`` the version goes up by
+  one. A missing directory, another architecture (the message names what differs) or a version that is not a
+  number is a 400 with ``"success": false``, and the served weights and version stay as they were.
+- The policy version served (0 at start) is ``metadata.weight_version`` of every completion (as SGLang's) and of
+  ``GET /model_info`` (also ``/get_model_info``) and ``GET /get_weight_version``; SGLang's ``return_token_ids``
+  adds each choice's sampled ids as ``token_ids``.
+
 Refused with a 400 that names the field: stop strings (``stop``), ``echo``, ``suffix``, ``best_of`` other than
 ``n``, non-zero penalties and ``logit_bias`` — the sampler cannot honour them, and ignoring them would silently
 change what the client asked for. A request for another model than ``model_name`` is a 404, as with vLLM.
@@ -47,9 +58,10 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from longstraw_agents.sampler import Generation, SamplingConfig
+from longstraw_agents.sampler import Generation, SamplingConfig, weight_version_number
 from longstraw_agents.tokenizer import Tokenizer
 from longstraw_agents.torch_sampler import TorchHandle, TorchSampler
+from longstraw_agents.weight_sync import WeightsMismatch, load_weights
 
 MAX_CHOICES = 128
 """Choices per request at most (``n`` × prompts): every one is decoded in the same batch."""
@@ -79,6 +91,7 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # what the sampler cannot do: refused unless null or neutral (``unsupported``)
@@ -106,6 +119,16 @@ class CompletionRequest(BaseModel):
         if self.logit_bias:
             return "logit_bias: logit biases are not supported"
         return None
+
+
+class UpdateWeightsRequest(BaseModel):
+    """``POST /update_weights_from_disk`` as SGLang takes it (its other fields, e.g. ``flush_cache``, are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model_path: str = Field(min_length=1)
+    weight_version: str | None = None
+    load_format: str | None = None
 
 
 class RequestError(ValueError):
@@ -205,19 +228,28 @@ class _Job:
         return ids
 
     def _choice_payload(self, choice: _Choice, ids: list[int], logprobs: list[float], text: str) -> dict[str, Any]:
-        return {
+        payload = {
             "index": choice.index,
             "text": text,
             "logprobs": self._logprobs(ids, logprobs) if self.request.logprobs is not None else None,
             "finish_reason": choice.finish_reason,
         }
+        if self.request.return_token_ids:  # SGLang's extension: the sampled ids themselves
+            payload["token_ids"] = list(ids)
+        return payload
 
     def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
         tokens = [self.server.token_label(t, self.request.return_tokens_as_token_ids) for t in ids]
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
 
     def _envelope(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.server.model_name}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.server.model_name,
+            "metadata": {"weight_version": str(self.sampler.policy_version)},  # as SGLang: the weights that sampled
+        }
 
     def usage(self) -> dict[str, int]:
         completion = sum(len(c.ids) for c in self.choices)
@@ -232,6 +264,7 @@ class CompletionServer:
     """The server; ``sampler`` gives the engine, the default stop tokens and the policy version.
 
     tokenizer: decodes ``text`` and encodes text prompts; without one ``text`` is ``""`` (see the module docstring).
+    model_path: what ``/model_info`` reports until weights are loaded from a directory (default: ``model_name``).
     """
 
     def __init__(
@@ -241,9 +274,11 @@ class CompletionServer:
         port: int = 0,
         model_name: str = "default",
         tokenizer: Tokenizer | None = None,
+        model_path: str | None = None,
     ):
         self.sampler = sampler
         self.model_name = model_name
+        self.model_path = model_path or model_name
         self.tokenizer = tokenizer
         self.special_ids = frozenset(tokenizer.special_tokens.values()) if tokenizer is not None else frozenset()
         self.created = int(time.time())
@@ -290,6 +325,50 @@ class CompletionServer:
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "longstraw-agents"}
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights served (0 at start; set by each ``update_weights_from_disk``)."""
+        return self.sampler.policy_version
+
+    def model_info(self) -> dict[str, Any]:
+        """``GET /model_info`` as SGLang answers it: the model's path and the weight version served."""
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "weight_version": str(self.policy_version),
+        }
+
+    def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
+        """Load a ``save_pretrained`` directory into the served model between requests and take its version (the
+        request's ``weight_version``, else one more); ``RequestError`` (400) leaves weights and version as they were."""
+        request = _update_request(body)
+        if request.load_format not in (None, "auto", "safetensors"):
+            raise RequestError(f"load_format: only safetensors directories load, not {request.load_format!r}")
+        version = self.policy_version + 1
+        if request.weight_version is not None:
+            number = weight_version_number(request.weight_version)
+            if number is None:
+                raise RequestError(
+                    f"weight_version: this server numbers its versions; send a number as a string, not "
+                    f"{request.weight_version!r} (or leave it out to count up by one)",
+                    param="weight_version",
+                )
+            version = number
+        with self._lock:  # never while a request samples
+            try:
+                load_weights(self.sampler.engine.model, request.model_path)
+            except (FileNotFoundError, WeightsMismatch) as err:
+                raise RequestError(str(err), param="model_path") from None
+            self.sampler.policy_version = version
+            self.model_path = request.model_path
+        return {
+            "success": True,
+            "message": f"Succeeded to update model weights from {request.model_path} (weight version {version})",
+            "num_paused_requests": 0,
+            "weight_version": str(version),
+        }
 
     def job(self, body: Any) -> _Job:
         """A checked request with its prompts forked (call under the server's lock: it runs the engine)."""
@@ -366,7 +445,11 @@ class CompletionServer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 path = self.path.rstrip("/")
-                if path == "/v1/models":
+                if path in ("/model_info", "/get_model_info"):
+                    self._send(200, server.model_info())
+                elif path == "/get_weight_version":
+                    self._send(200, {"weight_version": str(server.policy_version)})
+                elif path == "/v1/models":
                     self._send(200, server.models())
                 elif path == f"/v1/models/{server.model_name}":
                     self._send(200, server.model_card())
@@ -376,6 +459,9 @@ class CompletionServer:
                     self._send(404, RequestError(f"no route GET {self.path}", 404).payload())
 
             def do_POST(self) -> None:  # noqa: N802
+                if self.path.rstrip("/") == "/update_weights_from_disk":
+                    self._update_weights()
+                    return
                 if self.path.rstrip("/") != "/v1/completions":
                     self._send(404, RequestError(f"no route POST {self.path}", 404).payload())
                     return
@@ -391,6 +477,16 @@ class CompletionServer:
                     self._send(err.status, err.payload())
                 except ValueError as err:  # unreadable JSON, a prompt the engine refuses
                     self._send(400, RequestError(str(err)).payload())
+
+            def _update_weights(self) -> None:
+                """SGLang's answer shape: ``success`` and ``message``, HTTP 400 on a failure."""
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+                    self._send(200, server.update_weights_from_disk(body))
+                except RequestError as err:
+                    self._send(err.status, {"success": False, "message": str(err), "num_paused_requests": 0})
+                except ValueError as err:  # unreadable JSON
+                    self._send(400, {"success": False, "message": str(err), "num_paused_requests": 0})
 
             def _send(self, status: int, payload: dict[str, Any]) -> None:
                 data = json.dumps(payload).encode()
@@ -433,6 +529,15 @@ def parse_request(body: Any) -> CompletionRequest:
     if problem is not None:
         raise RequestError(problem, param=problem.split(":", 1)[0])
     return request
+
+
+def _update_request(body: Any) -> UpdateWeightsRequest:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return UpdateWeightsRequest.model_validate(body)
+    except ValidationError as err:
+        raise RequestError(_validation_message(err)) from None
 
 
 def _validation_message(err: ValidationError) -> str:

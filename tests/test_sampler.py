@@ -60,6 +60,22 @@ def test_openai_group_members_differ_and_runs_reproduce(model):
     assert again == first and other != first
 
 
+def test_openai_batch_sends_concurrent_requests_that_draw_what_one_by_one_draws(model):
+    """``generate_batch`` (what rollouts use: a server batches concurrent requests) gives each member the seed that
+    ``generate`` called member by member gives it, so both draw the same tokens."""
+    config = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=9)
+    with CompletionServer(TorchSampler(model, [STOP], config)) as server:
+        batched = OpenAISampler(server.url, [STOP], config, max_retries=0, max_concurrency=3)
+        together = batched.generate_batch(batched.fork([5, 6, 7], 4), [6, 3, 6, 6])
+        single = OpenAISampler(server.url, [STOP], config, max_retries=0)
+        handles = single.fork([5, 6, 7], 4)
+        one_by_one = [single.generate(h, limit) for h, limit in zip(handles, [6, 3, 6, 6], strict=True)]
+        batched.close()
+        single.close()
+    assert [g.token_ids for g in together] == [g.token_ids for g in one_by_one]
+    assert len(together[1].token_ids) <= 3 and len({tuple(g.token_ids) for g in together}) > 1
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
