@@ -68,6 +68,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _fail(_validation_message(err))
     except (FileNotFoundError, ValueError) as err:  # incl. YAML/TOML syntax errors, which name the file
         return _fail(str(err))
+    if args.check:
+        return _check(config, args)
     try:
         run_dir = train(config, resume=args.resume, on_metrics=_print_record)
     except (ConfigError, ContextLimitError, FileExistsError, FileNotFoundError) as err:
@@ -76,6 +78,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("interrupted; the checkpoint and the store are consistent (resume with --resume)", file=sys.stderr)
         return 130
     print(f"run directory: {run_dir}")
+    return 0
+
+
+def _check(config, args: argparse.Namespace) -> int:
+    """``train --check``: what would run (stdout) or every problem found (stderr), without loading weights."""
+    from longstraw_agents.app.check import check_config
+
+    report = check_config(config, resume=args.resume)
+    if not report.ok:
+        return _fail(f"{args.config} would not run:\n" + "\n".join(f"  {line}" for line in report.errors))
+    print(f"{args.config}: OK, nothing was written. `longstraw train` would run:\n{report.summary()}")
     return 0
 
 
@@ -184,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
     p.add_argument("--output-dir", default=None, help="override the config's output_dir")
     p.add_argument("--steps", type=int, default=None, help="override the config's number of steps")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="dry run: validate the config (schema, paths, vocabularies, env, output_dir, the served policy's "
+        "server) without a GPU, loading no weights and writing nothing; exit 0 if it would run, 2 otherwise",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("replay", help="offline GRPO over logged episodes of a store")

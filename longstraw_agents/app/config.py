@@ -78,6 +78,54 @@ class ModelSpec(BaseModel):
         return self
 
 
+class WeightSyncSpec(BaseModel):
+    """How the trainer hands the weights of each optimizer step to the server (``longstraw_agents.weight_sync``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    protocol: Literal["sglang-disk"] = Field(
+        "sglang-disk",
+        description="SGLang's POST /update_weights_from_disk (CompletionServer speaks it too); vLLM: not supported yet",
+    )
+    directory: str | None = Field(
+        None,
+        description="where each version is written for the server to read (same machine, or a shared mount at the "
+        "same path); default: OUTPUT_DIR/served_weights",
+    )
+    keep: int = Field(1, ge=1, description="version directories kept; older ones go once the server serves a newer")
+    timeout_s: float = Field(1800.0, gt=0, description="seconds the server may take to load one version")
+
+
+class ServedPolicySpec(BaseModel):
+    """Rollouts sampled by an OpenAI-compatible completions server (token ids in, token ids and logprobs out) while
+    this process trains; the server's weights follow the trainer's after every optimizer step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    base_url: str = Field(description="the server without /v1, e.g. http://127.0.0.1:30000")
+    model: str = Field("default", description="the name the server lists the model under (GET /v1/models)")
+    timeout_s: float = Field(600.0, gt=0, description="seconds one completion request may take")
+    max_retries: int = Field(4, ge=0, description="retries of a failed completion request (with backoff)")
+    max_concurrency: int = Field(64, ge=1, description="completion requests in flight at once")
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+
+    @model_validator(mode="after")
+    def _http_url(self) -> ServedPolicySpec:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"policy.served.base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.base_url.rstrip("/").endswith("/v1"):
+            raise ValueError("policy.served.base_url is the server's root: leave out the /v1")
+        return self
+
+
+class PolicySpec(BaseModel):
+    """Who samples the rollouts: the trainer's model in this process (the default), or a server (``served``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    served: ServedPolicySpec | None = Field(None, description="sample from a server instead of in-process")
+
+
 class WarmStartSpec(BaseModel):
     """Supervised warm start on the environment's scripted policy before GRPO."""
 
@@ -118,6 +166,7 @@ class TrainConfig(BaseModel):
     env: EnvSpec
     model: ModelSpec = Field(default_factory=ModelSpec)
     tokenizer: str = Field("longstraw-bpe", description="'longstraw-bpe' or a local HF tokenizer directory")
+    policy: PolicySpec = Field(default_factory=PolicySpec)
     groups_per_step: int = Field(4, ge=1, le=TASK_STEP_STRIDE, description="GRPO groups (tasks) per optimizer step")
     steps: int = Field(20, ge=0, description="optimizer steps")
     trainer: GRPOConfig = Field(default_factory=GRPOConfig)
@@ -133,6 +182,15 @@ class TrainConfig(BaseModel):
     @property
     def group_size(self) -> int:
         return self.trainer.group_size
+
+    @model_validator(mode="after")
+    def _served_by_one_process(self) -> TrainConfig:
+        if self.policy.served is not None and self.parallel.dp * self.parallel.cp > 1:
+            raise ValueError(
+                "policy.served is trained by one process (every rank would push its weights to the server); set "
+                "parallel.dp and parallel.cp to 1"
+            )
+        return self
 
 
 def load_config(path: str | Path) -> TrainConfig:

@@ -41,9 +41,9 @@ from longstraw_agents.app.records import ReplaySelectRecord, StepRecord
 from longstraw_agents.app.run import CHECKPOINT, REFERENCE, OnMetrics, Run, has_checkpoint
 from longstraw_agents.envs import ToolEnv, unwrap_tool_env
 from longstraw_agents.rollout import EnvFactory, RolloutLimits, make_env_factory, play_until_done
+from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import EpisodeRecord, Store, StoreError
 from longstraw_agents.tools import ToolCall, ToolCallError, ToolResult
-from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOTrainer, LossConfig
 from longstraw_agents.trajectory import Segment, Trajectory
 
@@ -381,7 +381,7 @@ class Replayer:
         record: EpisodeRecord,
         envs: list[ToolEnv],
         prefix: np.ndarray,
-        sampler: TorchSampler,
+        sampler: Sampler,
         limits: RolloutLimits,
         turn: int,
     ) -> list[Trajectory]:

@@ -31,12 +31,14 @@ from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, che
 from longstraw_agents.app.distributed import Ranks
 from longstraw_agents.app.records import MetricsRecord, WarmStartRecord
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
+from longstraw_agents.app.served import ServedPolicy
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.fsdp import gathered
 from longstraw_agents.rollout import make_env_factory, reset_prompt
+from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import Store
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOTrainer
@@ -134,6 +136,7 @@ class Run:
             self.sampling_engine = self._sampling_engine()
             if resume:
                 self.trainer.load_checkpoint(self.dir / CHECKPOINT)
+            self.served = self._served_policy(resume)
         except BaseException:
             self.close()
             raise
@@ -162,17 +165,25 @@ class Run:
     def task_seeds(self, step: int) -> list[int]:
         return [task_seed(self.config.seed, step, g) for g in range(self.config.groups_per_step)]
 
-    def sampler(self, step: int | None = None, seed: int | None = None) -> TorchSampler:
+    def sampler(self, step: int | None = None, seed: int | None = None) -> Sampler:
         """The policy's sampler for ``step`` (its seed derived from the run's and the dp rank), or with an explicit
         ``seed``."""
         if seed is None and step is not None:
             seed = sampling_seed(self.config.seed, step, self.ranks.dp_rank)
         sampling = self.config.sampling if seed is None else self.config.sampling.model_copy(update={"seed": seed})
+        if self.served is not None:  # the server, once it serves the trainer's weights
+            return self.served.sampler(self.trainer.engine.model, self.trainer.policy_version, self.stop_ids, sampling)
         return TorchSampler(self.sampling_engine, self.stop_ids, sampling, policy_version=self.trainer.policy_version)
 
     def gathered(self):
         """The policy's full weights for a block of sampling (FSDP2: every dp rank enters together)."""
         return gathered(self.trainer.model)
+
+    def push_weights(self) -> None:
+        """With a served policy (``policy.served``), have the server load the weights of the step just taken, so that
+        the next episodes sample them (in-process sampling runs the trainer's model itself: nothing to do)."""
+        if self.served is not None:
+            self.served.push(self.trainer.engine.model, self.trainer.policy_version)
 
     def save_checkpoint(self) -> None:
         """Every process together (the checkpoint is written collectively)."""
@@ -184,6 +195,14 @@ class Run:
             self._store.close()
 
     # --- assembly -------------------------------------------------------------------------------------------
+    def _served_policy(self, resume: bool) -> ServedPolicy | None:
+        """The server of ``policy.served`` (None: sampling in-process); a warm start has changed the weights it was
+        started with, so its first sampling gets them pushed."""
+        spec = self.config.policy.served
+        if spec is None:
+            return None
+        return ServedPolicy(spec, self.dir, weights_changed=not resume and self.config.warm_start is not None)
+
     def _check_prompt_fits(self) -> None:
         """The first task's prompt fits the env's budget and the model's context (else every rollout fails)."""
         env = unwrap_tool_env(self.env_factory())

@@ -6,6 +6,9 @@ current operation, writes the metrics line of an update it let finish and saves 
 step; the store holds whole groups only (one transaction per group), and a resumed step does not store again the
 groups it had already written.
 
+With a served policy (``policy.served``, ``app.served``) each step ends by pushing the new weights to the server,
+before its metrics line and checkpoint are written.
+
 Under ``torchrun`` (``config.parallel``, ``app.distributed``): each dp rank rolls out its share of the step's tasks
 (every dp-th task seed, its own sampling seed) and trains on it; the groups are gathered to the writer, which stores
 each once (group ids ``step{k}-dp{r}-g{i}``) and writes one metrics line for the whole step.
@@ -61,6 +64,7 @@ def _train(run: Run, config: TrainConfig, resume: bool) -> Path:
                 run.emit(evaluate(run, config.eval_episodes))
             for step in range(run.trainer.step_count, config.steps):
                 record = rollout_and_train(run, step)
+                run.push_weights()  # a served policy: the server samples the new weights from the next step on
                 run.emit(record)
                 bar.set_postfix_str(step_postfix(record), refresh=False)
                 bar.update(1)

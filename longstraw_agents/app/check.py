@@ -1,0 +1,235 @@
+"""``longstraw train --check CONFIG``: whether a configuration would run, found without a GPU, without loading any
+weights and without writing anything.
+
+The file itself is validated first (``load_config``: schema, types, field names). Then each check below runs and
+every failure is reported, as a line that names the setting, not only the first:
+
+- ``tokenizer``: loads it (the shipped BPE, or a local directory's files) and checks the chat tokens;
+- ``env``: makes one environment of ``env.id`` (a registered id, or ``module:Id``) and ``env.kwargs``;
+- ``model``: reads ``model.path``'s ``config.json`` (or builds the preset's config): a supported family, a
+  vocabulary that covers the tokenizer's ids, a weights file beside it (not read); the first task's prompt fits the
+  context;
+- ``output_dir``: a new run must not find a run there, ``--resume`` must find one;
+- ``policy.served``: the server answers ``GET /v1/models`` within ``timeout_s`` and lists ``policy.served.model``,
+  has the ``/update_weights_from_disk`` endpoint (asked with an empty body, which loads nothing), and reports its
+  weight version if it keeps one (one training process only: the schema refuses ``parallel`` with it).
+
+What would run (model size from the config on the meta device, the server's version, steps and episodes) is listed
+when the checks pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from longstraw_agents.app.config import (
+    ConfigError,
+    ServedPolicySpec,
+    TrainConfig,
+    check_env,
+    check_model,
+    check_tokenizer,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from longstraw_agents.tokenizer import Tokenizer
+
+SERVER_TIMEOUT_S = 5.0
+"""How long ``--check`` waits for the served policy's server: a dry run should answer in seconds."""
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+@dataclass
+class CheckReport:
+    """The outcome of ``check_config``: ``errors`` (each naming its setting) and what would run (``facts``)."""
+
+    errors: list[str] = field(default_factory=list)
+    facts: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def fact(self, name: str, text: str) -> None:
+        self.facts.append((name, text))
+
+    def summary(self) -> str:
+        """What would run, one setting a line."""
+        width = max((len(name) for name, _ in self.facts), default=0)
+        return "\n".join(f"  {name:<{width}}  {text}" for name, text in self.facts)
+
+
+def check_config(config: TrainConfig, *, resume: bool = False, timeout_s: float = SERVER_TIMEOUT_S) -> CheckReport:
+    """Every check of a validated ``config`` (see the module docstring); nothing is written, no weights are read."""
+    report = CheckReport()
+    loaded = _attempt(report, lambda: check_tokenizer(config.tokenizer))
+    tokenizer = loaded if loaded is not False else None
+    if tokenizer is not None:
+        report.fact("tokenizer", f"{config.tokenizer} ({tokenizer.vocab_size:,} tokens)")
+    if _attempt(report, lambda: check_env(config.env, tokenizer)) is not False:
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in config.env.kwargs.items())
+        report.fact("env", f"{config.env.id}" + (f" ({kwargs})" if kwargs else ""))
+    model_config = _check_model_source(report, config, tokenizer)
+    if model_config is not None and tokenizer is not None:
+        _attempt(report, lambda: check_prompt_fits(config, model_config, tokenizer))
+    _check_output_dir(report, config, resume)
+    if config.policy.served is not None:
+        _check_served(report, config, config.policy.served, timeout_s)
+    else:
+        report.fact("policy", "sampled in this process (TorchSampler over the trainer's model)")
+    report.fact("training", _training_text(config))
+    return report
+
+
+def _attempt(report: CheckReport, check: Callable[[], Any]) -> Any:
+    """``check()``'s result, or False after recording its ``ConfigError`` (checks return None when all is well)."""
+    try:
+        return check()
+    except ConfigError as err:
+        report.errors.append(str(err))
+        return False
+
+
+def _check_model_source(
+    report: CheckReport, config: TrainConfig, tokenizer: Tokenizer | None
+) -> PretrainedConfig | None:
+    """The model's transformers config, checked against the tokenizer's vocabulary (without one: the family only;
+    a preset, whose vocabulary is the tokenizer's, is then not built)."""
+    spec = config.model
+    if tokenizer is None and spec.path is None:
+        return None
+    model_config = _attempt(report, lambda: check_model(spec, tokenizer.vocab_size if tokenizer else 0))
+    if model_config is False:
+        return None
+    if spec.path is not None and not any((Path(spec.path) / name).is_file() for name in WEIGHT_FILES):
+        report.errors.append(
+            f"model.path: {spec.path} has a config.json but no weights ({' or '.join(WEIGHT_FILES[:2])})"
+        )
+    report.fact("model", _model_text(config, model_config))
+    return model_config
+
+
+def check_prompt_fits(config: TrainConfig, model_config: PretrainedConfig, tokenizer: Tokenizer) -> None:
+    """The first task's prompt fits the env's budget and the model's context (``Run`` checks the same)."""
+    from longstraw_agents.app.seeds import task_seed
+    from longstraw_agents.envs import unwrap_tool_env
+    from longstraw_agents.models import context_limit
+    from longstraw_agents.rollout import make_env_factory, reset_prompt
+
+    max_context = context_limit(model_config, config.model.max_context)
+    kwargs = {**config.env.kwargs, "tokenizer": tokenizer}
+    env = unwrap_tool_env(make_env_factory(config.env.id, kwargs, max_context)())
+    try:
+        reset_prompt(env, task_seed(config.seed, 0, 0), max_context=max_context)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    finally:
+        env.close()
+
+
+def _check_output_dir(report: CheckReport, config: TrainConfig, resume: bool) -> None:
+    from longstraw_agents.app.run import has_checkpoint
+
+    directory = Path(config.output_dir)
+    held = has_checkpoint(directory)
+    if held and not resume:
+        report.errors.append(f"output_dir: {directory} already holds a run; pass --resume or choose another output_dir")
+    elif resume and not held:
+        report.errors.append(f"output_dir: --resume, but {directory} holds no checkpoint")
+    elif directory.exists() and not directory.is_dir():
+        report.errors.append(f"output_dir: {directory} is a file")
+    else:
+        report.fact("output_dir", f"{directory} ({'resumed from its checkpoint' if resume else 'a new run'})")
+
+
+def _check_served(report: CheckReport, config: TrainConfig, spec: ServedPolicySpec, timeout_s: float) -> None:
+    """The server of ``policy.served``: reachable, serving ``spec.model``, able to load weights from disk."""
+    import httpx
+
+    from longstraw_agents.app.served import weights_directory
+    from longstraw_agents.sampler import served_weight_version
+
+    directory = weights_directory(spec, Path(config.output_dir))
+    if directory.exists() and not directory.is_dir():
+        report.errors.append(f"policy.served.weight_sync.directory: {directory} is a file")
+    url = spec.base_url.rstrip("/")
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            listed = client.get(url + "/v1/models")
+            update = client.post(url + "/update_weights_from_disk", json={})  # no model_path: loads nothing
+            version = served_weight_version(client, url)
+    except httpx.TransportError as err:
+        report.errors.append(
+            f"policy.served.base_url: no server answers at {url} within {timeout_s:g}s ({type(err).__name__}: {err}); "
+            "start it first (README: 'From the demo to a served model')"
+        )
+        return
+    problems = _served_problems(spec, url, listed, update)
+    report.errors += problems
+    if not problems:
+        served = "not a number: the weights are pushed before the first rollout" if version is None else version
+        report.fact("policy", f"served by {url} as {spec.model!r}, weight version {served}")
+        report.fact(
+            "weight sync",
+            f"after every step: written to {directory}/vNNNNNN, loaded by the server (POST /update_weights_from_disk)",
+        )
+
+
+def _served_problems(spec: ServedPolicySpec, url: str, listed: Any, update: Any) -> list[str]:
+    """What the server's answers to ``GET /v1/models`` and an empty weights update say is wrong."""
+    if listed.status_code != 200:
+        return [f"policy.served.base_url: GET {url}/v1/models answered HTTP {listed.status_code}, not a model list"]
+    try:
+        names = [entry.get("id") for entry in listed.json().get("data", [])]
+    except (ValueError, AttributeError):
+        return [f"policy.served.base_url: GET {url}/v1/models did not answer with an OpenAI model list"]
+    problems = []
+    if spec.model not in names:
+        problems.append(f"policy.served.model: the server at {url} serves {names}, not {spec.model!r}")
+    if update.status_code in (404, 405):
+        problems.append(
+            f"policy.served.weight_sync: {url} has no POST /update_weights_from_disk (HTTP {update.status_code}); "
+            "supported servers: SGLang, CompletionServer (vLLM is not supported yet)"
+        )
+    return problems
+
+
+def _model_text(config: TrainConfig, model_config: PretrainedConfig) -> str:
+    spec = config.model
+    text = model_config.get_text_config()
+    source = spec.path if spec.path is not None else f"preset {spec.preset}"
+    count = parameter_count(model_config)
+    size = f", {count / 1e9:.2f}B parameters" if count >= 1e8 else f", {count:,} parameters" if count else ""
+    return f"{source}: {model_config.model_type}{size}, vocabulary {text.vocab_size:,}, {spec.dtype}"
+
+
+def parameter_count(model_config: PretrainedConfig) -> int:
+    """The model's parameter count, from its config on the meta device (no memory, no weights); 0 if that fails."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+    except (ValueError, TypeError, KeyError, RuntimeError):
+        return 0
+    return sum(p.numel() for p in model.parameters())
+
+
+def _training_text(config: TrainConfig) -> str:
+    trainer = config.trainer
+    episodes = config.steps * config.groups_per_step * config.group_size
+    return (
+        f"{config.steps} steps of {config.groups_per_step} groups x {config.group_size} episodes ({episodes:,} "
+        f"episodes), {trainer.mode} mode, lr {trainer.optim.lr:g}, sampling temperature {config.sampling.temperature:g}"
+    )

@@ -1,0 +1,122 @@
+"""A policy served by another process (``policy.served``): its sampler, and its weights kept equal to the trainer's.
+
+The loop stays synchronous, so every episode of a step is sampled by one weight version, the trainer's current one:
+
+- before anything is sampled (``ServedPolicy.sampler``) the server must serve the trainer's weights: they are pushed
+  unless the server already reports the trainer's policy version and nothing in this process changed the weights
+  since they were loaded (a warm start does). A server started from ``model.path`` with ``--weight-version 0``
+  (SGLang) is then used as it is; one that reports no number (SGLang's ``"default"``) gets the weights once;
+- after each optimizer step (``ServedPolicy.push``) the trainer's weights are written and loaded by the server
+  (``weight_sync.DiskWeightSync``), which then reports the new version; the episodes sampled next record it
+  (``OpenAISampler`` follows the version each response reports);
+- a push first checks that every response of the previous rollout reported the version pushed before it: another
+  version means something else changed the server's weights, and the run stops rather than train on it.
+
+One training process only (``parallel.dp`` 1): data-parallel ranks would each push their weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from longstraw_agents.app.config import ServedPolicySpec
+from longstraw_agents.sampler import OpenAISampler, SamplingConfig
+from longstraw_agents.weight_sync import DiskWeightSync, SyncResult, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+SERVED_WEIGHTS = "served_weights"
+"""The run directory's folder of pushed weight versions (``weight_sync.directory`` unless set)."""
+
+
+def weights_directory(spec: ServedPolicySpec, run_dir: Path) -> Path:
+    """Where the versions pushed to the server are written."""
+    return Path(spec.weight_sync.directory) if spec.weight_sync.directory else run_dir / SERVED_WEIGHTS
+
+
+class ServedPolicy:
+    """The served policy of one run.
+
+    weights_changed: the trainer's weights differ from those the server was started with although the policy
+        version is the same (a warm start ran in this process): the first sampling pushes them whatever the server
+        reports.
+    """
+
+    def __init__(self, spec: ServedPolicySpec, run_dir: Path, *, weights_changed: bool = False):
+        self.spec = spec
+        self.sync = DiskWeightSync(
+            spec.base_url,
+            weights_directory(spec, run_dir),
+            keep=spec.weight_sync.keep,
+            timeout_s=spec.weight_sync.timeout_s,
+        )
+        self.version: int | None = None  # the version known to be served: None until checked
+        self.weights_changed = weights_changed
+        self.last_push: SyncResult | None = None
+        self._sampler: OpenAISampler | None = None
+
+    def sampler(
+        self, model: torch.nn.Module, policy_version: int, stop_ids: Sequence[int], sampling: SamplingConfig
+    ) -> OpenAISampler:
+        """A sampler of the server, once it serves ``model`` at ``policy_version`` (pushed first if need be)."""
+        self._retire_sampler()
+        self.bring_up_to_date(model, policy_version)
+        spec = self.spec
+        self._sampler = OpenAISampler(
+            spec.base_url,
+            stop_ids,
+            sampling,
+            model=spec.model,
+            policy_version=policy_version,
+            timeout_s=spec.timeout_s,
+            max_retries=spec.max_retries,
+            max_concurrency=spec.max_concurrency,
+        )
+        return self._sampler
+
+    def bring_up_to_date(self, model: torch.nn.Module, policy_version: int) -> None:
+        """Push ``model`` unless the server is known, or reports, to serve it at ``policy_version`` already."""
+        if self.version == policy_version and not self.weights_changed:
+            return
+        if not self.weights_changed and self.sync.served_version() == policy_version:
+            self.version = policy_version
+            log.info("the server at %s serves policy version %d already", self.spec.base_url, policy_version)
+            return
+        self.push(model, policy_version)
+
+    def push(self, model: torch.nn.Module, policy_version: int) -> SyncResult:
+        """Write ``model`` as ``policy_version`` and have the server load it (after checking that the last rollout
+        saw only the version pushed before)."""
+        self._retire_sampler()
+        result = self.sync.push(model, policy_version)
+        self.version, self.weights_changed, self.last_push = policy_version, False, result
+        log.info(
+            "pushed policy version %d to %s (written in %.1fs, loaded in %.1fs)",
+            policy_version,
+            self.spec.base_url,
+            result.write_seconds,
+            result.load_seconds,
+        )
+        return result
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+        self.sync.close()
+
+    def _retire_sampler(self) -> None:
+        """Close the last sampler, after checking that its responses reported only the version served for it."""
+        sampler, self._sampler = self._sampler, None
+        if sampler is None:
+            return
+        sampler.close()
+        others = sampler.served_versions - {self.version}
+        if others:
+            raise WeightSyncError(
+                f"{self.spec.base_url} answered with weight versions {sorted(others)} while it was to serve "
+                f"{self.version}: something else changed its weights, so those episodes are not this policy's"
+            )

@@ -1,0 +1,132 @@
+"""``longstraw train --check`` (app/check.py): a dry run that exits 0 and says what would run when the configuration
+would run, and exits 2 naming every setting at fault otherwise; it writes nothing and loads no weights.
+examples/train_served.yaml fails only on its machine-specific settings and passes once they point at a local
+checkpoint and a live server."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hf_checkpoints import save_bpe_tokenizer, save_tiny_llama
+from tiny_runs import tiny_config_dict
+
+from longstraw_agents.cli import main
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.sampler import SamplingConfig
+from longstraw_agents.serving import CompletionServer
+from longstraw_agents.tokenizer import load_tokenizer
+from longstraw_agents.torch_sampler import TorchSampler
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_served.yaml"
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[CompletionServer]:
+    """A live server listing the example's model name (its weights do not matter to --check)."""
+    sampler = TorchSampler(tiny_model("llama", hidden=32, layers=1), [1], SamplingConfig())
+    with CompletionServer(sampler, model_name="qwen2.5-7b-instruct") as running:
+        yield running
+
+
+def check(tmp_path: Path, config: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code = main(["train", "--check", str(path)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def error_fields(err: str) -> set[str]:
+    """The settings named by the error lines of a failed check."""
+    lines = [line.strip() for line in err.splitlines()[1:] if line.startswith("  ")]
+    return {line.split(":", 1)[0] for line in lines if not line.startswith("env.kwargs.")}
+
+
+def test_a_runnable_config_exits_0_says_what_would_run_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    config = tiny_config_dict(tmp_path / "run")
+    code, out, err = check(tmp_path, config, capsys)
+    assert code == 0, err
+    assert "OK, nothing was written" in out
+    shown = ("LongStraw/Calculator-v0", "preset llama: llama", "parameters", "sampled in this process", "a new run")
+    assert all(text in out for text in shown), out
+    assert "2 steps of 2 groups x 4 episodes (16 episodes)" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_problem_is_reported_with_its_setting_and_exit_2(tmp_path: Path, capsys) -> None:
+    config = tiny_config_dict(
+        tmp_path / "run",
+        env={"id": "LongStraw/NoSuchEnv-v0"},
+        model={"path": str(tmp_path / "missing-model")},
+        tokenizer=str(tmp_path / "missing-tokenizer"),
+        policy={"served": {"base_url": closed_port_url()}},
+    )
+    code, _, err = check(tmp_path, config, capsys)
+    assert code == 2
+    assert error_fields(err) == {"env.id", "model.path", "tokenizer", "policy.served.base_url"}
+    assert "no model directory at" in err and "no server answers at" in err
+    assert not (tmp_path / "run").exists()
+
+    code, _, err = check(tmp_path, {**config, "steps": "3"}, capsys)  # the schema comes first, as for training
+    assert code == 2 and "steps: Input should be a valid integer" in err
+
+
+def test_a_served_policy_is_checked_against_its_live_server(tmp_path: Path, server, capsys) -> None:
+    served = {"base_url": server.url, "model": "qwen2.5-7b-instruct"}
+    code, out, err = check(tmp_path, tiny_config_dict(tmp_path / "run", policy={"served": served}), capsys)
+    assert code == 0, err
+    assert f"served by {server.url} as 'qwen2.5-7b-instruct', weight version 0" in out
+    assert "POST /update_weights_from_disk" in out and str(tmp_path / "run" / "served_weights") in out
+
+    wrong = {**served, "model": "another"}
+    code, _, err = check(tmp_path, tiny_config_dict(tmp_path / "run", policy={"served": wrong}), capsys)
+    assert code == 2 and error_fields(err) == {"policy.served.model"}
+    assert "serves ['qwen2.5-7b-instruct'], not 'another'" in err
+    assert server.policy_version == 0  # the endpoint probe loaded nothing
+
+
+def test_an_existing_run_needs_resume(tmp_path: Path, capsys) -> None:
+    checkpoint = tmp_path / "run" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    code, _, err = check(tmp_path, tiny_config_dict(tmp_path / "run"), capsys)
+    assert code == 2 and "output_dir:" in err and "--resume" in err
+
+
+def test_the_served_example_fails_only_on_its_machine_paths_then_passes(tmp_path: Path, server, capsys) -> None:
+    example = yaml.safe_load(EXAMPLE.read_text())
+    example["output_dir"] = str(tmp_path / "run")
+    example["policy"]["served"]["base_url"] = closed_port_url()
+    code, _, err = check(tmp_path, example, capsys)
+    assert code == 2 and error_fields(err) == {"model.path", "tokenizer", "policy.served.base_url"}, err
+
+    checkpoint = save_bpe_tokenizer(tmp_path / "checkpoint")
+    save_tiny_llama(checkpoint, vocab_size=load_tokenizer(str(checkpoint)).vocab_size)
+    example["model"]["path"] = example["tokenizer"] = str(checkpoint)
+    example["policy"]["served"]["base_url"] = server.url
+    files = sorted(checkpoint.iterdir())
+    code, out, err = check(tmp_path, example, capsys)
+    assert code == 0, err
+    assert f"{checkpoint}: llama" in out and "bfloat16" in out and "weight version 0" in out
+    assert sorted(checkpoint.iterdir()) == files and not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_served_policy_config_is_refused_where_it_cannot_work(tmp_path: Path, capsys) -> None:
+    """The schema: a served policy is trained by one process, and its URL is the server's root."""
+    several = tiny_config_dict(tmp_path / "run", policy={"served": {"base_url": "http://h:1"}}, parallel={"dp": 2})
+    code, _, err = check(tmp_path, several, capsys)
+    assert code == 2 and "policy.served is trained by one process" in err
+    with_v1 = tiny_config_dict(tmp_path / "run", policy={"served": {"base_url": "http://h:1/v1"}})
+    code, _, err = check(tmp_path, with_v1, capsys)
+    assert code == 2 and "policy.served: " in err and "leave out the /v1" in err
