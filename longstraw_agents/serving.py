@@ -449,6 +449,8 @@ class CompletionServer:
                     self._send(200, server.model_info())
                 elif path == "/get_weight_version":
                     self._send(200, {"weight_version": str(server.policy_version)})
+                elif path == "/update_weights_from_disk":  # a POST route, as a web framework answers a GET of it
+                    self._send(405, RequestError("use POST /update_weights_from_disk", 405).payload())
                 elif path == "/v1/models":
                     self._send(200, server.models())
                 elif path == f"/v1/models/{server.model_name}":

@@ -123,9 +123,13 @@ class DiskWeightSync:
         self._request_load(path, version)
         reported = self.served_version()
         if reported != version:
+            why = (
+                "it reports no numeric weight version (an SGLang too old for weight_version?)"
+                if reported is None
+                else "is another trainer pushing weights to the same server?"
+            )
             raise WeightSyncError(
-                f"{self.base_url} loaded {path} but reports weight version {reported}, not {version}: "
-                "is another trainer pushing weights to the same server?"
+                f"{self.base_url} loaded {path} but reports weight version {reported}, not {version}: {why}"
             )
         self._prune(path)
         return SyncResult(version, path, written - start, time.perf_counter() - written)

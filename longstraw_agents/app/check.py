@@ -11,8 +11,9 @@ every failure is reported, as a line that names the setting, not only the first:
   context;
 - ``output_dir``: a new run must not find a run there, ``--resume`` must find one;
 - ``policy.served``: the server answers ``GET /v1/models`` within ``timeout_s`` and lists ``policy.served.model``,
-  has the ``/update_weights_from_disk`` endpoint (asked with an empty body, which loads nothing), and reports its
-  weight version if it keeps one (one training process only: the schema refuses ``parallel`` with it).
+  has the ``/update_weights_from_disk`` route (a GET of it: 405 where the POST route exists, 404 where it does not;
+  nothing is loaded), and reports its weight version if it keeps one (one training process only: the schema refuses
+  ``parallel`` with it).
 
 What would run (model size from the config on the meta device, the server's version, steps and episodes) is listed
 when the checks pass.
@@ -166,7 +167,7 @@ def _check_served(report: CheckReport, config: TrainConfig, spec: ServedPolicySp
     try:
         with httpx.Client(timeout=timeout_s) as client:
             listed = client.get(url + "/v1/models")
-            update = client.post(url + "/update_weights_from_disk", json={})  # no model_path: loads nothing
+            update = client.get(url + "/update_weights_from_disk")  # a POST route: 405 where it exists, else 404
             version = served_weight_version(client, url)
     except httpx.TransportError as err:
         report.errors.append(
@@ -186,7 +187,7 @@ def _check_served(report: CheckReport, config: TrainConfig, spec: ServedPolicySp
 
 
 def _served_problems(spec: ServedPolicySpec, url: str, listed: Any, update: Any) -> list[str]:
-    """What the server's answers to ``GET /v1/models`` and an empty weights update say is wrong."""
+    """What the server's answers to ``GET /v1/models`` and ``GET /update_weights_from_disk`` say is wrong."""
     if listed.status_code != 200:
         return [f"policy.served.base_url: GET {url}/v1/models answered HTTP {listed.status_code}, not a model list"]
     try:
@@ -196,9 +197,9 @@ def _served_problems(spec: ServedPolicySpec, url: str, listed: Any, update: Any)
     problems = []
     if spec.model not in names:
         problems.append(f"policy.served.model: the server at {url} serves {names}, not {spec.model!r}")
-    if update.status_code in (404, 405):
+    if update.status_code == 404:
         problems.append(
-            f"policy.served.weight_sync: {url} has no POST /update_weights_from_disk (HTTP {update.status_code}); "
+            f"policy.served.weight_sync: {url} has no POST /update_weights_from_disk (HTTP 404); "
             "supported servers: SGLang, CompletionServer (vLLM is not supported yet)"
         )
     return problems

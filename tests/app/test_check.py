@@ -5,8 +5,11 @@ checkpoint and a live server."""
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +133,31 @@ def test_a_served_policy_config_is_refused_where_it_cannot_work(tmp_path: Path, 
     with_v1 = tiny_config_dict(tmp_path / "run", policy={"served": {"base_url": "http://h:1/v1"}})
     code, _, err = check(tmp_path, with_v1, capsys)
     assert code == 2 and "policy.served: " in err and "leave out the /v1" in err
+
+
+class _ModelsOnly(BaseHTTPRequestHandler):
+    """A completions server without weight updates (as vLLM's): it lists its model, every other route is a 404."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        found = self.path == "/v1/models"
+        data = json.dumps({"object": "list", "data": [{"id": "m"}]} if found else {"detail": "Not Found"}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_server_that_cannot_load_weights_is_refused(tmp_path: Path, capsys) -> None:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _ModelsOnly)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        served = {"base_url": f"http://127.0.0.1:{httpd.server_address[1]}", "model": "m"}
+        code, _, err = check(tmp_path, tiny_config_dict(tmp_path / "run", policy={"served": served}), capsys)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert code == 2 and error_fields(err) == {"policy.served.weight_sync"}
+    assert "no POST /update_weights_from_disk" in err and "vLLM is not supported yet" in err
