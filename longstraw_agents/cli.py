@@ -58,6 +58,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from longstraw_agents.app.config import ConfigError, TrainConfig, load_config
     from longstraw_agents.app.training import train
     from longstraw_agents.rollout import ContextLimitError
+    from longstraw_agents.sampler import SamplerError
+    from longstraw_agents.weight_sync import WeightSyncError
 
     try:
         config = load_config(args.config)
@@ -74,6 +76,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         run_dir = train(config, resume=args.resume, on_metrics=_print_record)
     except (ConfigError, ContextLimitError, FileExistsError, FileNotFoundError) as err:
         return _fail(str(err))
+    except (SamplerError, WeightSyncError) as err:  # a served policy's server failed, or refused the weights
+        return _fail(f"{err}\nfix the server and run again (--resume continues from the last checkpoint, if any)")
     except KeyboardInterrupt:
         print("interrupted; the checkpoint and the store are consistent (resume with --resume)", file=sys.stderr)
         return 130

@@ -9,7 +9,8 @@ Served policy versions: SGLang (and ``CompletionServer``) report the version of 
 ``metadata.weight_version`` in every completion and from ``GET /model_info`` (older SGLang: ``GET
 /get_weight_version``); the trainer sets it to its policy version when it pushes weights (``weight_sync``). An
 ``OpenAISampler``'s ``policy_version`` follows the versions its responses report, so an episode records the version
-that was served when it started. A server that reports none (vLLM) leaves ``policy_version`` as given.
+that was served when it started; with ``pinned_version`` a response of another version is a ``SamplerError`` (a
+rollout is one policy's). A server that reports none (vLLM) leaves ``policy_version`` as given.
 
 Behaviour logprobs are the log-probabilities of the sampled tokens under the temperature-scaled distribution
 (before top-p truncation); train with ``LossConfig(temperature=...)`` equal to the sampling temperature.
@@ -100,6 +101,7 @@ class OpenAISampler:
         api_key: str | None = None,
         client: Any | None = None,
         max_concurrency: int = 64,
+        pinned_version: int | None = None,
     ):
         import httpx
 
@@ -109,6 +111,7 @@ class OpenAISampler:
         self.model = model
         self.policy_version = policy_version
         self.served_versions: set[int] = set()  # the weight versions the responses reported
+        self.pinned_version = pinned_version
         self.max_retries, self.backoff_s = max_retries, backoff_s
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
@@ -227,9 +230,15 @@ class OpenAISampler:
     def _follow_version(self, metadata: Any) -> None:
         """Take the weight version a response reports (SGLang's ``metadata.weight_version``) as the policy version."""
         version = weight_version_number(metadata.get("weight_version")) if isinstance(metadata, dict) else None
-        if version is not None:
-            self.served_versions.add(version)
-            self.policy_version = version
+        if version is None:
+            return
+        self.served_versions.add(version)
+        if self.pinned_version is not None and version != self.pinned_version:
+            raise SamplerError(
+                f"{self.base_url} answered with weight version {version}, not {self.pinned_version}: its weights "
+                "changed during the rollout (something else loaded weights into the server)"
+            )
+        self.policy_version = version
 
 
 def weight_version_number(value: Any) -> int | None:

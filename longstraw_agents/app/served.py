@@ -9,8 +9,8 @@ The loop stays synchronous, so every episode of a step is sampled by one weight 
 - after each optimizer step (``ServedPolicy.push``) the trainer's weights are written and loaded by the server
   (``weight_sync.DiskWeightSync``), which then reports the new version; the episodes sampled next record it
   (``OpenAISampler`` follows the version each response reports);
-- a push first checks that every response of the previous rollout reported the version pushed before it: another
-  version means something else changed the server's weights, and the run stops rather than train on it.
+- the sampler is pinned to the version pushed: a response of another version (something else changed the
+  server's weights) fails the rollout, so the run stops before training on it (``SamplerError``).
 
 One training process only (``parallel.dp`` 1): data-parallel ranks would each push their weights.
 """
@@ -25,7 +25,7 @@ import torch
 
 from longstraw_agents.app.config import ServedPolicySpec
 from longstraw_agents.sampler import OpenAISampler, SamplingConfig
-from longstraw_agents.weight_sync import DiskWeightSync, SyncResult, WeightSyncError
+from longstraw_agents.weight_sync import DiskWeightSync, SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class ServedPolicy:
             timeout_s=spec.timeout_s,
             max_retries=spec.max_retries,
             max_concurrency=spec.max_concurrency,
+            pinned_version=policy_version,
         )
         return self._sampler
 
@@ -89,8 +90,7 @@ class ServedPolicy:
         self.push(model, policy_version)
 
     def push(self, model: torch.nn.Module, policy_version: int) -> SyncResult:
-        """Write ``model`` as ``policy_version`` and have the server load it (after checking that the last rollout
-        saw only the version pushed before)."""
+        """Write ``model`` as ``policy_version`` and have the server load it."""
         self._retire_sampler()
         result = self.sync.push(model, policy_version)
         self.version, self.weights_changed, self.last_push = policy_version, False, result
@@ -109,14 +109,7 @@ class ServedPolicy:
         self.sync.close()
 
     def _retire_sampler(self) -> None:
-        """Close the last sampler, after checking that its responses reported only the version served for it."""
+        """Close the last sampler (its version is about to change, or a new one replaces it)."""
         sampler, self._sampler = self._sampler, None
-        if sampler is None:
-            return
-        sampler.close()
-        others = sampler.served_versions - {self.version}
-        if others:
-            raise WeightSyncError(
-                f"{self.spec.base_url} answered with weight versions {sorted(others)} while it was to serve "
-                f"{self.version}: something else changed its weights, so those episodes are not this policy's"
-            )
+        if sampler is not None:
+            sampler.close()

@@ -5,12 +5,14 @@ episode carries the version that was served when it was sampled."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import yaml
 from tiny_runs import assert_same_weights, checkpoint_weights, tiny_config, warm_started_policy
 from transformers import AutoModelForCausalLM
 
@@ -18,12 +20,13 @@ from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.run import Run
 from longstraw_agents.app.served import ServedPolicy
 from longstraw_agents.app.training import train
-from longstraw_agents.sampler import SamplingConfig
+from longstraw_agents.cli import main
+from longstraw_agents.sampler import SamplerError, SamplingConfig
 from longstraw_agents.serving import CompletionServer
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
-from longstraw_agents.weight_sync import WeightSyncError, save_weights
+from longstraw_agents.weight_sync import save_weights
 
 NAME = "tiny-served"
 
@@ -42,10 +45,10 @@ def server(policy: Path) -> Iterator[CompletionServer]:
         yield running
 
 
-def served_config(run_dir: Path, policy: Path, server: CompletionServer, steps: int) -> TrainConfig:
+def served_config(run_dir: Path, policy: Path, server: CompletionServer | None, steps: int) -> TrainConfig:
     """Weight decay moves every weight at every step, also in a step whose groups all scored alike (zero
     advantages): the weights the server must take differ from step to step whatever the rewards."""
-    served = {"base_url": server.url, "model": NAME, "max_retries": 0}
+    served = {"base_url": server.url if server else "http://127.0.0.1:9", "model": NAME, "max_retries": 0}
     trainer = {"group_size": 4, "lr": 1e-3, "weight_decay": 0.1}
     model = {"preset": None, "path": str(policy)}
     return tiny_config(run_dir, model=model, steps=steps, trainer=trainer, policy={"served": served})
@@ -110,12 +113,22 @@ def test_changed_weights_are_pushed_before_the_first_sampling(tmp_path: Path, se
     assert_same_weights(served_weights(server), trainer_model.state_dict())
     assert server.policy_version == 0 and (tmp_path / "b" / "served_weights" / "v000000").is_dir()
 
-    # something else loads other weights into the server mid-rollout: the next push refuses to go on
+    # something else loads other weights into the server mid-rollout: the rollout fails before anything trains on it
     other = save_weights(trainer_model, tmp_path / "elsewhere")
     httpx.post(server.url + "/update_weights_from_disk", json={"model_path": str(other), "weight_version": "7"})
-    sampler.generate(sampler.fork([5, 6], 1)[0])
-    assert sampler.policy_version == 7
-    with pytest.raises(WeightSyncError, match=r"weight versions \[7\] while it was to serve 0"):
-        changed.push(trainer_model, 1)
+    with pytest.raises(SamplerError, match="answered with weight version 7, not 0"):
+        sampler.generate(sampler.fork([5, 6], 1)[0])
     changed.close()
     unchanged.close()
+
+
+def test_an_unreachable_server_ends_the_cli_run_with_a_clear_error(tmp_path: Path, policy: Path, capsys) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    config = served_config(tmp_path / "run", policy, server=None, steps=1).model_dump(mode="json")
+    config["policy"]["served"]["base_url"] = closed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {closed} is unreachable (ConnectError" in err and "--resume" in err
