@@ -1,12 +1,14 @@
-"""``torchrun --nproc-per-node 2 -m longstraw_agents.cli train`` (app/distributed.py): each dp rank rolls out its share
-of every step's tasks, the writer stores each group once and writes one metrics line per step covering both ranks'
-groups, the checkpoint resumes; and the parallel settings are checked before anything runs."""
+"""``longstraw train`` on 2 processes from ``torchrun --nproc-per-node 2`` and ``accelerate launch``
+(app/distributed.py): each dp rank rolls out its share of every step's tasks, the writer stores each group once and
+writes one metrics line per step covering both ranks' groups, the checkpoint resumes; and the parallel settings are
+checked before anything runs."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +28,27 @@ from longstraw_agents.trainer import StepMetrics
 GROUPS_PER_STEP, GROUP_SIZE = 2, 4
 
 
-def _torchrun(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone`` (a free port of its own) with 2 processes; on a timeout the whole process group
-    is killed, so that no worker outlives the test."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+LAUNCHERS = {
+    # a free port of its own
+    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    # accelerate's multi-process launcher (torch.distributed.run underneath; with no CUDA the ranks use gloo)
+    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    + ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port"],
+}
+
+
+def _launch(launcher: str, config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``longstraw train`` on 2 CPU processes; on a timeout the whole process group is killed, so that no worker
+    outlives the test."""
+    command = [sys.executable, *LAUNCHERS[launcher]] + ([str(_free_port())] if launcher == "accelerate" else [])
     command += ["-m", "longstraw_agents.cli", "train", str(config), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, also on a GPU machine
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     ) as process:
@@ -54,16 +71,16 @@ def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_two_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
+def test_two_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
     """With FSDP2 (the replicated checkpoint's resume is tested on the trainer, tests/trainer/test_data_parallel.py):
-    2 steps, then --resume to 3."""
+    2 steps launched by torchrun, then --resume to 3 launched by accelerate launch."""
     run_dir = tmp_path / "run"
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump(tiny_config_dict(run_dir, parallel={"dp": 2, "fsdp": True})))
-    done = _torchrun(config)
+    done = _launch("torchrun", config)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("step    1 ") == 1  # one metrics line per step, printed by the writer only
-    resumed = _torchrun(config, "--resume", "--steps", "3")
+    resumed = _launch("accelerate", config, "--resume", "--steps", "3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     groups = _stored_groups(run_dir)
