@@ -71,7 +71,9 @@ class GRPOTrainer:
         (needed when beta > 0); it is moved to the accelerator's device, put in eval mode and frozen.
     mesh: the job's ``(dp, cp)`` mesh. The trainer's collectives (gradient sums, the batch pool) then run over its
         ``dp`` group only: the ``cp`` ranks of one dp rank hold the same groups and compute the same gradients.
-        Without a mesh every process is a data-parallel rank (the default world group), as before.
+        Without a mesh every process is a data-parallel rank (the default world group), as before. A model sharded
+        with ``mesh.fully_shard`` (FSDP2) is gathered for each optimizer step and its gradients reduce-scattered
+        (``parallel.fsdp.gathered``); AdamW steps each rank's shard and checkpoints are sharded (DCP).
     """
 
     def __init__(

@@ -32,7 +32,6 @@ from longstraw_agents.app.config import ConfigError, ParallelSpec
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.launch import failing_clearly, init_from_env, world_size
 from longstraw_agents.trainer import StepMetrics
-from longstraw_agents.trajectory import Trajectory
 
 T = TypeVar("T")
 
@@ -167,8 +166,3 @@ def merged_step_metrics(parts: Sequence[StepMetrics], groups: Sequence[int], sum
 
 def _combine(values: Sequence[float], weights: Sequence[float], summed: bool) -> float:
     return sum(values) if summed else sum(w * v for w, v in zip(weights, values, strict=True))
-
-
-def step_groups_of(parts: Sequence[Sequence[Sequence[Trajectory]]]) -> list[list[Trajectory]]:
-    """Every dp rank's groups of a step, in dp-rank order."""
-    return [list(group) for part in parts for group in part]
