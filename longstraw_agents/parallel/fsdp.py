@@ -57,6 +57,10 @@ def gathered(model: nn.Module) -> Iterator[None]:
     full = dict(model.named_parameters())
     try:
         yield
+    except BaseException:
+        for param in full.values():  # the unsharded parameters persist: a failed step must not feed the next one
+            param.grad = None
+        raise
     finally:
         for unit in units:
             unit.reshard()
