@@ -1,7 +1,7 @@
-"""``longstraw train`` on 2 processes from ``torchrun --nproc-per-node 2`` and ``accelerate launch``
-(app/distributed.py): each dp rank rolls out its share of every step's tasks, the writer stores each group once and
-writes one metrics line per step covering both ranks' groups, the checkpoint resumes; and the parallel settings are
-checked before anything runs."""
+"""``longstraw train`` on 4 processes (dp=2 x cp=2, FSDP2) from ``torchrun`` and ``accelerate launch``
+(app/distributed.py): each dp rank rolls out its share of every step's tasks and its cp peers train on the same
+groups with the context sharded, the writer stores each group once and writes one metrics line per step covering both
+dp ranks' groups, the checkpoint resumes; and the parallel settings are checked before anything runs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from longstraw_agents.app.seeds import task_seed
 from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
 
-GROUPS_PER_STEP, GROUP_SIZE = 2, 4
+GROUPS_PER_STEP, GROUP_SIZE, PROCESSES = 2, 4, "4"
 
 
 def _free_port() -> int:
@@ -36,15 +36,15 @@ def _free_port() -> int:
 
 LAUNCHERS = {
     # a free port of its own
-    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", PROCESSES],
     # accelerate's multi-process launcher (torch.distributed.run underneath; with no CUDA the ranks use gloo)
-    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    + ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port"],
+    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", PROCESSES]
+    + ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port"],
 }
 
 
 def _launch(launcher: str, config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """``longstraw train`` on 2 CPU processes; on a timeout the whole process group is killed, so that no worker
+    """``longstraw train`` on 4 CPU processes; on a timeout the whole process group is killed, so that no worker
     outlives the test."""
     command = [sys.executable, *LAUNCHERS[launcher]] + ([str(_free_port())] if launcher == "accelerate" else [])
     command += ["-m", "longstraw_agents.cli", "train", str(config), *extra]
@@ -71,12 +71,15 @@ def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
-    """With FSDP2 (the replicated checkpoint's resume is tested on the trainer, tests/trainer/test_data_parallel.py):
-    2 steps launched by torchrun, then --resume to 3 launched by accelerate launch."""
+def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
+    """dp=2 x cp=2 with FSDP2 (the replicated checkpoint's resume is tested on the trainer,
+    tests/trainer/test_data_parallel.py): 2 steps launched by torchrun, then --resume to 3 by accelerate launch. The
+    context limit of 1024 puts a cp shard boundary at position 512, inside the episodes (~600 tokens)."""
     run_dir = tmp_path / "run"
     config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(tiny_config_dict(run_dir, parallel={"dp": 2, "fsdp": True})))
+    settings = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True})
+    settings["model"] = {**settings["model"], "max_context": 1024}
+    config.write_text(yaml.safe_dump(settings))
     done = _launch("torchrun", config)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("step    1 ") == 1  # one metrics line per step, printed by the writer only
@@ -95,8 +98,9 @@ def test_two_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
     assert [line["step"] for line in lines] == [1, 2, 3]
     for line in lines:  # a step's line covers both ranks' groups
         assert sum(line["finish_reasons"].values()) == GROUPS_PER_STEP * GROUP_SIZE
+        assert line["episode_tokens_mean"] > 512  # the episodes cross the cp shard boundary
     checkpoint = {p.name for p in (run_dir / "checkpoint").iterdir()}
-    assert {"random_states_0.pkl", "random_states_1.pkl", "trainer_state.json"} <= checkpoint
+    assert {f"random_states_{r}.pkl" for r in range(4)} | {"trainer_state.json"} <= checkpoint
     assert "sharded" in checkpoint and "model.safetensors" not in checkpoint
     assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
 
