@@ -1,7 +1,8 @@
 """``longstraw train`` on 4 processes (dp=2 x cp=2, FSDP2) from ``torchrun`` and ``accelerate launch``
 (app/distributed.py): each dp rank rolls out its share of every step's tasks and its cp peers train on the same
 groups with the context sharded, the writer stores each group once and writes one metrics line per step covering both
-dp ranks' groups, the checkpoint resumes; and the parallel settings are checked before anything runs."""
+dp ranks' groups, the checkpoint resumes and exports to a Hugging Face directory; and the parallel settings are
+checked before anything runs."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from pathlib import Path
 import numpy as np
 import pydantic
 import pytest
+import torch
 import yaml
 from tiny_runs import tiny_config_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoModelForCausalLM
 
 from longstraw_agents.app.config import ConfigError, ParallelSpec
 from longstraw_agents.app.distributed import Ranks, merged_step_metrics
+from longstraw_agents.app.export import export_hf
 from longstraw_agents.app.seeds import task_seed
 from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
@@ -79,6 +84,8 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     config = tmp_path / "train.yaml"
     settings = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True})
     settings["model"] = {**settings["model"], "max_context": 1024}
+    # weight decay moves the weights even without a reward signal, so the export is told apart from a fresh init
+    settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1}
     config.write_text(yaml.safe_dump(settings))
     done = _launch("torchrun", config)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -103,6 +110,13 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     assert {f"random_states_{r}.pkl" for r in range(4)} | {"trainer_state.json"} <= checkpoint
     assert "sharded" in checkpoint and "model.safetensors" not in checkpoint
     assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
+
+    # The sharded checkpoint exported as a Hugging Face directory holds what torch's own DCP converter reads.
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(run_dir, tmp_path / "hf"))
+    dcp_to_torch_save(run_dir / "checkpoint" / "sharded", tmp_path / "whole.pt")
+    reference = torch.load(tmp_path / "whole.pt")["model"]
+    for name, param in exported.named_parameters():
+        assert torch.equal(param, reference[name]), name
 
 
 def test_dp_times_cp_must_equal_the_number_of_processes(monkeypatch: pytest.MonkeyPatch) -> None:

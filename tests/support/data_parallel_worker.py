@@ -107,16 +107,19 @@ def stray_collectives(mesh: ParallelMesh) -> Iterator[list[str]]:
 
 
 def _resumed_step(trainer: GRPOTrainer, mesh: ParallelMesh, spec: dict[str, Any], directory: Path) -> dict:
-    """Save a checkpoint, load it into a fresh trainer, and take one more step with both: the parameters must be
-    bit-identical (``equal``, per parameter), and the fresh trainer's counters restored."""
+    """Save a checkpoint (``saved``: the parameters it holds), load it into a fresh trainer, and take one more step
+    with both: the parameters must be bit-identical (``equal``, per parameter), and the fresh trainer's counters
+    restored."""
     trainer.save_checkpoint(directory)
+    saved = full_parameters(trainer.model)
     fresh = make_trainer(spec["normalization"], Accelerator(cpu=True), mesh, spec.get("fsdp", False))
     fresh.load_checkpoint(directory)
     counters = (fresh.step_count, fresh.policy_version)
     for t in (trainer, fresh):
         t.train_step(share(step_groups(t), mesh.dp_rank))
     a, b = full_parameters(trainer.model), full_parameters(fresh.model)
-    return {"equal": [torch.equal(a[name], b[name]) for name in a], "counters": counters, "files": _listing(directory)}
+    equal = [torch.equal(a[name], b[name]) for name in a]
+    return {"equal": equal, "counters": counters, "files": _listing(directory), "saved": saved}
 
 
 def _listing(directory: Path) -> list[str]:

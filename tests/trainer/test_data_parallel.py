@@ -14,6 +14,9 @@ import torch.multiprocessing as mp
 from data_parallel_worker import make_trainer, run, step_groups
 from grpo_reference import relative_l2
 
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.parallel.checkpoint import load_full_model
+
 pytestmark = pytest.mark.distributed
 
 
@@ -88,5 +91,9 @@ def test_a_checkpoint_on_the_mesh_resumes_bit_exactly(tmp_path, fsdp):
     assert "trainer_state.json" in files and {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)
     if fsdp:
         assert "sharded/.metadata" in files and "model.safetensors" not in files
+        whole = tiny_model("llama", dtype=torch.float64, seed=1)  # other weights, all overwritten
+        load_full_model(whole, tmp_path / "checkpoint")  # one process, no process group: the export's way in
+        saved = ranks[0]["resumed"]["saved"]
+        assert all(torch.equal(p, saved[name]) for name, p in whole.named_parameters())
     else:
         assert "model.safetensors" in files and not any(f.startswith("sharded/") for f in files)
