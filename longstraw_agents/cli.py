@@ -137,6 +137,18 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from longstraw_agents.app.config import ConfigError
+    from longstraw_agents.app.export import export_hf
+
+    try:
+        out = export_hf(args.run_dir, args.out)
+    except (ConfigError, FileNotFoundError) as err:
+        return _fail(str(err))
+    print(f"Hugging Face model directory: {out}")
+    return 0
+
+
 def _quantity(text: str) -> int:
     """``2.1M`` / ``96GB`` / ``512K`` / ``4096`` as an integer (K, M, G: powers of 1000, as GPU sizes are sold)."""
     units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -240,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: the run directory)")
     p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("export", help="write a run's checkpoint (also an FSDP2 run's shards) as a Hugging Face model")
+    p.add_argument("run_dir", help="a run directory (config.json + checkpoint/)")
+    p.add_argument("out", help="the directory to write (save_pretrained; from_pretrained reads it)")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("plan", help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed)")
     p.add_argument("--model", default="qwen3.6-27b", help="qwen3.6-27b | glm-5.2 | tiny-<preset> | CONFIG.json")

@@ -22,6 +22,8 @@ from longstraw_agents.trainer import GRPOTrainer
 def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the policy of ``run_dir``'s checkpoint to ``out_dir`` as a Hugging Face model directory."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.json")
     config = TrainConfig.model_validate_json((run_dir / "config.json").read_text())
     tokenizer = check_tokenizer(config.tokenizer)
     model = build_policy(config.model, check_model(config.model, tokenizer.vocab_size), config.seed)
