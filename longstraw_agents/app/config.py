@@ -184,6 +184,15 @@ class TrainConfig(BaseModel):
         return self.trainer.group_size
 
     @model_validator(mode="after")
+    def _a_group_for_every_dp_rank(self) -> TrainConfig:
+        if self.parallel.dp > self.groups_per_step:
+            raise ValueError(
+                f"parallel.dp ({self.parallel.dp}) data-parallel ranks split groups_per_step ({self.groups_per_step}) "
+                "groups: each rank needs at least one; raise groups_per_step or lower parallel.dp"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _served_by_one_process(self) -> TrainConfig:
         if self.policy.served is not None and self.parallel.dp * self.parallel.cp > 1:
             raise ValueError(

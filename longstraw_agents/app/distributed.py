@@ -117,7 +117,8 @@ class Ranks:
         return gathered if self.writes else None
 
     def same_weights(self, model: torch.nn.Module) -> None:
-        """Give every process the writer's parameters and buffers (after a warm start that only it ran)."""
+        """Give every process the writer's parameters and buffers (after the warm start, which every rank ran: one
+        policy for the whole job, not several that might differ in their last bits)."""
         if self.mesh is None:
             return
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -139,11 +140,10 @@ class Ranks:
 def merged_step_metrics(parts: Sequence[StepMetrics], groups: Sequence[int], summed: bool) -> StepMetrics:
     """One step's metrics over every dp rank's groups (``groups``: each rank's group count) from the ranks' own.
 
-    Rewards' mean and (population) std pool every member; token counts and peak bytes are summed / maxed; the loss
-    and KL are the step's: the group-weighted mean of the ranks' (group normalisation) or their sum (batch
-    normalisation, where each rank's loss is its share of one batch loss; the KL, a mean, is always weighted);
-    seconds is the slowest rank's; gradient
-    norm and learning rate are the same on every rank; ``iterations`` are the first rank's."""
+    Rewards' mean and (population) std pool every member; token counts are summed and peak bytes maxed; the loss is
+    the step's: the group-weighted mean of the ranks' (group normalisation) or their sum (batch normalisation, where
+    each rank's loss is its share of one batch loss); the KL, a mean, is group-weighted; seconds is the slowest
+    rank's; gradient norm and learning rate are the same on every rank; ``iterations`` are the first rank's."""
     first = parts[0]
     total = sum(groups)  # online groups all have group_size members: weighting by groups weighs by members
     weights = [n / total for n in groups]

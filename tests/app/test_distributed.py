@@ -23,7 +23,7 @@ from tiny_runs import tiny_config_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
-from longstraw_agents.app.config import ConfigError, ParallelSpec
+from longstraw_agents.app.config import ConfigError, ParallelSpec, TrainConfig
 from longstraw_agents.app.distributed import Ranks, merged_step_metrics
 from longstraw_agents.app.export import export_hf
 from longstraw_agents.app.seeds import task_seed
@@ -123,6 +123,11 @@ def test_dp_times_cp_must_equal_the_number_of_processes(monkeypatch: pytest.Monk
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"parallel\.dp \(2\) x parallel\.cp \(1\).*WORLD_SIZE=3"):
         Ranks.join(ParallelSpec(dp=2), "cpu")
+
+
+def test_every_dp_rank_needs_a_group_of_each_step(tmp_path: Path) -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"parallel\.dp \(4\) .* groups_per_step \(2\)"):
+        TrainConfig.model_validate(tiny_config_dict(tmp_path, parallel={"dp": 4}))
 
 
 def test_fsdp_needs_data_parallel_ranks() -> None:
