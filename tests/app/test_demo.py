@@ -64,8 +64,8 @@ def test_the_suggested_replay_learns_from_groups_with_reward_differences(tmp_pat
 
 @pytest.mark.slow
 def test_quick_training_demo_raises_the_reward(tmp_path: Path) -> None:
-    """The shorter version of `make demo`: warm start + 30 GRPO steps; the held-out reward (same tasks, same
-    sampling seed before and after) must rise, and the run directory must hold what the demo promises."""
+    """The shorter version of `make demo` (~75 s): a shorter warm start + 12 GRPO steps; the held-out reward (same
+    tasks, same sampling seed before and after) must rise, and the run directory must hold what the demo promises."""
     result = demo.run_training_demo(tmp_path, quick=True, echo=lambda *_: None)
     assert result["reward_after"] > result["reward_before"]
     for name in ("trajectories.db", "metrics.jsonl", "checkpoint", "reward.png", "config.json"):
