@@ -118,6 +118,17 @@ def test_an_existing_run_needs_resume_and_resume_needs_a_checkpoint(tmp_path: Pa
         train(run_config(tmp_path / "empty", policy), resume=True)
 
 
+@pytest.fixture(autouse=True)
+def terminal_sigint():
+    """What a terminal's Ctrl-C meets: Python's default SIGINT handler, the signal not blocked. (Once, in CI, a
+    worker process that had run other files did not raise on ``raise_signal(SIGINT)``; the tests here are about
+    the training loop, not about what those files left behind.)"""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_on_call(target, number: int, *, after: bool = False, via_signal: bool = False):
     """A wrapper of ``target`` that Ctrl-C's the ``number``-th call: before it runs, or right after it returned;
     with a KeyboardInterrupt raised directly or with a real SIGINT (what a terminal sends)."""
