@@ -33,28 +33,52 @@ from longstraw_agents.report import summary_text
 from longstraw_agents.store import Store
 from longstraw_agents.trajectory import Trajectory
 
-# The training demo's settings (chosen on 2 cores; README has the measured curve).
-DEMO_SFT_STEPS = 350  # the tiny model then calls the tool and copies operands, far from perfectly
-DEMO_STEPS = 160  # ~2.5 s a step on 2 cores (batched rollout + exact update): the whole demo fits in 10 minutes
-# Measured on 2 cores (held-out rise over 160 steps): hidden 192 rose +0.235, hidden 128 +0.15..0.19 whatever the
-# lr (2e-4..5e-4), KL (0..0.04), group shape (8x8, 4x16) or clip (epsilon_high 0.28); 3 layers learnt slower.
-# Groups of 16 (4 per step): a sharpening policy still finds mixed rewards in a group, where 8 often tie. Warm up
-# and anchor to the warm-started policy with a small KL: Adam's first steps move every weight by ~lr.
-DEMO_TRAINER: dict[str, Any] = {"G": 16, "mode": "exact", "lr": 3e-4, "warmup_steps": 10, "beta": 0.04}
-DEMO_SAMPLING: dict[str, Any] = {"max_new_tokens": 32, "temperature": 1.0}
-DEMO_GROUPS_PER_STEP = 4
-DEMO_MODEL: dict[str, Any] = {"hidden": 192, "layers": 2}
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What differs between the demo and the test suite's quick version of it."""
+
+    model: dict[str, Any]  # llama preset overrides
+    warm_start_episodes: int
+    sft_steps: int
+    steps: int
+    groups_per_step: int
+    warmup_steps: int
+    eval_episodes: int
+    checkpoint_every: int
+
+
+# The training demo (chosen on 2 cores; README has the measured curve). Measured there (held-out rise over 160
+# steps): hidden 192 rose +0.235, hidden 128 +0.15..0.19 whatever the lr (2e-4..5e-4), KL (0..0.04), group shape
+# (8x8, 4x16) or clip (epsilon_high 0.28); 3 layers learnt slower. 350 warm-start steps: the tiny model then calls
+# the tool and copies operands, far from perfectly. 160 steps of ~2.5 s (batched rollout + exact update) fit the
+# whole demo in 10 minutes.
+DEMO = DemoSettings(
+    model={"hidden": 192, "layers": 2},
+    warm_start_episodes=512,
+    sft_steps=350,
+    steps=160,
+    groups_per_step=4,
+    warmup_steps=10,
+    eval_episodes=128,
+    checkpoint_every=40,
+)
 # The test suite's version: a smaller model, a shorter warm start and a few steps, to check the pipeline and the
 # direction of the reward within ~90 s (its rise is smaller and noisier than the demo's).
-QUICK: dict[str, Any] = {
-    "model": {"hidden": 128, "layers": 2},
-    "sft_steps": 250,
-    "episodes": 256,
-    "steps": 12,
-    "groups_per_step": 2,
-    "warmup_steps": 2,
-    "eval_episodes": 64,
-}
+QUICK = DemoSettings(
+    model={"hidden": 128, "layers": 2},
+    warm_start_episodes=256,
+    sft_steps=250,
+    steps=12,
+    groups_per_step=2,
+    warmup_steps=2,
+    eval_episodes=64,
+    checkpoint_every=40,
+)
+# Groups of 16 (4 per step): a sharpening policy still finds mixed rewards in a group, where 8 often tie. Warm up
+# and anchor to the warm-started policy with a small KL: Adam's first steps move every weight by ~lr.
+DEMO_TRAINER: dict[str, Any] = {"G": 16, "mode": "exact", "lr": 3e-4, "beta": 0.04}
+DEMO_SAMPLING: dict[str, Any] = {"max_new_tokens": 32, "temperature": 1.0}
 # The replay the demo suggests: `--where` keeps whole groups with a matching member, so this trains on the groups
 # that solved the task at least once, failures included (an all-solved or unsolved group has no advantage).
 REPLAY_WHERE = "reward > 0"
@@ -100,21 +124,22 @@ def run_scripted_demo(out_dir: str | Path, *, seed: int = 0, max_text: int = 160
 
 def demo_train_config(out_dir: str | Path, quick: bool = False) -> TrainConfig:
     """The CPU training demo (measured on 2 cores: see README). ``quick``: the test suite's shorter version."""
+    settings = QUICK if quick else DEMO
     return TrainConfig.model_validate(
         {
             "env": {"id": "LongStraw/Calculator-v0", "kwargs": {**EASY_CALCULATOR_KWARGS, "max_turns": 2}},
-            "model": {"preset": "llama", "overrides": QUICK["model"] if quick else DEMO_MODEL},
-            "groups_per_step": QUICK["groups_per_step"] if quick else DEMO_GROUPS_PER_STEP,
-            "steps": QUICK["steps"] if quick else DEMO_STEPS,
-            "trainer": {**DEMO_TRAINER, "warmup_steps": QUICK["warmup_steps"]} if quick else DEMO_TRAINER,
+            "model": {"preset": "llama", "overrides": settings.model},
+            "groups_per_step": settings.groups_per_step,
+            "steps": settings.steps,
+            "trainer": {**DEMO_TRAINER, "warmup_steps": settings.warmup_steps},
             "sampling": DEMO_SAMPLING,
             "warm_start": {
-                "episodes": QUICK["episodes"] if quick else 512,
-                "sft": {"steps": QUICK["sft_steps"] if quick else DEMO_SFT_STEPS, "batch_size": 8, "lr": 1e-3},
+                "episodes": settings.warm_start_episodes,
+                "sft": {"steps": settings.sft_steps, "batch_size": 8, "lr": 1e-3},
             },
-            "eval_episodes": QUICK["eval_episodes"] if quick else 128,
+            "eval_episodes": settings.eval_episodes,
             "output_dir": str(out_dir),
-            "checkpoint_every": 40,
+            "checkpoint_every": settings.checkpoint_every,
             "progress": False,
         }
     )
