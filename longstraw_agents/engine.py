@@ -129,6 +129,24 @@ class StateShards(Shards, Protocol):
         """``tensor`` as rank ``src`` has it, on every rank (in place)."""
         ...
 
+    size: int
+
+    def send(self, tensors: Sequence[Tensor], dst: int, tag: int, kind: str) -> None:
+        """Start sending ``tensors`` to rank ``dst`` (``flush`` waits for the sends); ``kind`` names the payload."""
+        ...
+
+    def recv(self, src: int, tag: int, device: torch.device) -> tuple[Tensor, ...]:
+        """What rank ``src`` sent with ``tag``."""
+        ...
+
+    def flush(self) -> None:
+        """Wait for this rank's sends."""
+        ...
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor] | None, src: int, device: torch.device) -> tuple[Tensor, ...]:
+        """Rank ``src``'s ``tensors`` on every rank (the others pass None)."""
+        ...
+
 
 class Engine:
     """capture / extend / logits over a model's own state objects (never a transformers cache).
@@ -154,6 +172,7 @@ class Engine:
         self.shards = shards
         # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
         self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size, shards)
+        self.local_attention = dataclasses.replace(self.attention, shards=None)  # every key on this rank
 
     @property
     def family(self) -> str:
@@ -369,10 +388,13 @@ class Engine:
     ) -> tuple[State, Tensor | None]:
         self._check_state(state)
         chunk = chunk_size or self.config.chunk_size
+        keeping = keep is not None and keep.budget_bytes > 0
+        if self.shards is not None and not keeping and not want_logits and ids.shape[0] >= state.num_tokens:
+            # a long extend (a capture): each rank computes its own shard, layer by layer (see _ShardedExtend)
+            return _ShardedExtend(self, self.shards, state, ids, chunk).run(reserve), None
         pieces = self._pieces(state.num_tokens, ids.shape[0], chunk)
         owned = sum(hi - lo for lo, hi in pieces if self._owns(state.num_tokens + lo))
         arenas = self._arenas_for(state, owned, reserve if self._owns(state.num_tokens + ids.shape[0] - 1) else 0)
-        keeping = keep is not None and keep.budget_bytes > 0
         # a kept chunk's graph reads the recurrent state before it: keep every one (the graph holds it anyway)
         current = state.with_checkpoints(1) if keeping else state
         last_logits = None
@@ -540,6 +562,145 @@ class GraphBank:
 
     def __contains__(self, record: object) -> bool:
         return id(record) in self._graphs
+
+
+class _ShardedExtend:
+    """An extend under context parallelism whose compute is sharded: each rank evaluates only the chunks of its own
+    positions, layer by layer across them (holding its shard's hidden states between layers), and the ranks meet in
+    a wavefront — what layer i needs of earlier positions arrives from the ranks that hold them:
+
+    - a growing layer (attention, MLA + DSA index keys): every rank that holds earlier rows of the layer (from the
+      parent state, or computed in this extend) sends them to each later rank that computes here, once it has
+      computed its own; the receiver attends to them as ordinary past blocks (one process's arithmetic) and drops
+      them after the layer;
+    - a recurrent layer (GatedDeltaNet): the state after a rank's last chunk goes to the rank computing the next
+      chunk.
+
+    Every message goes from a lower rank to a higher one, so rank r finishes layer i after rank r-1 did: the
+    critical path is ``layers + ranks - 1`` layer steps of one shard, not their product. Afterwards the owners
+    broadcast the recurrent states every rank's later work reads (the last, and exact mode's checkpoints); attention
+    rows stay with their owners. Used where the new tokens are at least as many as the parent's (a capture): moving
+    the earlier rows there costs no more than the rows computed; a short extend (a turn, a branch) instead runs
+    replicated with partials merged (``Attention.shards``), which moves only the new tokens' partials."""
+
+    def __init__(self, engine: Engine, shards: StateShards, state: State, ids: Tensor, chunk: int):
+        self.engine, self.shards, self.state, self.ids = engine, shards, state, ids
+        self.base = state.num_tokens
+        self.pieces = [(self.base + lo, self.base + hi) for lo, hi in engine._pieces(self.base, ids.shape[0], chunk)]
+        self.owners = [shards.owner(a) for a, _ in self.pieces]
+        self.mine = [j for j, owner in enumerate(self.owners) if owner == shards.rank]
+        self.computing = sorted(set(self.owners))
+        # per rank: the positions of the rows it holds once this extend is done (one contiguous range: a shard)
+        self.rows: list[list[int]] = [[] for _ in range(shards.size)]
+        for c in state.chunks:
+            self.rows[shards.owner(c.start)] += [c.start, c.end]
+        for (a, b), owner in zip(self.pieces, self.owners, strict=True):
+            self.rows[owner] += [a, b]
+
+    def run(self, reserve: int) -> State:
+        engine, adapter = self.engine, self.engine.adapter
+        mine = [self.pieces[j] for j in self.mine]
+        width = sum(b - a for a, b in mine)
+        owns_last = bool(self.mine) and self.mine[-1] == len(self.pieces) - 1
+        arenas = engine._arenas_for(self.state, width, reserve if owns_last else 0)
+        blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in mine]
+        recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in mine]
+        with torch.no_grad():
+            if mine:
+                lo = mine[0][0]
+                h, positions, rope = adapter.embed(self.ids[lo - self.base : mine[-1][1] - self.base], lo)
+                scratch: list[dict[str, Any]] = [{} for _ in mine]  # each chunk's forward scratch, across layers
+            for i, layer in enumerate(adapter.layers):
+                if layer.mixer.grows:
+                    past = self._earlier_rows(i) if mine else []
+                else:
+                    carried = self._recurrent_before(i)
+                for k, (a, b) in enumerate(mine):
+                    rows = slice(a - lo, b - lo)
+                    ctx = LayerContext(past=list(past)) if layer.mixer.grows else LayerContext(recurrent=carried)
+                    h[rows], new = adapter.run_layer(
+                        layer, h[rows], positions[rows], (rope[0][rows], rope[1][rows]), ctx, scratch[k],
+                        engine.local_attention, a,
+                    )  # fmt: skip
+                    if layer.mixer.grows:
+                        arena = arenas[i]
+                        assert arena is not None  # sized for this rank's rows
+                        blocks[k][i] = arena.append(new)
+                        past.append(PastBlock(blocks[k][i].views(), None, a))
+                    else:
+                        carried = new
+                        recurrent[k][i] = RecurrentState.owning(new)
+                self._pass_on(i, layer.mixer.grows, blocks, carried if not layer.mixer.grows and mine else None)
+                self.shards.flush()  # one layer's sends in flight at a time: their buffers are copies
+        return self._records(blocks, recurrent)
+
+    def _earlier_rows(self, i: int) -> list[PastBlock]:
+        """Layer ``i``'s rows before this rank's first chunk, received from the ranks that hold them."""
+        past = []
+        for src in range(self.shards.rank):
+            if self.rows[src]:
+                tensors = self.shards.recv(src, i, self.engine.adapter.device)
+                past.append(PastBlock(tensors, None, self.rows[src][0]))
+        past += self.engine._past_blocks(self.state.positioned_blocks(i), None, 0)  # this rank's own, earlier
+        return past
+
+    def _recurrent_before(self, i: int) -> tuple[Tensor, ...] | None:
+        """Layer ``i``'s recurrent state before this rank's first chunk: the parent's, or the previous rank's."""
+        if not self.mine:
+            return None
+        if self.mine[0] == 0:
+            return self.state.recurrent(i).tensors if self.state.chunks else None  # type: ignore[union-attr]
+        return self.shards.recv(self.owners[self.mine[0] - 1], i, self.engine.adapter.device)
+
+    def _pass_on(
+        self, i: int, grows: bool, blocks: list[list[Block | None]], carried: tuple[Tensor, ...] | None
+    ) -> None:
+        """Send what later ranks need of layer ``i``: this rank's rows, or the recurrent state after its chunks."""
+        rank = self.shards.rank
+        if grows:
+            if not self.rows[rank]:
+                return
+            own = [b.views() for _, b in self.state.positioned_blocks(i)]
+            own += [row[i].views() for row in blocks if row[i] is not None]  # type: ignore[union-attr]
+            rows = [torch.cat(parts) for parts in zip(*own, strict=True)]
+            for dst in self.computing:
+                if dst > rank:
+                    self.shards.send(rows, dst, i, "rows")
+        elif carried is not None and self.mine[-1] + 1 < len(self.pieces):
+            self.shards.send(carried, self.owners[self.mine[-1] + 1], i, "recurrent")
+
+    def _records(self, blocks: list[list[Block | None]], recurrent: list[list[RecurrentState | None]]) -> State:
+        """The child state; recurrent states another rank computed are broadcast by it where this rank's later work
+        reads them (the last chunk's, and the checkpoints exact mode's replicated reverse walk starts from)."""
+        engine, state = self.engine, self.state
+        recurrent_layers = [i for i, layer in enumerate(engine.adapter.layers) if not layer.mixer.grows]
+        current, k = state, 0
+        for j, (a, b) in enumerate(self.pieces):
+            mine = self.owners[j] == self.shards.rank
+            record_blocks = blocks[k] if mine else [None] * engine.num_layers
+            states = recurrent[k] if mine else [None] * engine.num_layers
+            needed = j == len(self.pieces) - 1 or state.keeps_checkpoint(len(state.chunks) + j)
+            if recurrent_layers and needed:
+                states = self._shared_recurrent(states, recurrent_layers, self.owners[j])
+            current = current.append(ChunkRecord(a, b - a, tuple(record_blocks), tuple(states)))
+            k += mine
+        return current
+
+    def _shared_recurrent(
+        self, states: list[RecurrentState | None], layers: list[int], src: int
+    ) -> list[RecurrentState | None]:
+        mine = src == self.shards.rank
+        flat = [t for i in layers for t in states[i].tensors] if mine else None  # type: ignore[union-attr]
+        received = self.shards.broadcast_tensors(flat, src, self.engine.adapter.device)
+        if mine:
+            return states
+        out: list[RecurrentState | None] = [None] * self.engine.num_layers
+        at = 0
+        for i in layers:
+            count = len(self.engine.adapter.layers[i].mixer.state_shapes())
+            out[i] = RecurrentState(received[at : at + count])
+            at += count
+        return out
 
 
 class _RecurrentWalk:

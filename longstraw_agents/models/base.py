@@ -244,9 +244,7 @@ class FamilyAdapter(ABC):
         checkpoint_layers: under autograd, keep only each layer's input and recompute the layer in backward
         (activation checkpointing, ``torch.utils.checkpoint``): a graph then holds one hidden vector per token and
         layer plus one layer's activations, instead of every layer's."""
-        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-        h = self.backbone.embed_tokens(ids)
-        rope = self.rope(h, positions)
+        h, positions, rope = self.embed(ids, start)
         shared = {} if shared is None else shared
         attention = Attention() if attention is None else attention
         new_entries: list[tuple[Tensor, ...]] = []
@@ -258,18 +256,39 @@ class FamilyAdapter(ABC):
 
             def run(h: Tensor, layer: DecoderLayer = layer, ctx: LayerContext = ctx, seen=seen, written=written):
                 scratch = dict(seen)
-                x = layer.input_norm(h)
-                out = layer.mixer.forward(
-                    MixerInput(x, positions, rope, ctx.past, ctx.recurrent, scratch, attention, start)
-                )
+                h, new = self.run_layer(layer, h, positions, rope, ctx, scratch, attention, start)
                 written.update(scratch)
-                h = h + out.y
-                return (h + layer.mlp(layer.post_norm(h)), *out.new)
+                return (h, *new)
 
             h, *new = checkpoint(run, h, use_reentrant=False) if recompute else run(h)
             shared.update(written)
             new_entries.append(tuple(new))
         return self.final_norm(h), new_entries
+
+    def embed(self, ids: Tensor, start: int) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """The embeddings of ``ids`` at positions ``start..``, those positions, and their rotary tables."""
+        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+        h = self.backbone.embed_tokens(ids)
+        return h, positions, self.rope(h, positions)
+
+    @staticmethod
+    def run_layer(
+        layer: DecoderLayer,
+        h: Tensor,
+        positions: Tensor,
+        rope: tuple[Tensor, Tensor],
+        ctx: LayerContext,
+        shared: dict[str, Any],
+        attention: Attention,
+        start: int,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """One decoder layer over ``h`` (positions ``start..``): the layer's output and what it adds to the state
+        (``shared``: the forward's scratch, which the layer may read and write)."""
+        out = layer.mixer.forward(
+            MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention, start)
+        )
+        h = h + out.y
+        return h + layer.mlp(layer.post_norm(h)), out.new
 
     def decode(
         self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None

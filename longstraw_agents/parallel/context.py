@@ -23,6 +23,8 @@ compute is replicated, memory is sharded).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,8 @@ from torch import Tensor
 from longstraw_agents.attention import merge
 
 LAST = 1 << 62  # the last shard reaches past any position
+HEADER = 64  # int64 slots of a message's header: tensor count, then per tensor dtype code, ndim and dims
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
 
 @dataclass
@@ -46,7 +50,17 @@ class ContextParallel:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        self.sent_bytes: dict[str, int] = {"partials": 0, "dq": 0, "topk": 0, "state_grad": 0}  # this rank's sends
+        # this rank's sends, by what they carry
+        self.sent_bytes: dict[str, int] = {
+            "partials": 0,
+            "dq": 0,
+            "topk": 0,
+            "state_grad": 0,
+            "rows": 0,
+            "recurrent": 0,
+        }
+        self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
+        self._pending: list[tuple[dist.Work, list[Tensor]]] = []  # sends in flight and the tensors they read
 
     @classmethod
     def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
@@ -107,6 +121,76 @@ class ContextParallel:
         cat_scores, cat_positions = torch.cat(all_scores, 1), torch.cat(all_positions, 1)
         order = torch.sort(cat_scores, dim=1, descending=True, stable=True).indices[:, :k]
         return cat_scores.gather(1, order), cat_positions.gather(1, order)
+
+    # --- point to point (the layer-major capture's wavefront) ------------------------------------------------
+    def send(self, tensors: Sequence[Tensor], dst: int, tag: int, kind: str) -> None:
+        """Start sending ``tensors`` (any dtypes and shapes) to rank ``dst`` of the group; ``flush`` waits for it.
+        ``kind``: what they carry, for ``sent_bytes``."""
+        peer = dist.get_global_rank(self.group, dst)
+        payload = [t.contiguous() for t in tensors]
+        header = _header(payload)
+        works = [dist.isend(header, peer, group=self.group, tag=tag)]
+        works += [dist.isend(t, peer, group=self.group, tag=tag) for t in payload]
+        self._pending.extend((work, [header, *payload]) for work in works)
+        self.sent_bytes[kind] += sum(_nbytes(t) for t in payload)
+
+    def recv(self, src: int, tag: int, device: torch.device) -> tuple[Tensor, ...]:
+        """What rank ``src`` sent with ``tag`` (blocks until it arrives)."""
+        peer = dist.get_global_rank(self.group, src)
+        began = time.perf_counter()
+        header = torch.empty(HEADER, dtype=torch.int64)
+        dist.recv(header, peer, group=self.group, tag=tag)
+        out = tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, shape in _parse(header))
+        for t in out:
+            dist.recv(t, peer, group=self.group, tag=tag)
+        self.waited_s += time.perf_counter() - began
+        return out
+
+    def flush(self) -> None:
+        """Wait until every send this rank started has been received."""
+        began = time.perf_counter()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        self.waited_s += time.perf_counter() - began
+
+    def broadcast_tensors(self, tensors: Sequence[Tensor] | None, src: int, device: torch.device) -> tuple[Tensor, ...]:
+        """Rank ``src``'s ``tensors`` (any dtypes and shapes; None on the other ranks) on every rank."""
+        peer = dist.get_global_rank(self.group, src)
+        began = time.perf_counter()
+        header = _header(list(tensors)) if tensors is not None else torch.empty(HEADER, dtype=torch.int64)
+        dist.broadcast(header, src=peer, group=self.group)
+        if tensors is not None:
+            out = tuple(t.contiguous() for t in tensors)
+            self.sent_bytes["recurrent"] += sum(_nbytes(t) for t in out)
+        else:
+            out = tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, shape in _parse(header))
+        for t in out:
+            dist.broadcast(t, src=peer, group=self.group)
+        self.waited_s += time.perf_counter() - began
+        return out
+
+
+def _header(tensors: Sequence[Tensor]) -> Tensor:
+    """The fixed-size int64 header that lets a receiver allocate ``tensors``: count, then (dtype, ndim, *shape)."""
+    slots = [len(tensors)]
+    for t in tensors:
+        slots += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(slots) > HEADER:
+        raise ValueError(f"a message of {len(tensors)} tensors needs {len(slots)} header slots; at most {HEADER}")
+    header = torch.full((HEADER,), -1, dtype=torch.int64)
+    header[: len(slots)] = torch.tensor(slots, dtype=torch.int64)
+    return header
+
+
+def _parse(header: Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    slots = header.tolist()
+    found, at = [], 1
+    for _ in range(slots[0]):
+        dtype, ndim = _DTYPES[slots[at]], slots[at + 1]
+        found.append((dtype, tuple(slots[at + 2 : at + 2 + ndim])))
+        at += 2 + ndim
+    return found
 
 
 def _nbytes(t: Tensor) -> int:

@@ -22,8 +22,12 @@ def test_sharded_state_gives_the_results_of_one_process(tmp_path: Path, world: i
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for family in OVERRIDES:
         for result in ranks:  # every rank computes the same (replicated) results
-            for what in ("logits", "extend", "exact", "detached"):
+            for what in ("logits", "extend", "resumed", "exact", "detached"):
                 assert result[f"{family}/{what}"] <= 1e-10, (family, what, result[f"{family}/{what}"])
+        # compute is sharded: each rank evaluated every layer of its own chunks only, once
+        for result in ranks:
+            assert result[f"{family}/layer_runs"] == result[f"{family}/layers"] * result[f"{family}/own_chunks"]
+        assert sum(r[f"{family}/own_chunks"] for r in ranks) == ranks[0][f"{family}/chunks"]
         held = [r[f"{family}/growing_bytes"] for r in ranks]
         total, chunk = ranks[0][f"{family}/single_growing_bytes"], ranks[0][f"{family}/chunk_bytes"]
         assert sum(held) == total  # every position's state is stored once, by its owner

@@ -37,6 +37,19 @@ def gradient(engine: Engine, prompt, completions, rewards, mode: str) -> torch.T
     return grads(engine.model)
 
 
+def counting_layer_runs(engine: Engine) -> list[int]:
+    """A counter (one cell) of the layer evaluations ``engine`` makes from now on."""
+    count = [0]
+    run_layer = engine.adapter.run_layer
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return run_layer(*args, **kwargs)
+
+    engine.adapter.run_layer = counted  # type: ignore[method-assign]
+    return count
+
+
 def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -53,7 +66,16 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
         single = Engine(model, EngineConfig(chunk_size=CHUNK))
         parallel = Engine(model, EngineConfig(chunk_size=CHUNK), shards=shards)
         reference = single.capture(prompt)
-        state = parallel.capture(prompt)
+        layer_runs = counting_layer_runs(parallel)
+        state = parallel.capture(prompt)  # sharded compute: this rank evaluates its own chunks only
+        results[f"{family}/layer_runs"] = layer_runs[0]
+        results[f"{family}/own_chunks"] = sum(1 for c in state.chunks if shards.owner(c.start) == rank)
+        results[f"{family}/layers"] = parallel.num_layers
+        results[f"{family}/chunks"] = len(state.chunks)
+        head = PROMPT // 3  # an extend whose parent's rows already sit on several ranks
+        resumed = parallel.extend(parallel.capture(prompt[:head]), prompt[head:])
+        with torch.no_grad():
+            results[f"{family}/resumed"] = relative(parallel.logits(resumed, branch), single.logits(reference, branch))
         with torch.no_grad():
             results[f"{family}/logits"] = relative(parallel.logits(state, branch), single.logits(reference, branch))
             extended = parallel.extend(state, branch)  # later positions go to the last rank
