@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
@@ -112,8 +112,10 @@ def checkpoint_spacing(model_config: Any, dtype: torch.dtype, config: EngineConf
 
 class StateShards(Shards, Protocol):
     """Context parallelism as the engine sees it: the ranks of a group hold contiguous shards of the positions'
-    state (``longstraw_agents.parallel.ContextParallel`` implements it). Every rank runs the same computation; a
-    position's attention/MLA state is stored by its owner only, and attention merges every rank's partial."""
+    state (``longstraw_agents.parallel.ContextParallel`` implements it); a position's attention/MLA state is stored
+    by its owner only. A capture (and exact mode's walk over it) shards the compute too — each rank evaluates its own
+    chunks, meeting the others in a wavefront of point-to-point messages; short extends and branch replays run the
+    same computation on every rank, attention merging every rank's partial."""
 
     rank: int
 
@@ -139,8 +141,12 @@ class StateShards(Shards, Protocol):
         """What rank ``src`` sent with ``tag``."""
         ...
 
-    def flush(self) -> None:
-        """Wait for this rank's sends."""
+    def flush(self, kind: str | None = None, keep: int = 0) -> None:
+        """Wait for this rank's sends (of ``kind``; all but the last ``keep`` messages)."""
+        ...
+
+    def sum_(self, tensor: Tensor, kind: str = "dq") -> Tensor:
+        """``tensor`` summed over the ranks, in place (``kind`` names the payload)."""
         ...
 
     def broadcast_tensors(self, tensors: Sequence[Tensor] | None, src: int, device: torch.device) -> tuple[Tensor, ...]:
@@ -152,8 +158,10 @@ class Engine:
     """capture / extend / logits over a model's own state objects (never a transformers cache).
 
     shards: context parallelism (``longstraw_agents.parallel``): this rank stores the state of its shard of the
-    positions only, and every rank of the group must make the same calls in the same order (the computation is
-    replicated; attention combines the ranks' partials). Results equal one process's."""
+    positions only, and every rank of the group must make the same calls in the same order. A capture (an extend
+    at least as long as its parent) and exact mode's walk over it are computed shard by shard, layer by layer, in a
+    wavefront across the ranks (``_ShardedExtend``, ``_WavefrontWalk``); shorter extends and branch replays are
+    replicated, attention combining the ranks' partial results. Results equal one process's."""
 
     def __init__(
         self,
@@ -283,6 +291,10 @@ class Engine:
         first = next((j for j, chunk in enumerate(state.chunks) if chunk.start >= base), len(state.chunks))
         if first < len(state.chunks) and state.chunks[first].start != base:
             raise ValueError("`since` must be an ancestor of `state` (its end must fall on a chunk boundary)")
+        inputs = kept.pop_layer_inputs(state) if kept is not None and base == 0 else None
+        if inputs is not None and self.shards is not None:  # a sharded capture: its ranks walk it in a wavefront
+            _WavefrontWalk(self, self.shards, state, grad, ids, loss_fn, inputs).run()
+            return
         walk = _RecurrentWalk(self, state, since, ids, base, first)
         for j in reversed(range(first, len(state.chunks))):
             chunk = state.chunks[j]
@@ -391,7 +403,7 @@ class Engine:
         keeping = keep is not None and keep.budget_bytes > 0
         if self.shards is not None and not keeping and not want_logits and ids.shape[0] >= state.num_tokens:
             # a long extend (a capture): each rank computes its own shard, layer by layer (see _ShardedExtend)
-            return _ShardedExtend(self, self.shards, state, ids, chunk).run(reserve), None
+            return _ShardedExtend(self, self.shards, state, ids, chunk).run(reserve, keep), None
         pieces = self._pieces(state.num_tokens, ids.shape[0], chunk)
         owned = sum(hi - lo for lo, hi in pieces if self._owns(state.num_tokens + lo))
         arenas = self._arenas_for(state, owned, reserve if self._owns(state.num_tokens + ids.shape[0] - 1) else 0)
@@ -536,6 +548,7 @@ class GraphBank:
     def __init__(self, budget_bytes: int, grad: StateGrad):
         self.budget_bytes, self.grad = budget_bytes, grad
         self._graphs: dict[int, KeptGraph] = {}  # by id of the chunk record, in insertion (capture) order
+        self._layer_inputs: dict[int, LayerInputs] = {}  # sharded captures', by id of the state's last record
         self.nbytes = 0
 
     @staticmethod
@@ -556,6 +569,18 @@ class GraphBank:
         if graph is not None:
             self.nbytes -= graph.nbytes
         return graph
+
+    def add_layer_inputs(self, state: State, inputs: LayerInputs) -> None:
+        """Keep a sharded capture's layer inputs on this rank (outside the graph budget: the wavefront walk needs
+        them, where the replicated walk would recompute every chunk on every rank)."""
+        self._layer_inputs[id(state.chunks[-1])] = inputs
+        self.nbytes += inputs.nbytes
+
+    def pop_layer_inputs(self, state: State) -> LayerInputs | None:
+        inputs = self._layer_inputs.pop(id(state.chunks[-1]), None) if state.chunks else None
+        if inputs is not None:
+            self.nbytes -= inputs.nbytes
+        return inputs
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -597,7 +622,9 @@ class _ShardedExtend:
         for (a, b), owner in zip(self.pieces, self.owners, strict=True):
             self.rows[owner] += [a, b]
 
-    def run(self, reserve: int) -> State:
+    def run(self, reserve: int, keep: GraphBank | None = None) -> State:
+        """The child state. keep: exact mode's bank, which then holds this rank's layer inputs (``LayerInputs``)
+        for the wavefront walk of a capture from position 0."""
         engine, adapter = self.engine, self.engine.adapter
         mine = [self.pieces[j] for j in self.mine]
         width = sum(b - a for a, b in mine)
@@ -610,11 +637,14 @@ class _ShardedExtend:
                 lo = mine[0][0]
                 h, positions, rope = adapter.embed(self.ids[lo - self.base : mine[-1][1] - self.base], lo)
                 scratch: list[dict[str, Any]] = [{} for _ in mine]  # each chunk's forward scratch, across layers
+                inputs = LayerInputs(positions, rope) if keep is not None and self.base == 0 else None
             for i, layer in enumerate(adapter.layers):
                 if layer.mixer.grows:
                     past = self._earlier_rows(i) if mine else []
                 else:
                     carried = self._recurrent_before(i)
+                if mine and inputs is not None:
+                    inputs.add_layer(h, scratch, None if layer.mixer.grows else carried)
                 for k, (a, b) in enumerate(mine):
                     rows = slice(a - lo, b - lo)
                     ctx = LayerContext(past=list(past)) if layer.mixer.grows else LayerContext(recurrent=carried)
@@ -625,14 +655,19 @@ class _ShardedExtend:
                     if layer.mixer.grows:
                         arena = arenas[i]
                         assert arena is not None  # sized for this rank's rows
-                        blocks[k][i] = arena.append(new)
-                        past.append(PastBlock(blocks[k][i].views(), None, a))
+                        written = arena.append(new)
+                        blocks[k][i] = written
+                        past.append(PastBlock(written.views(), None, a))
                     else:
                         carried = new
                         recurrent[k][i] = RecurrentState.owning(new)
                 self._pass_on(i, layer.mixer.grows, blocks, carried if not layer.mixer.grows and mine else None)
                 self.shards.flush()  # one layer's sends in flight at a time: their buffers are copies
-        return self._records(blocks, recurrent)
+        child = self._records(blocks, recurrent)
+        if mine and inputs is not None and keep is not None:
+            inputs.final = h
+            keep.add_layer_inputs(child, inputs)
+        return child
 
     def _earlier_rows(self, i: int) -> list[PastBlock]:
         """Layer ``i``'s rows before this rank's first chunk, received from the ranks that hold them."""
@@ -677,8 +712,9 @@ class _ShardedExtend:
         current, k = state, 0
         for j, (a, b) in enumerate(self.pieces):
             mine = self.owners[j] == self.shards.rank
+            nothing: list[RecurrentState | None] = [None] * engine.num_layers
             record_blocks = blocks[k] if mine else [None] * engine.num_layers
-            states = recurrent[k] if mine else [None] * engine.num_layers
+            states = recurrent[k] if mine else nothing
             needed = j == len(self.pieces) - 1 or state.keeps_checkpoint(len(state.chunks) + j)
             if recurrent_layers and needed:
                 states = self._shared_recurrent(states, recurrent_layers, self.owners[j])
@@ -701,6 +737,260 @@ class _ShardedExtend:
             out[i] = RecurrentState(received[at : at + count])
             at += count
         return out
+
+
+@dataclass(eq=False)
+class LayerInputs:
+    """What a sharded capture keeps on a rank for exact mode's wavefront walk: per layer, the input hidden states of
+    the rank's chunks ``[n, hidden]`` and each chunk's forward scratch before the layer (DSA's selection), the
+    recurrent state before the rank's first chunk (recurrent layers), and the last layer's output. It costs one
+    hidden vector per token and layer of the shard; the walk then needs no forward pass before it."""
+
+    positions: Tensor
+    rope: tuple[Tensor, Tensor]
+    hidden: list[Tensor] = field(default_factory=list)
+    scratch: list[list[dict[str, Any]]] = field(default_factory=list)
+    recurrent: list[tuple[Tensor, ...] | None] = field(default_factory=list)
+    final: Tensor | None = None
+
+    def add_layer(self, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
+        self.hidden.append(h.clone())
+        self.scratch.append([dict(s) for s in scratch])
+        self.recurrent.append(None if recurrent is None else tuple(t.clone() for t in recurrent))
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.hidden, *(t for r in self.recurrent if r is not None for t in r)]
+        tensors += [] if self.final is None else [self.final]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+_ROWS_TAG, _ROW_GRADS_TAG, _RECURRENT_GRAD_TAG = 1 << 12, 2 << 12, 3 << 12  # + the layer index (< 4096 layers)
+
+
+class _WavefrontWalk:
+    """Exact mode's reverse walk over a sharded capture (``_ShardedExtend`` from position 0), compute sharded: each
+    rank backpropagates only its own chunks, layer by layer from the last, reading the layer inputs the capture kept.
+
+    Layer i on rank r needs the gradient of its chunks' outputs of layer i — from its own layer i+1 — and of the
+    state rows it holds of layer i — from every later query, i.e. its own later chunks and every later rank's
+    chunks at layer i. So rank r walks layer i once it has finished layer i+1 and the later ranks have finished layer
+    i: a wavefront from the last rank, whose critical path is ``layers + ranks - 1`` layer steps (the naive order,
+    each rank walking all its layers after the later ranks finished all theirs, is their product). The messages:
+
+    - before the walk, each rank posts its rows of every growing layer to the later ranks (views of its arenas, no
+      copies; a receiver takes layer i's when it gets there and drops them after); the receiver attends to them
+      with gradient sinks of their own, and sends those sinks (the gradient for the earlier rank's K/V) back to
+      their owner once its layer i is done, where they are added into the state's gradient;
+    - a recurrent layer's state gradient before a rank's first chunk goes to the rank that holds the chunk before.
+
+    The replicated part of the parameters' gradient (the branch replays, which every rank ran) is divided by the
+    number of ranks before the walk, and the sum over ranks afterwards restores it and adds every rank's share of the
+    prefix's (an exact division: cp sizes are powers of two in practice; any size is correct to rounding)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        shards: StateShards,
+        state: State,
+        grad: StateGrad,
+        ids: Tensor,
+        loss_fn: ChunkLoss | None,
+        inputs: LayerInputs,
+    ):
+        self.engine, self.shards, self.state, self.grad, self.ids = engine, shards, state, grad, ids
+        self.loss_fn, self.inputs = loss_fn, inputs
+        self.owners = [shards.owner(c.start) for c in state.chunks]
+        self.mine = [j for j, owner in enumerate(self.owners) if owner == shards.rank]
+        self.computing = sorted(set(self.owners))
+        self.row_start = {owner: state.chunks[self.owners.index(owner)].start for owner in self.computing}
+        self.lo = state.chunks[self.mine[0]].start if self.mine else 0
+
+    def run(self) -> None:
+        engine = self.engine
+        params = [p for p in engine.model.parameters() if p.requires_grad]
+        had_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.shards.size)  # the replicated part, summed back below
+        self._post_rows()
+        g = self._seed()
+        for i in reversed(range(engine.num_layers)):
+            if engine.adapter.layers[i].mixer.grows:
+                self._add_row_grads(i)
+                g = self._backward_growing(i, g)
+            else:
+                g = self._backward_recurrent(i, g)
+            self.shards.flush("state_grad", keep=self.shards.size**2)  # a window of layers in flight
+        if g is not None:  # into the embeddings of this rank's tokens
+            with torch.enable_grad():
+                h, _, _ = engine.adapter.embed(self.ids[self.lo : self.lo + g.shape[0]], self.lo)
+                h.backward(g)
+        self.shards.flush()
+        self._sum_parameter_grads(params, had_grad)
+
+    # --- messages ---------------------------------------------------------------------------------------------
+    def _own_rows(self, i: int) -> list[tuple[int, Block]]:
+        return self.state.positioned_blocks(i)
+
+    def _post_rows(self) -> None:
+        """Start sending this rank's rows of every growing layer (last layer first) to the later computing ranks."""
+        rank = self.shards.rank
+        later = [dst for dst in self.computing if dst > rank]
+        if not self.mine or not later:
+            return
+        for i in reversed(range(self.engine.num_layers)):
+            if not self.engine.adapter.layers[i].mixer.grows:
+                continue
+            views = [b.views() for _, b in self._own_rows(i)]
+            rows = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*views, strict=True)]
+            for dst in later:
+                self.shards.send(rows, dst, _ROWS_TAG + i, "rows")
+
+    def _add_row_grads(self, i: int) -> None:
+        """Add what the later ranks' queries sent back for this rank's rows of layer ``i`` into the state gradient."""
+        if not self.mine:
+            return
+        for src in self.computing:
+            if src <= self.shards.rank:
+                continue
+            received = self.shards.recv(src, _ROW_GRADS_TAG + i, self.engine.adapter.device)
+            offset = 0
+            for _, block in self._own_rows(i):
+                for buffer, part in zip(self.grad.block_grads(block), received, strict=True):
+                    buffer.add_(part[offset : offset + block.length])
+                offset += block.length
+
+    # --- the walk ---------------------------------------------------------------------------------------------
+    def _rows(self, j: int) -> slice:
+        chunk = self.state.chunks[j]
+        return slice(chunk.start - self.lo, chunk.end - self.lo)
+
+    def _layer(
+        self, i: int, j: int, x: Tensor, ctx: LayerContext, scratch: dict[str, Any]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        rows, inputs = self._rows(j), self.inputs
+        rope = (inputs.rope[0][rows], inputs.rope[1][rows])
+        layer, start = self.engine.adapter.layers[i], self.state.chunks[j].start
+        return self.engine.adapter.run_layer(
+            layer, x, inputs.positions[rows], rope, ctx, dict(scratch), self.engine.local_attention, start
+        )
+
+    def _seed(self) -> Tensor | None:
+        """The gradient of the loss (``loss_fn`` over this rank's chunks) w.r.t. the last layer's output."""
+        if not self.mine or self.loss_fn is None:
+            return None
+        assert self.inputs.final is not None  # the capture keeps it
+        with torch.enable_grad():
+            x = self.inputs.final.detach().requires_grad_(True)
+            hidden = self.engine.adapter.final_norm(x)
+            chunks = [self.state.chunks[j] for j in self.mine]
+            losses = [
+                self.loss_fn(hidden[self._rows(j)], c.start, c.end) for j, c in zip(self.mine, chunks, strict=True)
+            ]
+            found = [loss for loss in losses if loss is not None]
+            if not found:
+                return None
+            torch.autograd.backward(found, [torch.ones_like(loss) for loss in found])
+        return x.grad
+
+    def _backward_growing(self, i: int, g: Tensor | None) -> Tensor | None:
+        """Layer ``i`` (attention / MLA) of this rank's chunks, last chunk first; returns the gradient of its input."""
+        if not self.mine:
+            return None
+        remote = []
+        for src in self.computing:
+            if src < self.shards.rank:
+                rows = self.shards.recv(src, _ROWS_TAG + i, self.engine.adapter.device)
+                sinks = tuple(torch.zeros(t.shape, dtype=_grad_dtype(t, self.grad), device=t.device) for t in rows)
+                remote.append(PastBlock(rows, sinks, self.row_start[src]))
+        g_in = torch.zeros_like(self.inputs.hidden[i])
+        for k in reversed(range(len(self.mine))):
+            j = self.mine[k]
+            chunk, span = self.state.chunks[j], self._rows(j)
+            own = self.engine._past_blocks(self.state.positioned_blocks(i, j), self.grad, 0)
+            block = chunk.blocks[i]
+            upstream = self.grad.existing_block_grads(block) if block is not None else None
+            with torch.enable_grad():
+                x = self.inputs.hidden[i][span].detach().requires_grad_(True)
+                out, new = self._layer(i, j, x, LayerContext(past=[*remote, *own]), self.inputs.scratch[i][k])
+                self._backpropagate(out, g, span, new, upstream)
+            if x.grad is not None:
+                g_in[span] = x.grad
+        for past in remote:  # the earlier ranks' K/V gradient, to their owners
+            assert past.grads is not None
+            self.shards.send(past.grads, self.shards.owner(past.start), _ROW_GRADS_TAG + i, "state_grad")
+        for _, block in self._own_rows(i):
+            self.grad.release_arena(block.arena)
+        return g_in
+
+    def _backward_recurrent(self, i: int, g: Tensor | None) -> Tensor | None:
+        """Layer ``i`` (GatedDeltaNet) of this rank's chunks: the states before each recomputed forward from the one
+        before the rank's first chunk, then each chunk backpropagated last first, the state gradient carried back."""
+        if not self.mine:
+            return None
+        carry = self._recurrent_grad_after_last(i)
+        befores = [self.inputs.recurrent[i]]
+        with torch.no_grad():
+            for k, j in enumerate(self.mine[:-1]):
+                x = self.inputs.hidden[i][self._rows(j)]
+                _, new = self._layer(i, j, x, LayerContext(recurrent=befores[-1]), self.inputs.scratch[i][k])
+                befores.append(new)
+        g_in = torch.zeros_like(self.inputs.hidden[i])
+        for k in reversed(range(len(self.mine))):
+            j, rows = self.mine[k], self._rows(self.mine[k])
+            with torch.enable_grad():
+                before = befores[k]
+                leaves = None if before is None else tuple(t.detach().requires_grad_(True) for t in before)
+                x = self.inputs.hidden[i][rows].detach().requires_grad_(True)
+                out, new = self._layer(i, j, x, LayerContext(recurrent=leaves), self.inputs.scratch[i][k])
+                self._backpropagate(out, g, rows, new, carry)
+            if x.grad is not None:
+                g_in[rows] = x.grad
+            carry = (
+                None if leaves is None else tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
+            )
+        if self.mine[0] > 0:
+            assert carry is not None  # a chunk after position 0 starts from a state
+            self.shards.send(carry, self.owners[self.mine[0] - 1], _RECURRENT_GRAD_TAG + i, "state_grad")
+        return g_in
+
+    def _recurrent_grad_after_last(self, i: int) -> tuple[Tensor, ...] | None:
+        last = self.mine[-1]
+        if last + 1 < len(self.state.chunks):
+            return self.shards.recv(self.owners[last + 1], _RECURRENT_GRAD_TAG + i, self.engine.adapter.device)
+        rec = self.state.chunks[last].recurrent[i]
+        found = None if rec is None else self.grad.existing_recurrent_grads(rec)
+        if rec is not None:
+            self.grad.release_recurrent(rec)
+        return found
+
+    @staticmethod
+    def _backpropagate(
+        out: Tensor, g: Tensor | None, rows: slice, new: tuple[Tensor, ...], upstream: Sequence[Tensor] | None
+    ) -> None:
+        outputs: list[Tensor] = []
+        grads: list[Tensor] = []
+        if g is not None:
+            outputs.append(out)
+            grads.append(g[rows])
+        if upstream is not None:
+            outputs.extend(new)
+            grads.extend(u.to(o.dtype) for o, u in zip(new, upstream, strict=True))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+    def _sum_parameter_grads(self, params: list[nn.Parameter], had_grad: Tensor) -> None:
+        """Every rank's parameter gradient summed over the ranks (one flat all-reduce); a parameter no rank gave a
+        gradient keeps none (as in one process: an optimizer skips it)."""
+        any_grad = self.shards.sum_(had_grad + torch.tensor([p.grad is not None for p in params]), "param_grads")
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.shards.sum_(torch.cat([t.reshape(-1) for t in grads]), "param_grads")
+        offset = 0
+        for p, t, has in zip(params, grads, any_grad.tolist(), strict=True):
+            n = t.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone() if has else None
+            offset += n
 
 
 class _RecurrentWalk:

@@ -2,23 +2,26 @@
 
 Position ``p`` belongs to rank ``min(p // shard_size, N - 1)``: a prompt is spread evenly when ``shard_size`` is
 its length over N (rounded up to the chunk size), and positions past the last shard (later turns, branches) go to
-the last rank. What each rank stores: the attention K/V, MLA rows and DSA index keys of its own positions — so a
-rank holds ``state / N`` (± one chunk). What every rank computes: everything else, replicated (embeddings,
-projections, MLPs, recurrent layers, the LM head, the loss), so that activations, recurrent states and parameter
-gradients are the same on every rank and nothing else needs reducing. The collectives, all called by every rank in
-the same order:
+the last rank. A rank stores the attention K/V, MLA rows and DSA index keys of its own positions — ``state / N``
+(± one chunk). Two schedules share this object (the engine picks one per call; docs/distributed.md):
 
-- attention (``merge_partials``): each rank attends to its own blocks; the partials ``(out, lse)`` are all-gathered
-  and merged by log-sum-exp in rank order (an all-gather rather than a ring: the queries are replicated, so one
-  collective per layer and chunk gives every rank the result; a ring would pass K/V, which is what must not move);
-  in backward each rank adds its blocks' ``dq`` and the sum is all-reduced (``sum_``), while ``dK``/``dV`` stay in
-  the owner's state gradient;
-- DSA (``merge_topk``): each rank selects the top-k over its shard; the candidates are all-gathered and merged into
-  the global top-k (ties to the earlier position, as in one process);
-- exact mode's reverse walk (``broadcast``): the gradient waiting for a chunk's K/V lives on its owner and is
-  broadcast before the replicated recomputation backpropagates it.
-GatedDeltaNet states need no message: every rank computes every chunk (the price of this first schedule:
-compute is replicated, memory is sharded).
+- **Sharded compute** (a capture, and exact mode's reverse walk over it): each rank evaluates only its own chunks,
+  layer by layer across them, and the ranks meet in a wavefront through point-to-point messages (``send`` /
+  ``recv``): a layer's earlier rows go from the ranks that hold them to the later ranks that compute (forward),
+  their K/V gradient comes back to the owner (backward), GatedDeltaNet states and their gradients pass between
+  neighbouring ranks; the owners ``broadcast_tensors`` the recurrent states every rank's later work reads.
+- **Replicated compute** (short extends: turns, branch replays): every rank computes the same tokens and the
+  collectives below combine what each contributes, all called by every rank in the same order:
+
+  - attention (``merge_partials``): each rank attends to its own blocks; the partials ``(out, lse)`` are
+    all-gathered and merged by log-sum-exp in rank order (an all-gather rather than a ring: the queries are
+    replicated, so one collective per layer and chunk gives every rank the result, and K/V stays in place); in
+    backward each rank adds its blocks' ``dq`` and the sum is all-reduced (``sum_``), while ``dK``/``dV`` stay in
+    the owner's state gradient;
+  - DSA (``merge_topk``): each rank selects the top-k over its shard; the candidates are all-gathered and merged
+    into the global top-k (ties to the earlier position, as in one process);
+  - a replicated reverse walk (``broadcast``): the gradient waiting for a chunk's K/V lives on its owner and is
+    broadcast before the replicated recomputation backpropagates it.
 """
 
 from __future__ import annotations
@@ -51,16 +54,11 @@ class ContextParallel:
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         # this rank's sends, by what they carry
-        self.sent_bytes: dict[str, int] = {
-            "partials": 0,
-            "dq": 0,
-            "topk": 0,
-            "state_grad": 0,
-            "rows": 0,
-            "recurrent": 0,
-        }
+        kinds = ("partials", "dq", "topk", "state_grad", "rows", "recurrent", "param_grads")
+        self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
         self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
-        self._pending: list[tuple[dist.Work, list[Tensor]]] = []  # sends in flight and the tensors they read
+        # per kind, the messages in flight: each one's works and the tensors they read (kept alive until done)
+        self._pending: dict[str, list[tuple[list[dist.Work | None], list[Tensor]]]] = {}
 
     @classmethod
     def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
@@ -92,9 +90,9 @@ class ContextParallel:
         assert merged is not None
         return merged
 
-    def sum_(self, tensor: Tensor) -> Tensor:
+    def sum_(self, tensor: Tensor, kind: str = "dq") -> Tensor:
         dist.all_reduce(tensor, group=self.group)
-        self.sent_bytes["dq"] += _nbytes(tensor)
+        self.sent_bytes[kind] += _nbytes(tensor)
         return tensor
 
     def broadcast(self, tensor: Tensor, src: int) -> Tensor:
@@ -129,9 +127,8 @@ class ContextParallel:
         peer = dist.get_global_rank(self.group, dst)
         payload = [t.contiguous() for t in tensors]
         header = _header(payload)
-        works = [dist.isend(header, peer, group=self.group, tag=tag)]
-        works += [dist.isend(t, peer, group=self.group, tag=tag) for t in payload]
-        self._pending.extend((work, [header, *payload]) for work in works)
+        works = [dist.isend(t, peer, group=self.group, tag=tag) for t in [header, *payload]]
+        self._pending.setdefault(kind, []).append((works, [header, *payload]))
         self.sent_bytes[kind] += sum(_nbytes(t) for t in payload)
 
     def recv(self, src: int, tag: int, device: torch.device) -> tuple[Tensor, ...]:
@@ -146,12 +143,17 @@ class ContextParallel:
         self.waited_s += time.perf_counter() - began
         return out
 
-    def flush(self) -> None:
-        """Wait until every send this rank started has been received."""
+    def flush(self, kind: str | None = None, keep: int = 0) -> None:
+        """Wait until the sends this rank started (of ``kind``, or all) have been received, all but the last
+        ``keep`` messages (a window: their buffers are freed, the latest may still be on their way)."""
         began = time.perf_counter()
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        for name in [kind] if kind is not None else list(self._pending):
+            messages = self._pending.get(name, [])
+            while len(messages) > keep:
+                works, _ = messages.pop(0)
+                for work in works:
+                    if work is not None:  # (None: the peer is this rank; never here)
+                        work.wait()
         self.waited_s += time.perf_counter() - began
 
     def broadcast_tensors(self, tensors: Sequence[Tensor] | None, src: int, device: torch.device) -> tuple[Tensor, ...]:

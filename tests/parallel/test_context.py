@@ -28,6 +28,9 @@ def test_sharded_state_gives_the_results_of_one_process(tmp_path: Path, world: i
         for result in ranks:
             assert result[f"{family}/layer_runs"] == result[f"{family}/layers"] * result[f"{family}/own_chunks"]
         assert sum(r[f"{family}/own_chunks"] for r in ranks) == ranks[0][f"{family}/chunks"]
+        for result in ranks:  # the exact walk too: a rank's layer evaluations (its chunks, the shared branches) fall
+            # below one process's (every chunk twice): the replicated walk would run more than one process
+            assert result[f"{family}/exact_layer_runs"] < result[f"{family}/exact_single_layer_runs"]
         held = [r[f"{family}/growing_bytes"] for r in ranks]
         total, chunk = ranks[0][f"{family}/single_growing_bytes"], ranks[0][f"{family}/chunk_bytes"]
         assert sum(held) == total  # every position's state is stored once, by its owner

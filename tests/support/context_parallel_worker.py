@@ -84,8 +84,12 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
         results[f"{family}/growing_bytes"] = growing_bytes(state)
         results[f"{family}/single_growing_bytes"] = growing_bytes(reference)
         results[f"{family}/chunk_bytes"] = growing_bytes(single.capture(prompt[:CHUNK]))
+        single_runs, parallel_runs = counting_layer_runs(single), counting_layer_runs(parallel)
         for mode in ("exact", "detached"):
+            single_runs[0] = parallel_runs[0] = 0
             expected = gradient(single, prompt, completions, rewards, mode)
             results[f"{family}/{mode}"] = relative(gradient(parallel, prompt, completions, rewards, mode), expected)
+            results[f"{family}/{mode}_layer_runs"] = parallel_runs[0]  # capture + branches + (exact) reverse walk
+            results[f"{family}/{mode}_single_layer_runs"] = single_runs[0]
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
