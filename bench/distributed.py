@@ -1,13 +1,20 @@
-"""Context parallelism on CPU (gloo): per-rank state bytes, bytes each rank sends per GRPO step, and step time, for
-cp = 1, 2, 4 — printed as ratios to cp = 1 (issue 14's bench; its schedule is the first one: replicated compute,
-sharded state, so the time ratio shows the collectives' cost, not a speed-up).
+"""Context parallelism on CPU (gloo): per-rank state, time, communication and the wavefront's critical path, for
+cp = 1, 2, 4 — printed as ratios to cp = 1 (issue 14's bench; the schedule is docs/distributed.md's).
 
-Per-rank state: target <= 1.05 / N of one process's. Communication: each rank sends its attention partials
-``(out, lse)`` once per layer and chunk (forward), its blocks' ``dq`` once per layer and chunk (backward), DSA
-candidates, and — exact mode — a chunk's waiting state gradient from its owner; the analytic minimum printed beside
-it is the partials' size (what any scheme that keeps K/V in place must move).
+- state/rank: the attention state a rank holds after the capture (target <= 1.05 / N of one process's);
+- capture, detached step, exact step: wall seconds (the slowest rank), and the speed-up over cp = 1;
+- sent/rank per exact step, by kind — ``rows`` (a capture's and the walk's earlier rows to later ranks),
+  ``state_grad`` (their K/V gradient back, GatedDeltaNet state gradients), ``recurrent`` (states broadcast after the
+  capture), ``partials``/``dq`` (the replicated branch replays' merges), ``param_grads`` (the walk's parameter
+  gradient, summed over cp) — against the analytic minimum for moving rows to the later ranks:
+  ``sum_s rows_s * (later computing ranks)`` per growing layer, twice (capture and walk);
+- the exact walk's critical path in block steps: its wall time over the mean time of one (rank, layer) step
+  (a layer of backward over a rank's chunks), against ``ranks + layers`` (a perfect wavefront) and
+  ``ranks x layers`` (the naive order); idle: the largest fraction of the walk a rank spent waiting for messages.
 
-    python -m bench.distributed [--prompt 4096] [--family llama]
+On this machine's 2 cores, cp = 4 runs four processes on two cores: its times include the oversubscription.
+
+    python -m bench.distributed [--prompt 4096] [--family llama] [--layers 8]
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from longstraw_agents import engine as engine_module
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ParallelMesh
@@ -30,28 +39,73 @@ from longstraw_agents.trainer import grpo_backward
 RESULTS = Path(__file__).parent / "results"
 
 
+class WalkTimer:
+    """Times exact mode's wavefront walk on this rank and the compute of each of its (layer) steps — the step's
+    duration less what it spent waiting for messages — by wrapping the walk's methods (a bench-only probe: the
+    engine keeps no timings)."""
+
+    def __init__(self) -> None:
+        self.walk_s, self.waited_s = 0.0, 0.0
+        self.steps: list[float] = []
+        walk = engine_module._WavefrontWalk
+        walk.run = self._timing(walk.run, whole=True)  # type: ignore[method-assign]
+        walk._backward_growing = self._timing(walk._backward_growing)  # type: ignore[method-assign]
+        walk._backward_recurrent = self._timing(walk._backward_recurrent)  # type: ignore[method-assign]
+
+    def _timing(self, method, whole: bool = False):
+        timer = self
+
+        def timed(walk, *args):
+            began, waited = time.perf_counter(), walk.shards.waited_s
+            try:
+                return method(walk, *args)
+            finally:
+                spent, idle = time.perf_counter() - began, walk.shards.waited_s - waited
+                if whole:
+                    timer.walk_s += spent
+                    timer.waited_s += idle
+                elif walk.mine:
+                    timer.steps.append(spent - idle)
+
+        return timed
+
+
 def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = ParallelMesh.build(dp=1, cp=world)
-    model = tiny_model(args["family"], vocab_size=2048)
+    model = tiny_model(args["family"], vocab_size=2048, layers=args["layers"])
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 2048, (args["prompt"],), generator=gen)
     completions = [torch.randint(0, 2048, (16,), generator=gen) for _ in range(args["group"])]
     rewards = torch.rand(args["group"], generator=gen).tolist()
     shards = mesh.context_parallel(args["prompt"], args["chunk"]) if world > 1 else None
     engine = Engine(model, EngineConfig(chunk_size=args["chunk"]), shards=shards)
-    state = engine.capture(prompt)
+    result: dict[str, Any] = {}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        began = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - began
+
+    state = engine.capture(prompt)  # warm-up, and the state's size
     recurrent = {id(r): r.nbytes for c in state.chunks for r in c.recurrent if r is not None}
-    growing = state.nbytes - sum(recurrent.values())
+    result["growing"] = state.nbytes - sum(recurrent.values())
     del state
+    result["capture"] = timed(lambda: engine.capture(prompt))
+    result["detached"] = timed(
+        lambda: grpo_backward(engine, prompt, completions, rewards, "detached", track_memory=False)
+    )
+    timer = WalkTimer()
     if shards is not None:
         shards.sent_bytes = dict.fromkeys(shards.sent_bytes, 0)
-    start = time.perf_counter()
-    grpo_backward(engine, prompt, completions, rewards, args["mode"], track_memory=False)
-    seconds = time.perf_counter() - start
-    sent = shards.sent_bytes if shards is not None else {}
-    torch.save({"growing": growing, "seconds": seconds, "sent": sent}, Path(out) / f"rank{rank}.pt")
+    result["exact"] = timed(lambda: grpo_backward(engine, prompt, completions, rewards, "exact", track_memory=False))
+    result["sent"] = dict(shards.sent_bytes) if shards is not None else {}
+    result["walk_s"], result["walk_waited_s"] = timer.walk_s, timer.waited_s
+    result["walk_step_s"] = timer.steps
+    torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -61,33 +115,71 @@ def run(world: int, args: dict) -> list[dict]:
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
 
 
+def row_minimum(state_bytes: float, world: int) -> float:
+    """Bytes the busiest sender must move for rows to reach every later rank, capture and walk: rank 0 sends its
+    shard (1/N of the state) to N - 1 ranks, twice."""
+    return 2 * state_bytes / world * (world - 1)
+
+
+def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> dict:
+    state = max(r["growing"] for r in ranks)
+    sent = [r["sent"] for r in ranks]
+    row = {"cp": world, "state_bytes_max": state, "sent": sent}
+    for what in ("capture", "detached", "exact"):
+        row[what] = max(r[what] for r in ranks)
+    row["sent_bytes_max"] = max((sum(s.values()) for s in sent), default=0)
+    row["rows_bytes_max"] = max((s.get("rows", 0) for s in sent), default=0)
+    if base is not None:
+        row["state_ratio_to_share"] = state / (base["state_bytes_max"] / world)
+        row["row_minimum_bytes"] = row_minimum(base["state_bytes_max"], world)
+        for what in ("capture", "detached", "exact"):
+            row[f"{what}_speedup"] = base[what] / row[what]
+    walk = max(r["walk_s"] for r in ranks)
+    steps = [s for r in ranks for s in r["walk_step_s"]]
+    if world > 1 and walk > 0 and steps:
+        mean_step = sum(steps) / len(steps)
+        row["walk_s"] = walk
+        row["critical_path_steps"] = walk / mean_step
+        row["idle_max"] = max(r["walk_waited_s"] / r["walk_s"] for r in ranks if r["walk_s"] > 0)
+        row["wavefront_steps"], row["naive_steps"] = world + layers - 1, world * layers
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="llama")
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--mode", default="exact")
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--out", type=Path, default=RESULTS / "distributed.json")
     args = parser.parse_args()
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "ranks")}
-    print(f"{args.family}, prompt {args.prompt}, chunk {args.chunk}, G={args.group}, {args.mode} mode, gloo on CPU")
-    header = ("cp", "state/rank (max) KiB", "x 1/N of cp=1", "sent/rank MiB", "of it partials", "step s")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (3, 21, 14, 14, 15, 8), strict=True)))
-    rows, base = [], None
+    print(
+        f"{args.family} ({args.layers} layers), prompt {args.prompt}, chunk {args.chunk}, G={args.group}, gloo on CPU"
+    )
+    header = ("cp", "state/rank x 1/N", "capture", "detached", "exact", "sent MiB", "rows/min", "path steps", "idle")
+    widths = (3, 17, 13, 13, 13, 9, 9, 18, 6)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    rows: list[dict] = []
     for world in args.ranks:
-        ranks = run(world, settings)
-        state = max(r["growing"] for r in ranks)
-        sent = max(sum(r["sent"].values()) for r in ranks)
-        partials = max(r["sent"].get("partials", 0) for r in ranks)
-        seconds = max(r["seconds"] for r in ranks)
-        base = base or {"state": state, "seconds": seconds}
-        ratio = state / (base["state"] / world)
-        rows.append({"cp": world, "state_bytes_max": state, "ratio_to_share": ratio, "sent_bytes_max": sent,
-                     "partials_bytes": partials, "sent": [r["sent"] for r in ranks], "seconds": seconds})  # fmt: skip
-        mib = (sent / 2**20, partials / 2**20)
-        print(f"{world:>3} {state / 1024:>21.1f} {ratio:>14.3f} {mib[0]:>14.2f} {mib[1]:>15.2f} {seconds:>8.2f}")
+        row = summarise(world, run(world, settings), rows[0] if rows else None, args.layers)
+        rows.append(row)
+        speed = [
+            f"{row[w]:.2f}s" + (f" {row[w + '_speedup']:.2f}x" if len(rows) > 1 else "")
+            for w in ("capture", "detached", "exact")
+        ]
+        ratio = f"{row.get('state_ratio_to_share', 1.0):.3f}"
+        rows_min = f"{row['rows_bytes_max'] / row['row_minimum_bytes']:.2f}" if row.get("row_minimum_bytes") else "-"
+        path = (
+            f"{row['critical_path_steps']:.1f} ({row['wavefront_steps']}|{row['naive_steps']})"
+            if "walk_s" in row
+            else "-"
+        )
+        idle = f"{row['idle_max']:.2f}" if "idle_max" in row else "-"
+        cells = (world, ratio, *speed, f"{row['sent_bytes_max'] / 2**20:.2f}", rows_min, path, idle)
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": settings, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

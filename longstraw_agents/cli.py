@@ -172,7 +172,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
             optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, chunk=args.chunk,
             checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
-            activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
         )  # fmt: skip
         if args.longest:
             longest, plan = longest_context(request)
@@ -278,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
         help="recompute layers in backward (default on: large models' branch graphs otherwise dominate)",
+    )  # fmt: skip
+    p.add_argument(
+        "--walk", choices=["wavefront", "replicated"], default="wavefront",
+        help="exact mode over cp ranks: sharded walk keeping layer inputs, or every rank recomputing every chunk",
     )  # fmt: skip
     p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")
     p.set_defaults(func=_cmd_plan)

@@ -69,6 +69,13 @@ class EngineConfig:
     activation_checkpointing: graphs (branch replays, recomputed chunks) keep each layer's input only and recompute
         the layer in backward — a large model's branch graph shrinks from every layer's activations to one layer's
         (one more forward of the branch or chunk).
+    wavefront_walk: with context parallelism, exact mode's capture keeps each rank's layer inputs (one hidden vector
+        per position and layer of its shard) and the reverse walk runs sharded in a wavefront over (rank, layer);
+        False: every rank recomputes every chunk in the walk (no layer inputs kept; the choice when they do not fit —
+        ``longstraw plan`` shows both). See docs/distributed.md.
+    layer_inputs_every: the wavefront walk's layer inputs are kept at every k-th layer only; the walk recomputes the
+        ones between, a segment of k layers at a time (forward, no graph): ``L / k + k`` hidden vectors per position
+        instead of ``L``. None: k = ceil(sqrt(L)).
     """
 
     chunk_size: int = 512
@@ -78,8 +85,12 @@ class EngineConfig:
     grad_accumulation: GradAccumulation = "fp32"
     graph_budget_bytes: int = 0
     activation_checkpointing: bool = False
+    wavefront_walk: bool = True
+    layer_inputs_every: int | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_inputs_every is not None and self.layer_inputs_every < 1:
+            raise ValueError(f"layer_inputs_every must be >= 1 (or None), got {self.layer_inputs_every}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.max_score_elements < 1:
@@ -110,6 +121,12 @@ def checkpoint_spacing(model_config: Any, dtype: torch.dtype, config: EngineConf
     return max(1, min(MAX_CHECKPOINT_SPACING, math.ceil(size.fixed_bytes / per_chunk)))
 
 
+def layer_inputs_spacing(num_layers: int, config: EngineConfig) -> int:
+    """``config.layer_inputs_every``, or ceil(sqrt(layers)): the kept inputs and one recomputed segment then take
+    about ``2 sqrt(L)`` hidden vectors per position."""
+    return config.layer_inputs_every or math.ceil(math.sqrt(num_layers))
+
+
 class StateShards(Shards, Protocol):
     """Context parallelism as the engine sees it: the ranks of a group hold contiguous shards of the positions'
     state (``longstraw_agents.parallel.ContextParallel`` implements it); a position's attention/MLA state is stored
@@ -125,6 +142,10 @@ class StateShards(Shards, Protocol):
 
     def shard_end(self, position: int) -> int:
         """The first position after ``position``'s shard (chunks never cross it)."""
+        ...
+
+    def fit(self, prompt_len: int, chunk: int) -> None:
+        """Re-cut the shards so that a prompt of ``prompt_len`` positions spreads evenly over the ranks."""
         ...
 
     def broadcast(self, tensor: Tensor, src: int) -> Tensor:
@@ -194,6 +215,11 @@ class Engine:
     def checkpoint_spacing(self) -> int:
         """k: exact-mode states keep the recurrent state after every k-th chunk (see ``EngineConfig``)."""
         return checkpoint_spacing(self.model.config, self.adapter.dtype, self.config)
+
+    @property
+    def layer_inputs_spacing(self) -> int:
+        """k: the wavefront walk's layer inputs are kept every k layers (see ``EngineConfig``)."""
+        return layer_inputs_spacing(self.num_layers, self.config)
 
     # --- public API -----------------------------------------------------------------------------------------
     def empty_state(self, checkpoints: bool | int = False) -> State:
@@ -403,7 +429,8 @@ class Engine:
         keeping = keep is not None and keep.budget_bytes > 0
         if self.shards is not None and not keeping and not want_logits and ids.shape[0] >= state.num_tokens:
             # a long extend (a capture): each rank computes its own shard, layer by layer (see _ShardedExtend)
-            return _ShardedExtend(self, self.shards, state, ids, chunk).run(reserve, keep), None
+            keep_inputs = keep if self.config.wavefront_walk else None
+            return _ShardedExtend(self, self.shards, state, ids, chunk).run(reserve, keep_inputs), None
         pieces = self._pieces(state.num_tokens, ids.shape[0], chunk)
         owned = sum(hi - lo for lo, hi in pieces if self._owns(state.num_tokens + lo))
         arenas = self._arenas_for(state, owned, reserve if self._owns(state.num_tokens + ids.shape[0] - 1) else 0)
@@ -523,6 +550,10 @@ class Engine:
                 grad.release_recurrent(rec)
 
 
+def _zeros_like_grad(t: Tensor, grad: StateGrad) -> Tensor:
+    return torch.zeros(t.shape, dtype=_grad_dtype(t, grad), device=t.device)
+
+
 def _grad_dtype(t: Tensor, grad: StateGrad) -> torch.dtype:
     return t.dtype if grad.accumulate_dtype is None else torch.promote_types(t.dtype, grad.accumulate_dtype)
 
@@ -632,19 +663,23 @@ class _ShardedExtend:
         arenas = engine._arenas_for(self.state, width, reserve if owns_last else 0)
         blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in mine]
         recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in mine]
+        # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
+        every = engine.layer_inputs_spacing
+        inputs = LayerInputs.empty(adapter.device, every) if keep is not None and self.base == 0 else None
         with torch.no_grad():
             if mine:
                 lo = mine[0][0]
                 h, positions, rope = adapter.embed(self.ids[lo - self.base : mine[-1][1] - self.base], lo)
                 scratch: list[dict[str, Any]] = [{} for _ in mine]  # each chunk's forward scratch, across layers
-                inputs = LayerInputs(positions, rope) if keep is not None and self.base == 0 else None
+                if inputs is not None:
+                    inputs.positions, inputs.rope = positions, rope
             for i, layer in enumerate(adapter.layers):
                 if layer.mixer.grows:
                     past = self._earlier_rows(i) if mine else []
                 else:
                     carried = self._recurrent_before(i)
                 if mine and inputs is not None:
-                    inputs.add_layer(h, scratch, None if layer.mixer.grows else carried)
+                    inputs.add_layer(i, h, scratch, None if layer.mixer.grows else carried)
                 for k, (a, b) in enumerate(mine):
                     rows = slice(a - lo, b - lo)
                     ctx = LayerContext(past=list(past)) if layer.mixer.grows else LayerContext(recurrent=carried)
@@ -663,9 +698,10 @@ class _ShardedExtend:
                         recurrent[k][i] = RecurrentState.owning(new)
                 self._pass_on(i, layer.mixer.grows, blocks, carried if not layer.mixer.grows and mine else None)
                 self.shards.flush()  # one layer's sends in flight at a time: their buffers are copies
-        child = self._records(blocks, recurrent)
-        if mine and inputs is not None and keep is not None:
-            inputs.final = h
+        # the wavefront walk reads no checkpoint of another rank: only the last state is shared then
+        child = self._records(blocks, recurrent, share_checkpoints=keep is None or self.base > 0)
+        if inputs is not None and keep is not None:
+            inputs.final = h if mine else None
             keep.add_layer_inputs(child, inputs)
         return child
 
@@ -704,7 +740,9 @@ class _ShardedExtend:
         elif carried is not None and self.mine[-1] + 1 < len(self.pieces):
             self.shards.send(carried, self.owners[self.mine[-1] + 1], i, "recurrent")
 
-    def _records(self, blocks: list[list[Block | None]], recurrent: list[list[RecurrentState | None]]) -> State:
+    def _records(
+        self, blocks: list[list[Block | None]], recurrent: list[list[RecurrentState | None]], share_checkpoints: bool
+    ) -> State:
         """The child state; recurrent states another rank computed are broadcast by it where this rank's later work
         reads them (the last chunk's, and the checkpoints exact mode's replicated reverse walk starts from)."""
         engine, state = self.engine, self.state
@@ -715,7 +753,8 @@ class _ShardedExtend:
             nothing: list[RecurrentState | None] = [None] * engine.num_layers
             record_blocks = blocks[k] if mine else [None] * engine.num_layers
             states = recurrent[k] if mine else nothing
-            needed = j == len(self.pieces) - 1 or state.keeps_checkpoint(len(state.chunks) + j)
+            checkpoint = share_checkpoints and state.keeps_checkpoint(len(state.chunks) + j)
+            needed = j == len(self.pieces) - 1 or checkpoint
             if recurrent_layers and needed:
                 states = self._shared_recurrent(states, recurrent_layers, self.owners[j])
             current = current.append(ChunkRecord(a, b - a, tuple(record_blocks), tuple(states)))
@@ -741,26 +780,34 @@ class _ShardedExtend:
 
 @dataclass(eq=False)
 class LayerInputs:
-    """What a sharded capture keeps on a rank for exact mode's wavefront walk: per layer, the input hidden states of
-    the rank's chunks ``[n, hidden]`` and each chunk's forward scratch before the layer (DSA's selection), the
-    recurrent state before the rank's first chunk (recurrent layers), and the last layer's output. It costs one
-    hidden vector per token and layer of the shard; the walk then needs no forward pass before it."""
+    """What a sharded capture keeps on a rank for exact mode's wavefront walk: the input hidden states ``[n, hidden]``
+    of the rank's chunks at every ``every``-th layer (the walk recomputes the layers between), each chunk's forward
+    scratch before every layer (DSA's selection), the recurrent state before the rank's first chunk (recurrent
+    layers), and the last layer's output: ``L / every + 1`` hidden vectors per position of the shard."""
 
     positions: Tensor
     rope: tuple[Tensor, Tensor]
-    hidden: list[Tensor] = field(default_factory=list)
+    every: int = 1
+    hidden: dict[int, Tensor] = field(default_factory=dict)
     scratch: list[list[dict[str, Any]]] = field(default_factory=list)
     recurrent: list[tuple[Tensor, ...] | None] = field(default_factory=list)
     final: Tensor | None = None
 
-    def add_layer(self, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
-        self.hidden.append(h.clone())
+    @classmethod
+    def empty(cls, device: torch.device, every: int) -> LayerInputs:
+        """The inputs of a rank without chunks (filled in when it has some)."""
+        nothing = torch.empty(0, device=device)
+        return cls(nothing.long(), (nothing, nothing), every)
+
+    def add_layer(self, i: int, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
+        if i % self.every == 0:
+            self.hidden[i] = h.clone()
         self.scratch.append([dict(s) for s in scratch])
         self.recurrent.append(None if recurrent is None else tuple(t.clone() for t in recurrent))
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.hidden, *(t for r in self.recurrent if r is not None for t in r)]
+        tensors = [*self.hidden.values(), *(t for r in self.recurrent if r is not None for t in r)]
         tensors += [] if self.final is None else [self.final]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -805,6 +852,8 @@ class _WavefrontWalk:
         self.computing = sorted(set(self.owners))
         self.row_start = {owner: state.chunks[self.owners.index(owner)].start for owner in self.computing}
         self.lo = state.chunks[self.mine[0]].start if self.mine else 0
+        self.segment: dict[int, Tensor] = {}  # the current segment's layer inputs (recomputed from its first)
+        self.received: dict[int, list[PastBlock]] = {}  # earlier ranks' rows of the segment's growing layers
 
     def run(self) -> None:
         engine = self.engine
@@ -894,17 +943,57 @@ class _WavefrontWalk:
             torch.autograd.backward(found, [torch.ones_like(loss) for loss in found])
         return x.grad
 
+    def _input(self, i: int) -> Tensor:
+        """Layer ``i``'s input on this rank (and, for a growing layer, the earlier ranks' rows in ``received``): kept
+        by the capture at the first layer of each segment, the others recomputed forward from it, a segment at a
+        time, when the walk enters the segment (from its top)."""
+        if i not in self.segment:
+            first = i - i % self.inputs.every
+            h = self.inputs.hidden[first]
+            for layer in range(first, i + 1):
+                self.segment[layer] = h
+                if self.engine.adapter.layers[layer].mixer.grows:
+                    self.received[layer] = self._receive_rows(layer)
+                if layer < i:
+                    h = self._forward_layer(layer, h)
+        return self.segment.pop(i)
+
+    def _receive_rows(self, i: int) -> list[PastBlock]:
+        received = []
+        for src in self.computing:
+            if src < self.shards.rank:
+                rows = self.shards.recv(src, _ROWS_TAG + i, self.engine.adapter.device)
+                received.append(PastBlock(rows, None, self.row_start[src]))
+        return received
+
+    def _forward_layer(self, i: int, h: Tensor) -> Tensor:
+        """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs)."""
+        layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
+        carried = self.inputs.recurrent[i]
+        with torch.no_grad():
+            for k, j in enumerate(self.mine):
+                span = self._rows(j)
+                if layer.mixer.grows:
+                    own = self.engine._past_blocks(self.state.positioned_blocks(i, j), None, 0)
+                    ctx = LayerContext(past=[*self.received[i], *own])
+                else:
+                    ctx = LayerContext(recurrent=carried)
+                out[span], new = self._layer(i, j, h[span], ctx, self.inputs.scratch[i][k])
+                carried = new
+        return out
+
     def _backward_growing(self, i: int, g: Tensor | None) -> Tensor | None:
         """Layer ``i`` (attention / MLA) of this rank's chunks, last chunk first; returns the gradient of its input."""
         if not self.mine:
             return None
-        remote = []
-        for src in self.computing:
-            if src < self.shards.rank:
-                rows = self.shards.recv(src, _ROWS_TAG + i, self.engine.adapter.device)
-                sinks = tuple(torch.zeros(t.shape, dtype=_grad_dtype(t, self.grad), device=t.device) for t in rows)
-                remote.append(PastBlock(rows, sinks, self.row_start[src]))
-        g_in = torch.zeros_like(self.inputs.hidden[i])
+        layer_input = self._input(i)
+        remote = [
+            PastBlock(
+                b.tensors, tuple(torch.zeros(t.shape, dtype=_grad_dtype(t, self.grad)) for t in b.tensors), b.start
+            )
+            for b in self.received.pop(i)
+        ]  # each with gradient sinks of its own, sent back to the owner
+        g_in = torch.zeros_like(layer_input)
         for k in reversed(range(len(self.mine))):
             j = self.mine[k]
             chunk, span = self.state.chunks[j], self._rows(j)
@@ -912,7 +1001,7 @@ class _WavefrontWalk:
             block = chunk.blocks[i]
             upstream = self.grad.existing_block_grads(block) if block is not None else None
             with torch.enable_grad():
-                x = self.inputs.hidden[i][span].detach().requires_grad_(True)
+                x = layer_input[span].detach().requires_grad_(True)
                 out, new = self._layer(i, j, x, LayerContext(past=[*remote, *own]), self.inputs.scratch[i][k])
                 self._backpropagate(out, g, span, new, upstream)
             if x.grad is not None:
@@ -930,19 +1019,20 @@ class _WavefrontWalk:
         if not self.mine:
             return None
         carry = self._recurrent_grad_after_last(i)
+        layer_input = self._input(i)
         befores = [self.inputs.recurrent[i]]
         with torch.no_grad():
             for k, j in enumerate(self.mine[:-1]):
-                x = self.inputs.hidden[i][self._rows(j)]
+                x = layer_input[self._rows(j)]
                 _, new = self._layer(i, j, x, LayerContext(recurrent=befores[-1]), self.inputs.scratch[i][k])
                 befores.append(new)
-        g_in = torch.zeros_like(self.inputs.hidden[i])
+        g_in = torch.zeros_like(layer_input)
         for k in reversed(range(len(self.mine))):
             j, rows = self.mine[k], self._rows(self.mine[k])
             with torch.enable_grad():
                 before = befores[k]
                 leaves = None if before is None else tuple(t.detach().requires_grad_(True) for t in before)
-                x = self.inputs.hidden[i][rows].detach().requires_grad_(True)
+                x = layer_input[rows].detach().requires_grad_(True)
                 out, new = self._layer(i, j, x, LayerContext(recurrent=leaves), self.inputs.scratch[i][k])
                 self._backpropagate(out, g, rows, new, carry)
             if x.grad is not None:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from longstraw_agents.engine import Engine, EngineConfig, checkpoint_spacing
+from longstraw_agents.engine import Engine, EngineConfig, checkpoint_spacing, layer_inputs_spacing
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import state_size
@@ -78,6 +78,8 @@ class PlanRequest:
     checkpoint_every: int | None = None
     graph_budget_bytes: int = 0
     activation_checkpointing: bool = True  # at these sizes a branch's full graph would dominate (see the README)
+    wavefront_walk: bool = True  # exact mode with cp > 1: keep layer inputs, walk sharded (EngineConfig)
+    layer_inputs_every: int | None = None  # the wavefront walk's layer-input spacing (EngineConfig)
     max_score_elements: int = 1 << 27  # a GPU's budget for DSA index scores (512 MiB fp32), not a CPU test's 4 MiB
 
     @property
@@ -219,6 +221,7 @@ class _Exact:
     dstate: int
     checkpoints: int
     reference_state: int
+    layer_inputs: int = 0
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -234,7 +237,20 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
     dstate = int(size.bytes_per_token * positions * widen) + size.fixed_bytes if exact else 0
     spacing = checkpoint_spacing(config, request.dtype, _engine_config(request))
     checkpoints = size.fixed_bytes * (math.ceil(positions / request.chunk) // spacing) if exact else 0
-    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0)
+    kept, segment = layer_inputs_bytes(config, request, positions)
+    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0, kept + segment)
+
+
+def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
+    """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
+    shard at every k-th layer and after the last — and the segment of k layers' inputs the walk recomputes at a
+    time (docs/distributed.md)."""
+    if request.mode != "exact" or request.context_parallel == 1 or not request.wavefront_walk:
+        return 0, 0
+    layers = config.num_hidden_layers
+    every = layer_inputs_spacing(layers, _engine_config(request))
+    vector = positions * config.hidden_size * _itemsize(request.dtype)
+    return vector * (math.ceil(layers / every) + 1), vector * every
 
 
 def _engine_config(request: PlanRequest) -> EngineConfig:
@@ -244,6 +260,8 @@ def _engine_config(request: PlanRequest) -> EngineConfig:
         graph_budget_bytes=request.graph_budget_bytes,
         activation_checkpointing=request.activation_checkpointing,
         max_score_elements=request.max_score_elements,
+        wavefront_walk=request.wavefront_walk,
+        layer_inputs_every=request.layer_inputs_every,
     )
 
 
@@ -334,6 +352,7 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         "reference state": exact.reference_state,
         "dState": exact.dstate,
         "recurrent checkpoints": exact.checkpoints,
+        "layer inputs (wavefront walk)": exact.layer_inputs,
         "one chunk's or branch's graph": measured.graphs,
     }
     notes = [
@@ -345,6 +364,9 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
     if request.mode == "exact":
         spacing = checkpoint_spacing(measured.config, request.dtype, _engine_config(request))
         notes.append(f"recurrent checkpoints every {spacing} chunks; the state gradient in fp32")
+        if request.context_parallel > 1:
+            walk = "wavefront (layer inputs kept)" if request.wavefront_walk else "replicated (no layer inputs)"
+            notes.append(f"the reverse walk over the cp ranks: {walk}")
     return Plan(request, categories, notes)
 
 

@@ -11,7 +11,15 @@ import torch
 import longstraw_agents.planner as planner
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
-from longstraw_agents.planner import PlanRequest, layer_period, longest_context, plan_memory, with_layers
+from longstraw_agents.planner import (
+    PlanRequest,
+    layer_inputs_bytes,
+    layer_period,
+    load_config,
+    longest_context,
+    plan_memory,
+    with_layers,
+)
 from longstraw_agents.trainer import grpo_backward
 
 # more layers than the presets' defaults, so that the plan extrapolates from cut models
@@ -94,3 +102,19 @@ def test_longest_context_is_the_boundary_of_fitting() -> None:
     assert plan.fits and longest > 1024
     beyond = plan_memory(request.__class__(**{**request.__dict__, "context": longest + 1024}))
     assert not beyond.fits
+
+
+def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
+    config = load_config("qwen3.6-27b")
+    wavefront = PlanRequest(mode="exact", gpus=8)
+    vector = config.hidden_size * 2  # bf16, per position
+    # 64 layers: kept every 8th and after the last (9), one segment of 8 recomputed at a time
+    assert layer_inputs_bytes(config, wavefront, 1000) == (1000 * vector * 9, 1000 * vector * 8)
+    every_layer = PlanRequest(mode="exact", gpus=8, layer_inputs_every=1)
+    assert layer_inputs_bytes(config, every_layer, 1000) == (1000 * vector * 65, 1000 * vector)
+    for other in (
+        PlanRequest(mode="exact", gpus=8, wavefront_walk=False),  # every rank recomputes: nothing kept
+        PlanRequest(mode="detached", gpus=8),
+        PlanRequest(mode="exact", gpus=8, cp=1, dp=8),
+    ):
+        assert layer_inputs_bytes(config, other, 1000) == (0, 0)

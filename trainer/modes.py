@@ -193,6 +193,10 @@ class TreeMode(ExecutionMode):
         self.grad = self.engine.new_grad()
         self.bank = self.engine.graph_bank(self.grad) if self.keeps_graphs else None
         tree = self.tree(group)
+        if self.engine.shards is not None:  # context parallel: this group's shared context spread over every rank
+            captured = [tree.root] if len(tree.root.input_ids) else tree.root.children
+            longest = max((len(node.input_ids) for node in captured), default=0)
+            self.engine.shards.fit(longest, self.engine.config.chunk_size)
         self.live = nodes_with_loss_below(tree.root)
         self.reserve = _chain_reserve(tree.root, self.live)
         root_state = self.engine.empty_state(self.checkpoints)

@@ -234,7 +234,8 @@ class Run:
                 raise ConfigError("parallel.cp > 1 shards the context: set model.max_context")
             chunk = self.config.trainer.chunk_size
             shards = mesh.context_parallel(self.max_context, chunk)
-            policy = Engine(self.model, EngineConfig(chunk_size=chunk), shards=shards)
+            engine_config = EngineConfig(chunk_size=chunk, wavefront_walk=spec.wavefront_walk)
+            policy = Engine(self.model, engine_config, shards=shards)
         return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
 
     def _sampling_engine(self) -> Engine:

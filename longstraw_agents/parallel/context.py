@@ -63,9 +63,13 @@ class ContextParallel:
     @classmethod
     def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
         """Shards that spread ``prompt_len`` positions evenly, each a whole number of ``chunk``-sized chunks."""
-        size = dist.get_world_size(group)
-        per_rank = -(-prompt_len // size)
-        return cls(group, max(chunk, -(-per_rank // chunk) * chunk))
+        return cls(group, _even_shard(prompt_len, dist.get_world_size(group), chunk))
+
+    def fit(self, prompt_len: int, chunk: int) -> None:
+        """Re-cut the shards for the next prompt (one group's shared context), as ``for_prompt`` would: a short
+        prompt is then spread over every rank too, instead of sitting on the first. Only between captures: a state
+        cut the old way stays readable only under the old cut."""
+        self.shard_size = _even_shard(prompt_len, self.size, chunk)
 
     def owner(self, position: int) -> int:
         return min(position // self.shard_size, self.size - 1)
@@ -171,6 +175,11 @@ class ContextParallel:
             dist.broadcast(t, src=peer, group=self.group)
         self.waited_s += time.perf_counter() - began
         return out
+
+
+def _even_shard(prompt_len: int, ranks: int, chunk: int) -> int:
+    per_rank = -(-prompt_len // ranks)
+    return max(chunk, -(-per_rank // chunk) * chunk)
 
 
 def _header(tensors: Sequence[Tensor]) -> Tensor:

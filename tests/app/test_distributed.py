@@ -79,7 +79,7 @@ def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
 def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
     """dp=2 x cp=2 with FSDP2 (the replicated checkpoint's resume is tested on the trainer,
     tests/trainer/test_data_parallel.py): 2 steps launched by torchrun, then --resume to 3 by accelerate launch. The
-    context limit of 1024 puts a cp shard boundary at position 512, inside the episodes (~600 tokens)."""
+    trainer spreads each group's shared context over both cp ranks, so the shard boundary falls inside it."""
     run_dir = tmp_path / "run"
     config = tmp_path / "train.yaml"
     settings = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True})

@@ -22,7 +22,7 @@ def test_sharded_state_gives_the_results_of_one_process(tmp_path: Path, world: i
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for family in OVERRIDES:
         for result in ranks:  # every rank computes the same (replicated) results
-            for what in ("logits", "extend", "resumed", "exact", "detached"):
+            for what in ("logits", "extend", "resumed", "exact", "detached", "short_exact", "replicated_exact"):
                 assert result[f"{family}/{what}"] <= 1e-10, (family, what, result[f"{family}/{what}"])
         # compute is sharded: each rank evaluated every layer of its own chunks only, once
         for result in ranks:
@@ -31,6 +31,13 @@ def test_sharded_state_gives_the_results_of_one_process(tmp_path: Path, world: i
         for result in ranks:  # the exact walk too: a rank's layer evaluations (its chunks, the shared branches) fall
             # below one process's (every chunk twice): the replicated walk would run more than one process
             assert result[f"{family}/exact_layer_runs"] < result[f"{family}/exact_single_layer_runs"]
+            # (EngineConfig.wavefront_walk=False: the replicated walk, every rank recomputing every chunk)
+            assert result[f"{family}/replicated_exact_layer_runs"] > result[f"{family}/exact_layer_runs"]
+        for result in ranks:  # what the planner counts for the wavefront walk (hybrids add a state per layer)
+            planned, kept = result[f"{family}/planned_layer_inputs"], result[f"{family}/layer_inputs"]
+            assert planned <= kept <= planned * 1.05 + 65536, (family, planned, kept)
+        per_rank = -(-61 // world)  # the trainer spreads each group's prompt evenly, in whole chunks of 16
+        assert ranks[0][f"{family}/fitted_shard"] == -(-per_rank // 16) * 16
         held = [r[f"{family}/growing_bytes"] for r in ranks]
         total, chunk = ranks[0][f"{family}/single_growing_bytes"], ranks[0][f"{family}/chunk_bytes"]
         assert sum(held) == total  # every position's state is stored once, by its owner

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.planner import PlanRequest, layer_inputs_bytes
 from longstraw_agents.trainer import grpo_backward
 
 OVERRIDES = {"llama": {}, "qwen3_5": {}, "glm_moe_dsa": {"index_topk": 8}}
@@ -72,6 +73,13 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
         results[f"{family}/own_chunks"] = sum(1 for c in state.chunks if shards.owner(c.start) == rank)
         results[f"{family}/layers"] = parallel.num_layers
         results[f"{family}/chunks"] = len(state.chunks)
+        bank = parallel.graph_bank(parallel.new_grad())  # exact mode's capture: this rank's layer inputs kept
+        kept = parallel.extend(parallel.empty_state(True), prompt, keep=bank)
+        own = sum(c.length for c in kept.chunks if shards.owner(c.start) == rank)
+        request = PlanRequest(context=PROMPT, gpus=world, mode="exact", dtype=torch.float64)
+        results[f"{family}/layer_inputs"] = bank.nbytes
+        results[f"{family}/planned_layer_inputs"] = layer_inputs_bytes(model.config, request, own)[0]
+        del bank, kept
         head = PROMPT // 3  # an extend whose parent's rows already sit on several ranks
         resumed = parallel.extend(parallel.capture(prompt[:head]), prompt[head:])
         with torch.no_grad():
@@ -91,5 +99,17 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
             results[f"{family}/{mode}"] = relative(gradient(parallel, prompt, completions, rewards, mode), expected)
             results[f"{family}/{mode}_layer_runs"] = parallel_runs[0]  # capture + branches + (exact) reverse walk
             results[f"{family}/{mode}_single_layer_runs"] = single_runs[0]
+        results[f"{family}/fitted_shard"] = shards.shard_size  # the trainer re-cut the shards for its prompt
+        short = prompt[:20]  # on 4 ranks, two hold none of it: they still take part in the walk
+        expected = gradient(single, short, completions, rewards, "exact")
+        results[f"{family}/short_exact"] = relative(gradient(parallel, short, completions, rewards, "exact"), expected)
+        replicated = Engine(model, EngineConfig(chunk_size=CHUNK, wavefront_walk=False), shards=shards)
+        replicated_runs = counting_layer_runs(replicated)
+        expected = gradient(single, prompt, completions, rewards, "exact")
+        results[f"{family}/replicated_exact"] = relative(
+            gradient(replicated, prompt, completions, rewards, "exact"), expected
+        )
+        results[f"{family}/replicated_exact_layer_runs"] = replicated_runs[0]
+        shards.shard_size = shard_size
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
