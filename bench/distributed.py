@@ -47,12 +47,14 @@ class WalkTimer:
     def __init__(self) -> None:
         self.walk_s, self.waited_s = 0.0, 0.0
         self.steps: list[float] = []
+        self.pending = 0.0  # a step's segment recompute (``_input``), added to the step that follows it
         walk = engine_module._WavefrontWalk
         walk.run = self._timing(walk.run, whole=True)  # type: ignore[method-assign]
+        walk._input = self._timing(walk._input, pending=True)  # type: ignore[method-assign]
         walk._backward_growing = self._timing(walk._backward_growing)  # type: ignore[method-assign]
         walk._backward_recurrent = self._timing(walk._backward_recurrent)  # type: ignore[method-assign]
 
-    def _timing(self, method, whole: bool = False):
+    def _timing(self, method, whole: bool = False, pending: bool = False):
         timer = self
 
         def timed(walk, *args):
@@ -64,8 +66,11 @@ class WalkTimer:
                 if whole:
                     timer.walk_s += spent
                     timer.waited_s += idle
+                elif pending:
+                    timer.pending += spent - idle
                 elif walk.mine:
-                    timer.steps.append(spent - idle)
+                    timer.steps.append(spent - idle + timer.pending)
+                    timer.pending = 0.0
 
         return timed
 

@@ -135,6 +135,7 @@ class StateShards(Shards, Protocol):
     same computation on every rank, attention merging every rank's partial."""
 
     rank: int
+    shard_size: int
 
     def owner(self, position: int) -> int:
         """The rank that stores ``position``'s state."""
@@ -297,7 +298,7 @@ class Engine:
         loss_fn: ChunkLoss | None = None,
         into_since: bool = True,
         kept: GraphBank | None = None,
-    ) -> None:
+    ) -> bool:
         """Backpropagate ``grad`` (and ``loss_fn``'s loss) through the chunks of ``state`` after ``since``.
 
         ``ids`` are the tokens of those chunks (the engine keeps no token ids). Chunks are recomputed in reverse
@@ -306,6 +307,9 @@ class Engine:
         Recurrent states the state does not keep (between checkpoints) are recomputed forward, without a graph,
         from the nearest checkpoint. Chunks whose graphs ``kept`` holds are not recomputed. Peak: state + grad +
         one chunk graph (+ up to k-1 recurrent states, + the kept graphs).
+
+        Returns whether the walk was sharded over context-parallel ranks (a capture kept in ``kept``): each rank
+        then evaluated ``loss_fn`` on its own chunks only, so sums taken inside it cover this rank's share.
         """
         self._check_state(state)
         ids = self._check_ids(ids, allow_empty=True)
@@ -320,7 +324,7 @@ class Engine:
         inputs = kept.pop_layer_inputs(state) if kept is not None and base == 0 else None
         if inputs is not None and self.shards is not None:  # a sharded capture: its ranks walk it in a wavefront
             _WavefrontWalk(self, self.shards, state, grad, ids, loss_fn, inputs).run()
-            return
+            return True
         walk = _RecurrentWalk(self, state, since, ids, base, first)
         for j in reversed(range(first, len(state.chunks))):
             chunk = state.chunks[j]
@@ -331,6 +335,7 @@ class Engine:
                 state, j, chunk_ids, grad, loss_fn, before, after, base if not into_since else 0, graph
             )
             walk.forget(j)
+        return False
 
     # --- internals ------------------------------------------------------------------------------------------
     def _forward(self, ids: Tensor, start: int, contexts: list[LayerContext]):
@@ -550,6 +555,19 @@ class Engine:
                 grad.release_recurrent(rec)
 
 
+def _joined_views(blocks: Sequence[Block]) -> list[Tensor]:
+    """The rows of consecutive ``blocks`` (in position order) as one tensor per state tensor: views when they lie
+    back to back in one arena, else a copy."""
+    joined: list[Block] = []
+    for block in blocks:
+        if joined and block.follows(joined[-1]):
+            joined[-1] = Block(block.arena, joined[-1].lo, block.hi)
+        else:
+            joined.append(block)
+    parts = [b.views() for b in joined]
+    return [pieces[0] if len(pieces) == 1 else torch.cat(pieces) for pieces in zip(*parts, strict=True)]
+
+
 def _zeros_like_grad(t: Tensor, grad: StateGrad) -> Tensor:
     return torch.zeros(t.shape, dtype=_grad_dtype(t, grad), device=t.device)
 
@@ -665,7 +683,10 @@ class _ShardedExtend:
         recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in mine]
         # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
         every = engine.layer_inputs_spacing
-        inputs = LayerInputs.empty(adapter.device, every) if keep is not None and self.base == 0 else None
+        inputs = LayerInputs.empty(adapter.device, every, self.shards) if keep is not None and self.base == 0 else None
+        # the wavefront walk reads no checkpoint of another rank: only the last state is shared then
+        share_checkpoints = keep is None or self.base > 0
+        kept_after = [self._keeps(j, share_checkpoints) for j in self.mine]  # chunks whose states are kept
         with torch.no_grad():
             if mine:
                 lo = mine[0][0]
@@ -695,11 +716,13 @@ class _ShardedExtend:
                         past.append(PastBlock(written.views(), None, a))
                     else:
                         carried = new
-                        recurrent[k][i] = RecurrentState.owning(new)
+                        if kept_after[k]:
+                            recurrent[k][i] = RecurrentState.owning(new)
                 self._pass_on(i, layer.mixer.grows, blocks, carried if not layer.mixer.grows and mine else None)
-                self.shards.flush()  # one layer's sends in flight at a time: their buffers are copies
-        # the wavefront walk reads no checkpoint of another rank: only the last state is shared then
-        child = self._records(blocks, recurrent, share_checkpoints=keep is None or self.base > 0)
+                # a window of messages in flight: the later ranks trail by up to N - 1 layers in the wavefront
+                self.shards.flush(keep=self.shards.size**2)
+            self.shards.flush()
+        child = self._records(blocks, recurrent, share_checkpoints)
         if inputs is not None and keep is not None:
             inputs.final = h if mine else None
             keep.add_layer_inputs(child, inputs)
@@ -731,9 +754,9 @@ class _ShardedExtend:
         if grows:
             if not self.rows[rank]:
                 return
-            own = [b.views() for _, b in self.state.positioned_blocks(i)]
-            own += [row[i].views() for row in blocks if row[i] is not None]  # type: ignore[union-attr]
-            rows = [torch.cat(parts) for parts in zip(*own, strict=True)]
+            own = [b for _, b in self.state.positioned_blocks(i)]
+            own += [row[i] for row in blocks if row[i] is not None]  # type: ignore[misc]
+            rows = _joined_views(own)
             for dst in self.computing:
                 if dst > rank:
                     self.shards.send(rows, dst, i, "rows")
@@ -753,13 +776,21 @@ class _ShardedExtend:
             nothing: list[RecurrentState | None] = [None] * engine.num_layers
             record_blocks = blocks[k] if mine else [None] * engine.num_layers
             states = recurrent[k] if mine else nothing
-            checkpoint = share_checkpoints and state.keeps_checkpoint(len(state.chunks) + j)
-            needed = j == len(self.pieces) - 1 or checkpoint
+            needed = self._keeps(j, share_checkpoints)
             if recurrent_layers and needed:
                 states = self._shared_recurrent(states, recurrent_layers, self.owners[j])
-            current = current.append(ChunkRecord(a, b - a, tuple(record_blocks), tuple(states)))
+            # a chunk whose states no rank shares is marked not kept: a replicated walk recomputes them from the
+            # nearest kept state instead of reading them as absent (position 0)
+            kept = needed or not recurrent_layers
+            current = current.append(ChunkRecord(a, b - a, tuple(record_blocks), tuple(states), kept=kept))
             k += mine
         return current
+
+    def _keeps(self, j: int, share_checkpoints: bool) -> bool:
+        """Whether every rank keeps the recurrent states after piece ``j``: the last, and shared checkpoints."""
+        return j == len(self.pieces) - 1 or (
+            share_checkpoints and self.state.keeps_checkpoint(len(self.state.chunks) + j)
+        )
 
     def _shared_recurrent(
         self, states: list[RecurrentState | None], layers: list[int], src: int
@@ -788,16 +819,17 @@ class LayerInputs:
     positions: Tensor
     rope: tuple[Tensor, Tensor]
     every: int = 1
+    shard_size: int = 0  # the cut the capture was made under (the walk must see the same)
     hidden: dict[int, Tensor] = field(default_factory=dict)
     scratch: list[list[dict[str, Any]]] = field(default_factory=list)
     recurrent: list[tuple[Tensor, ...] | None] = field(default_factory=list)
     final: Tensor | None = None
 
     @classmethod
-    def empty(cls, device: torch.device, every: int) -> LayerInputs:
+    def empty(cls, device: torch.device, every: int, shards: StateShards) -> LayerInputs:
         """The inputs of a rank without chunks (filled in when it has some)."""
         nothing = torch.empty(0, device=device)
-        return cls(nothing.long(), (nothing, nothing), every)
+        return cls(nothing.long(), (nothing, nothing), every, shards.shard_size)
 
     def add_layer(self, i: int, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
         if i % self.every == 0:
@@ -809,7 +841,8 @@ class LayerInputs:
     def nbytes(self) -> int:
         tensors = [*self.hidden.values(), *(t for r in self.recurrent if r is not None for t in r)]
         tensors += [] if self.final is None else [self.final]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        scratch = {id(v): v for layer in self.scratch for chunk in layer for v in chunk.values() if torch.is_tensor(v)}
+        return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
 
 
 _ROWS_TAG, _ROW_GRADS_TAG, _RECURRENT_GRAD_TAG = 1 << 12, 2 << 12, 3 << 12  # + the layer index (< 4096 layers)
@@ -852,6 +885,11 @@ class _WavefrontWalk:
         self.computing = sorted(set(self.owners))
         self.row_start = {owner: state.chunks[self.owners.index(owner)].start for owner in self.computing}
         self.lo = state.chunks[self.mine[0]].start if self.mine else 0
+        if inputs.shard_size != shards.shard_size:
+            raise ValueError(
+                f"the context-parallel shards were re-cut between the capture (shard size {inputs.shard_size}) and its "
+                f"reverse walk ({shards.shard_size}): walk a state under the cut it was captured with"
+            )
         self.segment: dict[int, Tensor] = {}  # the current segment's layer inputs (recomputed from its first)
         self.received: dict[int, list[PastBlock]] = {}  # earlier ranks' rows of the segment's growing layers
 
@@ -865,11 +903,12 @@ class _WavefrontWalk:
         self._post_rows()
         g = self._seed()
         for i in reversed(range(engine.num_layers)):
+            layer_input = self._input(i) if self.mine else None  # (recomputed before waiting for the later ranks)
             if engine.adapter.layers[i].mixer.grows:
                 self._add_row_grads(i)
-                g = self._backward_growing(i, g)
+                g = self._backward_growing(i, g, layer_input)
             else:
-                g = self._backward_recurrent(i, g)
+                g = self._backward_recurrent(i, g, layer_input)
             self.shards.flush("state_grad", keep=self.shards.size**2)  # a window of layers in flight
         if g is not None:  # into the embeddings of this rank's tokens
             with torch.enable_grad():
@@ -883,16 +922,18 @@ class _WavefrontWalk:
         return self.state.positioned_blocks(i)
 
     def _post_rows(self) -> None:
-        """Start sending this rank's rows of every growing layer (last layer first) to the later computing ranks."""
+        """Start sending this rank's rows of every growing layer to the later computing ranks, in the order they
+        are received: segments from the last, layers ascending within each (``_input``)."""
         rank = self.shards.rank
         later = [dst for dst in self.computing if dst > rank]
         if not self.mine or not later:
             return
-        for i in reversed(range(self.engine.num_layers)):
+        every, layers = self.inputs.every, self.engine.num_layers
+        order = [i for first in reversed(range(0, layers, every)) for i in range(first, min(first + every, layers))]
+        for i in order:
             if not self.engine.adapter.layers[i].mixer.grows:
                 continue
-            views = [b.views() for _, b in self._own_rows(i)]
-            rows = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*views, strict=True)]
+            rows = _joined_views([b for _, b in self._own_rows(i)])
             for dst in later:
                 self.shards.send(rows, dst, _ROWS_TAG + i, "rows")
 
@@ -982,15 +1023,12 @@ class _WavefrontWalk:
                 carried = new
         return out
 
-    def _backward_growing(self, i: int, g: Tensor | None) -> Tensor | None:
+    def _backward_growing(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
         """Layer ``i`` (attention / MLA) of this rank's chunks, last chunk first; returns the gradient of its input."""
-        if not self.mine:
+        if layer_input is None:
             return None
-        layer_input = self._input(i)
         remote = [
-            PastBlock(
-                b.tensors, tuple(torch.zeros(t.shape, dtype=_grad_dtype(t, self.grad)) for t in b.tensors), b.start
-            )
+            PastBlock(b.tensors, tuple(_zeros_like_grad(t, self.grad) for t in b.tensors), b.start)
             for b in self.received.pop(i)
         ]  # each with gradient sinks of its own, sent back to the owner
         g_in = torch.zeros_like(layer_input)
@@ -1013,13 +1051,12 @@ class _WavefrontWalk:
             self.grad.release_arena(block.arena)
         return g_in
 
-    def _backward_recurrent(self, i: int, g: Tensor | None) -> Tensor | None:
+    def _backward_recurrent(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
         """Layer ``i`` (GatedDeltaNet) of this rank's chunks: the states before each recomputed forward from the one
         before the rank's first chunk, then each chunk backpropagated last first, the state gradient carried back."""
-        if not self.mine:
+        if layer_input is None:
             return None
         carry = self._recurrent_grad_after_last(i)
-        layer_input = self._input(i)
         befores = [self.inputs.recurrent[i]]
         with torch.no_grad():
             for k, j in enumerate(self.mine[:-1]):
@@ -1071,16 +1108,24 @@ class _WavefrontWalk:
             torch.autograd.backward(outputs, grads)
 
     def _sum_parameter_grads(self, params: list[nn.Parameter], had_grad: Tensor) -> None:
-        """Every rank's parameter gradient summed over the ranks (one flat all-reduce); a parameter no rank gave a
-        gradient keeps none (as in one process: an optimizer skips it)."""
-        any_grad = self.shards.sum_(had_grad + torch.tensor([p.grad is not None for p in params]), "param_grads")
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = self.shards.sum_(torch.cat([t.reshape(-1) for t in grads]), "param_grads")
-        offset = 0
-        for p, t, has in zip(params, grads, any_grad.tolist(), strict=True):
-            n = t.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone() if has else None
-            offset += n
+        """Every rank's parameter gradient summed over the ranks, in place, one flat all-reduce per dtype (models
+        keep some parameters in fp32, e.g. routers); a parameter no rank gave a gradient keeps none (as in one
+        process: an optimizer skips it)."""
+        has = had_grad + torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
+        somewhere = self.shards.sum_(has, "param_grads").tolist()
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p, found in zip(params, somewhere, strict=True):
+            if found:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            grads = [p.grad for p in group if p.grad is not None]
+            flat = self.shards.sum_(torch.cat([g.reshape(-1) for g in grads]), "param_grads")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
 class _RecurrentWalk:

@@ -243,14 +243,21 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
-    shard at every k-th layer and after the last — and the segment of k layers' inputs the walk recomputes at a
-    time (docs/distributed.md)."""
-    if request.mode != "exact" or request.context_parallel == 1 or not request.wavefront_walk:
+    shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
+    their recomputed inputs, and the earlier ranks' rows of those layers (at most the last rank's: N - 1 shards)
+    with one layer's fp32 gradient sinks. None with a kept-graph budget: the capture then runs replicated
+    (docs/distributed.md)."""
+    wavefront = request.mode == "exact" and request.context_parallel > 1 and request.wavefront_walk
+    if not wavefront or request.graph_budget_bytes > 0:
         return 0, 0
     layers = config.num_hidden_layers
     every = layer_inputs_spacing(layers, _engine_config(request))
     vector = positions * config.hidden_size * _itemsize(request.dtype)
-    return vector * (math.ceil(layers / every) + 1), vector * every
+    widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
+    rows_per_layer = state_size(config, request.dtype).bytes_per_token * positions / layers  # averaged over layers
+    earlier = rows_per_layer * (request.context_parallel - 1)  # a layer's rows of the earlier ranks
+    received = earlier * min(every, layers) + earlier * widen  # a segment's rows, one layer's sinks at a time
+    return vector * (math.ceil(layers / every) + 1), vector * every + int(received)
 
 
 def _engine_config(request: PlanRequest) -> EngineConfig:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -98,3 +100,17 @@ def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["grad_drift"] == 0.0 and rows[0]["loss_drift"] == 0.0
     assert all(r["grad_drift"] > 0.0 for r in rows[1:])
+
+
+@pytest.mark.distributed
+def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
+    """cp = 2 on 2 gloo processes: state halves, rows move exactly the analytic minimum, the walk is timed."""
+    out = tmp_path / "distributed.json"
+    args = ["--prompt", "128", "--chunk", "32", "--layers", "3", "--group", "2", "--ranks", "1", "2"]
+    stdout = run_module("bench.distributed", *args, "--out", str(out))
+    assert "path steps" in stdout
+    one, two = json.loads(out.read_text())["rows"]
+    assert two["state_ratio_to_share"] == 1.0
+    assert two["rows_bytes_max"] == two["row_minimum_bytes"]
+    assert two["critical_path_steps"] > 0 and 0 <= two["idle_max"] < 1
+    assert two["wavefront_steps"] == 2 + 3 - 1 and two["naive_steps"] == 2 * 3

@@ -51,6 +51,9 @@ class LossSums:
     def __add__(self, other: LossSums) -> LossSums:
         return LossSums(self.loss + other.loss, self.kl_sum + other.kl_sum, self.kl_tokens + other.kl_tokens)
 
+    def __sub__(self, other: LossSums) -> LossSums:
+        return LossSums(self.loss - other.loss, self.kl_sum - other.kl_sum, self.kl_tokens - other.kl_tokens)
+
     def reduce(self) -> tuple[float, float | None]:
         """``(loss, mean k3 KL per loss token or None)`` in one host transfer."""
         loss, kl_sum, kl_tokens = torch.stack([self.loss, self.kl_sum, self.kl_tokens.to(torch.float64)]).tolist()

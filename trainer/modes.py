@@ -329,7 +329,13 @@ class ExactMode(TreeMode):
     def interior(self, node: Node, inputs: Tensor, parent: State, state: State, loss: NodeLoss | None) -> None:
         loss_fn = self._loss_fn(loss, parent.num_tokens) if loss is not None else None
         kept = sum(c.length for c in state.chunks if c.start >= parent.num_tokens and self.bank and c in self.bank)
-        self.engine.backward(state, self.grad, inputs, since=parent, loss_fn=loss_fn, kept=self.bank)
+        before = self.sums
+        sharded = self.engine.backward(state, self.grad, inputs, since=parent, loss_fn=loss_fn, kept=self.bank)
+        if sharded and self.engine.shards is not None:  # each cp rank evaluated its own chunks' loss: sum the shares
+            share = self.sums - before
+            totals = torch.stack([share.loss, share.kl_sum, share.kl_tokens.to(torch.float64)])
+            loss_sum, kl_sum, kl_tokens = self.engine.shards.sum_(totals, "metrics")
+            self.sums = before + LossSums(loss_sum, kl_sum, kl_tokens.round().to(torch.int64))
         self.forward_tokens += inputs.numel() - kept  # the chunks recomputed (kept graphs are not)
 
 

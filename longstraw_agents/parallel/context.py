@@ -37,7 +37,6 @@ from torch import Tensor
 from longstraw_agents.attention import merge
 
 LAST = 1 << 62  # the last shard reaches past any position
-HEADER = 64  # int64 slots of a message's header: tensor count, then per tensor dtype code, ndim and dims
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
 
@@ -54,7 +53,7 @@ class ContextParallel:
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         # this rank's sends, by what they carry
-        kinds = ("partials", "dq", "topk", "state_grad", "rows", "recurrent", "param_grads")
+        kinds = ("partials", "dq", "topk", "state_grad", "rows", "recurrent", "param_grads", "metrics")
         self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
         self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
         # per kind, the messages in flight: each one's works and the tensors they read (kept alive until done)
@@ -62,7 +61,7 @@ class ContextParallel:
 
     @classmethod
     def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
-        """Shards that spread ``prompt_len`` positions evenly, each a whole number of ``chunk``-sized chunks."""
+        """Shards that spread ``prompt_len`` positions evenly over the ranks (``chunk``: the size for no prompt)."""
         return cls(group, _even_shard(prompt_len, dist.get_world_size(group), chunk))
 
     def fit(self, prompt_len: int, chunk: int) -> None:
@@ -124,28 +123,37 @@ class ContextParallel:
         order = torch.sort(cat_scores, dim=1, descending=True, stable=True).indices[:, :k]
         return cat_scores.gather(1, order), cat_positions.gather(1, order)
 
-    # --- point to point (the layer-major capture's wavefront) ------------------------------------------------
+    # --- point to point (the wavefront) and broadcasts of tensors of any shape ---------------------------------
+    # A message is its header's length (one int64), the header (count, then per tensor dtype code, ndim, dims) and
+    # the tensors. Point-to-point payloads travel through host memory: with the "cpu:gloo,cuda:nccl" backend that
+    # keeps them on gloo, which matches messages by tag — NCCL ignores tags and matches in posting order, and queues
+    # a pair's sends and receives on one stream, which the wavefront's out-of-order traffic would serialise.
     def send(self, tensors: Sequence[Tensor], dst: int, tag: int, kind: str) -> None:
         """Start sending ``tensors`` (any dtypes and shapes) to rank ``dst`` of the group; ``flush`` waits for it.
         ``kind``: what they carry, for ``sent_bytes``."""
         peer = dist.get_global_rank(self.group, dst)
-        payload = [t.contiguous() for t in tensors]
+        payload = [t.detach().to("cpu").contiguous() for t in tensors]
         header = _header(payload)
-        works = [dist.isend(t, peer, group=self.group, tag=tag) for t in [header, *payload]]
-        self._pending.setdefault(kind, []).append((works, [header, *payload]))
+        message = [torch.tensor([header.numel()]), header, *payload]
+        works = [dist.isend(t, peer, group=self.group, tag=tag) for t in message]
+        self._pending.setdefault(kind, []).append((works, message))
         self.sent_bytes[kind] += sum(_nbytes(t) for t in payload)
 
     def recv(self, src: int, tag: int, device: torch.device) -> tuple[Tensor, ...]:
-        """What rank ``src`` sent with ``tag`` (blocks until it arrives)."""
+        """What rank ``src`` sent with ``tag`` (blocks until it arrives), on ``device``."""
         peer = dist.get_global_rank(self.group, src)
         began = time.perf_counter()
-        header = torch.empty(HEADER, dtype=torch.int64)
+        length = torch.empty(1, dtype=torch.int64)
+        dist.recv(length, peer, group=self.group, tag=tag)
+        header = torch.empty(int(length), dtype=torch.int64)
         dist.recv(header, peer, group=self.group, tag=tag)
-        out = tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, shape in _parse(header))
-        for t in out:
+        out = []
+        for dtype, shape in _parse(header):
+            t = torch.empty(shape, dtype=dtype)
             dist.recv(t, peer, group=self.group, tag=tag)
+            out.append(t.to(device))
         self.waited_s += time.perf_counter() - began
-        return out
+        return tuple(out)
 
     def flush(self, kind: str | None = None, keep: int = 0) -> None:
         """Wait until the sends this rank started (of ``kind``, or all) have been received, all but the last
@@ -164,7 +172,11 @@ class ContextParallel:
         """Rank ``src``'s ``tensors`` (any dtypes and shapes; None on the other ranks) on every rank."""
         peer = dist.get_global_rank(self.group, src)
         began = time.perf_counter()
-        header = _header(list(tensors)) if tensors is not None else torch.empty(HEADER, dtype=torch.int64)
+        header = _header(list(tensors)) if tensors is not None else None
+        length = torch.tensor([header.numel() if header is not None else 0])
+        dist.broadcast(length, src=peer, group=self.group)
+        if header is None:
+            header = torch.empty(int(length), dtype=torch.int64)
         dist.broadcast(header, src=peer, group=self.group)
         if tensors is not None:
             out = tuple(t.contiguous() for t in tensors)
@@ -178,20 +190,18 @@ class ContextParallel:
 
 
 def _even_shard(prompt_len: int, ranks: int, chunk: int) -> int:
-    per_rank = -(-prompt_len // ranks)
-    return max(chunk, -(-per_rank // chunk) * chunk)
+    """ceil(prompt_len / ranks), not rounded to whole chunks (a rank's first or last chunk is then shorter): whole
+    chunks would leave the last ranks empty for a prompt of fewer chunks than ranks. ``chunk`` bounds it below only
+    for an empty prompt."""
+    return max(1, -(-prompt_len // ranks)) if prompt_len else chunk
 
 
 def _header(tensors: Sequence[Tensor]) -> Tensor:
-    """The fixed-size int64 header that lets a receiver allocate ``tensors``: count, then (dtype, ndim, *shape)."""
+    """The int64 header that lets a receiver allocate ``tensors``: count, then (dtype code, ndim, *shape) each."""
     slots = [len(tensors)]
     for t in tensors:
         slots += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(slots) > HEADER:
-        raise ValueError(f"a message of {len(tensors)} tensors needs {len(slots)} header slots; at most {HEADER}")
-    header = torch.full((HEADER,), -1, dtype=torch.int64)
-    header[: len(slots)] = torch.tensor(slots, dtype=torch.int64)
-    return header
+    return torch.tensor(slots, dtype=torch.int64)
 
 
 def _parse(header: Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:

@@ -20,9 +20,11 @@ def test_sharded_state_gives_the_results_of_one_process(tmp_path: Path, world: i
         run, args=(world, str(tmp_path / "store"), str(tmp_path), shard_size), nprocs=world, start_method="spawn"
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert all(r["many_tensors"] == 0.0 for r in ranks)  # broadcast and point to point of 40 tensors
     for family in OVERRIDES:
         for result in ranks:  # every rank computes the same (replicated) results
-            for what in ("logits", "extend", "resumed", "exact", "detached", "short_exact", "replicated_exact"):
+            checked = ("logits", "extend", "resumed", "exact", "detached", "short_exact", "replicated_exact")
+            for what in (*checked, "shared_turn_exact", "shared_turn_loss"):
                 assert result[f"{family}/{what}"] <= 1e-10, (family, what, result[f"{family}/{what}"])
         # compute is sharded: each rank evaluated every layer of its own chunks only, once
         for result in ranks:
@@ -36,8 +38,8 @@ def test_sharded_state_gives_the_results_of_one_process(tmp_path: Path, world: i
         for result in ranks:  # what the planner counts for the wavefront walk (hybrids add a state per layer)
             planned, kept = result[f"{family}/planned_layer_inputs"], result[f"{family}/layer_inputs"]
             assert planned <= kept <= planned * 1.05 + 65536, (family, planned, kept)
-        per_rank = -(-61 // world)  # the trainer spreads each group's prompt evenly, in whole chunks of 16
-        assert ranks[0][f"{family}/fitted_shard"] == -(-per_rank // 16) * 16
+        # the trainer spreads each group's shared context evenly: the tree's root, the prompt's first 60 tokens
+        assert ranks[0][f"{family}/fitted_shard"] == -(-60 // world)
         held = [r[f"{family}/growing_bytes"] for r in ranks]
         total, chunk = ranks[0][f"{family}/single_growing_bytes"], ranks[0][f"{family}/chunk_bytes"]
         assert sum(held) == total  # every position's state is stored once, by its owner

@@ -12,7 +12,8 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
 from longstraw_agents.planner import PlanRequest, layer_inputs_bytes
-from longstraw_agents.trainer import grpo_backward
+from longstraw_agents.segmenter import Member
+from longstraw_agents.trainer import LossConfig, backward_group, grpo_backward, make_group
 
 OVERRIDES = {"llama": {}, "qwen3_5": {}, "glm_moe_dsa": {"index_topk": 8}}
 PROMPT, BRANCH, CHUNK = 61, 7, 16
@@ -36,6 +37,18 @@ def gradient(engine: Engine, prompt, completions, rewards, mode: str) -> torch.T
     engine.model.zero_grad(set_to_none=True)
     grpo_backward(engine, prompt, completions, rewards, mode, track_memory=False)
     return grads(engine.model)
+
+
+def shared_turn_group(prompt: torch.Tensor, gen: torch.Generator, rewards: list[float]):
+    """A group whose members share a short prompt and a first answer (loss tokens), then diverge: exact mode fuses
+    the two into the prefix tree's root (a chain within one chunk), so the context's walk evaluates its loss."""
+    shared = torch.randint(0, 256, (8,), generator=gen)
+    members = []
+    for n in (5, 9, 3):
+        ids = torch.cat([prompt, shared, torch.randint(0, 256, (n,), generator=gen)])
+        mask = torch.cat([torch.zeros(len(prompt)), torch.ones(len(ids) - len(prompt))]).bool()
+        members.append(Member(ids.numpy(), mask.numpy()))
+    return make_group(members, rewards, LossConfig(aggregation="seq-mean"))  # shared tokens weigh per member
 
 
 def counting_layer_runs(engine: Engine) -> list[int]:
@@ -62,6 +75,14 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
     completions = [torch.randint(0, 256, (n,), generator=gen) for n in (5, 9, 3)]
     rewards = [1.0, 0.0, 0.5]
     results: dict[str, float | int] = {}
+    many = [torch.full((2, i + 1), float(i)) for i in range(40)]  # a message of many tensors (a 40-layer hybrid's)
+    got = shards.broadcast_tensors(many if rank == 0 else None, 0, torch.device("cpu"))
+    if rank == 0:
+        shards.send(many, world - 1, 7, "recurrent")
+    if rank == world - 1:
+        got = shards.recv(0, 7, torch.device("cpu"))
+    shards.flush()
+    results["many_tensors"] = float(max((a - b).abs().max() for a, b in zip(got, many, strict=True)))
     for family, overrides in OVERRIDES.items():
         model = tiny_model(family, dtype=torch.float64, **overrides)
         single = Engine(model, EngineConfig(chunk_size=CHUNK))
@@ -100,6 +121,15 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
             results[f"{family}/{mode}_layer_runs"] = parallel_runs[0]  # capture + branches + (exact) reverse walk
             results[f"{family}/{mode}_single_layer_runs"] = single_runs[0]
         results[f"{family}/fitted_shard"] = shards.shard_size  # the trainer re-cut the shards for its prompt
+        group = shared_turn_group(prompt[:6], torch.Generator().manual_seed(1), rewards)
+        model.zero_grad(set_to_none=True)
+        config = LossConfig(aggregation="seq-mean")
+        expected_loss = backward_group(single, group, "exact", config, track_memory=False).loss
+        expected = grads(model)
+        model.zero_grad(set_to_none=True)
+        loss = backward_group(parallel, group, "exact", config, track_memory=False).loss
+        results[f"{family}/shared_turn_exact"] = relative(grads(model), expected)
+        results[f"{family}/shared_turn_loss"] = abs(loss - expected_loss)  # (on-policy seq-mean: the total is ~0)
         short = prompt[:20]  # on 4 ranks, two hold none of it: they still take part in the walk
         expected = gradient(single, short, completions, rewards, "exact")
         results[f"{family}/short_exact"] = relative(gradient(parallel, short, completions, rewards, "exact"), expected)
