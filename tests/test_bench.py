@@ -106,7 +106,7 @@ def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
 def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
     """cp = 2 on 2 gloo processes: state halves, rows move exactly the analytic minimum, the walk is timed."""
     out = tmp_path / "distributed.json"
-    args = ["--prompt", "128", "--chunk", "32", "--layers", "3", "--group", "2", "--ranks", "1", "2"]
+    args = ["--prompt", "64", "--chunk", "16", "--layers", "3", "--group", "2", "--ranks", "1", "2"]
     stdout = run_module("bench.distributed", *args, "--out", str(out))
     assert "path steps" in stdout
     one, two = json.loads(out.read_text())["rows"]
