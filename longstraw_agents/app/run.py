@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, check_model, check_tokenizer
+from longstraw_agents.app.config import (
+    ConfigError,
+    ModelSpec,
+    ParallelSpec,
+    TrainConfig,
+    check_env,
+    check_model,
+    check_tokenizer,
+)
 from longstraw_agents.app.distributed import Ranks
 from longstraw_agents.app.records import MetricsRecord, WarmStartRecord
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
@@ -234,8 +242,7 @@ class Run:
                 raise ConfigError("parallel.cp > 1 shards the context: set model.max_context")
             chunk = self.config.trainer.chunk_size
             shards = mesh.context_parallel(self.max_context, chunk)
-            engine_config = EngineConfig(chunk_size=chunk, wavefront_walk=spec.wavefront_walk)
-            policy = Engine(self.model, engine_config, shards=shards)
+            policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=shards)
         return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
 
     def _sampling_engine(self) -> Engine:
@@ -280,3 +287,8 @@ class Run:
         elif self.ranks.writes:  # the others hold the same weights (same_weights)
             save_model(reference, str(path))
         return reference
+
+
+def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConfig:
+    """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk)."""
+    return EngineConfig(chunk_size=chunk, wavefront_walk=spec.wavefront_walk)

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from longstraw_agents.app.config import ConfigError, ParallelSpec, TrainConfig
 from longstraw_agents.app.distributed import Ranks, merged_step_metrics
 from longstraw_agents.app.export import export_hf
+from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.seeds import task_seed
 from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
@@ -165,3 +166,10 @@ def test_merged_metrics_pool_the_ranks_members(summed: bool) -> None:
     assert merged.reward_std == pytest.approx(np.std(pooled))
     assert merged.loss == pytest.approx(0.9 if summed else (2 * 0.3 + 0.6) / 3)
     assert merged.loss_tokens == 14 and merged.grad_norm == 0.5
+
+
+def test_parallel_wavefront_walk_reaches_the_engine() -> None:
+    """``parallel.wavefront_walk`` picks exact mode's walk over the cp ranks (docs/distributed.md)."""
+    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).wavefront_walk
+    replicated = context_parallel_engine_config(ParallelSpec(cp=2, wavefront_walk=False), 64)
+    assert not replicated.wavefront_walk and replicated.chunk_size == 64
