@@ -97,3 +97,14 @@ def test_a_checkpoint_on_the_mesh_resumes_bit_exactly(tmp_path, fsdp):
         assert all(torch.equal(p, saved[name]) for name, p in whole.named_parameters())
     else:
         assert "model.safetensors" in files and not any(f.startswith("sharded/") for f in files)
+
+
+def test_fsdp2_with_context_parallel_equals_one_process(tmp_path):
+    """dp=2 x cp=2 with FSDP2 on a hybrid: exact mode's wavefront walk sums its parameter gradient over cp inside the
+    step's gathered FSDP units, before they reduce-scatter over dp; the step equals one process's."""
+    ranks = _spawn(tmp_path, 4, dp=2, cp=2, normalization="group", fsdp=True, family="qwen3_5")
+    expected, grad_norm = _one_process("group", "qwen3_5")
+    for rank, result in enumerate(ranks):
+        assert relative_l2(result["params"], expected) <= 1e-10, rank
+        assert result["stray_collectives"] == [], rank
+        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
