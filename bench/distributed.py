@@ -7,7 +7,8 @@ cp = 1, 2, 4 — printed as ratios to cp = 1 (issue 14's bench; the schedule is 
   ``state_grad`` (their K/V gradient back, GatedDeltaNet state gradients), ``recurrent`` (states broadcast after the
   capture), ``partials``/``dq`` (the replicated branch replays' merges), ``param_grads`` (the walk's parameter
   gradient, summed over cp) — against the analytic minimum for moving rows to the later ranks:
-  ``sum_s rows_s * (later computing ranks)`` per growing layer, twice (capture and walk);
+  ``sum_s rows_s * (later computing ranks)`` per growing layer, twice (capture and walk); the walk sends the rows
+  of the layers it recomputes once more (a receiver holds one layer's rows at a time);
 - the exact walk's critical path in block steps: its wall time over the mean time of one (rank, layer) step
   (a layer of backward over a rank's chunks), against ``ranks + layers`` (a perfect wavefront) and
   ``ranks x layers`` (the naive order); idle: the largest fraction of the walk a rank spent waiting for messages.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -122,8 +124,16 @@ def run(world: int, args: dict) -> list[dict]:
 
 def row_minimum(state_bytes: float, world: int) -> float:
     """Bytes the busiest sender must move for rows to reach every later rank, capture and walk: rank 0 sends its
-    shard (1/N of the state) to N - 1 ranks, twice."""
+    shard (1/N of the state) to N - 1 ranks, twice (no rank can keep every earlier row between the two)."""
     return 2 * state_bytes / world * (world - 1)
+
+
+def row_schedule(state_bytes: float, world: int, layers: int) -> float:
+    """What the schedule sends (every layer grows, as in llama): the minimum, plus the rows of the layers the walk
+    recomputes (those below the top of each segment of ceil(sqrt(L)) layers) sent once more."""
+    every = math.ceil(math.sqrt(layers))
+    recomputed = sum(min(first + every, layers) - 1 - first for first in range(0, layers, every))
+    return row_minimum(state_bytes, world) * (1 + recomputed / layers / 2)
 
 
 def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> dict:
@@ -137,6 +147,7 @@ def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> 
     if base is not None:
         row["state_ratio_to_share"] = state / (base["state_bytes_max"] / world)
         row["row_minimum_bytes"] = row_minimum(base["state_bytes_max"], world)
+        row["row_schedule_bytes"] = row_schedule(base["state_bytes_max"], world, layers)
         for what in ("capture", "detached", "exact"):
             row[f"{what}_speedup"] = base[what] / row[what]
     walk = max(r["walk_s"] for r in ranks)

@@ -845,7 +845,8 @@ class LayerInputs:
         return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
 
 
-_ROWS_TAG, _ROW_GRADS_TAG, _RECURRENT_GRAD_TAG = 1 << 12, 2 << 12, 3 << 12  # + the layer index (< 4096 layers)
+# + the layer index (< 4096 layers): rows for a layer's backward, for its forward recomputation, their gradients
+_ROWS_TAG, _RECOMPUTE_ROWS_TAG, _ROW_GRADS_TAG, _RECURRENT_GRAD_TAG = 1 << 12, 2 << 12, 3 << 12, 4 << 12
 
 
 class _WavefrontWalk:
@@ -859,7 +860,8 @@ class _WavefrontWalk:
     each rank walking all its layers after the later ranks finished all theirs, is their product). The messages:
 
     - before the walk, each rank posts its rows of every growing layer to the later ranks (views of its arenas, no
-      copies; a receiver takes layer i's when it gets there and drops them after); the receiver attends to them
+      copies), in the order they are taken: a receiver takes layer i's when it recomputes or backpropagates the
+      layer and drops them after (one layer's at a time; a recomputed layer's rows travel twice); it attends to them
       with gradient sinks of their own, and sends those sinks (the gradient for the earlier rank's K/V) back to
       their owner once its layer i is done, where they are added into the state's gradient;
     - a recurrent layer's state gradient before a rank's first chunk goes to the rank that holds the chunk before.
@@ -891,7 +893,6 @@ class _WavefrontWalk:
                 f"reverse walk ({shards.shard_size}): walk a state under the cut it was captured with"
             )
         self.segment: dict[int, Tensor] = {}  # the current segment's layer inputs (recomputed from its first)
-        self.received: dict[int, list[PastBlock]] = {}  # earlier ranks' rows of the segment's growing layers
 
     def run(self) -> None:
         engine = self.engine
@@ -923,19 +924,24 @@ class _WavefrontWalk:
 
     def _post_rows(self) -> None:
         """Start sending this rank's rows of every growing layer to the later computing ranks, in the order they
-        are received: segments from the last, layers ascending within each (``_input``)."""
+        are received: per segment from the last, its recomputed layers ascending (``_input``), then every layer of
+        it descending (the backward). A receiver holds one layer's rows at a time; the rows of a recomputed layer
+        travel twice."""
         rank = self.shards.rank
         later = [dst for dst in self.computing if dst > rank]
         if not self.mine or not later:
             return
         every, layers = self.inputs.every, self.engine.num_layers
-        order = [i for first in reversed(range(0, layers, every)) for i in range(first, min(first + every, layers))]
-        for i in order:
-            if not self.engine.adapter.layers[i].mixer.grows:
-                continue
-            rows = _joined_views([b for _, b in self._own_rows(i)])
-            for dst in later:
-                self.shards.send(rows, dst, _ROWS_TAG + i, "rows")
+        for first in reversed(range(0, layers, every)):
+            top = min(first + every, layers) - 1
+            order = [(i, _RECOMPUTE_ROWS_TAG) for i in range(first, top)]
+            order += [(i, _ROWS_TAG) for i in range(top, first - 1, -1)]
+            for i, tag in order:
+                if not self.engine.adapter.layers[i].mixer.grows:
+                    continue
+                rows = _joined_views([b for _, b in self._own_rows(i)])
+                for dst in later:
+                    self.shards.send(rows, dst, tag + i, "rows")
 
     def _add_row_grads(self, i: int) -> None:
         """Add what the later ranks' queries sent back for this rank's rows of layer ``i`` into the state gradient."""
@@ -985,25 +991,23 @@ class _WavefrontWalk:
         return x.grad
 
     def _input(self, i: int) -> Tensor:
-        """Layer ``i``'s input on this rank (and, for a growing layer, the earlier ranks' rows in ``received``): kept
-        by the capture at the first layer of each segment, the others recomputed forward from it, a segment at a
-        time, when the walk enters the segment (from its top)."""
+        """Layer ``i``'s input on this rank: kept by the capture at the first layer of each segment, the others
+        recomputed forward from it, a segment at a time, when the walk enters the segment (from its top)."""
         if i not in self.segment:
             first = i - i % self.inputs.every
             h = self.inputs.hidden[first]
             for layer in range(first, i + 1):
                 self.segment[layer] = h
-                if self.engine.adapter.layers[layer].mixer.grows:
-                    self.received[layer] = self._receive_rows(layer)
                 if layer < i:
                     h = self._forward_layer(layer, h)
         return self.segment.pop(i)
 
-    def _receive_rows(self, i: int) -> list[PastBlock]:
+    def _receive_rows(self, i: int, tag: int) -> list[PastBlock]:
+        """The earlier ranks' rows of layer ``i`` (``tag``: for its backward or its recomputation)."""
         received = []
         for src in self.computing:
             if src < self.shards.rank:
-                rows = self.shards.recv(src, _ROWS_TAG + i, self.engine.adapter.device)
+                rows = self.shards.recv(src, tag + i, self.engine.adapter.device)
                 received.append(PastBlock(rows, None, self.row_start[src]))
         return received
 
@@ -1011,12 +1015,13 @@ class _WavefrontWalk:
         """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs)."""
         layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
         carried = self.inputs.recurrent[i]
+        earlier = self._receive_rows(i, _RECOMPUTE_ROWS_TAG) if layer.mixer.grows else []
         with torch.no_grad():
             for k, j in enumerate(self.mine):
                 span = self._rows(j)
                 if layer.mixer.grows:
                     own = self.engine._past_blocks(self.state.positioned_blocks(i, j), None, 0)
-                    ctx = LayerContext(past=[*self.received[i], *own])
+                    ctx = LayerContext(past=[*earlier, *own])
                 else:
                     ctx = LayerContext(recurrent=carried)
                 out[span], new = self._layer(i, j, h[span], ctx, self.inputs.scratch[i][k])
@@ -1029,7 +1034,7 @@ class _WavefrontWalk:
             return None
         remote = [
             PastBlock(b.tensors, tuple(_zeros_like_grad(t, self.grad) for t in b.tensors), b.start)
-            for b in self.received.pop(i)
+            for b in self._receive_rows(i, _ROWS_TAG)
         ]  # each with gradient sinks of its own, sent back to the owner
         g_in = torch.zeros_like(layer_input)
         for k in reversed(range(len(self.mine))):

@@ -244,8 +244,8 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
     shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
-    their recomputed inputs, and the earlier ranks' rows of those layers (at most the last rank's: N - 1 shards)
-    with one layer's fp32 gradient sinks. None with a kept-graph budget: the capture then runs replicated
+    their recomputed inputs, and one layer's rows of the earlier ranks (at most the last rank's: N - 1 shards)
+    with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs replicated
     (docs/distributed.md)."""
     wavefront = request.mode == "exact" and request.context_parallel > 1 and request.wavefront_walk
     if not wavefront or request.graph_budget_bytes > 0:
@@ -256,7 +256,7 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
     widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
     rows_per_layer = state_size(config, request.dtype).bytes_per_token * positions / layers  # averaged over layers
     earlier = rows_per_layer * (request.context_parallel - 1)  # a layer's rows of the earlier ranks
-    received = earlier * min(every, layers) + earlier * widen  # a segment's rows, one layer's sinks at a time
+    received = earlier * (1 + widen)  # one layer's rows at a time, with their sinks
     return vector * (math.ceil(layers / every) + 1), vector * every + int(received)
 
 
