@@ -65,7 +65,8 @@ class EngineConfig:
         "state" (the state's own dtype).
     graph_budget_bytes: exact mode keeps the autograd graphs of the last prefix chunks that fit in this many bytes
         instead of recomputing them in the reverse walk (0: recompute every chunk, the smallest peak); a budget at
-        a full-graph trainer's peak makes exact mode about as fast as one.
+        a full-graph trainer's peak makes exact mode about as fast as one. With context parallelism a budget makes
+        the capture replicated (the kept graphs need every chunk on every rank), and so the reverse walk.
     activation_checkpointing: graphs (branch replays, recomputed chunks) keep each layer's input only and recompute
         the layer in backward — a large model's branch graph shrinks from every layer's activations to one layer's
         (one more forward of the branch or chunk).
@@ -555,6 +556,12 @@ class Engine:
                 grad.release_recurrent(rec)
 
 
+def _staged(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` in host memory, where point-to-point messages travel (``StateShards.send``): a no-op on CPU, one
+    device-to-host copy on a GPU — made once, then shared by every message that carries them."""
+    return [t.detach().to("cpu") for t in tensors]
+
+
 def _joined_views(blocks: Sequence[Block]) -> list[Tensor]:
     """The rows of consecutive ``blocks`` (in position order) as one tensor per state tensor: views when they lie
     back to back in one arena, else a copy."""
@@ -677,8 +684,9 @@ class _ShardedExtend:
         engine, adapter = self.engine, self.engine.adapter
         mine = [self.pieces[j] for j in self.mine]
         width = sum(b - a for a, b in mine)
-        owns_last = bool(self.mine) and self.mine[-1] == len(self.pieces) - 1
-        arenas = engine._arenas_for(self.state, width, reserve if owns_last else 0)
+        # later appends (a chain of turns, decoding) go to the owner of the position after these
+        owns_next = self.shards.owner(self.base + self.ids.shape[0]) == self.shards.rank
+        arenas = engine._arenas_for(self.state, width, reserve if owns_next else 0)
         blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in mine]
         recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in mine]
         # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
@@ -756,7 +764,7 @@ class _ShardedExtend:
                 return
             own = [b for _, b in self.state.positioned_blocks(i)]
             own += [row[i] for row in blocks if row[i] is not None]  # type: ignore[misc]
-            rows = _joined_views(own)
+            rows = _staged(_joined_views(own))  # one host copy for every destination
             for dst in self.computing:
                 if dst > rank:
                     self.shards.send(rows, dst, i, "rows")
@@ -859,11 +867,12 @@ class _WavefrontWalk:
     i: a wavefront from the last rank, whose critical path is ``layers + ranks - 1`` layer steps (the naive order,
     each rank walking all its layers after the later ranks finished all theirs, is their product). The messages:
 
-    - before the walk, each rank posts its rows of every growing layer to the later ranks (views of its arenas, no
-      copies), in the order they are taken: a receiver takes layer i's when it recomputes or backpropagates the
-      layer and drops them after (one layer's at a time; a recomputed layer's rows travel twice); it attends to them
-      with gradient sinks of their own, and sends those sinks (the gradient for the earlier rank's K/V) back to
-      their owner once its layer i is done, where they are added into the state's gradient;
+    - before the walk, each rank posts its rows of every growing layer to the later ranks (views of its arenas; on a
+      GPU one host copy per layer), in the order they are taken: a receiver takes layer i's when it recomputes or
+      backpropagates the layer and drops them after (one layer's at a time; a recomputed layer's rows travel
+      twice); it attends to them with gradient sinks of their own, and sends those sinks (the gradient for the
+      earlier rank's K/V) back to their owner once its layer i is done, where they are added into the state's
+      gradient;
     - a recurrent layer's state gradient before a rank's first chunk goes to the rank that holds the chunk before.
 
     The replicated part of the parameters' gradient (the branch replays, which every rank ran) is divided by the
@@ -932,6 +941,7 @@ class _WavefrontWalk:
         if not self.mine or not later:
             return
         every, layers = self.inputs.every, self.engine.num_layers
+        staged: dict[int, list[Tensor]] = {}  # one host copy per layer, for every destination and both tags
         for first in reversed(range(0, layers, every)):
             top = min(first + every, layers) - 1
             order = [(i, _RECOMPUTE_ROWS_TAG) for i in range(first, top)]
@@ -939,9 +949,10 @@ class _WavefrontWalk:
             for i, tag in order:
                 if not self.engine.adapter.layers[i].mixer.grows:
                     continue
-                rows = _joined_views([b for _, b in self._own_rows(i)])
+                if i not in staged:
+                    staged[i] = _staged(_joined_views([b for _, b in self._own_rows(i)]))
                 for dst in later:
-                    self.shards.send(rows, dst, tag + i, "rows")
+                    self.shards.send(staged[i], dst, tag + i, "rows")
 
     def _add_row_grads(self, i: int) -> None:
         """Add what the later ranks' queries sent back for this rank's rows of layer ``i`` into the state gradient."""

@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from longstraw_agents.engine import Engine, EngineConfig, checkpoint_spacing, layer_inputs_spacing
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
-from longstraw_agents.models import state_size
+from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
@@ -254,7 +254,9 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
     every = layer_inputs_spacing(layers, _engine_config(request))
     vector = positions * config.hidden_size * _itemsize(request.dtype)
     widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
-    rows_per_layer = state_size(config, request.dtype).bytes_per_token * positions / layers  # averaged over layers
+    itemsize = _itemsize(request.dtype)
+    per_layer = adapter_class(config).layer_state_bytes(config, itemsize)
+    rows_per_layer = max(per_token for per_token, _ in per_layer) * positions  # the widest growing layer's rows
     earlier = rows_per_layer * (request.context_parallel - 1)  # a layer's rows of the earlier ranks
     received = earlier * (1 + widen)  # one layer's rows at a time, with their sinks
     return vector * (math.ceil(layers / every) + 1), vector * every + int(received)
