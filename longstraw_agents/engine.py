@@ -540,10 +540,7 @@ class Engine:
             return None if block is None else grad.existing_block_grads(block)
         owner = self.shards.owner(chunk.start)
         found = grad.existing_block_grads(block) if block is not None else None
-        buffers = [
-            found[i].clone() if found is not None else torch.zeros(t.shape, dtype=_grad_dtype(t, grad), device=t.device)
-            for i, t in enumerate(entry)
-        ]
+        buffers = [found[i].clone() if found is not None else _zeros_like_grad(t, grad) for i, t in enumerate(entry)]
         return tuple(self.shards.broadcast(b, owner) for b in buffers)
 
     @staticmethod
@@ -554,6 +551,13 @@ class Engine:
                 grad.release_arena(block.arena)
             if rec is not None:
                 grad.release_recurrent(rec)
+
+
+def _ownership(shards: StateShards, starts: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """For chunks starting at ``starts``: each one's owner, the indices of this rank's, and the ranks owning any."""
+    owners = [shards.owner(start) for start in starts]
+    mine = [j for j, owner in enumerate(owners) if owner == shards.rank]
+    return owners, mine, sorted(set(owners))
 
 
 def _staged(tensors: list[Tensor]) -> list[Tensor]:
@@ -668,15 +672,11 @@ class _ShardedExtend:
         self.engine, self.shards, self.state, self.ids = engine, shards, state, ids
         self.base = state.num_tokens
         self.pieces = [(self.base + lo, self.base + hi) for lo, hi in engine._pieces(self.base, ids.shape[0], chunk)]
-        self.owners = [shards.owner(a) for a, _ in self.pieces]
-        self.mine = [j for j, owner in enumerate(self.owners) if owner == shards.rank]
-        self.computing = sorted(set(self.owners))
-        # per rank: the positions of the rows it holds once this extend is done (one contiguous range: a shard)
-        self.rows: list[list[int]] = [[] for _ in range(shards.size)]
-        for c in state.chunks:
-            self.rows[shards.owner(c.start)] += [c.start, c.end]
-        for (a, b), owner in zip(self.pieces, self.owners, strict=True):
-            self.rows[owner] += [a, b]
+        self.owners, self.mine, self.computing = _ownership(shards, [a for a, _ in self.pieces])
+        # per rank holding rows once this extend is done (parent's or new; one contiguous range): its first position
+        self.row_start: dict[int, int] = {}
+        for start in [c.start for c in state.chunks] + [a for a, _ in self.pieces]:
+            self.row_start.setdefault(shards.owner(start), start)
 
     def run(self, reserve: int, keep: GraphBank | None = None) -> State:
         """The child state. keep: exact mode's bank, which then holds this rank's layer inputs (``LayerInputs``)
@@ -740,9 +740,9 @@ class _ShardedExtend:
         """Layer ``i``'s rows before this rank's first chunk, received from the ranks that hold them."""
         past = []
         for src in range(self.shards.rank):
-            if self.rows[src]:
+            if src in self.row_start:
                 tensors = self.shards.recv(src, i, self.engine.adapter.device)
-                past.append(PastBlock(tensors, None, self.rows[src][0]))
+                past.append(PastBlock(tensors, None, self.row_start[src]))
         past += self.engine._past_blocks(self.state.positioned_blocks(i), None, 0)  # this rank's own, earlier
         return past
 
@@ -760,7 +760,7 @@ class _ShardedExtend:
         """Send what later ranks need of layer ``i``: this rank's rows, or the recurrent state after its chunks."""
         rank = self.shards.rank
         if grows:
-            if not self.rows[rank]:
+            if rank not in self.row_start:
                 return
             own = [b for _, b in self.state.positioned_blocks(i)]
             own += [row[i] for row in blocks if row[i] is not None]  # type: ignore[misc]
@@ -891,9 +891,7 @@ class _WavefrontWalk:
     ):
         self.engine, self.shards, self.state, self.grad, self.ids = engine, shards, state, grad, ids
         self.loss_fn, self.inputs = loss_fn, inputs
-        self.owners = [shards.owner(c.start) for c in state.chunks]
-        self.mine = [j for j, owner in enumerate(self.owners) if owner == shards.rank]
-        self.computing = sorted(set(self.owners))
+        self.owners, self.mine, self.computing = _ownership(shards, [c.start for c in state.chunks])
         self.row_start = {owner: state.chunks[self.owners.index(owner)].start for owner in self.computing}
         self.lo = state.chunks[self.mine[0]].start if self.mine else 0
         if inputs.shard_size != shards.shard_size:
@@ -902,6 +900,8 @@ class _WavefrontWalk:
                 f"reverse walk ({shards.shard_size}): walk a state under the cut it was captured with"
             )
         self.segment: dict[int, Tensor] = {}  # the current segment's layer inputs (recomputed from its first)
+        # recurrent layers the segment recomputed: the state before each of this rank's chunks
+        self.states_before: dict[int, list[tuple[Tensor, ...] | None]] = {}
 
     def run(self) -> None:
         engine = self.engine
@@ -1026,6 +1026,7 @@ class _WavefrontWalk:
         """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs)."""
         layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
         carried = self.inputs.recurrent[i]
+        befores: list[tuple[Tensor, ...] | None] = []
         earlier = self._receive_rows(i, _RECOMPUTE_ROWS_TAG) if layer.mixer.grows else []
         with torch.no_grad():
             for k, j in enumerate(self.mine):
@@ -1034,9 +1035,12 @@ class _WavefrontWalk:
                     own = self.engine._past_blocks(self.state.positioned_blocks(i, j), None, 0)
                     ctx = LayerContext(past=[*earlier, *own])
                 else:
+                    befores.append(carried)
                     ctx = LayerContext(recurrent=carried)
                 out[span], new = self._layer(i, j, h[span], ctx, self.inputs.scratch[i][k])
                 carried = new
+        if not layer.mixer.grows:
+            self.states_before[i] = befores  # the layer's backward starts each chunk from these
         return out
 
     def _backward_growing(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
@@ -1073,12 +1077,9 @@ class _WavefrontWalk:
         if layer_input is None:
             return None
         carry = self._recurrent_grad_after_last(i)
-        befores = [self.inputs.recurrent[i]]
-        with torch.no_grad():
-            for k, j in enumerate(self.mine[:-1]):
-                x = layer_input[self._rows(j)]
-                _, new = self._layer(i, j, x, LayerContext(recurrent=befores[-1]), self.inputs.scratch[i][k])
-                befores.append(new)
+        if i not in self.states_before:  # the top of a segment: not recomputed yet
+            self._forward_layer(i, layer_input)
+        befores = self.states_before.pop(i)
         g_in = torch.zeros_like(layer_input)
         for k in reversed(range(len(self.mine))):
             j, rows = self.mine[k], self._rows(self.mine[k])

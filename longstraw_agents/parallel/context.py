@@ -193,7 +193,7 @@ def _even_shard(prompt_len: int, ranks: int, chunk: int) -> int:
     """ceil(prompt_len / ranks), not rounded to whole chunks (a rank's first or last chunk is then shorter): whole
     chunks would leave the last ranks empty for a prompt of fewer chunks than ranks. ``chunk`` bounds it below only
     for an empty prompt."""
-    return max(1, -(-prompt_len // ranks)) if prompt_len else chunk
+    return -(-prompt_len // ranks) if prompt_len else chunk
 
 
 def _header(tensors: Sequence[Tensor]) -> Tensor:
