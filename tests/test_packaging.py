@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -26,12 +27,16 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # builds a wheel and a virtual environment (~30 s)
 
 
+def package_dirs() -> dict[str, str]:
+    """Installed package name -> repository folder (``[tool.setuptools.package-dir]``)."""
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+
 def source_packages() -> list[str]:
-    """Every package of the checkout by its installed name (folders with an ``__init__.py`` under each folder
-    ``[tool.setuptools.package-dir]`` maps)."""
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    """Every package of the checkout by its installed name (folders with an ``__init__.py`` under each mapped
+    folder)."""
     names = []
-    for package, folder in mapping.items():
+    for package, folder in package_dirs().items():
         for init in sorted((REPO / folder).rglob("__init__.py")):
             relative = init.parent.relative_to(REPO / folder).parts
             names.append(".".join((package, *relative)))
@@ -42,8 +47,14 @@ def source_packages() -> list[str]:
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtual environment with the wheel installed (no editable hook, no checkout on the path)."""
     root = tmp_path_factory.mktemp("wheel")
+    source = root / "source"  # a copy of what the build reads (setuptools writes build/ beside its sources)
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for folder in set(package_dirs().values()):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-w", str(root), "-q"],
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(root), "-q"],
         check=True,
         capture_output=True,
     )
