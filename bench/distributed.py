@@ -1,5 +1,5 @@
 """Context parallelism on CPU (gloo): per-rank state, time, communication and the wavefront's critical path, for
-cp = 1, 2, 4 — printed as ratios to cp = 1 (issue 14's bench; the schedule is docs/distributed.md's).
+cp = 1, 2, 4 — printed as ratios to cp = 1 (the schedule is docs/distributed.md's).
 
 - state/rank: the attention state a rank holds after the capture (target <= 1.05 / N of one process's);
 - capture, detached step, exact step: wall seconds (the slowest rank), and the speed-up over cp = 1;
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from longstraw_agents import engine as engine_module
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine.wavefront import WavefrontWalk
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.trainer import grpo_backward
@@ -50,7 +50,7 @@ class WalkTimer:
         self.walk_s, self.waited_s = 0.0, 0.0
         self.steps: list[float] = []
         self.pending = 0.0  # a step's segment recompute (``_input``), added to the step that follows it
-        walk = engine_module._WavefrontWalk
+        walk = WavefrontWalk
         walk.run = self._timing(walk.run, whole=True)  # type: ignore[method-assign]
         walk._input = self._timing(walk._input, pending=True)  # type: ignore[method-assign]
         walk._backward_growing = self._timing(walk._backward_growing)  # type: ignore[method-assign]
@@ -60,11 +60,11 @@ class WalkTimer:
         timer = self
 
         def timed(walk, *args):
-            began, waited = time.perf_counter(), walk.shards.waited_s
+            began, waited = time.perf_counter(), walk.transport.waited_s
             try:
                 return method(walk, *args)
             finally:
-                spent, idle = time.perf_counter() - began, walk.shards.waited_s - waited
+                spent, idle = time.perf_counter() - began, walk.transport.waited_s - waited
                 if whole:
                     timer.walk_s += spent
                     timer.waited_s += idle
@@ -107,9 +107,9 @@ def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     )
     timer = WalkTimer()
     if shards is not None:
-        shards.sent_bytes = dict.fromkeys(shards.sent_bytes, 0)
+        shards.transport.sent_bytes = dict.fromkeys(shards.transport.sent_bytes, 0)
     result["exact"] = timed(lambda: grpo_backward(engine, prompt, completions, rewards, "exact", track_memory=False))
-    result["sent"] = dict(shards.sent_bytes) if shards is not None else {}
+    result["sent"] = dict(shards.transport.sent_bytes) if shards is not None else {}
     result["walk_s"], result["walk_waited_s"] = timer.walk_s, timer.waited_s
     result["walk_step_s"] = timer.steps
     torch.save(result, Path(out) / f"rank{rank}.pt")

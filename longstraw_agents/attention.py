@@ -119,8 +119,8 @@ class Shards(Protocol):
         and dtype of a partial's normaliser, ``out_shape`` its output's."""
         ...
 
-    def sum_(self, tensor: Tensor) -> Tensor:
-        """``tensor`` summed over the ranks, in place."""
+    def sum_(self, tensor: Tensor, kind: str) -> Tensor:
+        """``tensor`` summed over the ranks, in place (``kind`` names the payload, for the transport's accounting)."""
         ...
 
     def merge_topk(
@@ -419,7 +419,7 @@ class _BlockAttention(torch.autograd.Function):
                 if piece.v_grad is not None:
                     piece.v_grad.add_(from_heads(dv))
         if attention.shards is not None:  # every rank's blocks add to the queries' gradient
-            attention.shards.sum_(dq)
+            attention.shards.sum_(dq, "dq")
         k4, v4 = as_heads(own_k), as_heads(own_v)
         dq_o, dk, dv = attention.kernel(q4, k4, v4).backward(d_out4, q4, k4, v4, out, lse, True, ctx.scale)
         dq += dq_o
@@ -536,7 +536,7 @@ class _SparseAttention(torch.autograd.Function):
             if found is not None:
                 dq += _sparse_grads(qs, d_o, row, lse, rows, *found, ctx.scale, sink)
         if ctx.shards is not None:  # every rank's rows add to the queries' gradient
-            ctx.shards.sum_(dq)
+            ctx.shards.sum_(dq, "dq")
         d_own = torch.zeros(own.shape, dtype=sdt, device=own.device)
         own_found = _gather(own, ctx.start, selected, query_pos)
         if own_found is not None:

@@ -127,6 +127,9 @@ class State:
     num_layers: int
     checkpoints: int = 0  # keep the recurrent state after every k-th chunk (0: only after the last)
     owner: int = field(default=0, repr=False)  # id of the engine that made it (a state is tied to its model)
+    # a sharded capture's inputs for exact mode's wavefront walk over exactly these chunks (engine.wavefront's
+    # LayerInputs, this rank's); children do not inherit them
+    layer_inputs: object | None = field(default=None, repr=False)
     _merged: MergedBlocks | None = field(default=None, init=False, repr=False)
 
     @property
@@ -140,7 +143,13 @@ class State:
         """The same state whose children keep recurrent checkpoints every ``spacing`` chunks from now on."""
         if spacing == self.checkpoints:
             return self
-        twin = State(self.chunks, self.num_layers, spacing, self.owner)
+        twin = State(self.chunks, self.num_layers, spacing, self.owner, self.layer_inputs)
+        object.__setattr__(twin, "_merged", self._merged)
+        return twin
+
+    def with_layer_inputs(self, inputs: object) -> State:
+        """The same state carrying ``inputs`` (what its reverse walk reads instead of recomputing every layer)."""
+        twin = State(self.chunks, self.num_layers, self.checkpoints, self.owner, inputs)
         object.__setattr__(twin, "_merged", self._merged)
         return twin
 
@@ -265,14 +274,15 @@ class StateGrad:
         self._arena: dict[int, tuple[Arena, tuple[Tensor, ...]]] = {}
         self._recurrent: dict[int, tuple[RecurrentState, tuple[Tensor, ...]]] = {}
 
-    def _zeros(self, like: Tensor) -> Tensor:
+    def zeros_like(self, like: Tensor) -> Tensor:
+        """Zeros shaped like ``like`` at the width this gradient accumulates in."""
         dtype = like.dtype if self.accumulate_dtype is None else torch.promote_types(like.dtype, self.accumulate_dtype)
         return torch.zeros(like.shape, dtype=dtype, device=like.device)
 
     def arena_buffers(self, arena: Arena) -> tuple[Tensor, ...]:
         entry = self._arena.get(id(arena))
         if entry is None:
-            entry = (arena, tuple(self._zeros(t) for t in arena.tensors))
+            entry = (arena, tuple(self.zeros_like(t) for t in arena.tensors))
             self._arena[id(arena)] = entry
         return entry[1]
 
@@ -287,7 +297,7 @@ class StateGrad:
     def recurrent_grads(self, rec: RecurrentState) -> tuple[Tensor, ...]:
         entry = self._recurrent.get(id(rec))
         if entry is None:
-            entry = (rec, tuple(self._zeros(t) for t in rec.tensors))
+            entry = (rec, tuple(self.zeros_like(t) for t in rec.tensors))
             self._recurrent[id(rec)] = entry
         return entry[1]
 

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,11 @@ class LossSums:
 
     def __sub__(self, other: LossSums) -> LossSums:
         return LossSums(self.loss - other.loss, self.kl_sum - other.kl_sum, self.kl_tokens - other.kl_tokens)
+
+    def mapped(self, fn: Callable[[Tensor], Tensor]) -> LossSums:
+        """The sums with ``fn`` applied to all three at once (one call: ``fn`` may be a collective), as float64."""
+        loss, kl_sum, kl_tokens = fn(torch.stack([self.loss, self.kl_sum, self.kl_tokens.to(torch.float64)]))
+        return LossSums(loss, kl_sum, kl_tokens.round().to(torch.int64))
 
     def reduce(self) -> tuple[float, float | None]:
         """``(loss, mean k3 KL per loss token or None)`` in one host transfer."""

@@ -193,10 +193,8 @@ class TreeMode(ExecutionMode):
         self.grad = self.engine.new_grad()
         self.bank = self.engine.graph_bank(self.grad) if self.keeps_graphs else None
         tree = self.tree(group)
-        if self.engine.shards is not None:  # context parallel: this group's shared context spread over every rank
-            captured = [tree.root] if len(tree.root.input_ids) else tree.root.children
-            longest = max((len(node.input_ids) for node in captured), default=0)
-            self.engine.shards.fit(longest, self.engine.config.chunk_size)
+        captured = [tree.root] if len(tree.root.input_ids) else tree.root.children  # the group's shared context
+        self.engine.begin_group(max((len(node.input_ids) for node in captured), default=0))
         self.live = nodes_with_loss_below(tree.root)
         self.reserve = _chain_reserve(tree.root, self.live)
         root_state = self.engine.empty_state(self.checkpoints)
@@ -329,13 +327,9 @@ class ExactMode(TreeMode):
     def interior(self, node: Node, inputs: Tensor, parent: State, state: State, loss: NodeLoss | None) -> None:
         loss_fn = self._loss_fn(loss, parent.num_tokens) if loss is not None else None
         kept = sum(c.length for c in state.chunks if c.start >= parent.num_tokens and self.bank and c in self.bank)
-        before = self.sums
-        sharded = self.engine.backward(state, self.grad, inputs, since=parent, loss_fn=loss_fn, kept=self.bank)
-        if sharded and self.engine.shards is not None:  # each cp rank evaluated its own chunks' loss: sum the shares
-            share = self.sums - before
-            totals = torch.stack([share.loss, share.kl_sum, share.kl_tokens.to(torch.float64)])
-            loss_sum, kl_sum, kl_tokens = self.engine.shards.sum_(totals, "metrics")
-            self.sums = before + LossSums(loss_sum, kl_sum, kl_tokens.round().to(torch.int64))
+        before, self.sums = self.sums, LossSums.zeros(self.engine.adapter.device)  # the node's own sums, from zero
+        walk = self.engine.backward(state, self.grad, inputs, since=parent, loss_fn=loss_fn, kept=self.bank)
+        self.sums = before + self.sums.mapped(walk.total)  # the whole node's, whichever rank evaluated which chunks
         self.forward_tokens += inputs.numel() - kept  # the chunks recomputed (kept graphs are not)
 
 

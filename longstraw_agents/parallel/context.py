@@ -1,9 +1,11 @@
 """Context parallelism for the engine's state: the ranks of a process group hold contiguous shards of the positions.
 
-Position ``p`` belongs to rank ``min(p // shard_size, N - 1)``: a prompt is spread evenly when ``shard_size`` is
-its length over N (rounded up to the chunk size), and positions past the last shard (later turns, branches) go to
-the last rank. A rank stores the attention K/V, MLA rows and DSA index keys of its own positions — ``state / N``
-(± one chunk). Two schedules share this object (the engine picks one per call; docs/distributed.md):
+Two types, as the engine sees them (``longstraw_agents.engine.shards``): ``EvenShards`` says who stores what —
+position ``p`` belongs to rank ``min(p // shard_size, N - 1)``: a prompt is spread evenly when ``shard_size`` is its
+length over N, and positions past the last shard (later turns, branches) go to the last rank; a rank stores the
+attention K/V, MLA rows and DSA index keys of its own positions, ``state / N`` (± one chunk) — and
+``GroupTransport`` carries the messages over the process group. ``ContextParallel`` holds one of each (what
+``Engine(shards=...)`` takes). Two schedules use them (the engine picks one per call; docs/distributed.md):
 
 - **Sharded compute** (a capture, and exact mode's reverse walk over it): each rank evaluates only its own chunks,
   layer by layer across them, and the ranks meet in a wavefront through point-to-point messages (``send`` /
@@ -41,33 +43,21 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 
 
 @dataclass
-class ContextParallel:
-    """The engine's ``StateShards`` over ``group`` (the ``cp`` dimension of a ``ParallelMesh``)."""
+class EvenShards:
+    """The engine's ``Ownership``: contiguous shards of ``shard_size`` positions, the last reaching past any."""
 
-    group: dist.ProcessGroup
+    rank: int
+    size: int
     shard_size: int
 
     def __post_init__(self) -> None:
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
-        self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
-        # this rank's sends, by what they carry
-        kinds = ("partials", "dq", "topk", "state_grad", "rows", "recurrent", "param_grads", "metrics")
-        self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
-        self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
-        # per kind, the messages in flight: each one's works and the tensors they read (kept alive until done)
-        self._pending: dict[str, list[tuple[list[dist.Work | None], list[Tensor]]]] = {}
-
-    @classmethod
-    def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
-        """Shards that spread ``prompt_len`` positions evenly over the ranks (``chunk``: the size for no prompt)."""
-        return cls(group, _even_shard(prompt_len, dist.get_world_size(group), chunk))
 
     def fit(self, prompt_len: int, chunk: int) -> None:
-        """Re-cut the shards for the next prompt (one group's shared context), as ``for_prompt`` would: a short
-        prompt is then spread over every rank too, instead of sitting on the first. Only between captures: a state
-        cut the old way stays readable only under the old cut."""
+        """Re-cut the shards for the next prompt (one group's shared context): spread evenly over the ranks, a
+        short prompt too, instead of sitting on the first. Only between captures: a state cut the old way stays
+        readable only under the old cut."""
         self.shard_size = _even_shard(prompt_len, self.size, chunk)
 
     def owner(self, position: int) -> int:
@@ -76,6 +66,36 @@ class ContextParallel:
     def shard_end(self, position: int) -> int:
         owner = self.owner(position)
         return LAST if owner == self.size - 1 else (owner + 1) * self.shard_size
+
+
+class ContextParallel:
+    """The engine's ``StateShards`` over ``group`` (the ``cp`` dimension of a ``ParallelMesh``): who stores which
+    positions (``ownership``) and the messages between the ranks (``transport``)."""
+
+    def __init__(self, group: dist.ProcessGroup, shard_size: int):
+        self.transport = GroupTransport(group)
+        self.ownership = EvenShards(self.transport.rank, self.transport.size, shard_size)
+
+    @classmethod
+    def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
+        """Shards that spread ``prompt_len`` positions evenly over the ranks (``chunk``: the size for no prompt)."""
+        return cls(group, _even_shard(prompt_len, dist.get_world_size(group), chunk))
+
+
+class GroupTransport:
+    """The engine's ``Transport`` over a process group: collectives, point-to-point messages and broadcasts, with
+    the bytes this rank sent by kind (``sent_bytes``) and the time it waited for others (``waited_s``)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        # this rank's sends, by what they carry
+        kinds = ("partials", "dq", "topk", "state_grad", "rows", "recurrent", "param_grads", "metrics")
+        self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
+        self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
+        # per kind, the messages in flight: each one's works and the tensors they read (kept alive until done)
+        self._pending: dict[str, list[tuple[list[dist.Work | None], list[Tensor]]]] = {}
 
     def merge_partials(
         self, acc: tuple[Tensor, Tensor] | None, out_shape: tuple[int, ...], lse: Tensor
@@ -93,7 +113,7 @@ class ContextParallel:
         assert merged is not None
         return merged
 
-    def sum_(self, tensor: Tensor, kind: str = "dq") -> Tensor:
+    def sum_(self, tensor: Tensor, kind: str) -> Tensor:
         dist.all_reduce(tensor, group=self.group)
         self.sent_bytes[kind] += _nbytes(tensor)
         return tensor

@@ -1,46 +1,94 @@
 """Context parallelism (parallel/context.py) on 2 and 4 gloo processes: capture, extend, logits and GRPO gradients
 in exact and detached mode equal one process (fp64, tiny models of every family), with shard boundaries inside a
-GatedDeltaNet block and DSA's top-k drawing keys from several shards; each rank holds its share of the state."""
+GatedDeltaNet block and DSA's top-k drawing keys from several shards; each rank holds its share of the state.
+
+The workers run once per mesh (``tests/support/context_parallel_worker.py`` writes each rank's results); each test
+below checks one property of them, per family."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from context_parallel_worker import OVERRIDES, run
+from context_parallel_worker import OVERRIDES, PROMPT, run
 
 pytestmark = pytest.mark.distributed
 
+MESHES = [pytest.param((2, 40), id="cp2"), pytest.param((4, 16), id="cp4")]
+FAMILIES = sorted(OVERRIDES)
+# results every rank computes the same way, compared with one process's (relative difference)
+EQUAL_TO_ONE_PROCESS = (
+    "logits",  # a sharded capture's logits
+    "extend",  # a short extend after it (replicated, partials merged)
+    "resumed",  # a capture over a parent whose rows sit on several ranks
+    "exact",  # GRPO gradients, wavefront walk
+    "detached",
+    "short_exact",  # a prompt that leaves ranks without chunks
+    "replicated_exact",  # EngineConfig.wavefront_walk=False
+    "shared_turn_exact",  # a loss-bearing fused root: its loss walked sharded
+    "shared_turn_loss",  # ... and its loss metric summed over the ranks
+)
 
-@pytest.mark.parametrize(("world", "shard_size"), [(2, 40), (4, 16)])
-def test_sharded_state_gives_the_results_of_one_process(tmp_path: Path, world: int, shard_size: int) -> None:
-    mp.start_processes(
-        run, args=(world, str(tmp_path / "store"), str(tmp_path), shard_size), nprocs=world, start_method="spawn"
-    )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    assert all(r["many_tensors"] == 0.0 for r in ranks)  # broadcast and point to point of 40 tensors
-    for family in OVERRIDES:
-        for result in ranks:  # every rank computes the same (replicated) results
-            checked = ("logits", "extend", "resumed", "exact", "detached", "short_exact", "replicated_exact")
-            for what in (*checked, "shared_turn_exact", "shared_turn_loss"):
-                assert result[f"{family}/{what}"] <= 1e-10, (family, what, result[f"{family}/{what}"])
-        # compute is sharded: each rank evaluated every layer of its own chunks only, once
-        for result in ranks:
-            assert result[f"{family}/layer_runs"] == result[f"{family}/layers"] * result[f"{family}/own_chunks"]
-        assert sum(r[f"{family}/own_chunks"] for r in ranks) == ranks[0][f"{family}/chunks"]
-        for result in ranks:  # the exact walk too: a rank's layer evaluations (its chunks, the shared branches) fall
-            # below one process's (every chunk twice): the replicated walk would run more than one process
-            assert result[f"{family}/exact_layer_runs"] < result[f"{family}/exact_single_layer_runs"]
-            # (EngineConfig.wavefront_walk=False: the replicated walk, every rank recomputing every chunk)
-            assert result[f"{family}/replicated_exact_layer_runs"] > result[f"{family}/exact_layer_runs"]
-        for result in ranks:  # what the planner counts for the wavefront walk (hybrids add a state per layer)
-            planned, kept = result[f"{family}/planned_layer_inputs"], result[f"{family}/layer_inputs"]
-            assert planned <= kept <= planned * 1.05 + 65536, (family, planned, kept)
-        # the trainer spreads each group's shared context evenly: the tree's root, the prompt's first 60 tokens
-        assert ranks[0][f"{family}/fitted_shard"] == -(-60 // world)
-        held = [r[f"{family}/growing_bytes"] for r in ranks]
-        total, chunk = ranks[0][f"{family}/single_growing_bytes"], ranks[0][f"{family}/chunk_bytes"]
-        assert sum(held) == total  # every position's state is stored once, by its owner
-        assert max(held) <= max(total / world, shard_size * total / 61) + chunk  # a rank holds its shard (+- a chunk)
+
+@pytest.fixture(scope="module", params=MESHES)
+def mesh_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    world, shard_size = request.param
+    out = tmp_path_factory.mktemp(f"cp{world}")
+    mp.start_processes(run, args=(world, str(out / "store"), str(out), shard_size), nprocs=world, start_method="spawn")
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return {"world": world, "shard_size": shard_size, "ranks": ranks}
+
+
+def test_messages_of_many_tensors_arrive_whole(mesh_results: dict[str, Any]) -> None:
+    assert all(r["many_tensors"] == 0.0 for r in mesh_results["ranks"])  # broadcast and point to point of 40 tensors
+
+
+@pytest.mark.parametrize("what", EQUAL_TO_ONE_PROCESS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_results_equal_one_process(mesh_results: dict[str, Any], family: str, what: str) -> None:
+    for rank, result in enumerate(mesh_results["ranks"]):
+        assert result[f"{family}/{what}"] <= 1e-10, (rank, result[f"{family}/{what}"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_rank_captures_only_its_own_chunks_once(mesh_results: dict[str, Any], family: str) -> None:
+    ranks = mesh_results["ranks"]
+    for result in ranks:
+        assert result[f"{family}/layer_runs"] == result[f"{family}/layers"] * result[f"{family}/own_chunks"]
+    assert sum(r[f"{family}/own_chunks"] for r in ranks) == ranks[0][f"{family}/chunks"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_wavefront_walk_runs_fewer_layers_than_one_process(mesh_results: dict[str, Any], family: str) -> None:
+    """A rank's layer evaluations in an exact step (its chunks, the shared branches) fall below one process's
+    (every chunk twice); the replicated walk (every rank recomputing every chunk) runs more."""
+    for result in mesh_results["ranks"]:
+        assert result[f"{family}/exact_layer_runs"] < result[f"{family}/exact_single_layer_runs"]
+        assert result[f"{family}/replicated_exact_layer_runs"] > result[f"{family}/exact_layer_runs"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_layer_inputs_are_what_the_planner_counts(mesh_results: dict[str, Any], family: str) -> None:
+    """Hybrids keep a recurrent state per layer beside the hidden vectors: a few KiB over the plan."""
+    for result in mesh_results["ranks"]:
+        planned, kept = result[f"{family}/planned_layer_inputs"], result[f"{family}/layer_inputs"]
+        assert planned <= kept <= planned * 1.05 + 65536, (planned, kept)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_trainer_spreads_each_groups_shared_context_evenly(mesh_results: dict[str, Any], family: str) -> None:
+    """The tree's root is the prompt's first PROMPT - 1 tokens (the last is the input that predicts each member's
+    first completion token, so it opens the branches)."""
+    world = mesh_results["world"]
+    assert mesh_results["ranks"][0][f"{family}/fitted_shard"] == -(-(PROMPT - 1) // world)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_position_is_stored_once_by_its_owner(mesh_results: dict[str, Any], family: str) -> None:
+    ranks, world, shard_size = mesh_results["ranks"], mesh_results["world"], mesh_results["shard_size"]
+    held = [r[f"{family}/growing_bytes"] for r in ranks]
+    total, chunk = ranks[0][f"{family}/single_growing_bytes"], ranks[0][f"{family}/chunk_bytes"]
+    assert sum(held) == total
+    assert max(held) <= max(total / world, shard_size * total / PROMPT) + chunk  # a rank holds its shard (+- a chunk)

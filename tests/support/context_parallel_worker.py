@@ -76,12 +76,12 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
     rewards = [1.0, 0.0, 0.5]
     results: dict[str, float | int] = {}
     many = [torch.full((2, i + 1), float(i)) for i in range(40)]  # a message of many tensors (a 40-layer hybrid's)
-    got = shards.broadcast_tensors(many if rank == 0 else None, 0, torch.device("cpu"))
+    got = shards.transport.broadcast_tensors(many if rank == 0 else None, 0, torch.device("cpu"))
     if rank == 0:
-        shards.send(many, world - 1, 7, "recurrent")
+        shards.transport.send(many, world - 1, 7, "recurrent")
     if rank == world - 1:
-        got = shards.recv(0, 7, torch.device("cpu"))
-    shards.flush()
+        got = shards.transport.recv(0, 7, torch.device("cpu"))
+    shards.transport.flush()
     results["many_tensors"] = float(max((a - b).abs().max() for a, b in zip(got, many, strict=True)))
     for family, overrides in OVERRIDES.items():
         model = tiny_model(family, dtype=torch.float64, **overrides)
@@ -91,16 +91,15 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
         layer_runs = counting_layer_runs(parallel)
         state = parallel.capture(prompt)  # sharded compute: this rank evaluates its own chunks only
         results[f"{family}/layer_runs"] = layer_runs[0]
-        results[f"{family}/own_chunks"] = sum(1 for c in state.chunks if shards.owner(c.start) == rank)
+        results[f"{family}/own_chunks"] = sum(1 for c in state.chunks if shards.ownership.owner(c.start) == rank)
         results[f"{family}/layers"] = parallel.num_layers
         results[f"{family}/chunks"] = len(state.chunks)
-        bank = parallel.graph_bank(parallel.new_grad())  # exact mode's capture: this rank's layer inputs kept
-        kept = parallel.extend(parallel.empty_state(True), prompt, keep=bank)
-        own = sum(c.length for c in kept.chunks if shards.owner(c.start) == rank)
+        kept = parallel.capture(prompt, checkpoints=True)  # exact mode's capture: this rank's layer inputs kept
+        own = sum(c.length for c in kept.chunks if shards.ownership.owner(c.start) == rank)
         request = PlanRequest(context=PROMPT, gpus=world, mode="exact", dtype=torch.float64)
-        results[f"{family}/layer_inputs"] = bank.nbytes
+        results[f"{family}/layer_inputs"] = kept.layer_inputs.nbytes
         results[f"{family}/planned_layer_inputs"] = layer_inputs_bytes(model.config, request, own)[0]
-        del bank, kept
+        del kept
         head = PROMPT // 3  # an extend whose parent's rows already sit on several ranks
         resumed = parallel.extend(parallel.capture(prompt[:head]), prompt[head:])
         with torch.no_grad():
@@ -120,7 +119,7 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
             results[f"{family}/{mode}"] = relative(gradient(parallel, prompt, completions, rewards, mode), expected)
             results[f"{family}/{mode}_layer_runs"] = parallel_runs[0]  # capture + branches + (exact) reverse walk
             results[f"{family}/{mode}_single_layer_runs"] = single_runs[0]
-        results[f"{family}/fitted_shard"] = shards.shard_size  # the trainer re-cut the shards for its prompt
+        results[f"{family}/fitted_shard"] = shards.ownership.shard_size  # the trainer re-cut the shards for its prompt
         group = shared_turn_group(prompt[:6], torch.Generator().manual_seed(1), rewards)
         model.zero_grad(set_to_none=True)
         config = LossConfig(aggregation="seq-mean")
@@ -140,6 +139,6 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
             gradient(replicated, prompt, completions, rewards, "exact"), expected
         )
         results[f"{family}/replicated_exact_layer_runs"] = replicated_runs[0]
-        shards.shard_size = shard_size
+        shards.ownership.shard_size = shard_size
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()

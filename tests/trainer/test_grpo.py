@@ -31,8 +31,8 @@ from recursion import shallow_stack
 from reference_dsa import reference_logits as dsa_reference_logits
 from torch import Tensor, nn
 
-from longstraw_agents import engine as engine_module
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine import engine as engine_module
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.state import Arena
 from longstraw_agents.trainer import BackwardResult, LossConfig, grpo_backward, grpo_backward_trajectories, modes

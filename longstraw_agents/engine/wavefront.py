@@ -1,0 +1,358 @@
+"""Exact mode's reverse walk over a sharded capture, compute sharded: a wavefront over (rank, layer) that reads the
+layer inputs the capture kept (``LayerInputs``). docs/distributed.md writes the schedule down."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from longstraw_agents.models.base import LayerContext, PastBlock
+from longstraw_agents.state import Block, State, StateGrad
+
+from .shards import ChunkOwners, StateShards, outgoing_rows
+
+if TYPE_CHECKING:
+    from .engine import ChunkLoss, Engine
+
+
+@dataclass(eq=False)
+class LayerInputs:
+    """What a sharded capture keeps on a rank for exact mode's wavefront walk: the input hidden states ``[n, hidden]``
+    of the rank's chunks at every ``every``-th layer (the walk recomputes the layers between), each chunk's forward
+    scratch before every layer (DSA's selection), the recurrent state before the rank's first chunk (recurrent
+    layers), and the last layer's output: ``L / every + 1`` hidden vectors per position of the shard."""
+
+    positions: Tensor
+    rope: tuple[Tensor, Tensor]
+    every: int = 1
+    shard_size: int = 0  # the cut the capture was made under (the walk must see the same)
+    hidden: dict[int, Tensor] = field(default_factory=dict)
+    scratch: list[list[dict[str, Any]]] = field(default_factory=list)
+    recurrent: list[tuple[Tensor, ...] | None] = field(default_factory=list)
+    final: Tensor | None = None
+
+    @classmethod
+    def empty(cls, device: torch.device, every: int, shard_size: int) -> LayerInputs:
+        """The inputs of a rank without chunks (filled in when it has some), captured under ``shard_size``."""
+        nothing = torch.empty(0, device=device)
+        return cls(nothing.long(), (nothing, nothing), every, shard_size)
+
+    def add_layer(self, i: int, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
+        if i % self.every == 0:
+            self.hidden[i] = h.clone()
+        self.scratch.append([dict(s) for s in scratch])
+        self.recurrent.append(None if recurrent is None else tuple(t.clone() for t in recurrent))
+
+    @staticmethod
+    def planned_nbytes(positions: int, hidden_size: int, itemsize: int, layers: int, every: int) -> int:
+        """What a rank keeps for ``positions`` of its shard, analytically: one hidden vector per position at every
+        ``every``-th layer and after the last. (The recurrent states before the rank's first chunk and DSA's
+        selections add a few per layer, not per position.)"""
+        return positions * hidden_size * itemsize * (math.ceil(layers / every) + 1)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.hidden.values(), *(t for r in self.recurrent if r is not None for t in r)]
+        tensors += [] if self.final is None else [self.final]
+        scratch = {id(v): v for layer in self.scratch for chunk in layer for v in chunk.values() if torch.is_tensor(v)}
+        return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
+
+
+# + the layer index (< 4096 layers): rows for a layer's backward, for its forward recomputation, their gradients
+_ROWS_TAG, _RECOMPUTE_ROWS_TAG, _ROW_GRADS_TAG, _RECURRENT_GRAD_TAG = 1 << 12, 2 << 12, 3 << 12, 4 << 12
+
+
+class WavefrontWalk:
+    """Exact mode's reverse walk over a sharded capture (``ShardedCapture`` from position 0), compute sharded: each
+    rank backpropagates only its own chunks, layer by layer from the last, reading the layer inputs the capture kept.
+
+    Layer i on rank r needs the gradient of its chunks' outputs of layer i — from its own layer i+1 — and of the
+    state rows it holds of layer i — from every later query, i.e. its own later chunks and every later rank's
+    chunks at layer i. So rank r walks layer i once it has finished layer i+1 and the later ranks have finished layer
+    i: a wavefront from the last rank, whose critical path is ``layers + ranks - 1`` layer steps (the naive order,
+    each rank walking all its layers after the later ranks finished all theirs, is their product). The messages:
+
+    - before the walk, each rank posts its rows of every growing layer to the later ranks (views of its arenas; on a
+      GPU one host copy per layer), in the order they are taken: a receiver takes layer i's when it recomputes or
+      backpropagates the layer and drops them after (one layer's at a time; a recomputed layer's rows travel
+      twice); it attends to them with gradient sinks of their own, and sends those sinks (the gradient for the
+      earlier rank's K/V) back to their owner once its layer i is done, where they are added into the state's
+      gradient;
+    - a recurrent layer's state gradient before a rank's first chunk goes to the rank that holds the chunk before.
+
+    The replicated part of the parameters' gradient (the branch replays, which every rank ran) is divided by the
+    number of ranks before the walk, and the sum over ranks afterwards restores it and adds every rank's share of the
+    prefix's (an exact division: cp sizes are powers of two in practice; any size is correct to rounding)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        shards: StateShards,
+        state: State,
+        grad: StateGrad,
+        ids: Tensor,
+        loss_fn: ChunkLoss | None,
+    ):
+        self.engine, self.state, self.grad, self.ids, self.loss_fn = engine, state, grad, ids, loss_fn
+        self.ownership, self.transport = shards.ownership, shards.transport
+        inputs = state.layer_inputs
+        assert isinstance(inputs, LayerInputs)  # the engine walks only states a sharded capture gave inputs
+        self.inputs = inputs
+        chunks = ChunkOwners.of(self.ownership, [c.start for c in state.chunks])
+        self.owners, self.mine, self.computing = chunks.owners, chunks.mine, chunks.computing
+        self.row_start = {owner: state.chunks[self.owners.index(owner)].start for owner in self.computing}
+        self.lo = state.chunks[self.mine[0]].start if self.mine else 0
+        if inputs.shard_size != self.ownership.shard_size:
+            raise ValueError(
+                f"the context-parallel shards were re-cut between the capture (shard size {inputs.shard_size}) and its "
+                f"reverse walk ({self.ownership.shard_size}): walk a state under the cut it was captured with"
+            )
+        self.segment: dict[int, Tensor] = {}  # the current segment's layer inputs (recomputed from its first)
+        # recurrent layers the segment recomputed: the state before each of this rank's chunks
+        self.states_before: dict[int, list[tuple[Tensor, ...] | None]] = {}
+
+    def run(self) -> None:
+        engine = self.engine
+        params = [p for p in engine.model.parameters() if p.requires_grad]
+        had_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.ownership.size)  # the replicated part, summed back below
+        self._post_rows()
+        g = self._seed()
+        for i in reversed(range(engine.num_layers)):
+            layer_input = self._input(i) if self.mine else None  # (recomputed before waiting for the later ranks)
+            if engine.adapter.layers[i].mixer.grows:
+                self._add_row_grads(i)
+                g = self._backward_growing(i, g, layer_input)
+            else:
+                g = self._backward_recurrent(i, g, layer_input)
+            self.transport.flush("state_grad", keep=self.ownership.size**2)  # a window of layers in flight
+        if g is not None:  # into the embeddings of this rank's tokens
+            with torch.enable_grad():
+                h, _, _ = engine.adapter.embed(self.ids[self.lo : self.lo + g.shape[0]], self.lo)
+                h.backward(g)
+        self.transport.flush()
+        self._sum_parameter_grads(params, had_grad)
+
+    # --- messages ---------------------------------------------------------------------------------------------
+    def _own_rows(self, i: int) -> list[tuple[int, Block]]:
+        return self.state.positioned_blocks(i)
+
+    def _post_rows(self) -> None:
+        """Start sending this rank's rows of every growing layer to the later computing ranks, in the order they
+        are received: per segment from the last, its recomputed layers ascending (``_input``), then every layer of
+        it descending (the backward). A receiver holds one layer's rows at a time; the rows of a recomputed layer
+        travel twice."""
+        rank = self.ownership.rank
+        later = [dst for dst in self.computing if dst > rank]
+        if not self.mine or not later:
+            return
+        every, layers = self.inputs.every, self.engine.num_layers
+        staged: dict[int, list[Tensor]] = {}  # one host copy per layer, for every destination and both tags
+        for first in reversed(range(0, layers, every)):
+            top = min(first + every, layers) - 1
+            order = [(i, _RECOMPUTE_ROWS_TAG) for i in range(first, top)]
+            order += [(i, _ROWS_TAG) for i in range(top, first - 1, -1)]
+            for i, tag in order:
+                if not self.engine.adapter.layers[i].mixer.grows:
+                    continue
+                if i not in staged:
+                    staged[i] = outgoing_rows([b for _, b in self._own_rows(i)])
+                for dst in later:
+                    self.transport.send(staged[i], dst, tag + i, "rows")
+
+    def _add_row_grads(self, i: int) -> None:
+        """Add what the later ranks' queries sent back for this rank's rows of layer ``i`` into the state gradient."""
+        if not self.mine:
+            return
+        for src in self.computing:
+            if src <= self.ownership.rank:
+                continue
+            received = self.transport.recv(src, _ROW_GRADS_TAG + i, self.engine.adapter.device)
+            offset = 0
+            for _, block in self._own_rows(i):
+                for buffer, part in zip(self.grad.block_grads(block), received, strict=True):
+                    buffer.add_(part[offset : offset + block.length])
+                offset += block.length
+
+    # --- the walk ---------------------------------------------------------------------------------------------
+    def _rows(self, j: int) -> slice:
+        chunk = self.state.chunks[j]
+        return slice(chunk.start - self.lo, chunk.end - self.lo)
+
+    def _layer(
+        self, i: int, j: int, x: Tensor, ctx: LayerContext, scratch: dict[str, Any]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        rows, inputs = self._rows(j), self.inputs
+        rope = (inputs.rope[0][rows], inputs.rope[1][rows])
+        layer, start = self.engine.adapter.layers[i], self.state.chunks[j].start
+        return self.engine.adapter.run_layer(
+            layer, x, inputs.positions[rows], rope, ctx, dict(scratch), self.engine.local_attention, start
+        )
+
+    def _seed(self) -> Tensor | None:
+        """The gradient of the loss (``loss_fn`` over this rank's chunks) w.r.t. the last layer's output."""
+        if not self.mine or self.loss_fn is None:
+            return None
+        assert self.inputs.final is not None  # the capture keeps it
+        with torch.enable_grad():
+            x = self.inputs.final.detach().requires_grad_(True)
+            hidden = self.engine.adapter.final_norm(x)
+            chunks = [self.state.chunks[j] for j in self.mine]
+            losses = [
+                self.loss_fn(hidden[self._rows(j)], c.start, c.end) for j, c in zip(self.mine, chunks, strict=True)
+            ]
+            found = [loss for loss in losses if loss is not None]
+            if not found:
+                return None
+            torch.autograd.backward(found, [torch.ones_like(loss) for loss in found])
+        return x.grad
+
+    def _input(self, i: int) -> Tensor:
+        """Layer ``i``'s input on this rank: kept by the capture at the first layer of each segment, the others
+        recomputed forward from it, a segment at a time, when the walk enters the segment (from its top)."""
+        if i not in self.segment:
+            first = i - i % self.inputs.every
+            h = self.inputs.hidden[first]
+            for layer in range(first, i + 1):
+                self.segment[layer] = h
+                if layer < i:
+                    h = self._forward_layer(layer, h)
+        return self.segment.pop(i)
+
+    def _receive_rows(self, i: int, tag: int) -> list[PastBlock]:
+        """The earlier ranks' rows of layer ``i`` (``tag``: for its backward or its recomputation)."""
+        received = []
+        for src in self.computing:
+            if src < self.ownership.rank:
+                rows = self.transport.recv(src, tag + i, self.engine.adapter.device)
+                received.append(PastBlock(rows, None, self.row_start[src]))
+        return received
+
+    def _forward_layer(self, i: int, h: Tensor) -> Tensor:
+        """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs)."""
+        layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
+        carried = self.inputs.recurrent[i]
+        befores: list[tuple[Tensor, ...] | None] = []
+        earlier = self._receive_rows(i, _RECOMPUTE_ROWS_TAG) if layer.mixer.grows else []
+        with torch.no_grad():
+            for k, j in enumerate(self.mine):
+                span = self._rows(j)
+                if layer.mixer.grows:
+                    own = self.engine.past_blocks(self.state.positioned_blocks(i, j), None)
+                    ctx = LayerContext(past=[*earlier, *own])
+                else:
+                    befores.append(carried)
+                    ctx = LayerContext(recurrent=carried)
+                out[span], new = self._layer(i, j, h[span], ctx, self.inputs.scratch[i][k])
+                carried = new
+        if not layer.mixer.grows:
+            self.states_before[i] = befores  # the layer's backward starts each chunk from these
+        return out
+
+    def _backward_growing(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
+        """Layer ``i`` (attention / MLA) of this rank's chunks, last chunk first; returns the gradient of its input."""
+        if layer_input is None:
+            return None
+        remote = [
+            PastBlock(b.tensors, tuple(self.grad.zeros_like(t) for t in b.tensors), b.start)
+            for b in self._receive_rows(i, _ROWS_TAG)
+        ]  # each with gradient sinks of its own, sent back to the owner
+        g_in = torch.zeros_like(layer_input)
+        for k in reversed(range(len(self.mine))):
+            j = self.mine[k]
+            chunk, span = self.state.chunks[j], self._rows(j)
+            own = self.engine.past_blocks(self.state.positioned_blocks(i, j), self.grad)
+            block = chunk.blocks[i]
+            upstream = self.grad.existing_block_grads(block) if block is not None else None
+            with torch.enable_grad():
+                x = layer_input[span].detach().requires_grad_(True)
+                out, new = self._layer(i, j, x, LayerContext(past=[*remote, *own]), self.inputs.scratch[i][k])
+                self._backpropagate(out, g, span, new, upstream)
+            if x.grad is not None:
+                g_in[span] = x.grad
+        for past in remote:  # the earlier ranks' K/V gradient, to their owners
+            assert past.grads is not None
+            self.transport.send(past.grads, self.ownership.owner(past.start), _ROW_GRADS_TAG + i, "state_grad")
+        for _, block in self._own_rows(i):
+            self.grad.release_arena(block.arena)
+        return g_in
+
+    def _backward_recurrent(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
+        """Layer ``i`` (GatedDeltaNet) of this rank's chunks: the states before each recomputed forward from the one
+        before the rank's first chunk, then each chunk backpropagated last first, the state gradient carried back."""
+        if layer_input is None:
+            return None
+        carry = self._recurrent_grad_after_last(i)
+        if i not in self.states_before:  # the top of a segment: not recomputed yet
+            self._forward_layer(i, layer_input)
+        befores = self.states_before.pop(i)
+        g_in = torch.zeros_like(layer_input)
+        for k in reversed(range(len(self.mine))):
+            j, rows = self.mine[k], self._rows(self.mine[k])
+            with torch.enable_grad():
+                before = befores[k]
+                leaves = None if before is None else tuple(t.detach().requires_grad_(True) for t in before)
+                x = layer_input[rows].detach().requires_grad_(True)
+                out, new = self._layer(i, j, x, LayerContext(recurrent=leaves), self.inputs.scratch[i][k])
+                self._backpropagate(out, g, rows, new, carry)
+            if x.grad is not None:
+                g_in[rows] = x.grad
+            carry = (
+                None if leaves is None else tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
+            )
+        if self.mine[0] > 0:
+            assert carry is not None  # a chunk after position 0 starts from a state
+            self.transport.send(carry, self.owners[self.mine[0] - 1], _RECURRENT_GRAD_TAG + i, "state_grad")
+        return g_in
+
+    def _recurrent_grad_after_last(self, i: int) -> tuple[Tensor, ...] | None:
+        last = self.mine[-1]
+        if last + 1 < len(self.state.chunks):
+            return self.transport.recv(self.owners[last + 1], _RECURRENT_GRAD_TAG + i, self.engine.adapter.device)
+        rec = self.state.chunks[last].recurrent[i]
+        found = None if rec is None else self.grad.existing_recurrent_grads(rec)
+        if rec is not None:
+            self.grad.release_recurrent(rec)
+        return found
+
+    @staticmethod
+    def _backpropagate(
+        out: Tensor, g: Tensor | None, rows: slice, new: tuple[Tensor, ...], upstream: Sequence[Tensor] | None
+    ) -> None:
+        outputs: list[Tensor] = []
+        grads: list[Tensor] = []
+        if g is not None:
+            outputs.append(out)
+            grads.append(g[rows])
+        if upstream is not None:
+            outputs.extend(new)
+            grads.extend(u.to(o.dtype) for o, u in zip(new, upstream, strict=True))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+    def _sum_parameter_grads(self, params: list[nn.Parameter], had_grad: Tensor) -> None:
+        """Every rank's parameter gradient summed over the ranks, in place, one flat all-reduce per dtype (models
+        keep some parameters in fp32, e.g. routers); a parameter no rank gave a gradient keeps none (as in one
+        process: an optimizer skips it)."""
+        has = had_grad + torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
+        somewhere = self.transport.sum_(has, "param_grads").tolist()
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p, found in zip(params, somewhere, strict=True):
+            if found:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            grads = [p.grad for p in group if p.grad is not None]
+            flat = self.transport.sum_(torch.cat([g.reshape(-1) for g in grads]), "param_grads")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
