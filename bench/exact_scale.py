@@ -1,4 +1,5 @@
-"""Exact mode at scale: the three things that used to grow with the wrong quantity, measured (issue 13).
+"""Exact mode at scale: the peak per prompt token, a long loss node's log-probabilities and the time/memory trade of
+kept graphs, measured.
 
 1. **Hybrid exact mode's peak per prompt token** at the default recurrent-checkpoint spacing, against the attention
    state plus the amortised checkpoints per token (target <= 2.5x); checkpoint bytes reported separately.
@@ -6,8 +7,8 @@
    backward) against one [n, V] fp32 tensor (target <= 1/16), and the gradient against the untiled one (fp64, at a
    reduced length that the untiled reference fits in memory).
 3. **The memory-budget curve**: exact step time as ``EngineConfig.graph_budget_bytes`` grows from 0 (recompute every
-   chunk) to the real PrefixGrouper's peak and beyond, with PrefixGrouper's own time and peak beside it (issue 12's
-   setting: the tiny Llama, prompt 8,192, G = 16 completions of 16).
+   chunk) to the real PrefixGrouper's peak and beyond, with PrefixGrouper's own time and peak beside it (the
+   trainer benchmark's setting: the tiny Llama, prompt 8,192, G = 16 completions of 16).
 
     python -m bench.exact_scale [--quick]
 """
@@ -23,7 +24,7 @@ import torch
 
 from bench.common import materialise_grads, synthetic_group
 from bench.peers import prefix_grouper_backward
-from bench.trainer import issue_config
+from bench.trainer import measurement_config
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.logprobs import head_logprobs
 from longstraw_agents.memory import MemoryTracker
@@ -96,7 +97,7 @@ def long_loss_node(tokens: int, vocab: int, width: int, check_tokens: int) -> di
 
 def budget_curve(prompt_len: int, group: int, completion: int, chunk: int, fractions: list[float]) -> dict:
     """Exact step time and peak for graph budgets at fractions of PrefixGrouper's peak, PrefixGrouper beside."""
-    model = build_model(issue_config(), dtype=torch.float32)
+    model = build_model(measurement_config(), dtype=torch.float32)
     prompt, completions, rewards = synthetic_group(prompt_len, group, completion)
     materialise_grads(model)
     with MemoryTracker() as tracker:

@@ -1,4 +1,4 @@
-"""The memory planner against the published LongStraw figures (issue 15): ``longstraw plan`` for each row.
+"""The memory planner against the published LongStraw figures: ``longstraw plan`` for each row.
 
 Published: on 8 H20 (96 GB) a Qwen3.6-27B layout completes grouped scoring and response backward at 2.1M positions
 for G = 2 and 8, going from G = 2 to 8 adding 0.21 GB of peak allocated memory; a stress test reaches 4.46M; a
@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
-from longstraw_agents.planner import GIB, Plan, PlanRequest, longest_context, plan_memory
+from longstraw_agents.planner import GIB, PLAN_ENGINE, Plan, PlanRequest, longest_context, plan_memory
 
 RESULTS = Path(__file__).parent / "results"
 QWEN = PlanRequest(model="qwen3.6-27b", context=2_100_000, gpus=8, completion=1024)
-GLM = PlanRequest(model="glm-5.2", context=2_100_000, gpus=32, completion=1024, chunk=1024)
+GLM = PlanRequest(
+    model="glm-5.2", context=2_100_000, gpus=32, completion=1024, engine=PLAN_ENGINE.updated(chunk_size=1024)
+)
 
 
 def row(label: str, plan: Plan) -> dict:
@@ -30,6 +32,7 @@ def row(label: str, plan: Plan) -> dict:
         flush=True,
     )
     request = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(r).items()}
+    request["engine"] = r.engine.model_dump()
     categories = {k: v / GIB for k, v in plan.categories.items()}
     return {"label": label, "request": request, "gib": categories, "total_gib": plan.total / GIB, "fits": plan.fits}
 

@@ -3,7 +3,7 @@
 Batched: ``TorchSampler.generate_batch`` through the rollout loop — one forward per generated token for every live
 member of every group, each group's prompt attended once per step for all its members (``longstraw_agents.decoding``).
 Per-member: the same sampler seen through the plain ``Sampler`` protocol (no ``generate_batch``), so the loop asks
-member by member and each token is one ``Engine.step`` of one member — rollouts as they ran before issue 16. Both
+member by member and each token is one ``Engine.step`` of one member (a sampler without batching). Both
 draw the same tokens (every member has its own generator), so they generate the same number of tokens.
 
 1) rollout tokens/s on the demo's task and model (LongStraw/Calculator-v0, the demo's sampling; a random-init policy,
@@ -173,7 +173,7 @@ def print_lengths(table: dict) -> None:
 def print_targets(speedup: float, lengths_table: dict) -> None:
     ratio, target = lengths_table["slope_ratio"], lengths_table["target_ratio"]
     print(
-        f"\ntargets (issue 16): speedup at G = 8 (one group) {speedup:.1f}x >= {TARGET_SPEEDUP_AT_8:.0f}x: "
+        f"\ntargets: speedup at G = 8 (one group) {speedup:.1f}x >= {TARGET_SPEEDUP_AT_8:.0f}x: "
         f"{'met' if speedup >= TARGET_SPEEDUP_AT_8 else 'NOT met'}; slope ratio {ratio:.3f} <= {target:.3f}: "
         f"{'met' if ratio <= target else 'NOT met'}"
     )

@@ -14,10 +14,10 @@ Contenders, all on one transformers ``LlamaForCausalLM`` (the same weights) and 
 - ``per_member_sdpa``: a conventional trainer's step — the G sequences prompt + completion through ``model(...)``
   with transformers' SDPA attention, one backward.
 
-The model is issue 12's measurement model: Llama layout, hidden 64, 2 layers, 8 heads / 2 KV heads (head_dim 8),
+The measurement model: Llama layout, hidden 64, 2 layers, 8 heads / 2 KV heads (head_dim 8),
 vocab 2048.
 
-1. Issue 12's setting, prompt 8,192, G = 16, completions of 16: gradient of each contender against exact mode's
+1. The setting, prompt 8,192, G = 16, completions of 16: gradient of each contender against exact mode's
    (relative L2), step time (median of a few rounds, contenders timed round-robin so that a slow spell of the machine
    hits all alike; the per-member graph, ~15x slower, in the first round only) and peak memory. Targets: exact
    <= 1.4x PrefixGrouper's time, detached <= 0.6x, both <= 0.25x its peak.
@@ -72,10 +72,10 @@ PEERS: dict[str, Callable[..., float]] = {
 }
 CONTENDERS = (*MODES, *PEERS)
 TIMED = ("exact", "detached", *PEERS)
-TIMED_ONCE = ("per_member_sdpa",)  # ~15x PrefixGrouper's step in the issue's setting: one sample, not a median
+TIMED_ONCE = ("per_member_sdpa",)  # ~15x PrefixGrouper's step in the setting: one sample, not a median
 RESULTS = Path(__file__).parent / "results"
 SDPA_KERNEL = "aten._scaled_dot_product_flash_attention_for_cpu"
-TARGETS = {  # issue 12: (what, limit); every figure is a ratio that must stay at or below its limit
+TARGETS = {  # (what, limit); every figure is a ratio that must stay at or below its limit
     "exact_time_vs_pg": ("exact step time / PrefixGrouper's", 1.4),
     "detached_time_vs_pg": ("detached step time / PrefixGrouper's", 0.6),
     "exact_peak_vs_pg": ("exact peak / PrefixGrouper's", 0.25),
@@ -105,7 +105,7 @@ FULL = Sizes(8192, 16, 16, 3, (2048, 8192, 16384), 8192, 1024, (2, 4, 8, 16))
 QUICK = Sizes(128, 4, 4, 1, (64, 128, 256), 128, 64, (2, 4))
 
 
-def issue_config() -> LlamaConfig:
+def measurement_config() -> LlamaConfig:
     """Issue 12's measurement model (random-init, fp32; eager attention for the engine, the peers switch to SDPA)."""
     return LlamaConfig(
         vocab_size=VOCAB,
@@ -244,7 +244,7 @@ def plot(results: dict, path: Path) -> None:
 def section_setting(engine: Engine, model: torch.nn.Module, sizes: Sizes) -> dict:
     group = synthetic_group(sizes.prompt, sizes.group, sizes.completion)
     print(
-        f"\n1) issue 12's setting: prompt {sizes.prompt}, G={sizes.group}, completions of {sizes.completion} "
+        f"\n1) the setting: prompt {sizes.prompt}, G={sizes.group}, completions of {sizes.completion} "
         f"(step time: median of {sizes.rounds} round(s), timed round-robin, {', '.join(TIMED_ONCE)} in the first "
         "only; no memory tracking)"
     )
@@ -359,7 +359,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else FULL
-    config = issue_config()
+    config = measurement_config()
     model = build_model(config)
     engine = Engine(model, chunk_size=args.chunk)
     state_bytes = state_size(config, torch.float32).bytes_per_token
@@ -383,7 +383,7 @@ def main() -> None:
         }
     )
     scope = " (quick sizes: a smoke run, not the targets' setting)" if args.quick else ""
-    print(f"\ntargets (issue 12; ratios at or below the target){scope}:")
+    print(f"\ntargets (ratios at or below the target){scope}:")
     for entry in targets.values():
         verdict = "met" if entry["met"] else "NOT met"
         print(f"  {entry['what']:<62}{entry['value']:>8.3f}  (target <= {entry['target']}: {verdict})")

@@ -18,7 +18,15 @@ import gymnasium
 
 from longstraw_agents.registration import ENV_IDS, NAMESPACE, register_envs
 
-from .base import Action, Score, ToolEnv, ToolEnvConfig, tool_instructions
+from .base import (
+    Action,
+    Score,
+    ToolEnv,
+    ToolEnvConfig,
+    schema_instructions,
+    system_prompt_with_tools,
+    tool_instructions,
+)
 from .calculator import EASY_CALCULATOR_KWARGS, CalculatorConfig, CalculatorEnv
 from .needle_search import NeedleSearchConfig, NeedleSearchEnv
 from .policy import Policy, ScriptedPolicy, run_episode, unwrap_tool_env
@@ -50,6 +58,8 @@ __all__ = [
     "ToolEnvConfig",
     "registered_env_ids",
     "run_episode",
+    "schema_instructions",
+    "system_prompt_with_tools",
     "tool_instructions",
     "unwrap_tool_env",
 ]

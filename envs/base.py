@@ -167,7 +167,7 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
 
     def system_prompt(self, task: TaskT) -> str:
         """The system message ("" for none): ``instructions``, then the tools and the call/answer format."""
-        return f"{self.instructions}\n\n{tool_instructions(self.registry)}"
+        return system_prompt_with_tools(self.instructions, self.registry.schemas())
 
     def scripted_turns(self, task: TaskT) -> list[str]:
         """The assistant turns (text, without ``<|im_end|>``) of a reference solution: the oracle that
@@ -456,12 +456,23 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
 
 def tool_instructions(registry: ToolRegistry) -> str:
     """How to call the registry's tools and how to answer (Qwen-style: the schemas as JSON lines in <tools>)."""
+    return schema_instructions(registry.schemas())
+
+
+def system_prompt_with_tools(instructions: str, schemas: Sequence[Mapping[str, Any]]) -> str:
+    """A system message as every ``ToolEnv`` writes it: ``instructions``, then the tools and the call/answer format."""
+    return f"{instructions}\n\n{schema_instructions(schemas)}"
+
+
+def schema_instructions(schemas: Sequence[Mapping[str, Any]]) -> str:
+    """``tool_instructions`` for tools given by their OpenAI function-calling schemas (what a chat request's
+    ``tools`` holds), so that a served policy reads its tools as it did in training."""
     answer = f"Give the final answer as {ANSWER_OPEN}...{ANSWER_CLOSE}."
-    if not len(registry):
+    if not schemas:
         return answer
-    schemas = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in registry.schemas())
+    lines = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
     return (
-        f"Tools:\n<tools>\n{schemas}\n</tools>\n"
+        f"Tools:\n<tools>\n{lines}\n</tools>\n"
         'Call a tool with <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>; '
         f"the result comes back in <tool_response> tags. {answer}"
     )

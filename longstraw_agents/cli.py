@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from longstraw_agents import __version__
+
 
 def _cmd_envs(args: argparse.Namespace) -> int:
     from longstraw_agents.envs import registered_env_ids
@@ -42,10 +44,10 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _validation_message(err) -> str:
+def _validation_message(err, schema=None) -> str:
     from longstraw_agents.app.config import validation_lines
 
-    return "invalid configuration:\n" + validation_lines(err)
+    return "invalid configuration:\n" + validation_lines(err, schema=schema)
 
 
 def _print_record(record) -> None:
@@ -67,7 +69,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if updates:
             config = TrainConfig.model_validate({**config.model_dump(), **updates})
     except ValidationError as err:
-        return _fail(_validation_message(err))
+        return _fail(_validation_message(err, TrainConfig))
     except (FileNotFoundError, ValueError) as err:  # incl. YAML/TOML syntax errors, which name the file
         return _fail(str(err))
     if args.check:
@@ -142,10 +144,47 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from longstraw_agents.app.export import export_hf
 
     try:
-        out = export_hf(args.run_dir, args.out)
-    except (ConfigError, FileNotFoundError) as err:
+        out = export_hf(args.run_dir, args.out, force=args.force)
+    except (ConfigError, FileNotFoundError, FileExistsError) as err:
         return _fail(str(err))
     print(f"Hugging Face model directory: {out}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Load the policy, then serve until Ctrl-C (exit 130, as an interrupted ``train``; also while loading)."""
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from longstraw_agents.app.config import ConfigError
+    from longstraw_agents.app.serve import load_policy, policy_server
+
+    try:
+        policy = load_policy(args.path, dtype=args.dtype, device=args.device)
+    except (ConfigError, FileNotFoundError) as err:
+        return _fail(str(err))
+    try:
+        server = policy_server(
+            policy,
+            host=args.host,
+            port=args.port,
+            model_name=args.model_name or args.path,
+            model_path=args.path,
+            weight_version=args.weight_version,
+        )
+    except OSError as err:  # the address is taken, or not this machine's
+        return _fail(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
+    print(
+        f"serving {args.path} ({policy.source}) as {server.model_name!r} on {server.url}/v1 "
+        "(chat/completions, completions, models); Ctrl-C stops",
+        flush=True,
+    )
+    server.serve_forever()
     return 0
 
 
@@ -161,36 +200,75 @@ def _quantity(text: str) -> int:
     return int(number * scale)
 
 
+# PlanRequest and EngineConfig fields whose flag is not the field's name with dashes
+_PLAN_FLAGS = {
+    "gpu_mem_bytes": "--gpu-mem",
+    "graph_budget_bytes": "--graph-budget",
+    "offload_optimizer": "--offload",
+    "chunk_size": "--chunk",
+    "wavefront_walk": "--walk",
+}
+
+
+def _plan_errors(err) -> str:
+    """A PlanRequest's ValidationError as one line per problem, each naming its flag."""
+    lines = []
+    for e in err.errors():
+        if not e["loc"]:  # the request as a whole (how the GPUs split): the check's own words
+            lines.append(f"  {e.get('ctx', {}).get('error', e['msg'])}")
+            continue
+        name = str(e["loc"][0])
+        lines.append(f"  {_PLAN_FLAGS.get(name, '--' + name.replace('_', '-'))}: {e['msg']}")
+    return "invalid plan:\n" + "\n".join(lines)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
+    from pydantic import ValidationError
 
-    from longstraw_agents.planner import PlanRequest, longest_context, plan_memory
+    from longstraw_agents.planner import CONTEXT_SEARCH_LIMIT, PLAN_ENGINE, PlanRequest, longest_context, plan_memory
 
     try:
+        engine = PLAN_ENGINE.updated(
+            chunk_size=args.chunk, checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
+            activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
+        )  # fmt: skip
         request = PlanRequest(
             model=args.model, context=args.context, group=args.group, completion=args.completion, gpus=args.gpus,
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
-            optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, chunk=args.chunk,
-            checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
-            activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
+            optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, engine=engine,
         )  # fmt: skip
         if args.longest:
-            longest, plan = longest_context(request)
-            print(f"longest context that fits: {longest:,} positions" if longest else "nothing fits")
+            longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
+            print(_longest_text(longest, CONTEXT_SEARCH_LIMIT))
         else:
             plan = plan_memory(request)
+    except ValidationError as err:
+        return _fail(_plan_errors(err))
     except ValueError as err:
         return _fail(str(err))
     print(plan.table())
     return 0
 
 
+def _longest_text(longest: int, limit: int) -> str:
+    if not longest:
+        return "nothing fits"
+    if longest == limit - 1:  # every length the search tried fits: the answer is its bound, not the memory's
+        return (
+            f"longest context that fits: at least {longest:,} positions (the search's upper bound; longer contexts "
+            "were not tried)"
+        )
+    return f"longest context that fits: {longest:,} positions"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longstraw",
         description="Long-context GRPO for agents: list environments, train, replay logged episodes offline, "
-        "inspect trajectory stores, plot runs.",
+        "inspect trajectory stores, plot runs, export and serve policies.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("envs", help="list the registered LongStraw environments")
@@ -255,8 +333,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a run's checkpoint (also an FSDP2 run's shards) as a Hugging Face model")
     p.add_argument("run_dir", help="a run directory (config.json + checkpoint/)")
-    p.add_argument("out", help="the directory to write (save_pretrained; from_pretrained reads it)")
+    p.add_argument("out", help="the directory to write: model and tokenizer (from_pretrained reads both)")
+    p.add_argument(
+        "--force", action="store_true", help="write into a non-empty OUT (files of the same name are replaced)"
+    )
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "serve", help="serve a policy over the OpenAI API (chat completions with tool calls, completions)"
+    )
+    p.add_argument(
+        "path", metavar="MODEL_DIR|RUN_DIR", help="a Hugging Face model directory with its tokenizer, or a run"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one, printed)")
+    p.add_argument("--model-name", default=None, help="the name clients ask for (default: the path as given)")
+    p.add_argument(
+        "--weight-version", type=int, default=None, help="the version reported (default: the run's policy version, 0)"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float64"], default=None, help="default: the run's, float32"
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when there is a GPU)")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("plan", help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed)")
     p.add_argument("--model", default="qwen3.6-27b", help="qwen3.6-27b | glm-5.2 | tiny-<preset> | CONFIG.json")
@@ -266,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: gpus / dp)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: gpus / cp, or 1)")
     p.add_argument("--mode", choices=["detached", "exact"], default="detached")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")

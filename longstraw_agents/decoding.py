@@ -1,8 +1,8 @@
 """Batched decoding over engine states: one forward per generated token for every member of a batch.
 
->>> decoder = Decoder(engine, [Member(fork, prefix=fork)] * 8, reserve=32)   # 8 members of one group
->>> logits = decoder.step(tokens)            # one token each, one forward; next-token logits [8, V]
->>> [state] = decoder.leave([3])             # member 3 is done: its state covers every token it was given
+    decoder = Decoder(engine, [Member(fork, prefix=fork)] * 8, reserve=32)   # 8 members of one group
+    logits = decoder.step(tokens)            # one token each, one forward; next-token logits [8, V]
+    [state] = decoder.leave([3])             # member 3 is done: its state covers every token it was given
 
 A member is an engine ``State`` plus the ``prefix`` it shares with its group (the state the group was forked from,
 an ancestor of the member's). Members with the same prefix object form a group: each growing layer reads that

@@ -9,9 +9,12 @@ allocate under the tracker are counted: an output sharing an input's storage (a 
 ``.grad`` buffers, a captured state) are never counted, however they are viewed or updated in place, unless
 ``baseline`` includes them.
 
+>>> import torch
 >>> with MemoryTracker() as mem:
-...     loss = model(x).sum(); loss.backward()
+...     x = torch.zeros(1000)      # 4,000 bytes
+...     y = x + 1                  # 4,000 more
 >>> mem.peak_bytes
+8000
 """
 
 from __future__ import annotations

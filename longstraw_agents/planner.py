@@ -30,13 +30,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from longstraw_agents.engine import Engine, EngineConfig, checkpoint_spacing, layer_inputs_spacing
+from longstraw_agents.engine import Engine, EngineConfig, LayerInputs, checkpoint_spacing, layer_inputs_spacing
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
@@ -55,42 +57,55 @@ NAMED_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     **{f"tiny-{name}": fn for name, fn in TINY_PRESETS.items()},
 }
 PER_LAYER_LISTS = ("layer_types", "indexer_types", "mlp_layer_types")
+CONTEXT_SEARCH_LIMIT = 1 << 26  # longest_context tries lengths below this (67M positions)
+Positive = Annotated[int, Field(ge=1)]
+# The engine a full-scale step plans with: 4K-token chunks, activation checkpointing (at these sizes a branch's full
+# graph would dominate: see the README) and a GPU's budget for DSA index scores (512 MiB fp32, not a CPU test's 4 MiB)
+PLAN_ENGINE = EngineConfig(chunk_size=4096, activation_checkpointing=True, max_score_elements=1 << 27)
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True, strict=True))
 class PlanRequest:
-    """What to plan. ``context`` counts the shared prompt's positions; ``completion`` each member's own tokens."""
+    """What to plan. ``context`` counts the shared prompt's positions; ``completion`` each member's own tokens.
+
+    Validated on construction (and by ``dataclasses.replace``): counts and sizes are positive, ``beta`` finite and
+    not negative, and the GPUs split into ``dp x cp``; a bad value raises pydantic's ``ValidationError``."""
 
     model: str = "qwen3.6-27b"  # a name of NAMED_MODELS or a path to a transformers config.json
-    context: int = 2_100_000
-    group: int = 8
-    completion: int = 1024
-    gpus: int = 8
-    gpu_mem_bytes: int = 96 * 10**9
-    cp: int | None = None  # context-parallel ranks (default: all GPUs, dp = 1)
-    dp: int = 1
+    context: Positive = 2_100_000
+    group: Positive = 8
+    completion: Positive = 1024
+    gpus: Positive = 8
+    gpu_mem_bytes: Positive = 96 * 10**9
+    cp: Positive | None = None  # context-parallel ranks (default: gpus / dp)
+    dp: Positive | None = None  # data-parallel ranks (default: gpus / cp, or 1 when cp is not given either)
     mode: Literal["detached", "exact"] = "detached"
     dtype: torch.dtype = torch.bfloat16
     optimizer: Literal["adamw", "none"] = "adamw"
     offload_optimizer: bool = False
-    beta: float = 0.0
-    chunk: int = 4096
-    checkpoint_every: int | None = None
-    graph_budget_bytes: int = 0
-    activation_checkpointing: bool = True  # at these sizes a branch's full graph would dominate (see the README)
-    wavefront_walk: bool = True  # exact mode with cp > 1: keep layer inputs, walk sharded (EngineConfig)
-    layer_inputs_every: int | None = None  # the wavefront walk's layer-input spacing (EngineConfig)
-    max_score_elements: int = 1 << 27  # a GPU's budget for DSA index scores (512 MiB fp32), not a CPU test's 4 MiB
+    beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
+    engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
 
     @property
     def context_parallel(self) -> int:
-        return self.cp if self.cp is not None else self.gpus // self.dp
+        if self.cp is not None:
+            return self.cp
+        return self.gpus // self.dp if self.dp is not None else self.gpus
 
-    def validated(self) -> PlanRequest:
-        if self.dp * self.context_parallel != self.gpus:
-            raise ValueError(f"dp ({self.dp}) x cp ({self.context_parallel}) must equal gpus ({self.gpus})")
-        if min(self.context, self.group, self.completion, self.chunk) < 1:
-            raise ValueError("context, group, completion and chunk must be >= 1")
+    @property
+    def data_parallel(self) -> int:
+        if self.dp is not None:
+            return self.dp
+        return self.gpus // self.cp if self.cp is not None else 1
+
+    @model_validator(mode="after")
+    def _gpus_split_into_dp_and_cp(self) -> PlanRequest:
+        # Each message names only the settings given: a derived dp or cp is no value the caller chose.
+        if self.dp is not None and self.cp is not None and self.dp * self.cp != self.gpus:
+            raise ValueError(f"dp ({self.dp}) x cp ({self.cp}) must equal gpus ({self.gpus})")
+        for name, ranks in (("dp", self.dp), ("cp", self.cp)):
+            if ranks is not None and self.gpus % ranks:
+                raise ValueError(f"gpus ({self.gpus}) is not a multiple of {name} ({ranks})")
         return self
 
 
@@ -123,7 +138,7 @@ class Plan:
         lines = [
             f"{r.model}: {r.context:,} positions, G={r.group} x {r.completion} tokens, {r.mode}, "
             f"{str(r.dtype).removeprefix('torch.')}, {r.gpus} GPUs x {r.gpu_mem_bytes / 1e9:.0f} GB "
-            f"(dp={r.dp}, cp={r.context_parallel}), optimizer {r.optimizer}"
+            f"(dp={r.data_parallel}, cp={r.context_parallel}), optimizer {r.optimizer}"
             + (" offloaded" if r.offload_optimizer else "")
             + (f", beta={r.beta}" if r.beta else ""),
             f"{'per GPU':<32} {'GiB':>9}",
@@ -192,12 +207,12 @@ def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> Any:
     return model.to(dtype)
 
 
-def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int, engine_config: EngineConfig) -> int:
+def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> int:
     """Peak bytes of one GRPO step of ``request.mode`` (parameter gradients allocated beforehand, not counted)."""
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    engine = Engine(model, engine_config)
-    ref_engine = Engine(model, engine_config) if request.beta > 0 else None  # same shapes as the policy
+    engine = Engine(model, request.engine)
+    ref_engine = Engine(model, request.engine) if request.beta > 0 else None  # same shapes as the policy
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, prompt_len)
@@ -235,8 +250,8 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
     exact = request.mode == "exact"
     widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
     dstate = int(size.bytes_per_token * positions * widen) + size.fixed_bytes if exact else 0
-    spacing = checkpoint_spacing(config, request.dtype, _engine_config(request))
-    checkpoints = size.fixed_bytes * (math.ceil(positions / request.chunk) // spacing) if exact else 0
+    spacing = checkpoint_spacing(config, request.dtype, request.engine)
+    checkpoints = size.fixed_bytes * (math.ceil(positions / request.engine.chunk_size) // spacing) if exact else 0
     kept, segment = layer_inputs_bytes(config, request, positions)
     return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0, kept + segment)
 
@@ -247,31 +262,20 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
     their recomputed inputs, and one layer's rows of the earlier ranks (at most the last rank's: N - 1 shards)
     with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs replicated
     (docs/distributed.md)."""
-    wavefront = request.mode == "exact" and request.context_parallel > 1 and request.wavefront_walk
-    if not wavefront or request.graph_budget_bytes > 0:
+    wavefront = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
+    if not wavefront or request.engine.graph_budget_bytes > 0:
         return 0, 0
     layers = config.num_hidden_layers
-    every = layer_inputs_spacing(layers, _engine_config(request))
-    vector = positions * config.hidden_size * _itemsize(request.dtype)
-    widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
+    every = layer_inputs_spacing(layers, request.engine)
     itemsize = _itemsize(request.dtype)
+    vector = positions * config.hidden_size * itemsize
+    widen = max(itemsize, 4) / itemsize
     per_layer = adapter_class(config).layer_state_bytes(config, itemsize)
     rows_per_layer = max(per_token for per_token, _ in per_layer) * positions  # the widest growing layer's rows
     earlier = rows_per_layer * (request.context_parallel - 1)  # a layer's rows of the earlier ranks
     received = earlier * (1 + widen)  # one layer's rows at a time, with their sinks
-    return vector * (math.ceil(layers / every) + 1), vector * every + int(received)
-
-
-def _engine_config(request: PlanRequest) -> EngineConfig:
-    return EngineConfig(
-        chunk_size=request.chunk,
-        checkpoint_every=request.checkpoint_every,
-        graph_budget_bytes=request.graph_budget_bytes,
-        activation_checkpointing=request.activation_checkpointing,
-        max_score_elements=request.max_score_elements,
-        wavefront_walk=request.wavefront_walk,
-        layer_inputs_every=request.layer_inputs_every,
-    )
+    kept = LayerInputs.planned_nbytes(positions, config.hidden_size, itemsize, layers, every)
+    return kept, vector * every + int(received)
 
 
 @dataclass(frozen=True)
@@ -285,9 +289,9 @@ class _Probe:
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     """Simulate a step of ``group`` members on ``config`` over two chunks of context."""
-    prompt_len = 2 * request.chunk + 1
+    prompt_len = 2 * request.engine.chunk_size + 1
     model = meta_model(config, request.dtype)
-    peak = step_peak(model, request, prompt_len, group, _engine_config(request))
+    peak = step_peak(model, request, prompt_len, group)
     exact = exact_terms(config, request, prompt_len - 1)
     graphs = peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
     parameters = sum(p.numel() for p in model.parameters())
@@ -365,30 +369,30 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         "one chunk's or branch's graph": measured.graphs,
     }
     notes = [
-        f"graphs: {measured.how}, 2 chunks of {request.chunk} positions on the meta device; they include the LM "
-        f"head's log-prob tiles and its fp32 weight gradient ({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
+        f"graphs: {measured.how}, 2 chunks of {request.engine.chunk_size} positions on the meta device; they include "
+        "the LM head's log-prob tiles and its fp32 weight gradient "
+        f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
         f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); FSDP2 shards weights, "
         "gradients and AdamW state (2 x fp32 per parameter) over all GPUs, plus two layers' gathered weights",
     ]
     if request.mode == "exact":
-        spacing = checkpoint_spacing(measured.config, request.dtype, _engine_config(request))
+        spacing = checkpoint_spacing(measured.config, request.dtype, request.engine)
         notes.append(f"recurrent checkpoints every {spacing} chunks; the state gradient in fp32")
         if request.context_parallel > 1:
-            walk = "wavefront (layer inputs kept)" if request.wavefront_walk else "replicated (no layer inputs)"
+            walk = "wavefront (layer inputs kept)" if request.engine.wavefront_walk else "replicated (no layer inputs)"
             notes.append(f"the reverse walk over the cp ranks: {walk}")
     return Plan(request, categories, notes)
 
 
 def plan_memory(request: PlanRequest) -> Plan:
     """The peak per GPU of one GRPO step of ``request``, by category."""
-    request = request.validated()
     return _plan(request, _measure(request))
 
 
-def longest_context(request: PlanRequest, low: int = 1024, high: int = 1 << 26) -> tuple[int, Plan]:
+def longest_context(request: PlanRequest, low: int = 1024, high: int = CONTEXT_SEARCH_LIMIT) -> tuple[int, Plan]:
     """The longest context that fits ``request``'s GPUs, by binary search (the graphs are measured once: they do
-    not depend on the context). Returns 0 when not even ``low`` fits."""
-    request = request.validated()
+    not depend on the context). Returns 0 when not even ``low`` fits, and ``high - 1`` when every length below
+    ``high`` fits: the search's bound (``CONTEXT_SEARCH_LIMIT`` by default), not a limit of the memory."""
     measured = _measure(request)
 
     def fits(context: int) -> bool:

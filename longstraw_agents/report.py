@@ -131,13 +131,16 @@ def _stats(values: list[float]) -> str:
 
 
 def _preview(text: str, max_chars: int, *, quote: bool = True) -> str:
-    """Text on one line (quoted, escapes visible); long text keeps its head and tail and says how much was cut."""
+    """Text on one line (quoted, escapes visible); long text keeps its head and tail and says how much was cut. A
+    lone surrogate (stored exactly, but no terminal encoding can print it) is shown as its ``\\udXXX`` escape."""
     show = (lambda part: json.dumps(part, ensure_ascii=False)) if quote else (lambda part: part.replace("\n", " "))
     if not max_chars or len(text) <= max_chars:
-        return show(text)
-    head = text[: max_chars * 2 // 3]
-    tail = text[len(text) - (max_chars - len(head)) :]
-    return f"{show(head)} … {show(tail)} ({len(text):,} chars)"
+        shown = show(text)
+    else:
+        head = text[: max_chars * 2 // 3]
+        tail = text[len(text) - (max_chars - len(head)) :]
+        shown = f"{show(head)} … {show(tail)} ({len(text):,} chars)"
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _table(header: list[str], rows: list[list[str]], align: str, indent: str = "") -> list[str]:

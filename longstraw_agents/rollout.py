@@ -18,9 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import gymnasium
 import numpy as np
-from tqdm.auto import tqdm
 
 from longstraw_agents.envs import ToolEnv, unwrap_tool_env
+from longstraw_agents.progress import progress_bar
 from longstraw_agents.sampler import Generation, Sampler
 from longstraw_agents.trajectory import Trajectory
 
@@ -219,7 +219,7 @@ def rollout_groups(
     ]
     members = [member for group in groups for member in group]
     finished: list[list[Trajectory]] = [[] for _ in groups]  # per group, in finishing order
-    meter = _RolloutMeter(tqdm(total=len(members), desc=desc, unit="ep", disable=not progress, leave=False))
+    meter = _RolloutMeter(progress_bar(total=len(members), desc=desc, unit="ep", enabled=progress, leave=False))
 
     def on_end(k: int) -> None:
         g = k // group_size

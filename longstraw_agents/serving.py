@@ -1,13 +1,14 @@
-"""An OpenAI-compatible completions server over ``TorchSampler``: what the official ``openai`` client and vLLM-style
-token-id clients (``OpenAISampler``) use.
+"""An OpenAI-compatible server over ``TorchSampler`` (completions and chat completions): what the official ``openai``
+client and vLLM-style token-id clients (``OpenAISampler``) use.
 
-It exists so that ``OpenAISampler`` can be tested end to end on one machine, and to serve a tiny local policy to
-tools that speak the OpenAI API. Bind it to loopback only; it is single-model and serialises requests.
+It exists so that ``OpenAISampler`` can be tested end to end on one machine, and to serve a local policy to tools
+that speak the OpenAI API (``longstraw serve`` starts one from a run or a model directory). Bind it to loopback
+only; it is single-model and serialises requests.
 
->>> server = CompletionServer(TorchSampler(model, stop_token_ids=[eos]), tokenizer=load_tokenizer())
->>> server.start()          # serves http://127.0.0.1:<server.port>/v1/completions and /v1/models
->>> OpenAI(base_url=server.url + "/v1", api_key="unused").completions.create(model="default", prompt="Hi", n=3)
->>> server.stop()
+    server = CompletionServer(TorchSampler(model, stop_token_ids=[eos]), tokenizer=load_tokenizer())
+    server.start()          # serves http://127.0.0.1:<server.port>/v1/completions and /v1/models
+    OpenAI(base_url=server.url + "/v1", api_key="unused").completions.create(model="default", prompt="Hi", n=3)
+    server.stop()
 
 What is served (``POST /v1/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``):
 
@@ -43,6 +44,28 @@ Weights and versions (SGLang's protocol, what ``weight_sync.DiskWeightSync`` pus
 Refused with a 400 that names the field: stop strings (``stop``), ``echo``, ``suffix``, ``best_of`` other than
 ``n``, non-zero penalties and ``logit_bias`` — the sampler cannot honour them, and ignoring them would silently
 change what the client asked for. A request for another model than ``model_name`` is a 404, as with vLLM.
+
+Chat (``POST /v1/chat/completions``, with a ``chat_template``; without one it is a 400):
+
+- The messages (OpenAI's shape: text content or text parts, ``developer`` read as ``system``, an assistant's
+  ``tool_calls``, tool results) and ``tools`` are checked one by one — a 400 names e.g. ``messages[2].content`` —
+  and rendered to prompt ids by the template; the prompt is then completed as a ``/v1/completions`` request would be:
+  ``n``, ``seed``, ``temperature``, ``top_p``, ``stop_token_ids`` and the usage counts are the same. The reply keeps
+  special tokens (the template reads its tags), all but a final stop token.
+- ``max_completion_tokens`` (or ``max_tokens``) defaults to the sampler's ``max_new_tokens``: a turn as long as in
+  training, not the completions endpoint's 16.
+- With ``tools`` (and ``tool_choice`` null, "auto" or "none"), the template reads the reply's tool calls: they come
+  back as ``message.tool_calls`` (arguments as a JSON string, content null when nothing else was said) with
+  ``finish_reason: "tool_calls"``. ``tool_choice: "none"`` leaves the reply as text.
+- ``logprobs: true`` gives ``choices[i].logprobs.content``: one entry per sampled token (the stop token too, as the
+  trainer scores it) with its ``bytes`` and an empty ``top_logprobs``.
+- ``stream=True``: ``chat.completion.chunk`` events, first each choice's role, then one chunk per generated token with
+  the content it adds; content that may still turn out to be a tool call (from ``<tool_call>`` on) is held back, and
+  the last chunk of a choice carries the rest of the content, its ``tool_calls`` and its ``finish_reason``. The
+  deltas add up to the non-streamed reply of the same seed.
+- Refused with a 400: what completions refuse (``stop``, penalties, ``logit_bias``), a ``tool_choice`` that forces a
+  call, ``parallel_tool_calls: false``, ``top_logprobs`` above 0, ``skip_special_tokens: true`` and a
+  ``response_format`` other than text.
 """
 
 from __future__ import annotations
@@ -51,10 +74,10 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -67,6 +90,8 @@ MAX_CHOICES = 128
 """Choices per request at most (``n`` × prompts): every one is decoded in the same batch."""
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for completions
 
+_Model = TypeVar("_Model", bound=BaseModel)
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -74,13 +99,12 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class CompletionRequest(BaseModel):
-    """The fields of ``POST /v1/completions`` this server reads (others are ignored); null means the default."""
+class _SamplingFields(BaseModel):
+    """The fields both ``/v1/completions`` and ``/v1/chat/completions`` read; null means the default."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -88,7 +112,6 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
@@ -96,9 +119,6 @@ class CompletionRequest(BaseModel):
     include_stop_str_in_output: bool | None = None
     # what the sampler cannot do: refused unless null or neutral (``unsupported``)
     stop: str | list[str] | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -107,18 +127,172 @@ class CompletionRequest(BaseModel):
         """The first field set to something this server cannot honour, with why; None when all are fine."""
         if self.stop:
             return "stop: stop strings are not supported; use stop_token_ids"
-        if self.echo:
-            return "echo: echoing the prompt is not supported"
-        if self.suffix:
-            return "suffix: insertion (suffix) is not supported"
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            return "best_of: only best_of equal to n is supported (every choice is returned)"
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 return f"{name}: penalties are not supported (send 0 or null)"
         if self.logit_bias:
             return "logit_bias: logit biases are not supported"
         return None
+
+
+class CompletionRequest(_SamplingFields):
+    """The fields of ``POST /v1/completions`` this server reads (others are ignored); null means the default."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    # refused unless null or neutral (``unsupported``)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo: echoing the prompt is not supported"
+        if self.suffix:
+            return "suffix: insertion (suffix) is not supported"
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of: only best_of equal to n is supported (every choice is returned)"
+        return super().unsupported()
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """A tool call: the function's name and its arguments (a decoded JSON object)."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """A checked chat message: ``role`` is system, user, assistant or tool (OpenAI's ``developer`` is system),
+    ``content`` its text (content parts joined), ``tool_calls`` the calls of an assistant message."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: tuple[FunctionCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An assistant reply read by a chat template: its content and the tool calls it makes."""
+
+    content: str
+    tool_calls: tuple[FunctionCall, ...] = ()
+
+
+class ChatTemplate(Protocol):
+    """How ``/v1/chat/completions`` turns messages into a prompt and a generated text into a reply (the app layer's
+    ``QwenChatTemplate`` is the format the environments train with)."""
+
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt ids: the conversation, ``tools`` (OpenAI function schemas) in it, then the generation prompt;
+        a ``ValueError`` says what is wrong with the conversation."""
+        ...
+
+    def reply(self, text: str) -> Reply:
+        """A whole generated text as content and tool calls."""
+        ...
+
+    def streamable(self, text: str) -> str:
+        """The content of a text still being generated that is known already: a prefix of ``reply(text + more)``'s
+        content, whatever ``more`` is."""
+        ...
+
+
+class _ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class _FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class _ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"] = "function"
+    function: _FunctionCallIn
+
+
+class _MessageIn(BaseModel):
+    """A message as the OpenAI API sends it (``name`` and ``tool_call_id`` are read by nothing and ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_ContentPart] | None = None
+    tool_calls: list[_ToolCallIn] | None = None
+
+
+class _FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class _ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: _FunctionSpec
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """The fields of ``POST /v1/chat/completions`` this server reads (others are ignored); null means the default.
+    ``messages`` and ``tools`` are checked one by one when the prompt is rendered (``chat_messages``,
+    ``chat_tools``), so that an error names the message or tool at fault."""
+
+    messages: list[Any] = Field(min_length=1)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    # refused unless null or neutral (``unsupported``)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are read from the reply when the request offers tools (and ``tool_choice`` is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server cannot honour, with why; None when all are fine."""
+        if self.tool_choice not in (None, "auto", "none"):
+            return 'tool_choice: only "auto" and "none" are supported (decoding is not constrained to a tool call)'
+        if self.parallel_tool_calls is False:
+            return "parallel_tool_calls: a reply may hold several tool calls; false is not supported"
+        if self.top_logprobs:
+            return "top_logprobs: the sampler keeps no alternatives (send 0 or null)"
+        if self.skip_special_tokens:
+            return "skip_special_tokens: a chat reply keeps the template's tags, e.g. <tool_call> (send false or null)"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return 'response_format: structured outputs are not supported (send {"type": "text"} or null)'
+        return super().unsupported()
+
+    def completion_request(self, prompt: list[int], default_max_tokens: int) -> CompletionRequest:
+        """The completion of ``prompt`` (the rendered messages) with this request's sampling fields; the text keeps
+        special tokens (the template reads its tags)."""
+        own = {"stream_options", "max_tokens", "skip_special_tokens"}
+        shared = self.model_dump(include=set(_SamplingFields.model_fields) - own)
+        return CompletionRequest(
+            **shared,
+            stream_options=self.stream_options,
+            prompt=prompt,
+            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            logprobs=0 if self.logprobs else None,
+            skip_special_tokens=False,
+        )
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -179,23 +353,38 @@ class _Job:
         self.choices = [_Choice(index, handle, limit) for index, handle in enumerate(handles)]
 
     def run(self) -> dict[str, Any]:
+        self.generate()
+        choices = [self._choice_payload(c, c.ids, c.logprobs, self.text(c, final=True)) for c in self.choices]
+        return {**self._envelope(), "choices": choices, "usage": self.usage()}
+
+    def generate(self) -> None:
+        """Every choice to its end, decoded together."""
         generations = self.sampler.generate_batch([c.handle for c in self.choices])
         for choice, generation in zip(self.choices, generations, strict=True):
             choice.ids, choice.logprobs = generation.token_ids, generation.logprobs
             choice.finish_reason = generation.finish_reason
-        choices = [self._choice_payload(c, c.ids, c.logprobs, self.text(c, final=True)) for c in self.choices]
-        return {**self._envelope(), "choices": choices, "usage": self.usage()}
 
     def events(self) -> Iterator[dict[str, Any]]:
         """One chunk per generated token of each choice (round robin), then a chunk with each finish reason."""
+        for choice, new in self.steps():
+            yield self._chunk(choice, new)
+        if self.wants_usage:
+            yield {**self._envelope(), "choices": [], "usage": self.usage()}
+
+    def steps(self) -> Iterator[tuple[_Choice, tuple[list[int], list[float]]]]:
+        """Each choice's tokens as they are drawn, one at a time round robin: the choice and its new ids and
+        logprobs (a choice is ``done`` after its last)."""
         live = list(self.choices)
         while live:
             for choice in live:
                 generation = self.sampler.generate(choice.handle, 1)
-                yield self._chunk(choice, self._advance(choice, generation))
+                yield choice, self._advance(choice, generation)
             live = [c for c in live if not c.done]
-        if self.request.stream_options is not None and self.request.stream_options.include_usage:
-            yield {**self._envelope(), "choices": [], "usage": self.usage()}
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+        return self.request.stream_options is not None and bool(self.request.stream_options.include_usage)
 
     def _advance(self, choice: _Choice, generation: Generation) -> tuple[list[int], list[float]]:
         choice.ids += generation.token_ids
@@ -211,12 +400,15 @@ class _Job:
 
     def text(self, choice: _Choice, *, final: bool) -> str:
         """The text of ``choice`` not sent yet; before the end, an incomplete trailing character is held back."""
-        text = self.server.decode(self._visible_ids(choice))
-        if not final:
-            text = text.rstrip("\ufffd")  # bytes of a character split across tokens: wait for the rest
+        text = self.visible_text(choice, final=final)
         delta = text[choice.sent_chars :]
         choice.sent_chars = max(choice.sent_chars, len(text))
         return delta
+
+    def visible_text(self, choice: _Choice, *, final: bool) -> str:
+        """The whole text of ``choice`` so far; before the end, an incomplete trailing character is held back."""
+        text = self.server.decode(self._visible_ids(choice))
+        return text if final else text.rstrip("\ufffd")  # bytes of a character split across tokens: wait for the rest
 
     def _visible_ids(self, choice: _Choice) -> list[int]:
         ids = choice.ids
@@ -260,11 +452,118 @@ class _Job:
         }
 
 
+class _ChatJob:
+    """A checked chat request: its messages rendered to one prompt and completed by a ``_Job``; ``run`` (one
+    response) or ``events`` (stream chunks) in the chat completions shape."""
+
+    def __init__(self, server: CompletionServer, request: ChatCompletionRequest, template: ChatTemplate):
+        self.server = server
+        self.request = request
+        self.template = template
+        messages, tools = chat_messages(request.messages), chat_tools(request.tools)
+        try:
+            prompt = template.render(messages, tools)
+        except ValueError as err:  # the conversation as a whole, e.g. a tool result before any assistant turn
+            raise RequestError(f"messages: {err}", param="messages") from None
+        self.job = _Job(server, request.completion_request(prompt, server.sampler.config.max_new_tokens))
+        self.id = f"chatcmpl-{secrets.token_hex(12)}"
+        self.sent_chars = [0] * len(self.job.choices)  # content already streamed, per choice
+
+    def run(self) -> dict[str, Any]:
+        self.job.generate()
+        choices = [self._choice_payload(choice) for choice in self.job.choices]
+        return {**self._envelope("chat.completion"), "choices": choices, "usage": self.job.usage()}
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """Each choice's role first, then one chunk per generated token of each choice (round robin): its new
+        content, and with its last token the rest of the content, the tool calls and the finish reason."""
+        for choice in self.job.choices:
+            yield self._chunk(choice, {"role": "assistant", "content": ""}, ([], []), None)
+        for choice, new in self.job.steps():
+            yield self._step_chunk(choice, new)
+        if self.job.wants_usage:
+            yield {**self._envelope("chat.completion.chunk"), "choices": [], "usage": self.job.usage()}
+
+    def reply(self, choice: _Choice) -> Reply:
+        """The reply of a finished choice (tool calls are read only when the request offers tools)."""
+        text = self.job.visible_text(choice, final=True)
+        return self.template.reply(text) if self.request.parses_tool_calls else Reply(text)
+
+    def _choice_payload(self, choice: _Choice) -> dict[str, Any]:
+        reply = self.reply(choice)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["content"] = reply.content or None  # as OpenAI: a reply of tool calls only has no content
+            message["tool_calls"] = [_tool_call_payload(call) for call in reply.tool_calls]
+        payload = {
+            "index": choice.index,
+            "message": message,
+            "logprobs": self._logprobs(choice.ids, choice.logprobs),
+            "finish_reason": _finish_reason(choice, reply),
+        }
+        if self.request.return_token_ids:
+            payload["token_ids"] = list(choice.ids)
+        return payload
+
+    def _step_chunk(self, choice: _Choice, new: tuple[list[int], list[float]]) -> dict[str, Any]:
+        """The chunk of the token just drawn: the content it adds; after the last, the tool calls too."""
+        reply = self.reply(choice) if choice.done else None
+        if reply is not None:
+            content = reply.content
+        else:
+            text = self.job.visible_text(choice, final=False)
+            content = self.template.streamable(text) if self.request.parses_tool_calls else text
+        delta: dict[str, Any] = {"content": content[self.sent_chars[choice.index] :]}
+        self.sent_chars[choice.index] = max(self.sent_chars[choice.index], len(content))
+        if reply is not None and reply.tool_calls:
+            delta["tool_calls"] = [{"index": k, **_tool_call_payload(call)} for k, call in enumerate(reply.tool_calls)]
+        finish = _finish_reason(choice, reply) if reply is not None else None
+        return self._chunk(choice, delta, new, finish)
+
+    def _chunk(
+        self, choice: _Choice, delta: dict[str, Any], new: tuple[list[int], list[float]], finish: str | None
+    ) -> dict[str, Any]:
+        ids, logprobs = new
+        logprobs_payload = self._logprobs(ids, logprobs) if ids else None
+        payload = {"index": choice.index, "delta": delta, "logprobs": logprobs_payload, "finish_reason": finish}
+        if self.request.return_token_ids:  # SGLang's extension: the ids this chunk adds
+            payload["token_ids"] = list(ids)
+        return {**self._envelope("chat.completion.chunk"), "choices": [payload], "usage": None}
+
+    def _logprobs(self, ids: list[int], logprobs: list[float]) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs: one entry per sampled token (the stop token too, as the trainer scores it)."""
+        if not self.request.logprobs:
+            return None
+        content = []
+        for token, logprob in zip(ids, logprobs, strict=True):
+            label = self.server.token_label(token, self.request.return_tokens_as_token_ids)
+            content.append({"token": label, "logprob": logprob, "bytes": list(label.encode()), "top_logprobs": []})
+        return {"content": content, "refusal": None}
+
+    def _envelope(self, kind: str) -> dict[str, Any]:
+        return {**self.job._envelope(), "id": self.id, "object": kind}
+
+
+def _finish_reason(choice: _Choice, reply: Reply) -> str | None:
+    return "tool_calls" if reply.tool_calls else choice.finish_reason
+
+
+def _tool_call_payload(call: FunctionCall) -> dict[str, Any]:
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }
+
+
 class CompletionServer:
     """The server; ``sampler`` gives the engine, the default stop tokens and the policy version.
 
     tokenizer: decodes ``text`` and encodes text prompts; without one ``text`` is ``""`` (see the module docstring).
     model_path: what ``/model_info`` reports until weights are loaded from a directory (default: ``model_name``).
+    chat_template: renders ``/v1/chat/completions`` requests and reads their replies (it needs ``tokenizer`` too);
+        without one that route answers 400.
     """
 
     def __init__(
@@ -275,11 +574,15 @@ class CompletionServer:
         model_name: str = "default",
         tokenizer: Tokenizer | None = None,
         model_path: str | None = None,
+        chat_template: ChatTemplate | None = None,
     ):
+        if chat_template is not None and tokenizer is None:
+            raise ValueError("a chat template needs the tokenizer that decodes the replies (tokenizer=...)")
         self.sampler = sampler
         self.model_name = model_name
         self.model_path = model_path or model_name
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.special_ids = frozenset(tokenizer.special_tokens.values()) if tokenizer is not None else frozenset()
         self.created = int(time.time())
         self._lock = threading.Lock()
@@ -300,6 +603,13 @@ class CompletionServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
         return self
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until interrupted (Ctrl-C raises ``KeyboardInterrupt`` here), then close the socket."""
+        try:
+            self._httpd.serve_forever()
+        finally:
+            self._httpd.server_close()
 
     def stop(self) -> None:
         self._httpd.shutdown()
@@ -373,11 +683,25 @@ class CompletionServer:
     def job(self, body: Any) -> _Job:
         """A checked request with its prompts forked (call under the server's lock: it runs the engine)."""
         request = parse_request(body)
-        if request.model is not None and request.model != self.model_name:
-            raise RequestError(
-                f"the model {request.model!r} does not exist; this server serves {self.model_name!r}", 404, "model"
-            )
+        self._check_model(request.model)
         return _Job(self, request)
+
+    def chat_job(self, body: Any) -> _ChatJob:
+        """A checked chat request with its prompt rendered and forked (call under the server's lock)."""
+        if self.chat_template is None:
+            raise RequestError(
+                "this server has no chat template: use /v1/completions, or start it with one "
+                "(CompletionServer(..., chat_template=...); `longstraw serve` does)"
+            )
+        request = parse_chat_request(body)
+        self._check_model(request.model)
+        return _ChatJob(self, request, self.chat_template)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}", 404, "model"
+            )
 
     def request_sampler(self, request: CompletionRequest) -> TorchSampler:
         """A sampler for one request: its sampling fields (null: the defaults), stop tokens and seed."""
@@ -464,13 +788,18 @@ class CompletionServer:
                 if self.path.rstrip("/") == "/update_weights_from_disk":
                     self._update_weights()
                     return
-                if self.path.rstrip("/") != "/v1/completions":
+                routes: dict[str, Callable[[Any], _Job | _ChatJob]] = {
+                    "/v1/completions": server.job,
+                    "/v1/chat/completions": server.chat_job,
+                }
+                make_job = routes.get(self.path.rstrip("/"))
+                if make_job is None:
                     self._send(404, RequestError(f"no route POST {self.path}", 404).payload())
                     return
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
                     with server._lock:  # one request at a time: the engine is not shared
-                        job = server.job(body)  # checked and forked before any answer is sent
+                        job = make_job(body)  # checked and forked before any answer is sent
                         if job.request.stream:
                             self._send_events(job.events())
                         else:
@@ -520,10 +849,23 @@ class CompletionServer:
 
 def parse_request(body: Any) -> CompletionRequest:
     """``body`` as a ``CompletionRequest``; a ``RequestError`` names the first bad or unsupported field."""
+    return _parsed(body, CompletionRequest)
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """``body`` as a ``ChatCompletionRequest``; a ``RequestError`` names the first bad or unsupported field
+    (``messages`` and ``tools`` are checked when the prompt is rendered)."""
+    return _parsed(body, ChatCompletionRequest)
+
+
+_Request = TypeVar("_Request", bound=_SamplingFields)
+
+
+def _parsed(body: Any, model: type[_Request]) -> _Request:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     try:
-        request = CompletionRequest.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as err:
         first = err.errors()[0]
         raise RequestError(_validation_message(err), param=str(first["loc"][0]) if first["loc"] else None) from None
@@ -531,6 +873,70 @@ def parse_request(body: Any) -> CompletionRequest:
     if problem is not None:
         raise RequestError(problem, param=problem.split(":", 1)[0])
     return request
+
+
+def chat_messages(bodies: Sequence[Any]) -> list[ChatMessage]:
+    """The request's messages checked one by one; a ``RequestError`` names the message and its field."""
+    return [_chat_message(body, f"messages[{index}]") for index, body in enumerate(bodies)]
+
+
+def _chat_message(body: Any, where: str) -> ChatMessage:
+    message = _validated(_MessageIn, body, where)
+    tool_calls = tuple(
+        _function_call(call.function, f"{where}.tool_calls[{k}].function")
+        for k, call in enumerate(message.tool_calls or ())
+    )
+    if tool_calls and message.role != "assistant":
+        raise RequestError(
+            f"{where}.tool_calls: only an assistant message makes tool calls", param=f"{where}.tool_calls"
+        )
+    if message.content is None and not tool_calls:
+        needs = "content or tool_calls" if message.role == "assistant" else "content"
+        raise RequestError(f"{where}.content: a {message.role} message needs {needs}", param=f"{where}.content")
+    role = "system" if message.role == "developer" else message.role
+    return ChatMessage(role, _content_text(message.content, f"{where}.content"), tool_calls)
+
+
+def _content_text(content: str | list[_ContentPart] | None, where: str) -> str:
+    """The text of a message: a string, or its text parts joined (the served models read text only)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for k, part in enumerate(content):
+        if part.type != "text":
+            raise RequestError(f"{where}[{k}]: only text parts are supported, not {part.type!r}", param=where)
+        if part.text is None:
+            raise RequestError(f"{where}[{k}].text: a text part needs its text", param=where)
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _function_call(function: _FunctionCallIn, where: str) -> FunctionCall:
+    try:
+        arguments = json.loads(function.arguments)
+    except json.JSONDecodeError as err:
+        raise RequestError(f"{where}.arguments: not JSON ({err})", param=f"{where}.arguments") from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where}.arguments: must be a JSON object", param=f"{where}.arguments")
+    return FunctionCall(function.name, arguments)
+
+
+def chat_tools(bodies: Sequence[Any] | None) -> list[dict[str, Any]]:
+    """The request's tools, each checked as an OpenAI function tool and kept as sent (the template writes them)."""
+    for index, body in enumerate(bodies or ()):
+        _validated(_ToolSpec, body, f"tools[{index}]")
+    return list(bodies or ())
+
+
+def _validated(model: type[_Model], body: Any, where: str) -> _Model:
+    if not isinstance(body, dict):
+        raise RequestError(f"{where}: must be a JSON object, got {type(body).__name__}", param=where)
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field_name = f"{where}.{first['loc'][0]}" if first["loc"] else where
+        raise RequestError(_validation_message(err, prefix=f"{where}."), param=field_name) from None
 
 
 def _update_request(body: Any) -> UpdateWeightsRequest:
@@ -542,10 +948,11 @@ def _update_request(body: Any) -> UpdateWeightsRequest:
         raise RequestError(_validation_message(err)) from None
 
 
-def _validation_message(err: ValidationError) -> str:
-    """Pydantic's errors as one line per field (a union reports each branch; the field is named once)."""
+def _validation_message(err: ValidationError, prefix: str = "") -> str:
+    """Pydantic's errors as one line per field (a union reports each branch; the field is named once), each field
+    named after ``prefix``."""
     seen: dict[str, str] = {}
     for error in err.errors():
         name = str(error["loc"][0]) if error["loc"] else "request"
         seen.setdefault(name, error["msg"])
-    return "; ".join(f"{name}: {message}" for name, message in seen.items())
+    return "; ".join(f"{prefix}{name}: {message}" for name, message in seen.items())

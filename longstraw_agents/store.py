@@ -10,11 +10,13 @@ Layout (plain column types, so ``sqlite-utils rows trajectories.db episodes`` an
   ``tool_calls`` JSON. Read a blob back with ``np.frombuffer(blob, "<i4")`` / ``"<f4"``. Nothing is pickled.
 
 Any trajectory an environment produced is accepted. A policy can write a lone UTF-16 surrogate (``"\\ud800"`` in
-tool-call JSON, decoded by the tool parser into a one-character string that UTF-8, and so SQLite, cannot hold); such
-characters in text, tool calls, info and the id/reason strings are *escaped* on the way in: each becomes the six
-characters ``\\ud800`` (Python's ``backslashreplace``), and the episode's ``info["store_escaped_surrogates"]`` lists
-the fields that were altered (``"segments.3.tool_calls"``, ...). Token ids are never touched; the caller's
-trajectory is not modified.
+tool-call JSON, decoded by the tool parser into a one-character string that UTF-8, and so SQLite's TEXT, cannot
+hold). A segment's text holding one is stored as its ``surrogatepass`` UTF-8 bytes (a blob in the ``text`` column,
+decoded the same way on reading); tool calls and ``info`` holding one are stored as ASCII JSON, whose ``\\ud800``
+escapes ``json.loads`` restores. Only the id and reason strings of an episode (``env_id``, ``group_id``,
+``finish_reason``: SQL keys, compared as text) are *escaped*: a lone surrogate becomes the six characters
+``\\ud800`` (Python's ``backslashreplace``), and ``info["store_escaped_surrogates"]`` lists the fields that were
+altered. Token ids are never touched; the caller's trajectory is not modified.
 
 Reading is checked row by row: a damaged segment (a blob of the wrong length or type, negative ids, a loss mask
 other than 0/1, an unknown role, broken tool-call JSON...) raises ``StoreError`` naming its episode and segment.
@@ -106,7 +108,8 @@ CREATE INDEX idx_episodes_policy_version ON episodes(policy_version);
 
 _INT64 = np.iinfo(np.int64)
 ESCAPED_SURROGATES = "store_escaped_surrogates"
-"""The ``info`` key listing the fields whose lone surrogates ``add_episodes`` escaped (absent when none were)."""
+"""The ``info`` key listing the id / reason fields whose lone surrogates ``add_episodes`` escaped (absent when none
+were)."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -209,37 +212,34 @@ def _blob_to_array(blob: Any, dtype: str, count: int, *, what: str) -> np.ndarra
     return np.frombuffer(blob, dtype=dtype)
 
 
-# -- lone surrogates: escaped on the way in ---------------------------------------------------------------------
+# -- lone surrogates ----------------------------------------------------------------------------------------------
 
 
-def _escape_surrogates(value: Any) -> Any:
-    """``value`` with every lone surrogate in its strings (dict keys too) escaped as ``\\udXXX``; ``value`` itself
-    (the same object) when it holds none, so ``result is not value`` says whether anything changed."""
-    if isinstance(value, str):
-        if not _SURROGATE.search(value):
-            return value
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(value, Mapping):
-        items = [(_escape_surrogates(k), _escape_surrogates(v)) for k, v in value.items()]
-        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
-            return value
-        escaped: dict[Any, Any] = {}
-        for key, item in items:
-            while key in escaped:  # "\ud800" next to a literal "\\ud800": keep both entries
-                key = f"{key}~"
-            escaped[key] = item
-        return escaped
-    if isinstance(value, list | tuple):
-        elements = [_escape_surrogates(v) for v in value]
-        return value if all(e is v for e, v in zip(elements, value, strict=True)) else elements
-    return value
+def _escaped_field(value: str, name: str, altered: list[str]) -> str:
+    """An id or reason string with its lone surrogates escaped as ``\\udXXX`` (``name`` added to ``altered``)."""
+    if not _SURROGATE.search(value):
+        return value
+    altered.append(name)
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _escaped_field(value: Any, name: str, altered: list[str]) -> Any:
-    escaped = _escape_surrogates(value)
-    if escaped is not value:
-        altered.append(name)
-    return escaped
+def _text_value(text: Any) -> Any:
+    """What the ``text`` column holds: the text, or its ``surrogatepass`` UTF-8 bytes when a lone surrogate (which
+    UTF-8 text cannot hold) is in it."""
+    if isinstance(text, str) and _SURROGATE.search(text):
+        return text.encode("utf-8", "surrogatepass")
+    return text
+
+
+def _stored_text(value: Any) -> str:
+    """The ``text`` column's value: text, or the blob of a text with lone surrogates (see ``_text_value``); the
+    column's TEXT affinity stores any other value as text."""
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as err:
+        raise _Damaged(f"text is a blob that is not UTF-8 ({err.reason} at byte {err.start})") from None
 
 
 def _json_default(value: Any) -> Any:
@@ -252,11 +252,15 @@ def _json_default(value: Any) -> Any:
 
 
 def _to_json(value: Any, *, what: str) -> str:
-    """Strict JSON (no NaN/Infinity), so SQLite's json functions and other readers accept every stored value."""
+    """Strict JSON (no NaN/Infinity), so SQLite's json functions and other readers accept every stored value. A
+    value holding a lone surrogate is written as ASCII JSON: its ``\\udXXX`` escapes read back as the surrogate."""
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, default=_json_default)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=_json_default)
+        if _SURROGATE.search(text):
+            text = json.dumps(value, ensure_ascii=True, allow_nan=False, default=_json_default)
     except (TypeError, ValueError) as err:
         raise StoreError(f"{what} cannot be stored as JSON: {err}") from err
+    return text
 
 
 def _int64(value: Any, *, what: str, optional: bool = False) -> int | None:
@@ -279,17 +283,17 @@ def _reward(value: Any) -> float | None:
     return float(value)
 
 
-def _episode_row(trajectory: Trajectory, run_id: str | None, created_at: str, altered: list[str]) -> dict[str, Any]:
-    """The ``episodes`` row; lone surrogates are escaped and their fields listed in ``info`` with ``altered`` (the
-    segments' fields, already escaped)."""
+def _episode_row(trajectory: Trajectory, run_id: str | None, created_at: str) -> dict[str, Any]:
+    """The ``episodes`` row; lone surrogates in the id and reason strings are escaped and listed in ``info``."""
     for name in ("env_id", "group_id", "finish_reason"):
         if not isinstance(getattr(trajectory, name), str):
             raise StoreError(f"trajectory.{name} must be a str, got {getattr(trajectory, name)!r}")
     if not isinstance(trajectory.info, Mapping):
         raise StoreError(f"trajectory.info must be a dict, got {type(trajectory.info).__name__}")
+    altered: list[str] = []
     names = {name: _escaped_field(getattr(trajectory, name), name, altered) for name in ("env_id", "group_id")}
     finish_reason = _escaped_field(trajectory.finish_reason, "finish_reason", altered)
-    info = dict(_escaped_field(trajectory.info, "info", altered))
+    info = dict(trajectory.info)
     if altered:
         earlier = info.get(ESCAPED_SURROGATES, [])
         info[ESCAPED_SURROGATES] = [*(earlier if isinstance(earlier, list) else [earlier]), *altered]
@@ -307,10 +311,10 @@ def _episode_row(trajectory: Trajectory, run_id: str | None, created_at: str, al
     }
 
 
-def _segment_row(idx: int, segment: Segment, altered: list[str]) -> dict[str, Any]:
+def _segment_row(idx: int, segment: Segment) -> dict[str, Any]:
     if not isinstance(segment, Segment):
         raise StoreError(f"segment {idx} is a {type(segment).__name__}, not a Segment")
-    tool_calls = _escaped_field(segment.tool_calls, f"segments.{idx}.tool_calls", altered)
+    calls = segment.tool_calls
     return {
         "idx": idx,
         "role": segment.role,
@@ -319,8 +323,8 @@ def _segment_row(idx: int, segment: Segment, altered: list[str]) -> dict[str, An
         "token_ids": _ids_to_blob(segment.token_ids),
         "loss_mask": _mask_to_blob(segment.loss_mask),
         "logprobs": _logprobs_to_blob(segment.logprobs),
-        "text": _escaped_field(segment.text, f"segments.{idx}.text", altered),
-        "tool_calls": None if tool_calls is None else _to_json(tool_calls, what=f"segment {idx}"),
+        "text": _text_value(segment.text),
+        "tool_calls": None if calls is None else _to_json(calls, what=f"segment {idx}"),
     }
 
 
@@ -333,9 +337,8 @@ class _EncodedEpisode:
 def _encode(trajectory: Trajectory, run_id: str | None) -> _EncodedEpisode:
     if not isinstance(trajectory, Trajectory):
         raise StoreError(f"expected a Trajectory, got {type(trajectory).__name__}")
-    altered: list[str] = []
-    segments = [_segment_row(idx, seg, altered) for idx, seg in enumerate(trajectory.segments)]
-    return _EncodedEpisode(episode=_episode_row(trajectory, run_id, _utc_now(), altered), segments=segments)
+    segments = [_segment_row(idx, seg) for idx, seg in enumerate(trajectory.segments)]
+    return _EncodedEpisode(episode=_episode_row(trajectory, run_id, _utc_now()), segments=segments)
 
 
 def _segment_from_row(episode_id: int, row: Mapping[str, Any]) -> Segment:
@@ -353,15 +356,14 @@ def _segment_from_row(episode_id: int, row: Mapping[str, Any]) -> Segment:
         logprobs = row["logprobs"]
         if row["role"] not in ROLES:
             raise _Damaged(f"role is {row['role']!r}, not one of {ROLES}")
-        if not isinstance(row["text"], str):
-            raise _Damaged(f"text is {_sql_type(row['text'])} where text belongs")
+        text = _stored_text(row["text"])
         return Segment(
             role=row["role"],
             token_ids=ids.astype(np.int32),
             loss_mask=mask.astype(bool),
             logprobs=None if logprobs is None else _blob_to_array(logprobs, "<f4", count, what="logprobs").copy(),
             turn=_stored_int(row["turn"], "turn"),
-            text=row["text"],
+            text=text,
             tool_calls=_stored_tool_calls(row["tool_calls"]),
         )
     except _Damaged as err:
@@ -656,8 +658,9 @@ class Store:
     def add_episodes(self, trajectories: Iterable[Trajectory], run_id: str | None = None) -> list[int]:
         """Write several trajectories in one transaction: all of them are stored, or (on error) none.
 
-        Lone surrogates in their strings are escaped (``"\\ud800"`` → ``\\ud800``) and the altered fields listed in
-        the stored ``info["store_escaped_surrogates"]``; the trajectories themselves are left as they are."""
+        Text, tool calls and info with lone surrogates are stored so that they read back exactly; in the id and
+        reason strings they are escaped (``"\\ud800"`` → ``\\ud800``) and those fields listed in the stored
+        ``info["store_escaped_surrogates"]`` (see the module docstring). The trajectories are left as they are."""
         # Encode before taking the write lock: bad input fails here with nothing written, and other writers wait
         # only for the inserts.
         encoded = [_encode(trajectory, run_id) for trajectory in trajectories]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -220,8 +221,57 @@ class TiktokenTokenizer:
     def special_token_id(self, token: str) -> int:
         return _lookup_special(self._name, self._special_tokens, token)
 
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write this tokenizer as a Hugging Face fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``):
+        ``AutoTokenizer.from_pretrained(directory)`` loads it offline and encodes and decodes exactly as this one
+        does, special tokens included (``encode(text, add_special_tokens=False)`` is ``encode(text,
+        allow_special=True)``; with ``split_special_tokens=True`` it is ``encode(text)``)."""
+        from transformers import PreTrainedTokenizerFast
+
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=_tokenizers_backend(self._encoding),
+            eos_token=IM_END,
+            pad_token=ENDOFTEXT if ENDOFTEXT in self._special_tokens else IM_END,  # as ``pad_token_id`` chooses
+            clean_up_tokenization_spaces=False,  # decode returns the bytes' text, as tiktoken does
+        )
+        fast.save_pretrained(str(directory))
+
     def __repr__(self) -> str:
         return f"TiktokenTokenizer(name={self._name!r}, vocab_size={self.vocab_size})"
+
+
+def _tokenizers_backend(encoding: tiktoken.Encoding) -> Any:
+    """``encoding`` as a ``tokenizers.Tokenizer``: byte-level BPE with every merge its ranks imply, ranked as they
+    are, the same pre-tokenisation, and the special tokens at their ids (transformers' ``TikTokenConverter``)."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    # tiktoken documents these attributes for building encodings from another (its README, "Extending tiktoken")
+    ranks, specials = encoding._mergeable_ranks, encoding._special_tokens
+    ordered = sorted(specials, key=specials.__getitem__)
+    if [specials[token] for token in ordered] != list(range(len(ranks), len(ranks) + len(ordered))):
+        raise ValueError(f"{encoding.name}: special tokens must take the ids right after the merge ranks")
+
+    class RanksConverter(TikTokenConverter):  # the ranks at hand, not a file read through tiktoken's cache
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            return ranks
+
+    converter = RanksConverter(pattern=oniguruma_pattern(encoding._pat_str), extra_special_tokens=ordered)
+    return converter.converted()
+
+
+# A bounded repeat made possessive by a trailing "+" (``\p{N}{1,3}+``): the atom, then the bounds.
+_POSSESSIVE_INTERVAL = re.compile(r"(\\p\{\w+\}|\\.|\[(?:\\.|[^\]])*\]|[^\\()])(\{\d+(?:,\d*)?\})\+")
+_POSSESSIVE_GROUP_INTERVAL = re.compile(r"(?<!\\)\)\{\d+(?:,\d*)?\}\+")
+
+
+def oniguruma_pattern(pattern: str) -> str:
+    """``pattern`` as the Oniguruma engine of ``tokenizers`` must read it. Its Ruby syntax takes ``?+``, ``*+`` and
+    ``++`` as possessive, as tiktoken's engine does, but ``{1,3}+`` as an interval repeated one or more times
+    (``\\p{N}{1,3}+`` would then take every digit of a number at once): an atomic group says "possessive" to both."""
+    if _POSSESSIVE_GROUP_INTERVAL.search(pattern):
+        raise ValueError(f"a possessive interval after a group is not translated: {pattern!r}")
+    return _POSSESSIVE_INTERVAL.sub(r"(?>\1\2)", pattern)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -304,6 +354,10 @@ class HFTokenizer:
 
     def special_token_id(self, token: str) -> int:
         return _lookup_special(self._name, self._special_tokens, token)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the tokenizer's files to ``directory`` (transformers' ``save_pretrained``)."""
+        self._tokenizer.save_pretrained(str(directory))
 
     def __repr__(self) -> str:
         return f"HFTokenizer(name={self._name!r}, vocab_size={self.vocab_size})"

@@ -31,10 +31,13 @@ def test_engine_bench_prints_ratios_and_saves_per_turn_times(tmp_path: Path) -> 
         assert abs(results[family]["bytes_ratio"] - 1.0) < 1e-9  # measured state bytes/token == analytic
 
 
-def test_ablation_prints_cosines() -> None:
+def test_ablation_shows_detached_mode_dropping_part_of_the_gradient() -> None:
+    """Even an 8-token prompt carries a share of the gradient detached mode drops (measured: cosine 0.886, relative
+    L2 0.465): the two gradients point the same way but are not equal."""
     stdout = run_module("bench.ablation", "--lengths", "8", "--groups", "1")
-    row = stdout.strip().splitlines()[-1].split()
-    assert row[0] == "8" and -1.0 <= float(row[1]) <= 1.0
+    length, cosine, distance = stdout.strip().splitlines()[-1].split()
+    assert length == "8"
+    assert 0.5 < float(cosine) < 0.99 and 0.1 < float(distance) < 1.0
 
 
 def test_trainer_bench_quick_measures_the_real_peers(tmp_path: Path) -> None:
@@ -43,11 +46,11 @@ def test_trainer_bench_quick_measures_the_real_peers(tmp_path: Path) -> None:
     stdout = run_module("bench.trainer", "--quick", "--threads", "1", "--out", str(tmp_path))
     contenders = ["naive", "detached", "exact", "prefix_grouper", "prefix_grouper_logits", "per_member_sdpa"]
     timed = ["exact", "detached", "prefix_grouper", "prefix_grouper_logits", "per_member_sdpa"]
-    for heading in ("1) issue 12's setting", "2) peak tracked MiB vs prompt length", "3) peak tracked MiB vs G"):
+    for heading in ("1) the setting", "2) peak tracked MiB vs prompt length", "3) peak tracked MiB vs G"):
         assert heading in stdout
-    assert "gradient vs exact mode (relative L2)" in stdout and "targets (issue 12" in stdout
+    assert "gradient vs exact mode (relative L2)" in stdout and "targets (ratios at or below" in stdout
     assert "WARNING" not in stdout  # the tracker saw the peers' fused SDPA kernels
-    table = stdout.split("1) issue 12's setting")[1].splitlines()
+    table = stdout.split("1) the setting")[1].splitlines()
     assert table[1].split() == ["contender", "step", "s", "peak", "MiB", "time", "/", "PG", "peak", "/", "PG"]
     assert [row.split()[0] for row in table[2:7]] == timed
 

@@ -4,6 +4,7 @@ it; bad input exits with status 2 and says what is wrong."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import io
 import json
 import os
@@ -53,7 +54,7 @@ def test_the_console_script_lists_the_subcommands() -> None:
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: longstraw")
-    for command in ("envs", "inspect", "train", "replay", "plot"):
+    for command in ("envs", "inspect", "train", "replay", "plot", "export", "serve"):
         assert f"    {command} " in result.stdout
 
 
@@ -99,13 +100,14 @@ def test_invalid_configs_exit_2_and_name_the_fields(tmp_path: Path, capsys) -> N
     assert err.startswith("error: invalid configuration:")
     for field in ("  groups_per_step:", "  stepz:", "  trainer.group_size:"):
         assert field in err
+    assert "  stepz: Extra inputs are not permitted; did you mean 'steps'?" in err
     code, _, err = run_cli(
         capsys, "train", write_yaml(tmp_path / "ok.yaml", tiny_config_dict(tmp_path)), "--steps", "-1"
     )
     assert code == 2 and "  steps:" in err
     quoted = write_yaml(tmp_path / "quoted.yaml", tiny_config_dict(tmp_path / "run", steps="3"))
     code, _, err = run_cli(capsys, "train", quoted)
-    assert code == 2 and "  steps: Input should be a valid integer" in err  # no longer run as 3 steps
+    assert code == 2 and "  steps: Input should be a valid integer" in err  # not silently run as 3 steps
     code, _, err = run_cli(capsys, "train", tmp_path / "missing.yaml")
     assert code == 2 and "does not exist" in err
     (tmp_path / "train.ini").write_text("[env]\n")
@@ -115,8 +117,8 @@ def test_invalid_configs_exit_2_and_name_the_fields(tmp_path: Path, capsys) -> N
 
 
 def test_config_errors_found_before_training_exit_2_and_leave_no_run(tmp_path: Path, capsys) -> None:
-    """Errors that used to surface as tracebacks (at the first rollout, after the model was built) are one
-    ``error:`` message, and no run directory is left behind."""
+    """Errors a run would otherwise meet at its first rollout, after the model was built, are one ``error:`` message
+    before it, and no run directory is left behind."""
     run = tmp_path / "run"
     cases = {
         "unknown-env": ({"env": {"id": "LongStraw/Nope-v0"}}, ["env.id: unknown environment", "Calculator-v0"]),
@@ -182,8 +184,8 @@ def test_inspect_shows_transcripts_with_roles_and_tool_calls(trained, capsys) ->
     roles = [row[1] for row in rows if row and row[0].isdigit()]
     assert roles[:3] == ["system", "user", "assistant"]
     assert "tool_calls" in out and '"name": "calculator"' in out
-    code, out, _ = run_cli(capsys, "inspect", run_dir / "trajectories.db", "--group", "step1-g0")
-    assert code == 0 and out.startswith("group step1-g0: 4 episodes, reward ")
+    code, out, _ = run_cli(capsys, "inspect", run_dir / "trajectories.db", "--group", "step2-g0")
+    assert code == 0 and out.startswith("group step2-g0: 4 episodes, reward ")
 
 
 def test_plot_writes_the_curves(trained, tmp_path: Path, capsys) -> None:
@@ -314,7 +316,7 @@ def test_inspect_refuses_what_is_not_a_store(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(db: Path) -> None:
-    """``longstraw inspect DB | head``: the reader leaves early; the CLI used to end in a BrokenPipeError traceback.
+    """``longstraw inspect DB | head``: the reader leaves early; the CLI exits without a BrokenPipeError traceback.
     The read end is closed before the CLI writes, so its first write fails, as after ``head`` has its lines."""
     read_end, write_end = os.pipe()
     os.close(read_end)
@@ -358,3 +360,40 @@ def test_replay_help_says_where_keeps_whole_groups(capsys: pytest.CaptureFixture
     help_text = " ".join(capsys.readouterr().out.split())
     assert "keeps every group with at least one matching episode whole" in help_text
     assert "--recorded-tools, --no-recorded-tools" in help_text and "--out OUT" in help_text
+
+
+def test_version_is_the_installed_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"longstraw {importlib.metadata.version('longstraw-agents')}\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "shown", "not_shown"),
+    [
+        (["--gpus", "0"], "--gpus: Input should be greater than or equal to 1", "Traceback"),
+        (["--gpus", "-2"], "--gpus: Input should be greater than or equal to 1", "fits"),
+        (["--dp", "3", "--gpus", "8"], "gpus (8) is not a multiple of dp (3)", "cp"),  # no cp was given
+        (["--cp", "3"], "gpus (8) is not a multiple of cp (3)", "dp"),
+        (["--gpu-mem", "0", "--beta", "-1"], "--gpu-mem: Input should be greater", "gpu_mem"),
+    ],
+)
+def test_plan_refuses_bad_requests_naming_what_was_given(
+    capsys: pytest.CaptureFixture[str], args: list[str], shown: str, not_shown: str
+) -> None:
+    code, out, err = run_cli(capsys, "plan", *args)
+    assert code == 2 and out == ""
+    assert err.startswith("error: invalid plan:\n") and shown in err and not_shown not in err
+
+
+def test_plan_longest_says_when_the_answer_is_the_search_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = ("plan", "--model", "tiny-llama", "--gpus", "1", "--group", "2", "--completion", "16", "--chunk", "64")
+    code, out, _ = run_cli(capsys, *tiny, "--gpu-mem", "1000T", "--longest")
+    assert code == 0
+    assert out.splitlines()[0] == (
+        "longest context that fits: at least 67,108,863 positions (the search's upper bound; longer contexts were "
+        "not tried)"
+    )
+    code, out, _ = run_cli(capsys, *tiny, "--gpu-mem", "4GB", "--longest")
+    assert code == 0 and out.startswith("longest context that fits: ") and "at least" not in out.splitlines()[0]

@@ -162,7 +162,7 @@ def peak_bytes(family: str, mode: str, group_size: int, prompt_len: int, chunk: 
     prompt = torch.randint(0, 256, (prompt_len,), generator=gen)
     completions = [torch.randint(0, 256, (completion_len,), generator=gen) for _ in range(group_size)]
     rewards = [float(k % 3) for k in range(group_size)]
-    stats = grpo_backward(model(family), prompt, completions, rewards, mode=mode, chunk_size=chunk)
+    stats = grpo_backward(model(family), prompt, completions, rewards, mode=mode, chunk_size=chunk, track_memory=True)
     return stats.peak_bytes
 
 

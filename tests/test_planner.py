@@ -4,7 +4,11 @@ periods, then extrapolated) is within 10 % of the peak the memory tracker measur
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
+import pydantic
 import pytest
 import torch
 
@@ -12,6 +16,7 @@ import longstraw_agents.planner as planner
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.planner import (
+    PLAN_ENGINE,
     PlanRequest,
     layer_inputs_bytes,
     layer_period,
@@ -65,7 +70,7 @@ def measured_peak(family: str, mode: str, group: int, context: int) -> int:
 def test_planned_peak_is_within_ten_percent_of_the_measured_one(family, mode, group, context) -> None:
     request = PlanRequest(
         model=f"test-{family}", context=context, group=group, completion=COMPLETION, gpus=1, mode=mode,
-        dtype=torch.float32, optimizer="none", chunk=CHUNK, activation_checkpointing=False,
+        dtype=torch.float32, optimizer="none", engine=EngineConfig(chunk_size=CHUNK),
     )  # fmt: skip
     plan = plan_memory(request)
     planned = sum(v for k, v in plan.categories.items() if k not in STATIC)
@@ -84,24 +89,90 @@ def test_layer_periods_and_cut_configs() -> None:
 
 
 def test_static_terms_shard_over_every_gpu_and_the_context_over_cp() -> None:
-    base = PlanRequest(model="test-llama", context=4096, group=2, completion=8, chunk=CHUNK, dtype=torch.float32)
+    base = PlanRequest(
+        model="test-llama",
+        context=4096,
+        group=2,
+        completion=8,
+        engine=PLAN_ENGINE.updated(chunk_size=CHUNK),
+        dtype=torch.float32,
+    )
     one = plan_memory(base.__class__(**{**base.__dict__, "gpus": 1}))
     four = plan_memory(base.__class__(**{**base.__dict__, "gpus": 4}))
     assert four.categories["captured state"] * 4 == pytest.approx(one.categories["captured state"], rel=0.01)
     assert four.categories["optimizer state"] * 4 == pytest.approx(one.categories["optimizer state"], rel=0.01)
-    with pytest.raises(ValueError, match="must equal gpus"):
-        plan_memory(base.__class__(**{**base.__dict__, "gpus": 4, "dp": 3}))
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"gpus": 0}, "gpus"),
+        ({"gpus": -2}, "gpus"),
+        ({"context": 0}, "context"),
+        ({"beta": float("nan")}, "beta"),
+        ({"beta": -0.1}, "beta"),
+        ({"dp": 0}, "dp"),
+        ({"gpu_mem_bytes": 0}, "gpu_mem_bytes"),
+        ({"group": "8"}, "group"),  # a number must be a number, as in the run config
+    ],
+)
+def test_a_request_is_validated_when_made(bad: dict, field: str) -> None:
+    with pytest.raises(pydantic.ValidationError) as err:
+        PlanRequest(**bad)
+    assert [e["loc"] for e in err.value.errors()] == [(field,)]
+
+
+def test_a_derived_request_is_validated_too() -> None:
+    with pytest.raises(pydantic.ValidationError) as err:
+        dataclasses.replace(PlanRequest(), context=-1)  # as longest_context derives its requests
+    assert err.value.errors()[0]["loc"] == ("context",)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"dp": 3, "gpus": 8}, r"gpus \(8\) is not a multiple of dp \(3\)$"),
+        ({"cp": 3, "gpus": 8}, r"gpus \(8\) is not a multiple of cp \(3\)$"),
+        ({"dp": 2, "cp": 2, "gpus": 8}, r"dp \(2\) x cp \(2\) must equal gpus \(8\)$"),
+    ],
+)
+def test_a_mesh_that_does_not_split_the_gpus_names_only_what_was_given(given, message) -> None:
+    with pytest.raises(pydantic.ValidationError) as err:
+        PlanRequest(**given)
+    [error] = err.value.errors()
+    assert re.search(message, str(error["ctx"]["error"]))
+
+
+def test_dp_and_cp_default_to_what_the_other_leaves() -> None:
+    assert (PlanRequest(gpus=8).data_parallel, PlanRequest(gpus=8).context_parallel) == (1, 8)
+    assert (PlanRequest(gpus=8, dp=2).data_parallel, PlanRequest(gpus=8, dp=2).context_parallel) == (2, 4)
+    assert (PlanRequest(gpus=8, cp=2).data_parallel, PlanRequest(gpus=8, cp=2).context_parallel) == (4, 2)
 
 
 def test_longest_context_is_the_boundary_of_fitting() -> None:
     request = PlanRequest(
-        model="test-llama", group=2, completion=8, chunk=CHUNK, dtype=torch.float32, gpus=1,
-        gpu_mem_bytes=2 * 2**30, mode="exact",
+        model="test-llama", group=2, completion=8, engine=PLAN_ENGINE.updated(chunk_size=CHUNK),
+        dtype=torch.float32, gpus=1, gpu_mem_bytes=2 * 2**30, mode="exact",
     )  # fmt: skip
     longest, plan = longest_context(request, low=1024, high=1 << 24)
     assert plan.fits and longest > 1024
     beyond = plan_memory(request.__class__(**{**request.__dict__, "context": longest + 1024}))
     assert not beyond.fits
+
+
+def test_longest_context_at_the_search_bound_is_the_bound_less_one() -> None:
+    """Every length below ``high`` fits: the answer is the search's bound, which the CLI says."""
+    request = PlanRequest(
+        model="test-llama",
+        group=2,
+        completion=8,
+        engine=PLAN_ENGINE.updated(chunk_size=CHUNK),
+        dtype=torch.float32,
+        gpus=1,
+        gpu_mem_bytes=10**15,
+    )
+    longest, plan = longest_context(request, low=1024, high=1 << 16)
+    assert longest == (1 << 16) - 1 and plan.fits
 
 
 def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
@@ -113,12 +184,16 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
     # on top of the segment's inputs, one attention layer's rows of the 7 earlier ranks and their fp32 sinks
     kv = 2 * config.num_key_value_heads * config.head_dim * 2
     assert kept == 1000 * vector * 9 and segment == 1000 * vector * 8 + 1000 * kv * 7 * 3
-    every_layer = PlanRequest(mode="exact", gpus=8, layer_inputs_every=1)
+    every_layer = PlanRequest(mode="exact", gpus=8, engine=PLAN_ENGINE.updated(layer_inputs_every=1))
     assert layer_inputs_bytes(config, every_layer, 1000)[0] == 1000 * vector * 65
     for other in (
-        PlanRequest(mode="exact", gpus=8, wavefront_walk=False),  # every rank recomputes: nothing kept
+        PlanRequest(
+            mode="exact", gpus=8, engine=PLAN_ENGINE.updated(wavefront_walk=False)
+        ),  # every rank recomputes: nothing kept
         PlanRequest(mode="detached", gpus=8),
         PlanRequest(mode="exact", gpus=8, cp=1, dp=8),
-        PlanRequest(mode="exact", gpus=8, graph_budget_bytes=1 << 30),  # a kept-graph budget captures replicated
+        PlanRequest(
+            mode="exact", gpus=8, engine=PLAN_ENGINE.updated(graph_budget_bytes=1 << 30)
+        ),  # a kept-graph budget captures replicated
     ):
         assert layer_inputs_bytes(config, other, 1000) == (0, 0)

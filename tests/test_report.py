@@ -95,3 +95,17 @@ def test_transcripts_of_a_group_and_of_everything(store: Store) -> None:
         summary_text(store, group="missing")
     with pytest.raises(StoreError, match="not both"):
         summary_text(store, episode=1, group="group-1")
+
+
+@pytest.mark.parametrize("max_text", [0, 4])
+def test_a_lone_surrogate_is_shown_escaped(store: Store, max_text: int) -> None:
+    """The store keeps lone surrogates exactly; no terminal encoding can print one, so the transcript escapes it."""
+    lone = "\ud800"
+    trajectory = Trajectory(
+        [Segment("tool", [1, 2], text=f"a{lone}b", tool_calls=[{"x": lone}])], group_id="g", info={"k": lone}
+    )
+    text = summary_text(store, episode=store.add_episode(trajectory), max_text=max_text)
+    text.encode("utf-8")  # printable
+    assert '"a\\ud800b"' in text
+    if not max_text:  # shown whole
+        assert 'info {"k": "\\ud800"}' in text and 'tool_calls [{"x": "\\ud800"}]' in text

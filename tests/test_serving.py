@@ -1,16 +1,21 @@
 """``CompletionServer`` (serving.py): the official ``openai`` client against it (n choices, streaming, the models
-list, null sampling fields, decoded text), vLLM's token-id extensions over raw HTTP, and clear 4xx answers."""
+list, null sampling fields, decoded text), vLLM's token-id extensions over raw HTTP, chat completions in the
+environments' format (tool calls read from the reply, streamed or not) and clear 4xx answers."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
 import pytest
 import torch
+from scripted_models import distinct_spelling, scripted_llama
 
+from longstraw_agents.app.chat_template import QwenChatTemplate
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.serving import CompletionServer
+from longstraw_agents.serving import ChatMessage, CompletionServer, FunctionCall
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 
@@ -28,10 +33,11 @@ def server():
 
 @pytest.fixture(scope="module")
 def text_server():
-    """With the shipped tokenizer (and a model of its vocabulary): decoded text and text prompts."""
+    """With the shipped tokenizer (and a model of its vocabulary): decoded text, text prompts and chat."""
     model = tiny_model("llama", dtype=torch.float64, vocab_size=TOKENIZER.vocab_size)
-    sampler = TorchSampler(model, [TOKENIZER.eos_token_id], SamplingConfig())
-    with CompletionServer(sampler, model_name="tiny", tokenizer=TOKENIZER) as running:
+    sampler = TorchSampler(model, [TOKENIZER.eos_token_id], SamplingConfig(max_new_tokens=24))
+    template = QwenChatTemplate(TOKENIZER)
+    with CompletionServer(sampler, model_name="tiny", tokenizer=TOKENIZER, chat_template=template) as running:
         yield running
 
 
@@ -255,6 +261,207 @@ def test_the_official_client_raises_bad_request_with_the_message(server: Complet
 
 
 def test_unknown_route_is_404(server: CompletionServer) -> None:
-    response = post(server, {"prompt": [1]}, path="/v1/chat/completions")
-    assert response.status_code == 404 and "/v1/chat/completions" in response.json()["error"]["message"]
+    response = post(server, {"input": [1]}, path="/v1/embeddings")
+    assert response.status_code == 404 and "/v1/embeddings" in response.json()["error"]["message"]
     assert httpx.get(server.url + "/v2/models", timeout=10).status_code == 404
+
+
+def test_chat_without_a_chat_template_is_a_400_that_says_so(server: CompletionServer) -> None:
+    response = post(server, {"messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions")
+    assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        CompletionServer(server.sampler, chat_template=QwenChatTemplate(TOKENIZER))
+
+
+# --- chat completions ---------------------------------------------------------------------------------------------
+
+CLOCK = {
+    "type": "function",
+    "function": {"name": "current_time", "description": "The time now.", "parameters": {"type": "object"}},
+}
+ASK_TIME = [{"role": "user", "content": "What time is it?"}]
+SAYS = "Let me look at the clock."
+
+
+def clock_script() -> list[int]:
+    """What the tool server's policy writes after the generation prompt's last token (where its script starts):
+    ``SAYS``, then a ``current_time`` call, then the end of the turn."""
+    newline = TOKENIZER.encode("\n")
+    call = distinct_spelling(TOKENIZER, '{"name": "current_time"}', taken=newline)
+    words = distinct_spelling(TOKENIZER, SAYS, taken=newline + call)
+    tags = [TOKENIZER.special_token_id("<tool_call>"), TOKENIZER.special_token_id("</tool_call>")]
+    return [*newline, *words, tags[0], *call, tags[1], TOKENIZER.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    """A policy that answers any prompt with ``SAYS`` and a ``current_time`` call (``scripted_models``)."""
+    model = scripted_llama(TOKENIZER.vocab_size, clock_script())
+    sampler = TorchSampler(model, [TOKENIZER.eos_token_id], SamplingConfig())
+    template = QwenChatTemplate(TOKENIZER)
+    with CompletionServer(sampler, model_name="clock", tokenizer=TOKENIZER, chat_template=template) as running:
+        yield running
+
+
+def test_chat_is_the_completion_of_the_rendered_messages(text_server: CompletionServer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    sampling = {"n": 2, "max_tokens": 6, "seed": 4, "temperature": 0.7, "top_p": 0.9}
+    chat = client(text_server).chat.completions.create(
+        model="tiny", messages=messages, logprobs=True, extra_body={"return_token_ids": True}, **sampling
+    )
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion" and chat.model == "tiny"
+    prompt = QwenChatTemplate(TOKENIZER).render(
+        [ChatMessage("system", "Be brief."), ChatMessage("user", "What is 2+3?")], []
+    )
+    raw = {"prompt": prompt, "logprobs": 1, "return_token_ids": True, "skip_special_tokens": False, **sampling}
+    completion = post(text_server, raw).json()
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(prompt)
+    assert chat.usage.completion_tokens == completion["usage"]["completion_tokens"]
+    for choice, same in zip(chat.choices, completion["choices"], strict=True):
+        assert choice.message.role == "assistant" and choice.message.tool_calls is None
+        assert choice.message.content == same["text"] and choice.finish_reason == same["finish_reason"]
+        assert choice.model_extra is not None and choice.model_extra["token_ids"] == same["token_ids"]
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(same["logprobs"]["token_logprobs"])
+        assert [t.token for t in choice.logprobs.content] == [TOKENIZER.decode([t]) for t in same["token_ids"]]
+
+
+def test_developer_messages_and_text_parts_read_as_system_messages_and_text(text_server: CompletionServer) -> None:
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    parts = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+3?"}]},
+    ]
+    replies = [
+        client(text_server).chat.completions.create(model="tiny", messages=m, max_tokens=4, seed=2)
+        for m in (plain, parts)
+    ]
+    assert replies[0].usage == replies[1].usage and replies[0].choices[0].message == replies[1].choices[0].message
+
+
+def test_max_completion_tokens_bounds_the_reply_and_the_default_is_the_samplers(text_server: CompletionServer) -> None:
+    api = client(text_server)
+    short = api.chat.completions.create(model="tiny", messages=ASK_TIME, max_completion_tokens=3, seed=1)
+    assert short.usage is not None and short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    body = {"messages": ASK_TIME, "seed": 1, "stop_token_ids": [TOKENIZER.vocab_size - 1]}  # a stop never drawn here
+    whole = post(text_server, body, path="/v1/chat/completions").json()
+    assert whole["usage"]["completion_tokens"] == text_server.sampler.config.max_new_tokens
+
+
+def test_streamed_chat_adds_up_to_the_whole_reply(text_server: CompletionServer) -> None:
+    common = {"model": "tiny", "messages": ASK_TIME, "n": 2, "max_tokens": 10, "seed": 6}
+    chunks = list(
+        client(text_server).chat.completions.create(**common, stream=True, stream_options={"include_usage": True})
+    )
+    whole = client(text_server).chat.completions.create(**common)
+    assert all(chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id for chunk in chunks)
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_a_tool_call_in_the_reply_comes_back_as_tool_calls(tool_server: CompletionServer) -> None:
+    chat = client(tool_server).chat.completions.create(model="clock", messages=ASK_TIME, tools=[CLOCK], seed=0)
+    [choice] = chat.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == SAYS
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "current_time" and json.loads(call.function.arguments) == {}
+    assert chat.usage is not None and chat.usage.completion_tokens == len(clock_script()) - 1
+
+
+def test_without_tools_or_with_tool_choice_none_the_call_stays_text(tool_server: CompletionServer) -> None:
+    api = client(tool_server)
+    for extra in ({}, {"tools": [CLOCK], "tool_choice": "none"}):
+        [choice] = api.chat.completions.create(model="clock", messages=ASK_TIME, seed=0, **extra).choices
+        assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+        assert choice.message.content == SAYS + '<tool_call>{"name": "current_time"}</tool_call>'
+
+
+def test_a_streamed_tool_call_comes_whole_with_the_last_chunk(tool_server: CompletionServer) -> None:
+    chunks = list(
+        client(tool_server).chat.completions.create(
+            model="clock", messages=ASK_TIME, tools=[CLOCK], seed=0, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == SAYS
+    assert not any("<tool_call>" in (d.content or "") for d in deltas)  # the call's text is never streamed
+    assert [d.tool_calls is not None for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    [call] = deltas[-1].tool_calls or []
+    assert call.index == 0 and call.function is not None and call.function.name == "current_time"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_conversation_goes_on_with_the_call_and_its_result(tool_server: CompletionServer) -> None:
+    first = client(tool_server).chat.completions.create(model="clock", messages=ASK_TIME, tools=[CLOCK], seed=0)
+    message = first.choices[0].message
+    history = [
+        *ASK_TIME,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": (message.tool_calls or [])[0].id, "content": "12:00"},
+    ]
+    second = client(tool_server).chat.completions.create(model="clock", messages=history, tools=[CLOCK], seed=0)
+    expected = QwenChatTemplate(TOKENIZER).render(
+        [
+            ChatMessage("user", "What time is it?"),
+            ChatMessage("assistant", SAYS, (FunctionCall("current_time", {}),)),
+            ChatMessage("tool", "12:00"),
+        ],
+        [CLOCK],
+    )
+    assert second.usage is not None and second.usage.prompt_tokens == len(expected)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [*ASK_TIME, {"role": "assistant", "content": "It is noon."}]}, "messages"),
+        ({"messages": [{"role": "tool", "content": "5"}]}, "messages"),
+        (
+            {
+                "messages": [
+                    *ASK_TIME,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}],
+                    },
+                    {"role": "tool", "content": "5"},
+                ]
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": []}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
+        ({"messages": ASK_TIME, "tools": [CLOCK], "tool_choice": "required"}, "tool_choice"),
+        ({"messages": ASK_TIME, "tools": [CLOCK], "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"messages": ASK_TIME, "skip_special_tokens": True}, "skip_special_tokens"),
+        ({"messages": ASK_TIME, "stop": ["\n"]}, "stop"),
+        ({"messages": ASK_TIME, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": ASK_TIME, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": ASK_TIME, "temperature": -1}, "temperature"),
+        ({"messages": ASK_TIME, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+    ids=lambda v: str(v)[:60],
+)
+def test_bad_chat_requests_get_400_naming_the_field(text_server: CompletionServer, body: dict, param: str) -> None:
+    response = post(text_server, body, path="/v1/chat/completions")
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"].startswith(param)
+
+
+def test_the_official_client_raises_bad_request_for_a_bad_message(text_server: CompletionServer) -> None:
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role"):
+        client(text_server).chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}])

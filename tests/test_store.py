@@ -299,8 +299,9 @@ def surrogate_episode() -> Trajectory:
     return tool_env.trajectory
 
 
-def test_lone_surrogates_an_env_recorded_are_escaped_and_the_change_is_recorded(store: Store) -> None:
-    """``Store.add_episode`` used to raise a raw UnicodeEncodeError here, and a rollout would lose the group."""
+def test_lone_surrogates_an_env_recorded_read_back_exactly(store: Store) -> None:
+    """Lone surrogates an env recorded (text, tool calls, results) are stored and read back as they were: no
+    UnicodeEncodeError that would lose a rollout's group, no escapes in place of the text."""
     trajectory = surrogate_episode()
     calls, results = trajectory.segments[2].tool_calls, trajectory.segments[3].tool_calls
     assert calls is not None and results is not None
@@ -308,40 +309,44 @@ def test_lone_surrogates_an_env_recorded_are_escaped_and_the_change_is_recorded(
     assert trajectory.segments[4].tool_calls == [{"name": f"calc{LONE}", "arguments": {}}]
 
     loaded = store.get_episode(store.add_episode(trajectory))
-    altered = [f"segments.{i}.tool_calls" for i in (2, 3, 4, 5)]
-    assert loaded.info == {**trajectory.info, "store_escaped_surrogates": altered}
-    assert loaded.segments[2].tool_calls == [
-        {"name": "calculator", "arguments": {"expression": "\\ud800", "\\udfff": 1}}
-    ]
-    assert loaded.segments[4].tool_calls == [{"name": "calc\\ud800", "arguments": {}}]
-    assert loaded.segments[5].tool_calls[0]["name"] == "calc\\ud800"
-    for original, stored in zip(trajectory.segments, loaded.segments, strict=True):
-        assert stored.token_ids.tobytes() == original.token_ids.tobytes() and stored.text == original.text
+    assert loaded == trajectory and "store_escaped_surrogates" not in loaded.info
+    assert loaded.segments[2].tool_calls[0]["arguments"]["expression"] == LONE
     assert trajectory.segments[2].tool_calls == calls and calls[0]["arguments"]["expression"] == LONE  # untouched
-    assert store.get_episode(store.add_episode(loaded)) == loaded  # nothing left to escape: stored as it is
 
 
-def test_lone_surrogates_anywhere_in_a_trajectory_are_escaped(store: Store) -> None:
+def test_text_tool_calls_and_info_with_lone_surrogates_round_trip(store: Store) -> None:
+    texts = [f"a{LONE}b", "\udfff", f"{LONE}\\ud800 literal escape, é and 🎉", "\udbff\udc00 a reversed pair"]
+    calls = [{LONE: [LONE], "\\ud800": 0, "text": "\\ud800 is six characters"}]  # a key and its escape: both kept
     trajectory = Trajectory(
-        [Segment("user", [1, 2], text=f"a{LONE}b"), Segment("tool", [3], tool_calls=[{LONE: [LONE], "\\ud800": 0}])],
+        [Segment("user", [1, 2], text=t) for t in texts] + [Segment("tool", [3], text="plain", tool_calls=calls)],
+        info={"note": LONE, "nested": {LONE: ["\udc80"]}},
+    )
+    episode_id = store.add_episode(trajectory)
+    loaded = store.get_episode(episode_id)
+    assert loaded == trajectory
+    assert [seg.text for seg in loaded.segments[:4]] == texts and loaded.segments[4].tool_calls == calls
+    assert loaded.info == trajectory.info
+    # other readers of the file: a text that UTF-8 cannot hold is a blob of its surrogatepass bytes, the JSON is valid
+    rows = raw_query(
+        store.path, "SELECT text, tool_calls FROM segments WHERE episode_id = ? ORDER BY idx", [episode_id]
+    )
+    assert rows[0][0] == texts[0].encode("utf-8", "surrogatepass") and rows[4] == ("plain", json.dumps(calls))
+    [(info,)] = raw_query(store.path, "SELECT json_extract(info, '$.note') IS NOT NULL FROM episodes")
+    assert info == 1
+
+
+def test_lone_surrogates_in_ids_are_escaped_and_the_change_is_recorded(store: Store) -> None:
+    """Ids and the finish reason are SQL keys compared as text: a surrogate there is escaped, and said so."""
+    trajectory = Trajectory(
+        [Segment("user", [1, 2], text=f"a{LONE}b")],
         env_id=f"Env{LONE}-v0",
         group_id=f"g{LONE}",
         info={"note": LONE, "store_escaped_surrogates": ["earlier"]},
     )
     loaded = store.get_episode(store.add_episode(trajectory))
-    assert loaded.segments[0].text == "a\\ud800b" and (loaded.env_id, loaded.group_id) == ("Env\\ud800-v0", "g\\ud800")
-    assert loaded.segments[1].tool_calls == [{"\\ud800": ["\\ud800"], "\\ud800~": 0}]  # a colliding key is kept
-    assert loaded.info == {
-        "note": "\\ud800",
-        "store_escaped_surrogates": [
-            "earlier",
-            "segments.0.text",
-            "segments.1.tool_calls",
-            "env_id",
-            "group_id",
-            "info",
-        ],
-    }
+    assert (loaded.env_id, loaded.group_id) == ("Env\\ud800-v0", "g\\ud800")
+    assert loaded.segments[0].text == f"a{LONE}b"
+    assert loaded.info == {"note": LONE, "store_escaped_surrogates": ["earlier", "env_id", "group_id"]}
     assert store.groups() == {"g\\ud800": [loaded]}
 
 
@@ -368,7 +373,7 @@ def corrupt(path: Path, sql: str) -> None:
         ("tool_calls = X'00'", "tool_calls is bytes where JSON text belongs"),
         ("role = 'robot'", "role is 'robot', not one of"),
         ("turn = 'first'", "turn is text where an integer belongs"),
-        ("text = X'00'", "text is bytes where text belongs"),
+        ("text = X'FF'", "text is a blob that is not UTF-8"),
         ("num_tokens = -1", "num_tokens is -1"),
     ],
 )

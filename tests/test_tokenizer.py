@@ -25,6 +25,7 @@ from longstraw_agents.tokenizer import (
     Tokenizer,
     load_ranks,
     load_tokenizer,
+    oniguruma_pattern,
     save_ranks,
     shipped_ranks_path,
 )
@@ -241,6 +242,74 @@ def test_generated_corpus_is_deterministic_and_covers_every_kind(train_bpe_scrip
     text = "\n".join(corpus)
     for marker in ("# Document", "Problem:", "def test_", '"name": "calculator"', IM_START, "<tool_response>"):
         assert marker in text
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The shipped BPE saved for transformers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped_for_transformers(shipped: TiktokenTokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("shipped_hf")
+    shipped.save_pretrained(path)
+    return path
+
+
+def conversion_texts(train_bpe_script: ModuleType) -> list[str]:
+    """Text where a converted BPE could part from tiktoken: the project's generated documents, chat transcripts
+    with their control tokens, numbers (tiktoken splits digits in threes), contractions, runs of whitespace of
+    every kind, special-token look-alikes and random unicode."""
+    rng = random.Random(21)
+    pieces = [
+        *CHAT_SPECIAL_TOKENS, "<|im", "_end|>", "<tool", "|>", "1234567", "3.14159", "10,000", "'s", "'LL", "don't",
+        " ", "  ", "   \n", "\t\t", "\r\n", "\n\n\n", "\u00a0", "\u3000", "\u200b", "word", " Word", "日本語",
+        "naïve", "e\u0301", "🎉", "👩‍👩‍👧", "{\"a\": [1, 2]}", "    def f(x):", "!!!", "...", "__init__",
+    ]  # fmt: skip
+    mixed = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(400)]
+    randoms = [_random_text(rng, rng.randint(1, 120)) for _ in range(200)]
+    generated = list(train_bpe_script.generate_corpus(seed=5, scale=0.01))
+    return TRICKY_TEXTS + generated + mixed + randoms
+
+
+def test_the_shipped_bpe_saved_for_transformers_encodes_and_decodes_token_for_token(
+    shipped: TiktokenTokenizer, shipped_for_transformers: Path, train_bpe_script: ModuleType
+) -> None:
+    from transformers import AutoTokenizer
+
+    converted = AutoTokenizer.from_pretrained(shipped_for_transformers, local_files_only=True)
+    assert len(converted) == shipped.vocab_size
+    assert (converted.eos_token, converted.pad_token) == (IM_END, ENDOFTEXT)
+    assert {t: converted.convert_tokens_to_ids(t) for t in CHAT_SPECIAL_TOKENS} == shipped.special_tokens
+    for text in conversion_texts(train_bpe_script):
+        with_specials = shipped.encode(text, allow_special=True)
+        assert converted.encode(text, add_special_tokens=False) == with_specials, text
+        assert converted.encode(text, add_special_tokens=False, split_special_tokens=True) == shipped.encode(text)
+        assert converted.decode(with_specials) == shipped.decode(with_specials) == text
+    rng = random.Random(5)  # any ids: cut UTF-8 sequences decode to the same replacement characters
+    for _ in range(500):
+        ids = [rng.randrange(shipped.vocab_size) for _ in range(rng.randint(1, 12))]
+        assert converted.decode(ids) == shipped.decode(ids), ids
+
+
+def test_the_saved_bpe_loads_as_the_same_tokenizer_of_the_protocol(
+    shipped: TiktokenTokenizer, shipped_for_transformers: Path
+) -> None:
+    loaded = load_tokenizer(str(shipped_for_transformers))
+    assert isinstance(loaded, HFTokenizer)
+    assert loaded.vocab_size == shipped.vocab_size and loaded.special_tokens == shipped.special_tokens
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (shipped.eos_token_id, shipped.pad_token_id)
+    text = f"{IM_START}user\nWhat is 12 + 345?{IM_END}\n<tool_call>{{}}</tool_call>  \n\n"
+    for allow_special in (False, True):
+        assert loaded.encode(text, allow_special=allow_special) == shipped.encode(text, allow_special=allow_special)
+
+
+def test_possessive_intervals_become_atomic_groups_for_oniguruma() -> None:
+    assert oniguruma_pattern(r"\p{N}{1,3}+|a{2}+|[x\]]{1,}+|\p{L}++|\s?+") == (
+        r"(?>\p{N}{1,3})|(?>a{2})|(?>[x\]]{1,})|\p{L}++|\s?+"
+    )
+    with pytest.raises(ValueError, match="after a group"):
+        oniguruma_pattern(r"(ab){1,3}+")
 
 
 # --------------------------------------------------------------------------------------------------------------------

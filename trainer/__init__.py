@@ -1,8 +1,8 @@
 """GRPO training over prefix trees: the loss, the three execution modes and the trainer.
 
->>> from longstraw_agents.trainer import grpo_backward, GRPOConfig, GRPOTrainer
->>> result = grpo_backward(model, prompt_ids, completions, rewards, mode="exact")  # accumulates into param.grad
->>> result.loss, result.loss_tokens, result.peak_bytes
+    from longstraw_agents.trainer import grpo_backward, GRPOConfig, GRPOTrainer
+    result = grpo_backward(model, prompt_ids, completions, rewards, mode="exact")  # accumulates into param.grad
+    result.loss, result.loss_tokens, result.forward_tokens
 
 Modules: ``loss`` (``LossConfig``, advantages, aggregations, ``GRPOLoss``), ``group`` (``Group`` and its members),
 ``node_loss`` (the loss of one prefix-tree node), ``modes`` (naive | detached | exact), ``metrics`` (typed result

@@ -1,7 +1,8 @@
 """GRPO trainer configuration: nested by component (loss, optimizer), with TRL-style flat names accepted too.
 
->>> GRPOConfig(group_size=8, mode="exact", loss=LossConfig(epsilon=0.2), optim=OptimizerConfig(lr=1e-5))
->>> GRPOConfig(G=8, epsilon=0.2, lr=1e-5)        # the same, flat (TRL users write it this way)
+>>> nested = GRPOConfig(group_size=8, mode="exact", loss=LossConfig(epsilon=0.2), optim=OptimizerConfig(lr=1e-5))
+>>> GRPOConfig(G=8, epsilon=0.2, lr=1e-5) == nested        # the same, flat (TRL users write it this way)
+True
 
 Flat names follow TRL / HF ``TrainingArguments``: ``epsilon`` is the clip range, ``adam_epsilon`` /
 ``adam_beta1`` / ``adam_beta2`` / ``learning_rate`` / ``weight_decay`` / ``max_grad_norm`` / ``warmup_steps`` are
@@ -108,6 +109,12 @@ class GRPOConfig(BaseModel):
         description="detached mode: capture the groups' context once per train_step and reuse it in its μ optimizer "
         "steps (exact in the first, approximate after: the context then comes from older weights)",
     )
+
+    @classmethod
+    def accepted_keys(cls) -> frozenset[str]:
+        """Every key the config takes: its fields, the loss and optimizer settings given flat, TRL's names."""
+        flat = _LOSS_KEYS | (_OPTIM_KEYS - {"eps"})  # a flat eps is refused as ambiguous
+        return frozenset(cls.model_fields) | flat | set(_ALIASES) | set(_ADAM_BETAS)
 
     @model_validator(mode="after")
     def _capture_reuse_needs_detached_mode(self) -> GRPOConfig:

@@ -32,7 +32,7 @@ def backward_group(
     mode: ModeName = "exact",
     config: LossConfig | None = None,
     ref_engine: Engine | None = None,
-    track_memory: bool = True,
+    track_memory: bool = False,
     prefix_cache: PrefixCache | None = None,
 ) -> BackwardResult:
     """Accumulate the group's GRPO gradient into ``param.grad`` with the chosen execution mode.
@@ -91,7 +91,7 @@ def grpo_backward(
     old_logprobs: Sequence[Sequence[float] | Tensor | None] | None = None,
     ref_model: nn.Module | Engine | None = None,
     chunk_size: int | None = None,
-    track_memory: bool = True,
+    track_memory: bool = False,
 ) -> BackwardResult:
     """GRPO gradient of one group sharing ``prompt_ids``, accumulated into ``param.grad``.
 
@@ -117,7 +117,7 @@ def grpo_backward_trajectories(
     config: LossConfig | None = None,
     ref_model: nn.Module | Engine | None = None,
     chunk_size: int | None = None,
-    track_memory: bool = True,
+    track_memory: bool = False,
 ) -> BackwardResult:
     """The tree form: whole multi-turn trajectories (loss masks and behaviour logprobs from the segments; rewards
     from ``rewards`` or each trajectory's own)."""

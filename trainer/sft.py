@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from tqdm.auto import tqdm
 
+from longstraw_agents.progress import progress_bar
 from longstraw_agents.trajectory import Trajectory
 
 
@@ -57,7 +57,8 @@ def supervised_warm_start(
 ) -> list[float]:
     """Train on ``trajectories`` (token-mean NLL per batch); returns the loss of each step.
 
-    progress: a bar with the loss and tokens per second (None: only when writing to a terminal)."""
+    progress: a bar with the loss and tokens per second (plain lines when standard error is not a terminal; None:
+    the bar on a terminal only, ``longstraw_agents.progress``)."""
     config = config or SFTConfig()
     if not trajectories:
         raise ValueError("no trajectories to warm-start on")
@@ -65,7 +66,7 @@ def supervised_warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     model.train()
     losses = []
-    bar = tqdm(total=config.steps, desc="warm start", unit="step", disable=None if progress is None else not progress)
+    bar = progress_bar(total=config.steps, desc="warm start", unit="step", enabled=progress)
     started, tokens = time.perf_counter(), 0
     try:
         for step in range(config.steps):

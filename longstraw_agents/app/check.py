@@ -10,6 +10,7 @@ every failure is reported, as a line that names the setting, not only the first:
   vocabulary that covers the tokenizer's ids, a weights file beside it (not read); the first task's prompt fits the
   context;
 - ``output_dir``: a new run must not find a run there, ``--resume`` must find one;
+- ``report_to``: each tracker's package is installed (a missing one names the extra that installs it);
 - ``policy.served``: the server answers ``GET /v1/models`` within ``timeout_s`` and lists ``policy.served.model``,
   has the ``/update_weights_from_disk`` route (a GET of it: 405 where the POST route exists, 404 where it does not;
   nothing is loaded), and reports its weight version if it keeps one (one training process only: the schema refuses
@@ -32,6 +33,7 @@ from longstraw_agents.app.config import (
     TrainConfig,
     check_env,
     check_model,
+    check_report_to,
     check_tokenizer,
 )
 
@@ -77,18 +79,21 @@ def check_config(config: TrainConfig, *, resume: bool = False, timeout_s: float 
     tokenizer = loaded if loaded is not False else None
     if tokenizer is not None:
         report.fact("tokenizer", f"{config.tokenizer} ({tokenizer.vocab_size:,} tokens)")
-    if _attempt(report, lambda: check_env(config.env, tokenizer)) is not False:
+    env_ok = _attempt(report, lambda: check_env(config.env, tokenizer)) is not False
+    if env_ok:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in config.env.kwargs.items())
         report.fact("env", f"{config.env.id}" + (f" ({kwargs})" if kwargs else ""))
     model_config = _check_model_source(report, config, tokenizer)
-    if model_config is not None and tokenizer is not None:
+    if model_config is not None and tokenizer is not None and env_ok:  # the prompt needs an env that can be made
         _attempt(report, lambda: check_prompt_fits(config, model_config, tokenizer))
-    _check_output_dir(report, config, resume)
+    steps_done = _check_output_dir(report, config, resume)
+    if config.report_to and _attempt(report, lambda: check_report_to(config.report_to)) is not False:
+        report.fact("report_to", f"{', '.join(config.report_to)} (logs under {config.output_dir})")
     if config.policy.served is not None:
         _check_served(report, config, config.policy.served, timeout_s)
     else:
         report.fact("policy", "sampled in this process (TorchSampler over the trainer's model)")
-    report.fact("training", _training_text(config))
+    report.fact("training", _training_text(config, steps_done))
     return report
 
 
@@ -138,8 +143,10 @@ def check_prompt_fits(config: TrainConfig, model_config: PretrainedConfig, token
         env.close()
 
 
-def _check_output_dir(report: CheckReport, config: TrainConfig, resume: bool) -> None:
-    from longstraw_agents.app.run import has_checkpoint
+def _check_output_dir(report: CheckReport, config: TrainConfig, resume: bool) -> int:
+    """Whether the run can start (or resume) in ``output_dir``; returns the steps its checkpoint has done."""
+    from longstraw_agents.app.run import CHECKPOINT, has_checkpoint
+    from longstraw_agents.trainer import GRPOTrainer
 
     directory = Path(config.output_dir)
     held = has_checkpoint(directory)
@@ -149,8 +156,13 @@ def _check_output_dir(report: CheckReport, config: TrainConfig, resume: bool) ->
         report.errors.append(f"output_dir: --resume, but {directory} holds no checkpoint")
     elif directory.exists() and not directory.is_dir():
         report.errors.append(f"output_dir: {directory} is a file")
+    elif resume:
+        done = int(GRPOTrainer.checkpoint_info(directory / CHECKPOINT)["step"])
+        report.fact("output_dir", f"{directory} (resumed from its checkpoint at step {done})")
+        return done
     else:
-        report.fact("output_dir", f"{directory} ({'resumed from its checkpoint' if resume else 'a new run'})")
+        report.fact("output_dir", f"{directory} (a new run)")
+    return 0
 
 
 def _check_served(report: CheckReport, config: TrainConfig, spec: ServedPolicySpec, timeout_s: float) -> None:
@@ -227,10 +239,19 @@ def parameter_count(model_config: PretrainedConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _training_text(config: TrainConfig) -> str:
+def _training_text(config: TrainConfig, steps_done: int = 0) -> str:
+    """The steps still to run: all of them for a new run, those after the checkpoint's for a resumed one."""
     trainer = config.trainer
-    episodes = config.steps * config.groups_per_step * config.group_size
+    steps = max(config.steps - steps_done, 0)
+    episodes = steps * config.groups_per_step * config.group_size
+    if not steps_done:
+        left = ""
+    elif steps:
+        left = f" (steps {steps_done + 1}..{config.steps} of {config.steps})"
+    else:
+        left = f" (the checkpoint has done all {config.steps}; raise steps to train further)"
     return (
-        f"{config.steps} steps of {config.groups_per_step} groups x {config.group_size} episodes ({episodes:,} "
-        f"episodes), {trainer.mode} mode, lr {trainer.optim.lr:g}, sampling temperature {config.sampling.temperature:g}"
+        f"{steps} step{'' if steps == 1 else 's'}{left} of {config.groups_per_step} groups x {config.group_size} "
+        f"episodes ({episodes:,} episodes), {trainer.mode} mode, lr {trainer.optim.lr:g}, sampling temperature "
+        f"{config.sampling.temperature:g}"
     )

@@ -7,22 +7,25 @@ means).
 
 The checks that need more than the file run before anything is built or written, each raising a ``ConfigError``
 that names the setting: ``check_env`` makes one environment of the configured id and kwargs (unknown id, bad
-kwargs), ``check_tokenizer`` loads the tokenizer, and ``check_model`` reads the model's transformers config (a
+kwargs), ``check_tokenizer`` loads the tokenizer, ``check_model`` reads the model's transformers config (a
 preset's arguments, a missing or unreadable ``model.path``, an unsupported family, a vocabulary smaller than the
-tokenizer's) without building any weights.
+tokenizer's) without building any weights, and ``check_report_to`` finds the package of each tracker in
+``report_to`` (naming the extra that installs a missing one).
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
+from longstraw_agents.app.reporting import TrackerName, install_command, missing_trackers
 from longstraw_agents.app.seeds import TASK_STEP_STRIDE
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.trainer import GRPOConfig
@@ -183,10 +186,28 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="the run's seed: every task seed and sampling seed derives from it")
     progress: bool = True
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    report_to: list[TrackerName] = Field(
+        default_factory=list,
+        description="experiment trackers that also get the metrics.jsonl records (accelerate's): tensorboard, wandb, "
+        "mlflow; each writes under output_dir unless configured otherwise (app/reporting.py)",
+    )
 
     @property
     def group_size(self) -> int:
         return self.trainer.group_size
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_as_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # `report_to: wandb`, as TRL's report_to takes it
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, value: list[TrackerName]) -> list[TrackerName]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"report_to names {', '.join(repeated)} more than once")
+        return value
 
     @model_validator(mode="after")
     def _a_group_for_every_dp_rank(self) -> TrainConfig:
@@ -274,9 +295,47 @@ def _yaml_loader() -> type:
     return Loader
 
 
-def validation_lines(err: ValidationError, prefix: str = "") -> str:
-    """A pydantic ValidationError as indented ``field.path: message`` lines (paths after ``prefix``)."""
-    return "\n".join(f"  {prefix}{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in err.errors())
+def validation_lines(err: ValidationError, prefix: str = "", schema: type[BaseModel] | None = None) -> str:
+    """A pydantic ValidationError as indented ``field.path: message`` lines (paths after ``prefix``). Given the
+    ``schema`` that was validated, an unknown key also gets the closest key its section takes ("did you mean")."""
+    return "\n".join(_error_line(error, prefix, schema) for error in err.errors())
+
+
+def _error_line(error: Any, prefix: str, schema: type[BaseModel] | None) -> str:
+    location = error["loc"]
+    line = f"  {prefix}{'.'.join(str(p) for p in location) or '(config)'}: {error['msg']}"
+    section = _section_schema(schema, location[:-1]) if error["type"] == "extra_forbidden" else None
+    if section is not None:
+        close = difflib.get_close_matches(str(location[-1]), sorted(_accepted_keys(section)), n=1)
+        if close:
+            line += f"; did you mean {close[0]!r}?"
+    return line
+
+
+def _section_schema(schema: type[BaseModel] | None, path: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model that validates the section at ``path`` of ``schema`` (None inside lists and dicts)."""
+    for name in path:
+        field = schema.model_fields.get(name) if schema is not None and isinstance(name, str) else None
+        if field is None:
+            return None
+        schema = _model_in(field.annotation)
+    return schema
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((model for arg in get_args(annotation) if (model := _model_in(arg)) is not None), None)
+
+
+def _accepted_keys(schema: type[BaseModel]) -> set[str]:
+    """The keys a section takes: its fields' names and aliases, or what its ``accepted_keys()`` lists (a model whose
+    validator also reads other spellings, as GRPOConfig reads TRL's names and flat loss / optimizer settings)."""
+    accepted = getattr(schema, "accepted_keys", None)
+    if callable(accepted):
+        return set(accepted())
+    return {name for field_name, field in schema.model_fields.items() for name in (field_name, field.alias) if name}
 
 
 def check_env(spec: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
@@ -299,7 +358,8 @@ def check_env(spec: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
         known = ", ".join(registered_env_ids())
         raise ConfigError(f"env.id: unknown environment {spec.id!r} ({err}); registered: {known}") from None
     except ValidationError as err:  # the env's own config model
-        raise ConfigError(f"invalid env.kwargs for {spec.id}:\n" + validation_lines(err, "env.kwargs.")) from None
+        lines = validation_lines(err, "env.kwargs.", _env_config_class(spec.id))
+        raise ConfigError(f"invalid env.kwargs for {spec.id}:\n{lines}") from None
     except TypeError as err:  # an env class without a config model rejects an argument
         raise ConfigError(f"invalid env.kwargs for {spec.id}: {err}") from None
     try:
@@ -308,6 +368,19 @@ def check_env(spec: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
         raise ConfigError(f"env.id: {spec.id} is not a LongStraw environment ({err})") from None
     finally:
         env.close()
+
+
+def _env_config_class(env_id: str) -> type[BaseModel] | None:
+    """The config model of a registered LongStraw environment's class, found without making one."""
+    import gymnasium
+    from gymnasium.envs.registration import load_env_creator
+
+    try:
+        entry_point = gymnasium.spec(env_id).entry_point
+        creator = load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
+    except (gymnasium.error.Error, ImportError, AttributeError):
+        return None
+    return _model_in(getattr(creator, "config_class", None))
 
 
 def _check_env_kwarg_types(spec: EnvSpec, config_class: type[BaseModel]) -> None:
@@ -320,6 +393,15 @@ def _check_env_kwarg_types(spec: EnvSpec, config_class: type[BaseModel]) -> None
         config_class.model_validate_json(text, strict=True)
     except ValidationError as err:
         raise ConfigError(f"invalid env.kwargs for {spec.id}:\n" + validation_lines(err, "env.kwargs.")) from None
+
+
+def check_report_to(names: list[TrackerName]) -> None:
+    """Every tracker of ``report_to`` has its package installed (else a ConfigError naming the extra to install),
+    checked before a model is built or a step runs."""
+    missing = missing_trackers(names)
+    if missing:
+        are = "is" if len(missing) == 1 else "are"
+        raise ConfigError(f"report_to: {' and '.join(missing)} {are} not installed: {install_command(missing)}")
 
 
 def check_tokenizer(spec: str) -> Tokenizer:

@@ -1,7 +1,11 @@
 """``make demo``: ``python -m longstraw_agents.app.demo --out runs/demo``.
 
+A demo replaces what an earlier one wrote in ``OUT`` (it prints what it removes first) and keeps anything else there,
+such as ``OUT/replay/`` from ``longstraw replay``.
+
 1. The scripted (oracle) policy plays one episode of each LongStraw environment; the episodes go to
-   ``OUT/trajectories.db`` (one run row, with the tokenizer's identity).
+   ``OUT/trajectories.db`` (one run row, with the tokenizer's identity), and one line per environment is printed
+   (reward, finish reason, tokens; ``--scripted-only`` prints the transcripts too).
 2. A tiny Llama-layout policy (random init, ~1.5M parameters) is trained on ``LongStraw/Calculator-v0`` ("What is
    7 + 5?", with the calculator tool) on CPU: a short supervised warm start on scripted traces, then GRPO in exact
    mode. The mean reward of 128 held-out episodes is measured before GRPO and after it, and both are printed.
@@ -24,9 +28,9 @@ from typing import Any
 import gymnasium
 
 from longstraw_agents.app.config import TrainConfig
-from longstraw_agents.app.plotting import plot_run
+from longstraw_agents.app.plotting import CURVES, plot_run
 from longstraw_agents.app.records import EvalRecord, MetricsRecord, StepRecord
-from longstraw_agents.app.run import STORE
+from longstraw_agents.app.run import CHECKPOINT, METRICS, REFERENCE, STORE
 from longstraw_agents.app.training import train
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.report import summary_text
@@ -83,6 +87,20 @@ DEMO_SAMPLING: dict[str, Any] = {"max_new_tokens": 32, "temperature": 1.0}
 # The replay the demo suggests: `--where` keeps whole groups with a matching member, so this trains on the groups
 # that solved the task at least once, failures included (an all-solved or unsolved group has no advantage).
 REPLAY_WHERE = "reward > 0"
+# What a demo writes in its directory: the training run's files and the plots. `make demo` replaces these and keeps
+# anything else there (e.g. `longstraw replay`'s default output, OUT/replay/).
+DEMO_OUTPUTS = (
+    STORE,
+    f"{STORE}-wal",
+    f"{STORE}-shm",
+    METRICS,
+    "config.json",
+    CHECKPOINT,
+    f"{CHECKPOINT}.tmp",
+    f"{CHECKPOINT}.old",
+    REFERENCE,
+    *CURVES,
+)
 DEMO_ENVS: dict[str, dict[str, Any]] = {
     "LongStraw/Calculator-v0": dict(EASY_CALCULATOR_KWARGS),  # the setting the CPU training demo learns
     "LongStraw/NeedleSearch-v0": {"target_tokens": 4096},
@@ -198,10 +216,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def demo_outputs(out_dir: Path) -> list[Path]:
+    """The entries of ``out_dir`` an earlier demo wrote there (a training run's files and the plots)."""
+    return [out_dir / name for name in DEMO_OUTPUTS if (out_dir / name).exists() or (out_dir / name).is_symlink()]
+
+
+def clear_earlier_demo(out_dir: Path, echo: Callable[[str], None] = _print_now) -> None:
+    """Remove an earlier demo's outputs from ``out_dir`` (the training run refuses to overwrite a checkpoint), saying
+    first what goes and what stays: entries the demo does not write (a replay's directory, the user's own files)."""
+    earlier = demo_outputs(out_dir)
+    if not earlier:
+        return
+    kept = sorted(set(out_dir.iterdir()) - set(earlier))
+    echo(
+        f"replacing the earlier demo in {out_dir}: removing {_listed(earlier)}"
+        + (f"; keeping {_listed(kept)}" if kept else "")
+    )
+    for path in earlier:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _listed(paths: list[Path]) -> str:
+    return ", ".join(path.name + ("/" if path.is_dir() else "") for path in paths)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.scripted_only:  # a fresh run directory: the training run refuses to overwrite a checkpoint
-        shutil.rmtree(args.out, ignore_errors=True)
+    if not args.scripted_only:  # a fresh run: --scripted-only instead appends its run to the store
+        clear_earlier_demo(args.out)
     demo = run_scripted_demo(args.out, seed=args.seed, max_text=args.max_text)
     if args.scripted_only:
         print(demo.report)

@@ -2,29 +2,50 @@
 
 The policy is rebuilt from the run's ``config.json`` (its preset or ``model.path``, as ``Run`` builds it) and given
 the checkpoint's weights: ``model.safetensors`` of a replicated run, or the shards of an FSDP2 run
-(``parallel.checkpoint``), assembled in this one process. Only the weights are exported: the optimizer state and the
-counters stay in the checkpoint.
+(``parallel.checkpoint``), assembled in this one process. The run's tokenizer is written beside them, so that
+``AutoTokenizer.from_pretrained(out)`` loads it: the shipped BPE as a ``tokenizer.json`` that encodes and decodes
+token for token as the run did, or the run's own Hugging Face tokenizer. Only the weights are exported: the
+optimizer state and the counters stay in the checkpoint.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from pydantic import ValidationError
 from safetensors.torch import load_model
 
-from longstraw_agents.app.config import TrainConfig, check_model, check_tokenizer
+from longstraw_agents.app.config import ConfigError, TrainConfig, check_model, check_tokenizer, validation_lines
 from longstraw_agents.app.run import CHECKPOINT, build_policy
 from longstraw_agents.parallel.checkpoint import SHARDED, load_full_model
+from longstraw_agents.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 from longstraw_agents.trainer import GRPOTrainer
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the policy of ``run_dir``'s checkpoint to ``out_dir`` as a Hugging Face model directory."""
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+@dataclass
+class RunPolicy:
+    """The policy of a run's checkpoint, with the run's config and tokenizer and the checkpoint's policy version."""
+
+    config: TrainConfig
+    tokenizer: Tokenizer
+    model: torch.nn.Module
+    policy_version: int
+
+
+def load_run_policy(run_dir: str | Path) -> RunPolicy:
+    """The policy of ``run_dir``'s checkpoint, rebuilt from the run's ``config.json`` (``ConfigError`` when the
+    config no longer loads, ``FileNotFoundError`` without a config or a checkpoint)."""
+    run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.json")
-    config = TrainConfig.model_validate_json((run_dir / "config.json").read_text())
+    try:
+        config = TrainConfig.model_validate_json((run_dir / "config.json").read_text())
+    except ValidationError as err:
+        lines = validation_lines(err, schema=TrainConfig)
+        raise ConfigError(f"{run_dir}/config.json is not a run config:\n{lines}") from None
     tokenizer = check_tokenizer(config.tokenizer)
     model = build_policy(config.model, check_model(config.model, tokenizer.vocab_size), config.seed)
     checkpoint = GRPOTrainer.resolve_checkpoint(run_dir / CHECKPOINT)
@@ -32,6 +53,38 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
         load_full_model(model, checkpoint)
     else:
         load_model(model, str(checkpoint / "model.safetensors"))
-    transformers_model: Any = model  # a transformers PreTrainedModel (build_policy types it as a Module)
+    version = int(GRPOTrainer.checkpoint_info(checkpoint)["policy_version"])
+    return RunPolicy(config, tokenizer, model, version)
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
+    """Write the policy of ``run_dir``'s checkpoint and the run's tokenizer to ``out_dir`` as a Hugging Face model
+    directory. A non-empty ``out_dir`` is refused (``FileExistsError``) unless ``force``: the export's files then
+    replace those of the same name (``save_pretrained`` also removes weight shards of an earlier save)."""
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, force)
+    policy = load_run_policy(run_dir)
+    transformers_model: Any = policy.model  # a transformers PreTrainedModel (build_policy types it as a Module)
     transformers_model.save_pretrained(out_dir)
+    save_tokenizer(policy.tokenizer, out_dir)
     return out_dir
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
+    """The run's tokenizer as Hugging Face files (``AutoTokenizer.from_pretrained(out_dir)`` loads them): the
+    shipped BPE converted to a ``tokenizer.json`` that encodes and decodes as it does, or the run's HF tokenizer."""
+    if not isinstance(tokenizer, TiktokenTokenizer | HFTokenizer):
+        raise TypeError(f"cannot write {tokenizer!r} as a Hugging Face tokenizer")
+    tokenizer.save_pretrained(out_dir)
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file; the export writes a directory")
+    held = sorted(entry.name for entry in out_dir.iterdir()) if out_dir.is_dir() else []
+    if held and not force:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise FileExistsError(
+            f"{out_dir} is not empty ({shown}); choose another directory, or pass --force to write the export into "
+            "it (files of the same name are replaced)"
+        )

@@ -3,13 +3,15 @@
 Each record class names its ``phase`` (the ``"phase"`` key of its line): ``warm_start`` (the supervised warm start),
 ``eval`` (held-out reward), ``grpo`` (one optimizer step, online or replayed) and ``replay_select`` (what offline
 replay selected and skipped). Code that emits or shows metrics works with these classes; ``phase`` strings only
-exist in the file. ``summary()`` is the one-line console form the CLI and the demo print.
+exist in the file. ``summary()`` is the one-line console form the CLI and the demo print; ``tracker_values()`` and
+``at_step`` are what an experiment tracker gets (``app.reporting``).
 """
 
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -29,6 +31,25 @@ class MetricsRecord(BaseModel):
     def summary(self) -> str:
         return " ".join(f"{k}={v}" for k, v in {"phase": self.PHASE, **self.model_dump()}.items())
 
+    @property
+    def at_step(self) -> int | None:
+        """The optimizer step the record belongs to (None: the run's current one)."""
+        return None
+
+    def tracker_values(self) -> dict[str, int | float]:
+        """The numbers of the record's line, named ``PHASE/key`` (a mapping's as ``PHASE/key/inner``), for an
+        experiment tracker; the line's ``step`` is the tracker's step, and text, lists and nulls are left out."""
+        line = json.loads(self.to_json())
+        return dict(_numbers({k: v for k, v in line.items() if k not in ("phase", "step")}, f"{self.PHASE}/"))
+
+
+def _numbers(data: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, int | float]]:
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            yield from _numbers(value, f"{prefix}{key}/")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
+
 
 class WarmStartRecord(MetricsRecord):
     PHASE: ClassVar[str] = "warm_start"
@@ -43,6 +64,10 @@ class WarmStartRecord(MetricsRecord):
         losses = f"loss {self.loss_first:.3f} -> {self.loss_last:.3f}" if self.steps else "no steps"
         return f"warm start: {self.episodes} scripted episodes, {self.steps} steps, {losses}"
 
+    @property
+    def at_step(self) -> int:
+        return 0  # before the first GRPO step
+
 
 class EvalRecord(MetricsRecord):
     PHASE: ClassVar[str] = "eval"
@@ -54,6 +79,10 @@ class EvalRecord(MetricsRecord):
 
     def summary(self) -> str:
         return f"eval at step {self.step}: held-out reward {self.reward_mean:.3f} ({self.episodes} episodes)"
+
+    @property
+    def at_step(self) -> int:
+        return self.step
 
 
 class StepRecord(MetricsRecord):
@@ -82,6 +111,10 @@ class StepRecord(MetricsRecord):
             f"step {m.step:>4}  reward {m.reward_mean:.3f}  loss {m.loss:+.4f}  "
             f"grad_norm {m.grad_norm:.3f}  tokens {self.episode_tokens_mean:.0f}  {seconds:.1f}s"
         )
+
+    @property
+    def at_step(self) -> int:
+        return self.metrics.step
 
 
 class ReplaySelectRecord(MetricsRecord):

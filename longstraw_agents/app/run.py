@@ -2,11 +2,13 @@
 
 A run directory holds ``config.json``, ``trajectories.db`` (every episode, token-exact), ``metrics.jsonl`` (one
 typed record per line, ``app.records``), ``checkpoint/`` (model, optimizer, RNG states, step counters; written
-atomically), ``reference.safetensors`` (the frozen KL reference when beta > 0) and plots.
+atomically), ``reference.safetensors`` (the frozen KL reference when beta > 0) and plots; with ``report_to``, the
+trackers' logs too (``app.reporting``: ``tensorboard/``, ``wandb/``, ``mlflow.db``), which get every metrics record.
 
 Under ``torchrun`` / ``accelerate launch`` (``config.parallel``, ``app.distributed``) every process builds a ``Run``:
-the writer (global rank 0) alone writes the run directory, the store and the metrics; every rank runs the warm start
-and takes the writer's weights after it; the policy is then sharded (FSDP2) or replicated over the dp ranks.
+the writer (global rank 0) alone writes the run directory, the store, the metrics and the trackers; every rank runs
+the warm start and takes the writer's weights after it; the policy is then sharded (FSDP2) or replicated over the dp
+ranks.
 
 ``Run`` checks the configuration before anything is written (unknown env, bad env kwargs, a tokenizer without the chat
 tokens, bad preset arguments, a missing model directory, a model vocabulary smaller than the tokenizer's, a prompt over
@@ -34,10 +36,12 @@ from longstraw_agents.app.config import (
     TrainConfig,
     check_env,
     check_model,
+    check_report_to,
     check_tokenizer,
 )
 from longstraw_agents.app.distributed import Ranks
 from longstraw_agents.app.records import MetricsRecord, WarmStartRecord
+from longstraw_agents.app.reporting import Reporter
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.app.served import ServedPolicy
 from longstraw_agents.engine import Engine, EngineConfig
@@ -99,6 +103,9 @@ class Run:
     reference: a KL reference file to use instead of the policy at GRPO start (offline replay reuses its source
         run's reference); it is copied into the run directory.
     on_metrics: called with every record written to ``metrics.jsonl``.
+
+    ``close`` closes the store and finishes the trackers (``report_to``); ``train`` and ``replay`` call it however
+    they end (Ctrl-C and errors included).
     """
 
     def __init__(
@@ -121,6 +128,7 @@ class Run:
         if reference is not None and config.trainer.loss.beta > 0.0 and not reference.exists():
             raise FileNotFoundError(f"the run uses a KL penalty (beta > 0) but {reference} is missing")
         # cheap checks first, before any weights are built
+        check_report_to(config.report_to)
         self.tokenizer = check_tokenizer(config.tokenizer)
         check_env(config.env, self.tokenizer)
         model_config = check_model(config.model, self.tokenizer.vocab_size)
@@ -131,11 +139,14 @@ class Run:
         self._check_prompt_fits()
         # Nothing is written before the configuration is known to run: a config error leaves no run directory.
         self._store: Store | None = None
+        self._reporter: Reporter | None = None
         if self.ranks.writes:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "config.json").write_text(config.model_dump_json(indent=2))
             self._store = Store.open(self.dir / STORE)
         try:
+            if self.ranks.writes and config.report_to:  # before the warm start, whose record they get
+                self._reporter = Reporter.start(config.report_to, self.dir, config.model_dump(mode="json"))
             self.run_id = self.ranks.from_writer(self._run_row(resume) if self.ranks.writes else "")
             if not resume:  # on every rank (a wait for the writer's could outlast parallel.timeout_s); then its weights
                 self._warm_start()
@@ -162,11 +173,14 @@ class Run:
         return {**kwargs, "tokenizer": self.tokenizer}
 
     def emit(self, record: MetricsRecord) -> None:
-        """Append ``record`` to ``metrics.jsonl`` and pass it to ``on_metrics`` (the writer; elsewhere nothing)."""
+        """Append ``record`` to ``metrics.jsonl``, log it to the trackers (at its step, or the trainer's current
+        one) and pass it to ``on_metrics`` (the writer; elsewhere nothing)."""
         if not self.ranks.writes:
             return
         with (self.dir / METRICS).open("a") as f:
             f.write(record.to_json() + "\n")
+        if self._reporter is not None:
+            self._reporter.log(record, record.at_step if record.at_step is not None else self.trainer.step_count)
         if self.on_metrics is not None:
             self.on_metrics(record)
 
@@ -198,9 +212,14 @@ class Run:
         self.trainer.save_checkpoint(self.dir / CHECKPOINT)
 
     def close(self) -> None:
-        """Close the store; the process group stays up (``Ranks.close`` ends it, after the last evaluation)."""
-        if self._store is not None:
-            self._store.close()
+        """Close the store and finish the trackers (a second call does nothing); the process group stays up
+        (``Ranks.close`` ends it)."""
+        try:
+            if self._store is not None:
+                self._store.close()
+        finally:
+            if self._reporter is not None:
+                self._reporter.finish()
 
     # --- assembly -------------------------------------------------------------------------------------------
     def _served_policy(self, resume: bool) -> ServedPolicy | None:
@@ -259,7 +278,8 @@ class Run:
         policy = ScriptedPolicy(env)
         traces = [run_episode(env, policy, seed=warm_start_seed(k)) for k in range(spec.episodes)]
         start = time.perf_counter()
-        losses = supervised_warm_start(self.model, traces, spec.sft)
+        shown = self.config.progress and self.ranks.writes
+        losses = supervised_warm_start(self.model, traces, spec.sft, progress=shown)
         self.emit(
             WarmStartRecord(
                 episodes=len(traces),

@@ -11,7 +11,8 @@ before its metrics line and checkpoint are written.
 
 Under ``torchrun`` (``config.parallel``, ``app.distributed``): each dp rank rolls out its share of the step's tasks
 (every dp-th task seed, its own sampling seed) and trains on it; the groups are gathered to the writer, which stores
-each once (group ids ``step{k}-dp{r}-g{i}``) and writes one metrics line for the whole step.
+each once (group ids ``step{k}-dp{r}-g{i}``, k counted from 1 as in the metrics) and writes one metrics line for the
+whole step.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from longstraw_agents.app.config import TrainConfig
@@ -35,6 +35,7 @@ from longstraw_agents.app.distributed import merged_step_metrics
 from longstraw_agents.app.records import EvalRecord, StepRecord
 from longstraw_agents.app.run import OnMetrics, Run
 from longstraw_agents.app.seeds import eval_sampling_seed, eval_task_seed
+from longstraw_agents.progress import progress_bar
 from longstraw_agents.rollout import RolloutLimits, rollout_groups
 from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
@@ -51,19 +52,23 @@ def train(config: TrainConfig, resume: bool = False, on_metrics: OnMetrics | Non
         with run.ranks.failing_clearly(lambda: f"training step {run.trainer.step_count + 1}"):
             return _train(run, config, resume)
     finally:
-        run.ranks.close()
+        try:
+            run.close()  # the store, and the trackers after the last evaluation's record
+        finally:
+            run.ranks.close()
 
 
 def _train(run: Run, config: TrainConfig, resume: bool) -> Path:
     completed = run.trainer.step_count
-    quiet = not config.progress or not run.ranks.writes
-    bar = tqdm(total=config.steps, initial=completed, desc="GRPO", unit="step", disable=quiet)
+    shown = config.progress and run.ranks.writes
+    bar = progress_bar(total=config.steps, initial=completed, desc="GRPO", unit="step", enabled=shown)
+    watch = LearningSignalWatch()
     try:
         with logging_redirect_tqdm():  # warnings print above the bars instead of through them
             if config.eval_episodes and not resume:
                 run.emit(evaluate(run, config.eval_episodes))
             for step in range(run.trainer.step_count, config.steps):
-                record = rollout_and_train(run, step)
+                record = rollout_and_train(run, step, watch)
                 run.push_weights()  # a served policy: the server samples the new weights from the next step on
                 run.emit(record)
                 bar.set_postfix_str(step_postfix(record), refresh=False)
@@ -80,7 +85,6 @@ def _train(run: Run, config: TrainConfig, resume: bool) -> Path:
         raise
     finally:
         bar.close()
-        run.close()
     if config.eval_episodes:
         run.emit(evaluate(run, config.eval_episodes, step=completed))
     return run.dir
@@ -96,38 +100,81 @@ def step_postfix(record: StepRecord) -> str:
     return f"reward {m.reward_mean:.3f}, loss {m.loss:+.4f}, {rate:,.0f} tok/s"
 
 
-def warn_without_learning_signal(groups: list[list[Trajectory]], step: int) -> None:
-    """Warn when every group of a step has uniform rewards: all advantages are zero, so the update changes nothing
-    but the KL term (if any). All failed usually means the policy cannot solve the task yet; all solved, that the
-    task is too easy for it."""
-    rewards = {t.reward or 0.0 for group in groups for t in group}
-    if not groups or any(len({t.reward or 0.0 for t in group}) > 1 for group in groups):
-        return
-    if rewards == {0.0}:
+NO_SIGNAL_STEPS = 3
+"""Steps in a row, every group of them with uniform rewards, before the no-signal warning. A single such step is
+ordinary: a policy that solves a fifth of its tasks gets a group of 4 with equal rewards 41 % of the time
+(0.8^4 + 0.2^4), so a step of one or two groups often has nothing to learn from."""
+NO_SIGNAL_GROUPS = 12
+"""Groups, all with uniform rewards, that the warning's stretch must hold besides: at that solve rate 12 uniform
+groups in a row happen by chance about once in 40,000 (0.41^12), so a stretch this long means the policy is not
+learning, not that it was unlucky (3 steps of 4 groups; 12 steps of 1)."""
+
+
+class LearningSignalWatch:
+    """Warns when GRPO has had nothing to learn from for a stretch of steps: every group of the last
+    ``NO_SIGNAL_STEPS`` steps (``NO_SIGNAL_GROUPS`` groups at least) had uniform rewards, so every advantage was zero
+    and the updates changed nothing but the KL term (if any). Warns once per stretch; a step with a group whose
+    members scored differently ends it."""
+
+    def __init__(self, min_steps: int = NO_SIGNAL_STEPS, min_groups: int = NO_SIGNAL_GROUPS):
+        self.min_steps = min_steps
+        self.min_groups = min_groups
+        self._stretch: list[tuple[int, list[float]]] = []  # (step, each group's common reward) without signal
+        self._warned = False
+
+    def observe(self, groups: Sequence[Sequence[Trajectory]], step: int) -> None:
+        """Take the groups of ``step`` (0-based) into account; warn if they complete a stretch without signal."""
+        common = [_common_reward(group) for group in groups]
+        if not groups or any(reward is None for reward in common):
+            self._stretch, self._warned = [], False
+            return
+        self._stretch.append((step, [reward for reward in common if reward is not None]))
+        num_groups = sum(len(rewards) for _, rewards in self._stretch)
+        if not self._warned and len(self._stretch) >= self.min_steps and num_groups >= self.min_groups:
+            log.warning(no_signal_message(self._stretch))
+            self._warned = True
+
+
+def _common_reward(group: Sequence[Trajectory]) -> float | None:
+    """The reward every member of ``group`` got, or None when they differ (the group has a learning signal)."""
+    rewards = {t.reward or 0.0 for t in group}
+    return rewards.pop() if len(rewards) == 1 else None
+
+
+def no_signal_message(stretch: Sequence[tuple[int, Sequence[float]]]) -> str:
+    """What a stretch of steps without learning signal saw (steps 1-based, as the bar and metrics count them), and
+    what to check."""
+    first, last = stretch[0][0] + 1, stretch[-1][0] + 1
+    counts = Counter(reward for _, rewards in stretch for reward in rewards)
+    if len(counts) == 1:
+        seen = f"all {next(iter(counts)):g}"
+    else:
+        seen = ", ".join(f"{n} groups all {reward:g}" for reward, n in sorted(counts.items()))
+    if set(counts) == {0.0}:
         hint = (
-            "every episode failed: check that the warm start is long enough to teach the action format "
-            "(warm_start.sft.steps, warm_start.episodes), that max_new_tokens fits an answer, or raise the sampling "
-            "temperature or group size"
+            "the policy solves none of these tasks: check that the warm start is long enough to teach the action "
+            "format (warm_start.sft.steps, warm_start.episodes), that max_new_tokens fits an answer, or raise the "
+            "sampling temperature or group size"
         )
     else:
         hint = "the members of each group scored alike: raise the group size or temperature, or use harder tasks"
-    log.warning(
-        "no learning signal at step %d: in each of the %d groups all members got the same reward (rewards seen: %s), "
-        "so every advantage is zero; %s",
-        step + 1,
-        len(groups),
-        ", ".join(f"{r:g}" for r in sorted(rewards)),
-        hint,
+    return (
+        f"no learning signal in steps {first}-{last}: the {counts.total()} groups of these {len(stretch)} steps all "
+        f"had uniform rewards ({seen}), so every advantage was zero and the updates changed nothing but the KL "
+        f"term; {hint}"
     )
 
 
 def group_prefix(run: Run, step: int, dp_rank: int) -> str:
-    """The group ids' prefix of a step's groups rolled out by ``dp_rank`` (one process: ``step{k}-g``)."""
-    return f"step{step}-g" if run.ranks.dp == 1 else f"step{step}-dp{dp_rank}-g"
+    """The group ids' prefix of the groups ``dp_rank`` rolls out at step index ``step`` (from 0). The ids count
+    steps from 1, as the metrics and the progress bar do (one process: ``step{step + 1}-g``)."""
+    number = step + 1
+    return f"step{number}-g" if run.ranks.dp == 1 else f"step{number}-dp{dp_rank}-g"
 
 
-def rollout_and_train(run: Run, step: int) -> StepRecord:
-    """Roll out the step's groups (storing each whole), then one optimizer step on them."""
+def rollout_and_train(run: Run, step: int, watch: LearningSignalWatch | None = None) -> StepRecord:
+    """Roll out the step's groups (storing each whole), then one optimizer step on them; ``watch`` (on the writer)
+    sees every dp rank's groups."""
     start = time.perf_counter()
     groups = _rollout_share(run, step)
     rollout_s = time.perf_counter() - start
@@ -135,8 +182,8 @@ def rollout_and_train(run: Run, step: int) -> StepRecord:
     if everyone is not None:
         _store_gathered(run, step, everyone)
     all_groups = groups if everyone is None else [g for part in everyone for g in part]
-    if run.ranks.writes:
-        warn_without_learning_signal(all_groups, step)
+    if run.ranks.writes and watch is not None:
+        watch.observe(all_groups, step)
     try:
         with _sigint_deferred():  # an update is applied whole or not at all
             metrics = run.trainer.train_step([run.trainer.group_from_trajectories(g) for g in groups])

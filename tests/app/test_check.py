@@ -107,6 +107,31 @@ def test_an_existing_run_needs_resume(tmp_path: Path, capsys) -> None:
     assert code == 2 and "output_dir:" in err and "--resume" in err
 
 
+def resume_check(tmp_path: Path, steps_done: int, steps: int, capsys) -> str:
+    checkpoint = tmp_path / "run" / "checkpoint"
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": steps_done, "policy_version": steps_done}))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "run", steps=steps)))
+    assert main(["train", "--check", "--resume", str(path)]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_resumed_run_counts_the_steps_after_its_checkpoint(tmp_path: Path, capsys) -> None:
+    out = resume_check(tmp_path, steps_done=3, steps=5, capsys=capsys)
+    assert "resumed from its checkpoint at step 3" in out
+    assert "2 steps (steps 4..5 of 5) of 2 groups x 4 episodes (16 episodes)" in out
+    out = resume_check(tmp_path, steps_done=5, steps=5, capsys=capsys)
+    assert "0 steps (the checkpoint has done all 5; raise steps to train further)" in out and "(0 episodes)" in out
+
+
+def test_a_bad_env_setting_is_one_line_with_a_suggestion(tmp_path: Path, capsys) -> None:
+    config = tiny_config_dict(tmp_path / "run", env={"id": "LongStraw/Calculator-v0", "kwargs": {"max_turnz": 2}})
+    code, _, err = check(tmp_path, config, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "env.kwargs.max_turnz: Extra inputs are not permitted; did you mean 'max_turns'?" in err
+
+
 def test_the_served_example_fails_only_on_its_machine_paths_then_passes(tmp_path: Path, server, capsys) -> None:
     example = yaml.safe_load(EXAMPLE.read_text())
     example["output_dir"] = str(tmp_path / "run")

@@ -66,8 +66,8 @@ def test_training_from_saved_directories_uses_their_model_and_tokenizer(saved, t
         episodes = list(store.episodes())
     assert len(episodes) == STEPS * GROUPS * G
     for trajectory in episodes:
-        # the envs rendered their prompts with the saved tokenizer (they used to get the shipped BPE whatever the
-        # config said), and every stored id is one of its ids and decodes to the stored text
+        # the envs rendered their prompts with the saved tokenizer (not the shipped BPE), and every stored id is one
+        # of its ids and decodes to the stored text
         assert trajectory.segments[0].token_ids[0] == hf.special_token_id(IM_START)
         for segment in trajectory:
             assert segment.token_ids.max(initial=0) < hf.vocab_size and hf.decode(segment.token_ids) == segment.text
@@ -86,6 +86,6 @@ def test_replay_and_inspect_a_run_of_saved_directories(trained: Path, tmp_path: 
     assert selected["policy_source"] == "checkpoint" and selected["groups_trained"] == len(mixed)
     assert [step["policy_version"] for step in steps] == [STEPS + 1]
 
-    code, out = cli("inspect", trained / "trajectories.db", "--group", "step1-g0", "--max-text", "0")
-    assert code == 0 and out.startswith(f"group step1-g0: {G} episodes, reward ")
+    code, out = cli("inspect", trained / "trajectories.db", "--group", "step2-g0", "--max-text", "0")
+    assert code == 0 and out.startswith(f"group step2-g0: {G} episodes, reward ")
     assert "<|im_start|>system" in out and '"name": "calculator"' in out

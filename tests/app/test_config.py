@@ -13,23 +13,28 @@ from paths import REPO
 from tiny_runs import ENV_ID, tiny_config, tiny_config_dict
 from transformers import LlamaConfig
 
-from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, load_config
+from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, load_config, validation_lines
 from longstraw_agents.app.training import train
 from longstraw_agents.tokenizer import ENDOFTEXT, load_tokenizer
 
 
-def test_invalid_configs_name_the_field() -> None:
-    cases = {
-        ("groups_per_step",): {"groups_per_step": 0},
-        ("trainer", "group_size"): {"trainer": {"group_size": 0}},
-        ("sampling", "temperature"): {"sampling": {"temperature": -1.0}},
-        ("stepz",): {"stepz": 3},
-        ("env", "id"): {"env": {"kwargs": {}}},
-    }
-    for location, update in cases.items():
-        with pytest.raises(pydantic.ValidationError) as err:
-            TrainConfig.model_validate(tiny_config_dict("runs/x", **update))
-        assert [e["loc"] for e in err.value.errors()] == [location]
+@pytest.mark.parametrize(
+    ("update", "location"),
+    [
+        ({"groups_per_step": 0}, ("groups_per_step",)),
+        ({"trainer": {"group_size": 0}}, ("trainer", "group_size")),
+        ({"sampling": {"temperature": -1.0}}, ("sampling", "temperature")),
+        ({"stepz": 3}, ("stepz",)),
+        ({"env": {"kwargs": {}}}, ("env", "id")),
+    ],
+)
+def test_invalid_configs_name_the_field(update: dict, location: tuple[str, ...]) -> None:
+    with pytest.raises(pydantic.ValidationError) as err:
+        TrainConfig.model_validate(tiny_config_dict("runs/x", **update))
+    assert [e["loc"] for e in err.value.errors()] == [location]
+
+
+def test_a_model_is_a_preset_or_a_path() -> None:
     with pytest.raises(pydantic.ValidationError, match="exactly one of model.preset and model.path"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", model={"preset": "llama", "path": "/models/x"}))
     with pytest.raises(pydantic.ValidationError, match="exactly one of model.preset and model.path"):
@@ -38,8 +43,36 @@ def test_invalid_configs_name_the_field() -> None:
         TrainConfig.model_validate(tiny_config_dict("runs/x", model={"path": "/models/x", "overrides": {"layers": 2}}))
 
 
+def test_an_unknown_key_gets_the_closest_key_its_section_takes() -> None:
+    typos = tiny_config_dict(
+        "runs/x",
+        stepz=3,
+        zzzzzz=1,
+        trainer={"lrr": 0.1, "num_generation": 4, "loss": {"betaa": 0.1}},
+        sampling={"temprature": 1.0},
+        parallel={"dpp": 2},
+        warm_start={"episods": 3},
+    )
+    with pytest.raises(pydantic.ValidationError) as err:
+        TrainConfig.model_validate(typos)
+    lines = validation_lines(err.value, schema=TrainConfig).splitlines()
+    suggested = {
+        "stepz": "steps",
+        "trainer.lrr": "lr",  # the trainer takes optimizer and loss settings flat, and TRL's names
+        "trainer.num_generation": "num_generations",
+        "trainer.loss.betaa": "beta",
+        "sampling.temprature": "temperature",
+        "parallel.dpp": "dp",
+        "warm_start.episods": "episodes",
+    }
+    for location, key in suggested.items():
+        assert f"  {location}: Extra inputs are not permitted; did you mean {key!r}?" in lines
+    assert "  zzzzzz: Extra inputs are not permitted" in lines  # nothing close: no guess
+    assert "did you mean" not in validation_lines(err.value)  # no schema given: nothing to guess from
+
+
 def test_a_model_path_alone_is_a_complete_model_setting(tmp_path: Path) -> None:
-    """``model: {path: DIR}`` used to be refused: ``preset`` defaulted to llama whether or not a path was given."""
+    """``model: {path: DIR}`` is a whole model setting: ``preset`` defaults to llama only when no path is given."""
     assert ModelSpec(path="/models/x").preset is None
     assert ModelSpec().preset == "llama" and ModelSpec(overrides={"hidden": 32}).preset == "llama"
     (tmp_path / "train.yaml").write_text(f"env: {{id: {ENV_ID}}}\nmodel: {{path: /models/x}}\n")
@@ -69,7 +102,7 @@ def test_a_model_path_alone_is_a_complete_model_setting(tmp_path: Path) -> None:
     ],
 )
 def test_a_string_is_no_number(tmp_path: Path, setting: str, location: str) -> None:
-    """A quoted number used to be coerced silently (``steps: "3"`` ran 3 steps); now it names the field."""
+    """A quoted number is not coerced (``steps: "3"`` would silently run 3 steps): the error names the field."""
     (tmp_path / "train.yaml").write_text(f"env: {{id: {ENV_ID}}}\n{setting}\n")
     with pytest.raises(pydantic.ValidationError) as err:
         load_config(tmp_path / "train.yaml")
@@ -159,22 +192,31 @@ def fails_before_writing(run_dir: Path, message: str, **update) -> None:
     assert not run_dir.exists()
 
 
-def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        ({"env": {"id": "LongStraw/Nope-v0"}}, "env.id: unknown environment"),
+        ({"env": {"id": ENV_ID, "kwargs": {"max_turns": 0}}}, r"env\.kwargs\.max_turns"),
+        (
+            {"env": {"id": ENV_ID, "kwargs": {"max_turns": "3"}}},
+            r"env\.kwargs\.max_turns: Input should be a valid integer",
+        ),
+        (
+            {"env": {"id": ENV_ID, "kwargs": {"tokenizer": "longstraw-bpe"}}},
+            r"env\.kwargs\.tokenizer: the run's environments use the top-level `tokenizer`",
+        ),
+        (
+            {"model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 16}},
+            "context limit of 16 tokens",
+        ),
+    ],
+)
+def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(
+    tmp_path: Path, update: dict, message: str
+) -> None:
     """An unknown env, bad env kwargs or a prompt over the model's context: a ConfigError before the model is
-    trained or anything is written (it used to surface at the first rollout)."""
-    cases = {
-        "env.id: unknown environment": {"env": {"id": "LongStraw/Nope-v0"}},
-        r"env\.kwargs\.max_turns": {"env": {"id": ENV_ID, "kwargs": {"max_turns": 0}}},
-        r"env\.kwargs\.max_turns: Input should be a valid integer": {
-            "env": {"id": ENV_ID, "kwargs": {"max_turns": "3"}}
-        },
-        r"env\.kwargs\.tokenizer: the run's environments use the top-level `tokenizer`": {
-            "env": {"id": ENV_ID, "kwargs": {"tokenizer": "longstraw-bpe"}}
-        },
-        "context limit of 16 tokens": {"model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 16}},
-    }
-    for message, update in cases.items():
-        fails_before_writing(tmp_path / "run", message, **update)
+    trained or anything is written (not at the first rollout)."""
+    fails_before_writing(tmp_path / "run", message, **update)
 
 
 @pytest.mark.parametrize(
@@ -191,38 +233,70 @@ def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(tmp_pa
     ],
 )
 def test_bad_preset_arguments_fail_before_writing(tmp_path: Path, overrides: dict, message: str) -> None:
-    """A misspelt preset argument used to be a TypeError from the preset function, after the checks."""
+    """A misspelt preset argument is a configuration error naming it, not a TypeError from the preset function."""
     fails_before_writing(tmp_path / "run", message, model={"preset": "llama", "overrides": overrides})
 
 
-def test_a_model_path_that_cannot_be_the_policy_fails_before_writing(tmp_path: Path) -> None:
-    """A missing directory used to be transformers' OSError "Repo id must be ..."; a model with fewer embeddings
-    than the tokenizer has ids failed at the first rollout, after config.json and the store were written."""
-    small = save_tiny_llama(tmp_path / "small-vocab", vocab_size=64)
-    config_only = tmp_path / "config-only"
-    LlamaConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(
-        config_only
-    )
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "file").write_text("weights?")
+def unusable_model_path(tmp_path: Path, kind: str) -> Path:
+    """A model directory that cannot be the policy, of ``kind``."""
+    path = tmp_path / kind
+    if kind == "small-vocab":
+        save_tiny_llama(path, vocab_size=64)
+    elif kind == "config-only":
+        LlamaConfig(vocab_size=4096, hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(path)
+    elif kind == "empty":
+        path.mkdir()
+    elif kind == "file":
+        path.write_text("weights?")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("missing", "model.path: no model directory at .*missing"),
+        ("file", "model.path: .*file is a file, not a model directory"),
+        ("empty", "model.path: .*empty has no config.json"),
+        ("small-vocab", "model.path: the model's vocabulary has 64 tokens, fewer than the tokenizer's {vocab}"),
+        ("config-only", "model.path: cannot load the weights in .*config-only"),
+    ],
+)
+def test_a_model_path_that_cannot_be_the_policy_fails_before_writing(tmp_path: Path, kind: str, message: str) -> None:
+    """A missing directory (not transformers' OSError "Repo id must be ...") and a model with fewer embeddings than
+    the tokenizer has ids (not a failure at the first rollout) are refused before config.json or the store exist."""
+    path = unusable_model_path(tmp_path, kind)
     vocab = load_tokenizer("longstraw-bpe").vocab_size
-    cases = {
-        tmp_path / "missing": "model.path: no model directory at .*missing",
-        tmp_path / "file": "model.path: .*file is a file, not a model directory",
-        tmp_path / "empty": "model.path: .*empty has no config.json",
-        small: f"model.path: the model's vocabulary has 64 tokens, fewer than the tokenizer's {vocab}",
-        config_only: "model.path: cannot load the weights in .*config-only",
-    }
-    for path, message in cases.items():
-        fails_before_writing(tmp_path / "run", message, model={"path": str(path)})
+    fails_before_writing(tmp_path / "run", message.format(vocab=vocab), model={"path": str(path)})
 
 
-def test_a_tokenizer_that_cannot_serve_the_envs_fails_before_writing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("chat_tokens", "message"),
+    [
+        (None, "tokenizer: unknown tokenizer .*missing"),
+        (False, r"tokenizer: '<\|im_start\|>' is not a special token of .*plain-bpe"),
+    ],
+    ids=["missing", "without-chat-tokens"],
+)
+def test_a_tokenizer_that_cannot_serve_the_envs_fails_before_writing(
+    tmp_path: Path, chat_tokens: bool | None, message: str
+) -> None:
     """A tokenizer without ChatML's tokens (most base models' own) cannot render the envs' prompts."""
-    without_chat_tokens = save_bpe_tokenizer(tmp_path / "plain-bpe", special_tokens=[ENDOFTEXT], eos_token=ENDOFTEXT)
-    cases = {
-        tmp_path / "missing": "tokenizer: unknown tokenizer .*missing",
-        without_chat_tokens: r"tokenizer: '<\|im_start\|>' is not a special token of .*plain-bpe",
-    }
-    for path, message in cases.items():
-        fails_before_writing(tmp_path / "run", message, tokenizer=str(path))
+    if chat_tokens is None:
+        path = tmp_path / "missing"
+    else:
+        path = save_bpe_tokenizer(tmp_path / "plain-bpe", special_tokens=[ENDOFTEXT], eos_token=ENDOFTEXT)
+    fails_before_writing(tmp_path / "run", message, tokenizer=str(path))
+
+
+def test_report_to_takes_the_trackers_it_knows(tmp_path: Path) -> None:
+    """A list of tensorboard / wandb / mlflow (a single name is a list of one, as in TRL); a typo or a repeat is an
+    error naming report_to."""
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "run", report_to=["tensorboard", "wandb"])))
+    assert load_config(path).report_to == ["tensorboard", "wandb"]
+    assert tiny_config(tmp_path, report_to="mlflow").report_to == ["mlflow"]
+    assert tiny_config(tmp_path).report_to == []
+    with pytest.raises(pydantic.ValidationError, match=r"report_to\.0\n.*'tensorboard', 'wandb' or 'mlflow'"):
+        tiny_config(tmp_path, report_to=["tensorbord"])
+    with pytest.raises(pydantic.ValidationError, match=r"report_to\n.*names wandb more than once"):
+        tiny_config(tmp_path, report_to=["wandb", "tensorboard", "wandb"])

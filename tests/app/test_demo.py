@@ -45,6 +45,48 @@ def test_main_prints_the_transcript_and_appends_a_run_per_invocation(
         assert store.count() == 6 and len(store.runs()) == 2
 
 
+def earlier_demo(out: Path) -> None:
+    """What a finished demo leaves (its store, run files and plots), and what a user added: a replay, a note."""
+    demo.run_scripted_demo(out)
+    (out / "checkpoint").mkdir()
+    (out / "checkpoint" / "trainer_state.json").write_text("{}")
+    for name in ("metrics.jsonl", "config.json", "reward.png"):
+        (out / name).write_text("")
+    (out / "replay").mkdir()
+    (out / "replay" / "metrics.jsonl").write_text("")
+    (out / "notes.txt").write_text("mine")
+
+
+def test_a_new_demo_says_what_it_replaces_and_keeps_what_it_did_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    earlier_demo(out)
+    trained: list[Path] = []
+
+    def training(out_dir: Path, quick: bool = False) -> dict[str, float]:  # the store must be fresh by now
+        trained.append(out_dir)
+        with Store.open(out_dir / demo.STORE, create=False) as store:
+            assert store.count() == len(demo.DEMO_ENVS) and not (out_dir / "checkpoint").exists()
+        names = ("reward_before", "reward_after", "train_reward_first", "train_reward_last", "seconds")
+        return dict.fromkeys(names, 0.0)
+
+    monkeypatch.setattr(demo, "run_training_demo", training)
+    assert demo.main(["--out", str(out)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"replacing the earlier demo in {out}: removing ")
+    removed, kept = first.split(": removing ")[1].split("; keeping ")
+    assert set(removed.split(", ")) == {"trajectories.db", "metrics.jsonl", "config.json", "checkpoint/", "reward.png"}
+    assert kept == "notes.txt, replay/"
+    assert (
+        trained == [out] and (out / "replay" / "metrics.jsonl").exists() and (out / "notes.txt").read_text() == "mine"
+    )
+
+    lines: list[str] = []
+    demo.clear_earlier_demo(tmp_path / "elsewhere", echo=lines.append)  # nothing of a demo there: nothing said
+    assert lines == []
+
+
 def test_the_suggested_replay_learns_from_groups_with_reward_differences(tmp_path: Path) -> None:
     """`--where` keeps whole groups: the suggested condition must leave groups whose members' rewards differ (an
     episode-level "reward > 0" would keep only solved members: zero advantages), and the scripted episodes, which
@@ -53,7 +95,7 @@ def test_the_suggested_replay_learns_from_groups_with_reward_differences(tmp_pat
     calculator = result.trajectories["LongStraw/Calculator-v0"]
     with Store.open(result.store_path, create=False) as store:
         run_id = store.add_run(config={}, model="tiny", tokenizer="longstraw-bpe-v1")
-        for group, rewards in (("step0-g0", (1.0, 0.0, 0.0, 1.0)), ("step0-g1", (0.0, 0.0, 0.0, 0.0))):
+        for group, rewards in (("step1-g0", (1.0, 0.0, 0.0, 1.0)), ("step1-g1", (0.0, 0.0, 0.0, 0.0))):
             members = [dataclasses.replace(calculator, group_id=group, reward=r) for r in rewards]
             store.add_episodes(members, run_id=run_id)
         groups, counts = select_logged_groups(store, ReplayConfig(where=demo.REPLAY_WHERE), policy_version=1)

@@ -21,6 +21,7 @@ import torch
 import yaml
 from tiny_runs import tiny_config_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from tracker_logs import as_float32, expected_scalars, tensorboard_scalars
 from transformers import AutoModelForCausalLM
 
 from longstraw_agents.app.config import ConfigError, ParallelSpec, TrainConfig
@@ -87,6 +88,7 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     settings["model"] = {**settings["model"], "max_context": 1024}
     # weight decay moves the weights even without a reward signal, so the export is told apart from a fresh init
     settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1}
+    settings["report_to"] = ["tensorboard"]  # the writer alone reports
     config.write_text(yaml.safe_dump(settings))
     done = _launch("torchrun", config)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,11 +97,11 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     groups = _stored_groups(run_dir)
-    assert sorted(groups) == [f"step{s}-dp{r}-g0" for s in range(3) for r in range(2)]
+    assert sorted(groups) == [f"step{s}-dp{r}-g0" for s in range(1, 4) for r in range(2)]
     for group_id, seeds in groups.items():
         assert len(seeds) == GROUP_SIZE and len(set(seeds)) == 1, group_id  # each group once, whole
     for step in range(3):  # the dp ranks split the step's tasks: every task once
-        seeds = sorted(groups[f"step{step}-dp{r}-g0"][0] for r in range(2))
+        seeds = sorted(groups[f"step{step + 1}-dp{r}-g0"][0] for r in range(2))  # ids count steps from 1
         assert seeds == [task_seed(0, step, g) for g in range(GROUPS_PER_STEP)]
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -107,6 +109,9 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     for line in lines:  # a step's line covers both ranks' groups
         assert sum(line["finish_reasons"].values()) == GROUPS_PER_STEP * GROUP_SIZE
         assert line["episode_tokens_mean"] > 512  # the episodes cross the cp shard boundary
+    # one events file per launch (another rank's tracker would add its own), holding each step once
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    assert tensorboard_scalars(run_dir / "tensorboard") == as_float32(expected_scalars(run_dir, {}))
     checkpoint = {p.name for p in (run_dir / "checkpoint").iterdir()}
     assert {f"random_states_{r}.pkl" for r in range(4)} | {"trainer_state.json"} <= checkpoint
     assert "sharded" in checkpoint and "model.safetensors" not in checkpoint

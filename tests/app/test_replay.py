@@ -15,6 +15,7 @@ import pytest
 import sqlite_utils
 import torch
 from tiny_runs import ENV_ID, ENV_KWARGS, checkpoint_weights, tiny_config, warm_started_policy
+from tracker_logs import as_float32, expected_scalars, tensorboard_scalars
 
 from longstraw_agents.app.records import MetricsRecord, ReplaySelectRecord
 from longstraw_agents.app.replay import (
@@ -92,11 +93,24 @@ def test_replay_trains_on_the_selected_groups(source: Path, tmp_path: Path) -> N
         assert store.count() == SOURCE_STEPS * 2 * G  # the source store is only read
 
 
+def test_replay_reports_to_the_trackers_of_its_source_run(source: Path, tmp_path: Path) -> None:
+    """A replay run takes its config, report_to included, from the source run: its TensorBoard logs under the replay
+    directory hold its metrics.jsonl numbers (the selection at the loaded checkpoint's step, then its steps)."""
+    reporting = tmp_path / "source"
+    shutil.copytree(source, reporting)
+    config = json.loads((reporting / "config.json").read_text())
+    (reporting / "config.json").write_text(json.dumps({**config, "report_to": ["tensorboard"]}))
+    out = replay(reporting / "trajectories.db", ReplayConfig(), out_dir=tmp_path / "replay")
+    expected = expected_scalars(out, {"replay_select": SOURCE_STEPS})
+    assert [step for step, _ in expected["grpo/loss"]] == [SOURCE_STEPS + 1]
+    assert tensorboard_scalars(out / "tensorboard") == as_float32(expected)
+
+
 def test_where_keeps_whole_groups_and_only_groups_with_reward_differences_train(source: Path, tmp_path: Path) -> None:
     mixed = mixed_groups(source)
-    groups, counts = select(source, tmp_path / "a", where="group_id = 'step1-g0' AND id % 4 = 0")
+    groups, counts = select(source, tmp_path / "a", where="group_id = 'step2-g0' AND id % 4 = 0")
     assert counts["episodes"] == G and counts["groups"] == 1 and counts["skipped_small_groups"] == 0  # the whole group
-    assert [{t.group_id for t in g} for g in groups] == ([{"step1-g0"}] if "step1-g0" in mixed else [])
+    assert [{t.group_id for t in g} for g in groups] == ([{"step2-g0"}] if "step2-g0" in mixed else [])
     groups, counts = select(source, tmp_path / "b", where="reward >= 0")
     assert counts["episodes"] == SOURCE_STEPS * 2 * G and counts["groups"] == SOURCE_STEPS * 2
     assert sorted(g[0].group_id for g in groups) == sorted(mixed)  # all-equal rewards: zero advantages, skipped
@@ -169,7 +183,9 @@ def test_stale_episodes_are_skipped_or_kept_and_flagged(source: Path, tmp_path: 
 
 def test_uniform_groups_spend_no_policy_version(source: Path, tmp_path: Path) -> None:
     uniform = [
-        g for g in (f"step{s}-g{k}" for s in range(SOURCE_STEPS) for k in range(2)) if g not in mixed_groups(source)
+        g
+        for g in (f"step{s}-g{k}" for s in range(1, SOURCE_STEPS + 1) for k in range(2))
+        if g not in mixed_groups(source)
     ]
     assert uniform, "the source run (seeded) must log at least one group with equal rewards"
     where = f"group_id = '{uniform[0]}'"
@@ -214,7 +230,7 @@ def test_truncated_importance_weights_come_from_the_stored_behaviour_logprobs(
 
 
 def test_fork_at_replays_the_logged_turns_and_trains_on_new_continuations(source: Path, tmp_path: Path) -> None:
-    where = "group_id = 'step1-g1'"
+    where = "group_id = 'step2-g1'"
     originals = logged(source, where)
     config = ReplayConfig(where=where, fork_at=1, fork_group_size=2, recorded_tools=False)
     out = replay(source / "trajectories.db", config, out_dir=tmp_path / "fork")

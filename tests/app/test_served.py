@@ -88,13 +88,13 @@ def test_two_steps_against_a_served_policy(
     assert any(not torch.equal(initial[n], first[n]) for n in initial)
     assert any(not torch.equal(first[n], second[n]) for n in first)
     assert_same_weights(served_weights(server), checkpoint_weights(run_dir))
-    assert stored_versions(run_dir) == {"step0": {0}, "step1": {1}}
+    assert stored_versions(run_dir) == {"step1": {0}, "step2": {1}}
     assert [p.name for p in (run_dir / "served_weights").iterdir()] == ["v000002"]  # keep: 1
 
     train(served_config(run_dir, policy, server, steps=3), resume=True)  # resumed: the server serves version 2 already
     assert [version for version, _ in pushed] == [1, 2, 3]
     assert_same_weights(served_weights(server), checkpoint_weights(run_dir))
-    assert stored_versions(run_dir) == {"step0": {0}, "step1": {1}, "step2": {2}}
+    assert stored_versions(run_dir) == {"step1": {0}, "step2": {1}, "step3": {2}}
 
 
 def test_changed_weights_are_pushed_before_the_first_sampling(tmp_path: Path, server: CompletionServer) -> None:

@@ -79,13 +79,13 @@ def test_a_run_writes_config_store_metrics_and_checkpoint(uninterrupted: Path, p
     with Store.open(uninterrupted / "trajectories.db", create=False) as store:
         assert store.count() == STEPS * GROUPS * G and len(store.runs()) == 1
         groups = store.groups()
-        assert list(groups) == [f"step{s}-g{g}" for s in range(STEPS) for g in range(GROUPS)]
+        assert list(groups) == [f"step{s}-g{g}" for s in range(1, STEPS + 1) for g in range(GROUPS)]
         for group_id, members in groups.items():
-            step = int(group_id.removeprefix("step").split("-")[0])
-            assert len(members) == G and {t.policy_version for t in members} == {step}
+            step = int(group_id.removeprefix("step").split("-")[0])  # counted from 1, as the metrics count
+            assert len(members) == G and {t.policy_version for t in members} == {step - 1}
             assert len({t.seed for t in members}) == 1
-        rewards = [t.reward for t in store.episodes("group_id LIKE 'step0-%'")]
-    assert lines[0]["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+        rewards = [t.reward for t in store.episodes("group_id LIKE 'step1-%'")]
+    assert lines[0]["step"] == 1 and lines[0]["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
 
     info = GRPOTrainer.checkpoint_info(uninterrupted / "checkpoint")
     assert info["step"] == STEPS and info["policy_version"] == STEPS
@@ -192,7 +192,7 @@ def test_resuming_an_interrupted_step_does_not_store_its_groups_twice(
     monkeypatch.undo()
     train(run_config(run_dir, policy, checkpoint_every=5), resume=True)
     sizes = {group: len(members) for group, members in episode_ids_by_group(run_dir).items()}
-    assert sizes == {f"step{s}-g{g}": G for s in range(STEPS) for g in range(GROUPS)}
+    assert sizes == {f"step{s}-g{g}": G for s in range(1, STEPS + 1) for g in range(GROUPS)}
 
 
 def test_ctrl_c_during_the_optimizer_update_leaves_a_consistent_checkpoint(

@@ -44,7 +44,7 @@ def test_no_calls() -> None:
 
 
 def test_numpy_arguments_are_written_as_the_json_they_hold() -> None:
-    """A task drawn with ``rng.integers`` holds np.int64 values; format_tool_call used to raise TypeError on them."""
+    """A task drawn with ``rng.integers`` holds np.int64 values; format_tool_call writes them as JSON numbers."""
     a, b = np.random.default_rng(0).integers(1, 10, size=2)
     arguments = {"a": a, "b": b, "scale": np.float32(0.5), "ok": np.bool_(True), "xs": np.arange(3), "w": np.str_("x")}
     call = only(format_tool_call("add", arguments))
