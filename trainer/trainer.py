@@ -3,9 +3,11 @@
 One step (``train_step``): for each of the ``num_iterations`` (μ) optimizer steps on the same groups, zero grads →
 ``backward_group`` for each group → mean over groups (over all processes' groups when data parallel; with batch
 normalisation the groups' losses are already shares of one batch loss and are summed) → clip → AdamW step; then
-step and policy version + 1. Checkpoints hold the model, optimizer, RNG states (via
-``accelerate.Accelerator.save_state``) and the trainer's counters; they are written to a temporary folder and renamed
-into place, so a kill during a save leaves the previous checkpoint intact. Resuming from step k and running to step n
+step and policy version + 1. Checkpoints hold the model and optimizer state through ``torch.distributed.checkpoint``
+(every rank its own shards, or one process the whole; DCP reshards on load, so a checkpoint resumes on any mesh, with
+or without FSDP2), the scheduler and RNG states (``accelerate.Accelerator.save_state``) and the trainer's counters;
+they are written to a temporary folder and renamed into place, so a kill during a save leaves the previous checkpoint
+intact. Resuming from step k and running to step n
 gives bit-identical parameters to an uninterrupted run to step n (given the same data per step).
 
 A GRPO step draws no random numbers and the trainer never seeds the global RNGs: seed (or give generators to) whatever
@@ -72,8 +74,9 @@ class GRPOTrainer:
     mesh: the job's ``(dp, cp)`` mesh. The trainer's collectives (gradient sums, the batch pool) then run over its
         ``dp`` group only: the ``cp`` ranks of one dp rank hold the same groups and compute the same gradients.
         Without a mesh every process is a data-parallel rank (the default world group), as before. A model sharded
-        with ``mesh.fully_shard`` (FSDP2) is gathered for each optimizer step and its gradients reduce-scattered
-        (``parallel.fsdp.gathered``); AdamW steps each rank's shard and checkpoints are sharded (DCP).
+        with ``mesh.fully_shard`` (FSDP2, over every rank of the mesh) is gathered for each optimizer step and its
+        gradients reduce-scattered (``ParallelMesh.gathered``); AdamW steps each rank's shard and checkpoints are
+        sharded (DCP).
     """
 
     def __init__(
@@ -97,14 +100,19 @@ class GRPOTrainer:
         )
         warmup = optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        # Model and optimizer are checkpointed by the trainer (DCP, any layout), so accelerate checkpoints only what
+        # it is given here: the scheduler, the RNG states and the counters.
         if mesh is None:
-            self.model, self.optimizer, self.scheduler = self.accelerator.prepare(module, optimizer, scheduler)
+            self.model = self.accelerator.prepare_model(module)
         elif not is_sharded(module):  # no DDP wrapper: its construction broadcasts over the world group, not dp
             self.model = self.accelerator.prepare_model(module, evaluation_mode=True)
-            self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
-        else:  # FSDP2: model and optimizer are checkpointed shard by shard (DCP), not by accelerate's main process
-            self.model, self.optimizer = module, optimizer
-            self.scheduler = self.accelerator.prepare(scheduler)
+        else:
+            self.model = module
+        self.accelerator.register_save_state_pre_hook(_save_no_model)
+        self.accelerator.register_load_state_pre_hook(_load_no_model)
+        self.optimizer, self.scheduler = optimizer, self.accelerator.prepare(scheduler)
+        # FSDP2: the block each optimizer step runs in, its units unsharded (a no-op for a model that is not sharded)
+        self._gathered = mesh.gathered if mesh is not None else gathered
         self.counters = _Counters()
         self.accelerator.register_for_checkpointing(self.counters)
         # The engine calls the model's submodules directly (embeddings, layers, lm_head) and never the wrapper's
@@ -232,7 +240,7 @@ class GRPOTrainer:
     ) -> tuple[list[BackwardResult], IterationMetrics]:
         self.optimizer.zero_grad(set_to_none=True)
         config = self.config
-        with gathered(self.model):  # FSDP2: unsharded for the step, gradients reduce-scattered after (parallel.fsdp)
+        with self._gathered(self.model):  # FSDP2: unsharded for the step, gradients reduce-scattered after
             results = [
                 backward_group(self.engine, g, config.mode, config.loss, self.ref_engine, config.track_memory, cache)
                 for g, cache in zip(groups, caches, strict=True)
@@ -283,9 +291,9 @@ class GRPOTrainer:
     def save_checkpoint(self, directory: str | os.PathLike) -> Path:
         """Write a checkpoint atomically (temporary folder, then rename).
 
-        Several processes: every one writes its RNG states (and, under FSDP2, its shards) into the temporary folder;
-        after a barrier the main process alone adds the counters and renames it into place, and a last barrier
-        keeps the others from going on (or being killed) before the checkpoint is whole."""
+        Several processes: every one writes its RNG states and its shards of the model and optimizer state into the
+        temporary folder; after a barrier the main process alone adds the counters and renames it into place, and a
+        last barrier keeps the others from going on (or being killed) before the checkpoint is whole."""
         final = Path(directory)
         tmp = final.with_name(final.name + ".tmp")
         main = self.accelerator.is_main_process
@@ -293,8 +301,7 @@ class GRPOTrainer:
             shutil.rmtree(tmp, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp))
-        if is_sharded(self.model):
-            save_sharded(self.model, self.optimizer, tmp)
+        save_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, tmp)
         self.accelerator.wait_for_everyone()
         if main:
             (tmp / TRAINER_STATE).write_text(
@@ -310,10 +317,10 @@ class GRPOTrainer:
         return final
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Restore a checkpoint written on any mesh (DCP reshards the model and optimizer state to this one's)."""
         path = self.resolve_checkpoint(directory)
         self.accelerator.load_state(str(path))
-        if is_sharded(self.model):
-            load_sharded(self.model, self.optimizer, path)
+        load_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, path)
 
     @staticmethod
     def resolve_checkpoint(directory: str | os.PathLike) -> Path:
@@ -330,6 +337,16 @@ class GRPOTrainer:
     @classmethod
     def checkpoint_info(cls, directory: str | os.PathLike) -> dict[str, Any]:
         return json.loads((cls.resolve_checkpoint(directory) / TRAINER_STATE).read_text())
+
+
+def _save_no_model(models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
+    """accelerate's save pre-hook: its checkpoint leaves out the model (the trainer's DCP checkpoint holds it)."""
+    weights.clear()
+
+
+def _load_no_model(models: list[nn.Module], input_dir: str) -> None:
+    """accelerate's load pre-hook: the model comes from the trainer's DCP checkpoint."""
+    models.clear()
 
 
 def _data_parallel_group(mesh: ParallelMesh | None, num_processes: int) -> dist.ProcessGroup | None:

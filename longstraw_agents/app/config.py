@@ -146,7 +146,9 @@ class ParallelSpec(BaseModel):
 
     dp: int = Field(1, ge=1, description="data-parallel ranks: each rolls out and trains on its share of the groups")
     cp: int = Field(1, ge=1, description="context-parallel ranks per dp rank: they shard one prompt's state")
-    fsdp: bool = Field(False, description="shard parameters, gradients and optimizer state over dp (FSDP2)")
+    fsdp: bool = Field(
+        False, description="shard parameters, gradients and optimizer state over every rank, dp x cp (FSDP2)"
+    )
     wavefront_walk: bool = Field(
         True,
         description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
@@ -155,12 +157,6 @@ class ParallelSpec(BaseModel):
     timeout_s: float = Field(
         600.0, gt=0, description="seconds a collective waits for the other ranks before failing (a dead or hung rank)"
     )
-
-    @model_validator(mode="after")
-    def _fsdp_needs_dp(self) -> ParallelSpec:
-        if self.fsdp and self.dp == 1:
-            raise ValueError("parallel.fsdp shards over the data-parallel ranks: it needs parallel.dp > 1")
-        return self
 
 
 class TrainConfig(BaseModel):

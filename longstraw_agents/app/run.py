@@ -137,12 +137,14 @@ class Run:
         self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), self.max_context)
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
         self._check_prompt_fits()
-        # Nothing is written before the configuration is known to run: a config error leaves no run directory.
+        # Nothing is written before the configuration is known to run: a config error leaves no run directory, and a
+        # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None
         self._reporter: Reporter | None = None
         if self.ranks.writes:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "config.json").write_text(config.model_dump_json(indent=2))
+            if not resume:
+                self._write_config()
             self._store = Store.open(self.dir / STORE)
         try:
             if self.ranks.writes and config.report_to:  # before the warm start, whose record they get
@@ -154,11 +156,29 @@ class Run:
             self.trainer = self._trainer(self._reference(resume, reference))
             self.sampling_engine = self._sampling_engine()
             if resume:
-                self.trainer.load_checkpoint(self.dir / CHECKPOINT)
+                self._load_checkpoint()
             self.served = self._served_policy(resume)
         except BaseException:
             self.close()
             raise
+
+    def _write_config(self) -> None:
+        (self.dir / "config.json").write_text(self.config.model_dump_json(indent=2))
+
+    def _load_checkpoint(self) -> None:
+        """Resume from the checkpoint (written on any mesh: DCP reshards it), then record the settings it now runs
+        with; a checkpoint these settings cannot hold (another model shape) is refused naming both."""
+        earlier = self.dir / "config.json"
+        before = TrainConfig.model_validate_json(earlier.read_text()) if earlier.is_file() else None
+        try:
+            self.trainer.load_checkpoint(self.dir / CHECKPOINT)
+        except (RuntimeError, ValueError, KeyError) as err:
+            written = f"written with {_layout(before)}" if before is not None else "of unknown settings"
+            raise ConfigError(
+                f"--resume: the checkpoint in {self.dir} ({written}) does not load with {_layout(self.config)}: {err}"
+            ) from None
+        if self.ranks.writes:
+            self._write_config()
 
     @property
     def store(self) -> Store:
@@ -312,3 +332,10 @@ class Run:
 def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConfig:
     """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk)."""
     return EngineConfig(chunk_size=chunk, wavefront_walk=spec.wavefront_walk)
+
+
+def _layout(config: TrainConfig) -> str:
+    """A run's model and mesh, as a refused resume names them."""
+    model = config.model.path or f"preset {config.model.preset} {config.model.overrides or ''}".rstrip()
+    parallel = config.parallel
+    return f"model {model}, parallel dp={parallel.dp} cp={parallel.cp} fsdp={parallel.fsdp}"

@@ -1,35 +1,47 @@
-"""Sharded checkpoints of an FSDP2 model and its optimizer with ``torch.distributed.checkpoint`` (DCP).
+"""Checkpoints of a model and its optimizer, sharded (FSDP2) or not, with ``torch.distributed.checkpoint`` (DCP).
 
 Every rank writes the shards it holds into one folder (no rank gathers the model: at 27B parameters it would not
-fit), and DCP writes the metadata that maps each parameter's pieces; the cp ranks of a dp rank hold the same shards
-and DCP's planner keeps one copy. Loading reads each rank's pieces back in place, on the same mesh (DCP can also
-reshard to another mesh, untested here). ``load_full_model`` reads the model's pieces into a whole, unsharded model
-in one process (no process group): the way to a Hugging Face directory (``app.export``).
+fit), and DCP writes the metadata that maps each parameter's pieces; a model that is not sharded is written whole
+(by one process, or once among ranks holding the same copy: DCP's planner deduplicates). Loading reads the pieces
+each rank needs, whatever mesh wrote them: a checkpoint resumes on another dp x cp, with or without FSDP2.
+``load_full_model`` reads the model's pieces into a whole, unsharded model in one process (no process group): the
+way to a Hugging Face directory (``app.export``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 SHARDED = "sharded"  # the DCP folder inside a checkpoint
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Write the model's and optimizer's shards under ``directory / SHARDED`` (a collective: every rank calls)."""
+    """Write the model's and optimizer's state under ``directory / SHARDED``: every rank its shards (a collective),
+    or one process without a process group the whole."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / SHARDED)
+    with _single_process_is_fine():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory / SHARDED, no_dist=_alone())
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Read back what ``save_sharded`` wrote into the model's and optimizer's shards (a collective)."""
+    """Read back what ``save_sharded`` wrote into the model's and optimizer's state, whatever mesh wrote it: DCP
+    reads each parameter's pieces this rank needs (a collective), whole when the model is not sharded."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=directory / SHARDED)  # in place
+    try:
+        with _single_process_is_fine():
+            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=directory / SHARDED, no_dist=_alone())
+    except CheckpointException as err:  # every rank's traceback in one message: say what went wrong
+        raise ValueError(_last_line(err)) from None
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
@@ -38,6 +50,24 @@ def load_full_model(model: nn.Module, directory: Path) -> None:
 
     DCP assembles each parameter from the ranks' pieces; the model's parameter names are the sharded model's."""
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    with _single_process_is_fine():
         dcp.load(state, checkpoint_id=directory / SHARDED, no_dist=True)  # in place
+
+
+def _last_line(err: BaseException) -> str:
+    """The cause DCP's exception ends with (e.g. "Size mismatch between saved ... and current ... for ...")."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+def _alone() -> bool:
+    """No process group: DCP reads and writes everything in this process."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_is_fine() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is ... uninitialized, assuming ... a single process": that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

@@ -1,7 +1,8 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) for a policy the engine drives.
 
 Each decoder layer is one FSDP unit and the whole model is the root unit (embeddings, final norm, LM head), sharded
-along dim 0 over the ``dp`` sub-mesh: a rank stores 1/dp of every parameter, and AdamW steps its shard.
+along dim 0 over every rank of the job (``ParallelMesh.shard_mesh``: dp x cp flattened, as torchtitan shards over
+data and context ranks together): a rank stores 1/(dp·cp) of every parameter, and AdamW steps its shard.
 
 FSDP2 all-gathers a unit's parameters in the unit's forward pre-hook and reduce-scatters its gradients in a
 post-backward hook set up by that forward. The engine never calls a module's forward — it calls a layer's
@@ -9,8 +10,9 @@ projections, norms and MLP directly (capture, branch replay, the reverse chunk w
 ``gathered`` does their work explicitly: it unshards every unit for a block (``FSDPModule.unshard``), and on leaving
 it reshards them and reduce-scatters the gradients the block accumulated on the unsharded parameters into the
 sharded ones (a ``Partial`` DTensor redistributed to the parameter's ``Shard(0)``: a sum over dp, each rank keeping
-its shard). Only public APIs are used (``unshard`` / ``reshard``, DTensor), so FSDP's internal hook state is never
-entered.
+its shard). The cp ranks of one dp rank compute the same gradient (every one holds the group's whole gradient after
+its backward), so a gradient is divided by its number of copies (``replicas``) before the sum. Only public APIs are
+used (``unshard`` / ``reshard``, DTensor), so FSDP's internal hook state is never entered.
 
 Schedule: one all-gather of the whole model per block (per optimizer step, or per rollout) and one reduce-scatter
 per parameter. Peak memory therefore holds the whole unsharded model during the block; gathering layer by layer
@@ -45,9 +47,10 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(model: nn.Module) -> Iterator[None]:
+def gathered(model: nn.Module, replicas: int = 1) -> Iterator[None]:
     """Every FSDP unit of ``model`` unsharded for the block; on leaving, resharded, with the gradients the block
-    accumulated summed over the dp ranks into each parameter's shard. A no-op for a model that is not sharded.
+    accumulated summed over the shard mesh into each parameter's shard — divided by ``replicas``, the number of
+    ranks of that mesh holding the same gradient (cp). A no-op for a model that is not sharded.
 
     Every dp rank must enter and leave together (the all-gathers and reduce-scatters are collectives), and must
     have a gradient for the same parameters (give zeros where a rank has none)."""
@@ -69,6 +72,8 @@ def gathered(model: nn.Module) -> Iterator[None]:
         if grad is None or not isinstance(shard, DTensor):
             continue
         full[name].grad = None
+        if replicas > 1:
+            grad.div_(replicas)
         reduced = _reduce_scatter(grad, shard)
         shard.grad = reduced if shard.grad is None else shard.grad + reduced
 

@@ -4,14 +4,17 @@ from it explicitly — never the default world group by accident."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from longstraw_agents.parallel.context import ContextParallel
-from longstraw_agents.parallel.fsdp import shard_model
+from longstraw_agents.parallel.fsdp import gathered, shard_model
 
 
 @dataclass
@@ -46,7 +49,18 @@ class ParallelMesh:
         """Shards of a prompt of ``prompt_len`` positions over this mesh's ``cp`` ranks."""
         return ContextParallel.for_prompt(self.cp_group, prompt_len, chunk)
 
+    @cached_property
+    def shard_mesh(self) -> DeviceMesh:
+        """The ranks parameters, gradients and optimizer state are sharded over: all of them (dp x cp flattened)."""
+        return self.mesh["dp", "cp"]._flatten("dp_cp")
+
     def fully_shard(self, model: nn.Module) -> None:
-        """Shard ``model``'s parameters over the ``dp`` ranks with FSDP2 (``parallel.fsdp``); the cp ranks of one
-        dp rank hold the same shards."""
-        shard_model(model, self.mesh["dp"])
+        """Shard ``model``'s parameters over every rank of the mesh with FSDP2 (``parallel.fsdp``): each holds
+        1/(dp·cp) of every parameter, of its gradient and of its optimizer state."""
+        shard_model(model, self.shard_mesh)
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[None]:
+        """``parallel.fsdp.gathered`` over this mesh: the cp ranks of a dp rank hold one gradient cp times."""
+        with gathered(model, replicas=self.mesh["cp"].size()):
+            yield

@@ -136,11 +136,6 @@ def test_every_dp_rank_needs_a_group_of_each_step(tmp_path: Path) -> None:
         TrainConfig.model_validate(tiny_config_dict(tmp_path, parallel={"dp": 4}))
 
 
-def test_fsdp_needs_data_parallel_ranks() -> None:
-    with pytest.raises(pydantic.ValidationError, match=r"parallel\.fsdp .* parallel\.dp > 1"):
-        ParallelSpec(fsdp=True)
-
-
 def _metrics(rewards: list[float], loss: float, loss_tokens: int) -> StepMetrics:
     return StepMetrics(
         step=1,

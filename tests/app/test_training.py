@@ -4,13 +4,14 @@ configuration itself: test_config.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sqlite3
 from contextlib import closing
 from pathlib import Path
 
 import pytest
-from accelerate.optimizer import AcceleratedOptimizer
+import torch
 from safetensors.torch import load_file
 from tiny_runs import (
     assert_same_weights,
@@ -19,7 +20,7 @@ from tiny_runs import (
     warm_started_policy,
 )
 
-from longstraw_agents.app.config import TrainConfig
+from longstraw_agents.app.config import ConfigError, TrainConfig
 from longstraw_agents.app.training import train
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.store import Store
@@ -107,6 +108,22 @@ def test_resume_gives_the_parameters_of_the_uninterrupted_run(tmp_path: Path, po
     ]
     with Store.open(run_dir / "trajectories.db", create=False) as store:
         assert len(store.runs()) == 1  # the resumed run appends to its own run row
+
+
+def test_a_resume_the_checkpoint_cannot_hold_is_refused_and_keeps_the_config(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    """Another model shape cannot take the checkpoint's weights: the refusal names the checkpoint's settings and the
+    new ones, and the run's config.json stays as it was."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    before = (run_dir / "config.json").read_text()
+    wider = {"preset": "llama", "overrides": {"hidden": 48, "layers": 1}}
+    config = tiny_config(run_dir, steps=STEPS + 1, groups_per_step=GROUPS, model=wider)
+    refusal = r"written with model .*policy.*does not load with model preset llama .*'hidden': 48.*Size mismatch"
+    with pytest.raises(ConfigError, match=refusal):
+        train(config, resume=True)
+    assert (run_dir / "config.json").read_text() == before
 
 
 def test_an_existing_run_needs_resume_and_resume_needs_a_checkpoint(tmp_path: Path, uninterrupted: Path, policy):
@@ -201,8 +218,8 @@ def test_ctrl_c_during_the_optimizer_update_leaves_a_consistent_checkpoint(
     """SIGINT arriving while the 2nd update is applied: the checkpoint must describe one state (parameters,
     optimizer and step counter agree), so that resuming reproduces the uninterrupted run."""
     run_dir = tmp_path / "run"
-    wrapped = interrupt_on_call(AcceleratedOptimizer.step, 2, after=True, via_signal=True)
-    monkeypatch.setattr(AcceleratedOptimizer, "step", wrapped)
+    wrapped = interrupt_on_call(torch.optim.AdamW.step, 2, after=True, via_signal=True)
+    monkeypatch.setattr(torch.optim.AdamW, "step", wrapped)
     with pytest.raises(KeyboardInterrupt):
         train(run_config(run_dir, policy, checkpoint_every=5))
     monkeypatch.undo()

@@ -33,7 +33,7 @@ def make_trainer(
     family: str = "llama",
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
-    ``fsdp`` its parameters are sharded over the mesh's dp ranks."""
+    ``fsdp`` its parameters are sharded over every rank of the mesh."""
     model = tiny_model(family, dtype=torch.float64, seed=0)
     if fsdp:
         assert mesh is not None
@@ -58,9 +58,11 @@ def step_groups(trainer: GRPOTrainer) -> list[Group]:
     return groups
 
 
-def share(groups: list[Group], dp_rank: int) -> list[Group]:
-    """dp rank 0 takes the first two groups, dp rank 1 the third (uneven on purpose)."""
-    return groups[:2] if dp_rank == 0 else groups[2:]
+def share(groups: list[Group], mesh: ParallelMesh) -> list[Group]:
+    """A dp rank's groups: with two dp ranks, rank 0 takes the first two, rank 1 the third (uneven on purpose)."""
+    if mesh.mesh["dp"].size() == 1:
+        return groups
+    return groups[:2] if mesh.dp_rank == 0 else groups[2:]
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -87,7 +89,7 @@ def stray_collectives(mesh: ParallelMesh) -> Iterator[list[str]]:
     (no ``group`` means the default world group, which a dimension spanning every process may be)."""
     calls: list[str] = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
-    allowed = {mesh.dp_group, mesh.cp_group}
+    allowed = {mesh.dp_group, mesh.cp_group, mesh.shard_mesh.get_group()}
 
     def recording(name: str, fn):
         def call(*args, group=None, **kwargs):
@@ -116,7 +118,7 @@ def _resumed_step(trainer: GRPOTrainer, mesh: ParallelMesh, spec: dict[str, Any]
     fresh.load_checkpoint(directory)
     counters = (fresh.step_count, fresh.policy_version)
     for t in (trainer, fresh):
-        t.train_step(share(step_groups(t), mesh.dp_rank))
+        t.train_step(share(step_groups(t), mesh))
     a, b = full_parameters(trainer.model), full_parameters(fresh.model)
     equal = [torch.equal(a[name], b[name]) for name in a]
     return {"equal": equal, "counters": counters, "files": _listing(directory), "saved": saved}
@@ -138,8 +140,12 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     trainer = make_trainer(
         spec["normalization"], accelerator, mesh, spec.get("fsdp", False), spec.get("family", "llama")
     )
+    if "load" in spec:  # a checkpoint another mesh wrote
+        trainer.load_checkpoint(spec["load"])
     with stray_collectives(mesh) as stray:
-        metrics = trainer.train_step(share(step_groups(trainer), mesh.dp_rank))
+        metrics = trainer.train_step(share(step_groups(trainer), mesh))
+    if "save" in spec:
+        trainer.save_checkpoint(spec["save"])
     model = accelerator.unwrap_model(trainer.model)
     resumed = _resumed_step(trainer, mesh, spec, Path(out_dir) / "checkpoint") if spec.get("resume") else None
     torch.save(
@@ -149,6 +155,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             "dp_rank": mesh.dp_rank,
             "stray_collectives": stray,
             "grad_norm": metrics.grad_norm,
+            "counters": (trainer.step_count, trainer.policy_version),
             "resumed": resumed,
         },
         Path(out_dir) / f"rank{rank}.pt",

@@ -12,9 +12,9 @@ from typing import Any
 
 import gymnasium
 import torch
-from safetensors.torch import load_file
 
 from longstraw_agents.app.config import TrainConfig
+from longstraw_agents.app.export import load_run_policy
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ScriptedPolicy, run_episode
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.tokenizer import load_tokenizer
@@ -59,8 +59,9 @@ def warm_started_policy(directory: Path) -> Path:
 
 
 def checkpoint_weights(run_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The model weights of a run's checkpoint."""
-    return load_file(Path(run_dir) / "checkpoint" / "model.safetensors")
+    """The model weights of a run's checkpoint (read whole, in this process)."""
+    model = load_run_policy(run_dir).model
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -29,6 +29,7 @@ def _free_port() -> int:
 def _spawn(tmp_path: Path, world: int, **spec) -> list[dict]:
     # fork: the children skip re-importing torch (~10 s on 2 busy cores); spawn once CUDA is initialised here
     start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     mp.start_processes(run, args=(world, _free_port(), str(tmp_path), spec), nprocs=world, start_method=start_method)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
@@ -75,36 +76,65 @@ def test_fsdp2_step_equals_one_process_and_each_rank_holds_half_of_each_paramete
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
     for name, (_, shape) in ranks[0]["sizes"].items():
         held = [r["sizes"][name][0] for r in ranks]
-        rows = [-(-shape[0] // 2), shape[0] - -(-shape[0] // 2)]  # torch.chunk's split of dim 0
-        assert held == [n * math.prod(shape[1:]) for n in rows], name
+        assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, 2)], name
 
 
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2", "replicated"])
 def test_a_checkpoint_on_the_mesh_resumes_bit_exactly(tmp_path, fsdp):
-    """Saved once by every rank together (FSDP2: each rank's shards through DCP; replicated: the main process's
-    files), loaded into fresh trainers: one more step gives bit-identical parameters on every rank."""
+    """Saved once by every rank together through DCP (FSDP2: each rank's shards; replicated: one copy of the whole),
+    loaded into fresh trainers: one more step gives bit-identical parameters on every rank."""
     ranks = _spawn(tmp_path, 2, dp=2, cp=1, normalization="group", fsdp=fsdp, resume=True)
     for rank, result in enumerate(ranks):
         resumed = result["resumed"]
         assert all(resumed["equal"]) and resumed["counters"] == (1, 1), rank
     files = ranks[0]["resumed"]["files"]
     assert "trainer_state.json" in files and {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)
-    if fsdp:
-        assert "sharded/.metadata" in files and "model.safetensors" not in files
-        whole = tiny_model("llama", dtype=torch.float64, seed=1)  # other weights, all overwritten
-        load_full_model(whole, tmp_path / "checkpoint")  # one process, no process group: the export's way in
-        saved = ranks[0]["resumed"]["saved"]
-        assert all(torch.equal(p, saved[name]) for name, p in whole.named_parameters())
-    else:
-        assert "model.safetensors" in files and not any(f.startswith("sharded/") for f in files)
+    assert "sharded/.metadata" in files and "model.safetensors" not in files
+    whole = tiny_model("llama", dtype=torch.float64, seed=1)  # other weights, all overwritten
+    load_full_model(whole, tmp_path / "checkpoint")  # one process, no process group: the export's way in
+    saved = ranks[0]["resumed"]["saved"]
+    assert all(torch.equal(p, saved[name]) for name, p in whole.named_parameters())
 
 
-def test_fsdp2_with_context_parallel_equals_one_process(tmp_path):
-    """dp=2 x cp=2 with FSDP2 on a hybrid: exact mode's wavefront walk sums its parameter gradient over cp inside the
-    step's gathered FSDP units, before they reduce-scatter over dp; the step equals one process's."""
-    ranks = _spawn(tmp_path, 4, dp=2, cp=2, normalization="group", fsdp=True, family="qwen3_5")
+def held_rows(shape: tuple[int, ...], ranks: int) -> list[int]:
+    """Rows of dim 0 each of ``ranks`` ranks holds under FSDP2's even split (torch.chunk's: the last may be short)."""
+    size = -(-shape[0] // ranks)
+    return [max(0, min(size, shape[0] - r * size)) for r in range(ranks)]
+
+
+@pytest.mark.parametrize(("dp", "cp"), [(2, 2), (1, 2)], ids=["dp2xcp2", "dp1xcp2"])
+def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(tmp_path, dp, cp):
+    """FSDP2 over the flattened dp x cp mesh on a hybrid (dp = 1 included, the published run's shape): the cp ranks
+    of a dp rank each end the backward with the group's whole gradient (exact mode's wavefront walk sums it over cp),
+    which the reduce-scatter over every rank counts once; the step equals one process's, and each rank stores
+    1/(dp·cp) of every parameter."""
+    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, normalization="group", fsdp=True, family="qwen3_5")
     expected, grad_norm = _one_process("group", "qwen3_5")
     for rank, result in enumerate(ranks):
         assert relative_l2(result["params"], expected) <= 1e-10, rank
         assert result["stray_collectives"] == [], rank
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
+    for name, (_, shape) in ranks[0]["sizes"].items():
+        held = [r["sizes"][name][0] for r in ranks]
+        assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, dp * cp)], name
+
+
+def test_a_checkpoint_resumes_on_another_mesh(tmp_path):
+    """A dp=2 FSDP2 checkpoint (each rank's shards, through DCP) resumes at dp=1 x cp=2 with FSDP2 over both ranks
+    and in one process without a mesh: DCP reshards the parameters and AdamW's state, so the next step gives what one
+    process taking both steps gives (fp64; the meshes sum in other orders, hence not bit for bit)."""
+    checkpoint = tmp_path / "checkpoint"
+    _spawn(tmp_path / "dp2", 2, dp=2, cp=1, normalization="group", fsdp=True, save=str(checkpoint))
+    cp2 = _spawn(tmp_path / "cp2", 2, dp=1, cp=2, normalization="group", fsdp=True, load=str(checkpoint))
+    alone = make_trainer("group")
+    alone.load_checkpoint(checkpoint)
+    alone.train_step(step_groups(alone))
+    reference = make_trainer("group")
+    for _ in range(2):
+        reference.train_step(step_groups(reference))
+    expected = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
+    assert relative_l2({n: p.detach() for n, p in alone.model.named_parameters()}, expected) <= 1e-10
+    assert (alone.step_count, alone.policy_version) == (2, 2)
+    for rank, result in enumerate(cp2):
+        assert relative_l2(result["params"], expected) <= 1e-10, rank
+        assert result["counters"] == (2, 2), rank
