@@ -7,14 +7,15 @@ STAMP := $(VENV)/.installed
 # is then built once, not once per worker
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: test test-fast demo lint format bench clean
+.PHONY: test test-fast demo lint format bench clean constraints
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first: the pinned CPU wheel, so nothing else pulls a multi-GB CUDA build
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# torch first: the pinned CPU wheel, so nothing else pulls a multi-GB CUDA build; then everything at the versions
+	# constraints.txt pins (pyproject.toml states the ranges users install from)
+	$(PY) -m pip install --quiet -c constraints.txt torch
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -42,6 +43,12 @@ bench: $(STAMP)
 	$(PY) -m bench.trainer
 	$(PY) -m bench.ablation
 	$(PY) -m bench.rollout
+
+# re-pin constraints.txt to what the venv holds now (after a dependency changed in pyproject.toml)
+constraints: $(STAMP)
+	head -n 3 constraints.txt > constraints.new
+	$(PY) -m pip freeze --exclude-editable | sed 's/+cpu$$//' >> constraints.new
+	mv constraints.new constraints.txt
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -237,6 +237,10 @@ class CpuFlashBackend(AttentionBackend):
     name = "cpu-flash"
     DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     FUSED_BACKWARD_DTYPES = (torch.float32, torch.float64)
+    # Queries per piece of a long causal block in forward. The fused kernel computes the masked half of a causal
+    # block whose keys fit one of its key tiles (measured on 512 keys: a causal block costs as much as a full one);
+    # in pieces, each piece's earlier keys are a full block and only its own square is causal (~0.7x the time).
+    CAUSAL_PIECE = 256
 
     def __init__(self, max_score_elements: int = DEFAULT_SCORE_ELEMENTS):
         super().__init__(max_score_elements)
@@ -247,8 +251,22 @@ class CpuFlashBackend(AttentionBackend):
         return q.device.type == "cpu" and q.dtype in cls.DTYPES and q.shape[-1] == k.shape[-1] == v.shape[-1]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        if causal and q.shape[2] > self.CAUSAL_PIECE:
+            return self._causal_in_pieces(q, k, v, scale)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
+
+    def _causal_in_pieces(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        outs, lses = [], []
+        for lo in range(0, q.shape[2], self.CAUSAL_PIECE):
+            hi = min(lo + self.CAUSAL_PIECE, q.shape[2])
+            qp = q[:, :, lo:hi]
+            part = self.forward(qp, k[:, :, lo:hi], v[:, :, lo:hi], True, scale)
+            if lo:
+                part = merge(self.forward(qp, k[:, :, :lo], v[:, :, :lo], False, scale), *part)
+            outs.append(part[0].to(q.dtype))
+            lses.append(part[1])
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
     def backward(
         self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
@@ -286,10 +304,11 @@ class CudaFlashBackend(AttentionBackend):
     def backward(
         self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        empty = torch.empty(0, device=q.device)
+        # None reaches the op as an undefined tensor, as the forward returns them without dropout or packed
+        # sequences (a defined empty tensor would select the variable-length kernel)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            d_out.contiguous(), q, k, v, out, lse.float(), empty, empty, q.shape[2], k.shape[2], 0.0, causal,
-            empty, empty, scale=scale,
+            d_out.contiguous(), q, k, v, out, lse.float(), None, None, q.shape[2], k.shape[2], 0.0, causal,
+            None, None, scale=scale,
         )  # fmt: skip
         return grads[0], grads[1], grads[2]
 
@@ -446,7 +465,8 @@ def sparse_attend(
     back to back from position 0), with ``sinks`` (gradient buffers of the same shapes, or None); own: the queries'
     own rows ``[n, W]`` (positions ``start..``); selected: global positions ``[n, k]`` per query (only those ``<=``
     the query's position count); shards: the other ranks holding the rest of the earlier rows. Returns
-    ``[n, H, W]``. Gathers are O(n·k) per block whatever its length; nothing score-sized is saved for backward."""
+    ``[n, H, W]``. The selected rows are gathered once, ``n x k`` of them whatever the blocks' lengths and number,
+    and attended in one softmax; nothing score-sized is saved for backward."""
     if offsets is None:
         offsets = [sum(b.shape[0] for b in blocks[:i]) for i in range(len(blocks))]
     spans = [(rows, offset, sink) for rows, offset, sink in zip(blocks, offsets, sinks, strict=True)]
@@ -457,38 +477,58 @@ def sparse_attend(
 Span = tuple[Tensor, int, "Tensor | None"]  # rows, their first position, their gradient sink
 
 
-def _gather(rows: Tensor, offset: int, selected: Tensor, query_pos: Tensor) -> tuple[Tensor, Tensor] | None:
-    """(gather index, visible) ``[n, k]`` of the selected positions ``rows`` hold (None: none of them)."""
-    rel = selected - offset
-    visible = (rel >= 0) & (rel < rows.shape[0]) & (selected <= query_pos)
-    if visible.device.type != "meta" and not bool(visible.any()):  # meta (the memory planner): assume some are
-        return None
-    return rel.clamp(0, rows.shape[0] - 1), visible
+@dataclass(frozen=True)
+class _Gathered:
+    """The selected rows of a sparse attention, gathered from the spans that hold them.
+
+    rows: ``[n, k, W]``; visible: ``[n, k]`` the slots a query attends to (a position held here, and not after the
+    query: a slot no span holds — another rank's position, or padding — has some finite row and is never visible);
+    own: the slots of the queries' own rows. The longest span is gathered for every slot at once, then the slots the
+    other spans hold are overwritten: one pass over the ``n x k`` rows, whatever the spans' lengths and number."""
+
+    rows: Tensor
+    visible: Tensor
+    own: Tensor
+
+    @classmethod
+    def of(cls, spans: Sequence[Span], own: Tensor, selected: Tensor, start: int, dtype: torch.dtype) -> _Gathered:
+        sources = [(block, offset) for block, offset, _ in spans if block.shape[0]] + [(own, start)]
+        flat = selected.flatten()
+        held = torch.zeros_like(flat, dtype=torch.bool)
+        for block, offset in sources:
+            held |= (flat >= offset) & (flat < offset + block.shape[0])
+        longest, first = max(sources, key=lambda source: source[0].shape[0])
+        rows = longest.index_select(0, (flat - first).clamp(0, longest.shape[0] - 1)).to(dtype)
+        for block, offset in sources:
+            if block is not longest:
+                slots, index = _placed(flat, block.shape[0], offset)
+                rows.index_copy_(0, slots, block.index_select(0, index).to(dtype))
+        query_pos = torch.arange(start, start + own.shape[0], device=selected.device).unsqueeze(1)
+        visible = held.view(selected.shape) & (selected <= query_pos)
+        return cls(rows.view(*selected.shape, -1), visible, selected >= start)
+
+    def scores(self, q: Tensor, scale: float) -> Tensor:
+        """``[n, H, k]`` scaled scores of queries ``q [n, H, W]`` over their rows."""
+        return torch.matmul(q, self.rows.transpose(1, 2)) * scale
 
 
-def _sparse_partial(q: Tensor, rows: Tensor, index: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    gathered = rows[index].to(q.dtype)  # [n, k, W]
-    scores = torch.einsum("nhw,nkw->nhk", q, gathered) * scale
-    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [n, H]; -inf where the block holds none of the row's keys
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.einsum("nhk,nkw->nhw", probs, gathered), lse
+def _placed(flat: Tensor, length: int, offset: int) -> tuple[Tensor, Tensor]:
+    """The slots of ``flat`` (selected positions) that rows ``[offset, offset + length)`` hold, and their rows
+    there. On the meta device (the memory planner) there are no positions to read: every slot, as if the rows held
+    all of them (an upper bound on what a gather of them allocates)."""
+    relative = flat - offset
+    if flat.device.type == "meta":
+        return torch.arange(flat.shape[0], device=flat.device), relative.clamp(0, max(length - 1, 0))
+    slots = ((relative >= 0) & (relative < length)).nonzero().squeeze(1)
+    return slots, relative[slots]
 
 
-def _sparse_grads(
-    qs: Tensor, d_o: Tensor, row: Tensor, lse: Tensor, rows: Tensor, index: Tensor, visible: Tensor, scale: float,
-    sink: Tensor | None,
-) -> Tensor:  # fmt: skip
-    """This block's part of dq; its rows' gradient (as keys and as values at once) is added into ``sink``."""
-    gathered = rows[index].to(qs.dtype)
-    scores = torch.einsum("nhw,nkw->nhk", qs, gathered) * scale
-    probs = torch.exp(scores - lse.unsqueeze(-1)).masked_fill(~visible.unsqueeze(1), 0.0)
-    d_scores = probs * (torch.einsum("nhw,nkw->nhk", d_o, gathered) - row) * scale
-    if sink is not None:
-        d_rows = torch.einsum("nhk,nhw->nkw", d_scores, qs) + torch.einsum("nhk,nhw->nkw", probs, d_o)
-        d_rows = d_rows * visible.unsqueeze(-1)  # hidden slots (clamped indices) add exact zeros: no host sync
-        sink.index_add_(0, index.flatten(), d_rows.flatten(0, 1).to(sink.dtype))
-    return torch.einsum("nhk,nkw->nhw", d_scores, gathered)
+def _sparse_partial(q: Tensor, gathered: _Gathered, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out [n, H, W], lse [n, H])`` of ``q`` over its ``visible`` gathered rows (lse -inf where none)."""
+    scores = gathered.scores(q, scale).masked_fill(~visible.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    return torch.matmul(probs, gathered.rows), lse
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -503,21 +543,14 @@ class _SparseAttention(torch.autograd.Function):
         scale: float,
         shards: Shards | None,
     ) -> Tensor:
-        sdt = softmax_dtype(q.dtype)
-        qs = q.to(sdt)
-        query_pos = torch.arange(start, start + own.shape[0], device=selected.device).unsqueeze(1)
-        acc = None
-        for rows, offset, _ in spans:
-            found = _gather(rows, offset, selected, query_pos)
-            if found is not None:
-                acc = merge(acc, *_sparse_partial(qs, rows, *found, scale))
-        if shards is not None:  # the other ranks' rows
-            acc = shards.merge_partials(acc, tuple(qs.shape), qs.new_empty(qs.shape[:-1]))
-        own_found = _gather(own, start, selected, query_pos)
-        if own_found is not None:
-            acc = merge(acc, *_sparse_partial(qs, own, *own_found, scale))
-        assert acc is not None, "every query selects at least one visible position"
-        out, lse = acc
+        qs = q.to(softmax_dtype(q.dtype))
+        gathered = _Gathered.of(spans, own, selected, start, qs.dtype)
+        if shards is None:
+            out, lse = _sparse_partial(qs, gathered, gathered.visible, scale)
+        else:  # the earlier rows of every rank, then the own rows (which every rank holds) once
+            earlier = _sparse_partial(qs, gathered, gathered.visible & ~gathered.own, scale)
+            acc = shards.merge_partials(earlier, tuple(qs.shape), qs.new_empty(qs.shape[:-1]))
+            out, lse = merge(acc, *_sparse_partial(qs, gathered, gathered.visible & gathered.own, scale))
         ctx.save_for_backward(q, own, selected, out, lse)
         ctx.spans, ctx.start, ctx.scale, ctx.shards = spans, start, scale, shards
         return out.to(q.dtype)
@@ -526,19 +559,25 @@ class _SparseAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         q, own, selected, out, lse = ctx.saved_tensors
-        sdt = lse.dtype
+        sdt, scale = lse.dtype, ctx.scale
         qs, d_o = q.to(sdt), d_out.to(sdt)
+        gathered = _Gathered.of(ctx.spans, own, selected, ctx.start, sdt)
         row = (d_o * out).sum(-1, keepdim=True)  # [n, H, 1]
-        query_pos = torch.arange(ctx.start, ctx.start + own.shape[0], device=selected.device).unsqueeze(1)
-        dq = torch.zeros_like(qs)
-        for rows, offset, sink in ctx.spans:
-            found = _gather(rows, offset, selected, query_pos)
-            if found is not None:
-                dq += _sparse_grads(qs, d_o, row, lse, rows, *found, ctx.scale, sink)
-        if ctx.shards is not None:  # every rank's rows add to the queries' gradient
-            ctx.shards.sum_(dq, "dq")
+        probs = torch.exp(gathered.scores(qs, scale) - lse.unsqueeze(-1))
+        probs = probs.masked_fill(~gathered.visible.unsqueeze(1), 0.0)  # hidden slots: exact zeros, no host sync
+        d_scores = probs * (torch.matmul(d_o, gathered.rows.transpose(1, 2)) - row) * scale
+        if ctx.shards is None:
+            dq = torch.matmul(d_scores, gathered.rows)
+        else:  # every rank's earlier rows add to the queries' gradient; the own rows once
+            own_slots = gathered.own.unsqueeze(1)
+            dq = ctx.shards.sum_(torch.matmul(d_scores.masked_fill(own_slots, 0.0), gathered.rows), "dq")
+            dq = dq + torch.matmul(d_scores.masked_fill(~own_slots, 0.0), gathered.rows)
+        # each row is a key and a value at once: its gradient sums both parts, per selected slot [n * k, W]
+        d_rows = torch.matmul(d_scores.transpose(1, 2), qs) + torch.matmul(probs.transpose(1, 2), d_o)
+        d_rows = d_rows.flatten(0, 1)
         d_own = torch.zeros(own.shape, dtype=sdt, device=own.device)
-        own_found = _gather(own, ctx.start, selected, query_pos)
-        if own_found is not None:
-            dq += _sparse_grads(qs, d_o, row, lse, own, *own_found, ctx.scale, d_own)
+        for rows, offset, sink in (*ctx.spans, (own, ctx.start, d_own)):
+            if sink is not None:
+                slots, index = _placed(selected.flatten(), rows.shape[0], offset)
+                sink.index_add_(0, index, d_rows.index_select(0, slots).to(sink.dtype))
         return dq.to(q.dtype), d_own.to(own.dtype), None, None, None, None, None

@@ -188,6 +188,62 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_view(args: argparse.Namespace) -> int:
+    """Write the self-contained page, or serve the viewer until Ctrl-C (exit 130, as ``serve``)."""
+    from longstraw_agents.store import StoreError
+    from longstraw_agents.viewer import ViewSource
+
+    where, params = (args.where, []) if args.group is None else ("group_id = ?", [args.group])
+    try:
+        source = ViewSource(args.path, where, params, tokenizer=args.tokenizer)
+    except StoreError as err:
+        return _fail(str(err))
+    if not source.summaries:
+        if args.group is not None:
+            return _fail(f"no group {args.group!r} in {source.db}")
+        return _fail(f"no episode of {source.db} matches --where {where!r}" if where else f"{source.db} is empty")
+    if args.serve:
+        try:
+            return _serve_view(source, args.port)
+        except KeyboardInterrupt:
+            print("stopped", file=sys.stderr)
+            return 130
+    from longstraw_agents.viewer import MAX_GROUPS, write_page
+
+    max_groups = MAX_GROUPS if args.max_groups is None else args.max_groups
+    try:
+        page = write_page(source, args.out or source.db.parent / "view.html", max_groups=max_groups)
+    except (ValueError, OSError) as err:
+        return _fail(str(err))
+    print(
+        f"wrote {page.path} ({page.bytes / 1e6:.2f} MB, {page.groups} of {page.selected} selected groups); "
+        "open it in a browser (it needs no network)"
+    )
+    return 0
+
+
+def _serve_view(source, port: int) -> int:
+    from longstraw_agents.viewer import ViewerServer
+
+    try:
+        server = ViewerServer(source, port=port)
+    except OSError as err:  # the port is taken
+        return _fail(f"cannot listen on port {port}: {err.strerror or err}")
+    print(f"viewing {source.db} ({len(source.summaries):,} groups) on {server.url}; Ctrl-C stops", flush=True)
+    server.serve_forever()
+    return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535; 0 picks a free one)")
+    return port
+
+
 def _quantity(text: str) -> int:
     """``2.1M`` / ``96GB`` / ``512K`` / ``4096`` as an integer (K, M, G: powers of 1000, as GPU sizes are sold)."""
     units = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -266,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longstraw",
         description="Long-context GRPO for agents: list environments, train, replay logged episodes offline, "
-        "inspect trajectory stores, plot runs, export and serve policies.",
+        "inspect and view trajectory stores, plot runs, export and serve policies.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -356,6 +412,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when there is a GPU)")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "view", help="groups as prefix trees in the browser: a self-contained HTML page, or a loopback server"
+    )
+    p.add_argument("path", metavar="RUN_DIR|DB", help="a run directory (its store and metrics.jsonl) or a store")
+    chosen = p.add_mutually_exclusive_group()
+    chosen.add_argument("--group", default=None, help="one group id, e.g. step3-g1 (in every run that has it)")
+    chosen.add_argument(
+        "--where", default=None, help='SQL condition on episodes, e.g. "reward > 0"; keeps matching groups whole'
+    )
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--out", default=None, help="the HTML file to write (default: view.html beside the store)")
+    shown.add_argument("--serve", action="store_true", help="serve on 127.0.0.1 instead, loading groups on demand")
+    p.add_argument("--port", type=_port, default=8765, help="--serve: the port (0: a free one, printed)")
+    p.add_argument(
+        "--max-groups", type=int, default=None, help="groups the HTML file embeds, the first selected (default 20)"
+    )
+    p.add_argument("--tokenizer", default=None, help="decode tokens with this tokenizer instead of the run's")
+    p.set_defaults(func=_cmd_view)
 
     p = sub.add_parser("plan", help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed)")
     p.add_argument("--model", default="qwen3.6-27b", help="qwen3.6-27b | glm-5.2 | tiny-<preset> | CONFIG.json")

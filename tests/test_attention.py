@@ -12,6 +12,7 @@ from longstraw_agents.attention import (
     BACKENDS,
     Attention,
     AttentionBackend,
+    CpuFlashBackend,
     EagerBackend,
     KVBlock,
     merge,
@@ -78,6 +79,25 @@ def test_forward_equals_softmax_over_the_concatenated_keys(backend: str, dtype, 
     keys = torch.cat([k for k, _ in blocks] + [own_k])
     values = torch.cat([v for _, v in blocks] + [own_v])
     torch.testing.assert_close(out.double(), reference(q, keys, values, 0.3), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(("piece", "n"), [(3, 10), (3, 9), (CpuFlashBackend.CAUSAL_PIECE, 300)])
+def test_a_long_causal_block_runs_in_pieces_with_the_same_result(dtype, piece: int, n: int, monkeypatch) -> None:
+    """cpu-flash splits the queries' own causal block into pieces (each a causal square plus its earlier keys as a
+    full block): forward and gradients as over the whole block, pieces of one query included."""
+    monkeypatch.setattr(CpuFlashBackend, "CAUSAL_PIECE", piece)
+    q, blocks, own_k, own_v = random_case([4], n, dtype, seed=3)
+    leaves = [t.requires_grad_(True) for t in (q, own_k, own_v)]
+    out = Attention("cpu-flash")(q, [KVBlock(*blocks[0])], own_k, own_v, 0.3)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    keys, values = torch.cat([blocks[0][0].double(), ref_leaves[1]]), torch.cat([blocks[0][1].double(), ref_leaves[2]])
+    want = reference(ref_leaves[0], keys, values, 0.3)
+    torch.testing.assert_close(out.double(), want, **tolerance(dtype))
+    weight = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad((out * weight.to(dtype)).sum(), leaves)
+    for g, w in zip(got, torch.autograd.grad((want * weight).sum(), ref_leaves), strict=True):
+        torch.testing.assert_close(g.double(), w, **tolerance(dtype))
 
 
 @pytest.mark.parametrize(("backend", "dtype"), backend_params())

@@ -20,15 +20,31 @@ def run_module(*args: str) -> str:
     return done.stdout
 
 
-def test_engine_bench_prints_ratios_and_saves_per_turn_times(tmp_path: Path) -> None:
+def test_engine_bench_prints_ratios_per_family_and_shape(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
-    args = ["--context", "48", "--turn", "4", "--turns", "4", "--repeats", "1", "--chunk", "16", "--out", str(out)]
-    stdout = run_module("bench.engine", "--families", "llama", "qwen3_5", "glm_moe_dsa", *args)
-    assert "speedup" in stdout and "append ms by turn index" in stdout
+    families = ["llama", "qwen3_5", "glm_moe_dsa"]
+    args = ["--quick", "--rounds", "1", "--no-profile", "--out", str(out)]
+    stdout = run_module("bench.engine", "--families", *families, "--shapes", "base", "wide", *args)
+    assert "append/cache" in stdout and "capture/HF" in stdout and "append ms by turn index" in stdout
     results = json.loads(out.read_text())["results"]
-    for family in ("llama", "qwen3_5", "glm_moe_dsa"):
-        assert len(results[family]["append_ms"]) == 4
-        assert abs(results[family]["bytes_ratio"] - 1.0) < 1e-9  # measured state bytes/token == analytic
+    for family in families:
+        assert sorted(results[family]) == ["base", "wide"]
+        for r in results[family].values():
+            assert len(r["append_ms"]) == len(r["dynamic_cache_ms"]) == 4
+            assert r["append_vs_dynamic_cache"] > 0 and r["capture_vs_transformers"] > 0
+            assert abs(r["bytes_ratio"] - 1.0) < 1e-9  # measured state bytes/token == analytic
+
+
+def test_engine_bench_profiles_every_contender(tmp_path: Path) -> None:
+    """One family and shape (the profiler's overhead on thousands of tiny operators is most of a toy run)."""
+    out = tmp_path / "engine.json"
+    stdout = run_module(
+        "bench.engine", "--families", "glm_moe_dsa", "--shapes", "wide", "--quick", "--rounds", "1", "--out", str(out)
+    )
+    assert "top 6 operators by self CPU time" in stdout
+    profile = json.loads(out.read_text())["results"]["glm_moe_dsa"]["wide"]["profile"]
+    assert sorted(profile) == ["append", "capture", "dynamic_cache", "transformers_forward"]
+    assert all(len(ops) == 6 and ops[0]["ms"] >= ops[-1]["ms"] > 0 for ops in profile.values())
 
 
 def test_ablation_shows_detached_mode_dropping_part_of_the_gradient() -> None:

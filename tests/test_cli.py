@@ -9,15 +9,19 @@ import io
 import json
 import os
 import shutil
+import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 from contextlib import closing
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from tiny_runs import ENV_ID, TINY_MODEL, WARM_START, tiny_config_dict
+from viewer_stores import write_run_directory
 
 from longstraw_agents.cli import EXIT_BROKEN_PIPE, main
 from longstraw_agents.store import Store
@@ -397,3 +401,73 @@ def test_plan_longest_says_when_the_answer_is_the_search_bound(capsys: pytest.Ca
     )
     code, out, _ = run_cli(capsys, *tiny, "--gpu-mem", "4GB", "--longest")
     assert code == 0 and out.startswith("longest context that fits: ") and "at least" not in out.splitlines()[0]
+
+
+# -- view ------------------------------------------------------------------------------------------------------
+
+
+def test_view_writes_a_self_contained_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = write_run_directory(tmp_path / "run")
+    code, out, err = run_cli(capsys, "view", run_dir)
+    assert code == 0 and err == ""
+    assert out.startswith(f"wrote {run_dir / 'view.html'} (") and "3 of 3 selected groups" in out
+    assert '"mode":"static"' in (run_dir / "view.html").read_text()
+    chosen = tmp_path / "pages" / "step2.html"
+    code, out, _ = run_cli(capsys, "view", run_dir / "trajectories.db", "--group", "step2-g0", "--out", chosen)
+    assert code == 0 and "1 of 1 selected groups" in out and chosen.is_file()
+    code, out, _ = run_cli(capsys, "view", run_dir, "--where", "reward > 0.5", "--max-groups", "1", "--out", chosen)
+    assert code == 0 and "1 of 2 selected groups" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing"], "error: no store at missing: the file does not exist"),
+        (["RUN", "--group", "step9-g0"], "error: no group 'step9-g0' in RUN/trajectories.db"),
+        (["RUN", "--where", "reward > 5"], "error: no episode of RUN/trajectories.db matches --where 'reward > 5'"),
+        (["RUN", "--where", "rewrd > 5"], "no such column: rewrd"),
+        (["RUN", "--max-groups", "0"], "error: max_groups must be at least 1, got 0"),
+    ],
+)
+def test_view_reports_bad_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    write_run_directory(tmp_path / "RUN")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "view", *args)
+    assert code == 2 and out == "" and message in err and "Traceback" not in err
+
+
+def test_view_refuses_a_port_it_cannot_listen_on(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = write_run_directory(tmp_path / "run")
+    with closing(socket.socket()) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run_cli(capsys, "view", run_dir, "--serve", "--port", port)
+    assert code == 2 and out == "" and err == f"error: cannot listen on port {port}: Address already in use\n"
+    with pytest.raises(SystemExit):
+        main(["view", str(run_dir), "--serve", "--port", "70000"])
+    assert "--port: not a port: '70000' (0-65535; 0 picks a free one)" in capsys.readouterr().err
+
+
+def test_view_serves_until_ctrl_c(tmp_path: Path) -> None:
+    run_dir = write_run_directory(tmp_path / "run")
+    command = [str(Path(sys.executable).with_name("longstraw")), "view", str(run_dir), "--serve", "--port", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        banner = process.stdout.readline()
+        assert banner.startswith(f"viewing {run_dir / 'trajectories.db'} (3 groups) on http://127.0.0.1:"), banner
+        url = banner.split(" on ", 1)[1].split(";", 1)[0]
+        assert [g["group_id"] for g in httpx.get(url + "api/index", timeout=30).json()["groups"]][1:] == [
+            "step1-g0",
+            "step2-g0",
+        ]
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 130 and "stopped" in err and "Traceback" not in err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

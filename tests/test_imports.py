@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,3 +39,16 @@ def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, sourc
     (root / module).write_text(source)
     result = lint_imports.lint(tmp_path, capture=True)
     assert result.returncode != 0 and message in result.stdout, result.stdout
+
+
+def test_the_viewer_may_not_import_torch(tmp_path: Path) -> None:
+    """The viewer's own contract: its advantages are computed in numpy, never by importing the trainer."""
+    root = package_view.installed_view(tmp_path)
+    (root / "viewer").unlink()  # the view's link to the real package, replaced by a copy with a breach
+    shutil.copytree(REPO / "longstraw_agents" / "viewer", root / "viewer", ignore=shutil.ignore_patterns("__pycache__"))
+    page = root / "viewer" / "page.py"
+    page.write_text(page.read_text() + "\nfrom longstraw_agents.trainer.loss import group_advantages\n")
+    result = lint_imports.lint(tmp_path, capture=True)
+    assert result.returncode != 0, result.stdout
+    assert "longstraw_agents.viewer is not allowed to import torch:" in result.stdout
+    assert "longstraw_agents.viewer.page -> longstraw_agents.trainer.loss" in result.stdout

@@ -110,3 +110,7 @@ def test_the_installed_cli_lists_envs_and_trains_one_step(installed: Path, tmp_p
     result = run_installed(installed, "longstraw", "train", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "run" / STORE).is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
+    result = run_installed(installed, "longstraw", "view", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "run" / "view.html").read_text()  # the viewer's script and styles ship in the wheel
+    assert "function renderBranch" in page and ".branch-head" in page

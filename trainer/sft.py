@@ -41,8 +41,11 @@ def masked_nll(model: nn.Module, trajectories: Sequence[Trajectory]) -> tuple[to
     for row, r in enumerate(rendered):
         ids[row, : len(r.token_ids)] = torch.as_tensor(r.token_ids, dtype=torch.long)
         mask[row, : len(r.token_ids) - 1] = torch.as_tensor(r.loss_mask[1:], dtype=torch.bool)
-    # logits only where there is loss (a boolean logits_to_keep: [tokens, V]); the prompt's rows are most of a batch
-    logits = model(ids[:, :-1], logits_to_keep=mask).logits
+    # logits only at the positions where some row has loss (the prompts are most of a batch), then those rows' loss
+    # tokens: [tokens, V]. A position list is what every transformers 5 takes as logits_to_keep (a boolean mask only
+    # from 5.21).
+    kept = mask.any(dim=0).nonzero()[:, 0]
+    logits = model(ids[:, :-1], logits_to_keep=kept).logits[mask[:, kept]]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 models: the softmax in fp32
     nll = torch.nn.functional.cross_entropy(logits, ids[:, 1:][mask], reduction="sum")
     return nll, int(mask.sum())

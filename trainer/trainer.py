@@ -32,7 +32,7 @@ from torch import nn
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
-from longstraw_agents.parallel.fsdp import gathered, is_sharded
+from longstraw_agents.parallel.fsdp import WeightSharding, is_sharded
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
 from longstraw_agents.trainer.group import (
@@ -111,15 +111,17 @@ class GRPOTrainer:
         self.accelerator.register_save_state_pre_hook(_save_no_model)
         self.accelerator.register_load_state_pre_hook(_load_no_model)
         self.optimizer, self.scheduler = optimizer, self.accelerator.prepare(scheduler)
-        # FSDP2: the block each optimizer step runs in, its units unsharded (a no-op for a model that is not sharded)
-        self._gathered = mesh.gathered if mesh is not None else gathered
+        # FSDP2: how a step reaches the weights (a layer at a time inside the engine, or the whole model for the step)
+        self.sharding = mesh.sharding(module) if mesh is not None else WeightSharding(module)
         self.counters = _Counters()
         self.accelerator.register_for_checkpointing(self.counters)
         # The engine calls the model's submodules directly (embeddings, layers, lm_head) and never the wrapper's
         # forward, so it gets the unwrapped model. With DDP that also bypasses the wrapper's gradient all-reduce
         # (its autograd hooks only fire after a wrapper forward): train_step all-reduces gradients itself.
         shards = model.shards if isinstance(model, Engine) else None
-        self.engine = Engine(self.accelerator.unwrap_model(self.model), engine_config, shards=shards)
+        self.engine = Engine(
+            self.accelerator.unwrap_model(self.model), engine_config, shards=shards, weights=self.sharding.weights
+        )
         self.ref_engine = self._reference_engine(ref_model, engine_config, module)
         if self.config.loss.beta > 0 and self.ref_engine is None:
             raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
@@ -240,7 +242,7 @@ class GRPOTrainer:
     ) -> tuple[list[BackwardResult], IterationMetrics]:
         self.optimizer.zero_grad(set_to_none=True)
         config = self.config
-        with self._gathered(self.model):  # FSDP2: unsharded for the step, gradients reduce-scattered after
+        with self.sharding.step():  # FSDP2: gathered for the step (the root, or all), gradients reduce-scattered after
             results = [
                 backward_group(self.engine, g, config.mode, config.loss, self.ref_engine, config.track_memory, cache)
                 for g, cache in zip(groups, caches, strict=True)

@@ -30,6 +30,7 @@ from .engine import Backward, ChunkLoss, Engine
 from .graphs import GraphBank, KeptGraph
 from .shards import Ownership, StateShards, Transport
 from .wavefront import LayerInputs
+from .weights import LayerWeights
 
 __all__ = [
     "Backward",
@@ -40,6 +41,7 @@ __all__ = [
     "GraphBank",
     "KeptGraph",
     "LayerInputs",
+    "LayerWeights",
     "Ownership",
     "State",
     "StateGrad",

@@ -3,7 +3,9 @@ the engine's schedules share (public within the package: ``reverse_walk``, ``sha
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ from .reverse_walk import ReverseWalk
 from .sharded_capture import ShardedCapture
 from .shards import StateShards, Transport
 from .wavefront import WavefrontWalk
+from .weights import LayerWeights
 
 # loss_fn(hidden [n, hidden], start, end) -> scalar loss for the tokens at positions [start, end), or None; it gets
 # the final-normed hidden states, not logits, so that it can apply the LM head in tiles (longstraw_agents.logprobs)
@@ -48,7 +51,9 @@ class Engine:
     """capture / extend / logits over a model's own state objects (never a transformers cache).
 
     shards: context parallelism (``longstraw_agents.parallel``): this rank stores the state of its shard of the
-    positions only, and every rank of the group must make the same calls in the same order. A capture (an extend
+    positions only, and every rank of the group must make the same calls in the same order.
+    weights: parameters sharded over the ranks (``LayerWeights``, FSDP2): each layer's weights are gathered only
+    around the work that uses them. A capture (an extend
     at least as long as its parent) and exact mode's walk over it are computed shard by shard, layer by layer, in a
     wavefront across the ranks (``ShardedCapture``, ``WavefrontWalk``); shorter extends and branch replays are
     replicated, attention combining the ranks' partial results. Results equal one process's."""
@@ -60,6 +65,7 @@ class Engine:
         *,
         chunk_size: int | None = None,
         shards: StateShards | None = None,
+        weights: LayerWeights | None = None,
     ):
         self.model = model
         self.adapter: FamilyAdapter = adapter_for(model)
@@ -68,10 +74,25 @@ class Engine:
             config = config.updated(chunk_size=chunk_size)
         self.config = config
         self.shards = shards
+        self.weights = weights
         transport = shards.transport if shards is not None else None
         # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
         self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size, transport)
         self.local_attention = Attention(config.attention, config.max_score_elements, config.chunk_size)
+
+    def gathered(self, layer: int | None, partial: bool = False) -> AbstractContextManager[None]:
+        """Layer ``layer``'s weights whole for a block (``LayerWeights.gathered``; nothing to do unsharded)."""
+        return self.weights.gathered(layer, partial) if self.weights is not None else contextlib.nullcontext()
+
+    def announce(self, layers: Sequence[int]) -> None:
+        """The order of the coming ``gathered`` blocks (``LayerWeights.announce``; nothing to do unsharded)."""
+        if self.weights is not None:
+            self.weights.announce(layers)
+
+    def settle(self) -> None:
+        """``LayerWeights.settle`` (nothing to do unsharded)."""
+        if self.weights is not None:
+            self.weights.settle()
 
     @property
     def family(self) -> str:
@@ -208,7 +229,12 @@ class Engine:
         """Every layer over ``ids`` at positions from ``start``, reading ``contexts``: the final-normed hidden states
         and each layer's new state entries."""
         return self.adapter.forward(
-            ids, start, contexts, attention=self.attention, checkpoint_layers=self.config.activation_checkpointing
+            ids,
+            start,
+            contexts,
+            attention=self.attention,
+            checkpoint_layers=self.config.activation_checkpointing,
+            runner=self.weights.run if self.weights is not None else None,
         )
 
     def contexts(

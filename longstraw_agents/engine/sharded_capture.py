@@ -72,6 +72,7 @@ class ShardedCapture:
             else None
         )
         kept_after = [self._keeps(j) for j in self.mine]  # chunks whose states are kept
+        engine.announce(range(engine.num_layers))  # every rank gathers every layer, in order
         with torch.no_grad():
             if mine:
                 lo = mine[0][0]
@@ -86,23 +87,24 @@ class ShardedCapture:
                     carried = self._recurrent_before(i)
                 if mine and inputs is not None:
                     inputs.add_layer(i, h, scratch, None if layer.mixer.grows else carried)
-                for k, (a, b) in enumerate(mine):
-                    rows = slice(a - lo, b - lo)
-                    ctx = LayerContext(past=list(past)) if layer.mixer.grows else LayerContext(recurrent=carried)
-                    h[rows], new = adapter.run_layer(
-                        layer, h[rows], positions[rows], (rope[0][rows], rope[1][rows]), ctx, scratch[k],
-                        engine.local_attention, a,
-                    )  # fmt: skip
-                    if layer.mixer.grows:
-                        arena = arenas[i]
-                        assert arena is not None  # sized for this rank's rows
-                        written = arena.append(new)
-                        blocks[k][i] = written
-                        past.append(PastBlock(written.views(), None, a))
-                    else:
-                        carried = new
-                        if kept_after[k]:
-                            recurrent[k][i] = RecurrentState.owning(new)
+                with engine.gathered(i):  # every rank, computing or not (a collective with sharded weights)
+                    for k, (a, b) in enumerate(mine):
+                        rows = slice(a - lo, b - lo)
+                        ctx = LayerContext(past=list(past)) if layer.mixer.grows else LayerContext(recurrent=carried)
+                        h[rows], new = adapter.run_layer(
+                            layer, h[rows], positions[rows], (rope[0][rows], rope[1][rows]), ctx, scratch[k],
+                            engine.local_attention, a,
+                        )  # fmt: skip
+                        if layer.mixer.grows:
+                            arena = arenas[i]
+                            assert arena is not None  # sized for this rank's rows
+                            written = arena.append(new)
+                            blocks[k][i] = written
+                            past.append(PastBlock(written.views(), None, a))
+                        else:
+                            carried = new
+                            if kept_after[k]:
+                                recurrent[k][i] = RecurrentState.owning(new)
                 self._pass_on(i, layer.mixer.grows, blocks, carried if not layer.mixer.grows and mine else None)
                 # a window of messages in flight: the later ranks trail by up to N - 1 layers in the wavefront
                 self.transport.flush(keep=self.ownership.size**2)

@@ -112,33 +112,52 @@ class WavefrontWalk:
                 f"the context-parallel shards were re-cut between the capture (shard size {inputs.shard_size}) and its "
                 f"reverse walk ({self.ownership.shard_size}): walk a state under the cut it was captured with"
             )
-        self.segment: dict[int, Tensor] = {}  # the current segment's layer inputs (recomputed from its first)
+        self.segment: dict[int, Tensor | None] = {}  # the current segment's layer inputs (recomputed from its first)
         # recurrent layers the segment recomputed: the state before each of this rank's chunks
         self.states_before: dict[int, list[tuple[Tensor, ...] | None]] = {}
 
     def run(self) -> None:
         engine = self.engine
-        params = [p for p in engine.model.parameters() if p.requires_grad]
+        # Every rank ends the walk with the whole parameter gradient: its own share of the walk added to the
+        # replicated part (the branch replays every rank ran), divided by the ranks now and summed over them after.
+        # With sharded weights, a layer's gradient is reduced into its shards (a sum over the ranks) as its step of
+        # the walk ends: only the root's (embeddings, final norm, LM head), whole through the step, is summed here.
+        params = engine.weights.root_parameters() if engine.weights is not None else list(engine.model.parameters())
+        params = [p for p in params if p.requires_grad]
         had_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
         for p in params:
             if p.grad is not None:
-                p.grad.div_(self.ownership.size)  # the replicated part, summed back below
+                p.grad.div_(self.ownership.size)
         self._post_rows()
+        engine.announce(self._gather_order())
         g = self._seed()
         for i in reversed(range(engine.num_layers)):
-            layer_input = self._input(i) if self.mine else None  # (recomputed before waiting for the later ranks)
-            if engine.adapter.layers[i].mixer.grows:
-                self._add_row_grads(i)
-                g = self._backward_growing(i, g, layer_input)
-            else:
-                g = self._backward_recurrent(i, g, layer_input)
+            with engine.gathered(i, partial=True):  # each rank adds its share of the layer's gradient
+                layer_input = self._input(i)  # (recomputed before waiting for the later ranks; None without chunks)
+                if engine.adapter.layers[i].mixer.grows:
+                    self._add_row_grads(i)
+                    g = self._backward_growing(i, g, layer_input)
+                else:
+                    g = self._backward_recurrent(i, g, layer_input)
             self.transport.flush("state_grad", keep=self.ownership.size**2)  # a window of layers in flight
         if g is not None:  # into the embeddings of this rank's tokens
             with torch.enable_grad():
                 h, _, _ = engine.adapter.embed(self.ids[self.lo : self.lo + g.shape[0]], self.lo)
                 h.backward(g)
         self.transport.flush()
+        engine.settle()
         self._sum_parameter_grads(params, had_grad)
+
+    def _gather_order(self) -> list[int]:
+        """The layers the walk gathers, in order: per segment from the last, its top (whose block is open while the
+        segment's inputs are recomputed), the layers below it ascending (the recomputation), then descending (the
+        backward)."""
+        every, layers = self.inputs.every, self.engine.num_layers
+        order: list[int] = []
+        for first in reversed(range(0, layers, every)):
+            top = min(first + every, layers) - 1
+            order += [top, *range(first, top), *range(top - 1, first - 1, -1)]
+        return order
 
     # --- messages ---------------------------------------------------------------------------------------------
     def _own_rows(self, i: int) -> list[tuple[int, Block]]:
@@ -214,12 +233,13 @@ class WavefrontWalk:
             torch.autograd.backward(found, [torch.ones_like(loss) for loss in found])
         return x.grad
 
-    def _input(self, i: int) -> Tensor:
+    def _input(self, i: int) -> Tensor | None:
         """Layer ``i``'s input on this rank: kept by the capture at the first layer of each segment, the others
-        recomputed forward from it, a segment at a time, when the walk enters the segment (from its top)."""
+        recomputed forward from it, a segment at a time, when the walk enters the segment (from its top). None on a
+        rank without chunks (which still gathers the segment's layers with the others)."""
         if i not in self.segment:
             first = i - i % self.inputs.every
-            h = self.inputs.hidden[first]
+            h: Tensor | None = self.inputs.hidden.get(first)
             for layer in range(first, i + 1):
                 self.segment[layer] = h
                 if layer < i:
@@ -235,8 +255,13 @@ class WavefrontWalk:
                 received.append(PastBlock(rows, None, self.row_start[src]))
         return received
 
-    def _forward_layer(self, i: int, h: Tensor) -> Tensor:
-        """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs)."""
+    def _forward_layer(self, i: int, h: Tensor | None) -> Tensor | None:
+        """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs); None without
+        chunks. Every rank gathers the layer's weights (a collective when they are sharded)."""
+        with self.engine.gathered(i):
+            return None if h is None else self._recompute_layer(i, h)
+
+    def _recompute_layer(self, i: int, h: Tensor) -> Tensor:
         layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
         carried = self.inputs.recurrent[i]
         befores: list[tuple[Tensor, ...] | None] = []

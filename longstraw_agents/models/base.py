@@ -9,6 +9,7 @@ models, exactly as transformers does, and fp64 for fp64 models, so that fp64 gra
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,6 +178,10 @@ class LayerContext:
     recurrent: tuple[Tensor, ...] | None = None
 
 
+# runner(layer index, the layer's forward (h -> (h, *new state entries)), h): how a decoder loop calls each layer
+LayerRunner = Callable[[int, Callable[[Tensor], Any], Tensor], Any]
+
+
 class FamilyAdapter(ABC):
     """Adapter for one model family. Subclasses build ``self.layers`` and say which model types they take."""
 
@@ -237,19 +242,22 @@ class FamilyAdapter(ABC):
         shared: dict[str, Any] | None = None,
         attention: Attention | None = None,
         checkpoint_layers: bool = False,
+        runner: LayerRunner | None = None,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         """Run ``ids`` (positions ``start..``) through the decoder; returns the final-normed hidden states
         ``[n, hidden]`` and, per layer, what the layer adds to the state.
 
         checkpoint_layers: under autograd, keep only each layer's input and recompute the layer in backward
         (activation checkpointing, ``torch.utils.checkpoint``): a graph then holds one hidden vector per token and
-        layer plus one layer's activations, instead of every layer's."""
+        layer plus one layer's activations, instead of every layer's.
+        runner: calls each layer's forward, ``runner(i, forward, h)`` (the engine's way to have a layer's weights
+        present only while they are used); default: called directly."""
         h, positions, rope = self.embed(ids, start)
         shared = {} if shared is None else shared
         attention = Attention() if attention is None else attention
         new_entries: list[tuple[Tensor, ...]] = []
         recompute = checkpoint_layers and torch.is_grad_enabled()
-        for layer, ctx in zip(self.layers, contexts, strict=True):
+        for index, (layer, ctx) in enumerate(zip(self.layers, contexts, strict=True)):
             # a layer reads the scratch as it was before it: a recomputation must not see what later layers wrote
             seen: dict[str, Any] = dict(shared)
             written: dict[str, Any] = {}
@@ -260,7 +268,8 @@ class FamilyAdapter(ABC):
                 written.update(scratch)
                 return (h, *new)
 
-            h, *new = checkpoint(run, h, use_reentrant=False) if recompute else run(h)
+            layer_forward = functools.partial(checkpoint, run, use_reentrant=False) if recompute else run
+            h, *new = layer_forward(h) if runner is None else runner(index, layer_forward, h)
             shared.update(written)
             new_entries.append(tuple(new))
         return self.final_norm(h), new_entries

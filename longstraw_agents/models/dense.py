@@ -22,6 +22,7 @@ from longstraw_agents.models.base import (
     FamilyAdapter,
     HFModule,
     LayerContext,
+    LayerRunner,
     Mixer,
     MixerInput,
     MixerOutput,
@@ -134,9 +135,10 @@ class DenseAdapter(FamilyAdapter):
         shared: dict[str, Any] | None = None,
         attention: Attention | None = None,
         checkpoint_layers: bool = False,
+        runner: LayerRunner | None = None,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         self._check_window(start + ids.shape[0])
-        return super().forward(ids, start, contexts, shared, attention, checkpoint_layers)
+        return super().forward(ids, start, contexts, shared, attention, checkpoint_layers, runner)
 
     def decode(
         self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None

@@ -212,6 +212,12 @@ class HybridAdapter(FamilyAdapter):
             layers.append(DecoderLayer.from_hf(hf_layer, mixer, rms_norm_zero_centered))
         return layers
 
+    def rope(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        # the rotary table of Qwen3.5 takes one row of positions per grid axis (time, height, width), as its model
+        # passes them; text sits at the same position on all three (transformers before 5.19 accepts only this form)
+        cos, sin = self.backbone.rotary_emb(h.unsqueeze(0), positions.expand(3, 1, -1))
+        return cos[0], sin[0]
+
     def final_norm(self, h: Tensor) -> Tensor:
         return rms_norm_zero_centered(h, self.backbone.norm.weight, norm_eps(self.backbone.norm))
 

@@ -17,6 +17,7 @@ tested only where ``index_topk`` >= context, and causal consistency everywhere.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -54,22 +55,72 @@ def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _stable_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k best scores per row and their columns; ties go to the earlier column."""
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    return scores.gather(1, order), order
+def stable_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` best scores of each row of ``scores [n, c]`` and their columns, best first, ties to the earlier
+    column: exactly ``torch.sort(scores, dim=1, descending=True, stable=True)`` cut to ``k`` columns (scores without
+    NaN), at the cost of one ``topk`` over each row and a sort of ``k`` — sorting whole rows of thousands of keys is
+    several times slower."""
+    if scores.shape[1] <= k or scores.device.type == "meta":  # short rows; meta (the memory planner): no values
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+        return scores.gather(1, order), order
+    values, columns = scores.topk(k, dim=1, sorted=False)
+    cut = values.amin(dim=1, keepdim=True)  # each row's k-th best score
+    # topk keeps an arbitrary few of the scores equal to the cut: where a row has more of them, take its earliest
+    if bool(((scores == cut).sum(dim=1) > (values == cut).sum(dim=1)).any()):
+        columns = _earliest_at_cut(scores, cut, k)
+    columns = columns.sort(dim=1).values  # column order, so that the stable sort by score breaks ties by column
+    values = scores.gather(1, columns)
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices
+    return values.gather(1, order), columns.gather(1, order)
 
 
-def _topk_merge(
-    running: tuple[Tensor, Tensor] | None, scores: Tensor, positions: Tensor, k: int
-) -> tuple[Tensor, Tensor]:
-    """Keep the k best (score, position) per query; ties go to the earlier position (stable sort, earlier first)."""
-    pos = positions.unsqueeze(0).expand(scores.shape[0], -1)
-    if running is not None:
-        scores = torch.cat([running[0], scores], dim=1)
-        pos = torch.cat([running[1], pos], dim=1)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    return scores.gather(1, order), pos.gather(1, order)
+def _earliest_at_cut(scores: Tensor, cut: Tensor, k: int) -> Tensor:
+    """Columns ``[n, k]`` (ascending) of each row's scores above ``cut [n, 1]`` and, filling the row to ``k``, of its
+    earliest scores equal to it."""
+    above = scores > cut
+    at_cut = scores == cut
+    room = k - above.sum(dim=1, keepdim=True)
+    chosen = above | (at_cut & (at_cut.cumsum(dim=1) <= room))
+    return chosen.nonzero()[:, 1].view(-1, k)
+
+
+class BestKeys:
+    """The best ``k`` (score, position) pairs of each query over keys scored piece by piece, best first, ties to the
+    earlier position.
+
+    Pieces must come in position order (after the running best, if one is given: earlier positions). They are held
+    until their scores reach ``budget`` elements and then reduced with one ``stable_topk`` over all of them: the
+    same selection as reducing after every piece (ranking by score, then position, does not depend on how the
+    candidates are grouped), in fewer, larger selections."""
+
+    def __init__(self, k: int, budget: int, running: tuple[Tensor, Tensor] | None = None):
+        self.k, self.budget = k, budget
+        self.running = running  # scores and positions [n, <= k], best first
+        self.scores: list[Tensor] = []  # pieces [n, m]
+        self.positions: list[Tensor] = []  # their keys' positions [m]
+
+    def add(self, scores: Tensor, positions: Tensor) -> None:
+        self.scores.append(scores)
+        self.positions.append(positions)
+        if sum(s.numel() for s in self.scores) >= self.budget:
+            self._reduce()
+
+    def result(self) -> tuple[Tensor, Tensor] | None:
+        """The best ``k`` so far (fewer while fewer keys were seen; None before any)."""
+        if self.scores:
+            self._reduce()
+        return self.running
+
+    def _reduce(self) -> None:
+        held = [] if self.running is None else [self.running[0]]
+        scores, columns = stable_topk(torch.cat([*held, *self.scores], dim=1), self.k)
+        offset = held[0].shape[1] if held else 0  # the running best come first
+        positions = torch.cat(self.positions)[(columns - offset).clamp(min=0)]
+        if self.running is not None:
+            earlier = self.running[1].gather(1, columns.clamp(max=offset - 1))
+            positions = torch.where(columns < offset, earlier, positions)
+        self.running = (scores, positions)
+        self.scores, self.positions = [], []
 
 
 class DSAIndexer:
@@ -106,21 +157,18 @@ class DSAIndexer:
         if start + n <= self.topk:
             return None
         q, w = self._queries(x, q_resid, rope)
-        running = None
         starts = (
             past_starts if past_starts is not None else [sum(k.shape[0] for k in past[:i]) for i in range(len(past))]
         )
-        step = max(1, max_score_elements // (n * self.heads))  # index scores of one piece of keys at a time
-        for keys, offset in zip(past, starts, strict=True):
-            for lo in range(0, keys.shape[0], step):
-                positions = torch.arange(offset + lo, offset + min(lo + step, keys.shape[0]), device=x.device)
-                running = _topk_merge(running, self._scores(q, w, keys[lo : lo + step]), positions, self.topk)
+        best = self._score_keys(q, w, past, starts, max_score_elements)
         hidden = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)  # later own positions
         own_scores = self._scores(q, w, own).masked_fill(hidden, float("-inf"))
-        if shards is not None:
-            running = shards.merge_topk(running, n, self.topk, own_scores)
-        running = _topk_merge(running, own_scores, torch.arange(start, start + n, device=x.device), self.topk)
-        return running[1]
+        if shards is not None:  # every rank's best candidates, merged
+            best = BestKeys(self.topk, max_score_elements, shards.merge_topk(best.result(), n, self.topk, own_scores))
+        best.add(own_scores, torch.arange(start, start + n, device=x.device))
+        selected = best.result()
+        assert selected is not None  # the own keys were just added
+        return selected[1]
 
     def select_batch(self, x: Tensor, q_resid: Tensor, inp: DecodeInput, own_keys: Tensor) -> Selection | None:
         """Decoding: member b's ``index_topk`` positions ``[B, k]`` and which of them are real keys (a member that
@@ -141,21 +189,26 @@ class DSAIndexer:
         own_scores = torch.matmul(w.unsqueeze(1), self._relu_scores(dots))[:, 0] + 0.0
         own_scores = own_scores.masked_fill(~batch.own_mask, float("-inf"))
         own_positions = batch.own_start.unsqueeze(1) + torch.arange(own_keys.shape[1], device=x.device)
-        best, top = _stable_topk(torch.cat([scores, own_scores], 1), self.topk)
+        best, top = stable_topk(torch.cat([scores, own_scores], 1), self.topk)
         return torch.cat([positions, own_positions], 1).gather(1, top), best > float("-inf")
 
     def _prefix_topk(self, q: Tensor, w: Tensor, keys: list[Tensor], inp: DecodeInput) -> tuple[Tensor, Tensor]:
         """The best (score, position) pairs ``[g, <= k]`` of a group's queries over its prefix's index keys."""
-        running = None
-        offset = 0
-        step = max(1, inp.attention.max_score_elements // (q.shape[0] * self.heads))
-        for block in keys:
-            for lo in range(0, block.shape[0], step):
-                positions = torch.arange(offset + lo, offset + min(lo + step, block.shape[0]), device=q.device)
-                running = _topk_merge(running, self._scores(q, w, block[lo : lo + step]), positions, self.topk)
-            offset += block.shape[0]
-        assert running is not None  # a group's prefix holds at least one position
-        return running
+        starts = list(accumulate((b.shape[0] for b in keys[:-1]), initial=0))
+        best = self._score_keys(q, w, keys, starts, inp.attention.max_score_elements).result()
+        assert best is not None  # a group's prefix holds at least one position
+        return best
+
+    def _score_keys(self, q: Tensor, w: Tensor, blocks: list[Tensor], starts: list[int], budget: int) -> BestKeys:
+        """The best keys of ``blocks`` (index keys starting at positions ``starts``) for queries ``q``, scored in
+        pieces whose per-head scores stay within ``budget`` elements."""
+        best = BestKeys(self.topk, budget)
+        step = max(1, budget // (q.shape[0] * self.heads))
+        for keys, offset in zip(blocks, starts, strict=True):
+            for lo in range(0, keys.shape[0], step):
+                positions = torch.arange(offset + lo, offset + min(lo + step, keys.shape[0]), device=q.device)
+                best.add(self._scores(q, w, keys[lo : lo + step]), positions)
+        return best
 
     def _queries(self, x: Tensor, q_resid: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """The indexer's queries ``[n, heads, dim]`` and head weights ``[n, heads]``, in compute precision."""

@@ -6,7 +6,8 @@ Nothing here downloads weights; every model is built from its config.
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from typing import Any, Literal
 
 import torch
 from transformers import (
@@ -16,6 +17,7 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
 )
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 Family = Literal["llama", "qwen3", "qwen3_5", "glm_moe_dsa"]
 
@@ -150,6 +152,24 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype = torch.float32, se
     # transformers keeps some modules in fp32 whatever the dtype (MoE router weights); cast them too so that an
     # fp64 model is fp64 throughout and fp64 gradient checks are not capped at fp32 precision.
     return model.to(dtype).eval()
+
+
+# The name under which a transformers forward takes and returns its cache: ``cache`` from transformers 5.24,
+# ``past_key_values`` before. A forward drops an unknown keyword into its ``**kwargs`` without a word, so the other
+# name would run it from position 0 with no cache.
+CACHE_KEYWORD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+)
+
+
+def forward_with_cache(model: torch.nn.Module, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+    """transformers' incremental forward: ``model(ids)`` continuing from ``cache`` (which it extends in place)."""
+    return model(ids, **{CACHE_KEYWORD: cache}, **kwargs)
+
+
+def returned_cache(output: Any) -> Any:
+    """The cache a transformers forward run with ``use_cache=True`` returns."""
+    return getattr(output, CACHE_KEYWORD)
 
 
 def tiny_model(family: Family, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> torch.nn.Module:

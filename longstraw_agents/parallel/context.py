@@ -68,28 +68,88 @@ class EvenShards:
         return LAST if owner == self.size - 1 else (owner + 1) * self.shard_size
 
 
+class PairChannels:
+    """A communicator of its own for each ordered pair of ranks of a group: the point-to-point messages from rank
+    ``a`` to rank ``b`` travel alone on ``channel(a, b)``, in posting order.
+
+    NCCL runs a communicator's operations in posting order and matches a pair's sends and receives by order alone,
+    so on one communicator the wavefront's rows (to later ranks), their gradients (back to earlier ones) and the
+    FSDP gathers between them would wait for each other (``parallel.discipline`` finds those cycles). On a channel
+    of one sender and one receiver, the only order that matters is the order of that pair's messages, which the
+    sender posts in the order the receiver takes them.
+
+    ``over`` makes them with ``torch.distributed.new_group``, which every process of the job calls in the same
+    order: for every group of a mesh dimension at once (``ParallelMesh`` does), or for a group that is the whole
+    job. Made once per job and group (cached)."""
+
+    _made: dict[tuple[int, tuple[tuple[int, ...], ...]], PairChannels] = {}
+
+    def __init__(self, channels: dict[tuple[int, int], dist.ProcessGroup]):
+        self._channels = channels  # (sending global rank, receiving global rank) -> its communicator
+
+    @classmethod
+    def over(cls, groups: Sequence[Sequence[int]]) -> PairChannels:
+        """The channels of every ordered pair in each of ``groups`` (global ranks; every process passes them all)."""
+        key = (id(dist.group.WORLD), tuple(tuple(g) for g in groups))
+        if key not in cls._made:
+            me, channels = dist.get_rank(), {}
+            for ranks in key[1]:
+                for a in ranks:
+                    for b in ranks:
+                        if a == b:
+                            continue
+                        group = dist.new_group([a, b])  # a collective call of every process, members or not
+                        if me in (a, b):
+                            channels[a, b] = group
+            cls._made[key] = cls(channels)
+        return cls._made[key]
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> PairChannels:
+        """The channels of ``group``, which must span the whole job (a sub-group's are made for every group of its
+        mesh dimension at once: ``ParallelMesh.context_parallel``)."""
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) != dist.get_world_size():
+            raise ValueError(
+                f"the pair channels of a group of {len(ranks)} of {dist.get_world_size()} processes are made by "
+                "every process for every group of its mesh dimension: pass channels=PairChannels.over(...) "
+                "(ParallelMesh.context_parallel does)"
+            )
+        return cls.over([ranks])
+
+    def channel(self, src: int, dst: int) -> dist.ProcessGroup:
+        """The communicator of messages from global rank ``src`` to global rank ``dst``."""
+        return self._channels[src, dst]
+
+
 class ContextParallel:
     """The engine's ``StateShards`` over ``group`` (the ``cp`` dimension of a ``ParallelMesh``): who stores which
-    positions (``ownership``) and the messages between the ranks (``transport``)."""
+    positions (``ownership``) and the messages between the ranks (``transport``: collectives on ``group``,
+    point-to-point messages on ``channels``, by default ``PairChannels.of(group)``)."""
 
-    def __init__(self, group: dist.ProcessGroup, shard_size: int):
-        self.transport = GroupTransport(group)
+    def __init__(self, group: dist.ProcessGroup, shard_size: int, channels: PairChannels | None = None):
+        self.transport = GroupTransport(group, channels)
         self.ownership = EvenShards(self.transport.rank, self.transport.size, shard_size)
 
     @classmethod
-    def for_prompt(cls, group: dist.ProcessGroup, prompt_len: int, chunk: int) -> ContextParallel:
+    def for_prompt(
+        cls, group: dist.ProcessGroup, prompt_len: int, chunk: int, channels: PairChannels | None = None
+    ) -> ContextParallel:
         """Shards that spread ``prompt_len`` positions evenly over the ranks (``chunk``: the size for no prompt)."""
-        return cls(group, _even_shard(prompt_len, dist.get_world_size(group), chunk))
+        return cls(group, _even_shard(prompt_len, dist.get_world_size(group), chunk), channels)
 
 
 class GroupTransport:
     """The engine's ``Transport`` over a process group: collectives, point-to-point messages and broadcasts, with
-    the bytes this rank sent by kind (``sent_bytes``) and the time it waited for others (``waited_s``)."""
+    the bytes this rank sent by kind (``sent_bytes``) and the time it waited for others (``waited_s``). The
+    point-to-point messages travel on ``channels`` (a communicator per ordered pair: ``PairChannels``)."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, channels: PairChannels | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.channels = channels if channels is not None else PairChannels.of(group)
+        self._me = dist.get_global_rank(group, self.rank)
         # this rank's sends, by what they carry
         kinds = ("partials", "dq", "topk", "state_grad", "rows", "recurrent", "param_grads", "metrics")
         self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
@@ -152,25 +212,27 @@ class GroupTransport:
         """Start sending ``tensors`` (any dtypes and shapes) to rank ``dst`` of the group; ``flush`` waits for it.
         ``kind``: what they carry, for ``sent_bytes``."""
         peer = dist.get_global_rank(self.group, dst)
+        channel = self.channels.channel(self._me, peer)
         payload = [t.detach().to("cpu").contiguous() for t in tensors]
         header = _header(payload)
         message = [torch.tensor([header.numel()]), header, *payload]
-        works = [dist.isend(t, peer, group=self.group, tag=tag) for t in message]
+        works = [dist.isend(t, peer, group=channel, tag=tag) for t in message]
         self._pending.setdefault(kind, []).append((works, message))
         self.sent_bytes[kind] += sum(_nbytes(t) for t in payload)
 
     def recv(self, src: int, tag: int, device: torch.device) -> tuple[Tensor, ...]:
         """What rank ``src`` sent with ``tag`` (blocks until it arrives), on ``device``."""
         peer = dist.get_global_rank(self.group, src)
+        channel = self.channels.channel(peer, self._me)
         began = time.perf_counter()
         length = torch.empty(1, dtype=torch.int64)
-        dist.recv(length, peer, group=self.group, tag=tag)
+        dist.recv(length, peer, group=channel, tag=tag)
         header = torch.empty(int(length), dtype=torch.int64)
-        dist.recv(header, peer, group=self.group, tag=tag)
+        dist.recv(header, peer, group=channel, tag=tag)
         out = []
         for dtype, shape in _parse(header):
             t = torch.empty(shape, dtype=dtype)
-            dist.recv(t, peer, group=self.group, tag=tag)
+            dist.recv(t, peer, group=channel, tag=tag)
             out.append(t.to(device))
         self.waited_s += time.perf_counter() - began
         return tuple(out)

@@ -21,12 +21,16 @@ across a capture's chunks (DESIGN.md, "Distributed") is not done here.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Partial
@@ -67,18 +71,255 @@ def gathered(model: nn.Module, replicas: int = 1) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
-    for name, shard in model.named_parameters():
-        grad = full[name].grad
+    _reduce_into_shards(full, dict(model.named_parameters()), replicas)
+
+
+@dataclass
+class WeightSharding:
+    """How a step reaches a model's weights: ``weights`` (per-layer gathers inside the engine, or None) and the
+    block the step runs in (``step``): the root unit gathered when the engine gathers the layers, else the whole
+    model (a no-op for a model that is not sharded)."""
+
+    model: nn.Module
+    weights: LayerGather | None = None
+    replicas: int = 1
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        return self.weights.gathered(None) if self.weights is not None else gathered(self.model, self.replicas)
+
+
+class LayerGather:
+    """The engine's ``LayerWeights`` over a model ``shard_model`` sharded, for ranks that compute in lockstep (the cp
+    ranks of one group, dp = 1): a decoder layer's weights are whole only while the engine computes with it, and its
+    gradient goes to the shards as soon as the layer's backward is done — no rank ever holds the whole model or its
+    whole gradient. The root unit (embeddings, final norm, LM head) is gathered for a block (``gathered(None)``:
+    the trainer's step).
+
+    Two ways in: ``gathered(i)`` for a block that runs layer ``i``'s forward and backward (the sharded capture, the
+    wavefront walk: layer by layer); ``run(i, fn, h)`` for a forward whose backward comes later (branch replays) or
+    runs all layers at once (a chunk's recomputation): the weights are freed after the forward, gathered again when
+    the first gradient reaches the layer's outputs, and reduced when the gradient of its input is computed (what
+    FSDP2's own hooks do around a module's forward; the engine never calls one). A backward that leaves a layer
+    unreduced (a gradient that reaches none of its inputs) has it reduced at its end.
+
+    ``replicas``: how many ranks compute the same gradient in replicated work (cp); ``partial=True`` blocks hold
+    each rank's share of a sum instead (the wavefront walk). The gathers and reductions are collectives over the
+    shard mesh: every rank must make the same calls in the same order, computing or not.
+
+    In a wavefront the ranks reach a layer at different times, and a gather waits for all of them: ``announce``
+    the order of the coming gathers and up to ``window`` of them are started ahead (asynchronously), so that a rank
+    finds the layer it reaches already whole; ``partial`` reductions run asynchronously too, each waited for
+    ``window`` releases later. ``settle`` ends such a stretch. The most layers whole at once is then ``window + 1``."""
+
+    def __init__(self, model: nn.Module, replicas: int, window: int | None = None):
+        self.model, self.replicas = model, replicas
+        self.window = replicas if window is None else window
+        backbone: Any = model.model
+        self.units: list[nn.Module] = list(backbone.layers)
+        # FSDP2 keeps a unit's whole parameters as the same tensors from one gather to the next (their storage
+        # freed between): the objects autograd saved in a forward and gradients accumulate into
+        self._whole: dict[int | None, dict[str, nn.Parameter]] = {}
+        self._gathered: set[int | None] = set()
+        self._blocks: dict[int | None, int] = {}  # unit -> the ``gathered`` blocks it is open in (they nest)
+        self._backward_pending: dict[int, int] = {}  # layer -> forwards whose backward has begun but not ended
+        self._coming: collections.deque[int] = collections.deque()  # announced gathers not yet made, in order
+        self._started: dict[int, Any] = {}  # layer -> the handle of its gather started ahead
+        self._reducing: collections.deque[list[tuple[DTensor, DTensor]]] = collections.deque()  # partial, in flight
+        # partial reductions since the last settle, by id of the shard: (shard, this rank gave a gradient, the shard
+        # had one before)
+        self._touched: dict[int, tuple[DTensor, bool, bool]] = {}
+        self.most_gathered = 0  # the most layers ever whole at once (the root not counted)
+
+    def announce(self, layers: Sequence[int]) -> None:
+        """The layers the next gathers will be, in order (the same on every rank); starts the first ``window``."""
+        self._coming.extend(layers)
+        self._start_ahead()
+
+    def settle(self) -> None:
+        """Wait for the partial reductions in flight; a parameter no rank had a gradient for in them (and none
+        before: an expert no token chose) keeps none, as in one process (one collective over the shard mesh)."""
+        while self._reducing:
+            _settle(self._reducing.popleft())
+        if not self._touched:
+            return
+        entries = list(self._touched.values())
+        self._touched.clear()
+        mine = torch.tensor([had for _, had, _ in entries], dtype=torch.int64)
+        mesh = entries[0][0].device_mesh
+        anyone = DTensor.from_local(mine, mesh, [Partial("sum")] * mesh.ndim).full_tensor().tolist()
+        for (shard, _, before), found in zip(entries, anyone, strict=True):
+            if not found and not before:
+                shard.grad = None
+
+    @contextlib.contextmanager
+    def gathered(self, layer: int | None, partial: bool = False) -> Iterator[None]:
+        """Layer ``layer``'s weights (None: the root unit's) whole for the block; on leaving the outermost block of the
+        layer, the gradient accumulated summed into the shards (divided by ``replicas`` unless ``partial``) and the
+        whole copy freed. Blocks of one layer nest: an inner one changes nothing."""
+        self._unshard(layer)
+        self._blocks[layer] = self._blocks.get(layer, 0) + 1
+        try:
+            yield
+        finally:
+            self._blocks[layer] -= 1
+            if not self._blocks[layer]:
+                del self._blocks[layer]
+                self._release(layer, partial)
+
+    def root_parameters(self) -> list[nn.Parameter]:
+        """The parameters outside the decoder layers, as registered now (whole while the root is gathered)."""
+        return list(self._registered(None).values())
+
+    def run(self, layer: int, fn: Callable[[Tensor], Any], h: Tensor) -> Any:
+        """``fn(h)`` — layer ``layer``'s forward, returning its output and new state entries — with its weights
+        whole; under autograd, its backward gathers them again and reduces the gradient when it is done."""
+        if not torch.is_grad_enabled() or layer in self._blocks:  # (inside a block, the block reduces)
+            with self.gathered(layer):
+                return fn(h)
+        self._unshard(layer)
+        try:
+            if h.requires_grad:
+                h = _AfterBackward.apply(h, self, layer)
+            out = fn(h)
+        finally:
+            self._free(layer)
+        tensors = [t for t in (out if isinstance(out, tuple | list) else (out,)) if torch.is_tensor(t)]
+        outputs = [t for t in tensors if t.requires_grad]
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self._before_backward(layer), mode="any")
+        return out
+
+    # --- the unit's life --------------------------------------------------------------------------------------
+    def _unit(self, layer: int | None) -> Any:
+        return self.model if layer is None else self.units[layer]
+
+    def _unshard(self, layer: int | None) -> None:
+        if layer in self._gathered:
+            return
+        if self._coming and layer == self._coming[0]:
+            self._coming.popleft()
+        started = self._started.pop(layer, None) if layer is not None else None
+        if started is not None:
+            started.wait()
+        else:
+            self._unit(layer).unshard()
+        self._whole.setdefault(layer, self._registered(layer))
+        self._gathered.add(layer)
+        self.most_gathered = max(self.most_gathered, sum(1 for k in self._gathered if k is not None))
+
+    def _start_ahead(self) -> None:
+        """Start the gathers of the next announced layers, up to ``window`` of them in flight."""
+        for layer in list(self._coming)[: self.window]:
+            if layer not in self._started and layer not in self._gathered:
+                unit: Any = self.units[layer]  # an FSDPModule (fully_shard changes the class at run time)
+                self._started[layer] = unit.unshard(async_op=True)
+
+    def _free(self, layer: int | None) -> None:
+        """The whole copy freed (its tensors keep any gradient for a later ``_release``)."""
+        if layer in self._gathered:
+            self._unit(layer).reshard()
+            self._gathered.discard(layer)
+
+    def _release(self, layer: int | None, partial: bool) -> None:
+        self._free(layer)
+        whole, shards = self._whole[layer], self._registered(layer)
+        if partial:
+            self._reduce_partial(whole, shards)
+        else:
+            _reduce_into_shards(whole, shards, self.replicas)
+        self._start_ahead()
+
+    def _reduce_partial(self, whole: dict[str, nn.Parameter], shards: dict[str, Any]) -> None:
+        """Each rank's share summed into the shards, asynchronously; a rank without a share gives zeros (it must
+        meet the others' collective), and which ranks had one is settled later."""
+        flight = []
+        for name, shard in shards.items():
+            if not isinstance(shard, DTensor):
+                continue
+            param = whole[name]
+            had = param.grad is not None
+            earlier = self._touched.get(id(shard))
+            self._touched[id(shard)] = (
+                shard,
+                had or (earlier is not None and earlier[1]),
+                shard.grad is not None if earlier is None else earlier[2],
+            )
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            param.grad = None
+            flight.append((shard, _reduce_scatter(grad, shard, async_op=True)))
+        self._reducing.append(flight)
+        while len(self._reducing) > self.window:
+            _settle(self._reducing.popleft())
+
+    def _registered(self, layer: int | None) -> dict[str, nn.Parameter]:
+        """The unit's own parameters as registered now (whole while gathered, else its shards), by name."""
+        if layer is not None:
+            return dict(self.units[layer].named_parameters())
+        nested = {id(p) for unit in self.units for p in unit.parameters()}
+        return {name: p for name, p in self.model.named_parameters() if id(p) not in nested}
+
+    # --- autograd's side --------------------------------------------------------------------------------------
+    def _before_backward(self, layer: int) -> None:
+        if not self._backward_pending:  # the first layer this backward reaches: reduce what it leaves, at its end
+            Variable._execution_engine.queue_callback(self._after_whole_backward)
+        self._backward_pending[layer] = self._backward_pending.get(layer, 0) + 1
+        self._unshard(layer)
+
+    def _after_layer_backward(self, layer: int) -> None:
+        pending = self._backward_pending.get(layer, 0) - 1
+        if pending > 0:  # another forward of the layer (another member's graph) is still on its way back
+            self._backward_pending[layer] = pending
+            return
+        self._backward_pending.pop(layer, None)
+        self._release(layer, partial=False)
+
+    def _after_whole_backward(self) -> None:
+        for layer in sorted(self._backward_pending, reverse=True):
+            self._release(layer, partial=False)
+        self._backward_pending.clear()
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a layer's input; its backward runs once the layer's own backward has produced the input's
+    gradient: then the layer's gradient is reduced into its shards."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, gather: LayerGather, layer: int) -> Tensor:
+        ctx.gather, ctx.layer = gather, layer
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        ctx.gather._after_layer_backward(ctx.layer)
+        return grad, None, None
+
+
+def _settle(flight: list[tuple[DTensor, DTensor]]) -> None:
+    """Wait for the reductions of one release and add them into their shards' gradients."""
+    for shard, reduced in flight:
+        local = reduced.to_local()
+        if isinstance(local, AsyncCollectiveTensor):
+            local = local.wait()
+        done = DTensor.from_local(local, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
+        shard.grad = done if shard.grad is None else shard.grad + done
+
+
+def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], replicas: int) -> None:
+    """Each whole parameter's gradient summed over the shard mesh into its shard's gradient (divided by
+    ``replicas``), the whole one dropped. Every rank must have a gradient for the same parameters."""
+    for name, shard in shards.items():
+        grad = whole[name].grad
         if grad is None or not isinstance(shard, DTensor):
             continue
-        full[name].grad = None
+        whole[name].grad = None
         if replicas > 1:
             grad.div_(replicas)
         reduced = _reduce_scatter(grad, shard)
         shard.grad = reduced if shard.grad is None else shard.grad + reduced
 
 
-def _reduce_scatter(grad: torch.Tensor, shard: DTensor) -> DTensor:
-    """This rank's full-size gradient, summed over the shard's mesh and cut to the shard's placement."""
+def _reduce_scatter(grad: torch.Tensor, shard: DTensor, async_op: bool = False) -> DTensor:
+    """This rank's full-size gradient, summed over the shard's mesh and cut to the shard's placement (started
+    only, with ``async_op``: the collective is waited for where the result is read)."""
     partial = DTensor.from_local(grad, shard.device_mesh, [Partial("sum")] * shard.device_mesh.ndim)
-    return partial.redistribute(shard.device_mesh, shard.placements)
+    return partial.redistribute(shard.device_mesh, shard.placements, async_op=async_op)

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from longstraw_agents.parallel.context import ContextParallel
-from longstraw_agents.parallel.fsdp import gathered, shard_model
+from longstraw_agents.parallel.context import ContextParallel, PairChannels
+from longstraw_agents.parallel.fsdp import LayerGather, WeightSharding, gathered, is_sharded, shard_model
 
 
 @dataclass
@@ -47,7 +47,12 @@ class ParallelMesh:
 
     def context_parallel(self, prompt_len: int, chunk: int) -> ContextParallel:
         """Shards of a prompt of ``prompt_len`` positions over this mesh's ``cp`` ranks."""
-        return ContextParallel.for_prompt(self.cp_group, prompt_len, chunk)
+        return ContextParallel.for_prompt(self.cp_group, prompt_len, chunk, self.cp_channels)
+
+    @cached_property
+    def cp_channels(self) -> PairChannels:
+        """A communicator per ordered pair of cp ranks, for the wavefront's messages (made for every cp group)."""
+        return PairChannels.over(self.mesh.mesh.tolist())  # rows of the (dp, cp) mesh: the cp groups
 
     @cached_property
     def shard_mesh(self) -> DeviceMesh:
@@ -64,3 +69,13 @@ class ParallelMesh:
         """``parallel.fsdp.gathered`` over this mesh: the cp ranks of a dp rank hold one gradient cp times."""
         with gathered(model, replicas=self.mesh["cp"].size()):
             yield
+
+    def sharding(self, model: nn.Module) -> WeightSharding:
+        """How a step reaches ``model``'s weights on this mesh. Sharded, with dp = 1 — every rank of the shard mesh a
+        cp rank, computing in lockstep — the engine gathers a layer at a time (``LayerGather``); with dp > 1 the dp
+        ranks' groups differ in shape (their trees, so their numbers of layer passes), and a gather is a collective
+        over all of them: the step gathers the whole model once."""
+        replicas = self.mesh["cp"].size()
+        if is_sharded(model) and self.mesh["dp"].size() == 1:
+            return WeightSharding(model, LayerGather(model, replicas), replicas)
+        return WeightSharding(model, None, replicas)

@@ -22,8 +22,10 @@ from reference_dsa import (
 )
 from torch import Tensor, nn
 
-from longstraw_agents.engine import Engine
-from longstraw_agents.models.presets import tiny_model
+import longstraw_agents.models.mla as mla
+from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.mla import BestKeys, stable_topk
+from longstraw_agents.models.presets import forward_with_cache, returned_cache, tiny_model
 
 DTYPES = [torch.float32, torch.float64]
 # relative tolerance of engine vs reference: both compute in the model's dtype (wide parts in max(dtype, fp32))
@@ -134,7 +136,7 @@ def test_reference_matches_tie_stable_transformers_with_sparse_selection(
         reference = reference_logits(net, ids)
         full = net(ids[None]).logits[0]
         prefix = net(ids[None, :split], use_cache=True)
-        cached = net(ids[None, split:], cache=prefix.cache).logits[0]
+        cached = forward_with_cache(net, ids[None, split:], returned_cache(prefix)).logits[0]
     assert relative_error(reference, full) < TRANSFORMERS_TOL[dtype]
     assert relative_error(reference[split:], cached) < TRANSFORMERS_TOL[dtype]
 
@@ -221,3 +223,100 @@ def test_engine_selection_is_sparse(topk: int) -> None:
     assert relative_error(sparse_prefix, dense_prefix) < ENGINE_TOL[torch.float64]
     per_position = (sparse_logits - dense_logits).abs().amax(-1) / dense_logits.abs().amax(-1)
     assert per_position.min() > 1e-2
+
+
+# --- the selection: top-k by score, ties to the earlier position -------------------------------------------------
+def sort_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The definition: a stable descending sort of each whole row, cut to ``k``."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    return scores.gather(1, order), order
+
+
+def merge_by_sort(running: tuple[Tensor, Tensor] | None, scores: Tensor, positions: Tensor, k: int):
+    """The best ``k`` (score, position) after one more piece of keys, by a stable sort of the running best followed
+    by the piece (what the selection computed piece by piece before it reduced pieces in groups)."""
+    pos = positions.unsqueeze(0).expand(scores.shape[0], -1)
+    if running is not None:
+        scores, pos = torch.cat([running[0], scores], 1), torch.cat([running[1], pos], 1)
+    values, order = sort_topk(scores, k)
+    return values, pos.gather(1, order)
+
+
+def tie_heavy_scores(n: int, m: int, dtype: torch.dtype, gen: torch.Generator) -> Tensor:
+    """Scores drawn mostly from a few values — exact zeros of both signs (relu), -inf (hidden keys) — plus some
+    continuous ones, so that ties straddle every cut."""
+    few = torch.tensor([float("-inf"), -1.0, -0.0, 0.0, 0.5, 1.0, 2.0], dtype=dtype)
+    scores = few[torch.randint(0, len(few), (n, m), generator=gen)]
+    continuous = torch.rand(n, m, generator=gen) < 0.2
+    return torch.where(continuous, torch.randn(n, m, generator=gen, dtype=dtype), scores)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stable_topk_equals_a_stable_sort_on_scores_with_many_ties(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for n, m in [(1, 1), (7, 5), (16, 64), (48, 700)]:
+        scores = tie_heavy_scores(n, m, dtype, gen)
+        for k in sorted({1, 3, 4, 8, 256, max(m - 1, 1), m, m + 5}):
+            values, columns = stable_topk(scores, k)
+            expected_values, expected_columns = sort_topk(scores, k)
+            assert torch.equal(columns, expected_columns), (n, m, k)
+            assert torch.equal(values, expected_values) and torch.equal(values.signbit(), expected_values.signbit())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("budget", [1, 40, 300, 1 << 20])
+def test_best_keys_selects_what_merging_piece_by_piece_selects(dtype: torch.dtype, budget: int) -> None:
+    """Pieces of keys reduced in groups (every piece, some, all at once) against a stable sort after every piece,
+    from nothing and from a running best padded with position -1 at -inf (as the context-parallel merge gives)."""
+    gen = torch.Generator().manual_seed(1)
+    n, k = 6, 8
+    padded = (
+        torch.cat([tie_heavy_scores(n, 5, dtype, gen), torch.full((n, 3), float("-inf"), dtype=dtype)], 1),
+        torch.cat([torch.randint(0, 30, (n, 5), generator=gen), torch.full((n, 3), -1)], 1),
+    )
+    for running in (None, padded):
+        best, expected = BestKeys(k, budget, running), running
+        start = 30
+        for m in (1, 3, 9, 2, 17, 5):
+            scores, positions = tie_heavy_scores(n, m, dtype, gen), torch.arange(start, start + m)
+            best.add(scores, positions)
+            expected = merge_by_sort(expected, scores, positions, k)
+            start += m
+        result = best.result()
+        assert result is not None and expected is not None
+        assert torch.equal(result[1], expected[1]) and torch.equal(result[0], expected[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_selections_equal_the_stable_sort_definition(dtype: torch.dtype, monkeypatch) -> None:
+    """Every DSA selection of a capture and its extends — tiny pieces of keys and chunks, topk 4, where exact-zero
+    index scores tie across the cut — equals the one made with a stable sort of whole rows."""
+    net, ids = model(dtype, 4), token_ids(80, seed=5)
+    recorded: list[Tensor] = []
+    select = mla.DSAIndexer.select
+
+    def recording(self, *args, **kwargs):
+        selected = select(self, *args, **kwargs)
+        recorded.append(selected)
+        return selected
+
+    def run() -> list[Tensor]:
+        recorded.clear()
+        engine = Engine(net, EngineConfig(chunk_size=16, max_score_elements=64))
+        with torch.no_grad():
+            state = engine.capture(ids[:37])
+            state = engine.extend(state, ids[37:61])
+            engine.logits(state, ids[61:])
+        return list(recorded)
+
+    straddling = []
+    earliest_at_cut = mla._earliest_at_cut
+    monkeypatch.setattr(mla, "_earliest_at_cut", lambda *a: straddling.append(1) or earliest_at_cut(*a))
+    monkeypatch.setattr(mla.DSAIndexer, "select", recording)
+    fast = run()
+    monkeypatch.setattr(mla, "stable_topk", sort_topk)
+    by_sort = run()
+    assert straddling  # ties did straddle the cut
+    assert len(fast) == len(by_sort) > 0
+    for a, b in zip(fast, by_sort, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -48,7 +48,7 @@ def _worker(rank: int, port: int, out: str, how: str) -> None:
     assert init_from_env(TIMEOUT_S)
     mesh = ParallelMesh.build(dp=2, cp=1)
     trainer = make_trainer("group", Accelerator(cpu=True), mesh)
-    groups = share(step_groups(trainer), mesh.dp_rank)
+    groups = share(step_groups(trainer), mesh)
     if rank == 1:  # dies or hangs after its backward, where the gradients would be summed
         trainer._sum_gradients_across_processes = lambda *_: _fail_at_the_first_collective(how, Path(out + ".release"))
     start = time.monotonic()
@@ -64,6 +64,7 @@ def _worker(rank: int, port: int, out: str, how: str) -> None:
     Path(out + ".release").touch()
 
 
+@pytest.mark.stops_a_rank("rank 1 dies or hangs before the step's first collective")
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_a_rank_that_dies_or_hangs_mid_step_gives_the_other_a_clear_error(tmp_path: Path, how: str) -> None:
     out = str(tmp_path / "rank0.pt")

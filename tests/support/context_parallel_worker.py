@@ -68,7 +68,7 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = ParallelMesh.build(dp=1, cp=world)
-    shards = ContextParallel(mesh.cp_group, shard_size)
+    shards = ContextParallel(mesh.cp_group, shard_size, mesh.cp_channels)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (PROMPT,), generator=gen)
     branch = torch.randint(0, 256, (BRANCH,), generator=gen)

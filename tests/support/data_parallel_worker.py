@@ -41,7 +41,9 @@ def make_trainer(
     config = GRPOConfig(G=G, chunk_size=CHUNK, lr=1e-2, max_grad_norm=1.0, normalization=normalization)
     policy: torch.nn.Module | Engine = model
     if mesh is not None and mesh.mesh["cp"].size() > 1:
-        policy = Engine(model, EngineConfig(chunk_size=CHUNK), shards=ContextParallel(mesh.cp_group, SHARD))
+        policy = Engine(
+            model, EngineConfig(chunk_size=CHUNK), shards=ContextParallel(mesh.cp_group, SHARD, mesh.cp_channels)
+        )
     return GRPOTrainer(policy, config, accelerator=accelerator, mesh=mesh)
 
 
@@ -156,6 +158,8 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             "stray_collectives": stray,
             "grad_norm": metrics.grad_norm,
             "counters": (trainer.step_count, trainer.policy_version),
+            # (per-layer gathers: the most decoder layers whole at once on this rank; None: the step gathers all)
+            "most_gathered": None if trainer.sharding.weights is None else trainer.sharding.weights.most_gathered,
             "resumed": resumed,
         },
         Path(out_dir) / f"rank{rank}.pt",

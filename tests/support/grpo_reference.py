@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
+from longstraw_agents.models.presets import forward_with_cache, returned_cache
+
 ADVANTAGE_EPS = 1e-4  # TRL: (r - mean) / (std + 1e-4)
 
 # ids [n] -> logits [n, V]: row t holds the logits that predict token t + 1
@@ -53,9 +55,9 @@ def detached_prompt_logprobs(model: nn.Module, prompt: Tensor, completion: Tenso
     target convention: the node predicting completion token 0 is fed the last prompt token.
     """
     with torch.no_grad():
-        cache = model(prompt[:-1].unsqueeze(0), use_cache=True).past_key_values
+        cache = returned_cache(model(prompt[:-1].unsqueeze(0), use_cache=True))
     inputs = torch.cat([prompt[-1:], completion[:-1]])
-    logits = model(inputs.unsqueeze(0), cache=copy.deepcopy(cache)).logits[0]
+    logits = forward_with_cache(model, inputs.unsqueeze(0), copy.deepcopy(cache)).logits[0]
     return target_logprobs(logits, completion)
 
 

@@ -43,8 +43,10 @@ def _one_process(normalization: str, family: str = "llama") -> tuple[dict[str, t
 
 @pytest.mark.parametrize(
     ("dp", "cp", "normalization"),
-    [(2, 2, "batch"), (2, 1, "group")],
-    ids=["dp2xcp2-batch", "dp2xcp1-group"],
+    [
+        pytest.param(2, 2, "batch", id="dp2xcp2-batch"),
+        pytest.param(2, 1, "group", id="dp2xcp1-group"),
+    ],
 )
 def test_a_step_on_the_mesh_equals_one_process_holding_every_group(tmp_path, dp, cp, normalization):
     """Every collective of the step runs on the mesh's dp or cp group, never on the default world group by
@@ -107,13 +109,18 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(tmp_path
     """FSDP2 over the flattened dp x cp mesh on a hybrid (dp = 1 included, the published run's shape): the cp ranks
     of a dp rank each end the backward with the group's whole gradient (exact mode's wavefront walk sums it over cp),
     which the reduce-scatter over every rank counts once; the step equals one process's, and each rank stores
-    1/(dp·cp) of every parameter."""
+    1/(dp·cp) of every parameter. At dp = 1 the engine gathers a decoder layer at a time (``LayerGather``): no rank
+    ever holds more than the prefetch window (cp layers) plus the one it computes, of the model's 4."""
     ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, normalization="group", fsdp=True, family="qwen3_5")
     expected, grad_norm = _one_process("group", "qwen3_5")
     for rank, result in enumerate(ranks):
         assert relative_l2(result["params"], expected) <= 1e-10, rank
         assert result["stray_collectives"] == [], rank
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
+        if dp == 1:
+            assert 1 <= result["most_gathered"] <= cp + 1 < 4, rank
+        else:  # (dp ranks' trees differ: the step gathers the whole model once)
+            assert result["most_gathered"] is None, rank
     for name, (_, shape) in ranks[0]["sizes"].items():
         held = [r["sizes"][name][0] for r in ranks]
         assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, dp * cp)], name

@@ -10,7 +10,7 @@ import torch
 from grpo_reference import advantages, flat, grpo_loss, parameter_grads, relative_l2, sequence_logprobs
 
 from longstraw_agents.engine import Engine
-from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.models.presets import forward_with_cache, returned_cache, tiny_model
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, LossConfig, backward_group, make_group
 from longstraw_agents.trainer.group import Group, batch_weighted, completion_members, token_array
 from longstraw_agents.trainer.modes import PrefixCache
@@ -161,13 +161,13 @@ def test_after_an_update_the_reused_prefix_is_the_old_weights_prefix() -> None:
     reused_grads = parameter_grads(model)
 
     with torch.no_grad():
-        prompt_cache = old_model(prompt[:-1].unsqueeze(0), use_cache=True).past_key_values
+        prompt_cache = returned_cache(old_model(prompt[:-1].unsqueeze(0), use_cache=True))
     reference_model = copy.deepcopy(model)
     reference_model.zero_grad()
     logps = []
     for completion in completions:
         inputs = torch.cat([prompt[-1:], completion[:-1]])
-        logits = reference_model(inputs.unsqueeze(0), cache=copy.deepcopy(prompt_cache)).logits[0]
+        logits = forward_with_cache(reference_model, inputs.unsqueeze(0), copy.deepcopy(prompt_cache)).logits[0]
         logps.append(torch.log_softmax(logits, -1).gather(-1, completion[:, None])[:, 0])
     reference = grpo_loss(logps, [torch.ones(len(c), dtype=torch.bool) for c in completions], rewards).loss
     reference.backward()

@@ -1,0 +1,46 @@
+"""Parameters sharded over ranks as the engine sees them: a protocol, implemented by
+``longstraw_agents.parallel.fsdp.LayerGather`` (FSDP2 units the engine gathers itself, since it never calls a
+module's forward, where FSDP2's own hooks would).
+
+The engine gathers a decoder layer's weights only around the work that uses them — layer by layer in a sharded
+capture and the wavefront walk (``gathered``), around each layer's forward elsewhere (``run``, whose backward gathers
+them again) — so no rank holds the whole model. The root unit (embeddings, final norm, LM head) is the caller's to
+gather for a block (the trainer's step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+
+class LayerWeights(Protocol):
+    """A decoder layer's weights whole only while used; its gradient reduced into the shards when its backward is
+    done. Every rank of the shard mesh makes the same calls in the same order."""
+
+    def gathered(self, layer: int | None, partial: bool = False) -> AbstractContextManager[None]:
+        """Layer ``layer``'s weights (None: the root unit's) whole for the block; on leaving the outermost block of
+        the layer, the gradient accumulated reduced into the shards. ``partial``: each rank's gradient is its share
+        of a sum (the wavefront walk), not a copy of a replicated one."""
+        ...
+
+    def announce(self, layers: Sequence[int]) -> None:
+        """The layers the next gathers will be, in order (the same on every rank), so that they are started ahead:
+        in a wavefront the ranks reach a layer at different times, and a gather waits for all of them."""
+        ...
+
+    def settle(self) -> None:
+        """End a stretch of ``partial`` blocks: their reductions done (every rank calls it)."""
+        ...
+
+    def root_parameters(self) -> list[nn.Parameter]:
+        """The parameters outside the decoder layers (embeddings, final norm, LM head), as registered now."""
+        ...
+
+    def run(self, layer: int, fn: Callable[[Tensor], Any], h: Tensor) -> Any:
+        """``fn(h)``, layer ``layer``'s forward, with its weights whole; under autograd its backward, whenever it runs,
+        gathers them again and reduces the gradient when it is done."""
+        ...
