@@ -8,13 +8,15 @@ Flat names follow TRL / HF ``TrainingArguments``: ``epsilon`` is the clip range,
 ``adam_beta1`` / ``adam_beta2`` / ``learning_rate`` / ``weight_decay`` / ``max_grad_norm`` / ``warmup_steps`` are
 AdamW's, ``num_generations`` is G, ``loss_type`` takes TRL's names ("dapo", "bnpo", "grpo", "dr_grpo", with TRL's
 batch normalisation), ``num_iterations`` is TRL's μ, ``use_bias_correction_kl`` and ``max_completion_length`` are
-the loss's. A flat ``eps`` is refused: it is ambiguous between AdamW's epsilon and the clip range.
+the loss's, ``bf16=True`` is ``mixed_precision=MixedPrecision(compute_dtype="bfloat16")``. A flat ``eps`` is refused:
+it is ambiguous between AdamW's epsilon and the clip range.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from longstraw_agents.trainer.loss import LossConfig
@@ -34,6 +36,24 @@ class OptimizerConfig(BaseModel):
     warmup_steps: int = Field(
         0, ge=0, description="linear learning-rate warmup: a fresh Adam's first steps are ~lr per weight"
     )
+
+
+class MixedPrecision(BaseModel):
+    """Mixed precision as FSDP2's policy and accelerate's ``mixed_precision="bf16"`` give it: the model's own
+    parameters (in the dtype it was built with, fp32 for a bf16 run) are the master weights AdamW steps, with its
+    moments in the same dtype; the engine computes with ``compute_dtype`` copies; gradients are reduced and
+    accumulated in the master dtype. A sharded model gets the policy from FSDP2 (``ParallelMesh.fully_shard``), an
+    unsharded one from a compute copy (``trainer.mixed_precision.ComputeCopy``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of the weights the engine computes with (float32: for fp64 masters)"
+    )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.compute_dtype)
 
 
 _LOSS_KEYS = set(LossConfig.model_fields)
@@ -98,6 +118,11 @@ class GRPOConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig, description="the GRPO objective")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW, warmup and clipping")
     track_memory: bool = Field(False, description="record peak live tensor bytes per step (slower)")
+    mixed_precision: MixedPrecision | None = Field(
+        None,
+        description="master weights in the model's dtype, compute in mixed_precision.compute_dtype (None: compute "
+        "with the master weights themselves)",
+    )
     num_iterations: int = Field(
         1,
         ge=1,
@@ -114,7 +139,7 @@ class GRPOConfig(BaseModel):
     def accepted_keys(cls) -> frozenset[str]:
         """Every key the config takes: its fields, the loss and optimizer settings given flat, TRL's names."""
         flat = _LOSS_KEYS | (_OPTIM_KEYS - {"eps"})  # a flat eps is refused as ambiguous
-        return frozenset(cls.model_fields) | flat | set(_ALIASES) | set(_ADAM_BETAS)
+        return frozenset(cls.model_fields) | flat | set(_ALIASES) | set(_ADAM_BETAS) | {"bf16"}
 
     @model_validator(mode="after")
     def _capture_reuse_needs_detached_mode(self) -> GRPOConfig:
@@ -131,6 +156,10 @@ class GRPOConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         data = _rename_aliases(data)
+        if "bf16" in data:  # TRL / HF TrainingArguments: bf16=True trains in bf16 mixed precision
+            if "mixed_precision" in data:
+                raise ValueError("give bf16 or mixed_precision, not both")
+            data["mixed_precision"] = MixedPrecision() if data.pop("bf16") else None
         for section, keys in (("loss", _LOSS_KEYS), ("optim", _OPTIM_KEYS)):
             nested = _section(data, section)
             flat = {k: data.pop(k) for k in list(data) if k in keys}

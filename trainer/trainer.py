@@ -32,7 +32,7 @@ from torch import nn
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
-from longstraw_agents.parallel.fsdp import WeightSharding, is_sharded
+from longstraw_agents.parallel.fsdp import WeightSharding, compute_dtype, is_sharded
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
 from longstraw_agents.trainer.group import (
@@ -45,6 +45,7 @@ from longstraw_agents.trainer.group import (
 )
 from longstraw_agents.trainer.grpo import backward_group
 from longstraw_agents.trainer.metrics import BackwardResult, IterationMetrics, StepMetrics
+from longstraw_agents.trainer.mixed_precision import ComputeCopy
 from longstraw_agents.trainer.modes import PrefixCache
 from longstraw_agents.trajectory import Trajectory
 
@@ -119,12 +120,35 @@ class GRPOTrainer:
         # forward, so it gets the unwrapped model. With DDP that also bypasses the wrapper's gradient all-reduce
         # (its autograd hooks only fire after a wrapper forward): train_step all-reduces gradients itself.
         shards = model.shards if isinstance(model, Engine) else None
-        self.engine = Engine(
-            self.accelerator.unwrap_model(self.model), engine_config, shards=shards, weights=self.sharding.weights
-        )
+        self.compute = self._compute_copy(self.accelerator.unwrap_model(self.model), shards is not None)
+        computed = self.compute.compute if self.compute is not None else self.accelerator.unwrap_model(self.model)
+        self.engine = Engine(computed, engine_config, shards=shards, weights=self.sharding.weights)
         self.ref_engine = self._reference_engine(ref_model, engine_config, module)
         if self.config.loss.beta > 0 and self.ref_engine is None:
             raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
+
+    def _compute_copy(self, master: nn.Module, context_parallel: bool) -> ComputeCopy | None:
+        """Mixed precision for a model FSDP2 does not shard (a sharded one gets it from FSDP2's policy, which must
+        then compute in the configured dtype)."""
+        precision = self.config.mixed_precision
+        if is_sharded(master):
+            found = compute_dtype(master)
+            wanted = None if precision is None else precision.dtype
+            if found != wanted:
+                raise ValueError(
+                    f"the model is sharded to compute in {found or 'its own dtype'} but GRPOConfig.mixed_precision "
+                    f"asks for {wanted or 'none'}: shard it with mesh.fully_shard(model, compute_dtype={wanted})"
+                )
+            return None
+        if precision is None:
+            return None
+        if context_parallel:
+            raise ValueError(
+                "mixed precision with context parallelism needs the model sharded (mesh.fully_shard(model, "
+                "compute_dtype=...); parallel.fsdp: true): the cp ranks sum the gradients of the weights they compute "
+                "with, which a compute copy hands to its masters before the sum"
+            )
+        return ComputeCopy(master, precision.dtype)
 
     def _engine_config(self, model: nn.Module | Engine) -> EngineConfig:
         if not isinstance(model, Engine):
@@ -257,6 +281,8 @@ class GRPOTrainer:
         grad_norm = self._clip(params)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if self.compute is not None:
+            self.compute.refresh()
         self.scheduler.step()
         return results, IterationMetrics.of_groups(results, grad_norm=grad_norm, lr=lr, summed=summed)
 
@@ -323,6 +349,8 @@ class GRPOTrainer:
         path = self.resolve_checkpoint(directory)
         self.accelerator.load_state(str(path))
         load_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, path)
+        if self.compute is not None:
+            self.compute.refresh()
 
     @staticmethod
     def resolve_checkpoint(directory: str | os.PathLike) -> Path:

@@ -215,6 +215,20 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _mixed_precision_over_wider_masters(self) -> TrainConfig:
+        precision = self.trainer.mixed_precision
+        if precision is None:
+            return self
+        if precision.compute_dtype == self.model.dtype:
+            raise ValueError(
+                f"trainer.mixed_precision computes in {precision.compute_dtype}, model.dtype's own: the model's dtype "
+                "is the master weights' (float32 for a bfloat16 run)"
+            )
+        if self.parallel.cp > 1 and not self.parallel.fsdp:
+            raise ValueError("trainer.mixed_precision with parallel.cp > 1 needs parallel.fsdp: true")
+        return self
+
+    @model_validator(mode="after")
     def _served_by_one_process(self) -> TrainConfig:
         if self.policy.served is not None and self.parallel.dp * self.parallel.cp > 1:
             raise ValueError(

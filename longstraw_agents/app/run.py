@@ -271,10 +271,12 @@ class Run:
 
     def _trainer(self, ref_model: torch.nn.Module | None) -> GRPOTrainer:
         """The GRPO trainer over the run's mesh: with cp > 1 its engine holds each prompt's state in cp shards (a
-        shard per ``max_context / cp`` positions); with ``parallel.fsdp`` the policy is sharded over dp first."""
+        shard per ``max_context / cp`` positions); with ``parallel.fsdp`` the policy is sharded over every rank first
+        (its compute dtype: ``trainer.mixed_precision``'s)."""
         mesh, spec = self.ranks.mesh, self.config.parallel
         if mesh is not None and spec.fsdp:
-            mesh.fully_shard(self.model)
+            precision = self.config.trainer.mixed_precision
+            mesh.fully_shard(self.model, None if precision is None else precision.dtype)
         policy: torch.nn.Module | Engine = self.model
         if mesh is not None and spec.cp > 1:
             if self.max_context is None:

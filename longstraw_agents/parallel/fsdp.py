@@ -32,18 +32,33 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> None:
+def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> None:
     """``fully_shard`` each decoder layer of a transformers CausalLM (``model.model.layers``), then the model.
 
-    Call before building the optimizer: FSDP2 replaces the parameters by DTensor shards."""
+    Call before building the optimizer: FSDP2 replaces the parameters by DTensor shards. ``compute_dtype``: mixed
+    precision (FSDP2's ``MixedPrecisionPolicy``): the shards stay in the model's dtype (the master weights AdamW
+    steps), a gather casts them to ``compute_dtype``, and gradients are reduced in the master dtype."""
+    policy = MixedPrecisionPolicy()
+    if compute_dtype is not None:
+        master = next(model.parameters()).dtype
+        if compute_dtype == master:
+            raise ValueError(f"mixed precision computes in {compute_dtype}, the model's own dtype: nothing to mix")
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=master)
     backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
     for layer in backbone.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a gather of a sharded ``model`` gives its weights in (None: its own, no mixed precision).
+    (FSDP2 keeps the policy in its module state, which has no public accessor.)"""
+    policy: MixedPrecisionPolicy = model._get_fsdp_state()._mp_policy  # type: ignore[operator]
+    return policy.param_dtype
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -244,7 +259,7 @@ class LayerGather:
                 had or (earlier is not None and earlier[1]),
                 shard.grad is not None if earlier is None else earlier[2],
             )
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grad = param.grad.to(shard.dtype) if param.grad is not None else torch.zeros_like(param, dtype=shard.dtype)
             param.grad = None
             flight.append((shard, _reduce_scatter(grad, shard, async_op=True)))
         self._reducing.append(flight)
@@ -306,12 +321,14 @@ def _settle(flight: list[tuple[DTensor, DTensor]]) -> None:
 
 def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], replicas: int) -> None:
     """Each whole parameter's gradient summed over the shard mesh into its shard's gradient (divided by
-    ``replicas``), the whole one dropped. Every rank must have a gradient for the same parameters."""
+    ``replicas``), the whole one dropped; in the shard's dtype (mixed precision: the master's, not the compute
+    dtype). Every rank must have a gradient for the same parameters."""
     for name, shard in shards.items():
         grad = whole[name].grad
         if grad is None or not isinstance(shard, DTensor):
             continue
         whole[name].grad = None
+        grad = grad.to(shard.dtype)
         if replicas > 1:
             grad.div_(replicas)
         reduced = _reduce_scatter(grad, shard)

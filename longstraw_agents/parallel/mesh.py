@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -59,10 +60,11 @@ class ParallelMesh:
         """The ranks parameters, gradients and optimizer state are sharded over: all of them (dp x cp flattened)."""
         return self.mesh["dp", "cp"]._flatten("dp_cp")
 
-    def fully_shard(self, model: nn.Module) -> None:
+    def fully_shard(self, model: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
         """Shard ``model``'s parameters over every rank of the mesh with FSDP2 (``parallel.fsdp``): each holds
-        1/(dp·cp) of every parameter, of its gradient and of its optimizer state."""
-        shard_model(model, self.shard_mesh)
+        1/(dp·cp) of every parameter, of its gradient and of its optimizer state. ``compute_dtype``: mixed
+        precision (the shards stay the master weights; gathers cast them)."""
+        shard_model(model, self.shard_mesh, compute_dtype)
 
     @contextlib.contextmanager
     def gathered(self, model: nn.Module) -> Iterator[None]:

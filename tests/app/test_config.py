@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+import torch
 import yaml
 from hf_checkpoints import save_bpe_tokenizer, save_tiny_llama
 from paths import REPO
@@ -300,3 +301,14 @@ def test_report_to_takes_the_trackers_it_knows(tmp_path: Path) -> None:
         tiny_config(tmp_path, report_to=["tensorbord"])
     with pytest.raises(pydantic.ValidationError, match=r"report_to\n.*names wandb more than once"):
         tiny_config(tmp_path, report_to=["wandb", "tensorboard", "wandb"])
+
+
+def test_mixed_precision_needs_wider_master_weights_and_fsdp_under_cp() -> None:
+    with pytest.raises(pydantic.ValidationError, match="the model's dtype is the master weights'"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", model={"dtype": "bfloat16"}, trainer={"bf16": True}))
+    with pytest.raises(pydantic.ValidationError, match=r"parallel\.cp > 1 needs parallel\.fsdp"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", trainer={"bf16": True}, parallel={"cp": 2}))
+    config = TrainConfig.model_validate(
+        tiny_config_dict("runs/x", trainer={"bf16": True}, parallel={"cp": 2, "fsdp": True})
+    )
+    assert config.trainer.mixed_precision is not None and config.trainer.mixed_precision.dtype == torch.bfloat16

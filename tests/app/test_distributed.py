@@ -87,7 +87,8 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     settings = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True})
     settings["model"] = {**settings["model"], "max_context": 1024}
     # weight decay moves the weights even without a reward signal, so the export is told apart from a fresh init
-    settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1}
+    # bf16 mixed precision: FSDP2 gathers bf16 weights for compute, AdamW steps the fp32 shards (exported as fp32)
+    settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1, "bf16": True}
     settings["report_to"] = ["tensorboard"]  # the writer alone reports
     config.write_text(yaml.safe_dump(settings))
     done = _launch("torchrun", config)
@@ -122,7 +123,7 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     dcp_to_torch_save(run_dir / "checkpoint" / "sharded", tmp_path / "whole.pt")
     reference = torch.load(tmp_path / "whole.pt")["model"]
     for name, param in exported.named_parameters():
-        assert torch.equal(param, reference[name]), name
+        assert param.dtype == torch.float32 and torch.equal(param, reference[name]), name
 
 
 def test_dp_times_cp_must_equal_the_number_of_processes(monkeypatch: pytest.MonkeyPatch) -> None:

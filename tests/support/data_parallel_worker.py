@@ -31,14 +31,19 @@ def make_trainer(
     mesh: ParallelMesh | None = None,
     fsdp: bool = False,
     family: str = "llama",
+    compute_dtype: str | None = None,
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
-    ``fsdp`` its parameters are sharded over every rank of the mesh."""
+    ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
+    fp64 parameters are the master weights)."""
     model = tiny_model(family, dtype=torch.float64, seed=0)
     if fsdp:
         assert mesh is not None
-        mesh.fully_shard(model)
-    config = GRPOConfig(G=G, chunk_size=CHUNK, lr=1e-2, max_grad_norm=1.0, normalization=normalization)
+        mesh.fully_shard(model, None if compute_dtype is None else getattr(torch, compute_dtype))
+    precision = None if compute_dtype is None else {"compute_dtype": compute_dtype}
+    config = GRPOConfig(
+        G=G, chunk_size=CHUNK, lr=1e-2, max_grad_norm=1.0, normalization=normalization, mixed_precision=precision
+    )
     policy: torch.nn.Module | Engine = model
     if mesh is not None and mesh.mesh["cp"].size() > 1:
         policy = Engine(
@@ -140,7 +145,12 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     accelerator = Accelerator(cpu=True)
     mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"])
     trainer = make_trainer(
-        spec["normalization"], accelerator, mesh, spec.get("fsdp", False), spec.get("family", "llama")
+        spec["normalization"],
+        accelerator,
+        mesh,
+        spec.get("fsdp", False),
+        spec.get("family", "llama"),
+        spec.get("compute_dtype"),
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])
@@ -161,6 +171,11 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             # (per-layer gathers: the most decoder layers whole at once on this rank; None: the step gathers all)
             "most_gathered": None if trainer.sharding.weights is None else trainer.sharding.weights.most_gathered,
             "resumed": resumed,
+            # (the dtypes AdamW steps in: the parameters it holds and its moments)
+            "stepped_dtypes": sorted(
+                {str(p.dtype) for p in trainer.optimizer.param_groups[0]["params"]}
+                | {str(state["exp_avg"].dtype) for state in trainer.optimizer.state.values()}
+            ),
         },
         Path(out_dir) / f"rank{rank}.pt",
     )

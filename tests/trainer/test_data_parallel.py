@@ -126,6 +126,26 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(tmp_path
         assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, dp * cp)], name
 
 
+@pytest.mark.parametrize(("dp", "cp"), [(2, 1), (1, 2)], ids=["dp2", "dp1xcp2"])
+def test_fsdp2_mixed_precision_equals_one_process_with_the_same_policy(tmp_path, dp, cp):
+    """FSDP2's mixed precision (fp64 master shards, gathered in fp32 for compute, gradients reduced in fp64) against
+    one process with a compute copy: the same per-group fp32 arithmetic, gradients summed in fp64 on both sides, so
+    they agree to fp32's rounding (cp merges attention across ranks in another order; AdamW's first step divides
+    each gradient by its own size, so the gradient norm is what shows a scale), and differ from fp64 compute by more.
+    AdamW steps fp64 shards with fp64 moments on every rank."""
+    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, normalization="group", fsdp=True, compute_dtype="float32")
+    one = make_trainer("group", compute_dtype="float32")
+    grad_norm = one.train_step(step_groups(one)).grad_norm
+    expected = {name: p.detach() for name, p in one.model.named_parameters()}
+    in_fp64, _ = _one_process("group")
+    for rank, result in enumerate(ranks):
+        assert relative_l2(result["params"], expected) <= 1e-5, rank
+        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), rank
+        assert relative_l2(result["params"], in_fp64) > 1e-9, rank
+        assert result["stepped_dtypes"] == ["torch.float64"], rank
+    assert one.engine.model.dtype == torch.float32 and one.model.dtype == torch.float64
+
+
 def test_a_checkpoint_resumes_on_another_mesh(tmp_path):
     """A dp=2 FSDP2 checkpoint (each rank's shards, through DCP) resumes at dp=1 x cp=2 with FSDP2 over both ranks
     and in one process without a mesh: DCP reshards the parameters and AdamW's state, so the next step gives what one
