@@ -27,7 +27,8 @@ GLM = PlanRequest(
 def row(label: str, plan: Plan) -> dict:
     r = plan.request
     print(
-        f"{label:<58} {r.context / 1e6:>5.2f}M {r.mode:<8} G={r.group} opt={r.optimizer} "
+        f"{label:<58} {r.context / 1e6:>5.2f}M {r.mode:<8} G={r.group} opt={r.optimizer}"
+        f"{' (fp32 masters)' if r.mixed else ''} "
         f"-> {plan.total / GIB:7.1f} GiB of {r.gpu_mem_bytes / GIB:.1f}: {'fits' if plan.fits else 'does NOT fit'}",
         flush=True,
     )
@@ -52,12 +53,20 @@ def main() -> None:
         rows.append(row("Qwen3.6-27B stress, 8 x 96 GB", plan))
     for optimizer in ("adamw", "none"):
         rows.append(row("GLM-5.2, 32 x 96 GB, detached", plan_memory(replace(GLM, optimizer=optimizer))))
-    longest = {}
-    for base, gpus in [(QWEN, 8), (QWEN, 32), (GLM, 8), (GLM, 32)]:
+    longest = {}  # (bf16 compute with fp32 master weights, as trainer.mixed_precision runs)
+    replicated = replace(QWEN, engine=QWEN.engine.updated(wavefront_walk=False))
+    for base, gpus, walk in [
+        (QWEN, 8, "wavefront"),
+        (QWEN, 32, "wavefront"),
+        (replicated, 8, "replicated"),
+        (replicated, 32, "replicated"),
+        (GLM, 8, "wavefront"),
+        (GLM, 32, "wavefront"),
+    ]:
         for optimizer in ("adamw", "none"):
             request = replace(base, gpus=gpus, mode="exact", optimizer=optimizer)
             tokens, plan = longest_context(request)
-            key = f"{base.model}, {gpus} GPUs, exact, optimizer {optimizer}"
+            key = f"{base.model}, {gpus} GPUs, exact ({walk} walk), optimizer {optimizer}"
             longest[key] = tokens
             print(f"longest exact context: {key}: {tokens:,} positions ({plan.total / GIB:.1f} GiB)", flush=True)
     out = RESULTS / "planner.json"

@@ -13,9 +13,11 @@ of their layer pattern, and extrapolates:
 - what does not — one chunk's graph, one branch's graph, the LM head's log-prob tiles and the head's weight gradient —
   is measured on the cut models (peak minus the exact terms) and extrapolated linearly in the number of layer
   periods;
-- weights, gradients and AdamW state are counted from the model's parameters, sharded over all ``dp x cp`` GPUs as
-  FSDP2 does, plus two layers' gathered weights (the layer in use and the prefetched next); the frozen reference
-  model and its captured state when ``beta > 0``;
+- weights, gradients and AdamW state are counted from the model's parameters as the trainer holds them
+  (``parameter_terms``): shards over all ``dp x cp`` GPUs in the master dtype (fp32 with mixed precision), and what
+  the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit and up to cp + 1 decoder layers
+  with the gradients on their way to the shards, at dp > 1 the whole model for the step; the frozen reference model
+  (whole, on every GPU) and its captured state when ``beta > 0``;
 - an allocator margin, stated as such: 5 % of the total plus 1 GiB (CUDA context, kernels' workspaces,
   fragmentation).
 
@@ -43,6 +45,7 @@ from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
+from longstraw_agents.parallel.fsdp import gathers_by_layer, prefetch_window
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
 from longstraw_agents.trainer.loss import LossConfig
@@ -83,6 +86,8 @@ class PlanRequest:
     dtype: torch.dtype = torch.bfloat16
     optimizer: Literal["adamw", "none"] = "adamw"
     offload_optimizer: bool = False
+    # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
+    mixed_precision: bool | None = None
     beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
 
@@ -91,6 +96,16 @@ class PlanRequest:
         if self.cp is not None:
             return self.cp
         return self.gpus // self.dp if self.dp is not None else self.gpus
+
+    @property
+    def mixed(self) -> bool:
+        narrow = _itemsize(self.dtype) < 4
+        return narrow if self.mixed_precision is None else self.mixed_precision
+
+    @property
+    def master_itemsize(self) -> int:
+        """Bytes per parameter of the weights AdamW steps (and of its moments and the sharded gradients)."""
+        return 4 if self.mixed else _itemsize(self.dtype)
 
     @property
     def data_parallel(self) -> int:
@@ -106,6 +121,8 @@ class PlanRequest:
         for name, ranks in (("dp", self.dp), ("cp", self.cp)):
             if ranks is not None and self.gpus % ranks:
                 raise ValueError(f"gpus ({self.gpus}) is not a multiple of {name} ({ranks})")
+        if self.mixed_precision and _itemsize(self.dtype) >= 4:
+            raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
         return self
 
 
@@ -285,6 +302,7 @@ class _Probe:
     graphs: int
     parameters: int
     largest_layer: int
+    root: int  # parameters outside the decoder layers: embeddings, final norm, LM head
 
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
@@ -295,8 +313,8 @@ def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     exact = exact_terms(config, request, prompt_len - 1)
     graphs = peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
     parameters = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
-    return _Probe(graphs, parameters, largest)
+    in_layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    return _Probe(graphs, parameters, max(in_layers), parameters - sum(in_layers))
 
 
 def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe, str]:
@@ -318,19 +336,47 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
     growth = probe(small, request, request.group).graphs - t1.graphs if request.group > pair else 0
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
-    return _Probe(graphs, parameters, t2.largest_layer), how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
+    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root)
+    return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
 
 
 def parameter_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
-    """Weights, gradients and AdamW state sharded over all GPUs (FSDP2), plus two layers' gathered weights."""
-    params, itemsize = probed.parameters, _itemsize(request.dtype)
+    """What the trainer holds of the parameters per GPU, as ``parallel.fsdp`` runs FSDP2 over all GPUs (dp x cp):
+    shards of the master weights, of their gradients and of AdamW's two moments, in the master dtype (fp32 with
+    mixed precision, else the model's); what is whole at once in the compute dtype (``_whole_at_once``); and the KL
+    reference, a whole frozen copy of the policy on every GPU (the run copies it before sharding)."""
+    shard = -(-probed.parameters // request.gpus)
+    master = request.master_itemsize
     adam = request.optimizer == "adamw" and not request.offload_optimizer
+    whole_weights, whole_gradients = _whole_at_once(probed, request)
     return {
-        "weights": params * itemsize // request.gpus + 2 * probed.largest_layer * itemsize,
-        "gradients": params * itemsize // request.gpus,
-        "optimizer state": 2 * 4 * params // request.gpus if adam else 0,
-        "reference weights": params * itemsize // request.gpus if request.beta > 0 else 0,
+        "weights": shard * master,
+        "gathered weights": whole_weights,
+        "gradients": shard * master,
+        "gathered gradients": whole_gradients,
+        "optimizer state": 2 * master * shard if adam else 0,
+        "reference weights": probed.parameters * master if request.beta > 0 else 0,
     }
+
+
+def _whole_at_once(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
+    """Weights and gradients whole at once in the compute dtype, by the trainer's schedule. One GPU: with mixed
+    precision the compute copy (its gradients handed to the masters as they accumulate). Sharded with a layer at a
+    time (``gathers_by_layer``): the root unit (embeddings, final norm, LM head) for the step and up to
+    ``prefetch_window(cp)`` + 1 decoder layers (gathers started ahead), the root's gradient, the gradient of the
+    layer under backward, and full-size gradients on their way to the shards in the master dtype: one layer's
+    (a replay's reduction completes before the next layer's), or the window's in exact mode's wavefront walk (its
+    reductions run asynchronously). Otherwise the whole model and its gradient for the step."""
+    compute, master = _itemsize(request.dtype), request.master_itemsize
+    if request.gpus == 1:
+        return (probed.parameters * compute if request.mixed else 0), 0
+    if gathers_by_layer(request.data_parallel):
+        window = prefetch_window(request.context_parallel)
+        weights = ((window + 1) * probed.largest_layer + probed.root) * compute
+        walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
+        in_flight = (window if walk else 1) * probed.largest_layer * master
+        return weights, in_flight + (probed.largest_layer + probed.root) * compute
+    return probed.parameters * compute, probed.parameters * compute
 
 
 def logits_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
@@ -372,8 +418,8 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         f"graphs: {measured.how}, 2 chunks of {request.engine.chunk_size} positions on the meta device; they include "
         "the LM head's log-prob tiles and its fp32 weight gradient "
         f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
-        f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); FSDP2 shards weights, "
-        "gradients and AdamW state (2 x fp32 per parameter) over all GPUs, plus two layers' gathered weights",
+        f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); "
+        + _sharding_note(request),
     ]
     if request.mode == "exact":
         spacing = checkpoint_spacing(measured.config, request.dtype, request.engine)
@@ -382,6 +428,26 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
             walk = "wavefront (layer inputs kept)" if request.engine.wavefront_walk else "replicated (no layer inputs)"
             notes.append(f"the reverse walk over the cp ranks: {walk}")
     return Plan(request, categories, notes)
+
+
+def _sharding_note(request: PlanRequest) -> str:
+    master = "fp32 master weights" if request.mixed else f"{str(request.dtype).removeprefix('torch.')} weights"
+    adam = "no optimizer state"
+    if request.optimizer == "adamw":
+        adam = (
+            "AdamW offloaded (planned only: the trainer keeps it on the GPU)"
+            if request.offload_optimizer
+            else f"AdamW state (2 x {request.master_itemsize} B)"
+        )
+    if request.gpus == 1:
+        copy = ", a compute copy" if request.mixed else ""
+        return f"one GPU: {master}{copy}, their gradients and {adam}"
+    if gathers_by_layer(request.data_parallel):
+        layers = prefetch_window(request.context_parallel) + 1
+        whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time, dp = 1)"
+    else:
+        whole = "the whole model and its gradient whole for the step (dp > 1)"
+    return f"FSDP2 shards {master}, their gradients and {adam} over all GPUs; {whole}"
 
 
 def plan_memory(request: PlanRequest) -> Plan:

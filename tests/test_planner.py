@@ -22,6 +22,7 @@ from longstraw_agents.planner import (
     layer_period,
     load_config,
     longest_context,
+    parameter_terms,
     plan_memory,
     with_layers,
 )
@@ -29,7 +30,14 @@ from longstraw_agents.trainer import grpo_backward
 
 # more layers than the presets' defaults, so that the plan extrapolates from cut models
 LAYERS = {"llama": 4, "qwen3_5": 12, "glm_moe_dsa": 7}
-STATIC = ("weights", "gradients", "optimizer state", "reference weights")
+STATIC = (
+    "weights",
+    "gathered weights",
+    "gradients",
+    "gathered gradients",
+    "optimizer state",
+    "reference weights",
+)
 CHUNK, COMPLETION = 64, 16
 
 
@@ -197,3 +205,59 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
         ),  # a kept-graph budget captures replicated
     ):
         assert layer_inputs_bytes(config, other, 1000) == (0, 0)
+
+
+# parameters, the largest decoder layer's and the root unit's (embeddings, final norm, LM head)
+PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000)
+
+
+@pytest.mark.parametrize(
+    ("request_args", "expected"),
+    [
+        # dp = 1 x cp = 8, bf16 mixed precision: fp32 shards; the root and cp + 1 layers whole in bf16 (gathers
+        # started ahead); a replay's layer gradient in bf16, then fp32 on its way to the shards
+        (
+            {"gpus": 8, "mode": "detached"},
+            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 4_000,
+             "gathered gradients": 700 * 4 + (700 + 1_000) * 2, "optimizer state": 8_000},
+        ),
+        # exact mode's wavefront walk: cp layers' fp32 reductions in flight
+        (
+            {"gpus": 8, "mode": "exact"},
+            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 4_000,
+             "gathered gradients": 8 * 700 * 4 + (700 + 1_000) * 2, "optimizer state": 8_000},
+        ),
+        # dp = 2: the whole model and its gradient for the step
+        (
+            {"gpus": 8, "dp": 2, "mode": "exact"},
+            {"weights": 4_000, "gathered weights": 16_000, "gradients": 4_000, "gathered gradients": 16_000,
+             "optimizer state": 8_000},
+        ),
+        # one GPU: the fp32 masters, their gradients and moments, and the bf16 compute copy
+        (
+            {"gpus": 1},
+            {"weights": 32_000, "gathered weights": 16_000, "gradients": 32_000, "gathered gradients": 0,
+             "optimizer state": 64_000},
+        ),
+        # no mixed precision: AdamW steps bf16 shards with bf16 moments
+        (
+            {"gpus": 8, "mode": "detached", "mixed_precision": False},
+            {"weights": 2_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 2_000,
+             "gathered gradients": 700 * 2 + (700 + 1_000) * 2, "optimizer state": 4_000},
+        ),
+    ],
+)  # fmt: skip
+def test_parameter_terms_follow_the_trainers_schedule(request_args: dict, expected: dict) -> None:
+    """What the trainer holds per GPU (parallel.fsdp's schedule, tests/trainer/test_data_parallel.py measures its
+    gathers), from the model's parameter counts: bf16 with fp32 masters unless said."""
+    request = PlanRequest(dtype=torch.bfloat16, **request_args)
+    terms = parameter_terms(PROBE, request)
+    assert {k: v for k, v in terms.items() if k != "reference weights"} == expected
+    with_reference = parameter_terms(PROBE, dataclasses.replace(request, beta=0.04))
+    assert with_reference["reference weights"] == 8_000 * request.master_itemsize  # whole, on every GPU
+
+
+def test_mixed_precision_needs_a_narrow_compute_dtype() -> None:
+    with pytest.raises(pydantic.ValidationError, match="narrower than its fp32 masters"):
+        PlanRequest(dtype=torch.float32, mixed_precision=True)
+    assert not PlanRequest(dtype=torch.float32).mixed and PlanRequest(dtype=torch.bfloat16).mixed

@@ -89,6 +89,21 @@ def gathered(model: nn.Module, replicas: int = 1) -> Iterator[None]:
     _reduce_into_shards(full, dict(model.named_parameters()), replicas)
 
 
+def gathers_by_layer(dp: int) -> bool:
+    """Whether a sharded step gathers a decoder layer at a time (``LayerGather``) or the whole model (``gathered``):
+    by layer at dp = 1, where every rank of the shard mesh is a cp rank computing in lockstep. With dp > 1 the dp
+    ranks' groups differ in shape (their trees, so how many times each layer runs), and a gather is a collective over
+    all of them."""
+    return dp == 1
+
+
+def prefetch_window(cp: int) -> int:
+    """How many gathers ``LayerGather`` starts ahead, and partial reductions it keeps in flight, over ``cp`` ranks:
+    ``cp``. In the wavefront the ranks reach a layer up to cp - 1 layers apart, and a gather (or a reduction) waits
+    for all of them; a smaller window would stall the first rank until the last catches up."""
+    return cp
+
+
 @dataclass
 class WeightSharding:
     """How a step reaches a model's weights: ``weights`` (per-layer gathers inside the engine, or None) and the
@@ -128,7 +143,7 @@ class LayerGather:
 
     def __init__(self, model: nn.Module, replicas: int, window: int | None = None):
         self.model, self.replicas = model, replicas
-        self.window = replicas if window is None else window
+        self.window = prefetch_window(replicas) if window is None else window
         backbone: Any = model.model
         self.units: list[nn.Module] = list(backbone.layers)
         # FSDP2 keeps a unit's whole parameters as the same tensors from one gather to the next (their storage
