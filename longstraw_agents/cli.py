@@ -59,6 +59,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from longstraw_agents.app.config import ConfigError, TrainConfig, load_config
     from longstraw_agents.app.training import train
+    from longstraw_agents.parallel.launch import RankFailure
     from longstraw_agents.rollout import ContextLimitError
     from longstraw_agents.sampler import SamplerError
     from longstraw_agents.weight_sync import WeightSyncError
@@ -80,6 +81,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _fail(str(err))
     except (SamplerError, WeightSyncError) as err:  # a served policy's server failed, or refused the weights
         return _fail(f"{err}\nfix the server and run again (--resume continues from the last checkpoint, if any)")
+    except RankFailure as err:  # another process of the job died, hung or never joined: it says which
+        return _fail(str(err))
     except KeyboardInterrupt:
         print("interrupted; the checkpoint and the store are consistent (resume with --resume)", file=sys.stderr)
         return 130
@@ -261,6 +264,7 @@ _PLAN_FLAGS = {
     "gpu_mem_bytes": "--gpu-mem",
     "graph_budget_bytes": "--graph-budget",
     "offload_optimizer": "--offload",
+    "mixed_precision": "--no-mixed-precision",
     "chunk_size": "--chunk",
     "wavefront_walk": "--walk",
 }
@@ -293,6 +297,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             model=args.model, context=args.context, group=args.group, completion=args.completion, gpus=args.gpus,
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
             optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, engine=engine,
+            mixed_precision=False if args.no_mixed_precision else None,
         )  # fmt: skip
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
@@ -444,7 +449,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["detached", "exact"], default="detached")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
-    p.add_argument("--offload", choices=["none", "optimizer"], default="none", help="keep AdamW state off the GPU")
+    p.add_argument(
+        "--offload", choices=["none", "optimizer"], default="none", help="keep AdamW state off the GPU (planned only)"
+    )
+    p.add_argument(
+        "--no-mixed-precision",
+        action="store_true",
+        help="AdamW steps the --dtype weights themselves (default for bf16/fp16: fp32 master weights, as "
+        "trainer.mixed_precision runs)",
+    )
     p.add_argument("--beta", type=float, default=0.0, help="KL weight: > 0 plans the reference model too")
     p.add_argument("--chunk", type=_quantity, default=4096, help="engine chunk size")
     p.add_argument("--checkpoint-every", type=int, default=None, help="recurrent checkpoint spacing (exact)")

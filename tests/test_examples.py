@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,37 @@ def test_needle_long_context_prefix_reaches_the_target_where_the_env_falls_short
     assert len(short) < 4096
     envs, prefix, turns = example.long_group(4096, 2, seed=7, options={})
     assert len(prefix) >= 4096 and turns == 4 and all(env.num_tokens == len(prefix) for env in envs)
+
+
+def test_slurm_script_starts_one_torchrun_per_node_meeting_at_the_first_node(tmp_path: Path) -> None:
+    """examples/slurm/train.sbatch under stand-ins for SLURM's ``scontrol`` and ``srun`` (which prints what it would
+    start on every node): a torchrun command that torchrun's own parser reads as 2 nodes of 8 processes meeting at
+    the first node of the allocation, running ``longstraw train`` with the given flags."""
+    from torch.distributed.run import get_args_parser
+
+    from longstraw_agents.cli import build_parser
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {"scontrol": 'printf "gpu-a1\\ngpu-a2\\n"', "srun": 'printf "%s\\n" "$@" > "$SRUN_ARGS"'}
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    slurm = {"SLURM_JOB_NODELIST": "gpu-a[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "77"}
+    env = {**os.environ, **slurm, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env["SRUN_ARGS"] = str(tmp_path / "srun-args")
+    script = EXAMPLES / "slurm" / "train.sbatch"
+    done = subprocess.run(
+        ["bash", str(script), "train.yaml", "--resume"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+    srun_flag, launcher, *torchrun_args = (tmp_path / "srun-args").read_text().splitlines()
+    assert (srun_flag, launcher) == ("--kill-on-bad-exit=1", "torchrun")
+    torchrun = get_args_parser().parse_args(torchrun_args)
+    assert (torchrun.nnodes, torchrun.nproc_per_node) == ("2", "8")
+    assert (torchrun.rdzv_backend, torchrun.rdzv_endpoint, torchrun.rdzv_id) == ("c10d", "gpu-a1:29500", "77")
+    assert torchrun.module and torchrun.training_script == "longstraw_agents.cli"
+    assert torchrun.training_script_args == ["train", "train.yaml", "--resume"]
+    train = build_parser().parse_args(torchrun.training_script_args)
+    assert (train.config, train.resume) == ("train.yaml", True)

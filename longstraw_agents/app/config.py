@@ -155,7 +155,15 @@ class ParallelSpec(BaseModel):
         "recomputes every chunk, keeping no layer inputs; see docs/distributed.md and `longstraw plan --walk`)",
     )
     timeout_s: float = Field(
-        600.0, gt=0, description="seconds a collective waits for the other ranks before failing (a dead or hung rank)"
+        600.0,
+        gt=0,
+        description="seconds a collective waits for the other ranks before failing (a dead or hung rank), and the "
+        "processes of every node wait for each other to join",
+    )
+    across_nodes: Literal["dp", "cp"] = Field(
+        "dp",
+        description="on several nodes, the mesh dimension that spans them; the other's groups stay inside a node. dp "
+        "(default): a dp rank's cp ranks share a node, whose links carry their every-layer messages",
     )
 
 

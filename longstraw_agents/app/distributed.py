@@ -12,6 +12,10 @@ Who does what:
   writer's could outlast the collective timeout) and then takes the writer's weights, so all start GRPO from the
   same policy.
 
+On several nodes (``torchrun --nnodes``, ``accelerate launch --num_machines``) the same holds with global ranks;
+``parallel.across_nodes`` says which mesh dimension spans the nodes (``parallel.mesh``). Every process must see the
+run directory, one shared filesystem: checked before any step (``Ranks.share_directory``).
+
 With one process none of this applies and the run is what it always was.
 """
 
@@ -20,9 +24,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import secrets
+import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -30,7 +37,16 @@ import torch.distributed as dist
 
 from longstraw_agents.app.config import ConfigError, ParallelSpec
 from longstraw_agents.parallel import ParallelMesh
-from longstraw_agents.parallel.launch import failing_clearly, init_from_env, world_size
+from longstraw_agents.parallel.launch import (
+    Place,
+    Roster,
+    describe,
+    failing_clearly,
+    init_from_env,
+    processes_per_node,
+    world_size,
+)
+from longstraw_agents.parallel.mesh import inside_a_node, straddles_nodes
 from longstraw_agents.trainer import StepMetrics
 
 T = TypeVar("T")
@@ -38,15 +54,18 @@ T = TypeVar("T")
 
 @dataclass
 class Ranks:
-    """This process's ranks; ``mesh`` is None for a one-process run."""
+    """This process's ranks; ``mesh`` is None for a one-process run. ``roster``: every process of the job and where
+    it runs, when this process joined the job (None when the process group already existed)."""
 
     mesh: ParallelMesh | None = None
-    owns_process_group: bool = False
+    roster: Roster | None = None
     timeout_s: float = 0.0
 
     @classmethod
     def join(cls, spec: ParallelSpec, device_type: str) -> Ranks:
-        """Check ``dp * cp`` against the launcher's ``WORLD_SIZE``, join the process group and build the mesh."""
+        """Check ``dp * cp`` against the launcher's ``WORLD_SIZE`` and the mesh's layout against its nodes, join the
+        process group (every node's processes, or a ``RankFailure`` naming those that did not join within
+        ``parallel.timeout_s``) and build the mesh."""
         world = world_size()
         if spec.dp * spec.cp != world:
             raise ConfigError(
@@ -56,8 +75,11 @@ class Ranks:
             )
         if world == 1:
             return cls()
-        owns = init_from_env(spec.timeout_s)
-        return cls(ParallelMesh.build(spec.dp, spec.cp, device_type), owns, spec.timeout_s)
+        _check_nodes(spec, processes_per_node())
+        roster = init_from_env(spec.timeout_s)
+        with failing_clearly("building the device mesh", spec.timeout_s, roster):
+            mesh = ParallelMesh.build(spec.dp, spec.cp, device_type, spec.across_nodes)
+        return cls(mesh, roster, spec.timeout_s)
 
     @property
     def rank(self) -> int:
@@ -125,16 +147,99 @@ class Ranks:
             dist.broadcast(tensor.data, src=0)  # all processes, deliberately: the whole job starts from one policy
 
     def failing_clearly(self, what: Callable[[], str]) -> AbstractContextManager[None]:
-        """A rank that dies or hangs inside the block: a ``RankFailure`` on the others (``parallel.launch``)."""
-        return contextlib.nullcontext() if self.mesh is None else failing_clearly(what, self.timeout_s)
+        """A rank that dies or hangs inside the block: a ``RankFailure`` on the others naming the processes that
+        are gone (``parallel.launch``)."""
+        return contextlib.nullcontext() if self.mesh is None else failing_clearly(what, self.timeout_s, self.roster)
+
+    def share_directory(self, directory: Path) -> None:
+        """Make the run directory (the writer) and check that every process sees that same directory and may write
+        in it, before any step: every rank writes its checkpoint shards there, so on several nodes it must be one
+        shared filesystem mounted at the same path. A ``ConfigError`` on every process names the nodes that do not
+        see it (the writer removes the directory again if it made it)."""
+        made = self.writes and not directory.exists()
+        if self.writes:
+            directory.mkdir(parents=True, exist_ok=True)
+        if self.mesh is None:
+            return
+        mark = directory / SHARED_MARK
+        token = secrets.token_hex(8) if self.writes else ""
+        if self.writes:
+            mark.write_text(token)
+        token, writers = self.from_writer((token, str(directory.resolve())))
+        problem = directory_problem(directory, token)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (Place.here(), problem))  # all processes: the whole job needs the directory
+        if self.writes:
+            mark.unlink()
+        failed = [(place, text) for place, text in everyone if text is not None]
+        if not failed:
+            return
+        if made:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise ConfigError(
+            f"output_dir {directory} must be one directory that every node sees (a shared filesystem mounted at the "
+            f"same path: every rank writes its checkpoint shards into it), but {len(failed)} of the {len(everyone)} "
+            f"processes do not see rank 0's {writers}: "
+            + "; ".join(f"{describe(places)}: {text}" for text, places in _by_problem(failed))
+        )
 
     def barrier(self) -> None:
         if self.mesh is not None:
             dist.barrier()
 
     def close(self) -> None:
-        if self.owns_process_group and dist.is_initialized():
+        if self.roster is None:
+            return
+        self.roster.close()
+        if dist.is_initialized():
             dist.destroy_process_group()
+
+
+SHARED_MARK = ".longstraw-shared"
+"""A file the writer puts in the run directory at start (holding a random token) for every process to find."""
+
+
+def directory_problem(directory: Path, token: str) -> str | None:
+    """Why this process does not see the writer's run ``directory`` (whose ``SHARED_MARK`` holds ``token``) or may
+    not write in it; None when it does."""
+    where = directory.resolve()
+    if not where.is_dir():
+        return f"{where} does not exist there"
+    try:
+        found = (where / SHARED_MARK).read_text()
+    except FileNotFoundError:
+        found = None
+    except OSError as err:
+        return f"cannot read {where}: {err.strerror}"
+    if found != token:
+        return f"{where} is another directory there (without the mark rank 0 just wrote into its own)"
+    try:
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".longstraw-write-check-"):
+            pass
+    except OSError as err:
+        return f"cannot write in {where}: {err.strerror}"
+    return None
+
+
+def _by_problem(failed: Sequence[tuple[Place, str]]) -> list[tuple[str, list[Place]]]:
+    """The processes with each problem (a node's processes share theirs), in the order of their first rank."""
+    grouped: dict[str, list[Place]] = {}
+    for place, text in failed:
+        grouped.setdefault(text, []).append(place)
+    return list(grouped.items())
+
+
+def _check_nodes(spec: ParallelSpec, per_node: int) -> None:
+    """The mesh's groups that stay inside a node (``parallel.across_nodes``) fit the nodes."""
+    if straddles_nodes(spec.dp, spec.cp, spec.across_nodes, per_node):
+        inside = inside_a_node(spec.across_nodes)
+        size = getattr(spec, inside)
+        raise ConfigError(
+            f"parallel.{inside} ({size}) does not fit nodes of {per_node} processes (LOCAL_WORLD_SIZE): with "
+            f"parallel.across_nodes={spec.across_nodes} each {inside} group must stay inside a node (or span whole "
+            f"nodes); make parallel.{inside} divide the processes per node, or launch {size} (or a multiple) per node"
+        )
 
 
 def merged_step_metrics(parts: Sequence[StepMetrics], groups: Sequence[int], summed: bool) -> StepMetrics:

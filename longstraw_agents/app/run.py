@@ -8,7 +8,8 @@ trackers' logs too (``app.reporting``: ``tensorboard/``, ``wandb/``, ``mlflow.db
 Under ``torchrun`` / ``accelerate launch`` (``config.parallel``, ``app.distributed``) every process builds a ``Run``:
 the writer (global rank 0) alone writes the run directory, the store, the metrics and the trackers; every rank runs
 the warm start and takes the writer's weights after it; the policy is then sharded (FSDP2) or replicated over the dp
-ranks.
+ranks. On several nodes every process must see the run directory (checked first: ``Ranks.share_directory``), and a
+process that dies or hangs while the run starts is a ``RankFailure`` on the others, as in a step.
 
 ``Run`` checks the configuration before anything is written (unknown env, bad env kwargs, a tokenizer without the chat
 tokens, bad preset arguments, a missing model directory, a model vocabulary smaller than the tokenizer's, a prompt over
@@ -141,26 +142,31 @@ class Run:
         # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None
         self._reporter: Reporter | None = None
-        if self.ranks.writes:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if not resume:
-                self._write_config()
-            self._store = Store.open(self.dir / STORE)
-        try:
-            if self.ranks.writes and config.report_to:  # before the warm start, whose record they get
-                self._reporter = Reporter.start(config.report_to, self.dir, config.model_dump(mode="json"))
-            self.run_id = self.ranks.from_writer(self._run_row(resume) if self.ranks.writes else "")
-            if not resume:  # on every rank (a wait for the writer's could outlast parallel.timeout_s); then its weights
-                self._warm_start()
-            self.ranks.same_weights(self.model)
-            self.trainer = self._trainer(self._reference(resume, reference))
-            self.sampling_engine = self._sampling_engine()
-            if resume:
-                self._load_checkpoint()
-            self.served = self._served_policy(resume)
-        except BaseException:
-            self.close()
-            raise
+        with self.ranks.failing_clearly(lambda: "starting the run"):
+            self.ranks.share_directory(self.dir)  # every node sees it (made by the writer), before any step
+            if self.ranks.writes:
+                if not resume:
+                    self._write_config()
+                self._store = Store.open(self.dir / STORE)
+            try:
+                self._assemble(config, resume, reference)
+            except BaseException:
+                self.close()
+                raise
+
+    def _assemble(self, config: TrainConfig, resume: bool, reference: Path | None) -> None:
+        """Trackers, the run's row in the store, the warm start (new runs), the trainer and its checkpoint."""
+        if self.ranks.writes and config.report_to:  # before the warm start, whose record they get
+            self._reporter = Reporter.start(config.report_to, self.dir, config.model_dump(mode="json"))
+        self.run_id = self.ranks.from_writer(self._run_row(resume) if self.ranks.writes else "")
+        if not resume:  # on every rank (a wait for the writer's could outlast parallel.timeout_s); then its weights
+            self._warm_start()
+        self.ranks.same_weights(self.model)
+        self.trainer = self._trainer(self._reference(resume, reference))
+        self.sampling_engine = self._sampling_engine()
+        if resume:
+            self._load_checkpoint()
+        self.served = self._served_policy(resume)
 
     def _write_config(self) -> None:
         (self.dir / "config.json").write_text(self.config.model_dump_json(indent=2))

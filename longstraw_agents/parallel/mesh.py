@@ -1,6 +1,10 @@
 """The device mesh of a training job: ``dp`` (groups of a step split across ranks, gradients averaged over it) by
 ``cp`` (one prompt's state sharded across ranks), from ``torch.distributed.device_mesh``. Process groups are taken
-from it explicitly — never the default world group by accident."""
+from it explicitly — never the default world group by accident.
+
+On several nodes one dimension spans them and the other stays inside each (``mesh_ranks``): by default dp spans the
+nodes and a dp rank's cp ranks share one, since cp ranks exchange state rows at every layer (NVLink's bandwidth)
+while dp ranks reduce gradients once a step (the network's)."""
 
 from __future__ import annotations
 
@@ -8,14 +12,45 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_agents.parallel.context import ContextParallel, PairChannels
-from longstraw_agents.parallel.fsdp import LayerGather, WeightSharding, gathered, is_sharded, shard_model
+from longstraw_agents.parallel.fsdp import (
+    LayerGather,
+    WeightSharding,
+    gathered,
+    gathers_by_layer,
+    is_sharded,
+    shard_model,
+)
+
+AcrossNodes = Literal["dp", "cp"]
+
+
+def mesh_ranks(dp: int, cp: int, across_nodes: AcrossNodes = "dp") -> torch.Tensor:
+    """The global ranks of the ``(dp, cp)`` mesh. Launchers number a node's processes consecutively, so the dimension
+    whose groups are runs of consecutive ranks stays inside a node: cp's when dp spans the nodes (row-major, as
+    ``init_device_mesh`` lays it out), dp's when cp does."""
+    ranks = torch.arange(dp * cp, dtype=torch.int, device="cpu")  # whatever the default device
+    return ranks.reshape(dp, cp) if across_nodes == "dp" else ranks.reshape(cp, dp).T
+
+
+def inside_a_node(across_nodes: AcrossNodes) -> AcrossNodes:
+    """The dimension whose groups stay inside a node when ``across_nodes`` spans them."""
+    return "cp" if across_nodes == "dp" else "dp"
+
+
+def straddles_nodes(dp: int, cp: int, across_nodes: AcrossNodes, per_node: int) -> bool:
+    """Whether nodes of ``per_node`` processes cut a group of the dimension meant to stay inside a node: its groups
+    may span whole nodes (cp larger than a node) or a node hold whole groups, but a group across a node boundary
+    would send its frequent messages over the network."""
+    size = cp if inside_a_node(across_nodes) == "cp" else dp
+    return dp * cp > per_node and per_node % size != 0 and size % per_node != 0
 
 
 @dataclass
@@ -23,12 +58,13 @@ class ParallelMesh:
     mesh: DeviceMesh
 
     @classmethod
-    def build(cls, dp: int, cp: int, device_type: str = "cpu") -> ParallelMesh:
-        """The ``(dp, cp)`` mesh over the initialised default process group (its size must be ``dp * cp``)."""
+    def build(cls, dp: int, cp: int, device_type: str = "cpu", across_nodes: AcrossNodes = "dp") -> ParallelMesh:
+        """The ``(dp, cp)`` mesh over the initialised default process group (its size must be ``dp * cp``), laid out
+        by ``mesh_ranks`` (``across_nodes``: the dimension that spans the nodes)."""
         world = dist.get_world_size()
         if dp * cp != world:
             raise ValueError(f"dp ({dp}) x cp ({cp}) must equal the number of processes ({world})")
-        return cls(init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp")))
+        return cls(DeviceMesh(device_type, mesh_ranks(dp, cp, across_nodes), mesh_dim_names=("dp", "cp")))
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -78,6 +114,6 @@ class ParallelMesh:
         ranks' groups differ in shape (their trees, so their numbers of layer passes), and a gather is a collective
         over all of them: the step gathers the whole model once."""
         replicas = self.mesh["cp"].size()
-        if is_sharded(model) and self.mesh["dp"].size() == 1:
+        if is_sharded(model) and gathers_by_layer(self.mesh["dp"].size()):
             return WeightSharding(model, LayerGather(model, replicas), replicas)
         return WeightSharding(model, None, replicas)

@@ -25,7 +25,7 @@ from tracker_logs import as_float32, expected_scalars, tensorboard_scalars
 from transformers import AutoModelForCausalLM
 
 from longstraw_agents.app.config import ConfigError, ParallelSpec, TrainConfig
-from longstraw_agents.app.distributed import Ranks, merged_step_metrics
+from longstraw_agents.app.distributed import SHARED_MARK, Ranks, directory_problem, merged_step_metrics
 from longstraw_agents.app.export import export_hf
 from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.seeds import task_seed
@@ -130,6 +130,28 @@ def test_dp_times_cp_must_equal_the_number_of_processes(monkeypatch: pytest.Monk
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"parallel\.dp \(2\) x parallel\.cp \(1\).*WORLD_SIZE=3"):
         Ranks.join(ParallelSpec(dp=2), "cpu")
+
+
+def test_groups_meant_to_stay_inside_a_node_must_fit_the_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes of 4 processes and cp groups of 3: refused before joining, naming the settings."""
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"parallel\.cp \(3\) does not fit nodes of 4 processes.*across_nodes=dp"):
+        Ranks.join(ParallelSpec(dp=2, cp=3), "cpu")
+
+
+def test_a_process_that_sees_another_run_directory_says_so(tmp_path: Path) -> None:
+    """The writer's mark (a token) is what tells its directory from another one at the same path."""
+    writers = tmp_path / "run"
+    writers.mkdir()
+    (writers / SHARED_MARK).write_text("abc")
+    assert directory_problem(writers, "abc") is None
+    assert (
+        directory_problem(writers, "def")
+        == f"{writers} is another directory there (without the mark rank 0 just wrote into its own)"
+    )
+    assert directory_problem(tmp_path / "elsewhere", "abc") == f"{tmp_path / 'elsewhere'} does not exist there"
+    assert [p.name for p in writers.iterdir()] == [SHARED_MARK]  # the write check leaves nothing
 
 
 def test_every_dp_rank_needs_a_group_of_each_step(tmp_path: Path) -> None:

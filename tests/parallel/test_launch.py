@@ -1,9 +1,11 @@
 """parallel/launch.py: a dp=2 training step in which one rank dies, or hangs, at the step's first collective (after
-its backward): the other rank raises a ``RankFailure`` naming the step and ``parallel.timeout_s``, within that
-timeout, and can still tear down its process group."""
+its backward): the other rank raises a ``RankFailure`` naming the step, itself, the dead rank (or that none died)
+and ``parallel.timeout_s``, within that timeout, and can still tear down its process group. And the roster every
+process signs when it joins: it names the processes that never joined, and those whose liveness listener is closed."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -18,7 +20,15 @@ from accelerate.state import AcceleratorState, GradientState
 from data_parallel_worker import make_trainer, share, step_groups
 
 from longstraw_agents.parallel import ParallelMesh
-from longstraw_agents.parallel.launch import RankFailure, failing_clearly, init_from_env
+from longstraw_agents.parallel.launch import (
+    ROSTER_KEY,
+    Place,
+    RankFailure,
+    Roster,
+    describe,
+    failing_clearly,
+    init_from_env,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -45,7 +55,8 @@ def _worker(rank: int, port: int, out: str, how: str) -> None:
     torch.set_num_threads(1)
     AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
     GradientState._reset_state()
-    assert init_from_env(TIMEOUT_S)
+    roster = init_from_env(TIMEOUT_S)
+    assert roster is not None
     mesh = ParallelMesh.build(dp=2, cp=1)
     trainer = make_trainer("group", Accelerator(cpu=True), mesh)
     groups = share(step_groups(trainer), mesh)
@@ -53,7 +64,7 @@ def _worker(rank: int, port: int, out: str, how: str) -> None:
         trainer._sum_gradients_across_processes = lambda *_: _fail_at_the_first_collective(how, Path(out + ".release"))
     start = time.monotonic()
     try:
-        with failing_clearly("step 1", TIMEOUT_S):
+        with failing_clearly("step 1", TIMEOUT_S, roster):
             trainer.train_step(groups)
     except RankFailure as err:
         result = {"error": str(err), "seconds": time.monotonic() - start}
@@ -72,7 +83,40 @@ def test_a_rank_that_dies_or_hangs_mid_step_gives_the_other_a_clear_error(tmp_pa
     mp.start_processes(_worker, args=(_free_port(), out, how), nprocs=2, start_method=start_method)
     result = torch.load(out)
     assert result["error"] is not None
-    assert "step 1: rank 0 gave up on the other ranks" in result["error"]
-    assert "parallel.timeout_s=3 s" in result["error"]
+    assert f"step 1: rank 0 (node 0, host {socket.gethostname()}) gave up on the other ranks" in result["error"]
+    if how == "dies":  # its liveness listener refuses connections: it is named
+        assert f"rank 1 (node 0, host {socket.gethostname()}) is gone" in result["error"]
+    else:
+        assert "every other process is still running, so one of them hangs" in result["error"]
+        assert "parallel.timeout_s=3 s" in result["error"]
     # Bounded by the timeout (generous margin for a loaded machine); a dead peer is noticed without waiting for it.
     assert result["seconds"] < 10 * TIMEOUT_S
+
+
+def test_the_roster_names_the_processes_that_never_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of 2 nodes of 2 processes, in a store where rank 1 signed and node 1's ranks never did."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(f"{ROSTER_KEY}1", json.dumps({"node": 0, "local_rank": 1, "host": "a", "address": "127.0.0.1"}))
+    with pytest.raises(
+        RankFailure, match=r"rank 0 \(node 0, host .*\) waited .* to join: ranks 2, 3 \(node 1\) did not"
+    ):
+        Roster.sign(store, world=4, timeout_s=0.2)
+
+
+def test_the_roster_names_the_processes_that_are_gone() -> None:
+    """A process whose liveness listener is closed is gone; one that listens but never accepts (hung) is not."""
+    hung = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    places = [Place(0, 0, 0, "a"), Place(1, 0, 1, "a"), Place(2, 1, 0, "b")]
+    addresses = [("127.0.0.1", 1), hung.getsockname(), ("127.0.0.1", closed_port)]
+    roster = Roster(places[0], places, addresses, hung)
+    try:
+        assert roster.gone() == [places[2]]
+        assert describe(roster.gone()) == "rank 2 (node 1, host b)"
+    finally:
+        roster.close()

@@ -1,0 +1,189 @@
+"""``longstraw train`` on two "nodes" of one machine, as a cluster runs it: one launcher per node with ``--nnodes 2``
+(torchrun and its c10d rendezvous on localhost, then accelerate launch's multi-machine options), 2 processes each,
+dp 2 x cp 2 with FSDP2 on gloo. A run trains two steps, resumes for a third and ends with the weights of one process
+trained on the same groups; a node whose processes never join, and a node that sees another directory under the run
+directory's path, stop the run on every node with an error naming them, before any step."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from tiny_runs import checkpoint_weights, tiny_config_dict
+
+from longstraw_agents.app.config import TrainConfig, check_model, check_tokenizer, load_config
+from longstraw_agents.app.run import build_policy
+from longstraw_agents.store import Store
+from longstraw_agents.trainer import GRPOTrainer
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # each test starts 4 workers and 2 launchers: 20-40 s
+
+NODES, PER_NODE = 2, 2
+HOST = socket.gethostname()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(node: int, port: int) -> list[str]:
+    """One node's torchrun: the c10d rendezvous on localhost, hosted by node 0's launcher."""
+    return [
+        *("-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE)),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}"),
+        *("--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0"),
+    ]
+
+
+def _accelerate(node: int, port: int) -> list[str]:
+    """One machine's accelerate launch (``--num_processes``: of the whole job; the main process on machine 0)."""
+    return [
+        *("-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", str(NODES), "--machine_rank", str(node)),
+        *("--num_processes", str(NODES * PER_NODE), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)),
+        *("--mixed_precision", "no", "--dynamo_backend", "no"),
+    ]
+
+
+LAUNCHERS = {"torchrun": _torchrun, "accelerate": _accelerate}
+
+
+def _launch_nodes(
+    tmp_path: Path, launcher: str, train_args: list[list[str]], cwds: list[Path] | None = None
+) -> list[tuple[int, str, str]]:
+    """``longstraw train`` on every node at once (node n with ``train_args[n]``, in ``cwds[n]``): each launcher's
+    (return code, stdout, stderr). On a timeout every process of both nodes is killed."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, also on a GPU machine
+    logs, processes = [], []
+    for node in range(NODES):
+        command = [sys.executable, *LAUNCHERS[launcher](node, port), "-m", "longstraw_agents.cli", "train"]
+        out, err = (tmp_path / f"{launcher}-node{node}.{kind}" for kind in ("out", "err"))
+        logs.append((out, err))
+        with out.open("w") as stdout, err.open("w") as stderr:  # files: a full pipe would stall a launcher
+            processes.append(
+                subprocess.Popen(
+                    command + train_args[node],
+                    stdout=stdout,
+                    stderr=stderr,
+                    text=True,
+                    env=env,
+                    cwd=None if cwds is None else cwds[node],
+                    start_new_session=True,
+                )
+            )
+    try:
+        codes = [process.wait(timeout=300) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    return [(code, out.read_text(), err.read_text()) for code, (out, err) in zip(codes, logs, strict=True)]
+
+
+def _errors(stderr: str) -> list[str]:
+    """The one-line errors the CLI printed (one per process of the node)."""
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def _one_process(config: TrainConfig, steps: int) -> dict[str, torch.Tensor]:
+    """The run's initial policy trained in this process on every group the run stored, step by step (dp rank 0's
+    groups then dp rank 1's): the weights one process holding all of them ends with."""
+    vocab_size = check_tokenizer(config.tokenizer).vocab_size
+    model = build_policy(config.model, check_model(config.model, vocab_size), config.seed)
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    trainer = GRPOTrainer(model, config.trainer, ref_model=reference)
+    with Store.open(Path(config.output_dir) / "trajectories.db", create=False) as store:
+        groups = store.groups()
+    for step in range(1, steps + 1):
+        trainer.train_step([trainer.group_from_trajectories(groups[f"step{step}-dp{r}-g0"]) for r in range(2)])
+    return {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
+
+
+def test_two_nodes_train_resume_and_equal_one_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    settings: dict[str, Any] = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True, "timeout_s": 120})
+    settings["model"] = {**settings["model"], "dtype": "float64", "max_context": 1024}
+    # A random-init policy solves nothing: every advantage is zero. Strong weight decay moves the policy off the KL
+    # reference in the first step, so that from the second on the gradient is the KL's over every sampled token.
+    # Adam's epsilon at 1 keeps the update linear in small gradients: at 1e-8, a gradient entry near zero would turn
+    # a 1e-14 rounding difference (the context sharded over cp ranks sums in another order) into lr / 1e-8 times it.
+    trainer = {"lr": 0.1, "weight_decay": 1.0, "adam_epsilon": 1.0, "beta": 1.0}
+    settings["trainer"] = {**settings["trainer"], **trainer}
+    config_path = tmp_path / "train.yaml"
+    config_path.write_text(yaml.safe_dump(settings))
+
+    first = _launch_nodes(tmp_path, "torchrun", [[str(config_path)]] * NODES)
+    for code, _, err in first:
+        assert code == 0, err[-3000:]
+    resumed = _launch_nodes(tmp_path, "accelerate", [[str(config_path), "--resume", "--steps", "3"]] * NODES)
+    for code, _, err in resumed:
+        assert code == 0, err[-3000:]
+
+    # The writer (rank 0, on node 0) alone prints and writes the metrics; the store holds each group once.
+    assert [out.count("step    1 ") for _, out, _ in first] == [1, 0]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all(line["grad_norm"] > 1e-3 for line in lines[1:])  # the KL's gradient: the sampled tokens count
+    with Store.open(run_dir / "trajectories.db", create=False) as store:
+        assert sorted(store.groups()) == [f"step{s}-dp{r}-g0" for s in range(1, 4) for r in range(2)]
+    checkpoint = {p.name for p in (run_dir / "checkpoint").iterdir()}
+    assert {f"random_states_{r}.pkl" for r in range(NODES * PER_NODE)} <= checkpoint
+
+    expected = _one_process(load_config(config_path), steps=3)
+    got = checkpoint_weights(run_dir)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert (got[name] - tensor).abs().max() <= 1e-10, name
+
+
+def test_a_node_whose_processes_never_join_stops_the_others(tmp_path: Path) -> None:
+    """Node 1's launcher joins the rendezvous, but its processes exit before joining the job (the config is not on
+    that node): node 0's processes name them after ``parallel.timeout_s`` and write nothing."""
+    run_dir = tmp_path / "run"
+    config_path = tmp_path / "train.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "timeout_s": 3})))
+    (node0, _, err0), (node1, _, err1) = _launch_nodes(
+        tmp_path, "torchrun", [[str(config_path)], [str(tmp_path / "elsewhere.yaml")]]
+    )
+    assert node0 != 0 and node1 != 0
+    assert "does not exist" in _errors(err1)[0]
+    errors = _errors(err0)
+    assert len(errors) == PER_NODE, err0[-3000:]
+    for local_rank, error in enumerate(sorted(errors)):  # one line per process, in the order they printed
+        assert f"rank {local_rank} (node 0, host {HOST}) waited parallel.timeout_s=3 s" in error
+        assert "for the job's 4 processes to join: ranks 2, 3 (node 1) did not" in error
+    assert not run_dir.exists()
+
+
+def test_a_node_that_sees_another_run_directory_stops_every_node(tmp_path: Path) -> None:
+    """A relative output_dir, and each node's launcher in a directory of its own: the same path names two
+    directories, as a node-local disk would. Every process stops before any step, naming node 1's ranks; rank 0's
+    directory, made for the run, is removed again and node 1's is left as it was."""
+    config_path = tmp_path / "train.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config_dict("run", parallel={"dp": 2, "cp": 2})))
+    cwds = [tmp_path / f"node{node}" for node in range(NODES)]
+    for cwd in cwds:
+        cwd.mkdir()
+    (cwds[1] / "run").mkdir()
+    nodes = _launch_nodes(tmp_path, "torchrun", [[str(config_path)]] * NODES, cwds=cwds)
+    for code, _, err in nodes:
+        assert code != 0
+        errors = _errors(err)
+        assert len(errors) == PER_NODE, err[-3000:]
+        for error in errors:
+            assert "output_dir run must be one directory that every node sees" in error
+            assert f"do not see rank 0's {cwds[0] / 'run'}: ranks 2, 3 (node 1, host {HOST}): " in error
+            assert f"{cwds[1] / 'run'} is another directory there" in error
+    assert not (cwds[0] / "run").exists() and not list((cwds[1] / "run").iterdir())
