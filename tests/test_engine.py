@@ -71,6 +71,22 @@ def test_repeated_extends_match_full_forward(model_and_dtype):
         assert rel_err(out, ref[hi:]) < 1e-5
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_entries_without_hidden_states_equal_the_forwards(family):
+    # DSA selecting fewer keys than the context: the last layer's skipped selection must not change its entries
+    model = tiny_model(family, dtype=torch.float32, **({"index_topk": 3} if family == "glm_moe_dsa" else {}))
+    engine = Engine(model, chunk_size=5)
+    state = engine.capture(random_ids(12, 3))
+    ids = random_ids(7, 4)
+    with torch.no_grad():
+        contexts = engine.contexts(state, len(state.chunks), None)
+        _, expected = engine.forward(ids, state.num_tokens, contexts)
+        entries = engine.state_entries(ids, state.num_tokens, contexts)
+    assert len(entries) == len(expected) == len(engine.adapter.layers)
+    for got, want in zip(entries, expected, strict=True):
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_logits_twice_identical_and_parent_unchanged_by_forks(model_and_dtype):
     _, _, model = model_and_dtype
     engine = Engine(model, chunk_size=5)

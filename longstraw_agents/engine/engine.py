@@ -237,6 +237,11 @@ class Engine:
             runner=self.weights.run if self.weights is not None else None,
         )
 
+    def state_entries(self, ids: Tensor, start: int, contexts: list[LayerContext]) -> list[tuple[Tensor, ...]]:
+        """``forward``'s state entries without its hidden states (no grad: a capture, a recomputed chunk)."""
+        runner = self.weights.run if self.weights is not None else None
+        return self.adapter.state_entries(ids, start, contexts, attention=self.attention, runner=runner)
+
     def contexts(
         self,
         state: State,
@@ -369,6 +374,8 @@ class Engine:
         last_logits = None
         for lo, hi in pieces:
             piece = ids[lo:hi]
+            logits_here = want_logits and hi == ids.shape[0]
+            hidden: Tensor | None = None
             if keeping and keep is not None:
                 with torch.enable_grad(), keep.measuring() as measured:
                     contexts = self.contexts(current, len(current.chunks), keep.grad)
@@ -376,12 +383,15 @@ class Engine:
             else:
                 with torch.no_grad():
                     contexts = self.contexts(current, len(current.chunks), None)
-                    hidden, new = self.forward(piece, current.num_tokens, contexts)
+                    if logits_here:
+                        hidden, new = self.forward(piece, current.num_tokens, contexts)
+                    else:  # nothing reads this chunk's hidden states
+                        new = self.state_entries(piece, current.num_tokens, contexts)
             with torch.no_grad():
                 record = self.record(current.num_tokens, piece.shape[0], new, arenas)
                 current = current.append(record)
-                if want_logits and hi == ids.shape[0]:
+                if logits_here and hidden is not None:
                     last_logits = self.adapter.lm_head(hidden[-1:])[0]
-            if keeping and keep is not None:
+            if keeping and keep is not None and hidden is not None:
                 keep.add(record, new, hidden, measured.current_bytes)
         return current.with_checkpoints(state.checkpoints), last_logits

@@ -141,7 +141,7 @@ class RecurrentStates:
             with torch.no_grad():
                 contexts = self.engine.contexts(self.state, t, None, self.after(t - 1))
                 ids = self.ids[chunk.start - self.base : chunk.end - self.base]
-                _, new = self.engine.forward(ids, chunk.start, contexts)
+                new = self.engine.state_entries(ids, chunk.start, contexts)
             self.cache[t] = tuple(
                 None if block is not None else RecurrentState.owning(entry)
                 for entry, block in zip(new, chunk.blocks, strict=True)

@@ -138,6 +138,11 @@ class Mixer(ABC):
     @abstractmethod
     def forward(self, inp: MixerInput) -> MixerOutput: ...
 
+    def state_entries(self, inp: MixerInput) -> tuple[Tensor, ...]:
+        """What ``forward`` adds to the state, when its output ``y`` is not wanted (the last layer of a forward whose
+        hidden states nobody reads): a mixer overrides it to skip the work that feeds ``y`` alone."""
+        return self.forward(inp).new
+
     @abstractmethod
     def decode(self, inp: DecodeInput) -> MixerOutput:
         """One new token for each of B members (``inp.x [B, hidden]``, see ``models.batch``); ``new`` holds the
@@ -217,6 +222,9 @@ class FamilyAdapter(ABC):
         sliding window it stops at), or None."""
         return None
 
+    def check_reach(self, end: int) -> None:  # noqa: B027 - an optional hook: most families compute any length
+        """Raise when a forward reaching position ``end - 1`` is one the adapter does not compute exactly."""
+
     # --- shared ---------------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
@@ -252,6 +260,38 @@ class FamilyAdapter(ABC):
         layer plus one layer's activations, instead of every layer's.
         runner: calls each layer's forward, ``runner(i, forward, h)`` (the engine's way to have a layer's weights
         present only while they are used); default: called directly."""
+        self.check_reach(start + ids.shape[0])
+        h, new_entries = self._decoder(ids, start, contexts, shared, attention, checkpoint_layers, runner, True)
+        return self.final_norm(h), new_entries
+
+    def state_entries(
+        self,
+        ids: Tensor,
+        start: int,
+        contexts: list[LayerContext],
+        attention: Attention | None = None,
+        runner: LayerRunner | None = None,
+    ) -> list[tuple[Tensor, ...]]:
+        """Per layer, what ``forward`` adds to the state for ``ids``, the same entries, without the hidden states (a
+        capture's chunk): the last layer runs only what makes its entries (``Mixer.state_entries``), since its mixer
+        output and its MLP feed nothing but the hidden states."""
+        self.check_reach(start + ids.shape[0])
+        _, new_entries = self._decoder(ids, start, contexts, None, attention, False, runner, False)
+        return new_entries
+
+    def _decoder(
+        self,
+        ids: Tensor,
+        start: int,
+        contexts: list[LayerContext],
+        shared: dict[str, Any] | None,
+        attention: Attention | None,
+        checkpoint_layers: bool,
+        runner: LayerRunner | None,
+        last_hidden: bool,
+    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+        """The decoder loop: the last layer's output (its input when ``last_hidden`` is False: that layer then adds
+        its state entries only) and every layer's state entries."""
         h, positions, rope = self.embed(ids, start)
         shared = {} if shared is None else shared
         attention = Attention() if attention is None else attention
@@ -261,10 +301,21 @@ class FamilyAdapter(ABC):
             # a layer reads the scratch as it was before it: a recomputation must not see what later layers wrote
             seen: dict[str, Any] = dict(shared)
             written: dict[str, Any] = {}
+            entries_only = not last_hidden and index == len(self.layers) - 1
 
-            def run(h: Tensor, layer: DecoderLayer = layer, ctx: LayerContext = ctx, seen=seen, written=written):
+            def run(
+                h: Tensor,
+                layer: DecoderLayer = layer,
+                ctx: LayerContext = ctx,
+                seen=seen,
+                written=written,
+                entries_only: bool = entries_only,
+            ):
                 scratch = dict(seen)
-                h, new = self.run_layer(layer, h, positions, rope, ctx, scratch, attention, start)
+                if entries_only:
+                    new = self.layer_entries(layer, h, positions, rope, ctx, scratch, attention, start)
+                else:
+                    h, new = self.run_layer(layer, h, positions, rope, ctx, scratch, attention, start)
                 written.update(scratch)
                 return (h, *new)
 
@@ -272,7 +323,7 @@ class FamilyAdapter(ABC):
             h, *new = layer_forward(h) if runner is None else runner(index, layer_forward, h)
             shared.update(written)
             new_entries.append(tuple(new))
-        return self.final_norm(h), new_entries
+        return h, new_entries
 
     def embed(self, ids: Tensor, start: int) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """The embeddings of ``ids`` at positions ``start..``, those positions, and their rotary tables."""
@@ -298,6 +349,21 @@ class FamilyAdapter(ABC):
         )
         h = h + out.y
         return h + layer.mlp(layer.post_norm(h)), out.new
+
+    @staticmethod
+    def layer_entries(
+        layer: DecoderLayer,
+        h: Tensor,
+        positions: Tensor,
+        rope: tuple[Tensor, Tensor],
+        ctx: LayerContext,
+        shared: dict[str, Any],
+        attention: Attention,
+        start: int,
+    ) -> tuple[Tensor, ...]:
+        """What ``run_layer`` adds to the state, without the layer's output."""
+        inp = MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention, start)
+        return layer.mixer.state_entries(inp)
 
     def decode(
         self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None

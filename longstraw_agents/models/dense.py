@@ -21,8 +21,6 @@ from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
     HFModule,
-    LayerContext,
-    LayerRunner,
     Mixer,
     MixerInput,
     MixerOutput,
@@ -69,12 +67,19 @@ class AttentionMixer(Mixer):
             q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(n, -1)
         q = q.reshape(n, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        k, v = self._keys_values(x, rope)
+        return apply_rope(q, *rope), k, v, gate
+
+    def _keys_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Keys (normed, rotated) and values ``[n, H_kv, D]``: what a token adds to the state."""
+        n = x.shape[0]
         k = self.attn.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.attn.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, *rope), v
 
     def _output(self, out: Tensor, gate: Tensor | None) -> Tensor:
         out = out.reshape(out.shape[0], -1)
@@ -87,6 +92,10 @@ class AttentionMixer(Mixer):
         blocks = [KVBlock(b.tensors[0], b.tensors[1], b.grad(0), b.grad(1)) for b in inp.past]
         out = inp.attention(q, blocks, k, v, self.scale)
         return MixerOutput(y=self._output(out, gate), new=(k, v))
+
+    def state_entries(self, inp: MixerInput) -> tuple[Tensor, ...]:
+        """The keys and values alone (no queries, no attention)."""
+        return self._keys_values(inp.x, inp.rope)
 
     def decode(self, inp: DecodeInput) -> MixerOutput:
         q, k, v, gate = self._project(inp.x, inp.rope)
@@ -127,26 +136,13 @@ class DenseAdapter(FamilyAdapter):
         windows = [w for w in sliding_windows(config) if w is not None]
         return min(windows) if windows else None
 
-    def forward(
-        self,
-        ids: Tensor,
-        start: int,
-        contexts: list[LayerContext],
-        shared: dict[str, Any] | None = None,
-        attention: Attention | None = None,
-        checkpoint_layers: bool = False,
-        runner: LayerRunner | None = None,
-    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
-        self._check_window(start + ids.shape[0])
-        return super().forward(ids, start, contexts, shared, attention, checkpoint_layers, runner)
-
     def decode(
         self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
-        self._check_window(int(batch.positions.max()) + 1)
+        self.check_reach(int(batch.positions.max()) + 1)
         return super().decode(ids, batch, contexts, attention)
 
-    def _check_window(self, end: int) -> None:
+    def check_reach(self, end: int) -> None:
         if self.window is not None and end > self.window:
             raise SlidingWindowExceededError(
                 f"{self.config.model_type} uses sliding-window attention (sliding_window={self.window}) and this "

@@ -160,6 +160,16 @@ class GatedDeltaNetMixer(Mixer):
         return self.mod.out_proj(out.reshape(x.shape[0], -1))
 
     def forward(self, inp: MixerInput) -> MixerOutput:
+        core, new_tail, new_ssm = self._recurrence(inp)
+        return MixerOutput(y=self._output(inp.x, core), new=(new_tail, new_ssm))
+
+    def state_entries(self, inp: MixerInput) -> tuple[Tensor, ...]:
+        """The new conv tail and delta-rule state alone (no gated norm, no output projection)."""
+        _, new_tail, new_ssm = self._recurrence(inp)
+        return new_tail, new_ssm
+
+    def _recurrence(self, inp: MixerInput) -> tuple[Tensor, Tensor, Tensor]:
+        """The delta rule's output ``[n, H_v, D_v]`` (compute precision), the new conv tail and delta-rule state."""
         x = inp.x
         tail, ssm = inp.recurrent if inp.recurrent is not None else (None, None)
         mixed, new_tail = self._conv(self.mod.in_proj_qkv(x), tail)
@@ -167,7 +177,7 @@ class GatedDeltaNetMixer(Mixer):
         g, beta = self._gates(x)
         dt = g.dtype
         core, new_ssm = self._delta_rule(q.to(dt), k.to(dt), v.to(dt), g, beta, ssm)
-        return MixerOutput(y=self._output(x, core), new=(new_tail, new_ssm))
+        return core, new_tail, new_ssm
 
     def decode(self, inp: DecodeInput) -> MixerOutput:
         """B members' states stepped at once (``inp.context.recurrent``: conv tails ``[B, K-1, C]`` and delta-rule

@@ -261,12 +261,15 @@ class MLAMixer(Mixer):
         q_resid = self.q_norm(attn.q_a_proj(x))
         q = attn.q_b_proj(q_resid).view(n, self.heads, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
-        kv_pass, k_rot = attn.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        k_rot = rope_interleaved(k_rot.unsqueeze(1), *rope)[:, 0]
-        rows = torch.cat([self.kv_norm(kv_pass), k_rot], dim=-1)
         w_uk = self._up_weights()[0]
         q_rows = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), rope_interleaved(q_rot, *rope)], dim=-1)
-        return q_resid, q_rows, rows
+        return q_resid, q_rows, self._rows(x, rope)
+
+    def _rows(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        """The new rows ``[n, rank + rope]``: normed latent and rotated rope key."""
+        kv_pass, k_rot = self.attn.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        k_rot = rope_interleaved(k_rot.unsqueeze(1), *rope)[:, 0]
+        return torch.cat([self.kv_norm(kv_pass), k_rot], dim=-1)
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
         """``W_uk [H, nope, rank]`` and ``W_uv [H, v, rank]`` of the up-projection."""
@@ -304,6 +307,11 @@ class MLAMixer(Mixer):
                 inp.start, self.scale, [b.start for b in inp.past], inp.attention.shards,
             )  # fmt: skip
         return MixerOutput(y=self._output(out), new=new)
+
+    def state_entries(self, inp: MixerInput) -> tuple[Tensor, ...]:
+        """The rows (and index keys) alone: no queries, no selection, no attention."""
+        rows = self._rows(inp.x, inp.rope)
+        return (rows, self.indexer.keys(inp.x, inp.rope)) if self.indexer is not None else (rows,)
 
     def decode(self, inp: DecodeInput) -> MixerOutput:
         """Dense: the cascade over the rows (one KV head). DSA: each member's selected rows, gathered from its
