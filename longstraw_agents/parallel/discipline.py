@@ -116,6 +116,9 @@ _FUNCTIONAL_COLLECTIVES = {
     "reduce_scatter_single_coalesced": "reduce_scatter",
     "all_to_all_single": "alltoall",
 }
+# the same collectives under the names torch had before the *_single ones (2.11: DTensor calls these); in later
+# versions they are deprecated wrappers of the *_single ones, so only one of each pair is recorded
+_FUNCTIONAL_FORMER_NAMES = {"all_gather_single": "all_gather_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
 def _tensor_specs(value: Any) -> list[list[Any]]:
@@ -246,7 +249,9 @@ class _Recorder:
         self._patch(pg, "_start_coalescing", _opening_batch(self, pg._start_coalescing))
         self._patch(pg, "_end_coalescing", _closing_batch(self, pg._end_coalescing))
         for name, kind in _FUNCTIONAL_COLLECTIVES.items():
-            self._patch(funcol, name, _recorded_functional(self, name, kind, getattr(funcol, name)))
+            name = name if hasattr(funcol, name) else _FUNCTIONAL_FORMER_NAMES.get(name, name)
+            if hasattr(funcol, name):  # (the set differs between torch versions)
+                self._patch(funcol, name, _recorded_functional(self, name, kind, getattr(funcol, name)))
         batched = _recorded_batch(self, c10d.batch_isend_irecv)
         self._patch(c10d, "batch_isend_irecv", batched)
         self._patch(dist, "batch_isend_irecv", batched)
