@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from terminal import sigint_as_in_a_terminal
 from tiny_runs import ENV_ID, TINY_MODEL, WARM_START, tiny_config_dict
 from viewer_stores import write_run_directory
 
@@ -454,7 +455,9 @@ def test_view_refuses_a_port_it_cannot_listen_on(tmp_path: Path, capsys: pytest.
 def test_view_serves_until_ctrl_c(tmp_path: Path) -> None:
     run_dir = write_run_directory(tmp_path / "run")
     command = [str(Path(sys.executable).with_name("longstraw")), "view", str(run_dir), "--serve", "--port", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal
+    )
     try:
         assert process.stdout is not None
         banner = process.stdout.readline()

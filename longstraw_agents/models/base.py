@@ -344,9 +344,7 @@ class FamilyAdapter(ABC):
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """One decoder layer over ``h`` (positions ``start..``): the layer's output and what it adds to the state
         (``shared``: the forward's scratch, which the layer may read and write)."""
-        out = layer.mixer.forward(
-            MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention, start)
-        )
+        out = layer.mixer.forward(_mixer_input(layer, h, positions, rope, ctx, shared, attention, start))
         h = h + out.y
         return h + layer.mlp(layer.post_norm(h)), out.new
 
@@ -362,8 +360,7 @@ class FamilyAdapter(ABC):
         start: int,
     ) -> tuple[Tensor, ...]:
         """What ``run_layer`` adds to the state, without the layer's output."""
-        inp = MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention, start)
-        return layer.mixer.state_entries(inp)
+        return layer.mixer.state_entries(_mixer_input(layer, h, positions, rope, ctx, shared, attention, start))
 
     def decode(
         self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None
@@ -384,3 +381,16 @@ class FamilyAdapter(ABC):
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         return self.model.lm_head(hidden)
+
+
+def _mixer_input(
+    layer: DecoderLayer,
+    h: Tensor,
+    positions: Tensor,
+    rope: tuple[Tensor, Tensor],
+    ctx: LayerContext,
+    shared: dict[str, Any],
+    attention: Attention,
+    start: int,
+) -> MixerInput:
+    return MixerInput(layer.input_norm(h), positions, rope, ctx.past, ctx.recurrent, shared, attention, start)

@@ -19,6 +19,7 @@ import openai
 import pytest
 import torch
 from hf_checkpoints import save_tiny_llama
+from terminal import sigint_as_in_a_terminal
 from tiny_runs import checkpoint_weights, tiny_config
 
 from longstraw_agents.app.export import export_hf
@@ -48,7 +49,9 @@ def model_dir(run_dir: Path) -> Path:
 def longstraw_serve(path: Path) -> Iterator[tuple[subprocess.Popen[str], openai.OpenAI]]:
     """``longstraw serve PATH --port 0`` as a subprocess, and a client of the URL it prints."""
     command = [str(LONGSTRAW), "serve", str(path), "--port", "0", "--device", "cpu"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal
+    )
     try:
         assert process.stdout is not None and process.stderr is not None
         ready, _, _ = select.select([process.stdout], [], [], STARTUP_S)
