@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) -m bench.engine
 	$(PY) -m bench.trainer
 	$(PY) -m bench.ablation
+	$(PY) -m bench.ablation_learning
 	$(PY) -m bench.rollout
 
 # re-pin constraints.txt to what the venv holds now (after a dependency changed in pyproject.toml)

@@ -28,6 +28,7 @@ from .base import (
     tool_instructions,
 )
 from .calculator import EASY_CALCULATOR_KWARGS, CalculatorConfig, CalculatorEnv
+from .key_value import FormatOnlyPolicy, KeyValueRecallConfig, KeyValueRecallEnv
 from .needle_search import NeedleSearchConfig, NeedleSearchEnv
 from .policy import Policy, ScriptedPolicy, run_episode, unwrap_tool_env
 from .python_task import PythonTaskConfig, PythonTaskEnv
@@ -47,6 +48,9 @@ __all__ = [
     "Action",
     "CalculatorConfig",
     "CalculatorEnv",
+    "FormatOnlyPolicy",
+    "KeyValueRecallConfig",
+    "KeyValueRecallEnv",
     "NeedleSearchConfig",
     "NeedleSearchEnv",
     "Policy",

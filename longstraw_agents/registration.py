@@ -9,6 +9,7 @@ from __future__ import annotations
 NAMESPACE = "LongStraw"
 ENV_IDS: dict[str, str] = {
     f"{NAMESPACE}/Calculator-v0": "longstraw_agents.envs.calculator:CalculatorEnv",
+    f"{NAMESPACE}/KeyValueRecall-v0": "longstraw_agents.envs.key_value:KeyValueRecallEnv",
     f"{NAMESPACE}/NeedleSearch-v0": "longstraw_agents.envs.needle_search:NeedleSearchEnv",
     f"{NAMESPACE}/PythonTask-v0": "longstraw_agents.envs.python_task:PythonTaskEnv",
 }

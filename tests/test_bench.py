@@ -134,3 +134,46 @@ def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
     assert two["rows_bytes_max"] == two["row_schedule_bytes"] > two["row_minimum_bytes"]  # 3 layers: 0 recomputed
     assert two["critical_path_steps"] > 0 and 0 <= two["idle_max"] < 1
     assert two["wavefront_steps"] == 2 + 3 - 1 and two["naive_steps"] == 2 * 3
+
+
+@pytest.mark.slow  # ~20 s on one thread: three tasks x two modes, each a warm start, evaluations and GRPO steps
+def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Path) -> None:
+    """Every task has a curve per mode and seed, held-out rewards in [0, 1] at the same steps, both modes starting
+    from the same weights (the same held-out reward before GRPO), a paired gap, timings, memory (naive's too) and
+    the plot.
+    One torch thread: pytest may run in parallel on the same cores."""
+    stdout = run_module("bench.ablation_learning", "--quick", "--threads", "1", "--out", str(tmp_path))
+    assert "(exact - detached, paired by seed)" in stdout
+    text = (tmp_path / "ablation_learning_quick.json").read_text()
+    assert str(tmp_path) not in text and str(ROOT) not in text  # no machine paths
+    results = json.loads(text)
+    assert sorted(results["tasks"]) == ["calculator", "key_value_format_only", "key_value_retrieval"]
+    seeds = results["settings"]["seeds"]
+    for task in results["tasks"].values():
+        modes = task["modes"]
+        assert sorted(modes) == ["detached", "exact"]
+        for row in modes.values():
+            assert [curve["seed"] for curve in row["curves"]] == seeds
+            for curve in row["curves"]:
+                settings = results["settings"]
+                assert curve["steps"] == list(range(0, settings["steps"] + 1, settings["eval_every"]))
+                assert all(0.0 <= reward <= 1.0 for reward in curve["reward"])
+                assert curve["seconds"] == sorted(curve["seconds"]) and curve["seconds"][0] == 0.0
+            assert 0.0 <= row["final_reward_mean"] <= 1.0 and row["step_seconds_mean"] > 0
+            assert row["peak_bytes"] > 0
+        for detached, exact in zip(modes["detached"]["curves"], modes["exact"]["curves"], strict=True):
+            assert detached["reward"][0] == exact["reward"][0]  # the same init, the same held-out samples
+        assert modes["exact"]["peak_bytes"] > modes["detached"]["peak_bytes"]  # exact holds the prefix's gradient
+        naive = task["naive"]  # exact mode's gradient: a cost row, no curve
+        assert naive["step_seconds_mean"] > 0 and naive["peak_bytes"] > modes["exact"]["peak_bytes"]
+        gap = task["final_gap_exact_minus_detached"]
+        assert len(gap["per_seed"]) == len(seeds) and -1.0 <= gap["mean"] <= 1.0
+    assert (tmp_path / "ablation_learning_quick.png").stat().st_size > 0
+
+
+def test_learning_ablation_runs_a_prefix_of_its_fixed_seeds() -> None:
+    from bench.ablation_learning import FULL, first_seeds
+
+    assert first_seeds(FULL, 2).seeds == FULL.seeds[:2] and first_seeds(FULL, 2).steps == FULL.steps
+    with pytest.raises(ValueError, match=f"--first-seeds must be between 1 and {len(FULL.seeds)}, got 0"):
+        first_seeds(FULL, 0)

@@ -57,7 +57,7 @@ class EchoEnv(ToolEnv[str]):
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def test_the_three_envs_are_registered_under_the_longstraw_namespace() -> None:
+def test_every_env_is_registered_under_the_longstraw_namespace() -> None:
     assert set(ALL_IDS) <= set(registered_env_ids())
     assert all(env_id.startswith("LongStraw/") for env_id in registered_env_ids())
 
