@@ -313,7 +313,8 @@ class FamilyAdapter(ABC):
             ):
                 scratch = dict(seen)
                 if entries_only:
-                    new = self.layer_entries(layer, h, positions, rope, ctx, scratch, attention, start)
+                    inp = _mixer_input(layer, h, positions, rope, ctx, scratch, attention, start)
+                    new = layer.mixer.state_entries(inp)
                 else:
                     h, new = self.run_layer(layer, h, positions, rope, ctx, scratch, attention, start)
                 written.update(scratch)
@@ -347,20 +348,6 @@ class FamilyAdapter(ABC):
         out = layer.mixer.forward(_mixer_input(layer, h, positions, rope, ctx, shared, attention, start))
         h = h + out.y
         return h + layer.mlp(layer.post_norm(h)), out.new
-
-    @staticmethod
-    def layer_entries(
-        layer: DecoderLayer,
-        h: Tensor,
-        positions: Tensor,
-        rope: tuple[Tensor, Tensor],
-        ctx: LayerContext,
-        shared: dict[str, Any],
-        attention: Attention,
-        start: int,
-    ) -> tuple[Tensor, ...]:
-        """What ``run_layer`` adds to the state, without the layer's output."""
-        return layer.mixer.state_entries(_mixer_input(layer, h, positions, rope, ctx, shared, attention, start))
 
     def decode(
         self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None

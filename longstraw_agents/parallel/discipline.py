@@ -248,8 +248,8 @@ class _Recorder:
                 self._patch(pg, name, _recorded_method(self, name, entry, getattr(pg, name)))
         self._patch(pg, "_start_coalescing", _opening_batch(self, pg._start_coalescing))
         self._patch(pg, "_end_coalescing", _closing_batch(self, pg._end_coalescing))
-        for name, kind in _FUNCTIONAL_COLLECTIVES.items():
-            name = name if hasattr(funcol, name) else _FUNCTIONAL_FORMER_NAMES.get(name, name)
+        for current, kind in _FUNCTIONAL_COLLECTIVES.items():
+            name = current if hasattr(funcol, current) else _FUNCTIONAL_FORMER_NAMES.get(current, current)
             if hasattr(funcol, name):  # (the set differs between torch versions)
                 self._patch(funcol, name, _recorded_functional(self, name, kind, getattr(funcol, name)))
         batched = _recorded_batch(self, c10d.batch_isend_irecv)
