@@ -2,12 +2,20 @@
 
 ``MemoryTracker`` is a ``TorchDispatchMode``: each tensor an op produces (forward or backward, under autograd or
 not) is recorded by its storage, counted once per storage however many views share it, and released through
-``weakref.finalize`` when the last tensor on that storage dies — torch keeps a tensor's Python object alive while
-autograd still holds the tensor, so saved activations count until the graph frees them. Only storages that ops
-allocate under the tracker are counted: an output sharing an input's storage (a view, an alias, an in-place or
-``out=`` result) allocates nothing, so tensors that existed before the tracker started (parameters, pre-allocated
-``.grad`` buffers, a captured state) are never counted, however they are viewed or updated in place, unless
-``baseline`` includes them.
+``weakref.finalize`` on the storage's Python object, which torch keeps exactly as long as the storage lives (while
+any tensor views it, autograd's saved tensors included, and not after a ``.data`` swap took it from its tensor).
+Only storages that ops allocate under the tracker are counted: an output sharing an input's storage (a view, an
+alias, an in-place or ``out=`` result) allocates nothing, so tensors that existed before the tracker started
+(parameters, pre-allocated ``.grad`` buffers, a captured state) are never counted, however they are viewed or
+updated in place, unless ``baseline`` includes them.
+
+Two allocations are not ops, and the tracker follows them too: a storage grown or shrunk by
+``UntypedStorage.resize_`` (FSDP2 frees a gathered unit's weights by resizing their storage to zero and gathers
+them again into the same storage), and a DTensor's local shard (a DTensor op's output is counted by the bytes of
+the rank's local tensor, not the global shape). ``roles`` attributes the bytes: give, per role, a function returning
+that role's tensors (weights, gradients, optimizer state, ...); ``peak_roles`` then holds each role's bytes at the
+peak, the rest under ``"other"``, and ``role_peaks`` the most each held at any time (the roles are looked up at
+every allocation and release: slow, for tests and benchmarks on small models).
 
 >>> import torch
 >>> with MemoryTracker() as mem:
@@ -20,29 +28,47 @@ allocate under the tracker are counted: an output sharing an input's storage (a 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+OTHER = "other"
 
 
 @dataclass
 class _Live:
-    nbytes: int
-    tensors: int
+    nbytes: int = 0
+
+
+Roles = Mapping[str, Callable[[], Iterable[torch.Tensor]]]
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Tracks the bytes of tensor storages created inside the context: ``current_bytes``, ``peak_bytes``."""
+    """Tracks the bytes of tensor storages created inside the context: ``current_bytes``, ``peak_bytes``;
+    ``peak_roles`` with ``roles``."""
 
-    def __init__(self, baseline: int = 0):
+    def __init__(self, baseline: int = 0, roles: Roles | None = None):
         super().__init__()
         self._live: dict[int, _Live] = {}
         self.baseline = baseline
         self.current_bytes = baseline
         self.peak_bytes = baseline
+        self.roles = dict(roles or {})
+        self.peak_roles: dict[str, int] = {}
+        self.role_peaks: dict[str, int] = {}
+
+    def __enter__(self) -> MemoryTracker:
+        _STORAGE_RESIZES.watch(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _STORAGE_RESIZES.unwatch(self)
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = {id(t): _storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
@@ -54,7 +80,7 @@ class MemoryTracker(TorchDispatchMode):
             key = _storage_key(item)
             entry = self._live.get(key)
             if entry is not None:
-                self._resize(entry, item.untyped_storage().nbytes())  # out= / resize_ can grow a storage in place
+                self._resize(entry, _local(item).untyped_storage().nbytes())  # out= / resize_ can grow it in place
             if before.get(id(item)) == key:
                 continue  # an input returned on its own storage (in place, out=): already counted if it counts
             # An output on an input's storage (view, alias, in-place or out= result) allocated nothing: it joins
@@ -65,39 +91,103 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is None:
-            entry = self._live[key] = _Live(nbytes=0, tensors=0)
-            self._resize(entry, tensor.untyped_storage().nbytes())
-        entry.tensors += 1
-        weakref.finalize(tensor, self._release, key)
+        if key in self._live:
+            return
+        storage = _local(tensor).untyped_storage()
+        self._resize(self._live.setdefault(key, _Live()), storage.nbytes())
+        # torch keeps one Python object per live storage: it dies with the storage, whatever tensors held it
+        weakref.finalize(storage, self._release, key)
 
     def _resize(self, entry: _Live, nbytes: int) -> None:
         self.current_bytes += nbytes - entry.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         entry.nbytes = nbytes
+        at_peak = self.current_bytes > self.peak_bytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if self.roles:
+            self._attribute(at_peak)
+
+    def storage_resized(self, key: int, nbytes: int) -> None:
+        """A storage this tracker counts was resized in place (``UntypedStorage.resize_``)."""
+        entry = self._live.get(key)
+        if entry is not None:
+            self._resize(entry, nbytes)
+
+    def _attribute(self, at_peak: bool) -> None:
+        """Each role's bytes now (storages this tracker counts, or that existed before it: ``baseline``'s), the rest
+        under ``other``: kept as ``peak_roles`` at a peak, and each role's most in ``role_peaks``."""
+        taken: set[int] = set()
+        by_role = {}
+        for role, tensors in self.roles.items():
+            nbytes = 0
+            for t in tensors():
+                key = _storage_key(t)
+                if key not in taken:
+                    taken.add(key)
+                    entry = self._live.get(key)
+                    nbytes += entry.nbytes if entry is not None else _local(t).untyped_storage().nbytes()
+            by_role[role] = nbytes
+        by_role[OTHER] = self.current_bytes - sum(by_role.values())
+        if at_peak:
+            self.peak_roles = by_role
+        for role, nbytes in by_role.items():
+            self.role_peaks[role] = max(self.role_peaks.get(role, 0), nbytes)
 
     def _release(self, key: int) -> None:
-        entry = self._live.get(key)
-        if entry is None:
-            return
-        entry.tensors -= 1
-        if entry.tensors == 0:
+        entry = self._live.pop(key, None)
+        if entry is not None:
             self.current_bytes -= entry.nbytes
-            del self._live[key]
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
+        self.role_peaks = {}
+        if self.roles:
+            self._attribute(at_peak=True)
+
+
+class _StorageResizes:
+    """Reports ``UntypedStorage.resize_`` to the trackers open now: the method is replaced while any is open (a
+    storage resize is no op a dispatch mode sees)."""
+
+    def __init__(self) -> None:
+        self.trackers: list[MemoryTracker] = []
+        self.original = torch.UntypedStorage.resize_
+
+    def watch(self, tracker: MemoryTracker) -> None:
+        if not self.trackers:
+            original = self.original
+
+            def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+                out = original(storage, size)
+                for open_tracker in self.trackers:
+                    open_tracker.storage_resized(storage._cdata, storage.nbytes())
+                return out
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        self.trackers.append(tracker)
+
+    def unwatch(self, tracker: MemoryTracker) -> None:
+        self.trackers.remove(tracker)
+        if not self.trackers:
+            torch.UntypedStorage.resize_ = self.original  # type: ignore[method-assign]
+
+
+_STORAGE_RESIZES = _StorageResizes()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``tensor``'s bytes on this rank: a DTensor's local shard."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    """The StorageImpl pointer: stable for the storage's lifetime and shared by all its views, also on meta."""
-    return tensor.untyped_storage()._cdata
+    """The StorageImpl pointer: stable for the storage's lifetime and shared by all its views, also on meta (a
+    DTensor's: its local shard's)."""
+    return _local(tensor).untyped_storage()._cdata
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: dict[int, int] = {}
     for t in tensors:
-        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+        seen[_storage_key(t)] = _local(t).untyped_storage().nbytes()
     return sum(seen.values())

@@ -41,6 +41,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from longstraw_agents.engine import Engine, EngineConfig, LayerInputs, checkpoint_spacing, layer_inputs_spacing
+from longstraw_agents.engine.wavefront import GRADIENT_BUCKET_BYTES
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
@@ -90,12 +91,19 @@ class PlanRequest:
     mixed_precision: bool | None = None
     beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
+    # the cp rank planned (None: the last, which receives the most of the earlier ranks' rows: the per-GPU peak)
+    cp_rank: Annotated[int, Field(ge=0)] | None = None
 
     @property
     def context_parallel(self) -> int:
         if self.cp is not None:
             return self.cp
         return self.gpus // self.dp if self.dp is not None else self.gpus
+
+    @property
+    def earlier_ranks(self) -> int:
+        """How many cp ranks before the planned one send it their rows."""
+        return self.context_parallel - 1 if self.cp_rank is None else self.cp_rank
 
     @property
     def mixed(self) -> bool:
@@ -121,6 +129,8 @@ class PlanRequest:
         for name, ranks in (("dp", self.dp), ("cp", self.cp)):
             if ranks is not None and self.gpus % ranks:
                 raise ValueError(f"gpus ({self.gpus}) is not a multiple of {name} ({ranks})")
+        if self.cp_rank is not None and self.cp_rank >= self.context_parallel:
+            raise ValueError(f"cp_rank ({self.cp_rank}) must be below cp ({self.context_parallel})")
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
         return self
@@ -254,6 +264,7 @@ class _Exact:
     checkpoints: int
     reference_state: int
     layer_inputs: int = 0
+    capture_rows: int = 0
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -270,13 +281,28 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
     spacing = checkpoint_spacing(config, request.dtype, request.engine)
     checkpoints = size.fixed_bytes * (math.ceil(positions / request.engine.chunk_size) // spacing) if exact else 0
     kept, segment = layer_inputs_bytes(config, request, positions)
-    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0, kept + segment)
+    rows = capture_rows_bytes(config, request, positions) if not segment else 0  # (the walk's rows hold more)
+    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0, kept + segment, rows)
+
+
+def _rows_per_layer(config: PretrainedConfig, request: PlanRequest, positions: int) -> int:
+    """The widest growing layer's rows of ``positions`` positions (attention K/V, MLA latents, DSA index keys)."""
+    per_layer = adapter_class(config).layer_state_bytes(config, _itemsize(request.dtype))
+    return max(per_token for per_token, _ in per_layer) * positions
+
+
+def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> int:
+    """A sharded capture over cp ranks (``ShardedCapture``), per rank: one layer's rows of the earlier ranks at a
+    time (``PlanRequest.earlier_ranks`` shards), received to attend to and dropped after the layer."""
+    if request.context_parallel == 1:
+        return 0
+    return _rows_per_layer(config, request, positions) * request.earlier_ranks
 
 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
     shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
-    their recomputed inputs, and one layer's rows of the earlier ranks (at most the last rank's: N - 1 shards)
+    their recomputed inputs, and one layer's rows of the earlier ranks (``PlanRequest.earlier_ranks`` shards: the last rank N - 1)
     with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs replicated
     (docs/distributed.md)."""
     wavefront = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
@@ -287,9 +313,7 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
     itemsize = _itemsize(request.dtype)
     vector = positions * config.hidden_size * itemsize
     widen = max(itemsize, 4) / itemsize
-    per_layer = adapter_class(config).layer_state_bytes(config, itemsize)
-    rows_per_layer = max(per_token for per_token, _ in per_layer) * positions  # the widest growing layer's rows
-    earlier = rows_per_layer * (request.context_parallel - 1)  # a layer's rows of the earlier ranks
+    earlier = _rows_per_layer(config, request, positions) * request.earlier_ranks  # a layer's rows of earlier ranks
     received = earlier * (1 + widen)  # one layer's rows at a time, with their sinks
     kept = LayerInputs.planned_nbytes(positions, config.hidden_size, itemsize, layers, every)
     return kept, vector * every + int(received)
@@ -303,6 +327,7 @@ class _Probe:
     parameters: int
     largest_layer: int
     root: int  # parameters outside the decoder layers: embeddings, final norm, LM head
+    layers: int  # decoder layers
 
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
@@ -314,7 +339,7 @@ def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     graphs = peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
     parameters = sum(p.numel() for p in model.parameters())
     in_layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
-    return _Probe(graphs, parameters, max(in_layers), parameters - sum(in_layers))
+    return _Probe(graphs, parameters, max(in_layers), parameters - sum(in_layers), len(in_layers))
 
 
 def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe, str]:
@@ -336,47 +361,60 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
     growth = probe(small, request, request.group).graphs - t1.graphs if request.group > pair else 0
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
-    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root)
+    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full)
     return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
 
 
 def parameter_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
     """What the trainer holds of the parameters per GPU, as ``parallel.fsdp`` runs FSDP2 over all GPUs (dp x cp):
     shards of the master weights, of their gradients and of AdamW's two moments, in the master dtype (fp32 with
-    mixed precision, else the model's); what is whole at once in the compute dtype (``_whole_at_once``); and the KL
-    reference, a whole frozen copy of the policy on every GPU (the run copies it before sharding)."""
+    mixed precision, else the model's); what is whole at once in the compute dtype (``_whole_at_once``, in the
+    phase of the step that holds the most); and the KL reference, a whole frozen copy of the policy on every GPU
+    (the run copies it before sharding)."""
     shard = -(-probed.parameters // request.gpus)
     master = request.master_itemsize
     adam = request.optimizer == "adamw" and not request.offload_optimizer
-    whole_weights, whole_gradients = _whole_at_once(probed, request)
+    whole_weights, whole_gradients, gradient_shards = _whole_at_once(probed, request)
     return {
         "weights": shard * master,
         "gathered weights": whole_weights,
-        "gradients": shard * master,
+        "gradients": shard * master if gradient_shards else 0,
         "gathered gradients": whole_gradients,
         "optimizer state": 2 * master * shard if adam else 0,
         "reference weights": probed.parameters * master if request.beta > 0 else 0,
     }
 
 
-def _whole_at_once(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
-    """Weights and gradients whole at once in the compute dtype, by the trainer's schedule. One GPU: with mixed
-    precision the compute copy (its gradients handed to the masters as they accumulate). Sharded with a layer at a
-    time (``gathers_by_layer``): the root unit (embeddings, final norm, LM head) for the step and up to
-    ``prefetch_window(cp)`` + 1 decoder layers (gathers started ahead), the root's gradient, the gradient of the
-    layer under backward, and full-size gradients on their way to the shards in the master dtype: one layer's
-    (a replay's reduction completes before the next layer's), or the window's in exact mode's wavefront walk (its
-    reductions run asynchronously). Otherwise the whole model and its gradient for the step."""
-    compute, master = _itemsize(request.dtype), request.master_itemsize
+def _whole_at_once(probed: _Probe, request: PlanRequest) -> tuple[int, int, bool]:
+    """Weights and gradients whole at once, by the trainer's schedule, and whether the gradient shards are held
+    beside them. One GPU: with mixed precision the compute copy (its gradients handed to the masters as they
+    accumulate). Sharded with a layer at a time (``gathers_by_layer``): the root unit (embeddings, final norm, LM
+    head) for the step, and the larger of two phases — a capture over the cp ranks (``prefetch_window(cp)`` + 1
+    decoder layers whole: gathers started ahead) and the backward passes (branch replays: one layer and its
+    gradient, copied to the master dtype before its reduction under mixed precision; exact mode's wavefront walk:
+    the window's layers too, and their gradients on their way to the shards, reduced asynchronously in the master
+    dtype), each with the root's gradient. Otherwise the whole model and its gradient for the step, with no
+    gradient shards yet (they are made as the whole gradients are reduced, after the step's weights are freed);
+    exact mode's walk over cp ranks sums the parameter gradient in flat buckets (``GRADIENT_BUCKET_BYTES``)."""
+    compute, master, layer = _itemsize(request.dtype), request.master_itemsize, probed.largest_layer
     if request.gpus == 1:
-        return (probed.parameters * compute if request.mixed else 0), 0
-    if gathers_by_layer(request.data_parallel):
-        window = prefetch_window(request.context_parallel)
-        weights = ((window + 1) * probed.largest_layer + probed.root) * compute
-        walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
-        in_flight = (window if walk else 1) * probed.largest_layer * master
-        return weights, in_flight + (probed.largest_layer + probed.root) * compute
-    return probed.parameters * compute, probed.parameters * compute
+        return (probed.parameters * compute if request.mixed else 0), 0, True
+    walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
+    if not gathers_by_layer(request.data_parallel):
+        bucket = min(GRADIENT_BUCKET_BYTES, probed.parameters * compute) if walk else 0
+        return probed.parameters * compute, probed.parameters * compute + bucket, False
+    window = prefetch_window(request.context_parallel)
+    capture = (min(window + 1, probed.layers) * layer + probed.root) * compute  # (no more layers than the model's)
+    if walk:
+        weights = capture
+        in_flight = min(window, probed.layers) * layer * master
+    else:
+        weights = (layer + probed.root) * compute
+        in_flight = layer * master if request.mixed else 0
+    gradients = in_flight + (layer + probed.root) * compute
+    if capture > weights + gradients:
+        return capture, 0, True
+    return weights, gradients, True
 
 
 def logits_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
@@ -412,6 +450,7 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         "dState": exact.dstate,
         "recurrent checkpoints": exact.checkpoints,
         "layer inputs (wavefront walk)": exact.layer_inputs,
+        "earlier ranks' rows (capture)": exact.capture_rows,
         "one chunk's or branch's graph": measured.graphs,
     }
     notes = [

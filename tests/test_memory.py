@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -186,3 +187,62 @@ def test_exact_peak_on_a_long_prompt_stays_well_below_naive():
     detached = peak_bytes("llama", "detached", 4, prompt_len=400, chunk=16)
     assert exact < 0.25 * naive, f"exact {exact} B vs naive {naive} B"
     assert detached <= exact  # exact holds the state's gradient and one recomputed chunk on top
+
+
+# --- what is not an op: storage lifetimes, resizes, FSDP2's gathers; roles --------------------------------------
+def test_a_storage_taken_from_its_tensor_is_released_when_it_dies():
+    with MemoryTracker() as mem:
+        p = torch.nn.Parameter(torch.zeros(N))  # 4000, tracked
+        p.data = torch.zeros(N // 2)  # the first storage dies though p lives on: 2000 remain
+        assert mem.current_bytes == 2000 and mem.peak_bytes == 6000
+        del p
+        assert mem.current_bytes == 0
+
+
+def test_storage_resizes_are_allocations():
+    with MemoryTracker() as mem:
+        x = torch.zeros(N)
+        x.untyped_storage().resize_(0)  # as FSDP2 frees a gathered parameter
+        assert mem.current_bytes == 0
+        x.untyped_storage().resize_(2 * 4 * N)
+        assert mem.current_bytes == mem.peak_bytes == 8000
+        del x
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # the tracker's hook is gone
+
+
+def test_roles_at_the_peak_and_the_most_each_held():
+    kept: list[torch.Tensor] = []
+    w = torch.ones(N)  # made before: the baseline, under its role
+    with MemoryTracker(baseline=4000, roles={"weights": lambda: [w], "kept": lambda: kept}) as mem:
+        kept.append(torch.zeros(N))  # 4000 kept
+        scratch = torch.zeros(2 * N)  # 8000 of no role: the peak (16000)
+        del scratch
+        kept.append(torch.zeros(2 * N))  # kept grows to 12000, below the peak (4000 + 12000 = 16000, not above)
+        torch.zeros(0)  # roles are looked up at each allocation: the next one sees the tensor under its role
+        assert mem.peak_roles == {"weights": 4000, "kept": 4000, "other": 8000}
+        assert mem.role_peaks == {"weights": 4000, "kept": 12000, "other": 8000}
+        mem.reset_peak()
+        assert mem.peak_roles == {"weights": 4000, "kept": 12000, "other": 0}
+
+
+def test_fsdp2_gathers_count_while_whole_and_shards_by_their_local_bytes(tmp_path):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with MemoryTracker() as mem:
+            layer = nn.Linear(100, 100, bias=False)  # 40,000 bytes, freed once sharded
+            fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+            assert isinstance(layer.weight, DTensor)
+            sharded = mem.current_bytes
+            assert 40_000 <= sharded < 40_100  # the shard (one rank: all of it) and a few bytes of FSDP2 scalars
+            layer.unshard()
+            assert mem.current_bytes - sharded >= 40_000  # the whole weight (and the gather's buffer)
+            layer.reshard()
+            assert mem.current_bytes == sharded  # resized to nothing: freed
+            doubled = layer.weight * 2  # a DTensor op: counted by its local tensor
+            assert mem.current_bytes == sharded + 40_000
+            del doubled
+    finally:
+        dist.destroy_process_group()

@@ -208,29 +208,42 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
 
 
 # parameters, the largest decoder layer's and the root unit's (embeddings, final norm, LM head)
-PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000)
+PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000, layers=10)
 
 
 @pytest.mark.parametrize(
     ("request_args", "expected"),
     [
-        # dp = 1 x cp = 8, bf16 mixed precision: fp32 shards; the root and cp + 1 layers whole in bf16 (gathers
-        # started ahead); a replay's layer gradient in bf16, then fp32 on its way to the shards
+        # dp = 1 x cp = 8, bf16 mixed precision: fp32 shards. The capture holds the most: the root and cp + 1 layers
+        # whole in bf16 (gathers started ahead), no gradient yet; a replay holds one layer and its gradient (bf16,
+        # then fp32 on its way to the shards) and the root's
         (
             {"gpus": 8, "mode": "detached"},
             {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 4_000,
-             "gathered gradients": 700 * 4 + (700 + 1_000) * 2, "optimizer state": 8_000},
+             "gathered gradients": 0, "optimizer state": 8_000},
         ),
-        # exact mode's wavefront walk: cp layers' fp32 reductions in flight
+        # exact mode's wavefront walk: cp + 1 layers whole and cp layers' fp32 reductions in flight
         (
             {"gpus": 8, "mode": "exact"},
             {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 4_000,
              "gathered gradients": 8 * 700 * 4 + (700 + 1_000) * 2, "optimizer state": 8_000},
         ),
-        # dp = 2: the whole model and its gradient for the step
+        # a root larger than cp layers: the replays hold the most
+        (
+            {"gpus": 2, "mode": "detached", "_root": 20_000},
+            {"weights": 54_000, "gathered weights": (700 + 20_000) * 2, "gradients": 54_000,
+             "gathered gradients": 700 * 4 + (700 + 20_000) * 2, "optimizer state": 108_000},
+        ),
+        # dp = 2: the whole model and its gradient for the step, no gradient shard beside them
+        (
+            {"gpus": 8, "dp": 2, "mode": "detached"},
+            {"weights": 4_000, "gathered weights": 16_000, "gradients": 0, "gathered gradients": 16_000,
+             "optimizer state": 8_000},
+        ),
+        # ... and exact mode's walk over cp ranks sums the gradient over them in a flat bucket
         (
             {"gpus": 8, "dp": 2, "mode": "exact"},
-            {"weights": 4_000, "gathered weights": 16_000, "gradients": 4_000, "gathered gradients": 16_000,
+            {"weights": 4_000, "gathered weights": 16_000, "gradients": 0, "gathered gradients": 32_000,
              "optimizer state": 8_000},
         ),
         # one GPU: the fp32 masters, their gradients and moments, and the bf16 compute copy
@@ -243,18 +256,20 @@ PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000
         (
             {"gpus": 8, "mode": "detached", "mixed_precision": False},
             {"weights": 2_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 2_000,
-             "gathered gradients": 700 * 2 + (700 + 1_000) * 2, "optimizer state": 4_000},
+             "gathered gradients": 0, "optimizer state": 4_000},
         ),
     ],
 )  # fmt: skip
 def test_parameter_terms_follow_the_trainers_schedule(request_args: dict, expected: dict) -> None:
     """What the trainer holds per GPU (parallel.fsdp's schedule, tests/trainer/test_data_parallel.py measures its
     gathers), from the model's parameter counts: bf16 with fp32 masters unless said."""
+    root = request_args.pop("_root", PROBE.root)
+    probe = dataclasses.replace(PROBE, parameters=PROBE.parameters - PROBE.root + root, root=root)
     request = PlanRequest(dtype=torch.bfloat16, **request_args)
-    terms = parameter_terms(PROBE, request)
+    terms = parameter_terms(probe, request)
     assert {k: v for k, v in terms.items() if k != "reference weights"} == expected
-    with_reference = parameter_terms(PROBE, dataclasses.replace(request, beta=0.04))
-    assert with_reference["reference weights"] == 8_000 * request.master_itemsize  # whole, on every GPU
+    with_reference = parameter_terms(probe, dataclasses.replace(request, beta=0.04))
+    assert with_reference["reference weights"] == probe.parameters * request.master_itemsize  # whole, on every GPU
 
 
 def test_mixed_precision_needs_a_narrow_compute_dtype() -> None:

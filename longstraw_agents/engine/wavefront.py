@@ -16,6 +16,10 @@ from longstraw_agents.state import Block, State, StateGrad
 
 from .shards import ChunkOwners, StateShards, outgoing_rows
 
+# The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat
+# copy of a whole model's gradient would hold a second gradient at once.
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+
 if TYPE_CHECKING:
     from .engine import ChunkLoss, Engine
 
@@ -363,21 +367,39 @@ class WavefrontWalk:
             torch.autograd.backward(outputs, grads)
 
     def _sum_parameter_grads(self, params: list[nn.Parameter], had_grad: Tensor) -> None:
-        """Every rank's parameter gradient summed over the ranks, in place, one flat all-reduce per dtype (models
-        keep some parameters in fp32, e.g. routers); a parameter no rank gave a gradient keeps none (as in one
-        process: an optimizer skips it)."""
+        """Every rank's parameter gradient summed over the ranks, in place, in flat buckets of one dtype (models
+        keep some parameters in fp32, e.g. routers) of at most ``GRADIENT_BUCKET_BYTES`` (a larger gradient is
+        summed where it lies); a parameter no rank gave a gradient keeps none (as in one process: an optimizer
+        skips it)."""
         has = had_grad + torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
         somewhere = self.transport.sum_(has, "param_grads").tolist()
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for p, found in zip(params, somewhere, strict=True):
             if found:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
-            grads = [p.grad for p in group if p.grad is not None]
-            flat = self.transport.sum_(torch.cat([g.reshape(-1) for g in grads]), "param_grads")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            for bucket in _buckets(grads, GRADIENT_BUCKET_BYTES):
+                if len(bucket) == 1 and bucket[0].is_contiguous():
+                    self.transport.sum_(bucket[0], "param_grads")
+                    continue
+                flat = self.transport.sum_(torch.cat([g.reshape(-1) for g in bucket]), "param_grads")
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+
+def _buckets(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``limit`` bytes (a larger tensor alone)."""
+    buckets: list[list[Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets

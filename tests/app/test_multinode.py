@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -159,11 +160,15 @@ def test_a_node_whose_processes_never_join_stops_the_others(tmp_path: Path) -> N
     )
     assert node0 != 0 and node1 != 0
     assert "does not exist" in _errors(err1)[0]
+    # Each of node 0's processes that reaches its timeout prints one line; on a busy machine one may still be on
+    # its way to the roster when the first gives up, and torchrun then stops it before it prints (the slow one
+    # is then named beside node 1's ranks)
     errors = _errors(err0)
-    assert len(errors) == PER_NODE, err0[-3000:]
-    for local_rank, error in enumerate(sorted(errors)):  # one line per process, in the order they printed
-        assert f"rank {local_rank} (node 0, host {HOST}) waited parallel.timeout_s=3 s" in error
-        assert "for the job's 4 processes to join: ranks 2, 3 (node 1) did not" in error
+    assert 1 <= len(errors) <= PER_NODE, err0[-3000:]
+    for error in errors:
+        assert re.search(rf"rank [0-{PER_NODE - 1}] \(node 0, host {HOST}\) waited parallel.timeout_s=3 s", error)
+        late = r"(rank \d \(node 0\); )?"
+        assert re.search(rf"for the job's 4 processes to join: {late}ranks 2, 3 \(node 1\) did not", error)
     assert not run_dir.exists()
 
 

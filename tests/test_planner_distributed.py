@@ -1,0 +1,91 @@
+"""The planner against each rank of a real distributed step: FSDP2 over every rank of a (dp, cp) mesh on gloo CPU
+processes, a second training step measured by a ``MemoryTracker`` that opens before the model is built (so it counts
+every byte a rank holds) and attributes the bytes by role. Each rank's peak must be within 10 % of the plan for the
+same configuration (its cp rank's: a later one receives more of the earlier ranks' rows), and the roles the planner counts from the parameters (the rank's shards of weights, gradients and
+AdamW state) and the captured state within 15 % of the most the rank held of each. Two model shapes: one whose
+weights dominate (8 layers, hidden 128, a 64-token prompt) and one whose captured state does (2 layers, hidden 64, a
+2,048-token prompt)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from rank_memory_worker import run
+
+import longstraw_agents.planner as planner
+from longstraw_agents.engine import EngineConfig
+from longstraw_agents.models.presets import TINY_PRESETS
+from longstraw_agents.planner import PlanRequest, plan_memory
+
+pytestmark = pytest.mark.distributed
+
+WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
+STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}
+PER_CATEGORY = ("weights", "gradients", "optimizer state", "captured state")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _measure(tmp_path: Path, spec: dict[str, Any]) -> list[dict]:
+    world = spec["dp"] * spec["cp"]
+    mp.start_processes(run, args=(world, _free_port(), str(tmp_path), spec), nprocs=world, start_method="fork")
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -> planner.Plan:
+    monkeypatch.setitem(planner.NAMED_MODELS, "measured", lambda: TINY_PRESETS[spec["family"]](**spec["model"]))
+    return plan_memory(
+        PlanRequest(
+            model="measured", context=spec["prompt"], group=spec["group"], completion=spec["completion"],
+            gpus=spec["dp"] * spec["cp"], dp=spec["dp"], cp=spec["cp"], mode=spec["mode"],
+            dtype=getattr(torch, spec["compute_dtype"] or "float32"), optimizer="adamw",
+            engine=EngineConfig(chunk_size=spec["chunk"]), cp_rank=cp_rank,
+        )
+    )  # fmt: skip
+
+
+CASES = [
+    pytest.param(WEIGHTS, 1, 2, "detached", None, id="weights-dp1xcp2-detached"),
+    pytest.param(WEIGHTS, 1, 2, "exact", None, id="weights-dp1xcp2-exact"),
+    pytest.param(WEIGHTS, 1, 2, "detached", "bfloat16", id="weights-dp1xcp2-detached-mixed"),
+    pytest.param(WEIGHTS, 2, 1, "detached", None, id="weights-dp2-detached"),
+    pytest.param(WEIGHTS, 2, 2, "exact", None, id="weights-dp2xcp2-exact"),
+    pytest.param(STATE, 1, 2, "detached", None, id="state-dp1xcp2-detached"),
+    pytest.param(STATE, 2, 1, "detached", None, id="state-dp2-detached"),
+    pytest.param(
+        STATE, 1, 2, "exact", None, id="state-dp1xcp2-exact",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="the plan sums each category's most, and in the wavefront walk of a 2-layer model the reductions "
+            "in flight are not at their most when the walk's state gradient and layer inputs are: 11-12 % above",
+        ),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "dp", "cp", "mode", "compute_dtype"), CASES)
+def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp, mode, compute_dtype) -> None:
+    spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode}
+    spec |= shape | {"compute_dtype": compute_dtype}
+    plans = [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(cp)]
+    for rank, measured in enumerate(_measure(tmp_path, spec)):
+        plan = plans[measured["cp_rank"]]  # a later cp rank receives more of the earlier ranks' rows
+        assert abs(measured["peak"] - plan.subtotal) <= 0.10 * measured["peak"], (rank, measured, plan.table())
+        held = measured["role_peaks"]
+        for role in PER_CATEGORY:
+            planned = plan.categories[role]
+            if role == "gradients" and dp > 1:
+                # the whole model's gradient is reduced into the shards after the step's weights are freed: no
+                # shard gradient at the peak (the plan counts it in "gathered gradients")
+                assert planned == 0 and measured["roles"][role] == 0, rank
+                continue
+            assert abs(held[role] - planned) <= 0.15 * planned, (rank, role, held[role], planned)
