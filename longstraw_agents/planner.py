@@ -302,9 +302,9 @@ def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, positions
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
     shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
-    their recomputed inputs, and one layer's rows of the earlier ranks (``PlanRequest.earlier_ranks`` shards: the last rank N - 1)
-    with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs replicated
-    (docs/distributed.md)."""
+    their recomputed inputs, and one layer's rows of the earlier ranks (``PlanRequest.earlier_ranks`` shards: the
+    last rank's N - 1) with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs
+    replicated (docs/distributed.md)."""
     wavefront = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
     if not wavefront or request.engine.graph_budget_bytes > 0:
         return 0, 0

@@ -15,7 +15,8 @@ state's tensors (same shapes, allocated lazily) for the exact-gradient backward 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,20 @@ class ChunkRecord:
 MergedBlocks = tuple[tuple[tuple[int, Block], ...], ...]
 
 
+# called with every State made while they are registered (``observe_states``: memory attribution by role)
+_STATE_OBSERVERS: list[Callable[[State], None]] = []
+
+
+@contextlib.contextmanager
+def observe_states(callback: Callable[[State], None]) -> Iterator[None]:
+    """``callback(state)`` for every ``State`` made inside the block (the engine's, on any engine)."""
+    _STATE_OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _STATE_OBSERVERS.remove(callback)
+
+
 @dataclass(frozen=True, eq=False)
 class State:
     """What the engine keeps of ``num_tokens`` tokens. Immutable; children share its tensors."""
@@ -131,6 +146,10 @@ class State:
     # LayerInputs, this rank's); children do not inherit them
     layer_inputs: object | None = field(default=None, repr=False)
     _merged: MergedBlocks | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for observer in _STATE_OBSERVERS:
+            observer(self)
 
     @property
     def num_tokens(self) -> int:

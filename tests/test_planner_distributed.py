@@ -1,10 +1,10 @@
 """The planner against each rank of a real distributed step: FSDP2 over every rank of a (dp, cp) mesh on gloo CPU
 processes, a second training step measured by a ``MemoryTracker`` that opens before the model is built (so it counts
 every byte a rank holds) and attributes the bytes by role. Each rank's peak must be within 10 % of the plan for the
-same configuration (its cp rank's: a later one receives more of the earlier ranks' rows), and the roles the planner counts from the parameters (the rank's shards of weights, gradients and
-AdamW state) and the captured state within 15 % of the most the rank held of each. Two model shapes: one whose
-weights dominate (8 layers, hidden 128, a 64-token prompt) and one whose captured state does (2 layers, hidden 64, a
-2,048-token prompt)."""
+same configuration (its cp rank's: a later one receives more of the earlier ranks' rows), and the roles the planner
+counts from the parameters (the rank's shards of weights, gradients and AdamW state) and the captured state within
+15 % of the most the rank held of each. Two model shapes: one whose weights dominate (8 layers, hidden 128, a
+64-token prompt) and one whose captured state does (2 layers, hidden 64, a 2,048-token prompt)."""
 
 from __future__ import annotations
 

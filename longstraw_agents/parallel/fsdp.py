@@ -65,6 +65,30 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def whole_now(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """What a sharded ``model`` holds whole now: the gathered parameters (with their storage; FSDP2 keeps the same
+    tensors from one gather to the next, their storage freed between) and the buffers of gathers started but not
+    yet waited for; and those parameters' gradients. For memory attribution (``roles``): FSDP2 has no public
+    accessor for them, so this reads its per-unit state."""
+    weights: list[Tensor] = []
+    gradients: list[Tensor] = []
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            whole = getattr(fsdp_param, "_unsharded_param", None)
+            if whole is not None and whole.untyped_storage().nbytes():
+                weights.append(whole)
+            if whole is not None and whole.grad is not None:
+                gradients.append(whole.grad)
+        if group._all_gather_result is not None:
+            weights.append(group._all_gather_result.all_gather_output)
+    return weights, gradients
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module, replicas: int = 1) -> Iterator[None]:
     """Every FSDP unit of ``model`` unsharded for the block; on leaving, resharded, with the gradients the block

@@ -1,15 +1,13 @@
 """One rank of the per-rank memory tests (tests/test_planner_distributed.py): the real training step on a
 ``(dp, cp)`` mesh with FSDP2 over every rank, under a ``MemoryTracker`` that attributes each rank's peak bytes by role
-(weights, gradients, optimizer state, gathered weights and gradients, captured state, the rest). The tracker opens
-before the model is built, so every byte the rank holds is counted; the peak is that of a second step (the first
-allocates AdamW's state and FSDP2's gathered parameters, which later steps reuse). ``out_dir/rank{r}.pt`` gets the
-peak and the bytes by role."""
+(``parallel.roles``: weights, gradients, optimizer state, gathered weights and gradients, captured state, the rest).
+The tracker opens before the model is built, so every byte the rank holds is counted; the peak is that of a second
+step (the first allocates AdamW's state and FSDP2's gathered parameters, which later steps reuse).
+``out_dir/rank{r}.pt`` gets the peak and the bytes by role."""
 
 from __future__ import annotations
 
 import os
-import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,77 +16,14 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
-from longstraw_agents.state import State
+from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 from longstraw_agents.trainer.group import Group
-
-
-def _whole_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """FSDP2's gathered parameters: the tensors a gather fills (kept from one gather to the next, their storage
-    freed between), registered on the model once it is gathered."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.unshard()
-    whole = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    for unit in units:
-        unit.reshard()
-    return whole
-
-
-class _States:
-    """The engine states alive now (every ``State`` made while this is open)."""
-
-    def __init__(self) -> None:
-        self.alive: weakref.WeakSet[State] = weakref.WeakSet()
-        self._init = State.__init__
-        states = self
-
-        def init(state: State, *args: Any, **kwargs: Any) -> None:
-            states._init(state, *args, **kwargs)
-            states.alive.add(state)
-
-        State.__init__ = init  # type: ignore[method-assign]
-
-    def tensors(self) -> Iterator[torch.Tensor]:
-        for state in list(self.alive):
-            yield from state.tensors()
-
-
-def _gathers_in_flight(trainer: GRPOTrainer) -> list[torch.Tensor]:
-    """The buffers of the gathers ``LayerGather`` started ahead and has not waited for yet (FSDP2 copies a unit's
-    weights out of them when it waits; read from FSDP2's private state: a test probe, not an API)."""
-    gather = trainer.sharding.weights
-    if gather is None:
-        return []
-    buffers = []
-    for handle in gather._started.values():
-        for group in handle._fsdp_param_groups or ():
-            result = group._all_gather_result
-            if result is not None:
-                buffers.append(result.all_gather_output)
-    return buffers
-
-
-def roles(trainer: GRPOTrainer, model: nn.Module, whole: list[nn.Parameter], states: _States) -> dict:
-    shards = [p for p in model.parameters() if isinstance(p, DTensor)]
-    optimizer = trainer.optimizer
-    return {
-        "weights": lambda: shards,
-        "gradients": lambda: [p.grad for p in shards if p.grad is not None],
-        "optimizer state": lambda: [
-            t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
-        ],
-        "gathered weights": lambda: [p for p in whole if p.untyped_storage().nbytes()] + _gathers_in_flight(trainer),
-        "gathered gradients": lambda: [p.grad for p in whole if p.grad is not None],
-        "captured state": states.tensors,
-    }
 
 
 def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelerator) -> GRPOTrainer:
@@ -128,14 +63,18 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     GradientState._reset_state()
     accelerator = Accelerator(cpu=True)
     mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"])
-    states = _States()
     with MemoryTracker() as tracker:
         trainer = make_trainer(spec, mesh, accelerator)
-        model = accelerator.unwrap_model(trainer.model)
-        tracker.roles = roles(trainer, model, _whole_parameters(model), states)
-        trainer.train_step([step_group(trainer, spec, seed=1)])
-        tracker.reset_peak()
-        trainer.train_step([step_group(trainer, spec, seed=2)])
-    measured = {"cp_rank": mesh.cp_rank, "peak": tracker.peak_bytes, "roles": tracker.peak_roles, "role_peaks": tracker.role_peaks}
+        with step_roles(accelerator.unwrap_model(trainer.model), trainer.optimizer) as roles:
+            tracker.roles = roles
+            trainer.train_step([step_group(trainer, spec, seed=1)])
+            tracker.reset_peak()
+            trainer.train_step([step_group(trainer, spec, seed=2)])
+    measured = {
+        "cp_rank": mesh.cp_rank,
+        "peak": tracker.peak_bytes,
+        "roles": tracker.peak_roles,
+        "role_peaks": tracker.role_peaks,
+    }
     torch.save(measured, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
