@@ -75,7 +75,7 @@ def whole_now(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     for unit in model.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        group = unit._get_fsdp_state()._fsdp_param_group
         if group is None:
             continue
         for fsdp_param in group.fsdp_params:
