@@ -13,6 +13,17 @@ cp = 1, 2, 4 — printed as ratios to cp = 1 (the schedule is docs/distributed.m
   (a layer of backward over a rank's chunks), against ``ranks + layers`` (a perfect wavefront) and
   ``ranks x layers`` (the naive order); idle: the largest fraction of the walk a rank spent waiting for messages.
 
+Then the training step as ``longstraw train`` runs it (``GRPOTrainer``, FSDP2 over dp = 1 x cp ranks, AdamW), per
+rank, for every cp > 1 (``sharded``):
+
+- the bytes of every collective of one step, by kind — all-gathers (FSDP2's weights), reduce-scatters (their
+  gradients), all-reduces, broadcasts, point-to-point sends (rows, partials, state gradients) — counted as NCCL's
+  tests count bus bytes (an all-gather or reduce-scatter of S bytes over N ranks moves S (N - 1) / N per rank, an
+  all-reduce twice that), beside the analytic minimum of FSDP's schedule: each weight gathered once for the
+  forward and once for the backward, each gradient reduce-scattered once (``2 P (N - 1) / N`` and ``P (N - 1) / N``);
+- each rank's measured peak (a ``MemoryTracker`` over the rank's whole process, by role: ``parallel.roles``) beside
+  ``longstraw plan``'s figure for the same configuration and cp rank.
+
 On this machine's 2 cores, cp = 4 runs four processes on two cores: its times include the oversubscription.
 
     python -m bench.distributed [--prompt 4096] [--family llama] [--layers 8]
@@ -31,12 +42,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import PretrainedConfig
 
+from longstraw_agents import planner
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.engine.wavefront import WavefrontWalk
-from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.memory import MemoryTracker
+from longstraw_agents.models.presets import TINY_PRESETS, build_model, tiny_model
 from longstraw_agents.parallel import ParallelMesh
-from longstraw_agents.trainer import grpo_backward
+from longstraw_agents.parallel.discipline import Op, read_logs, record_to
+from longstraw_agents.parallel.roles import step_roles
+from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, grpo_backward
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -161,6 +177,122 @@ def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> 
     return row
 
 
+# --- the training step on the mesh: collectives and each rank's peak --------------------------------------------
+
+MODE = "detached"
+VOCAB_SIZE = 2048
+
+
+def step_model_config(args: dict) -> PretrainedConfig:
+    return TINY_PRESETS[args["family"]](vocab_size=VOCAB_SIZE, layers=args["layers"])
+
+
+def sharded_worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
+    """One rank: a trainer whose model FSDP2 shards over dp = 1 x cp = world, two steps on one group; the second is
+    measured (its collectives recorded, its peak tracked from the model's construction on)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    mesh = ParallelMesh.build(dp=1, cp=world)
+    with MemoryTracker() as tracker:
+        model = build_model(step_model_config(args), dtype=torch.float32, seed=0)
+        mesh.fully_shard(model)
+        engine = Engine(
+            model, EngineConfig(chunk_size=args["chunk"]), shards=mesh.context_parallel(args["prompt"], args["chunk"])
+        )
+        trainer = GRPOTrainer(engine, GRPOConfig(G=args["group"], chunk_size=args["chunk"], mode=MODE), mesh=mesh)
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, VOCAB_SIZE, (args["prompt"],), generator=gen)
+        completions = [torch.randint(0, VOCAB_SIZE, (16,), generator=gen) for _ in range(args["group"])]
+        group = trainer.group_from_completions(prompt, completions, torch.rand(args["group"], generator=gen).tolist())
+        with step_roles(model, trainer.optimizer) as roles:
+            tracker.roles = roles
+            trainer.train_step([group])  # AdamW's state and FSDP2's gathered parameters are made here
+            tracker.reset_peak()
+            with record_to(Path(out) / "collectives"):
+                trainer.train_step([group])
+    result = {"cp_rank": mesh.cp_rank, "peak": tracker.peak_bytes, "roles": tracker.peak_roles}
+    result["parameters"] = sum(p.numel() * p.element_size() for p in model.parameters())  # (the rank's shards)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def bus_bytes(op: Op) -> float:
+    """What one collective or message moves per rank, as NCCL's tests count it (``busbw``)."""
+    ranks = len(op.communicator.ranks)
+    share = (ranks - 1) / ranks
+    tensors = op.outputs if op.kind == "allgather" and op.outputs else op.inputs or op.outputs
+    size = sum(math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize for shape, dtype in tensors)
+    if op.kind == "allgather":
+        return size * share if op.outputs else size * (ranks - 1)  # (functional: only the input is recorded)
+    if op.kind == "reduce_scatter":
+        return size * share
+    if op.kind == "allreduce":
+        return 2 * size * share
+    return float(size)  # broadcast, send, recv
+
+
+def collective_bytes(log_dir: Path) -> dict[int, dict[str, float]]:
+    """Per global rank, the bus bytes of its recorded calls by kind (receives are the peers' sends: not counted)."""
+    (world,) = read_logs(log_dir)
+    totals: dict[int, dict[str, float]] = {}
+    for rank, ops in world.items():
+        kinds = totals.setdefault(rank, {})
+        for op in ops:
+            if op.kind not in ("recv", "barrier"):
+                kinds[op.kind] = kinds.get(op.kind, 0.0) + bus_bytes(op)
+    return totals
+
+
+def sharded_step(world: int, args: dict) -> dict:
+    """The measured step on ``world`` ranks beside the analytic minimum and the plan."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(sharded_worker, args=(world, f"{tmp}/store", tmp, args), nprocs=world, start_method="spawn")
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+        sent = collective_bytes(Path(tmp) / "collectives")
+    parameters = sum(p.numel() for p in build_model(step_model_config(args)).parameters()) * 4  # fp32
+    share = (world - 1) / world
+    planner.NAMED_MODELS["bench-step"] = lambda: step_model_config(args)
+    rows = []
+    for rank, measured in enumerate(ranks):
+        request = planner.PlanRequest(
+            model="bench-step", context=args["prompt"], group=args["group"], completion=16, gpus=world, cp=world,
+            mode=MODE, dtype=torch.float32, engine=EngineConfig(chunk_size=args["chunk"]), cp_rank=measured["cp_rank"],
+        )  # fmt: skip
+        plan = planner.plan_memory(request)
+        rows.append({"rank": rank, "sent": sent[rank], "peak": measured["peak"], "roles": measured["roles"],
+                     "planned": plan.subtotal, "planned_categories": plan.categories})  # fmt: skip
+    minimum = {"allgather": 2 * parameters * share, "reduce_scatter": parameters * share}
+    return {"cp": world, "parameter_bytes": parameters, "minimum": minimum, "ranks": rows}
+
+
+def print_sharded(result: dict) -> None:
+    minimum = result["minimum"]
+    for row in result["ranks"]:
+        sent = row["sent"]
+        gathers = sent.get("allgather", 0) / minimum["allgather"]
+        reductions = sent.get("reduce_scatter", 0) / minimum["reduce_scatter"]
+        others = sum(v for k, v in sent.items() if k not in ("allgather", "reduce_scatter"))
+        cells = (
+            result["cp"], row["rank"], f"{sent.get('allgather', 0) / 2**20:.2f} ({gathers:.1f}x)",
+            f"{sent.get('reduce_scatter', 0) / 2**20:.2f} ({reductions:.1f}x)", f"{others / 2**20:.2f}",
+            f"{row['peak'] / 2**20:.2f}", f"{row['planned'] / 2**20:.2f}", f"{row['peak'] / row['planned']:.3f}",
+        )  # fmt: skip
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, SHARDED_WIDTHS, strict=True)))
+
+
+SHARDED_HEADER = (
+    "cp",
+    "rank",
+    "all-gather MiB (x min)",
+    "reduce-scatter MiB",
+    "other MiB",
+    "peak MiB",
+    "plan MiB",
+    "peak/plan",
+)
+SHARDED_WIDTHS = (3, 4, 22, 19, 9, 9, 9, 9)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="llama")
@@ -196,8 +328,14 @@ def main() -> None:
         idle = f"{row['idle_max']:.2f}" if "idle_max" in row else "-"
         cells = (world, ratio, *speed, f"{row['sent_bytes_max'] / 2**20:.2f}", rows_min, path, idle)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    print(f"\nthe training step (GRPOTrainer, FSDP2 over dp = 1 x cp, AdamW, {MODE}), per rank:")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(SHARDED_HEADER, SHARDED_WIDTHS, strict=True)))
+    sharded = []
+    for world in (w for w in args.ranks if w > 1):
+        sharded.append(sharded_step(world, settings))
+        print_sharded(sharded[-1])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": settings, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"args": settings, "rows": rows, "sharded": sharded}, indent=1))
     print(f"wrote {args.out}")
 
 

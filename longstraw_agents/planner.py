@@ -14,10 +14,14 @@ of their layer pattern, and extrapolates:
   is measured on the cut models (peak minus the exact terms) and extrapolated linearly in the number of layer
   periods;
 - weights, gradients and AdamW state are counted from the model's parameters as the trainer holds them
-  (``parameter_terms``): shards over all ``dp x cp`` GPUs in the master dtype (fp32 with mixed precision), and what
-  the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit and up to cp + 1 decoder layers
-  with the gradients on their way to the shards, at dp > 1 the whole model for the step; the frozen reference model
-  (whole, on every GPU) and its captured state when ``beta > 0``;
+  (``parameter_phases``): shards over all ``dp x cp`` GPUs in the master dtype (fp32 with mixed precision), and what
+  the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit, up to cp + 1 decoder layers in a
+  capture (gathers started ahead) and one in a branch replay, with the gradients on their way to the shards; at
+  dp > 1 the whole model for the step; the frozen reference model (whole, on every GPU) and its captured state when
+  ``beta > 0``;
+- a step has two phases, and the plan is the larger: the capture (its gathered layers, the earlier cp ranks' rows
+  it receives, for the cp rank ``cp_rank``: the last by default) and the backward passes (a layer and its gradient,
+  the state gradient, the walk's recomputed segment); both hold the state and a graph;
 - an allocator margin, stated as such: 5 % of the total plus 1 GiB (CUDA context, kernels' workspaces,
   fragmentation).
 
@@ -264,6 +268,7 @@ class _Exact:
     checkpoints: int
     reference_state: int
     layer_inputs: int = 0
+    layer_inputs_kept: int = 0  # (of layer_inputs: what the capture keeps, the rest the walk's segment)
     capture_rows: int = 0
 
 
@@ -281,8 +286,8 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
     spacing = checkpoint_spacing(config, request.dtype, request.engine)
     checkpoints = size.fixed_bytes * (math.ceil(positions / request.engine.chunk_size) // spacing) if exact else 0
     kept, segment = layer_inputs_bytes(config, request, positions)
-    rows = capture_rows_bytes(config, request, positions) if not segment else 0  # (the walk's rows hold more)
-    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0, kept + segment, rows)
+    rows = capture_rows_bytes(config, request, positions)
+    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0, kept + segment, kept, rows)
 
 
 def _rows_per_layer(config: PretrainedConfig, request: PlanRequest, positions: int) -> int:
@@ -292,11 +297,13 @@ def _rows_per_layer(config: PretrainedConfig, request: PlanRequest, positions: i
 
 
 def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> int:
-    """A sharded capture over cp ranks (``ShardedCapture``), per rank: one layer's rows of the earlier ranks at a
-    time (``PlanRequest.earlier_ranks`` shards), received to attend to and dropped after the layer."""
+    """A sharded capture over cp ranks (``ShardedCapture``), per rank: it runs layer-major across the rank's chunks,
+    holding the hidden states of all its positions between layers, and receives one layer's rows of the earlier
+    ranks at a time (``PlanRequest.earlier_ranks`` shards) to attend to, dropped after the layer."""
     if request.context_parallel == 1:
         return 0
-    return _rows_per_layer(config, request, positions) * request.earlier_ranks
+    hidden = positions * config.hidden_size * _itemsize(request.dtype)
+    return hidden + _rows_per_layer(config, request, positions) * request.earlier_ranks
 
 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
@@ -365,44 +372,57 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
     return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
 
 
-def parameter_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
-    """What the trainer holds of the parameters per GPU, as ``parallel.fsdp`` runs FSDP2 over all GPUs (dp x cp):
-    shards of the master weights, of their gradients and of AdamW's two moments, in the master dtype (fp32 with
-    mixed precision, else the model's); what is whole at once in the compute dtype (``_whole_at_once``, in the
-    phase of the step that holds the most); and the KL reference, a whole frozen copy of the policy on every GPU
-    (the run copies it before sharding)."""
+CAPTURE, BACKWARD = "capture", "backward"  # the step's two phases (``parameter_phases``)
+
+
+def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str, int]]:
+    """What the trainer holds of the parameters per GPU in each phase of a step, as ``parallel.fsdp`` runs FSDP2
+    over all GPUs (dp x cp): shards of the master weights, of their gradients and of AdamW's two moments, in the
+    master dtype (fp32 with mixed precision, else the model's); what is whole at once in the compute dtype
+    (``_whole_at_once``); and the KL reference, a whole frozen copy of the policy on every GPU (the run copies it
+    before sharding). The phases: a capture (no gradient of its own) and the backward passes."""
     shard = -(-probed.parameters // request.gpus)
     master = request.master_itemsize
     adam = request.optimizer == "adamw" and not request.offload_optimizer
-    whole_weights, whole_gradients, gradient_shards = _whole_at_once(probed, request)
-    return {
-        "weights": shard * master,
-        "gathered weights": whole_weights,
-        "gradients": shard * master if gradient_shards else 0,
-        "gathered gradients": whole_gradients,
-        "optimizer state": 2 * master * shard if adam else 0,
-        "reference weights": probed.parameters * master if request.beta > 0 else 0,
-    }
+    phases = {}
+    for phase, (whole_weights, whole_gradients, gradient_shards) in _whole_at_once(probed, request).items():
+        phases[phase] = {
+            "weights": shard * master,
+            "gathered weights": whole_weights,
+            "gradients": -(-gradient_shards // request.gpus) * master,
+            "gathered gradients": whole_gradients,
+            "optimizer state": 2 * master * shard if adam else 0,
+            "reference weights": probed.parameters * master if request.beta > 0 else 0,
+        }
+    return phases
 
 
-def _whole_at_once(probed: _Probe, request: PlanRequest) -> tuple[int, int, bool]:
-    """Weights and gradients whole at once, by the trainer's schedule, and whether the gradient shards are held
-    beside them. One GPU: with mixed precision the compute copy (its gradients handed to the masters as they
-    accumulate). Sharded with a layer at a time (``gathers_by_layer``): the root unit (embeddings, final norm, LM
-    head) for the step, and the larger of two phases — a capture over the cp ranks (``prefetch_window(cp)`` + 1
-    decoder layers whole: gathers started ahead) and the backward passes (branch replays: one layer and its
-    gradient, copied to the master dtype before its reduction under mixed precision; exact mode's wavefront walk:
-    the window's layers too, and their gradients on their way to the shards, reduced asynchronously in the master
-    dtype), each with the root's gradient. Otherwise the whole model and its gradient for the step, with no
-    gradient shards yet (they are made as the whole gradients are reduced, after the step's weights are freed);
-    exact mode's walk over cp ranks sums the parameter gradient in flat buckets (``GRADIENT_BUCKET_BYTES``)."""
+def parameter_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
+    """The parameters' terms of the phase that holds the most of them (``parameter_phases``)."""
+    return max(parameter_phases(probed, request).values(), key=lambda terms: sum(terms.values()))
+
+
+def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:
+    """Per phase of the step, by the trainer's schedule: the weights and gradients whole at once, and how many
+    parameters' gradient shards are held beside them. One GPU: with mixed precision the compute copy (its gradients
+    handed to the masters as they accumulate). Sharded with a layer at a time (``gathers_by_layer``): the root unit
+    (embeddings, final norm, LM head) for the step, its gradient whole until the step ends (so only the decoder
+    layers' gradient shards exist beside it); in a capture over the cp ranks ``prefetch_window(cp)`` + 1 decoder
+    layers whole (gathers started ahead); in the backward passes one layer and its gradient (branch replays; copied
+    to the master dtype before its reduction under mixed precision), or in exact mode's wavefront walk the window's
+    layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype), each with
+    the root's gradient. Otherwise the whole model and its gradient for the step, with no gradient shards yet (they
+    are made as the whole gradients are reduced, after the step's weights are freed); exact mode's walk over cp
+    ranks sums the parameter gradient in flat buckets (``GRADIENT_BUCKET_BYTES``)."""
     compute, master, layer = _itemsize(request.dtype), request.master_itemsize, probed.largest_layer
     if request.gpus == 1:
-        return (probed.parameters * compute if request.mixed else 0), 0, True
+        one = (probed.parameters * compute if request.mixed else 0), 0, probed.parameters
+        return {CAPTURE: one, BACKWARD: one}
     walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
     if not gathers_by_layer(request.data_parallel):
         bucket = min(GRADIENT_BUCKET_BYTES, probed.parameters * compute) if walk else 0
-        return probed.parameters * compute, probed.parameters * compute + bucket, False
+        whole = probed.parameters * compute, probed.parameters * compute + bucket, 0
+        return {CAPTURE: whole, BACKWARD: whole}
     window = prefetch_window(request.context_parallel)
     capture = (min(window + 1, probed.layers) * layer + probed.root) * compute  # (no more layers than the model's)
     if walk:
@@ -412,9 +432,8 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> tuple[int, int, bool
         weights = (layer + probed.root) * compute
         in_flight = layer * master if request.mixed else 0
     gradients = in_flight + (layer + probed.root) * compute
-    if capture > weights + gradients:
-        return capture, 0, True
-    return weights, gradients, True
+    layers_only = probed.parameters - probed.root
+    return {CAPTURE: (capture, 0, layers_only), BACKWARD: (weights, gradients, layers_only)}
 
 
 def logits_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
@@ -429,7 +448,7 @@ class _Measured:
     """What a plan measures once per request and reuses for every context length."""
 
     config: PretrainedConfig
-    parameters: dict[str, int]
+    parameters: dict[str, dict[str, int]]  # per phase
     graphs: int
     how: str
 
@@ -437,28 +456,44 @@ class _Measured:
 def _measure(request: PlanRequest) -> _Measured:
     config = load_config(request.model)
     probed, how = extrapolated(config, request)
-    return _Measured(config, parameter_terms(probed, request), probed.graphs, how)
+    return _Measured(config, parameter_phases(probed, request), probed.graphs, how)
+
+
+def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
+    """Each phase's bytes by category. Both hold the state, the kept layer inputs and a graph (the measured term:
+    the larger of a chunk's and a branch's); only a sharded capture holds its layer-major hidden states and the
+    earlier ranks' rows it receives, only the backward passes the state gradient, recurrent checkpoints and the
+    walk's recomputed segment."""
+    phases = {}
+    for phase, parameters in measured.parameters.items():
+        backward = phase == BACKWARD
+        phases[phase] = {
+            **parameters,
+            "captured state": exact.state,
+            "reference state": exact.reference_state,
+            "dState": exact.dstate if backward else 0,
+            "recurrent checkpoints": exact.checkpoints if backward else 0,
+            "layer inputs (wavefront walk)": exact.layer_inputs if backward else exact.layer_inputs_kept,
+            "sharded capture (hidden, earlier rows)": 0 if backward else exact.capture_rows,
+            "one chunk's or branch's graph": measured.graphs,
+        }
+    return phases
 
 
 def _plan(request: PlanRequest, measured: _Measured) -> Plan:
     positions = math.ceil(request.context / request.context_parallel)
     exact = exact_terms(measured.config, request, positions)
-    categories = {
-        **measured.parameters,
-        "captured state": exact.state,
-        "reference state": exact.reference_state,
-        "dState": exact.dstate,
-        "recurrent checkpoints": exact.checkpoints,
-        "layer inputs (wavefront walk)": exact.layer_inputs,
-        "earlier ranks' rows (capture)": exact.capture_rows,
-        "one chunk's or branch's graph": measured.graphs,
-    }
+    phases = _phase_categories(measured, exact)
+    peak = max(phases, key=lambda phase: sum(phases[phase].values()))
+    categories = phases[peak]
+    other = sum(min(phases.values(), key=lambda c: sum(c.values())).values())
     notes = [
         f"graphs: {measured.how}, 2 chunks of {request.engine.chunk_size} positions on the meta device; they include "
         "the LM head's log-prob tiles and its fp32 weight gradient "
         f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
         f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); "
         + _sharding_note(request),
+        f"the step's peak is in its {peak} phase (the other holds {other / GIB:.2f} GiB before the margin)",
     ]
     if request.mode == "exact":
         spacing = checkpoint_spacing(measured.config, request.dtype, request.engine)

@@ -124,7 +124,8 @@ def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
     """cp = 2 on 2 gloo processes: state halves, rows move exactly what the schedule says (the minimum and the
-    recomputed layer's once more), the walk is timed."""
+    recomputed layer's once more), the walk is timed; the trainer's step on the same mesh counts its collectives
+    and measures each rank's peak beside the plan."""
     out = tmp_path / "distributed.json"
     args = ["--prompt", "64", "--chunk", "16", "--layers", "3", "--group", "2", "--ranks", "1", "2"]
     stdout = run_module("bench.distributed", *args, "--out", str(out))
@@ -134,6 +135,14 @@ def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
     assert two["rows_bytes_max"] == two["row_schedule_bytes"] > two["row_minimum_bytes"]  # 3 layers: 0 recomputed
     assert two["critical_path_steps"] > 0 and 0 <= two["idle_max"] < 1
     assert two["wavefront_steps"] == 2 + 3 - 1 and two["naive_steps"] == 2 * 3
+    # the training step with FSDP2 over both ranks: no fewer gathers and reductions than FSDP's forward, backward
+    # and one reduction each; each rank's peak within 10 % of the plan for its cp rank
+    (sharded,) = json.loads(out.read_text())["sharded"]
+    assert "all-gather MiB (x min)" in stdout
+    for rank in sharded["ranks"]:
+        for kind in ("allgather", "reduce_scatter"):
+            assert rank["sent"][kind] >= sharded["minimum"][kind] > 0
+        assert abs(rank["peak"] - rank["planned"]) <= 0.10 * rank["peak"]
 
 
 @pytest.mark.slow  # ~20 s on one thread: three tasks x two modes, each a warm start, evaluations and GRPO steps

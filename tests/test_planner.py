@@ -216,22 +216,23 @@ PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000
     [
         # dp = 1 x cp = 8, bf16 mixed precision: fp32 shards. The capture holds the most: the root and cp + 1 layers
         # whole in bf16 (gathers started ahead), no gradient yet; a replay holds one layer and its gradient (bf16,
-        # then fp32 on its way to the shards) and the root's
+        # then fp32 on its way to the shards) and the root's. The root's gradient is whole until the step ends: only
+        # the layers' gradient shards exist beside it
         (
             {"gpus": 8, "mode": "detached"},
-            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 4_000,
+            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 3_500,
              "gathered gradients": 0, "optimizer state": 8_000},
         ),
         # exact mode's wavefront walk: cp + 1 layers whole and cp layers' fp32 reductions in flight
         (
             {"gpus": 8, "mode": "exact"},
-            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 4_000,
+            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 3_500,
              "gathered gradients": 8 * 700 * 4 + (700 + 1_000) * 2, "optimizer state": 8_000},
         ),
         # a root larger than cp layers: the replays hold the most
         (
             {"gpus": 2, "mode": "detached", "_root": 20_000},
-            {"weights": 54_000, "gathered weights": (700 + 20_000) * 2, "gradients": 54_000,
+            {"weights": 54_000, "gathered weights": (700 + 20_000) * 2, "gradients": 14_000,
              "gathered gradients": 700 * 4 + (700 + 20_000) * 2, "optimizer state": 108_000},
         ),
         # dp = 2: the whole model and its gradient for the step, no gradient shard beside them
@@ -255,7 +256,7 @@ PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000
         # no mixed precision: AdamW steps bf16 shards with bf16 moments
         (
             {"gpus": 8, "mode": "detached", "mixed_precision": False},
-            {"weights": 2_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 2_000,
+            {"weights": 2_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 1_750,
              "gathered gradients": 0, "optimizer state": 4_000},
         ),
     ],

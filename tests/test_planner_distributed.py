@@ -26,7 +26,7 @@ pytestmark = pytest.mark.distributed
 
 WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
 STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}
-PER_CATEGORY = ("weights", "gradients", "optimizer state", "captured state")
+PER_CATEGORY = ("weights", "optimizer state", "captured state")
 
 
 def _free_port() -> int:
@@ -65,8 +65,8 @@ CASES = [
         STATE, 1, 2, "exact", None, id="state-dp1xcp2-exact",
         marks=pytest.mark.xfail(
             strict=True,
-            reason="the plan sums each category's most, and in the wavefront walk of a 2-layer model the reductions "
-            "in flight are not at their most when the walk's state gradient and layer inputs are: 11-12 % above",
+            reason="in the wavefront walk's phase the plan holds cp layers' gradients in flight and one process's "
+            "graph at once; on a 2-layer model the ranks hold less at their peak: the plan is 10-11 % above",
         ),
     ),
 ]  # fmt: skip
@@ -83,9 +83,10 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
         held = measured["role_peaks"]
         for role in PER_CATEGORY:
             planned = plan.categories[role]
-            if role == "gradients" and dp > 1:
-                # the whole model's gradient is reduced into the shards after the step's weights are freed: no
-                # shard gradient at the peak (the plan counts it in "gathered gradients")
-                assert planned == 0 and measured["roles"][role] == 0, rank
-                continue
             assert abs(held[role] - planned) <= 0.15 * planned, (rank, role, held[role], planned)
+        # gradient shards: one per parameter once the step has reduced them all (the size of the weight shards);
+        # at the peak the plan holds only the decoder layers' (the root's gradient is whole until the step ends),
+        # and none at dp > 1 (the whole model's gradient is reduced after the step's weights are freed)
+        assert abs(held["gradients"] - plan.categories["weights"]) <= 0.15 * plan.categories["weights"], rank
+        if dp > 1:
+            assert plan.categories["gradients"] == 0 == measured["roles"]["gradients"], rank
