@@ -59,6 +59,7 @@ from longstraw_agents.trainer.modes import MODES
 GIB = 2**30
 MARGIN_FRACTION = 0.05
 MARGIN_FIXED = GIB
+LABEL = 38  # the table's category column
 NAMED_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3.6-27b": qwen3_6_27b_like,
     "glm-5.2": glm_5_2_like,
@@ -172,12 +173,12 @@ class Plan:
             f"(dp={r.data_parallel}, cp={r.context_parallel}), optimizer {r.optimizer}"
             + (" offloaded" if r.offload_optimizer else "")
             + (f", beta={r.beta}" if r.beta else ""),
-            f"{'per GPU':<32} {'GiB':>9}",
+            f"{'per GPU':<{LABEL + 2}} {'GiB':>9}",
         ]
-        lines += [f"  {name:<30} {value / GIB:>9.2f}" for name, value in self.categories.items()]
-        lines.append(f"  {'allocator margin (5% + 1 GiB)':<30} {self.margin / GIB:>9.2f}")
+        lines += [f"  {name:<{LABEL}} {value / GIB:>9.2f}" for name, value in self.categories.items()]
+        lines.append(f"  {'allocator margin (5% + 1 GiB)':<{LABEL}} {self.margin / GIB:>9.2f}")
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"  {'total':<30} {self.total / GIB:>9.2f}  of {r.gpu_mem_bytes / GIB:.1f} GiB: {verdict}")
+        lines.append(f"  {'total':<{LABEL}} {self.total / GIB:>9.2f}  of {r.gpu_mem_bytes / GIB:.1f} GiB: {verdict}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -492,7 +493,7 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         "the LM head's log-prob tiles and its fp32 weight gradient "
         f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
         f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); "
-        + _sharding_note(request),
+        + _sharding_note(request, measured.config.num_hidden_layers),
         f"the step's peak is in its {peak} phase (the other holds {other / GIB:.2f} GiB before the margin)",
     ]
     if request.mode == "exact":
@@ -504,7 +505,7 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
     return Plan(request, categories, notes)
 
 
-def _sharding_note(request: PlanRequest) -> str:
+def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     master = "fp32 master weights" if request.mixed else f"{str(request.dtype).removeprefix('torch.')} weights"
     adam = "no optimizer state"
     if request.optimizer == "adamw":
@@ -517,7 +518,7 @@ def _sharding_note(request: PlanRequest) -> str:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
     if gathers_by_layer(request.data_parallel):
-        layers = prefetch_window(request.context_parallel) + 1
+        layers = min(prefetch_window(request.context_parallel) + 1, layers_in_model)
         whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time, dp = 1)"
     else:
         whole = "the whole model and its gradient whole for the step (dp > 1)"

@@ -382,6 +382,7 @@ def test_version_is_the_installed_package_version(capsys: pytest.CaptureFixture[
         (["--dp", "3", "--gpus", "8"], "gpus (8) is not a multiple of dp (3)", "cp"),  # no cp was given
         (["--cp", "3"], "gpus (8) is not a multiple of cp (3)", "dp"),
         (["--gpu-mem", "0", "--beta", "-1"], "--gpu-mem: Input should be greater", "gpu_mem"),
+        (["--cp", "4", "--cp-rank", "4"], "cp_rank (4) must be below cp (4)", "dp"),
     ],
 )
 def test_plan_refuses_bad_requests_naming_what_was_given(
@@ -390,6 +391,17 @@ def test_plan_refuses_bad_requests_naming_what_was_given(
     code, out, err = run_cli(capsys, "plan", *args)
     assert code == 2 and out == ""
     assert err.startswith("error: invalid plan:\n") and shown in err and not_shown not in err
+
+
+def test_plan_of_an_earlier_cp_rank_holds_fewer_earlier_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = ("plan", "--model", "tiny-llama", "--gpus", "4", "--context", "32M", "--chunk", "64", "--gpu-mem", "1000T")
+    rows = {}
+    for rank in ("0", "3"):
+        code, out, _ = run_cli(capsys, *tiny, "--cp-rank", rank)
+        assert code == 0 and "the step's peak is in its capture phase" in out
+        (line,) = [ln for ln in out.splitlines() if ln.strip().startswith("sharded capture (hidden, earlier rows)")]
+        rows[rank] = float(line.split()[-1])
+    assert rows["3"] > rows["0"] > 0  # rank 0 receives no earlier rows: its hidden states only
 
 
 def test_plan_longest_says_when_the_answer_is_the_search_bound(capsys: pytest.CaptureFixture[str]) -> None:
