@@ -35,7 +35,11 @@ def row(label: str, plan: Plan) -> dict:
     request = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in asdict(r).items()}
     request["engine"] = r.engine.model_dump()
     categories = {k: v / GIB for k, v in plan.categories.items()}
-    return {"label": label, "request": request, "gib": categories, "total_gib": plan.total / GIB, "fits": plan.fits}
+    rollout = {k: v / GIB for k, v in plan.rollout.items()}
+    return {
+        "label": label, "request": request, "gib": categories, "total_gib": plan.total / GIB, "fits": plan.fits,
+        "rollout_gib": rollout, "rollout_total_gib": plan.rollout_total / GIB, "rollout_fits": plan.rollout_fits,
+    }  # fmt: skip
 
 
 def main() -> None:

@@ -148,10 +148,20 @@ class Plan:
     request: PlanRequest
     categories: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    # what a rank holds while the run samples in process (``rollout_terms``): a phase of its own, between steps
+    rollout: dict[str, int] = field(default_factory=dict)
 
     @property
     def subtotal(self) -> int:
         return sum(self.categories.values())
+
+    @property
+    def rollout_total(self) -> int:
+        return sum(self.rollout.values()) + int(MARGIN_FRACTION * sum(self.rollout.values())) + MARGIN_FIXED
+
+    @property
+    def rollout_fits(self) -> bool:
+        return self.rollout_total <= self.request.gpu_mem_bytes
 
     @property
     def margin(self) -> int:
@@ -179,6 +189,14 @@ class Plan:
         lines.append(f"  {'allocator margin (5% + 1 GiB)':<{LABEL}} {self.margin / GIB:>9.2f}")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  {'total':<{LABEL}} {self.total / GIB:>9.2f}  of {r.gpu_mem_bytes / GIB:.1f} GiB: {verdict}")
+        if self.rollout:
+            verdict = "fits" if self.rollout_fits else "does NOT fit: serve the policy instead (policy.served)"
+            lines.append("rollouts in process (longstraw train's own sampler, on cp rank 0; between steps)")
+            lines += [f"  {name:<{LABEL}} {value / GIB:>9.2f}" for name, value in self.rollout.items()]
+            total = self.rollout_total / GIB
+            lines.append(
+                f"  {'total (with the margin)':<{LABEL}} {total:>9.2f}  of {r.gpu_mem_bytes / GIB:.1f} GiB: {verdict}"
+            )
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -452,12 +470,13 @@ class _Measured:
     parameters: dict[str, dict[str, int]]  # per phase
     graphs: int
     how: str
+    parameter_count: int = 0
 
 
 def _measure(request: PlanRequest) -> _Measured:
     config = load_config(request.model)
     probed, how = extrapolated(config, request)
-    return _Measured(config, parameter_phases(probed, request), probed.graphs, how)
+    return _Measured(config, parameter_phases(probed, request), probed.graphs, how, probed.parameters)
 
 
 def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
@@ -481,6 +500,30 @@ def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str,
     return phases
 
 
+def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
+    """What a rank holds while ``longstraw train`` samples in process (``app.training``): the shards, the last
+    step's gradient shards and AdamW's state, the whole model gathered in the compute dtype on every rank (FSDP2's
+    ``gathered``: a collective, so every rank holds it), and on the rank that samples (a dp rank's first cp rank,
+    with an engine that holds the whole context: no cp shards) the prompt's state, each member's own tokens, one
+    layer's rows of the whole context gathered for attention (a chunk of the capture attends to all earlier rows at
+    once) and one decode step's fp32 logits per member."""
+    compute = _itemsize(request.dtype)
+    parameters = measured.parameters[BACKWARD]
+    whole = measured.parameter_count * compute if request.gpus > 1 or request.mixed else 0
+    size = state_size(measured.config, request.dtype)
+    members = request.group * (size.bytes_per_token * request.completion + size.fixed_bytes)
+    return {
+        "weights": parameters["weights"],
+        "gradients": parameters["weights"],  # every shard's, kept until the next step zeroes them
+        "optimizer state": parameters["optimizer state"],
+        "reference weights": parameters["reference weights"],
+        "gathered weights": whole,
+        "sampler state": size.total(request.context) + members,
+        "attention's earlier rows": _rows_per_layer(measured.config, request, request.context),
+        "logits": request.group * measured.config.vocab_size * 4,
+    }
+
+
 def _plan(request: PlanRequest, measured: _Measured) -> Plan:
     positions = math.ceil(request.context / request.context_parallel)
     exact = exact_terms(measured.config, request, positions)
@@ -502,7 +545,7 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         if request.context_parallel > 1:
             walk = "wavefront (layer inputs kept)" if request.engine.wavefront_walk else "replicated (no layer inputs)"
             notes.append(f"the reverse walk over the cp ranks: {walk}")
-    return Plan(request, categories, notes)
+    return Plan(request, categories, notes, rollout_terms(measured, request))
 
 
 def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:

@@ -90,3 +90,7 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
         assert abs(held["gradients"] - plan.categories["weights"]) <= 0.15 * plan.categories["weights"], rank
         if dp > 1:
             assert plan.categories["gradients"] == 0 == measured["roles"]["gradients"], rank
+        # the rollout between steps (the whole model gathered on every rank, the sampler on the first cp rank)
+        rollout = sum(plan.rollout.values())
+        if measured["cp_rank"] == 0:
+            assert abs(measured["rollout_peak"] - rollout) <= 0.10 * measured["rollout_peak"], (rank, measured, rollout)

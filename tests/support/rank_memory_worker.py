@@ -3,7 +3,8 @@
 (``parallel.roles``: weights, gradients, optimizer state, gathered weights and gradients, captured state, the rest).
 The tracker opens before the model is built, so every byte the rank holds is counted; the peak is that of a second
 step (the first allocates AdamW's state and FSDP2's gathered parameters, which later steps reuse).
-``out_dir/rank{r}.pt`` gets the peak and the bytes by role."""
+Then a group's rollout as the run samples in process (``roll_out``), its peak measured too. ``out_dir/rank{r}.pt``
+gets the peaks and the step's bytes by role."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.parallel.fsdp import gathered
 from longstraw_agents.parallel.roles import step_roles
+from longstraw_agents.sampler import SamplingConfig
+from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 from longstraw_agents.trainer.group import Group
 
@@ -54,6 +58,21 @@ def step_group(trainer: GRPOTrainer, spec: dict[str, Any], seed: int) -> Group:
     return trainer.group_from_completions(prompt, completions, rewards)
 
 
+def roll_out(trainer: GRPOTrainer, spec: dict[str, Any], mesh: ParallelMesh) -> None:
+    """A group's rollout as ``longstraw train`` samples in process (``app.training``): the whole model gathered on
+    every rank, the first cp rank sampling with an engine of no shards over it (``Run._sampling_engine``), the
+    members decoded together; the stop token is outside the vocabulary, so every member decodes to its limit."""
+    vocab = spec["model"].get("vocab_size", 256)
+    with gathered(trainer.model):
+        if mesh.cp_rank == 0:
+            engine = Engine(trainer.engine.model, trainer.engine.config)
+            sampling = SamplingConfig(max_new_tokens=spec["completion"], seed=0)
+            sampler = TorchSampler(engine, [vocab], sampling)
+            prompt = torch.randint(0, vocab, (spec["prompt"],), generator=torch.Generator().manual_seed(3))
+            handles = sampler.fork(prompt.tolist(), spec["group"])
+            sampler.generate_batch(handles, [spec["completion"]] * spec["group"])
+
+
 def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
@@ -70,11 +89,10 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             trainer.train_step([step_group(trainer, spec, seed=1)])
             tracker.reset_peak()
             trainer.train_step([step_group(trainer, spec, seed=2)])
-    measured = {
-        "cp_rank": mesh.cp_rank,
-        "peak": tracker.peak_bytes,
-        "roles": tracker.peak_roles,
-        "role_peaks": tracker.role_peaks,
-    }
+            measured = {"cp_rank": mesh.cp_rank, "peak": tracker.peak_bytes, "roles": tracker.peak_roles}
+            measured["role_peaks"] = tracker.role_peaks
+            tracker.reset_peak()
+            roll_out(trainer, spec, mesh)
+            measured["rollout_peak"] = tracker.peak_bytes
     torch.save(measured, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
