@@ -135,7 +135,9 @@ def _listing(directory: Path) -> list[str]:
     return sorted(str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file())
 
 
-def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
+def join(rank: int, world: int, port: int, spec: dict[str, Any]) -> tuple[Accelerator, ParallelMesh]:
+    """This forked process's place in a ``world`` of gloo processes: accelerate's CPU state and the ``(dp, cp)``
+    mesh of ``spec``; one torch thread (the ranks share the machine's cores)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
@@ -144,6 +146,11 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     GradientState._reset_state()
     accelerator = Accelerator(cpu=True)
     mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"])
+    return accelerator, mesh
+
+
+def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
+    accelerator, mesh = join(rank, world, port, spec)
     trainer = make_trainer(
         spec["normalization"],
         accelerator,

@@ -8,14 +8,13 @@ gets the peaks and the step's bytes by role."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from data_parallel_worker import join
 from torch import nn
 
 from longstraw_agents.engine import Engine, EngineConfig
@@ -74,14 +73,7 @@ def roll_out(trainer: GRPOTrainer, spec: dict[str, Any], mesh: ParallelMesh) -> 
 
 
 def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
-    GradientState._reset_state()
-    accelerator = Accelerator(cpu=True)
-    mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"])
+    accelerator, mesh = join(rank, world, port, spec)
     with MemoryTracker() as tracker:
         trainer = make_trainer(spec, mesh, accelerator)
         with step_roles(accelerator.unwrap_model(trainer.model), trainer.optimizer) as roles:
