@@ -298,6 +298,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
             optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, engine=engine,
             mixed_precision=False if args.no_mixed_precision else None, cp_rank=args.cp_rank,
+            groups_per_rank=args.groups_per_rank,
         )  # fmt: skip
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
@@ -441,6 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen3.6-27b", help="qwen3.6-27b | glm-5.2 | tiny-<preset> | CONFIG.json")
     p.add_argument("--context", type=_quantity, default=_quantity("2.1M"), help="shared prompt positions, e.g. 2.1M")
     p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
+    p.add_argument(
+        "--groups-per-rank", type=int, default=1,
+        help="groups a dp rank trains in one optimizer step (a later group's capture holds the earlier gradients)",
+    )  # fmt: skip
     p.add_argument("--completion", type=_quantity, default=1024, help="tokens per completion")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")

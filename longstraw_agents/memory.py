@@ -14,8 +14,11 @@ Two allocations are not ops, and the tracker follows them too: a storage grown o
 them again into the same storage), and a DTensor's local shard (a DTensor op's output is counted by the bytes of
 the rank's local tensor, not the global shape). ``roles`` attributes the bytes: give, per role, a function returning
 that role's tensors (weights, gradients, optimizer state, ...); ``peak_roles`` then holds each role's bytes at the
-peak, the rest under ``"other"``, and ``role_peaks`` the most each held at any time (the roles are looked up at
-every allocation and release: slow, for tests and benchmarks on small models).
+peak (looked up whenever the peak has risen by ``resolution`` of itself since the last look, so within that of the
+true peak), the rest under ``"other"``, and ``role_peaks`` the most each held at those looks and at each
+``snapshot()`` (call it where a role is at its most between peaks, e.g. after an optimizer step). A tensor that
+joins a role by assignment (``p.grad = t``) counts under it from the next look on. For tests and benchmarks on
+small models (each look walks every role's tensors); one thread at a time (the counts are not locked).
 
 >>> import torch
 >>> with MemoryTracker() as mem:
@@ -52,15 +55,17 @@ class MemoryTracker(TorchDispatchMode):
     """Tracks the bytes of tensor storages created inside the context: ``current_bytes``, ``peak_bytes``;
     ``peak_roles`` with ``roles``."""
 
-    def __init__(self, baseline: int = 0, roles: Roles | None = None):
+    def __init__(self, baseline: int = 0, roles: Roles | None = None, resolution: float = 1e-3):
         super().__init__()
         self._live: dict[int, _Live] = {}
         self.baseline = baseline
         self.current_bytes = baseline
         self.peak_bytes = baseline
         self.roles = dict(roles or {})
+        self.resolution = resolution
         self.peak_roles: dict[str, int] = {}
         self.role_peaks: dict[str, int] = {}
+        self._looked_at = 0  # current_bytes at the last look at the roles at a peak
 
     def __enter__(self) -> MemoryTracker:
         _STORAGE_RESIZES.watch(self)
@@ -101,20 +106,26 @@ class MemoryTracker(TorchDispatchMode):
     def _resize(self, entry: _Live, nbytes: int) -> None:
         self.current_bytes += nbytes - entry.nbytes
         entry.nbytes = nbytes
-        at_peak = self.current_bytes > self.peak_bytes
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        if self.roles:
-            self._attribute(at_peak)
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            if self.roles and self.current_bytes > self._looked_at * (1 + self.resolution):
+                self._looked_at = self.current_bytes
+                self.peak_roles = self.snapshot()
 
-    def storage_resized(self, key: int, nbytes: int) -> None:
-        """A storage this tracker counts was resized in place (``UntypedStorage.resize_``)."""
+    def storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage was resized in place (``UntypedStorage.resize_``): a counted one changes size; one that grows
+        from nothing (FSDP2 gathering into the storage it freed before this tracker opened) starts to count."""
+        key = storage._cdata
         entry = self._live.get(key)
         if entry is not None:
-            self._resize(entry, nbytes)
+            self._resize(entry, storage.nbytes())
+        elif storage.nbytes():
+            self._resize(self._live.setdefault(key, _Live()), storage.nbytes())
+            weakref.finalize(storage, self._release, key)
 
-    def _attribute(self, at_peak: bool) -> None:
+    def snapshot(self) -> dict[str, int]:
         """Each role's bytes now (storages this tracker counts, or that existed before it: ``baseline``'s), the rest
-        under ``other``: kept as ``peak_roles`` at a peak, and each role's most in ``role_peaks``."""
+        under ``other``; each role's most so far is kept in ``role_peaks``."""
         taken: set[int] = set()
         by_role = {}
         for role, tensors in self.roles.items():
@@ -127,10 +138,9 @@ class MemoryTracker(TorchDispatchMode):
                     nbytes += entry.nbytes if entry is not None else _local(t).untyped_storage().nbytes()
             by_role[role] = nbytes
         by_role[OTHER] = self.current_bytes - sum(by_role.values())
-        if at_peak:
-            self.peak_roles = by_role
         for role, nbytes in by_role.items():
             self.role_peaks[role] = max(self.role_peaks.get(role, 0), nbytes)
+        return by_role
 
     def _release(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -138,10 +148,10 @@ class MemoryTracker(TorchDispatchMode):
             self.current_bytes -= entry.nbytes
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.current_bytes
+        self.peak_bytes = self._looked_at = self.current_bytes
         self.role_peaks = {}
         if self.roles:
-            self._attribute(at_peak=True)
+            self.peak_roles = self.snapshot()
 
 
 class _StorageResizes:
@@ -150,7 +160,7 @@ class _StorageResizes:
 
     def __init__(self) -> None:
         self.trackers: list[MemoryTracker] = []
-        self.original = torch.UntypedStorage.resize_
+        self.original = torch._C.StorageBase.resize_  # type: ignore[attr-defined]
 
     def watch(self, tracker: MemoryTracker) -> None:
         if not self.trackers:
@@ -158,8 +168,8 @@ class _StorageResizes:
 
             def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
                 out = original(storage, size)
-                for open_tracker in self.trackers:
-                    open_tracker.storage_resized(storage._cdata, storage.nbytes())
+                for open_tracker in tuple(self.trackers):
+                    open_tracker.storage_resized(storage)
                 return out
 
             torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
@@ -168,7 +178,7 @@ class _StorageResizes:
     def unwatch(self, tracker: MemoryTracker) -> None:
         self.trackers.remove(tracker)
         if not self.trackers:
-            torch.UntypedStorage.resize_ = self.original  # type: ignore[method-assign]
+            del torch.UntypedStorage.resize_  # the inherited method again
 
 
 _STORAGE_RESIZES = _StorageResizes()

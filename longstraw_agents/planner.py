@@ -59,7 +59,7 @@ from longstraw_agents.trainer.modes import MODES
 GIB = 2**30
 MARGIN_FRACTION = 0.05
 MARGIN_FIXED = GIB
-LABEL = 38  # the table's category column
+CATEGORY_WIDTH = 38  # the table's category column
 NAMED_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3.6-27b": qwen3_6_27b_like,
     "glm-5.2": glm_5_2_like,
@@ -98,6 +98,9 @@ class PlanRequest:
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
     # the cp rank planned (None: the last, which receives the most of the earlier ranks' rows: the per-GPU peak)
     cp_rank: Annotated[int, Field(ge=0)] | None = None
+    # the groups one dp rank trains in an optimizer step (TrainConfig.groups_per_step / dp): the capture of a later
+    # group holds the gradients the earlier ones left (the step starts with none)
+    groups_per_rank: Positive = 1
 
     @property
     def context_parallel(self) -> int:
@@ -183,20 +186,19 @@ class Plan:
             f"(dp={r.data_parallel}, cp={r.context_parallel}), optimizer {r.optimizer}"
             + (" offloaded" if r.offload_optimizer else "")
             + (f", beta={r.beta}" if r.beta else ""),
-            f"{'per GPU':<{LABEL + 2}} {'GiB':>9}",
+            f"{'per GPU':<{CATEGORY_WIDTH + 2}} {'GiB':>9}",
         ]
-        lines += [f"  {name:<{LABEL}} {value / GIB:>9.2f}" for name, value in self.categories.items()]
-        lines.append(f"  {'allocator margin (5% + 1 GiB)':<{LABEL}} {self.margin / GIB:>9.2f}")
+        lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.categories.items()]
+        lines.append(f"  {'allocator margin (5% + 1 GiB)':<{CATEGORY_WIDTH}} {self.margin / GIB:>9.2f}")
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"  {'total':<{LABEL}} {self.total / GIB:>9.2f}  of {r.gpu_mem_bytes / GIB:.1f} GiB: {verdict}")
+        of = f"of {r.gpu_mem_bytes / GIB:.1f} GiB"
+        lines.append(f"  {'total':<{CATEGORY_WIDTH}} {self.total / GIB:>9.2f}  {of}: {verdict}")
         if self.rollout:
             verdict = "fits" if self.rollout_fits else "does NOT fit: serve the policy instead (policy.served)"
             lines.append("rollouts in process (longstraw train's own sampler, on cp rank 0; between steps)")
-            lines += [f"  {name:<{LABEL}} {value / GIB:>9.2f}" for name, value in self.rollout.items()]
+            lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.rollout.items()]
             total = self.rollout_total / GIB
-            lines.append(
-                f"  {'total (with the margin)':<{LABEL}} {total:>9.2f}  of {r.gpu_mem_bytes / GIB:.1f} GiB: {verdict}"
-            )
+            lines.append(f"  {'total (with the margin)':<{CATEGORY_WIDTH}} {total:>9.2f}  {of}: {verdict}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -416,11 +418,6 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
     return phases
 
 
-def parameter_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
-    """The parameters' terms of the phase that holds the most of them (``parameter_phases``)."""
-    return max(parameter_phases(probed, request).values(), key=lambda terms: sum(terms.values()))
-
-
 def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:
     """Per phase of the step, by the trainer's schedule: the weights and gradients whole at once, and how many
     parameters' gradient shards are held beside them. One GPU: with mixed precision the compute copy (its gradients
@@ -432,16 +429,18 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype), each with
     the root's gradient. Otherwise the whole model and its gradient for the step, with no gradient shards yet (they
     are made as the whole gradients are reduced, after the step's weights are freed); exact mode's walk over cp
-    ranks sums the parameter gradient in flat buckets (``GRADIENT_BUCKET_BYTES``)."""
+    ranks sums the parameter gradient in flat buckets (``GRADIENT_BUCKET_BYTES``). A step starts with no gradient:
+    a capture holds one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
     compute, master, layer = _itemsize(request.dtype), request.master_itemsize, probed.largest_layer
+    later = request.groups_per_rank > 1  # a capture after another group's backward, in the same step
     if request.gpus == 1:
-        one = (probed.parameters * compute if request.mixed else 0), 0, probed.parameters
-        return {CAPTURE: one, BACKWARD: one}
+        copy = probed.parameters * compute if request.mixed else 0
+        return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, 0, probed.parameters)}
     walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
     if not gathers_by_layer(request.data_parallel):
-        bucket = min(GRADIENT_BUCKET_BYTES, probed.parameters * compute) if walk else 0
-        whole = probed.parameters * compute, probed.parameters * compute + bucket, 0
-        return {CAPTURE: whole, BACKWARD: whole}
+        whole = probed.parameters * compute
+        bucket = min(GRADIENT_BUCKET_BYTES, whole) if walk else 0
+        return {CAPTURE: (whole, whole if later else 0, 0), BACKWARD: (whole, whole + bucket, 0)}
     window = prefetch_window(request.context_parallel)
     capture = (min(window + 1, probed.layers) * layer + probed.root) * compute  # (no more layers than the model's)
     if walk:
@@ -452,7 +451,8 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
         in_flight = layer * master if request.mixed else 0
     gradients = in_flight + (layer + probed.root) * compute
     layers_only = probed.parameters - probed.root
-    return {CAPTURE: (capture, 0, layers_only), BACKWARD: (weights, gradients, layers_only)}
+    earlier = (probed.root * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
+    return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
 
 
 def logits_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
@@ -470,7 +470,7 @@ class _Measured:
     parameters: dict[str, dict[str, int]]  # per phase
     graphs: int
     how: str
-    parameter_count: int = 0
+    parameter_count: int
 
 
 def _measure(request: PlanRequest) -> _Measured:
@@ -482,8 +482,8 @@ def _measure(request: PlanRequest) -> _Measured:
 def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
     """Each phase's bytes by category. Both hold the state, the kept layer inputs and a graph (the measured term:
     the larger of a chunk's and a branch's); only a sharded capture holds its layer-major hidden states and the
-    earlier ranks' rows it receives, only the backward passes the state gradient, recurrent checkpoints and the
-    walk's recomputed segment."""
+    earlier ranks' rows it receives, only the backward passes the state gradient and the walk's recomputed segment
+    (recurrent checkpoints are made by the capture and kept)."""
     phases = {}
     for phase, parameters in measured.parameters.items():
         backward = phase == BACKWARD
@@ -492,7 +492,7 @@ def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str,
             "captured state": exact.state,
             "reference state": exact.reference_state,
             "dState": exact.dstate if backward else 0,
-            "recurrent checkpoints": exact.checkpoints if backward else 0,
+            "recurrent checkpoints": exact.checkpoints,
             "layer inputs (wavefront walk)": exact.layer_inputs if backward else exact.layer_inputs_kept,
             "sharded capture (hidden, earlier rows)": 0 if backward else exact.capture_rows,
             "one chunk's or branch's graph": measured.graphs,
@@ -524,6 +524,12 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     }
 
 
+def _phase_note(peak: str, most: int, other: int) -> str:
+    if most == other:
+        return "the step's capture and backward phases hold the same"
+    return f"the step's peak is in its {peak} phase (the other holds {other / GIB:.2f} GiB before the margin)"
+
+
 def _plan(request: PlanRequest, measured: _Measured) -> Plan:
     positions = math.ceil(request.context / request.context_parallel)
     exact = exact_terms(measured.config, request, positions)
@@ -537,7 +543,7 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
         f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); "
         + _sharding_note(request, measured.config.num_hidden_layers),
-        f"the step's peak is in its {peak} phase (the other holds {other / GIB:.2f} GiB before the margin)",
+        _phase_note(peak, sum(categories.values()), other),
     ]
     if request.mode == "exact":
         spacing = checkpoint_spacing(measured.config, request.dtype, request.engine)

@@ -394,7 +394,8 @@ def test_plan_refuses_bad_requests_naming_what_was_given(
 
 
 def test_plan_of_an_earlier_cp_rank_holds_fewer_earlier_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    tiny = ("plan", "--model", "tiny-llama", "--gpus", "4", "--context", "32M", "--chunk", "64", "--gpu-mem", "1000T")
+    tiny = ("plan", "--model", "tiny-llama", "--gpus", "4", "--context", "32M", "--chunk", "64", "--gpu-mem", "1000T",
+            "--group", "2", "--completion", "16")  # fmt: skip
     rows = {}
     for rank in ("0", "3"):
         code, out, _ = run_cli(capsys, *tiny, "--cp-rank", rank)

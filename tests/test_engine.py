@@ -342,3 +342,12 @@ def test_a_reserved_chain_is_one_block_and_its_exact_gradient_equals_the_full_gr
     assert actual.keys() == expected.keys()
     diff = sum(float((actual[n] - expected[n]).norm() ** 2) for n in expected) ** 0.5
     assert diff <= 1e-9 * sum(float(g.norm() ** 2) for g in expected.values()) ** 0.5
+
+
+def test_gradient_buckets_keep_order_and_hold_a_larger_tensor_alone():
+    from longstraw_agents.engine.wavefront import _buckets
+
+    tensors = [torch.zeros(n) for n in (10, 10, 30, 5, 5, 5)]  # 40, 40, 120, 20, 20, 20 bytes
+    buckets = _buckets(tensors, limit=80)
+    assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [30], [5, 5, 5]]
+    assert [t for b in buckets for t in b] == tensors and _buckets([], 80) == []

@@ -210,6 +210,19 @@ def test_storage_resizes_are_allocations():
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # the tracker's hook is gone
 
 
+def test_a_storage_grown_from_nothing_counts_though_made_before():
+    x = torch.zeros(N)
+    x.untyped_storage().resize_(0)  # as FSDP2 frees a gathered parameter before the tracker opens
+    with MemoryTracker() as mem:
+        x.untyped_storage().resize_(4 * N)  # and gathers into it again
+        assert mem.current_bytes == 4000
+        x.untyped_storage().resize_(0)
+        assert mem.current_bytes == 0
+        x.untyped_storage().resize_(4 * N)
+        del x
+        assert mem.current_bytes == 0
+
+
 def test_roles_at_the_peak_and_the_most_each_held():
     kept: list[torch.Tensor] = []
     w = torch.ones(N)  # made before: the baseline, under its role
@@ -218,7 +231,7 @@ def test_roles_at_the_peak_and_the_most_each_held():
         scratch = torch.zeros(2 * N)  # 8000 of no role: the peak (16000)
         del scratch
         kept.append(torch.zeros(2 * N))  # kept grows to 12000, below the peak (4000 + 12000 = 16000, not above)
-        torch.zeros(0)  # roles are looked up at each allocation: the next one sees the tensor under its role
+        mem.snapshot()  # below the peak the roles are looked at on request
         assert mem.peak_roles == {"weights": 4000, "kept": 4000, "other": 8000}
         assert mem.role_peaks == {"weights": 4000, "kept": 12000, "other": 8000}
         mem.reset_peak()

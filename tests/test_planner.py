@@ -22,7 +22,7 @@ from longstraw_agents.planner import (
     layer_period,
     load_config,
     longest_context,
-    parameter_terms,
+    parameter_phases,
     plan_memory,
     with_layers,
 )
@@ -207,70 +207,103 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
         assert layer_inputs_bytes(config, other, 1000) == (0, 0)
 
 
-# parameters, the largest decoder layer's and the root unit's (embeddings, final norm, LM head)
+# parameters, the largest decoder layer's and the root unit's (embeddings, final norm, LM head), 10 layers
 PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000, layers=10)
+# what is whole (weights, gradients) and the gradient shards, per phase; bf16 compute with fp32 masters unless said
+BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0}
 
 
 @pytest.mark.parametrize(
-    ("request_args", "expected"),
+    ("request_args", "capture", "backward"),
     [
-        # dp = 1 x cp = 8, bf16 mixed precision: fp32 shards. The capture holds the most: the root and cp + 1 layers
-        # whole in bf16 (gathers started ahead), no gradient yet; a replay holds one layer and its gradient (bf16,
-        # then fp32 on its way to the shards) and the root's. The root's gradient is whole until the step ends: only
-        # the layers' gradient shards exist beside it
+        # dp = 1 x cp = 8: a capture holds the root and cp + 1 layers whole (gathers started ahead) and, as the
+        # step's first group, no gradient; a replay holds one layer and its gradient (bf16, then fp32 on its way to
+        # the shards) and the root's, beside the layers' gradient shards (the root's is whole until the step ends)
         (
             {"gpus": 8, "mode": "detached"},
-            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 3_500,
-             "gathered gradients": 0, "optimizer state": 8_000},
+            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
+             "gradients": 7_000 // 8 * 4},
+        ),
+        # a later group's capture: the root's gradient whole and the layers' shards the earlier backward left
+        (
+            {"gpus": 8, "mode": "detached", "groups_per_rank": 2},
+            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 1_000 * 2,
+             "gradients": 7_000 // 8 * 4},
+            {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
+             "gradients": 7_000 // 8 * 4},
         ),
         # exact mode's wavefront walk: cp + 1 layers whole and cp layers' fp32 reductions in flight
         (
             {"gpus": 8, "mode": "exact"},
-            {"weights": 4_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 3_500,
-             "gathered gradients": 8 * 700 * 4 + (700 + 1_000) * 2, "optimizer state": 8_000},
+            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2,
+             "gathered gradients": 8 * 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4},
         ),
-        # a root larger than cp layers: the replays hold the most
+        # at cp = 2, a root larger than the layers
         (
             {"gpus": 2, "mode": "detached", "_root": 20_000},
-            {"weights": 54_000, "gathered weights": (700 + 20_000) * 2, "gradients": 14_000,
-             "gathered gradients": 700 * 4 + (700 + 20_000) * 2, "optimizer state": 108_000},
+            {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0,
+             "gathered weights": (3 * 700 + 20_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0,
+             "gathered weights": (700 + 20_000) * 2, "gathered gradients": 700 * 4 + (700 + 20_000) * 2,
+             "gradients": 7_000 // 2 * 4},
         ),
-        # dp = 2: the whole model and its gradient for the step, no gradient shard beside them
+        # dp = 2: the whole model and its gradient for the step, no gradient shard until its end
         (
             {"gpus": 8, "dp": 2, "mode": "detached"},
-            {"weights": 4_000, "gathered weights": 16_000, "gradients": 0, "gathered gradients": 16_000,
-             "optimizer state": 8_000},
+            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 16_000, "gradients": 0},
         ),
         # ... and exact mode's walk over cp ranks sums the gradient over them in a flat bucket
         (
             {"gpus": 8, "dp": 2, "mode": "exact"},
-            {"weights": 4_000, "gathered weights": 16_000, "gradients": 0, "gathered gradients": 32_000,
-             "optimizer state": 8_000},
+            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 32_000, "gradients": 0},
         ),
-        # one GPU: the fp32 masters, their gradients and moments, and the bf16 compute copy
+        # one GPU: the fp32 masters, their moments and the bf16 compute copy; gradients in the backward
         (
             {"gpus": 1},
-            {"weights": 32_000, "gathered weights": 16_000, "gradients": 32_000, "gathered gradients": 0,
-             "optimizer state": 64_000},
+            {"weights": 32_000, "optimizer state": 64_000, "reference weights": 0, "gathered weights": 16_000,
+             "gathered gradients": 0, "gradients": 0},
+            {"weights": 32_000, "optimizer state": 64_000, "reference weights": 0, "gathered weights": 16_000,
+             "gathered gradients": 0, "gradients": 32_000},
         ),
-        # no mixed precision: AdamW steps bf16 shards with bf16 moments
+        # no mixed precision: AdamW steps bf16 shards with bf16 moments; a replay's gradient is reduced as it is
         (
             {"gpus": 8, "mode": "detached", "mixed_precision": False},
-            {"weights": 2_000, "gathered weights": (9 * 700 + 1_000) * 2, "gradients": 1_750,
-             "gathered gradients": 0, "optimizer state": 4_000},
+            {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0,
+             "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0,
+             "gathered weights": (700 + 1_000) * 2, "gathered gradients": (700 + 1_000) * 2,
+             "gradients": 7_000 // 8 * 2},
         ),
     ],
 )  # fmt: skip
-def test_parameter_terms_follow_the_trainers_schedule(request_args: dict, expected: dict) -> None:
-    """What the trainer holds per GPU (parallel.fsdp's schedule, tests/trainer/test_data_parallel.py measures its
-    gathers), from the model's parameter counts: bf16 with fp32 masters unless said."""
+def test_parameter_phases_follow_the_trainers_schedule(request_args: dict, capture: dict, backward: dict) -> None:
+    """What the trainer holds per GPU in a capture and in the backward passes (parallel.fsdp's schedule: the
+    distributed tests measure it per rank), from the model's parameter counts."""
     root = request_args.pop("_root", PROBE.root)
     probe = dataclasses.replace(PROBE, parameters=PROBE.parameters - PROBE.root + root, root=root)
     request = PlanRequest(dtype=torch.bfloat16, **request_args)
-    terms = parameter_terms(probe, request)
-    assert {k: v for k, v in terms.items() if k != "reference weights"} == expected
-    with_reference = parameter_terms(probe, dataclasses.replace(request, beta=0.04))
-    assert with_reference["reference weights"] == probe.parameters * request.master_itemsize  # whole, on every GPU
+    assert parameter_phases(probe, request) == {"capture": capture, "backward": backward}
+    with_reference = parameter_phases(probe, dataclasses.replace(request, beta=0.04))
+    assert with_reference["capture"]["reference weights"] == probe.parameters * request.master_itemsize
+
+
+def test_a_plan_is_the_phase_that_holds_the_most() -> None:
+    """At cp = 2 the capture of a long context holds its hidden states and the earlier rank's rows beside 3 layers;
+    a short one holds less than a replay's layer, its gradients and the gradient shards."""
+    config = TINY_PRESETS["llama"]()
+    for context, phase in ((1 << 20, "capture"), (64, "backward")):
+        request = PlanRequest(model="tiny-llama", context=context, gpus=2, dtype=torch.bfloat16)
+        measured = planner._Measured(config, parameter_phases(PROBE, request), 0, "", PROBE.parameters)
+        plan = planner._plan(request, measured)
+        phases = planner._phase_categories(measured, planner.exact_terms(config, request, context // 2))
+        assert plan.categories == phases[phase] and sum(phases[phase].values()) > sum(
+            phases["backward" if phase == "capture" else "capture"].values()
+        )
+        assert f"the step's peak is in its {phase} phase" in plan.notes[2]
 
 
 def test_mixed_precision_needs_a_narrow_compute_dtype() -> None:

@@ -22,7 +22,7 @@ from longstraw_agents.engine import EngineConfig
 from longstraw_agents.models.presets import TINY_PRESETS
 from longstraw_agents.planner import PlanRequest, plan_memory
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 8 configurations of 2-4 processes: ~45 s
 
 WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
 STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}

@@ -14,9 +14,10 @@ its shard). The cp ranks of one dp rank compute the same gradient (every one hol
 its backward), so a gradient is divided by its number of copies (``replicas``) before the sum. Only public APIs are
 used (``unshard`` / ``reshard``, DTensor), so FSDP's internal hook state is never entered.
 
-Schedule: one all-gather of the whole model per block (per optimizer step, or per rollout) and one reduce-scatter
-per parameter. Peak memory therefore holds the whole unsharded model during the block; gathering layer by layer
-across a capture's chunks (DESIGN.md, "Distributed") is not done here.
+Schedule: at dp = 1 the engine gathers a decoder layer at a time (``LayerGather``: its weights whole only while it
+computes, its gradient reduce-scattered when its backward is done); at dp > 1, where the dp ranks' groups differ
+in shape, ``gathered`` gathers the whole model once per block (an optimizer step, a rollout) and reduce-scatters
+each parameter's gradient at its end.
 """
 
 from __future__ import annotations
@@ -65,24 +66,28 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def whole_now(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
-    """What a sharded ``model`` holds whole now: the gathered parameters (with their storage; FSDP2 keeps the same
-    tensors from one gather to the next, their storage freed between) and the buffers of gathers started but not
-    yet waited for; and those parameters' gradients. For memory attribution (``roles``): FSDP2 has no public
-    accessor for them, so this reads its per-unit state."""
+def param_groups(model: nn.Module) -> list[Any]:
+    """FSDP2's per-unit state of a sharded ``model`` (its parameter groups), for ``whole_now``."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+    return [group for group in groups if group is not None]
+
+
+def whole_now(groups: Sequence[Any]) -> tuple[list[Tensor], list[Tensor]]:
+    """What a sharded model holds whole now, from its ``param_groups``: the gathered parameters (with their storage;
+    FSDP2 keeps the same tensors from one gather to the next, their storage freed between) and the buffers of
+    gathers started but not yet waited for; and those parameters' gradients. For memory attribution
+    (``parallel.roles``): FSDP2 has no public accessor for them, so this reads its per-unit state."""
     weights: list[Tensor] = []
     gradients: list[Tensor] = []
-    for unit in model.modules():
-        if not isinstance(unit, FSDPModule):
-            continue
-        group = unit._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue
+    for group in groups:
         for fsdp_param in group.fsdp_params:
             whole = getattr(fsdp_param, "_unsharded_param", None)
-            if whole is not None and whole.untyped_storage().nbytes():
+            if whole is None:
+                continue
+            if whole.untyped_storage().nbytes():
                 weights.append(whole)
-            if whole is not None and whole.grad is not None:
+            if whole.grad is not None:
                 gradients.append(whole.grad)
         if group._all_gather_result is not None:
             weights.append(group._all_gather_result.all_gather_output)

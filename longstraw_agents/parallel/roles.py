@@ -1,8 +1,10 @@
 """What each byte a rank holds during a training step is for: the roles a ``MemoryTracker`` attributes its bytes to,
 named as the planner's categories, so that a measured peak compares with ``longstraw plan`` category by category.
 
-    with step_roles(model, optimizer) as roles, MemoryTracker(roles=roles) as tracker:
+    with MemoryTracker() as tracker, step_roles(model, optimizer, on_state=tracker.snapshot) as roles:
+        tracker.roles = roles
         trainer.train_step(groups)
+        tracker.snapshot()                   # the gradient shards, all reduced
     tracker.peak_roles, tracker.role_peaks   # bytes by role at the peak, and the most each held
 
 - ``weights``, ``gradients``: this rank's shards of the parameters (DTensors under FSDP2) and their gradients, or the
@@ -18,22 +20,26 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from longstraw_agents.memory import Roles
-from longstraw_agents.parallel.fsdp import is_sharded, whole_now
+from longstraw_agents.parallel.fsdp import is_sharded, param_groups, whole_now
 from longstraw_agents.state import State, observe_states
 
 
 @contextlib.contextmanager
-def step_roles(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[Roles]:
-    """The roles of a step on ``model`` (sharded or not) stepped by ``optimizer``; states are seen while open."""
+def step_roles(
+    model: nn.Module, optimizer: torch.optim.Optimizer, on_state: Callable[[], object] | None = None
+) -> Iterator[Roles]:
+    """The roles of a step on ``model`` (sharded or not) stepped by ``optimizer``; states are seen while open, and
+    ``on_state`` is called after each is made (``MemoryTracker.snapshot``: the state's most is then seen even where
+    it is not the peak's)."""
     states: weakref.WeakSet[State] = weakref.WeakSet()
     parameters = list(model.parameters())  # (FSDP2's sharded parameters: the same objects for the model's life)
-    sharded = is_sharded(model)
+    groups = param_groups(model) if is_sharded(model) else []
 
     roles: Roles = {
         "weights": lambda: parameters,
@@ -41,9 +47,15 @@ def step_roles(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[R
         "optimizer state": lambda: [
             t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
         ],
-        "gathered weights": lambda: whole_now(model)[0] if sharded else [],
-        "gathered gradients": lambda: whole_now(model)[1] if sharded else [],
+        "gathered weights": lambda: whole_now(groups)[0],
+        "gathered gradients": lambda: whole_now(groups)[1],
         "captured state": lambda: [t for state in list(states) for t in state.tensors()],
     }
-    with observe_states(states.add):
+
+    def seen(state: State) -> None:
+        states.add(state)
+        if on_state is not None:
+            on_state()
+
+    with observe_states(seen):
         yield roles

@@ -12,7 +12,7 @@ from torch.distributed.tensor import init_device_mesh
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker, tensor_bytes
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.parallel.fsdp import shard_model, whole_now
+from longstraw_agents.parallel.fsdp import param_groups, shard_model, whole_now
 from longstraw_agents.parallel.roles import step_roles
 
 pytestmark = pytest.mark.distributed
@@ -31,20 +31,21 @@ def test_roles_follow_gathers_gradients_optimizer_and_states(one_process) -> Non
     optimizer = torch.optim.AdamW(model.parameters())
     shards = tensor_bytes(model.parameters())
     layer = model.model.layers[0]
+    groups = param_groups(model)
     with step_roles(model, optimizer) as roles:
         with MemoryTracker(baseline=shards, roles=roles) as tracker:
-            assert whole_now(model) == ([], [])
+            assert whole_now(groups) == ([], [])
             layer.unshard()
-            weights, _ = whole_now(model)
+            weights, _ = whole_now(groups)
             assert [tuple(w.shape) for w in weights] == [tuple(p.shape) for p in layer.parameters()]  # whole
             layer.reshard()
-            assert whole_now(model) == ([], [])
+            assert whole_now(groups) == ([], [])
             units = [m for m in model.modules() if isinstance(m, FSDPModule)]
             for unit in units:
                 unit.unshard()
             state = Engine(model, EngineConfig(chunk_size=4)).capture(torch.arange(8))
             held = tensor_bytes(state.tensors())
-            torch.zeros(1)  # an allocation: the roles are looked up again
+            tracker.snapshot()
             assert tracker.role_peaks["captured state"] == held > 0
             assert tracker.peak_roles["weights"] == shards
             for unit in units:
@@ -52,7 +53,7 @@ def test_roles_follow_gathers_gradients_optimizer_and_states(one_process) -> Non
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
             optimizer.step()
-            torch.zeros(1)
+            tracker.snapshot()
             assert tracker.role_peaks["gradients"] == shards  # one rank: a shard is the whole parameter
             assert tracker.role_peaks["optimizer state"] == 2 * shards  # AdamW's two moments
             del state

@@ -76,11 +76,13 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     accelerator, mesh = join(rank, world, port, spec)
     with MemoryTracker() as tracker:
         trainer = make_trainer(spec, mesh, accelerator)
-        with step_roles(accelerator.unwrap_model(trainer.model), trainer.optimizer) as roles:
+        model = accelerator.unwrap_model(trainer.model)
+        with step_roles(model, trainer.optimizer, on_state=tracker.snapshot) as roles:
             tracker.roles = roles
             trainer.train_step([step_group(trainer, spec, seed=1)])
             tracker.reset_peak()
             trainer.train_step([step_group(trainer, spec, seed=2)])
+            tracker.snapshot()  # every gradient shard reduced: the most the step holds of them
             measured = {"cp_rank": mesh.cp_rank, "peak": tracker.peak_bytes, "roles": tracker.peak_roles}
             measured["role_peaks"] = tracker.role_peaks
             tracker.reset_peak()
