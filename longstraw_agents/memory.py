@@ -186,13 +186,15 @@ _STORAGE_RESIZES = _StorageResizes()
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds ``tensor``'s bytes on this rank: a DTensor's local shard."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return tensor._local_tensor if type(tensor) is DTensor else tensor
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
     """The StorageImpl pointer: stable for the storage's lifetime and shared by all its views, also on meta (a
-    DTensor's: its local shard's)."""
-    return _local(tensor).untyped_storage()._cdata
+    DTensor's: its local shard's). Called for every input and output of every op: kept to one call."""
+    if type(tensor) is DTensor:
+        tensor = tensor._local_tensor
+    return tensor.untyped_storage()._cdata
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
