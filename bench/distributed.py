@@ -55,6 +55,8 @@ from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, grpo_backward
 
 RESULTS = Path(__file__).parent / "results"
+# fork: the ranks skip re-importing torch (seconds each on busy cores); spawn once CUDA is initialised here
+START = "spawn" if torch.cuda.is_initialized() else "fork"
 
 
 class WalkTimer:
@@ -134,7 +136,7 @@ def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
 
 def run(world: int, args: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(world, f"{tmp}/store", tmp, args), nprocs=world, start_method="spawn")
+        mp.start_processes(worker, args=(world, f"{tmp}/store", tmp, args), nprocs=world, start_method=START)
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
 
 
@@ -246,7 +248,7 @@ def collective_bytes(log_dir: Path) -> dict[int, dict[str, float]]:
 def sharded_step(world: int, args: dict) -> dict:
     """The measured step on ``world`` ranks beside the analytic minimum and the plan."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(sharded_worker, args=(world, f"{tmp}/store", tmp, args), nprocs=world, start_method="spawn")
+        mp.start_processes(sharded_worker, args=(world, f"{tmp}/store", tmp, args), nprocs=world, start_method=START)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
         sent = collective_bytes(Path(tmp) / "collectives")
     parameters = sum(p.numel() for p in build_model(step_model_config(args)).parameters()) * 4  # fp32
