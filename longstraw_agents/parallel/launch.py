@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -167,6 +168,21 @@ def _address_towards(master: str) -> tuple[str, socket.AddressFamily]:
         return str(probe.getsockname()[0]), family
 
 
+EXIT_GRACE_S = 1.0
+"""How long a failed collective waits for an exiting peer's liveness listener to close: a process's sockets close
+in an order its kernel picks, so its collective connections can fail before its listener stops answering."""
+
+
+def _gone(roster: Roster) -> list[Place]:
+    """``roster.gone()``, probed again over ``EXIT_GRACE_S`` while every other process still answers."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    gone = roster.gone()
+    while not gone and time.monotonic() < deadline:
+        time.sleep(0.1)
+        gone = roster.gone()
+    return gone
+
+
 def _answers(address: tuple[str, int]) -> bool:
     try:
         with socket.create_connection(address, timeout=PROBE_TIMEOUT_S):
@@ -240,7 +256,7 @@ def _who_failed(roster: Roster | None, timeout_s: float) -> str:
             f"one of them died, or did not answer within {within} (raise it if a rank legitimately needs longer "
             "between collectives)"
         )
-    gone = roster.gone()
+    gone = _gone(roster)
     if gone:
         are = "is" if len(gone) == 1 else "are"
         return f"{describe(gone)} {are} gone (exited or killed, or their node is unreachable)"
