@@ -96,10 +96,13 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor, key: int) -> None:
-        if key in self._live:
-            return
-        storage = _local(tensor).untyped_storage()
-        self._resize(self._live.setdefault(key, _Live()), storage.nbytes())
+        if key not in self._live:
+            self._count(_local(tensor).untyped_storage(), key)
+
+    def _count(self, storage: torch.UntypedStorage, key: int) -> None:
+        """Start counting ``storage`` (not counted yet) until it dies."""
+        self._live[key] = entry = _Live()
+        self._resize(entry, storage.nbytes())
         # torch keeps one Python object per live storage: it dies with the storage, whatever tensors held it
         weakref.finalize(storage, self._release, key)
 
@@ -120,8 +123,7 @@ class MemoryTracker(TorchDispatchMode):
         if entry is not None:
             self._resize(entry, storage.nbytes())
         elif storage.nbytes():
-            self._resize(self._live.setdefault(key, _Live()), storage.nbytes())
-            weakref.finalize(storage, self._release, key)
+            self._count(storage, key)
 
     def snapshot(self) -> dict[str, int]:
         """Each role's bytes now (storages this tracker counts, or that existed before it: ``baseline``'s), the rest

@@ -159,8 +159,12 @@ class Plan:
         return sum(self.categories.values())
 
     @property
+    def rollout_subtotal(self) -> int:
+        return sum(self.rollout.values())
+
+    @property
     def rollout_total(self) -> int:
-        return sum(self.rollout.values()) + int(MARGIN_FRACTION * sum(self.rollout.values())) + MARGIN_FIXED
+        return self.rollout_subtotal + _margin(self.rollout_subtotal)
 
     @property
     def rollout_fits(self) -> bool:
@@ -168,7 +172,7 @@ class Plan:
 
     @property
     def margin(self) -> int:
-        return int(MARGIN_FRACTION * self.subtotal) + MARGIN_FIXED
+        return _margin(self.subtotal)
 
     @property
     def total(self) -> int:
@@ -201,6 +205,11 @@ class Plan:
             lines.append(f"  {'total (with the margin)':<{CATEGORY_WIDTH}} {total:>9.2f}  {of}: {verdict}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def _margin(subtotal: int) -> int:
+    """The allocator margin added to ``subtotal`` bytes: ``MARGIN_FRACTION`` of them and ``MARGIN_FIXED``."""
+    return int(MARGIN_FRACTION * subtotal) + MARGIN_FIXED
 
 
 def load_config(model: str) -> PretrainedConfig:

@@ -11,8 +11,10 @@ projections, norms and MLP directly (capture, branch replay, the reverse chunk w
 it reshards them and reduce-scatters the gradients the block accumulated on the unsharded parameters into the
 sharded ones (a ``Partial`` DTensor redistributed to the parameter's ``Shard(0)``: a sum over dp, each rank keeping
 its shard). The cp ranks of one dp rank compute the same gradient (every one holds the group's whole gradient after
-its backward), so a gradient is divided by its number of copies (``replicas``) before the sum. Only public APIs are
-used (``unshard`` / ``reshard``, DTensor), so FSDP's internal hook state is never entered.
+its backward), so a gradient is divided by its number of copies (``replicas``) before the sum. The schedule uses
+public APIs only (``unshard`` / ``reshard``, DTensor), so FSDP's internal hook state is never entered; two lookups
+read FSDP2's per-unit state, which has no public accessor: the mixed-precision policy (``compute_dtype``) and what
+is whole now, for memory attribution (``whole_now``).
 
 Schedule: at dp = 1 the engine gathers a decoder layer at a time (``LayerGather``: its weights whole only while it
 computes, its gradient reduce-scattered when its backward is done); at dp > 1, where the dp ranks' groups differ
