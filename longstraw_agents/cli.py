@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from longstraw_agents import __version__
 
@@ -303,6 +304,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
             print(_longest_text(longest, CONTEXT_SEARCH_LIMIT))
+            request = replace(request, context=max(longest, 1))
         else:
             plan = plan_memory(request)
     except ValidationError as err:
@@ -310,6 +312,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(str(err))
     print(plan.table())
+    if args.time:
+        from longstraw_agents.timing import PROFILES, step_time
+
+        print()
+        print(step_time(request, PROFILES[args.hardware]).table())
     return 0
 
 
@@ -480,6 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="exact mode over cp ranks: sharded walk keeping layer inputs, or every rank recomputing every chunk",
     )  # fmt: skip
     p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")
+    p.add_argument("--time", action="store_true", help="also the step's time by phase (the time model)")
+    p.add_argument(
+        "--hardware", choices=["h200", "h100", "h20"], default="h200", help="the GPU --time models (default h200)"
+    )
     p.set_defaults(func=_cmd_plan)
     return parser
 

@@ -121,6 +121,38 @@ def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
     assert all(r["grad_drift"] > 0.0 for r in rows[1:])
 
 
+def test_gpu_bench_quick_times_every_phase_of_every_family(tmp_path: Path) -> None:
+    """On the CPU at toy sizes: one printed and one JSON row per (family, positions, phase), whole steps and the
+    walk at the ``--exact-at`` length only; the walk is the difference it says it is; states as ``state_size``
+    predicts."""
+    out = tmp_path / "gpu.json"
+    stdout = run_module("bench.gpu", "--quick", "--device", "cpu", "--out", str(out))
+    record = json.loads(out.read_text())
+    assert record["device"] == "cpu" and sorted(record["versions"]) == ["cuda", "fla", "torch", "transformers"]
+    assert sorted(record["setup"]) == ["dense", "hybrid", "mla"]
+    rows = record["rows"]
+    printed = [line.split() for line in stdout.splitlines()]  # one table line per row, as it is measured
+    table = [(line[0], int(line[2]), line[3]) for line in printed if line[0] in record["setup"]]
+    assert table == [(r["family"], r["positions"], r["phase"] + ("*" if r["difference_of"] else "")) for r in rows]
+    phases = ["capture", "scoring", "replay", "decode"]
+    for family in ("hybrid", "dense", "mla"):
+        at = {n: {r["phase"]: r for r in rows if r["family"] == family and r["positions"] == n} for n in (128, 256)}
+        assert list(at[128]) == [*phases, "detached_step", "exact_step", "walk"] and list(at[256]) == phases
+        assert at[128]["detached_step"]["tokens"] == at[128]["exact_step"]["tokens"] == 128 + 2 * 8
+        for n, by_phase in at.items():
+            assert {r["parameters"] for r in by_phase.values()} == {by_phase["capture"]["parameters"]} != {0}
+            assert by_phase["capture"]["tokens"] == n
+            assert by_phase["scoring"]["tokens"] == by_phase["replay"]["tokens"] == 2 * 8  # G completions of 8
+            assert by_phase["decode"]["tokens"] == 2 * 4  # G members, 4 steps
+            for r in by_phase.values():
+                assert r["state_bytes"] == r["state_bytes_analytic"] > 0 and r["peak_bytes"] is None
+        measured = [r for r in at[128].values() if r["difference_of"] is None]
+        assert len(measured) == 6 and all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in measured)
+        walk = at[128]["walk"]
+        assert walk["difference_of"] == ["exact_step", "detached_step"]
+        assert walk["seconds"] == at[128]["exact_step"]["seconds"] - at[128]["detached_step"]["seconds"]
+
+
 @pytest.mark.distributed
 def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
     """cp = 2 on 2 gloo processes: state halves, rows move exactly what the schedule says (the minimum and the
@@ -186,3 +218,20 @@ def test_learning_ablation_runs_a_prefix_of_its_fixed_seeds() -> None:
     assert first_seeds(FULL, 2).seeds == FULL.seeds[:2] and first_seeds(FULL, 2).steps == FULL.steps
     with pytest.raises(ValueError, match=f"--first-seeds must be between 1 and {len(FULL.seeds)}, got 0"):
         first_seeds(FULL, 0)
+
+
+def test_timing_bench_quick_fits_at_the_shortest_length_and_predicts_the_rest(tmp_path: Path) -> None:
+    """On the CPU at toy sizes: every measured row gets the time model's prediction; the fit uses the shortest
+    length's rows of every family and holds the longer length out; the summary counts the held-out rows."""
+    out = tmp_path / "timing.json"
+    stdout = run_module("bench.timing", "--quick", "--out", str(out))
+    record = json.loads(out.read_text())
+    rows = record["rows"]
+    assert {r["family"] for r in rows} == {"dense", "hybrid", "mla"}
+    assert {r["positions"] for r in rows} == {256, 512}
+    assert all(r["held_out"] == (r["positions"] == 512) for r in rows)
+    assert all(r["predicted_s"] > 0 and r["ratio"] == r["predicted_s"] / r["seconds"] for r in rows)
+    assert record["profile"]["measured_on"].startswith("cpu, dense, hybrid, mla at 256 positions")
+    held_out_steps = [r for r in rows if r["held_out"] and r["phase"] in ("detached_step", "exact_step")]
+    assert record["summary"]["held_out_steps"] == len(held_out_steps) == 6
+    assert "held-out one-process steps: worst error" in stdout

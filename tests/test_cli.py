@@ -405,6 +405,16 @@ def test_plan_of_an_earlier_cp_rank_holds_fewer_earlier_rows(capsys: pytest.Capt
     assert rows["3"] > rows["0"] > 0  # rank 0 receives no earlier rows: its hidden states only
 
 
+def test_plan_time_prints_each_phase_on_the_chosen_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = ("plan", "--model", "tiny-qwen3_5", "--gpus", "2", "--context", "8K", "--chunk", "1K", "--group", "2",
+            "--completion", "16", "--mode", "exact", "--time", "--hardware", "h20")  # fmt: skip
+    code, out, _ = run_cli(capsys, *tiny)
+    assert code == 0
+    timing = out[out.index("Time model (H20") :].splitlines()
+    assert [line.split()[0] for line in timing[2:6]] == ["rollout", "capture", "replay", "walk"]
+    assert timing[-1].startswith("step (without rollouts): ") and "on each of 2 GPUs" in timing[-1]
+
+
 def test_plan_longest_says_when_the_answer_is_the_search_bound(capsys: pytest.CaptureFixture[str]) -> None:
     tiny = ("plan", "--model", "tiny-llama", "--gpus", "1", "--group", "2", "--completion", "16", "--chunk", "64")
     code, out, _ = run_cli(capsys, *tiny, "--gpu-mem", "1000T", "--longest")

@@ -79,6 +79,23 @@ def bound_norm(fn: Callable[[Tensor, Tensor, float], Tensor], module: HFModule) 
 
 
 @dataclass(frozen=True)
+class LayerWork:
+    """A layer's forward work beyond its weight matmuls, by the kind of work (the time model's classes)."""
+
+    attention: float = 0.0  # FLOPs of softmax attention over (query, key) pairs in a fused kernel
+    recurrent: float = 0.0  # FLOPs of a recurrent mixer's own arithmetic (the chunked delta rule)
+    selection: float = 0.0  # (query, key) scores chosen from (DSA's index scores and their top-k; no gradient)
+    memory: float = 0.0  # bytes moved by gathers (DSA's selected rows)
+    steps: float = 0.0  # sequential steps of a few kernels each (the delta rule's blocks, a MoE's experts)
+
+
+def causal_pairs(new: int, earlier: int) -> int:
+    """(query, key) pairs a causal kernel computes for ``new`` queries after ``earlier`` positions: every earlier
+    key, and the triangle of the new ones (a fused kernel skips the masked half of the diagonal block)."""
+    return new * earlier + new * (new + 1) // 2
+
+
+@dataclass(frozen=True)
 class PastBlock:
     """Earlier positions of a growing layer's state: its tensors there (views of the state) and, when the state's
     gradient is wanted, the buffers those tensors' gradients are added into (same shapes)."""
@@ -215,6 +232,23 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def layer_state_bytes(cls, config: Any, itemsize: int) -> list[tuple[int, int]]:
         """Per layer: (bytes per token, fixed bytes) of the state, computed from the config alone."""
+
+    @classmethod
+    @abstractmethod
+    def layer_work(cls, config: Any, new: int, earlier: int, itemsize: int) -> list[LayerWork]:
+        """Per layer: its forward work for ``new`` positions after ``earlier`` ones, as the engine's kernels do it
+        (the weight matmuls are counted from the parameters: ``active_fraction``); ``itemsize``: the state's."""
+
+    @classmethod
+    @abstractmethod
+    def state_parameters(cls, config: Any) -> tuple[str, ...]:
+        """The last layer's parameters (names within the layer) its state entries use: a capture computes that
+        layer's ``Mixer.state_entries`` alone."""
+
+    @classmethod
+    def active_fraction(cls, config: Any, name: str) -> float:
+        """The share of parameter ``name``'s weights one token multiplies (1, except a mixture of experts')."""
+        return 1.0
 
     @classmethod
     def window_limit(cls, config: Any) -> int | None:

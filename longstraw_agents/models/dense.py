@@ -21,11 +21,13 @@ from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
     HFModule,
+    LayerWork,
     Mixer,
     MixerInput,
     MixerOutput,
     apply_rope,
     bound_norm,
+    causal_pairs,
     norm_eps,
     rms_norm,
 )
@@ -103,6 +105,15 @@ class AttentionMixer(Mixer):
         return MixerOutput(y=self._output(cascade_attention(q, keys, values, inp, self.scale), gate), new=())
 
 
+KEY_VALUE_PARAMETERS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+def attention_pair_flops(config: Any) -> int:
+    """FLOPs of one (query, key) pair of softmax attention: a score and a weighted value per query head."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 4 * config.num_attention_heads * head_dim
+
+
 def kv_bytes_per_token(config: Any, itemsize: int) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_key_value_heads * head_dim * itemsize
@@ -173,3 +184,12 @@ class DenseAdapter(FamilyAdapter):
     @classmethod
     def layer_state_bytes(cls, config: Any, itemsize: int) -> list[tuple[int, int]]:
         return [(kv_bytes_per_token(config, itemsize), 0)] * config.num_hidden_layers
+
+    @classmethod
+    def layer_work(cls, config: Any, new: int, earlier: int, itemsize: int) -> list[LayerWork]:
+        attention = LayerWork(attention=attention_pair_flops(config) * causal_pairs(new, earlier))
+        return [attention] * config.num_hidden_layers
+
+    @classmethod
+    def state_parameters(cls, config: Any) -> tuple[str, ...]:
+        return KEY_VALUE_PARAMETERS

@@ -10,6 +10,8 @@ when it is installed. The recurrent state is kept in compute precision, as trans
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,15 +22,22 @@ from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
     HFModule,
+    LayerWork,
     Mixer,
     MixerInput,
     MixerOutput,
+    causal_pairs,
     compute_dtype,
     norm_eps,
     rms_norm_zero_centered,
 )
 from longstraw_agents.models.batch import DecodeInput
-from longstraw_agents.models.dense import AttentionMixer, kv_bytes_per_token
+from longstraw_agents.models.dense import (
+    KEY_VALUE_PARAMETERS,
+    AttentionMixer,
+    attention_pair_flops,
+    kv_bytes_per_token,
+)
 
 DELTA_CHUNK = 64  # positions per block of the chunked delta rule (as transformers' fallback and fla)
 
@@ -80,12 +89,47 @@ def chunk_gated_delta_rule(
 _FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _fla_kernel():
+_FLA_ON: dict[torch.device, Callable[..., Any] | None] = {}  # per device: fla's kernel, or None where it fails
+
+
+def _fla_kernel(device: torch.device) -> Callable[..., Any] | None:
+    """flash-linear-attention's ``chunk_gated_delta_rule`` where it is installed and runs a forward and a backward on
+    ``device`` — fla refuses its backward on some Triton and GPU pairs (a wrong-results guard), and a training step
+    must not fail there: the pure-torch delta rule runs instead, said once per device. Checked once per device."""
+    if device not in _FLA_ON:
+        _FLA_ON[device] = _working_fla(device)
+    return _FLA_ON[device]
+
+
+def _working_fla(device: torch.device) -> Callable[..., Any] | None:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     except ImportError:
         return None
+    try:
+        _fla_probe(fla_chunk, device)
+    except Exception as err:  # whatever fla raises (its guards raise RuntimeError; Triton its own errors)
+        warnings.warn(
+            f"flash-linear-attention failed a forward and backward on {device}, so GatedDeltaNet layers run the "
+            f"pure-torch delta rule there: {type(err).__name__}: {err}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
     return fla_chunk
+
+
+def _fla_probe(kernel: Callable[..., Any], device: torch.device, n: int = 2 * DELTA_CHUNK, dim: int = 64) -> None:
+    """One forward and backward of ``kernel`` on a small random input (bf16, one head)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 1, dim, generator=gen).to(device, torch.bfloat16) for _ in range(3))
+    g = -torch.rand(1, n, 1, generator=gen).to(device)
+    beta = torch.rand(1, n, 1, generator=gen).to(device, torch.bfloat16)
+    with torch.enable_grad():
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out, _ = kernel(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
 
 
 class GatedDeltaNetMixer(Mixer):
@@ -125,7 +169,7 @@ class GatedDeltaNetMixer(Mixer):
         return (x * F.silu(gate.to(dt))).to(core.dtype)
 
     def _delta_rule(self, q, k, v, g, beta, initial):
-        fla = _fla_kernel() if q.is_cuda and q.dtype in _FLA_DTYPES else None  # Triton kernels: no fp64
+        fla = _fla_kernel(q.device) if q.is_cuda and q.dtype in _FLA_DTYPES else None  # Triton kernels: no fp64
         if fla is not None:
             out, final = fla(
                 q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
@@ -248,3 +292,32 @@ class HybridAdapter(FamilyAdapter):
             else:
                 sizes.append((kv_bytes_per_token(config, itemsize), 0))
         return sizes
+
+    @classmethod
+    def layer_work(cls, config: Any, new: int, earlier: int, itemsize: int) -> list[LayerWork]:
+        """The delta rule's blocks are sequential steps of the pure-torch scan (fla's kernels scan on the device;
+        the time model is calibrated where fla was absent)."""
+        attention = LayerWork(attention=attention_pair_flops(config) * causal_pairs(new, earlier))
+        delta = LayerWork(recurrent=delta_rule_flops(config, new), steps=-(-new // DELTA_CHUNK))
+        types = config.layer_types[: config.num_hidden_layers]
+        return [delta if layer_type == "linear_attention" else attention for layer_type in types]
+
+    @classmethod
+    def state_parameters(cls, config: Any) -> tuple[str, ...]:
+        if config.layer_types[config.num_hidden_layers - 1] != "linear_attention":
+            return KEY_VALUE_PARAMETERS
+        names = ("in_proj_qkv.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight")
+        return tuple(f"linear_attn.{name}" for name in names)
+
+
+def delta_rule_flops(config: Any, new: int, chunk: int = DELTA_CHUNK) -> int:
+    """Forward FLOPs of ``chunk_gated_delta_rule`` over ``new`` positions (padded to whole blocks of ``chunk``), per
+    value head and position: the block's two score products (``4 C dk``), its two triangular solves
+    (``C (dk + dv)``), the intra-block output (``2 C dv``) and three products with the ``dk x dv`` state."""
+    if new == 0:
+        return 0
+    block = min(chunk, new)
+    padded = -(-new // block) * block
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    per_position = block * (5 * dk + 3 * dv) + 6 * dk * dv
+    return config.linear_num_value_heads * padded * per_position

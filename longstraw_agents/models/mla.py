@@ -29,11 +29,13 @@ from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
     HFModule,
+    LayerWork,
     Mixer,
     MixerInput,
     MixerOutput,
     UnsupportedModelError,
     bound_norm,
+    causal_pairs,
     compute_dtype,
     norm_eps,
     rms_norm,
@@ -469,3 +471,32 @@ class MLAAdapter(FamilyAdapter):
                 width += config.index_head_dim
             sizes.append((width * itemsize, 0))
         return sizes
+
+    @classmethod
+    def layer_work(cls, config: Any, new: int, earlier: int, itemsize: int) -> list[LayerWork]:
+        """Absorbed MLA: a pair is a score and a weighted value of width ``kv_lora_rank + qk_rope_head_dim`` per
+        head. Once a chunk reaches past ``index_topk`` positions, each query attends to ``index_topk`` rows gathered
+        for it, and a layer with its own indexer scores the whole block of (query, key) pairs (the masked triangle
+        included) and takes their top-k. A MoE layer visits each expert its tokens chose, one after another."""
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        pair = 4 * config.num_attention_heads * width
+        sparse = earlier + new > config.index_topk
+        pairs = new * config.index_topk if sparse else causal_pairs(new, earlier)
+        gathered = new * config.index_topk * width * itemsize if sparse else 0
+        experts = min(config.n_routed_experts, new * config.num_experts_per_tok)
+        work = []
+        for i in range(config.num_hidden_layers):
+            scores = new * (earlier + new) if sparse and config.indexer_types[i] == "full" else 0
+            steps = experts if config.mlp_layer_types[i] == "sparse" else 0
+            work.append(LayerWork(attention=pair * pairs, selection=scores, memory=gathered, steps=steps))
+        return work
+
+    @classmethod
+    def state_parameters(cls, config: Any) -> tuple[str, ...]:
+        rows = ("self_attn.kv_a_proj_with_mqa.weight",)
+        full = config.indexer_types[config.num_hidden_layers - 1] == "full"
+        return (*rows, "self_attn.indexer.wk.weight") if full else rows
+
+    @classmethod
+    def active_fraction(cls, config: Any, name: str) -> float:
+        return config.num_experts_per_tok / config.n_routed_experts if ".experts." in f".{name}" else 1.0

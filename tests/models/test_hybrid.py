@@ -1,16 +1,20 @@
 """The hybrid family's GatedDeltaNet (models/hybrid.py): the chunked delta rule equals the token-by-token recurrence
-(outputs, final state and gradients, fp64), and a mixer run in pieces that pass their recurrent state equals one run
-over the whole sequence."""
+(outputs, final state and gradients, fp64), a mixer run in pieces that pass their recurrent state equals one run
+over the whole sequence, and on CUDA flash-linear-attention's kernel equals the pure-torch chunked delta rule."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from longstraw_agents.models import hybrid
 from longstraw_agents.models.base import MixerInput
 from longstraw_agents.models.hybrid import GatedDeltaNetMixer, chunk_gated_delta_rule, l2norm
-from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.models.presets import build_model, tiny_model, tiny_qwen3_5
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
@@ -76,3 +80,109 @@ def test_a_mixer_run_in_pieces_equals_one_run() -> None:
     for piecewise, once in zip(second.new, whole.new, strict=True):  # conv tail and delta-rule state
         torch.testing.assert_close(piecewise, once, rtol=1e-10, atol=1e-10)
     assert [tuple(t.shape) for t in whole.new] == [tuple(s) for s in mixer.state_shapes()]
+
+
+def run_in_two_pieces(mixer: GatedDeltaNetMixer, x: torch.Tensor, split: int, initial: tuple[torch.Tensor, ...]):
+    """The mixer over ``x[:split]`` from ``initial`` (conv tail, delta-rule state), then over the rest from there."""
+    positions = torch.arange(x.shape[0], device=x.device)
+    rope = (torch.empty(0), torch.empty(0))  # GatedDeltaNet has no rotary embedding
+    first = mixer.forward(MixerInput(x[:split], positions[:split], rope, recurrent=initial))
+    second = mixer.forward(MixerInput(x[split:], positions[split:], rope, recurrent=first.new))
+    return torch.cat([first.y, second.y]), *second.new
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def cuda_layer(dtype: torch.dtype, n: int) -> tuple[GatedDeltaNetMixer, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A GatedDeltaNet layer with Qwen3.6's head sizes (fla's tiles) on the GPU, ``n`` random inputs and a random
+    initial state (conv tail in the model's dtype, delta-rule state in the compute dtype); leaves of the graph in
+    fp32."""
+    config = tiny_qwen3_5(hidden=128)
+    config.linear_key_head_dim = config.linear_value_head_dim = 128
+    model = build_model(config, dtype=dtype).cuda()
+    mixer = GatedDeltaNetMixer(model.model.layers[0].linear_attn)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, config.hidden_size, generator=gen).to("cuda", dtype)
+    tail_shape, state_shape = mixer.state_shapes()
+    initial = (
+        (0.3 * torch.randn(tail_shape, generator=gen)).to("cuda", dtype),
+        torch.randn(state_shape, generator=gen).cuda(),
+    )
+    grads = dtype == torch.float32
+    return mixer, x.requires_grad_(grads), tuple(t.requires_grad_(grads) for t in initial)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fla_kernel_equals_the_chunked_fallback(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs and final states (and, in fp32, the gradients of the input, the initial state and the mixer's
+    weights) of a GatedDeltaNet layer with fla's kernel and with the pure-torch chunked delta rule. Both run the
+    delta rule in fp32 (the compute dtype); the kernel's fp32 products may use TF32, hence per-mille tolerances."""
+    if hybrid._fla_kernel(torch.device("cuda")) is None:
+        pytest.skip("flash-linear-attention is not installed, or fails on this GPU (a warning says why)")
+    mixer, x, initial = cuda_layer(dtype, 150)
+    mod = mixer.mod
+    names = ["x", "tail", "state", "in_proj_qkv", "in_proj_a", "A_log", "dt_bias"]
+    wrt = [x, *initial, mod.in_proj_qkv.weight, mod.in_proj_a.weight, mod.A_log, mod.dt_bias]
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        outputs = list(run_in_two_pieces(mixer, x, 70, initial))  # 70 + 80 positions: partial blocks of 64
+        if not x.requires_grad:
+            return outputs, []
+        probes = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t) for i, t in enumerate(outputs)]
+        loss = sum((t * probe).sum() for t, probe in zip(outputs, probes, strict=True))
+        return outputs, list(torch.autograd.grad(loss, wrt))
+
+    (y, tail, state), kernel_grads = run()
+    monkeypatch.setattr(hybrid, "_fla_kernel", lambda device: None)
+    (want_y, want_tail, want_state), fallback_grads = run()
+    torch.testing.assert_close(tail, want_tail, rtol=0, atol=0)  # the conv tail does not go through the kernel
+    tolerance = 5e-3 if dtype == torch.float32 else 2e-2
+    assert relative_error(y, want_y) < tolerance
+    assert relative_error(state, want_state) < tolerance
+    assert len(kernel_grads) == len(fallback_grads) == (len(names) if x.requires_grad else 0)
+    for name, got, want in zip(names, kernel_grads, fallback_grads, strict=False):
+        assert relative_error(got, want) < 1e-2, name
+
+
+def _fake_fla(monkeypatch: pytest.MonkeyPatch, kernel) -> None:
+    """Install a stand-in ``fla.ops.gated_delta_rule`` module whose kernel is ``kernel``."""
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = kernel  # type: ignore[attr-defined]
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    monkeypatch.setattr(hybrid, "_FLA_ON", {})
+
+
+def _delta_rule_like(q, k, v, g, beta, output_final_state, use_qk_l2norm_in_kernel, initial_state=None):
+    return (q * k).sum(-1, keepdim=True) * v, None
+
+
+def test_fla_is_used_where_its_forward_and_backward_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_fla(monkeypatch, _delta_rule_like)
+    assert hybrid._fla_kernel(torch.device("cpu")) is _delta_rule_like
+
+
+def test_fla_refusing_its_backward_leaves_the_pure_torch_delta_rule_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Refused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+
+    def refusing(q, k, v, g, beta, **kwargs):
+        out, state = _delta_rule_like(q, k, v, g, beta, **kwargs)
+        return Refused.apply(out), state
+
+    _fake_fla(monkeypatch, refusing)
+    with pytest.warns(RuntimeWarning, match="pure-torch delta rule there: RuntimeError: Triton >= 3.4.0"):
+        assert hybrid._fla_kernel(torch.device("cpu")) is None
+    assert hybrid._fla_kernel(torch.device("cpu")) is None  # checked once per device: no second warning

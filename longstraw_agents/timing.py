@@ -1,0 +1,574 @@
+"""The time model: how long a GRPO step takes, from the work its schedule does and a hardware profile
+(``longstraw plan --time``).
+
+The work of each phase is counted for one rank from the model's config and the schedule the engine runs, by class:
+
+- ``matmul``: FLOPs of the weight matmuls — two per weight a token multiplies (a mixture of experts' routed share
+  only: ``FamilyAdapter.active_fraction``), the LM head where log-probs are taken;
+- ``attention``: softmax attention's (query, key) pairs as the fused kernels compute them (the masked half of a
+  chunk's diagonal block skipped; DSA's top-k rows and its index scores: ``FamilyAdapter.layer_work``);
+- ``recurrent``: GatedDeltaNet's chunked delta rule;
+- ``memory``: bytes a memory-bound phase reads (decoding: the weights once per step for the whole batch, the shared
+  prefix's state once per step per group, each member's own rows);
+- ``launches``, ``branch_calls``, ``decode_calls``: layer calls (and sequential steps inside a layer) of a chunk, of
+  a branch (an extend under autograd's bookkeeping) and of a batched decoding step — each a few dozen kernels whose
+  host-side cost no FLOP count shows, different on each path;
+- ``comm``: bytes the rank sends and receives: the capture's rows from earlier cp ranks, the partial attention
+  merged over cp ranks in replicated extends, exact mode's state gradient going back, FSDP's gathers and
+  reduce-scatters.
+
+A backward pass costs twice its forward in matmuls and recurrent work and 2.5 times in attention (the fused
+backward recomputes the scores: five products to the forward's two); activation checkpointing adds one forward.
+
+``HardwareProfile`` turns work into seconds: each class at its own achieved rate (peak x efficiency), summed (no
+overlap: an upper estimate where communication hides behind compute). The efficiencies are measured, not assumed:
+``calibrate`` fits them to measured phase times of one configuration (``bench/timing.py`` on this CPU,
+``bench/gpu.py`` on an H200), and the held-out configurations validate them. H100 and H20 reuse the H200's
+efficiencies (the same Hopper architecture) at their own peaks — a model output, labelled as such.
+
+    time = step_time(PlanRequest(model="qwen3.6-27b", context=2_100_000, gpus=8), PROFILES["h20"])
+    print(time.table())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PretrainedConfig
+
+from longstraw_agents.models import adapter_class, state_size
+from longstraw_agents.models.base import LayerWork
+from longstraw_agents.planner import PlanRequest, load_config, meta_model
+
+BACKWARD = {
+    "matmul": 2.0,
+    "attention": 0.0,  # moved to attention_backward: the fused backward, 2.5 forwards (five products to two)
+    "attention_backward": 0.0,
+    "recurrent": 2.0,
+    "selection": 0.0,  # DSA's index scores take no gradient
+    "memory": 2.0,  # gathered rows: gathered again, their gradients scattered back
+    "launches": 2.0,
+    "branch_calls": 2.0,
+    "decode_calls": 0.0,
+    "comm": 0.0,
+}
+COMPUTE_CLASSES = ("matmul", "attention", "attention_backward", "recurrent", "selection")
+EXACT_CHUNKS = 2048  # chunks counted one by one (beyond: runs summed from their ends)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a phase does on one rank, by class (FLOPs, bytes, layer calls)."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    attention_backward: float = 0.0
+    recurrent: float = 0.0
+    selection: float = 0.0
+    memory: float = 0.0
+    launches: float = 0.0
+    branch_calls: float = 0.0
+    decode_calls: float = 0.0
+    comm: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(**{name: getattr(self, name) + getattr(other, name) for name in WORK_CLASSES})
+
+    def scaled(self, factor: float) -> Work:
+        return Work(**{name: getattr(self, name) * factor for name in WORK_CLASSES})
+
+    def backward(self) -> Work:
+        """The backward pass of this forward work (its communication counted by the caller)."""
+        work = Work(**{name: getattr(self, name) * BACKWARD[name] for name in WORK_CLASSES})
+        return replace(work, attention_backward=2.5 * self.attention + self.attention_backward)
+
+    @property
+    def flops(self) -> float:
+        return self.matmul + self.attention + self.attention_backward + self.recurrent
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in WORK_CLASSES}
+
+
+WORK_CLASSES = tuple(f.name for f in fields(Work))
+
+
+def total(works: Iterable[Work]) -> Work:
+    result = Work()
+    for work in works:
+        result = result + work
+    return result
+
+
+# --- the model's work ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    """Per-token and per-pair work of one model: counted once from its config (the weights on the meta device)."""
+
+    config: PretrainedConfig
+    dtype: torch.dtype
+    linear_per_token: float  # FLOPs of the decoder layers' weight matmuls for one token
+    skipped_per_token: float  # of those, the last layer's that its state entries do not need (a capture skips them)
+    weight_bytes: float  # every parameter, in ``dtype``
+    active_weight_bytes: float  # the weights one token reads (a mixture of experts: its routed share)
+    chunk: int  # the engine's chunk: the state's blocks, each attended by a kernel call of its own
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, dtype: torch.dtype, chunk: int) -> ModelWork:
+        adapter = adapter_class(config)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        last = f".layers.{config.num_hidden_layers - 1}."
+        state = adapter.state_parameters(config)
+        linear = skipped = weights = active = 0.0
+        for name, p in meta_model(config, dtype).named_parameters():
+            share = adapter.active_fraction(config, name)
+            weights += p.numel() * itemsize
+            active += p.numel() * itemsize * share
+            if ".layers." in name and p.dim() >= 2:  # matrices (and the depthwise convolution's kernel)
+                linear += 2.0 * p.numel() * share
+                if last in name and not name.endswith(state):
+                    skipped += 2.0 * p.numel() * share
+        return cls(config, dtype, linear, skipped, weights, active, chunk)
+
+    @property
+    def layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def forward(self, new: int, earlier: int, entries_only: bool = False) -> Work:
+        """One call of every layer on ``new`` positions after ``earlier`` ones (no LM head); ``entries_only``: the
+        last layer computes its state entries alone (a capture's chunk: no attention, no MLP there)."""
+        layers = adapter_class(self.config).layer_work(self.config, new, earlier, self.itemsize)
+        if entries_only:  # the last layer: its state entries alone (a recurrent layer still runs its recurrence)
+            last = layers[-1]
+            layers = [*layers[:-1], LayerWork(recurrent=last.recurrent, steps=last.steps if last.recurrent else 0)]
+        return Work(
+            matmul=(self.linear_per_token - (self.skipped_per_token if entries_only else 0.0)) * new,
+            attention=sum(w.attention for w in layers),
+            recurrent=sum(w.recurrent for w in layers),
+            selection=sum(w.selection for w in layers),
+            memory=sum(w.memory for w in layers),
+            launches=self.layers + sum(w.steps for w in layers),
+        )
+
+    def chunked(self, start: int, end: int, chunk: int, entries_only: bool = False) -> Work:
+        """Positions ``start..end`` in chunks of ``chunk`` (a capture, a walk, a long extend). Past
+        ``EXACT_CHUNKS`` whole chunks, runs of them are summed from their ends — exact where a chunk's work is
+        affine in the positions before it (attention's pairs are; DSA's switch to top-k rows falls in one run)."""
+        whole = max(0, (end - start) // chunk)
+        run = max(1, -(-whole // EXACT_CHUNKS))
+        works = []
+        for first in range(0, whole, run):
+            count = min(run, whole - first)
+            ends = self.forward(chunk, start + first * chunk, entries_only) + self.forward(
+                chunk, start + (first + count - 1) * chunk, entries_only
+            )
+            works.append(ends.scaled(count / 2))
+        if start + whole * chunk < end:
+            works.append(self.forward(end - start - whole * chunk, start + whole * chunk, entries_only))
+        return total(works)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def head(self, tokens: int) -> Work:
+        """The LM head's log-probs of ``tokens`` positions."""
+        return Work(matmul=2.0 * self.config.hidden_size * self.config.vocab_size * tokens)
+
+    def state_bytes(self, positions: int) -> float:
+        return float(state_size(self.config, self.dtype).total(positions))
+
+    def attention_layers(self) -> int:
+        return sum(1 for w in adapter_class(self.config).layer_work(self.config, 1, 0, self.itemsize) if w.attention)
+
+
+# --- a step's phases on one rank ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The work of a GRPO step's phases on the slowest rank (the last cp rank: the longest attention reach), and the
+    request it was counted for."""
+
+    request: PlanRequest
+    phases: dict[str, Work]
+
+    @property
+    def total(self) -> Work:
+        return total(self.phases.values())
+
+
+def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: bool = True) -> StepWork:
+    """Phases of one group's step (``request``): ``rollout`` (decoding in process, when asked), ``scoring`` (the
+    reference model's log-probs when ``beta > 0``), ``capture``, ``replay`` (each member's branch forward and
+    backward) and, in exact mode, ``walk`` (the reverse walk over the prefix)."""
+    model = model or ModelWork.of(load_config(request.model), request.dtype, request.engine.chunk_size)
+    schedule = Schedule(request, model)
+    phases = {"rollout": schedule.rollout()} if rollout else {}
+    if request.beta > 0:
+        phases["scoring"] = schedule.scoring()
+    phases["capture"] = schedule.capture()
+    phases["replay"] = schedule.replay()
+    if request.mode == "exact":
+        phases["walk"] = schedule.walk()
+    return StepWork(request, phases)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the engine spreads a step over the ranks (docs/distributed.md): the capture and the walk are sharded
+    (each cp rank its contiguous shard of the prompt, the earlier ranks' rows received per layer), extends are
+    replicated (every rank computes each member's tokens, attending to its own shard, the partial results merged);
+    FSDP2 over all ``dp x cp`` ranks gathers a layer per pass at dp = 1 and the whole model once per step at dp > 1."""
+
+    request: PlanRequest
+    model: ModelWork
+
+    @property
+    def cp(self) -> int:
+        return self.request.context_parallel
+
+    @property
+    def ranks(self) -> int:
+        return self.request.gpus
+
+    @property
+    def captured(self) -> int:
+        """The positions the capture evaluates: the prompt's last token starts every branch (its logits score the
+        first completion token)."""
+        return self.request.context - 1
+
+    @property
+    def shard(self) -> int:
+        return -(-self.captured // self.cp)
+
+    @property
+    def first(self) -> int:
+        """The first captured position of the last cp rank."""
+        return min((self.cp - 1) * self.shard, self.captured)
+
+    def _gathers(self, passes: int) -> Work:
+        """FSDP2's all-gathers of ``passes`` passes over the layers (at dp = 1; the step's one gather at dp > 1 is
+        counted in ``replay``)."""
+        if self.ranks == 1 or self.request.data_parallel > 1:
+            return Work()
+        return Work(comm=passes * self.model.weight_bytes * (self.ranks - 1) / self.ranks)
+
+    def _merges(self, tokens: int) -> Work:
+        """The partial attention results of ``tokens`` replicated positions, all-gathered over the cp ranks."""
+        if self.cp == 1:
+            return Work()
+        row = self.model.config.hidden_size * self.model.dtype.itemsize
+        return Work(comm=tokens * row * self.model.attention_layers() * (self.cp - 1))
+
+    def _extend(self, tokens: int) -> Work:
+        """One member's own tokens after the prompt, on a rank: every token's matmuls, attention to the rank's
+        shard (the last rank: its shard and the member's own positions)."""
+        work = self.model.forward(tokens, self.captured - self.first)
+        work = replace(work, launches=0.0, branch_calls=work.launches)
+        return work + self._merges(tokens)
+
+    def capture(self) -> Work:
+        request = self.request
+        rows = Work(comm=self.model.state_bytes(self.first))  # the earlier ranks' rows, every layer
+        chunks = self.model.chunked(self.first, self.captured, request.engine.chunk_size, entries_only=True)
+        return chunks + rows + self._gathers(1)
+
+    def scoring(self) -> Work:
+        completion = self.request.completion
+        member = self._extend(completion) + self.model.head(completion)
+        return member.scaled(self.request.group) + self._gathers(self.request.group)
+
+    def replay(self) -> Work:
+        """Each member's branch forward and backward (its layers once more with activation checkpointing); the
+        LM head's tiles are recomputed in backward (four head products in all)."""
+        request = self.request
+        forward = self._extend(request.completion)
+        forwards = 2.0 if request.engine.activation_checkpointing else 1.0
+        member = forward.scaled(forwards) + forward.backward() + self.model.head(request.completion).scaled(4.0)
+        gradients = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks)  # reduce-scattered
+        per_member_gathers = self._gathers(2)
+        step = Work()
+        if self.request.data_parallel > 1:  # the whole model gathered once, its gradient reduce-scattered once
+            step = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + gradients
+        elif self.ranks > 1:
+            per_member_gathers = per_member_gathers + gradients
+        return (member + per_member_gathers).scaled(request.group) + step
+
+    def walk(self) -> Work:
+        """Exact mode's reverse walk: the rank's chunks recomputed under autograd and backpropagated (the wavefront
+        walk), or every chunk of the prompt on every rank (the replicated walk)."""
+        request = self.request
+        start = self.first if request.engine.wavefront_walk else 0
+        chunk = request.engine.chunk_size
+        recompute = self.model.chunked(start, self.captured, chunk)  # every layer whole (its hidden states too)
+        backward = self.model.chunked(start, self.captured, chunk, entries_only=True).backward()  # what feeds the state
+        state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
+        return recompute + backward + state_gradient + self._gathers(2)
+
+    def rollout(self) -> Work:
+        """Decoding ``completion`` tokens for every member in one batch, on one GPU (in process, unsharded)."""
+        request, model = self.request, self.model
+        group, prompt = request.group, self.captured
+        steps = []
+        for t in range(request.completion):
+            token = model.forward(1, prompt + t)
+            weights = min(model.weight_bytes, model.active_weight_bytes * group)
+            state = model.state_bytes(prompt) + group * model.state_bytes(t)
+            steps.append(
+                Work(
+                    matmul=(token.matmul + model.head(1).matmul) * group,
+                    attention=token.attention * group,
+                    recurrent=token.recurrent * group,
+                    selection=token.selection * group,
+                    memory=weights + state + token.memory * group,
+                    decode_calls=token.launches,
+                )
+            )
+        return total(steps)
+
+
+# --- hardware -----------------------------------------------------------------------------------------------
+
+
+class Efficiency(BaseModel):
+    """Achieved / peak rate of each class of work (measured: ``calibrate``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    matmul: float = Field(gt=0)
+    attention: float = Field(gt=0)
+    attention_backward: float = Field(gt=0)
+    recurrent: float = Field(gt=0)
+    memory: float = Field(gt=0)
+    link: float = Field(gt=0)
+
+
+class HardwareProfile(BaseModel):
+    """One accelerator: its peaks (the vendor's figures) and the efficiencies measured on it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    peak_flops: float = Field(gt=0)  # dense bf16 FLOP/s
+    memory_bandwidth: float = Field(gt=0)  # bytes/s
+    link_bandwidth: float = Field(gt=0)  # bytes/s per GPU and direction (NVLink, or the host's for a CPU)
+    launch_s: float = Field(ge=0)  # seconds per layer call or sequential step of a chunk (host-side)
+    branch_call_s: float = Field(ge=0)  # ... of a branch's extend
+    decode_call_s: float = Field(ge=0)  # ... of a batched decoding step
+    selection_s: float = Field(ge=0)  # seconds per (query, key) index score (DSA: scoring and its top-k)
+    efficiency: Efficiency
+    measured_on: str  # where the efficiencies come from
+
+    def rates(self) -> dict[str, float]:
+        """Units of each class per second."""
+        e = self.efficiency
+        return {
+            "matmul": self.peak_flops * e.matmul,
+            "attention": self.peak_flops * e.attention,
+            "attention_backward": self.peak_flops * e.attention_backward,
+            "recurrent": self.peak_flops * e.recurrent,
+            "memory": self.memory_bandwidth * e.memory,
+            "comm": self.link_bandwidth * e.link,
+        }
+
+    def seconds(self, work: Work) -> dict[str, float]:
+        """Seconds of each class of ``work`` (their sum is the phase's time)."""
+        rates = self.rates()
+        spent = {name: getattr(work, name) / rate for name, rate in rates.items()}
+        spent["selection"] = work.selection * self.selection_s
+        spent["launches"] = work.launches * self.launch_s + work.branch_calls * self.branch_call_s
+        spent["launches"] += work.decode_calls * self.decode_call_s
+        return spent
+
+    def time(self, work: Work) -> float:
+        return sum(self.seconds(work).values())
+
+
+def calibrate(
+    profile: HardwareProfile,
+    samples: Sequence[tuple[Work, float]],
+    name: str | None = None,
+    keep: Sequence[str] = (),
+) -> HardwareProfile:
+    """``profile`` with the rates that best predict ``samples`` (work, measured seconds): non-negative least squares
+    on relative error, each class pulled weakly towards ``profile``'s own rate, so that a class the samples barely
+    exercise keeps it; the classes in ``keep`` (measured directly: a large matmul, a copy) are not fitted.
+    (Communication is not fitted either: one process sends nothing.)"""
+    prior = _unit_seconds(profile)
+    used = [c for c in FITTED if c not in keep and any(getattr(w, c) for w, _ in samples)]
+    kept = [c for c in FITTED if c not in used]
+    # unknowns: each class's seconds per unit as a multiple of the prior's (well scaled whatever the units); the
+    # kept classes' seconds are taken off each sample first
+    rows, targets = [], []
+    for work, seconds in samples:
+        rest = seconds - sum(getattr(work, c) * prior[c] for c in kept)
+        rows.append([getattr(work, c) * prior[c] / seconds for c in used])
+        targets.append(max(rest, 0.0) / seconds)
+    pull = 1e-4  # the prior's weight against one sample's relative error: it decides only what the samples leave open
+    for k in range(len(used)):
+        rows.append([pull if j == k else 0.0 for j in range(len(used))])
+        targets.append(pull)
+    ratios = _nonnegative_least_squares(np.array(rows), np.array(targets))
+    peaks = {c: profile.peak_flops for c in ("matmul", "attention", "attention_backward", "recurrent")}
+    peaks["memory"] = profile.memory_bandwidth
+    unit = dict(prior)
+    for c, ratio in zip(used, ratios, strict=True):
+        # no class beats its peak (a class the samples leave at 0 runs at its peak), none is free
+        unit[c] = max(prior[c] * float(ratio), 1.0 / peaks[c] if c in peaks else prior[c] * 1e-3)
+    efficiency = profile.efficiency.model_copy(update={c: 1.0 / (unit[c] * peaks[c]) for c in peaks})
+    update = {
+        "launch_s": unit["launches"],
+        "branch_call_s": unit["branch_calls"],
+        "decode_call_s": unit["decode_calls"],
+        "selection_s": unit["selection"],
+        "measured_on": name or profile.measured_on,
+    }
+    return profile.model_copy(update={"efficiency": efficiency, **update})
+
+
+FITTED = (
+    *("matmul", "attention", "attention_backward", "recurrent", "selection", "memory"),
+    *("launches", "branch_calls", "decode_calls"),
+)
+
+
+def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a x - b|| over x >= 0 (an active set: the most negative unknown is held at 0 until none is)."""
+    free = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while free:
+        solution, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if (solution >= 0).all():
+            x[free] = solution
+            break
+        free.pop(int(np.argmin(solution)))
+    return x
+
+
+def _unit_seconds(profile: HardwareProfile) -> dict[str, float]:
+    """Seconds per unit of each fitted class."""
+    rates = profile.rates()
+    unit = {c: 1.0 / rates[c] for c in ("matmul", "attention", "attention_backward", "recurrent", "memory")}
+    unit["launches"] = max(profile.launch_s, 1e-9)
+    unit["branch_calls"] = max(profile.branch_call_s, 1e-9)
+    unit["decode_calls"] = max(profile.decode_call_s, 1e-9)
+    unit["selection"] = max(profile.selection_s, 1e-15)
+    return unit
+
+
+NVLINK_BYTES_PER_S = 450e9  # NVLink 4: 900 GB/s per GPU, both directions together
+# An H200 before its calibration (``bench/timing.py`` fits it): matmul and memory at what a large bf16 matmul
+# (788 TFLOP/s) and a device copy (4.3 TB/s) reach on one; the rest typical Hopper fractions
+H200_PRIOR = HardwareProfile(
+    name="H200",
+    peak_flops=989e12,
+    memory_bandwidth=4.8e12,
+    link_bandwidth=NVLINK_BYTES_PER_S,
+    launch_s=30e-6,
+    branch_call_s=100e-6,
+    decode_call_s=100e-6,
+    selection_s=1e-12,
+    efficiency=Efficiency(matmul=0.8, attention=0.35, attention_backward=0.25, recurrent=0.2, memory=0.9, link=0.7),
+    measured_on="not measured (typical Hopper fractions)",
+)
+
+
+def hopper(name: str, peak_flops: float, memory_bandwidth: float, measured: HardwareProfile) -> HardwareProfile:
+    """A Hopper GPU at its own peaks with ``measured``'s efficiencies and host latencies (an H200's)."""
+    return measured.model_copy(update={"name": name, "peak_flops": peak_flops, "memory_bandwidth": memory_bandwidth})
+
+
+# Fitted by ``bench/timing.py --rows bench/results/gpu.json`` (bench/results/timing_h200.json): one H200, torch 2.11,
+# CUDA 13, no flash-linear-attention (the delta rule's pure-torch scan: its cost is in its per-block steps); matmul
+# and memory kept at what a large bf16 matmul (788 TFLOP/s) and a device copy (4.3 TB/s) reach on that machine
+H200_MEASURED = HardwareProfile(
+    name="H200",
+    peak_flops=989e12,
+    memory_bandwidth=4.8e12,
+    link_bandwidth=NVLINK_BYTES_PER_S,
+    launch_s=0.00018224157210169545,
+    branch_call_s=0.0006544364898842346,
+    decode_call_s=0.001458629719571994,
+    selection_s=7.297886082490869e-10,
+    efficiency=Efficiency(
+        matmul=0.8,
+        attention=0.22349231931005986,
+        attention_backward=0.10791778077779227,
+        recurrent=1.0,
+        memory=0.9000000000000001,
+        link=0.7,
+    ),
+    measured_on="NVIDIA H200, dense, hybrid, mla at 32768 positions (18 phases)",
+)
+# A CPU before its calibration (``bench/timing.py`` fits it): nominal rates, all classes alike
+CPU_UNMEASURED = HardwareProfile(
+    name="this CPU",
+    peak_flops=1e11,
+    memory_bandwidth=2e10,
+    link_bandwidth=1e9,
+    launch_s=1e-4,
+    branch_call_s=1e-4,
+    decode_call_s=1e-4,
+    selection_s=1e-9,
+    efficiency=Efficiency(matmul=0.5, attention=0.5, attention_backward=0.5, recurrent=0.5, memory=0.5, link=0.5),
+    measured_on="not measured (nominal)",
+)
+PROFILES: dict[str, HardwareProfile] = {
+    "h200": H200_MEASURED,
+    "h100": hopper("H100 SXM", 989e12, 3.35e12, H200_MEASURED),
+    "h20": hopper("H20", 148e12, 4.0e12, H200_MEASURED),
+}
+
+
+# --- the step's time ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's phases in seconds on ``profile`` (each the sum of its classes), the communication's share."""
+
+    work: StepWork
+    profile: HardwareProfile
+
+    def phase_seconds(self) -> dict[str, float]:
+        return {name: self.profile.time(work) for name, work in self.work.phases.items()}
+
+    def training_seconds(self) -> float:
+        """The step without rollouts (what a served policy leaves to the trainer's GPUs)."""
+        return sum(s for name, s in self.phase_seconds().items() if name != "rollout")
+
+    def comm_share(self) -> float:
+        train = [w for name, w in self.work.phases.items() if name != "rollout"]
+        comm = sum(self.profile.seconds(w)["comm"] for w in train)
+        return comm / max(self.training_seconds(), 1e-30)
+
+    def table(self) -> str:
+        request = self.work.request
+        lines = [
+            f"Time model ({self.profile.name}; efficiencies: {self.profile.measured_on}) — a model output, "
+            "not a measurement",
+            f"{'phase':<10} {'seconds':>10} {'compute':>9} {'comm':>9} {'memory':>9} {'launches':>9}  TFLOP",
+        ]
+        for name, work in self.work.phases.items():
+            spent = self.profile.seconds(work)
+            compute = sum(spent[c] for c in COMPUTE_CLASSES)
+            lines.append(
+                f"{name:<10} {sum(spent.values()):>10.2f} {compute:>9.2f} {spent['comm']:>9.2f} "
+                f"{spent['memory']:>9.2f} {spent['launches']:>9.2f}  {work.flops / 1e12:.1f}"
+            )
+        lines.append(
+            f"step (without rollouts): {self.training_seconds():.1f} s on each of {request.gpus} GPUs, "
+            f"communication {100 * self.comm_share():.0f} % of it (not overlapped: an upper estimate)"
+        )
+        return "\n".join(lines)
+
+
+def step_time(request: PlanRequest, profile: HardwareProfile, rollout: bool = True) -> StepTime:
+    return StepTime(step_work(request, rollout=rollout), profile)

@@ -1,0 +1,200 @@
+"""The time model's work counts against torch's FLOP counter over the real engine, and its calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.base import causal_pairs
+from longstraw_agents.models.presets import TINY_PRESETS, build_model
+from longstraw_agents.planner import PlanRequest
+from longstraw_agents.timing import (
+    H200_MEASURED,
+    PROFILES,
+    Efficiency,
+    HardwareProfile,
+    ModelWork,
+    Work,
+    calibrate,
+    step_time,
+    step_work,
+)
+from longstraw_agents.trainer import grpo_backward
+
+aten = torch.ops.aten
+RESULTS = Path(__file__).parents[1] / "bench" / "results"
+PROMPT, COMPLETION, GROUP, CHUNK = 96, 12, 3, 32
+
+
+def _attention(q, k, v, dropout_p=0.0, is_causal=False, *args, **kwargs) -> float:
+    """A fused kernel's FLOPs: queries aligned to the end of the keys, the masked triangle skipped."""
+    batch, heads, n, dk = q
+    m, dv = k[-2], v[-1]
+    pairs = causal_pairs(n, m - n) if is_causal else n * m
+    return 2 * batch * heads * pairs * (dk + dv)
+
+
+def _attention_backward(grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args, **kwargs) -> float:
+    return 2.5 * _attention(q, k, v, dropout_p, is_causal)  # as torch's own formula for the fused backward
+
+
+def _triangular_solve(a, b, *args, **kwargs) -> float:
+    return math.prod(b[:-2]) * a[-1] * a[-1] * b[-1]
+
+
+KERNELS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward,
+    aten.linalg_solve_triangular: _triangular_solve,
+}
+ATTENTION_OPS = (
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+)
+
+
+def _counted(run) -> tuple[float, float]:
+    """Total FLOPs torch counts for ``run()`` (matmuls, convolutions, the kernels above) and the attention ops'."""
+    with FlopCounterMode(display=False, custom_mapping=KERNELS) as counter:
+        run()
+    by_op = counter.get_flop_counts()["Global"]
+    attention = sum(
+        count for op, count in by_op.items() if op in {o.default for o in ATTENTION_OPS} or op in ATTENTION_OPS
+    )
+    return float(counter.get_total_flops()), float(attention)
+
+
+def _request(name: str, mode: str = "exact") -> PlanRequest:
+    return PlanRequest(
+        model=f"tiny-{name}", context=PROMPT, group=GROUP, completion=COMPLETION, gpus=1, dtype=torch.float32,
+        engine=EngineConfig(chunk_size=CHUNK), mode=mode,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(TINY_PRESETS))
+def measured(request):
+    """Per family: torch's counts of a capture, a detached step and an exact step, and the model's phases."""
+    name = request.param
+    config = TINY_PRESETS[name]()
+    torch.manual_seed(0)
+    model = build_model(config, dtype=torch.float32)
+    engine = Engine(model, EngineConfig(chunk_size=CHUNK))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (PROMPT,), generator=gen)
+    completions = [torch.randint(0, config.vocab_size, (COMPLETION,), generator=gen) for _ in range(GROUP)]
+    for k, completion in enumerate(completions):  # distinct first tokens: no branch shares a node with another
+        completion[0] = k
+    rewards = [0.0, 1.0, 0.5]
+
+    def step(mode: str):
+        model.zero_grad(set_to_none=True)
+        return lambda: grpo_backward(engine, prompt, completions, rewards, mode)
+
+    with torch.no_grad():
+        capture = _counted(lambda: engine.capture(prompt[:-1]))  # a step's last prompt token starts each branch
+    counted = {"capture": capture, "detached": _counted(step("detached")), "exact": _counted(step("exact"))}
+    phases = step_work(_request(name), ModelWork.of(config, torch.float32, CHUNK), rollout=False).phases
+    return name, counted, phases
+
+
+def _modelled(phases: dict[str, Work], names: tuple[str, ...]) -> Work:
+    result = Work()
+    for name in names:
+        result = result + phases[name]
+    return result
+
+
+STEPS = {"capture": ("capture",), "detached": ("capture", "replay"), "exact": ("capture", "replay", "walk")}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_flops_of_each_phase_match_torchs_count_of_the_real_run(measured, step):
+    """Weight matmuls (a mixture of experts' routed share), attention pairs as the kernels compute them, the delta
+    rule, DSA's index scores (counted as scores; no backward), the capture's last layer computing its state entries
+    alone, the head's tiles recomputed in backward, exact mode's walk recomputing whole layers: within 2 % of
+    torch's count."""
+    name, counted, phases = measured
+    modelled = _modelled(phases, STEPS[step])
+    config = TINY_PRESETS[name]()
+    per_score = 2 * config.index_n_heads * (config.index_head_dim + 1) if name == "glm_moe_dsa" else 0
+    assert counted[step][0] == pytest.approx(modelled.flops + per_score * modelled.selection, rel=0.02), (name, step)
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_attention_flops_are_the_fused_kernels(measured, step):
+    name, counted, phases = measured
+    if name == "glm_moe_dsa":
+        pytest.skip("past index_topk the selected rows are attended with batched products, not the fused kernel")
+    modelled = _modelled(phases, STEPS[step])
+    assert counted[step][1] == pytest.approx(modelled.attention + modelled.attention_backward, rel=1e-6), (name, step)
+
+
+def test_cp_rank_computes_its_shard_and_receives_the_earlier_rows():
+    config = TINY_PRESETS["llama"]()
+    model = ModelWork.of(config, torch.float32, CHUNK)
+    one = step_work(_request("llama"), model, rollout=False).phases
+    shard = -(-(PROMPT - 1) // 2)  # the captured positions of the first rank
+    two = step_work(PlanRequest(**{**_request("llama").__dict__, "gpus": 2, "cp": 2}), model, rollout=False).phases
+    assert two["capture"].matmul == pytest.approx(one["capture"].matmul * (PROMPT - 1 - shard) / (PROMPT - 1))
+    assert two["capture"].attention == pytest.approx(model.chunked(shard, PROMPT - 1, CHUNK, True).attention)
+    rows = model.state_bytes(shard)
+    gathers = model.weight_bytes / 2  # FSDP2 over the two ranks: one gather of every layer
+    assert two["capture"].comm == pytest.approx(rows + gathers)
+    # replicated branch replays: every token's matmuls on every rank, attention to the rank's shard only
+    assert two["replay"].matmul == pytest.approx(one["replay"].matmul)
+    assert two["replay"].attention < one["replay"].attention
+    assert one["capture"].comm == one["replay"].comm == 0
+
+
+def test_calibration_recovers_the_rates_that_made_the_times():
+    rates = dict(matmul=0.5, attention=0.2, attention_backward=0.1, recurrent=0.05, memory=0.6, link=0.5)
+    truth = HardwareProfile(
+        name="truth", peak_flops=1e12, memory_bandwidth=1e11, link_bandwidth=1e10, launch_s=2e-4,
+        branch_call_s=5e-4, decode_call_s=1e-3, selection_s=3e-10, efficiency=Efficiency(**rates), measured_on="-",
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    scales = {"matmul": 1e12, "attention": 1e11, "attention_backward": 1e11, "recurrent": 1e10, "selection": 1e9}
+    scales |= {"memory": 1e10, "launches": 1e3, "branch_calls": 1e3, "decode_calls": 1e3}
+    samples = []
+    for _ in range(16):
+        work = Work(**{name: float(rng.uniform(0.1, 1.0)) * scale for name, scale in scales.items()})
+        samples.append((work, truth.time(work)))
+    everything_at_one = Efficiency(**{**dict.fromkeys(rates, 0.9), "memory": 0.6})  # memory known: kept
+    guess = truth.model_copy(
+        update={"efficiency": everything_at_one, "launch_s": 1e-5, "branch_call_s": 1e-5, "decode_call_s": 1e-5}
+    )
+    fitted = calibrate(guess, samples, name="fitted", keep=("memory",))
+    for name in ("matmul", "attention", "attention_backward", "recurrent"):
+        assert getattr(fitted.efficiency, name) == pytest.approx(rates[name], rel=0.02), name
+    for name in ("launch_s", "branch_call_s", "decode_call_s", "selection_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
+    assert fitted.efficiency.memory == 0.6  # kept: not fitted, its time taken off each sample before the fit
+    assert fitted.measured_on == "fitted"
+
+
+def test_step_time_table_names_every_phase_and_the_model():
+    timed = step_time(PlanRequest(model="tiny-qwen3_5", context=4096, gpus=2, mode="exact"), PROFILES["h20"])
+    table = timed.table()
+    for phase in ("rollout", "capture", "replay", "walk"):
+        assert phase in table
+    assert "a model output" in table
+    seconds = timed.phase_seconds()
+    assert timed.training_seconds() == pytest.approx(sum(v for k, v in seconds.items() if k != "rollout"))
+    assert 0 < timed.comm_share() < 1
+
+
+def test_the_h200_profile_is_what_the_bench_fits_to_the_stored_h200_rows():
+    """``PROFILES['h200']`` is ``bench/timing.py``'s fit of ``bench/results/gpu.json`` (refitted here)."""
+    from bench.timing import fit_rows
+
+    record = json.loads((RESULTS / "gpu.json").read_text())
+    profile, _ = fit_rows(record)
+    assert profile == H200_MEASURED == PROFILES["h200"]
+    assert HardwareProfile(**json.loads((RESULTS / "timing_h200.json").read_text())["profile"]) == H200_MEASURED
