@@ -454,7 +454,7 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     capture = (min(window + 1, probed.layers) * layer + probed.root) * compute  # (no more layers than the model's)
     if walk:
         weights = capture
-        in_flight = min(window, probed.layers) * layer * master
+        in_flight = min(window, probed.layers - 1) * layer * master  # besides the layer under backward
     else:
         weights = (layer + probed.root) * compute
         in_flight = layer * master if request.mixed else 0
