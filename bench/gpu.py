@@ -35,6 +35,7 @@ import argparse
 import gc
 import importlib.metadata
 import json
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -275,28 +276,34 @@ def measure_phases(
         if on_row is not None:
             on_row(rows[-1])
 
-    with clock(device) as timing, torch.no_grad():
-        state = engine.capture(work.prompt[:-1])
-    state_bytes = state.nbytes
+    def timed(fn: Callable[[], Any]) -> tuple[Timing, Any]:
+        """The median of ``args.repeats`` timings of ``fn()`` (its largest peak) and its last result."""
+        timings, result = [], None
+        for _ in range(args.repeats):
+            model.zero_grad(set_to_none=True)
+            with clock(device) as timing:
+                result = fn()
+            timings.append(timing)
+        peaks = [t.peak for t in timings if t.peak is not None]
+        return Timing(statistics.median(t.seconds for t in timings), max(peaks) if peaks else None), result
+
+    def from_the_context(state: State) -> None:
+        """The phases that start from the captured context (its state freed when they are done)."""
+        row("scoring", timed(lambda: score(engine, group, state))[0], scored)
+        row("replay", timed(lambda: replay(engine, group, state))[0], scored)
+        row("decode", timed(lambda: decode(engine, state, work.decode_tokens))[0], work.decode_tokens.numel())
+
+    with torch.no_grad():
+        timing, captured = timed(lambda: engine.capture(work.prompt[:-1]))
+    state_bytes = captured.nbytes
     row("capture", timing, positions)
-    with clock(device) as timing:
-        score(engine, group, state)
-    row("scoring", timing, scored)
-    model.zero_grad(set_to_none=True)
-    with clock(device) as timing:
-        replay(engine, group, state)
-    row("replay", timing, scored)
-    with clock(device) as timing:
-        decode(engine, state, work.decode_tokens)
-    row("decode", timing, work.decode_tokens.numel())
-    del state
+    from_the_context(captured)
+    del captured
     if positions not in args.exact_at:
         return rows
     steps = {}
     for mode in ("detached", "exact"):
-        model.zero_grad(set_to_none=True)
-        with clock(device) as timing:
-            grpo_backward(engine, work.prompt, work.completions, work.rewards, mode)
+        timing, _ = timed(lambda mode=mode: grpo_backward(engine, work.prompt, work.completions, work.rewards, mode))
         row(f"{mode}_step", timing, positions + scored)
         steps[mode] = timing.seconds
     model.zero_grad(set_to_none=True)
@@ -338,15 +345,27 @@ def free(device: torch.device) -> None:
 
 
 def run_family(family: str, args: argparse.Namespace, device: torch.device) -> tuple[list[dict[str, Any]], dict]:
-    """The family's rows at every length, and the seconds its build and warm-up took (not part of any row)."""
+    """The family's rows at every length, and the seconds its build, warm-up and kernel micro-benchmarks took (not
+    part of any row) with the rates those measured (``bench.ceilings``: the time model's profile, per family)."""
+    from bench.ceilings import measure_profile  # (it builds on this module's models and phases)
+
     start = time.perf_counter()
     model = build(family, args, device)
     engine = Engine(model, EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements))
     built = time.perf_counter()
     warm_up = argparse.Namespace(**{**vars(args), "exact_at": [2 * args.chunk], "decode_tokens": 2})
     measure_phases(model, engine, 2 * args.chunk, warm_up)
-    setup = {"build_s": built - start, "warm_up_s": time.perf_counter() - built}
-    print(f"# {family}: built in {setup['build_s']:.1f} s, warm-up {setup['warm_up_s']:.1f} s", flush=True)
+    warm = time.perf_counter()
+    profile = measure_profile(
+        family, args, device, torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    )
+    setup = {"build_s": built - start, "warm_up_s": warm - built, "ceilings_s": time.perf_counter() - warm}
+    setup["profile"] = profile.model_dump()
+    print(
+        f"# {family}: built in {setup['build_s']:.1f} s, warm-up {setup['warm_up_s']:.1f} s, "
+        f"micro-benchmarks {setup['ceilings_s']:.1f} s",
+        flush=True,
+    )
     rows = []
     for positions in args.lengths:
         rows += measure_phases(model, engine, positions, args, on_row=lambda r: print(format_row(r), flush=True))
@@ -388,6 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--completion", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="timings per phase (the median is reported)")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument(
         "--max-score-elements",
@@ -418,7 +438,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure, print and write the record (also returned)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -436,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {"device": name, "args": settings, "versions": versions(), "setup": setup, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out} ({time.perf_counter() - start:.0f} s in all)")
+    return record
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@ The work of each phase is counted for one rank from the model's config and the s
 
 - ``matmul``: FLOPs of the weight matmuls — two per weight a token multiplies (a mixture of experts' routed share
   only: ``FamilyAdapter.active_fraction``), the LM head where log-probs are taken;
-- ``attention``: softmax attention's (query, key) pairs as the fused kernels compute them (the masked half of a
-  chunk's diagonal block skipped; DSA's top-k rows and its index scores: ``FamilyAdapter.layer_work``);
+- ``attention`` (and ``attention_backward``): softmax attention's (query, key) pairs as the fused kernels compute
+  them (the masked half of a chunk's diagonal block skipped; DSA's top-k rows: ``FamilyAdapter.layer_work``);
 - ``recurrent``: GatedDeltaNet's chunked delta rule;
+- ``selection``: DSA's index scores, each with its share of the top-k (no gradient);
+- ``elementwise``: the elements the matmuls write, which the norms, rotations, activations, residuals and merges
+  around them go over;
+- ``gathered``: bytes gathered row by row (DSA's selected rows), scattered back in backward;
 - ``memory``: bytes a memory-bound phase reads (decoding: the weights once per step for the whole batch, the shared
   prefix's state once per step per group, each member's own rows);
 - ``launches``, ``branch_calls``, ``decode_calls``: layer calls (and sequential steps inside a layer) of a chunk, of
@@ -17,14 +21,18 @@ The work of each phase is counted for one rank from the model's config and the s
   merged over cp ranks in replicated extends, exact mode's state gradient going back, FSDP's gathers and
   reduce-scatters.
 
-A backward pass costs twice its forward in matmuls and recurrent work and 2.5 times in attention (the fused
-backward recomputes the scores: five products to the forward's two); activation checkpointing adds one forward.
+A backward pass costs twice its forward in matmuls, recurrent and elementwise work and 2.5 times in attention (the
+fused backward recomputes the scores: five products to the forward's two); activation checkpointing adds one
+forward.
 
-``HardwareProfile`` turns work into seconds: each class at its own achieved rate (peak x efficiency), summed (no
-overlap: an upper estimate where communication hides behind compute). The efficiencies are measured, not assumed:
-``calibrate`` fits them to measured phase times of one configuration (``bench/timing.py`` on this CPU,
-``bench/gpu.py`` on an H200), and the held-out configurations validate them. H100 and H20 reuse the H200's
-efficiencies (the same Hopper architecture) at their own peaks — a model output, labelled as such.
+``HardwareProfile`` turns work into seconds: each class at its own achieved rate (peak x efficiency) plus the host's
+latency per layer call on each path, summed (no overlap: an upper estimate where communication hides behind
+compute, or the host behind the device). ``bench/ceilings.py`` measures a profile op by op (a layer-shaped matmul,
+the attention kernels, the delta rule, DSA's top-k, a matrix-vector product, layer calls at a negligible width) and
+``bench/timing.py`` checks it against every phase measured on the same machine, none fitted; ``calibrate`` instead
+fits a profile to measured phases. The H200's profile has its matmul and copy rates from measurements on one and
+typical attention fractions; H100 and H20 take the same fractions at their own peaks — a model output, labelled
+as such.
 
     time = step_time(PlanRequest(model="qwen3.6-27b", context=2_100_000, gpus=8), PROFILES["h20"])
     print(time.table())
@@ -50,13 +58,15 @@ BACKWARD = {
     "attention_backward": 0.0,
     "recurrent": 2.0,
     "selection": 0.0,  # DSA's index scores take no gradient
-    "memory": 2.0,  # gathered rows: gathered again, their gradients scattered back
+    "memory": 0.0,
+    "gathered": 2.0,  # gathered again in backward, and the rows' gradients scattered back
+    "elementwise": 2.0,  # gathered rows: gathered again, their gradients scattered back
     "launches": 2.0,
     "branch_calls": 2.0,
     "decode_calls": 0.0,
     "comm": 0.0,
 }
-COMPUTE_CLASSES = ("matmul", "attention", "attention_backward", "recurrent", "selection")
+COMPUTE_CLASSES = ("matmul", "attention", "attention_backward", "recurrent", "selection", "elementwise")
 EXACT_CHUNKS = 2048  # chunks counted one by one (beyond: runs summed from their ends)
 
 
@@ -69,7 +79,9 @@ class Work:
     attention_backward: float = 0.0
     recurrent: float = 0.0
     selection: float = 0.0
+    elementwise: float = 0.0
     memory: float = 0.0
+    gathered: float = 0.0
     launches: float = 0.0
     branch_calls: float = 0.0
     decode_calls: float = 0.0
@@ -115,6 +127,8 @@ class ModelWork:
     dtype: torch.dtype
     linear_per_token: float  # FLOPs of the decoder layers' weight matmuls for one token
     skipped_per_token: float  # of those, the last layer's that its state entries do not need (a capture skips them)
+    outputs_per_token: float  # elements the layers' matmuls write for one token: what the elementwise kernels around
+    # them (norms, rotations, activations, residuals, merges) go over
     weight_bytes: float  # every parameter, in ``dtype``
     active_weight_bytes: float  # the weights one token reads (a mixture of experts: its routed share)
     chunk: int  # the engine's chunk: the state's blocks, each attended by a kernel call of its own
@@ -125,20 +139,25 @@ class ModelWork:
         itemsize = torch.empty((), dtype=dtype).element_size()
         last = f".layers.{config.num_hidden_layers - 1}."
         state = adapter.state_parameters(config)
-        linear = skipped = weights = active = 0.0
+        linear = skipped = outputs = weights = active = 0.0
         for name, p in meta_model(config, dtype).named_parameters():
             share = adapter.active_fraction(config, name)
             weights += p.numel() * itemsize
             active += p.numel() * itemsize * share
             if ".layers." in name and p.dim() >= 2:  # matrices (and the depthwise convolution's kernel)
                 linear += 2.0 * p.numel() * share
+                packed_experts = p.dim() == 3 and ".experts." in f".{name}"  # [experts, out, in]
+                outputs += p.shape[1 if packed_experts else 0] * share
                 if last in name and not name.endswith(state):
                     skipped += 2.0 * p.numel() * share
-        return cls(config, dtype, linear, skipped, weights, active, chunk)
+        return cls(config, dtype, linear, skipped, outputs, weights, active, chunk)
 
     @property
     def layers(self) -> int:
         return int(self.config.num_hidden_layers)
+
+    def _skipped_share(self) -> float:
+        return self.skipped_per_token / self.linear_per_token if self.linear_per_token else 0.0
 
     def forward(self, new: int, earlier: int, entries_only: bool = False) -> Work:
         """One call of every layer on ``new`` positions after ``earlier`` ones (no LM head); ``entries_only``: the
@@ -149,10 +168,11 @@ class ModelWork:
             layers = [*layers[:-1], LayerWork(recurrent=last.recurrent, steps=last.steps if last.recurrent else 0)]
         return Work(
             matmul=(self.linear_per_token - (self.skipped_per_token if entries_only else 0.0)) * new,
+            elementwise=self.outputs_per_token * new * (1.0 - self._skipped_share() if entries_only else 1.0),
             attention=sum(w.attention for w in layers),
             recurrent=sum(w.recurrent for w in layers),
             selection=sum(w.selection for w in layers),
-            memory=sum(w.memory for w in layers),
+            gathered=sum(w.gathered for w in layers),
             launches=self.layers + sum(w.steps for w in layers),
         )
 
@@ -327,7 +347,9 @@ class Schedule:
                     attention=token.attention * group,
                     recurrent=token.recurrent * group,
                     selection=token.selection * group,
-                    memory=weights + state + token.memory * group,
+                    elementwise=token.elementwise * group,
+                    memory=weights + state,
+                    gathered=token.gathered * group,
                     decode_calls=token.launches,
                 )
             )
@@ -363,6 +385,8 @@ class HardwareProfile(BaseModel):
     branch_call_s: float = Field(ge=0)  # ... of a branch's extend
     decode_call_s: float = Field(ge=0)  # ... of a batched decoding step
     selection_s: float = Field(ge=0)  # seconds per (query, key) index score (DSA: scoring and its top-k)
+    elementwise_s: float = Field(default=0.0, ge=0)  # seconds per matmul output element, for the kernels around it
+    gather_s: float = Field(default=0.0, ge=0)  # seconds per byte gathered row by row (and scattered back)
     efficiency: Efficiency
     measured_on: str  # where the efficiencies come from
 
@@ -383,6 +407,8 @@ class HardwareProfile(BaseModel):
         rates = self.rates()
         spent = {name: getattr(work, name) / rate for name, rate in rates.items()}
         spent["selection"] = work.selection * self.selection_s
+        spent["elementwise"] = work.elementwise * self.elementwise_s
+        spent["gathered"] = work.gathered * self.gather_s
         spent["launches"] = work.launches * self.launch_s + work.branch_calls * self.branch_call_s
         spent["launches"] += work.decode_calls * self.decode_call_s
         return spent
@@ -428,13 +454,15 @@ def calibrate(
         "branch_call_s": unit["branch_calls"],
         "decode_call_s": unit["decode_calls"],
         "selection_s": unit["selection"],
+        "elementwise_s": unit["elementwise"],
+        "gather_s": unit["gathered"],
         "measured_on": name or profile.measured_on,
     }
     return profile.model_copy(update={"efficiency": efficiency, **update})
 
 
 FITTED = (
-    *("matmul", "attention", "attention_backward", "recurrent", "selection", "memory"),
+    *("matmul", "attention", "attention_backward", "recurrent", "selection", "elementwise", "memory", "gathered"),
     *("launches", "branch_calls", "decode_calls"),
 )
 
@@ -460,12 +488,16 @@ def _unit_seconds(profile: HardwareProfile) -> dict[str, float]:
     unit["branch_calls"] = max(profile.branch_call_s, 1e-9)
     unit["decode_calls"] = max(profile.decode_call_s, 1e-9)
     unit["selection"] = max(profile.selection_s, 1e-15)
+    unit["elementwise"] = max(profile.elementwise_s, 1e-15)
+    unit["gathered"] = max(profile.gather_s, 1e-15)
     return unit
 
 
 NVLINK_BYTES_PER_S = 450e9  # NVLink 4: 900 GB/s per GPU, both directions together
-# An H200 before its calibration (``bench/timing.py`` fits it): matmul and memory at what a large bf16 matmul
-# (788 TFLOP/s) and a device copy (4.3 TB/s) reach on one; the rest typical Hopper fractions
+# An H200: matmul and memory at what a large bf16 matmul (788 TFLOP/s) and a device copy (4.3 TB/s) reached on one
+# here; attention at 0.35 of peak (FlashAttention-2's forward on Hopper; the dense capture's growth from 32K to 128K
+# on one here, where attention dominates, gives 0.32), its backward 0.25; the host latencies are not measured on it
+# (they matter for small models only: bench/timing.py). bench/ceilings.py measures all of them on a GPU run.
 H200_PRIOR = HardwareProfile(
     name="H200",
     peak_flops=989e12,
@@ -475,8 +507,10 @@ H200_PRIOR = HardwareProfile(
     branch_call_s=100e-6,
     decode_call_s=100e-6,
     selection_s=1e-12,
+    elementwise_s=3e-12,  # about six bf16 passes over each element at the copy's rate
+    gather_s=1e-12,  # rows of a kilobyte or more gather near the copy's rate
     efficiency=Efficiency(matmul=0.8, attention=0.35, attention_backward=0.25, recurrent=0.2, memory=0.9, link=0.7),
-    measured_on="not measured (typical Hopper fractions)",
+    measured_on="matmul and copy rates measured on an H200, attention and host latencies typical, not measured",
 )
 
 
@@ -485,45 +519,10 @@ def hopper(name: str, peak_flops: float, memory_bandwidth: float, measured: Hard
     return measured.model_copy(update={"name": name, "peak_flops": peak_flops, "memory_bandwidth": memory_bandwidth})
 
 
-# Fitted by ``bench/timing.py --rows bench/results/gpu.json`` (bench/results/timing_h200.json): one H200, torch 2.11,
-# CUDA 13, no flash-linear-attention (the delta rule's pure-torch scan: its cost is in its per-block steps); matmul
-# and memory kept at what a large bf16 matmul (788 TFLOP/s) and a device copy (4.3 TB/s) reach on that machine
-H200_MEASURED = HardwareProfile(
-    name="H200",
-    peak_flops=989e12,
-    memory_bandwidth=4.8e12,
-    link_bandwidth=NVLINK_BYTES_PER_S,
-    launch_s=0.00018224157210169545,
-    branch_call_s=0.0006544364898842346,
-    decode_call_s=0.001458629719571994,
-    selection_s=7.297886082490869e-10,
-    efficiency=Efficiency(
-        matmul=0.8,
-        attention=0.22349231931005986,
-        attention_backward=0.10791778077779227,
-        recurrent=1.0,
-        memory=0.9000000000000001,
-        link=0.7,
-    ),
-    measured_on="NVIDIA H200, dense, hybrid, mla at 32768 positions (18 phases)",
-)
-# A CPU before its calibration (``bench/timing.py`` fits it): nominal rates, all classes alike
-CPU_UNMEASURED = HardwareProfile(
-    name="this CPU",
-    peak_flops=1e11,
-    memory_bandwidth=2e10,
-    link_bandwidth=1e9,
-    launch_s=1e-4,
-    branch_call_s=1e-4,
-    decode_call_s=1e-4,
-    selection_s=1e-9,
-    efficiency=Efficiency(matmul=0.5, attention=0.5, attention_backward=0.5, recurrent=0.5, memory=0.5, link=0.5),
-    measured_on="not measured (nominal)",
-)
 PROFILES: dict[str, HardwareProfile] = {
-    "h200": H200_MEASURED,
-    "h100": hopper("H100 SXM", 989e12, 3.35e12, H200_MEASURED),
-    "h20": hopper("H20", 148e12, 4.0e12, H200_MEASURED),
+    "h200": H200_PRIOR,
+    "h100": hopper("H100 SXM", 989e12, 3.35e12, H200_PRIOR),
+    "h20": hopper("H20", 148e12, 4.0e12, H200_PRIOR),
 }
 
 

@@ -121,24 +121,33 @@ def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
     assert all(r["grad_drift"] > 0.0 for r in rows[1:])
 
 
-def test_gpu_bench_quick_times_every_phase_of_every_family(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def timing_quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict, Path]:
+    """``bench.timing --quick``: it runs ``bench.gpu`` at toy sizes on the CPU (its phases and each family's
+    micro-benchmarks) and models every row: its output, the phases' record, the timing record, the folder."""
+    folder = tmp_path_factory.mktemp("timing")
+    stdout = run_module("bench.timing", "--quick", "--out", str(folder / "timing.json"))
+    phases = json.loads((folder / "phases_cpu.json").read_text())
+    return stdout, phases, json.loads((folder / "timing.json").read_text()), folder
+
+
+def test_gpu_bench_quick_times_every_phase_of_every_family(timing_quick) -> None:
     """On the CPU at toy sizes: one printed and one JSON row per (family, positions, phase), whole steps and the
-    walk at the ``--exact-at`` length only; the walk is the difference it says it is; states as ``state_size``
+    walk at the ``--exact-at`` lengths; the walk is the difference it says it is; states as ``state_size``
     predicts."""
-    out = tmp_path / "gpu.json"
-    stdout = run_module("bench.gpu", "--quick", "--device", "cpu", "--out", str(out))
-    record = json.loads(out.read_text())
+    stdout, record, _, _ = timing_quick
     assert record["device"] == "cpu" and sorted(record["versions"]) == ["cuda", "fla", "torch", "transformers"]
     assert sorted(record["setup"]) == ["dense", "hybrid", "mla"]
     rows = record["rows"]
-    printed = [line.split() for line in stdout.splitlines()]  # one table line per row, as it is measured
+    measuring = stdout[: stdout.index("wrote ")]  # bench.gpu's output (then bench.timing's report)
+    printed = [line.split() for line in measuring.splitlines()]  # one table line per row, as it is measured
     table = [(line[0], int(line[2]), line[3]) for line in printed if line[0] in record["setup"]]
     assert table == [(r["family"], r["positions"], r["phase"] + ("*" if r["difference_of"] else "")) for r in rows]
     phases = ["capture", "scoring", "replay", "decode"]
     for family in ("hybrid", "dense", "mla"):
-        at = {n: {r["phase"]: r for r in rows if r["family"] == family and r["positions"] == n} for n in (128, 256)}
-        assert list(at[128]) == [*phases, "detached_step", "exact_step", "walk"] and list(at[256]) == phases
-        assert at[128]["detached_step"]["tokens"] == at[128]["exact_step"]["tokens"] == 128 + 2 * 8
+        at = {n: {r["phase"]: r for r in rows if r["family"] == family and r["positions"] == n} for n in (256, 512)}
+        assert list(at[256]) == [*phases, "detached_step", "exact_step", "walk"] and list(at[512]) == phases
+        assert at[256]["detached_step"]["tokens"] == at[256]["exact_step"]["tokens"] == 256 + 2 * 8
         for n, by_phase in at.items():
             assert {r["parameters"] for r in by_phase.values()} == {by_phase["capture"]["parameters"]} != {0}
             assert by_phase["capture"]["tokens"] == n
@@ -146,11 +155,11 @@ def test_gpu_bench_quick_times_every_phase_of_every_family(tmp_path: Path) -> No
             assert by_phase["decode"]["tokens"] == 2 * 4  # G members, 4 steps
             for r in by_phase.values():
                 assert r["state_bytes"] == r["state_bytes_analytic"] > 0 and r["peak_bytes"] is None
-        measured = [r for r in at[128].values() if r["difference_of"] is None]
+        measured = [r for r in at[256].values() if r["difference_of"] is None]
         assert len(measured) == 6 and all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in measured)
-        walk = at[128]["walk"]
+        walk = at[256]["walk"]
         assert walk["difference_of"] == ["exact_step", "detached_step"]
-        assert walk["seconds"] == at[128]["exact_step"]["seconds"] - at[128]["detached_step"]["seconds"]
+        assert walk["seconds"] == at[256]["exact_step"]["seconds"] - at[256]["detached_step"]["seconds"]
 
 
 @pytest.mark.distributed
@@ -220,18 +229,19 @@ def test_learning_ablation_runs_a_prefix_of_its_fixed_seeds() -> None:
         first_seeds(FULL, 0)
 
 
-def test_timing_bench_quick_fits_at_the_shortest_length_and_predicts_the_rest(tmp_path: Path) -> None:
-    """On the CPU at toy sizes: every measured row gets the time model's prediction; the fit uses the shortest
-    length's rows of every family and holds the longer length out; the summary counts the held-out rows."""
-    out = tmp_path / "timing.json"
-    stdout = run_module("bench.timing", "--quick", "--out", str(out))
-    record = json.loads(out.read_text())
+def test_timing_bench_quick_models_every_row_from_micro_benchmarks(timing_quick) -> None:
+    """Every row gets the time model's seconds from its family's micro-benchmarked profile, none fitted to a
+    phase."""
+    stdout, _, record, folder = timing_quick
     rows = record["rows"]
-    assert {r["family"] for r in rows} == {"dense", "hybrid", "mla"}
-    assert {r["positions"] for r in rows} == {256, 512}
-    assert all(r["held_out"] == (r["positions"] == 512) for r in rows)
+    assert {r["family"] for r in rows} == set(record["profiles"]) == {"dense", "hybrid", "mla"}
+    assert {r["positions"] for r in rows} == {256, 512} and all(r["held_out"] for r in rows)
     assert all(r["predicted_s"] > 0 and r["ratio"] == r["predicted_s"] / r["seconds"] for r in rows)
-    assert record["profile"]["measured_on"].startswith("cpu, dense, hybrid, mla at 256 positions")
-    held_out_steps = [r for r in rows if r["held_out"] and r["phase"] in ("detached_step", "exact_step")]
-    assert record["summary"]["held_out_steps"] == len(held_out_steps) == 6
-    assert "held-out one-process steps: worst error" in stdout
+    for family, profile in record["profiles"].items():
+        assert "micro-benchmarks" in profile["measured_on"], family
+        assert profile["launch_s"] > 0 and profile["branch_call_s"] > 0 and profile["decode_call_s"] > 0
+    assert record["profiles"]["mla"]["selection_s"] > 0 and record["profiles"]["mla"]["gather_s"] > 0
+    assert record["profiles"]["dense"]["selection_s"] == 0
+    steps = [r for r in rows if r["phase"] in ("detached_step", "exact_step")]
+    assert record["summary"]["held_out_steps"] == len(steps) == 6
+    assert "held-out one-process steps: model/measured" in stdout

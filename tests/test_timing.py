@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +14,6 @@ from longstraw_agents.models.base import causal_pairs
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.planner import PlanRequest
 from longstraw_agents.timing import (
-    H200_MEASURED,
     PROFILES,
     Efficiency,
     HardwareProfile,
@@ -29,7 +26,6 @@ from longstraw_agents.timing import (
 from longstraw_agents.trainer import grpo_backward
 
 aten = torch.ops.aten
-RESULTS = Path(__file__).parents[1] / "bench" / "results"
 PROMPT, COMPLETION, GROUP, CHUNK = 96, 12, 3, 32
 
 
@@ -188,13 +184,3 @@ def test_step_time_table_names_every_phase_and_the_model():
     seconds = timed.phase_seconds()
     assert timed.training_seconds() == pytest.approx(sum(v for k, v in seconds.items() if k != "rollout"))
     assert 0 < timed.comm_share() < 1
-
-
-def test_the_h200_profile_is_what_the_bench_fits_to_the_stored_h200_rows():
-    """``PROFILES['h200']`` is ``bench/timing.py``'s fit of ``bench/results/gpu.json`` (refitted here)."""
-    from bench.timing import fit_rows
-
-    record = json.loads((RESULTS / "gpu.json").read_text())
-    profile, _ = fit_rows(record)
-    assert profile == H200_MEASURED == PROFILES["h200"]
-    assert HardwareProfile(**json.loads((RESULTS / "timing_h200.json").read_text())["profile"]) == H200_MEASURED

@@ -85,7 +85,7 @@ class LayerWork:
     attention: float = 0.0  # FLOPs of softmax attention over (query, key) pairs in a fused kernel
     recurrent: float = 0.0  # FLOPs of a recurrent mixer's own arithmetic (the chunked delta rule)
     selection: float = 0.0  # (query, key) scores chosen from (DSA's index scores and their top-k; no gradient)
-    memory: float = 0.0  # bytes moved by gathers (DSA's selected rows)
+    gathered: float = 0.0  # bytes gathered row by row (DSA's selected rows)
     steps: float = 0.0  # sequential steps of a few kernels each (the delta rule's blocks, a MoE's experts)
 
 

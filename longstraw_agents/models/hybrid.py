@@ -295,10 +295,8 @@ class HybridAdapter(FamilyAdapter):
 
     @classmethod
     def layer_work(cls, config: Any, new: int, earlier: int, itemsize: int) -> list[LayerWork]:
-        """The delta rule's blocks are sequential steps of the pure-torch scan (fla's kernels scan on the device;
-        the time model is calibrated where fla was absent)."""
         attention = LayerWork(attention=attention_pair_flops(config) * causal_pairs(new, earlier))
-        delta = LayerWork(recurrent=delta_rule_flops(config, new), steps=-(-new // DELTA_CHUNK))
+        delta = LayerWork(recurrent=delta_rule_flops(config, new))  # its blocks' steps: in the scan's measured rate
         types = config.layer_types[: config.num_hidden_layers]
         return [delta if layer_type == "linear_attention" else attention for layer_type in types]
 

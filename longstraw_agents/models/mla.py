@@ -488,7 +488,7 @@ class MLAAdapter(FamilyAdapter):
         for i in range(config.num_hidden_layers):
             scores = new * (earlier + new) if sparse and config.indexer_types[i] == "full" else 0
             steps = experts if config.mlp_layer_types[i] == "sparse" else 0
-            work.append(LayerWork(attention=pair * pairs, selection=scores, memory=gathered, steps=steps))
+            work.append(LayerWork(attention=pair * pairs, selection=scores, gathered=gathered, steps=steps))
         return work
 
     @classmethod

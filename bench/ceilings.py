@@ -1,0 +1,187 @@
+"""What a device reaches on each class of the time model's work, measured op by op (no phase of a step is used):
+the rates of a ``HardwareProfile`` from micro-benchmarks of the kernels the engine calls, at one family's shapes.
+
+- ``matmul``: a layer-shaped ``F.linear`` (a chunk of tokens through an MLP projection);
+- ``attention`` / ``attention_backward``: the engine's attention backend on one chunk x chunk block, forward and
+  backward (``Attention("auto")``: the fused CPU or CUDA flash kernels);
+- ``recurrent``: ``chunk_gated_delta_rule`` over a chunk (its blocks' sequential steps included);
+- ``selection``: DSA's index scores of a chunk against four chunks of keys and their ``stable_topk``;
+- ``memory``: a matrix-vector product (what a decoding step reads its weights with); ``gathered``: rows gathered at
+  random and scattered back (DSA's selected rows);
+- the host's latency per layer call on each path (a chunk of a capture, a branch's extend under autograd, a batched
+  decoding step): the same family's code at a width of 64 over a few tokens, where the arithmetic is negligible;
+- ``elementwise``: what one chunk's capture through the family's real model takes beyond all of the above (its norms,
+  rotations, activations, residuals, merges), per element its matmuls write — the one measurement of the model's
+  code at full width, over a single chunk (the rows ``bench/timing.py`` checks are longer contexts and other phases).
+
+Each is the median of ``repeats`` timings after one untimed call, synchronised on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu import FAMILIES, Workload, build, decode, replay
+from longstraw_agents.attention import Attention
+from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.hybrid import chunk_gated_delta_rule, delta_rule_flops
+from longstraw_agents.models.mla import stable_topk
+from longstraw_agents.planner import PlanRequest
+from longstraw_agents.timing import Efficiency, HardwareProfile, ModelWork, Schedule
+
+
+def seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Median wall time of ``fn()`` after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_rate(hidden: int, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
+    x = torch.randn(chunk, hidden, dtype=dtype, device=device)
+    w = torch.randn(3 * hidden, hidden, dtype=dtype, device=device)
+    return 2 * chunk * hidden * 3 * hidden / seconds(lambda: F.linear(x, w), device)
+
+
+def attention_rates(
+    heads: int, kv_heads: int, head_dim: int, chunk: int, dtype: torch.dtype, device: torch.device
+) -> tuple[float, float]:
+    """FLOP/s of the backend's forward and backward on one full chunk x chunk block."""
+    q = torch.randn(1, heads, chunk, head_dim, dtype=dtype, device=device)
+    k, v = (torch.randn(1, kv_heads, chunk, head_dim, dtype=dtype, device=device) for _ in range(2))
+    backend = Attention().kernel(q, k, v)
+    scale = head_dim**-0.5
+    out, lse = backend.forward(q, k, v, False, scale)
+    d_out = torch.randn_like(out)
+    flops = 4 * heads * head_dim * chunk * chunk
+    forward = seconds(lambda: backend.forward(q, k, v, False, scale), device)
+    backward = seconds(lambda: backend.backward(d_out, q, k, v, out, lse, False, scale), device)
+    return flops / forward, 2.5 * flops / backward
+
+
+def delta_rule_rate(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of ``chunk_gated_delta_rule`` over one chunk (its blocks' sequential steps included)."""
+    heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # the scan's precision
+    q, k = (torch.randn(chunk, heads, dk, dtype=compute, device=device) for _ in range(2))
+    v = torch.randn(chunk, heads, dv, dtype=compute, device=device)
+    g = -torch.rand(chunk, heads, dtype=compute, device=device)
+    beta = torch.rand(chunk, heads, dtype=compute, device=device)
+    return delta_rule_flops(config, chunk) / seconds(lambda: chunk_gated_delta_rule(q, k, v, g, beta, None), device)
+
+
+def selection_seconds(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds per index score: a chunk's scores against four chunks of keys, weighted, and their top-k."""
+    heads, dim, keys = config.index_n_heads, config.index_head_dim, 4 * chunk
+    q = torch.randn(chunk, heads, dim, dtype=dtype, device=device)
+    k = torch.randn(keys, dim, dtype=dtype, device=device)
+    w = torch.randn(chunk, heads, dtype=dtype, device=device)
+
+    def select():
+        s = F.relu(torch.einsum("nhd,md->nhm", q, k))
+        return stable_topk(torch.einsum("nh,nhm->nm", w, s).float(), min(config.index_topk, keys))
+
+    return seconds(select, device) / (chunk * keys)
+
+
+def memory_rate(dtype: torch.dtype, device: torch.device, megabytes: int = 64) -> float:
+    """Bytes/s a decoding step reads weights at: a matrix-vector product over ``megabytes`` of weights."""
+    width = 4096
+    rows = megabytes * 2**20 // (width * torch.empty((), dtype=dtype).element_size())
+    weight = torch.randn(rows, width, dtype=dtype, device=device)
+    x = torch.randn(1, width, dtype=dtype, device=device)
+    return weight.numel() * weight.element_size() / seconds(lambda: F.linear(x, weight), device)
+
+
+def gather_seconds(dtype: torch.dtype, device: torch.device, rows: int = 1 << 16, width: int = 576) -> float:
+    """Seconds per byte of rows gathered at random (``index_select``) and their gradients scattered back
+    (``index_add``), as DSA's selected rows are, counted once."""
+    table = torch.randn(rows, width, dtype=dtype, device=device)
+    index = torch.randint(0, rows, (rows,), device=device)
+
+    def gather_and_scatter():
+        picked = table.index_select(0, index)
+        return torch.zeros_like(table).index_add_(0, index, picked)
+
+    return seconds(gather_and_scatter, device) / (2 * rows * width * table.element_size())
+
+
+def host_latencies(family: str, args: argparse.Namespace, device: torch.device) -> tuple[float, float, float]:
+    """Seconds per layer call (or sequential step inside one: a MoE's experts) of a capture's chunk, a branch's
+    extend and a decoding step, on the family's code at a width where the arithmetic is negligible: each path's
+    time over the calls the time model counts for it."""
+    tiny = argparse.Namespace(**{**vars(args), "hidden": 64, "vocab": 256, "group": 2, "completion": 2})
+    tiny.decode_tokens, tiny.index_topk, chunk, positions = 4, 8, 4, 16
+    model = build(family, tiny, device)
+    engine = Engine(model, EngineConfig(chunk_size=chunk))
+    work = Workload.random(positions, tiny, device)
+    request = PlanRequest(
+        model="tiny-llama", context=positions + 1, group=tiny.group, completion=tiny.completion, gpus=1,
+        dtype=model.dtype, engine=EngineConfig(chunk_size=chunk),
+    )  # fmt: skip
+    counted = ModelWork.of(model.config, model.dtype, chunk)
+    schedule = Schedule(request, counted)
+    decoding = Schedule(replace(request, completion=tiny.decode_tokens), counted)
+    with torch.no_grad():
+        capture = seconds(lambda: engine.capture(work.prompt[:-1]), device) / schedule.capture().launches
+        state = engine.capture(work.prompt[:-1])
+    branch = seconds(lambda: replay(engine, work.group(), state), device) / schedule.replay().branch_calls
+    step = seconds(lambda: decode(engine, state, work.decode_tokens), device) / decoding.rollout().decode_calls
+    return capture, branch, step
+
+
+def measure_profile(family: str, args: argparse.Namespace, device: torch.device, name: str) -> HardwareProfile:
+    """The rates the time model needs, at ``family``'s shapes under ``args`` (its width, chunk and dtype). Peaks
+    are set to the measured rates themselves (every efficiency is 1): the profile says what was reached."""
+    dtype = getattr(torch, args.dtype)
+    config = FAMILIES[family](args)
+    peak = matmul_rate(args.hidden, args.chunk, dtype, device)
+    head_dim = getattr(config, "head_dim", None) or args.hidden // config.num_attention_heads
+    if family == "mla":  # absorbed MLA: one KV head whose keys and values are the rows
+        heads, kv_heads, head_dim = config.num_attention_heads, 1, config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    forward, backward = attention_rates(heads, kv_heads, head_dim, args.chunk, dtype, device)
+    recurrent = delta_rule_rate(config, args.chunk, dtype, device) if family == "hybrid" else peak
+    selection = selection_seconds(config, args.chunk, dtype, device) if family == "mla" else 0.0
+    memory = memory_rate(dtype, device)
+    capture, branch, decoding = host_latencies(family, args, device)
+    profile = HardwareProfile(
+        name=name, peak_flops=peak, memory_bandwidth=memory, link_bandwidth=1e9, launch_s=capture,
+        branch_call_s=branch, decode_call_s=decoding, selection_s=selection,
+        efficiency=Efficiency(
+            matmul=1.0, attention=forward / peak, attention_backward=backward / peak, recurrent=recurrent / peak,
+            memory=1.0, link=1.0,
+        ),
+        measured_on=f"{name}: micro-benchmarks at the {family} family's shapes (no phase of a step)",
+    )  # fmt: skip
+    if family == "mla":
+        profile = profile.model_copy(update={"gather_s": gather_seconds(dtype, device)})
+    return profile.model_copy(update={"elementwise_s": elementwise_seconds(family, args, device, profile)})
+
+
+def elementwise_seconds(family: str, args: argparse.Namespace, device: torch.device, profile: HardwareProfile) -> float:
+    """Seconds per matmul output element of the work around the matmuls: one chunk's capture through the real
+    model, less what ``profile`` gives its matmuls, attention, delta rule, index scores and layer calls."""
+    model = build(family, args, device)
+    engine = Engine(model, EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements))
+    prompt = torch.randint(0, args.vocab, (args.chunk,), device=device)
+    with torch.no_grad():
+        measured = seconds(lambda: engine.capture(prompt), device)
+    work = ModelWork.of(model.config, model.dtype, args.chunk).chunked(0, args.chunk, args.chunk, entries_only=True)
+    return max(measured - profile.time(work), 0.0) / work.elementwise
