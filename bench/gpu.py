@@ -76,43 +76,40 @@ class AttentionShape:
         return cls(heads, max(1, heads // 8), min(128, hidden // heads * 2))
 
 
+def attention_model(hidden: int, layers: int, vocab: int) -> dict[str, int | bool]:
+    """The settings the hybrid and the dense model share: sizes, attention heads, the MLP, long positions."""
+    attention = AttentionShape.of(hidden)
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": attention.heads,
+        "num_key_value_heads": attention.kv_heads,
+        "head_dim": attention.head_dim,
+        "max_position_embeddings": 1 << 22,
+        "tie_word_embeddings": False,
+    }
+
+
 def scaled_hybrid(hidden: int, layers: int, vocab: int = VOCAB) -> Qwen3_5TextConfig:
     """The Qwen3.6-27B layout at a size one GPU holds with room for millions of positions of state."""
     attention = AttentionShape.of(hidden)
     linear = min(128, hidden // attention.heads)
     return Qwen3_5TextConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=attention.heads,
-        num_key_value_heads=attention.kv_heads,
-        head_dim=attention.head_dim,
+        **attention_model(hidden, layers, vocab),
         linear_num_key_heads=max(1, attention.heads // 2),
         linear_num_value_heads=attention.heads,
         linear_key_head_dim=linear,
         linear_value_head_dim=linear,
         linear_conv_kernel_dim=4,
         layer_types=hybrid_layer_types(layers),
-        max_position_embeddings=1 << 22,
-        tie_word_embeddings=False,
     )
 
 
 def scaled_dense(hidden: int, layers: int, vocab: int = VOCAB) -> Qwen3Config:
     """A Qwen3 dense model (full attention with q/k norms in every layer) with the hybrid's attention and MLP shapes."""
-    attention = AttentionShape.of(hidden)
-    return Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=attention.heads,
-        num_key_value_heads=attention.kv_heads,
-        head_dim=attention.head_dim,
-        max_position_embeddings=1 << 22,
-        tie_word_embeddings=False,
-    )
+    return Qwen3Config(**attention_model(hidden, layers, vocab))
 
 
 def scaled_mla(
