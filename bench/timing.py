@@ -14,26 +14,38 @@ Default: runs ``bench.gpu`` on this CPU first (fp32, three families of hidden 25
 rows in ``bench/results/phases_cpu.json``); ``--rows FILE`` evaluates a record already measured. Prints measured vs
 modelled per row and the worst errors; writes ``bench/results/timing_<cpu|h200>.json``.
 
-    python -m bench.timing [--quick] [--rows bench/results/gpu.json] [--out FILE]
+``--cp 2``: instead, each phase's share of an exact step at cp = 2 (gloo, one thread per rank, each family at 4,096
+positions) beside the model's for the same schedule (``Schedule(sharded=False)``: the engine alone, no FSDP2), with
+the rates micro-benchmarked at one thread and the link's measured bytes/s; ``bench/results/timing_cp2.json``.
+
+    python -m bench.timing [--quick] [--rows bench/results/gpu.json] [--cp 2] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from bench.gpu import FAMILIES
+from bench.ceilings import measure_profile
+from bench.gpu import FAMILIES, Workload, build
 from bench.gpu import main as measure
 from bench.gpu import parse_args as gpu_args
-from longstraw_agents.engine import EngineConfig
+from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.planner import PlanRequest
 from longstraw_agents.timing import H200_PRIOR, HardwareProfile, ModelWork, Schedule, Work, calibrate, total
+from longstraw_agents.trainer import grpo_backward
 
 RESULTS = Path(__file__).parent / "results"
 STEPS = {
@@ -159,8 +171,18 @@ def main() -> None:
     parser.add_argument("--rows", type=Path, default=None, help="a record bench.gpu wrote, instead of measuring here")
     parser.add_argument("--quick", action="store_true", help="toy sizes: the smoke test of this script")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cp", type=int, default=None, help="instead: each phase's share of an exact step at this cp")
+    parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES), help="with --cp")
     options = parser.parse_args()
     start = time.perf_counter()
+    if options.cp is not None:
+        positions = 512 if options.quick else 4096
+        results = [cp_shares(family, cpu_argv(options.quick), positions, options.cp) for family in options.families]
+        report_cp(results)
+        out = options.out or RESULTS / f"timing_cp{options.cp}.json"
+        out.write_text(json.dumps({"device": "cpu", "results": results}, indent=1))
+        print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
+        return
     if options.rows is not None:
         record = json.loads(options.rows.read_text())
     else:
@@ -175,6 +197,109 @@ def main() -> None:
     result = {"device": record["device"], "profiles": profile_dumps, "summary": summary, "rows": rows}
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)")
+
+
+# --- context parallelism: each phase's share of a step at cp = 2 ----------------------------------------------
+
+
+def cp_worker(rank: int, world: int, store: str, out: str, family: str, argv: list[str], positions: int) -> None:
+    """One cp rank (gloo, one thread): the slowest-rank times of a capture, a detached and an exact step (median of
+    ``--repeats``), and the link's bytes/s (a 32 MiB point-to-point message)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    args = gpu_args(argv)
+    torch.manual_seed(0)
+    mesh = ParallelMesh.build(dp=1, cp=world)
+    model = build(family, args, torch.device("cpu"))
+    work = Workload.random(positions, args, torch.device("cpu"))
+    shards = mesh.context_parallel(positions + 1, args.chunk)
+    config = EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements)
+    engine = Engine(model, config, shards=shards)
+
+    def timed(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(args.repeats):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            began = time.perf_counter()
+            fn()
+            dist.barrier()
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    def step(mode: str) -> Callable[[], object]:
+        return lambda: grpo_backward(engine, work.prompt, work.completions, work.rewards, mode, track_memory=False)
+
+    step("exact")()  # warm-up
+    result = {
+        "capture": timed(lambda: engine.capture(work.prompt[:-1])),
+        "detached": timed(step("detached")),
+        "exact": timed(step("exact")),
+    }
+    message = torch.zeros(1 << 23)  # 32 MiB
+    dist.barrier()
+    began = time.perf_counter()
+    dist.send(message, 1) if rank == 0 else dist.recv(message, 0) if rank == 1 else None
+    dist.barrier()
+    result["link_bytes_per_s"] = message.numel() * message.element_size() / (time.perf_counter() - began)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def cp_shares(family: str, argv: list[str], positions: int, world: int = 2) -> dict[str, Any]:
+    """Measured and modelled seconds and shares of the capture, the branch replays and the walk in an exact step at
+    cp = ``world`` (one thread per rank; the rates micro-benchmarked at one thread here)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn = (world, f"{tmp}/store", tmp, family, argv, positions)
+        mp.start_processes(cp_worker, args=spawn, nprocs=world, start_method="fork")
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+    measured = {what: max(r[what] for r in ranks) for what in ("capture", "detached", "exact")}
+    phases = {
+        "capture": measured["capture"],
+        "replay": measured["detached"] - measured["capture"],
+        "walk": measured["exact"] - measured["detached"],
+    }
+    args = gpu_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    profile = measure_profile(family, args, torch.device("cpu"), "cpu, one thread")
+    torch.set_num_threads(threads)
+    profile = profile.model_copy(update={"link_bandwidth": min(r["link_bytes_per_s"] for r in ranks)})
+    request = PlanRequest(
+        model="tiny-llama", context=positions + 1, group=args.group, completion=args.completion, gpus=world,
+        cp=world, dp=1, dtype=getattr(torch, args.dtype), mode="exact",
+        engine=EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements),
+    )  # fmt: skip
+    schedule = Schedule(request, ModelWork.of(FAMILIES[family](args), request.dtype, args.chunk), sharded=False)
+    modelled = {"capture": schedule.capture(), "replay": schedule.replay(), "walk": schedule.walk()}
+    seconds = {name: profile.time(work) for name, work in modelled.items()}
+    step_measured, step_modelled = sum(phases.values()), sum(seconds.values())
+    rows = {
+        name: {
+            "measured_s": phases[name],
+            "modelled_s": seconds[name],
+            "measured_share": phases[name] / step_measured,
+            "modelled_share": seconds[name] / step_modelled,
+            "comm_s": profile.seconds(modelled[name])["comm"],
+        }
+        for name in phases
+    }
+    return {"family": family, "cp": world, "positions": positions, "phases": rows, "exact_step_s": step_measured,
+            "modelled_exact_step_s": step_modelled, "link_bytes_per_s": profile.link_bandwidth}  # fmt: skip
+
+
+def report_cp(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'family':<7} {'cp':>2} {'phase':<8} {'measured s':>10} {'model s':>8} {'share':>6} {'model share':>11}")
+    for result in results:
+        for name, row in result["phases"].items():
+            print(
+                f"{result['family']:<7} {result['cp']:>2} {name:<8} {row['measured_s']:>10.3f} "
+                f"{row['modelled_s']:>8.3f} {row['measured_share']:>6.2f} {row['modelled_share']:>11.2f}"
+            )
+        print(
+            f"{result['family']:<7} {result['cp']:>2} {'exact':<8} {result['exact_step_s']:>10.3f} "
+            f"{result['modelled_exact_step_s']:>8.3f}  (link {result['link_bytes_per_s'] / 1e9:.2f} GB/s)"
+        )
 
 
 if __name__ == "__main__":

@@ -245,10 +245,12 @@ class Schedule:
     """How the engine spreads a step over the ranks (docs/distributed.md): the capture and the walk are sharded
     (each cp rank its contiguous shard of the prompt, the earlier ranks' rows received per layer), extends are
     replicated (every rank computes each member's tokens, attending to its own shard, the partial results merged);
-    FSDP2 over all ``dp x cp`` ranks gathers a layer per pass at dp = 1 and the whole model once per step at dp > 1."""
+    FSDP2 over all ``dp x cp`` ranks gathers a layer per pass at dp = 1 and the whole model once per step at dp > 1
+    (``sharded``; False: every rank holds the whole model, and exact mode sums the parameter gradient over cp)."""
 
     request: PlanRequest
     model: ModelWork
+    sharded: bool = True
 
     @property
     def cp(self) -> int:
@@ -276,7 +278,7 @@ class Schedule:
     def _gathers(self, passes: int) -> Work:
         """FSDP2's all-gathers of ``passes`` passes over the layers (at dp = 1; the step's one gather at dp > 1 is
         counted in ``replay``)."""
-        if self.ranks == 1 or self.request.data_parallel > 1:
+        if self.ranks == 1 or self.request.data_parallel > 1 or not self.sharded:
             return Work()
         return Work(comm=passes * self.model.weight_bytes * (self.ranks - 1) / self.ranks)
 
@@ -312,13 +314,15 @@ class Schedule:
         forward = self._extend(request.completion)
         forwards = 2.0 if request.engine.activation_checkpointing else 1.0
         member = forward.scaled(forwards) + forward.backward() + self.model.head(request.completion).scaled(4.0)
+        member = member + self._merges(request.completion).scaled(2.0)  # the queries' gradient, all-reduced
         gradients = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks)  # reduce-scattered
         per_member_gathers = self._gathers(2)
         step = Work()
-        if self.request.data_parallel > 1:  # the whole model gathered once, its gradient reduce-scattered once
-            step = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + gradients
-        elif self.ranks > 1:
-            per_member_gathers = per_member_gathers + gradients
+        if self.sharded and self.ranks > 1:
+            if self.request.data_parallel > 1:  # the whole model gathered once, its gradient reduce-scattered once
+                step = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + gradients
+            else:
+                per_member_gathers = per_member_gathers + gradients
         return (member + per_member_gathers).scaled(request.group) + step
 
     def walk(self) -> Work:
@@ -330,7 +334,11 @@ class Schedule:
         recompute = self.model.chunked(start, self.captured, chunk)  # every layer whole (its hidden states too)
         backward = self.model.chunked(start, self.captured, chunk, entries_only=True).backward()  # what feeds the state
         state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
-        return recompute + backward + state_gradient + self._gathers(2)
+        parameters = Work()
+        if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
+            share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
+            parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
+        return recompute + backward + state_gradient + parameters + self._gathers(2)
 
     def rollout(self) -> Work:
         """Decoding ``completion`` tokens for every member in one batch, on one GPU (in process, unsharded)."""

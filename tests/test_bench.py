@@ -245,3 +245,19 @@ def test_timing_bench_quick_models_every_row_from_micro_benchmarks(timing_quick)
     steps = [r for r in rows if r["phase"] in ("detached_step", "exact_step")]
     assert record["summary"]["held_out_steps"] == len(steps) == 6
     assert "held-out one-process steps: model/measured" in stdout
+
+
+@pytest.mark.distributed
+def test_timing_bench_cp_sets_each_phase_share_beside_the_model(tmp_path: Path) -> None:
+    """cp = 2 on two gloo processes at toy sizes: the capture, replay and walk of an exact step, measured and
+    modelled (the link's bandwidth measured), their shares each summing to one."""
+    out = tmp_path / "cp.json"
+    stdout = run_module("bench.timing", "--cp", "2", "--quick", "--families", "dense", "--out", str(out))
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["family"] == "dense" and result["cp"] == 2 and result["link_bytes_per_s"] > 0
+    phases = result["phases"]
+    assert list(phases) == ["capture", "replay", "walk"]
+    assert sum(p["measured_share"] for p in phases.values()) == pytest.approx(1.0)
+    assert sum(p["modelled_share"] for p in phases.values()) == pytest.approx(1.0)
+    assert all(p["modelled_s"] > 0 for p in phases.values()) and phases["capture"]["comm_s"] > 0
+    assert "dense    2 walk" in stdout
