@@ -18,6 +18,7 @@ from longstraw_agents.timing import (
     Efficiency,
     HardwareProfile,
     ModelWork,
+    Schedule,
     Work,
     calibrate,
     step_time,
@@ -184,3 +185,35 @@ def test_step_time_table_names_every_phase_and_the_model():
     seconds = timed.phase_seconds()
     assert timed.training_seconds() == pytest.approx(sum(v for k, v in seconds.items() if k != "rollout"))
     assert 0 < timed.comm_share() < 1
+
+
+def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
+    """The model's accounting of FSDP2's traffic, per rank: at dp = 1 every layer gathered per pass (the capture's
+    one, two per branch) and each branch's gradient reduce-scattered; at dp > 1 the whole model gathered and its
+    gradient reduce-scattered once per step; the engine without FSDP2 (``sharded=False``) moves only the context's
+    messages; the replicated walk recomputes every chunk on every rank. (bench/distributed.py counts the real
+    collectives' bytes.)"""
+    config = TINY_PRESETS["llama"]()
+    model = ModelWork.of(config, torch.float32, CHUNK)
+    base = _request("llama").__dict__
+    weights = model.weight_bytes
+
+    def phases(sharded: bool = True, **mesh: int) -> dict[str, Work]:
+        return {
+            name: getattr(Schedule(PlanRequest(**{**base, **mesh}), model, sharded=sharded), name)()
+            for name in ("capture", "replay", "walk")
+        }
+
+    dp1 = phases(gpus=2, cp=2)
+    plain = phases(sharded=False, gpus=2, cp=2)
+    assert dp1["capture"].comm - plain["capture"].comm == pytest.approx(weights / 2)  # one gather of every layer
+    per_branch = 2 * weights / 2 + weights / 2  # forward and backward gathers, the gradient reduce-scattered
+    assert dp1["replay"].comm - plain["replay"].comm == pytest.approx(GROUP * per_branch)
+    dp2 = phases(gpus=2, dp=2, cp=1)
+    assert dp2["capture"].comm == 0  # no cp messages; the whole model is gathered once for the step
+    assert dp2["replay"].comm == pytest.approx(weights / 2 + weights / 2)
+    walk_replicated = Schedule(
+        PlanRequest(**{**base, "gpus": 2, "cp": 2, "engine": EngineConfig(chunk_size=CHUNK, wavefront_walk=False)}),
+        model,
+    ).walk()
+    assert walk_replicated.matmul > dp1["walk"].matmul  # every rank recomputes every chunk
