@@ -4,7 +4,7 @@ the rates of a ``HardwareProfile`` from micro-benchmarks of the kernels the engi
 - ``matmul``: a layer-shaped ``F.linear`` (a chunk of tokens through an MLP projection);
 - ``attention`` / ``attention_backward``: the engine's attention backend on one chunk x chunk block, forward and
   backward (``Attention("auto")``: the fused CPU or CUDA flash kernels);
-- ``recurrent``: ``chunk_gated_delta_rule`` over a chunk (its blocks' sequential steps included);
+- ``recurrent``: the delta rule over a chunk as the mixer runs it (its blocks' sequential steps included);
 - ``selection``: DSA's index scores of a chunk against four chunks of keys and their ``stable_topk``;
 - ``memory``: a matrix-vector product (what a decoding step reads its weights with); ``gathered``: rows gathered at
   random and scattered back (DSA's selected rows);
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from bench.gpu import FAMILIES, Workload, build, decode, replay
 from longstraw_agents.attention import Attention
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.models.hybrid import chunk_gated_delta_rule, delta_rule_flops
+from longstraw_agents.models.hybrid import delta_rule, delta_rule_flops
 from longstraw_agents.models.mla import stable_topk
 from longstraw_agents.planner import PlanRequest
 from longstraw_agents.timing import Efficiency, HardwareProfile, ModelWork, Schedule
@@ -75,14 +75,15 @@ def attention_rates(
 
 
 def delta_rule_rate(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of ``chunk_gated_delta_rule`` over one chunk (its blocks' sequential steps included)."""
+    """FLOP/s of the delta rule as the mixer runs it (fla's kernel where it works, else the pure-torch scan) over one
+    chunk, its blocks' sequential steps included."""
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # the scan's precision
     q, k = (torch.randn(chunk, heads, dk, dtype=compute, device=device) for _ in range(2))
     v = torch.randn(chunk, heads, dv, dtype=compute, device=device)
     g = -torch.rand(chunk, heads, dtype=compute, device=device)
     beta = torch.rand(chunk, heads, dtype=compute, device=device)
-    return delta_rule_flops(config, chunk) / seconds(lambda: chunk_gated_delta_rule(q, k, v, g, beta, None), device)
+    return delta_rule_flops(config, chunk) / seconds(lambda: delta_rule(q, k, v, g, beta, None), device)
 
 
 def selection_seconds(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:

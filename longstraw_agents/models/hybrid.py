@@ -89,6 +89,22 @@ def chunk_gated_delta_rule(
 _FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The gated delta rule as the mixer runs it: fla's kernel on a GPU where it works (Triton: no fp64), else
+    ``chunk_gated_delta_rule``."""
+    fla = _fla_kernel(q.device) if q.is_cuda and q.dtype in _FLA_DTYPES else None
+    if fla is not None:
+        out, final = fla(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+            initial_state=None if initial is None else initial.unsqueeze(0),
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        return out[0], final[0]
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial)
+
+
 _FLA_ON: dict[torch.device, Callable[..., Any] | None] = {}  # per device: fla's kernel, or None where it fails
 
 
@@ -168,17 +184,6 @@ class GatedDeltaNetMixer(Mixer):
         x = self.mod.norm.weight * x.to(core.dtype)
         return (x * F.silu(gate.to(dt))).to(core.dtype)
 
-    def _delta_rule(self, q, k, v, g, beta, initial):
-        fla = _fla_kernel(q.device) if q.is_cuda and q.dtype in _FLA_DTYPES else None  # Triton kernels: no fp64
-        if fla is not None:
-            out, final = fla(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-                initial_state=None if initial is None else initial.unsqueeze(0),
-                output_final_state=True, use_qk_l2norm_in_kernel=True,
-            )  # fmt: skip
-            return out[0], final[0]
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial)
-
     def _heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The conv output ``[n, C]`` as q, k ``[n, H_v, D_k]`` (one per value head) and v ``[n, H_v, D_v]``."""
         mod, n = self.mod, mixed.shape[0]
@@ -220,7 +225,7 @@ class GatedDeltaNetMixer(Mixer):
         q, k, v = self._heads(mixed)
         g, beta = self._gates(x)
         dt = g.dtype
-        core, new_ssm = self._delta_rule(q.to(dt), k.to(dt), v.to(dt), g, beta, ssm)
+        core, new_ssm = delta_rule(q.to(dt), k.to(dt), v.to(dt), g, beta, ssm)
         return core, new_tail, new_ssm
 
     def decode(self, inp: DecodeInput) -> MixerOutput:
@@ -238,7 +243,7 @@ class GatedDeltaNetMixer(Mixer):
         dt = g.dtype
         q, k, v = (t.to(dt).reshape(1, batch * self.num_v_heads, t.shape[-1]) for t in (q, k, v))
         initial = states.reshape(-1, self.head_k_dim, self.head_v_dim)
-        core, new_states = self._delta_rule(q, k, v, g.reshape(1, -1), beta.reshape(1, -1), initial)
+        core, new_states = delta_rule(q, k, v, g.reshape(1, -1), beta.reshape(1, -1), initial)
         core = core.reshape(batch, self.num_v_heads, self.head_v_dim)
         new = (window[:, 1:], new_states.reshape(batch, self.num_v_heads, self.head_k_dim, self.head_v_dim))
         return MixerOutput(y=self._output(x, core), new=new)
