@@ -9,7 +9,7 @@ the rates of a ``HardwareProfile`` from micro-benchmarks of the kernels the engi
 - ``memory``: a matrix-vector product (what a decoding step reads its weights with); ``gathered``: rows gathered at
   random and scattered back (DSA's selected rows);
 - the host's latency per layer call on each path (a chunk of a capture, a branch's extend under autograd, a batched
-  decoding step): the same family's code at a width of 64 over a few tokens, where the arithmetic is negligible;
+  decoding step): the family's model over a few tokens, less the arithmetic the rates above give it;
 - ``elementwise``: what one chunk's capture through the family's real model takes beyond all of the above (its norms,
   rotations, activations, residuals, merges), per element its matmuls write — the one measurement of the model's
   code at full width, over a single chunk (the rows ``bench/timing.py`` checks are longer contexts and other phases).
@@ -34,10 +34,10 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.hybrid import delta_rule, delta_rule_flops
 from longstraw_agents.models.mla import stable_topk
 from longstraw_agents.planner import PlanRequest
-from longstraw_agents.timing import Efficiency, HardwareProfile, ModelWork, Schedule
+from longstraw_agents.timing import Efficiency, HardwareProfile, ModelWork, Schedule, Work
 
 
-def seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+def seconds(fn: Callable[[], object], device: torch.device, repeats: int = 9) -> float:
     """Median wall time of ``fn()`` after one untimed call."""
     fn()
     times = []
@@ -122,27 +122,35 @@ def gather_seconds(dtype: torch.dtype, device: torch.device, rows: int = 1 << 16
     return seconds(gather_and_scatter, device) / (2 * rows * width * table.element_size())
 
 
-def host_latencies(family: str, args: argparse.Namespace, device: torch.device) -> tuple[float, float, float]:
+def host_latencies(
+    family: str, args: argparse.Namespace, device: torch.device, profile: HardwareProfile
+) -> tuple[float, float, float]:
     """Seconds per layer call (or sequential step inside one: a MoE's experts) of a capture's chunk, a branch's
-    extend and a decoding step, on the family's code at a width where the arithmetic is negligible: each path's
-    time over the calls the time model counts for it."""
-    tiny = argparse.Namespace(**{**vars(args), "hidden": 64, "vocab": 256, "group": 2, "completion": 2})
-    tiny.decode_tokens, tiny.index_topk, chunk, positions = 4, 8, 4, 16
-    model = build(family, tiny, device)
+    extend and a decoding step: the family's model at its width over a few tokens, each path's time less what
+    ``profile`` gives its arithmetic, over the calls the time model counts for it."""
+    few = argparse.Namespace(**{**vars(args), "group": 2, "completion": 2, "decode_tokens": 4, "index_topk": 8})
+    chunk, positions = 4, 16
+    model = build(family, few, device)
     engine = Engine(model, EngineConfig(chunk_size=chunk))
-    work = Workload.random(positions, tiny, device)
+    work = Workload.random(positions, few, device)
     request = PlanRequest(
-        model="tiny-llama", context=positions + 1, group=tiny.group, completion=tiny.completion, gpus=1,
+        model="tiny-llama", context=positions + 1, group=few.group, completion=few.completion, gpus=1,
         dtype=model.dtype, engine=EngineConfig(chunk_size=chunk),
     )  # fmt: skip
     counted = ModelWork.of(model.config, model.dtype, chunk)
     schedule = Schedule(request, counted)
-    decoding = Schedule(replace(request, completion=tiny.decode_tokens), counted)
+    decoding = Schedule(replace(request, completion=few.decode_tokens), counted)
+
+    def latency(run: Callable[[], object], modelled: Work, calls: float) -> float:
+        return max(seconds(run, device) - profile.time(modelled), 0.0) / calls
+
     with torch.no_grad():
-        capture = seconds(lambda: engine.capture(work.prompt[:-1]), device) / schedule.capture().launches
         state = engine.capture(work.prompt[:-1])
-    branch = seconds(lambda: replay(engine, work.group(), state), device) / schedule.replay().branch_calls
-    step = seconds(lambda: decode(engine, state, work.decode_tokens), device) / decoding.rollout().decode_calls
+        captured = schedule.capture()
+        capture = latency(lambda: engine.capture(work.prompt[:-1]), captured, captured.launches)
+    replayed, decoded = schedule.replay(), decoding.rollout()
+    branch = latency(lambda: replay(engine, work.group(), state), replayed, replayed.branch_calls)
+    step = latency(lambda: decode(engine, state, work.decode_tokens), decoded, decoded.decode_calls)
     return capture, branch, step
 
 
@@ -161,10 +169,9 @@ def measure_profile(family: str, args: argparse.Namespace, device: torch.device,
     recurrent = delta_rule_rate(config, args.chunk, dtype, device) if family == "hybrid" else peak
     selection = selection_seconds(config, args.chunk, dtype, device) if family == "mla" else 0.0
     memory = memory_rate(dtype, device)
-    capture, branch, decoding = host_latencies(family, args, device)
     profile = HardwareProfile(
-        name=name, peak_flops=peak, memory_bandwidth=memory, link_bandwidth=1e9, launch_s=capture,
-        branch_call_s=branch, decode_call_s=decoding, selection_s=selection,
+        name=name, peak_flops=peak, memory_bandwidth=memory, link_bandwidth=1e9, launch_s=0.0, branch_call_s=0.0,
+        decode_call_s=0.0, selection_s=selection,
         efficiency=Efficiency(
             matmul=1.0, attention=forward / peak, attention_backward=backward / peak, recurrent=recurrent / peak,
             memory=1.0, link=1.0,
@@ -173,6 +180,8 @@ def measure_profile(family: str, args: argparse.Namespace, device: torch.device,
     )  # fmt: skip
     if family == "mla":
         profile = profile.model_copy(update={"gather_s": gather_seconds(dtype, device)})
+    capture, branch, decoding = host_latencies(family, args, device, profile)
+    profile = profile.model_copy(update={"launch_s": capture, "branch_call_s": branch, "decode_call_s": decoding})
     return profile.model_copy(update={"elementwise_s": elementwise_seconds(family, args, device, profile)})
 
 
