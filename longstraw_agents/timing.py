@@ -48,6 +48,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PretrainedConfig
 
+from longstraw_agents.engine import checkpoint_spacing
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.base import LayerWork
 from longstraw_agents.planner import PlanRequest, load_config, meta_model
@@ -334,11 +335,25 @@ class Schedule:
         recompute = self.model.chunked(start, self.captured, chunk)  # every layer whole (its hidden states too)
         backward = self.model.chunked(start, self.captured, chunk, entries_only=True).backward()  # what feeds the state
         state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
+        if self.cp == 1 or not request.engine.wavefront_walk:
+            recompute = recompute + self._recurrent_segments()
         parameters = Work()
         if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
             share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
             parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
         return recompute + backward + state_gradient + parameters + self._gathers(2)
+
+    def _recurrent_segments(self) -> Work:
+        """The recurrent states the walk needs between checkpoints (kept after every k-th chunk and the last one),
+        recomputed forward without a graph, each chunk once: the chunks' state entries, but the kept ones'."""
+        chunk = self.request.engine.chunk_size
+        every = checkpoint_spacing(self.model.config, self.model.dtype, self.request.engine)
+        chunks = -(-self.captured // chunk)
+        if every == 1 or chunks < 2:
+            return Work()
+        kept = [m for m in range(chunks - 1) if (m + 1) % every == 0]
+        segments = self.model.chunked(0, (chunks - 1) * chunk, chunk, entries_only=True)
+        return segments + total(self.model.forward(chunk, m * chunk, entries_only=True) for m in kept).scaled(-1.0)
 
     def rollout(self) -> Work:
         """Decoding ``completion`` tokens for every member in one batch, on one GPU (in process, unsharded)."""

@@ -217,3 +217,27 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
         model,
     ).walk()
     assert walk_replicated.matmul > dp1["walk"].matmul  # every rank recomputes every chunk
+
+
+def test_the_walk_recomputes_the_recurrent_states_between_checkpoints():
+    """A hybrid whose recurrent states are kept every third chunk: exact mode's walk recomputes the others' state
+    entries once each, as torch counts on the real run (a detached step subtracted)."""
+    config = TINY_PRESETS["qwen3_5"]()
+    torch.manual_seed(0)
+    model = build_model(config, dtype=torch.float32)
+    engine_config = EngineConfig(chunk_size=16, checkpoint_every=3)
+    engine = Engine(model, engine_config)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (PROMPT,), generator=gen)
+    completions = [
+        torch.cat([torch.tensor([k]), torch.randint(0, config.vocab_size, (COMPLETION - 1,))]) for k in range(2)
+    ]
+    counted = {}
+    for mode in ("detached", "exact"):
+        model.zero_grad(set_to_none=True)
+        counted[mode] = _counted(lambda mode=mode: grpo_backward(engine, prompt, completions, [0.0, 1.0], mode))[0]
+    request = PlanRequest(**{**_request("qwen3_5").__dict__, "group": 2, "engine": engine_config})
+    walk = Schedule(request, ModelWork.of(config, torch.float32, 16)).walk()
+    segments = Schedule(request, ModelWork.of(config, torch.float32, 16))._recurrent_segments()
+    assert segments.flops > 0
+    assert counted["exact"] - counted["detached"] == pytest.approx(walk.flops, rel=0.02)
