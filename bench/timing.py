@@ -204,7 +204,7 @@ def main() -> None:
 
 def cp_worker(rank: int, world: int, store: str, out: str, family: str, argv: list[str], positions: int) -> None:
     """One cp rank (gloo, one thread): the slowest-rank times of a capture, a detached and an exact step (median of
-    ``--repeats``), and the link's bytes/s (a 32 MiB point-to-point message)."""
+    ``--repeats``), the link's bytes/s (a 32 MiB point-to-point message) and the rates this rank reaches."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     args = gpu_args(argv)
@@ -242,13 +242,17 @@ def cp_worker(rank: int, world: int, store: str, out: str, family: str, argv: li
     dist.send(message, 1) if rank == 0 else dist.recv(message, 0) if rank == 1 else None
     dist.barrier()
     result["link_bytes_per_s"] = message.numel() * message.element_size() / (time.perf_counter() - began)
+    # the rates as each rank reaches them with the others measuring beside it (cores, caches and memory shared)
+    result["profile"] = measure_profile(
+        family, args, torch.device("cpu"), f"cpu, one thread, cp rank {rank}"
+    ).model_dump()
     torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 def cp_shares(family: str, argv: list[str], positions: int, world: int = 2) -> dict[str, Any]:
     """Measured and modelled seconds and shares of the capture, the branch replays and the walk in an exact step at
-    cp = ``world`` (one thread per rank; the rates micro-benchmarked at one thread here)."""
+    cp = ``world`` (one thread per rank; the rates micro-benchmarked on every rank at once, the last rank's used)."""
     with tempfile.TemporaryDirectory() as tmp:
         spawn = (world, f"{tmp}/store", tmp, family, argv, positions)
         mp.start_processes(cp_worker, args=spawn, nprocs=world, start_method="fork")
@@ -260,10 +264,7 @@ def cp_shares(family: str, argv: list[str], positions: int, world: int = 2) -> d
         "walk": measured["exact"] - measured["detached"],
     }
     args = gpu_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    profile = measure_profile(family, args, torch.device("cpu"), "cpu, one thread")
-    torch.set_num_threads(threads)
+    profile = HardwareProfile(**ranks[-1]["profile"])  # the last rank's: the model charges its work
     profile = profile.model_copy(update={"link_bandwidth": min(r["link_bytes_per_s"] for r in ranks)})
     request = PlanRequest(
         model="tiny-llama", context=positions + 1, group=args.group, completion=args.completion, gpus=world,
