@@ -585,8 +585,9 @@ class StepTime:
                 f"{name:<10} {sum(spent.values()):>10.2f} {compute:>9.2f} {spent['comm']:>9.2f} "
                 f"{spent['memory']:>9.2f} {spent['launches']:>9.2f}  {work.flops / 1e12:.1f}"
             )
+        gpus = f"each of {request.gpus} GPUs" if request.gpus > 1 else "one GPU"
         lines.append(
-            f"step (without rollouts): {self.training_seconds():.1f} s on each of {request.gpus} GPUs, "
+            f"step (without rollouts): {self.training_seconds():.1f} s on {gpus}, "
             f"communication {100 * self.comm_share():.0f} % of it (not overlapped: an upper estimate)"
         )
         return "\n".join(lines)
