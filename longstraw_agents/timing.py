@@ -103,9 +103,6 @@ class Work:
     def flops(self) -> float:
         return self.matmul + self.attention + self.attention_backward + self.recurrent
 
-    def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in WORK_CLASSES}
-
 
 WORK_CLASSES = tuple(f.name for f in fields(Work))
 
