@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from bench.gpu import FAMILIES, Workload, build, decode, replay
+from bench.gpu import FAMILIES, Workload, build, decode, engine_config, replay
 from longstraw_agents.attention import Attention
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.hybrid import delta_rule, delta_rule_flops
@@ -122,6 +122,20 @@ def gather_seconds(dtype: torch.dtype, device: torch.device, rows: int = 1 << 16
     return seconds(gather_and_scatter, device) / (2 * rows * width * table.element_size())
 
 
+def schedules(
+    counted: ModelWork, positions: int, args: argparse.Namespace, engine: EngineConfig, **mesh: int
+) -> tuple[Schedule, Schedule]:
+    """The time model's schedule of a measured step over a context of ``positions`` (the prompt adds the token each
+    completion starts from; exact mode, so every phase is there), and of its decoding of ``args.decode_tokens``
+    steps. ``counted`` is the model: the request's model name is not read."""
+    request = PlanRequest(
+        model="measured", context=positions + 1, group=args.group, completion=args.completion,
+        gpus=mesh.get("gpus", 1), cp=mesh.get("cp"), dp=mesh.get("dp"), dtype=counted.dtype, engine=engine,
+        mode="exact",
+    )  # fmt: skip
+    return Schedule(request, counted, sharded=False), Schedule(replace(request, completion=args.decode_tokens), counted)
+
+
 def host_latencies(
     family: str, args: argparse.Namespace, device: torch.device, profile: HardwareProfile
 ) -> tuple[float, float, float]:
@@ -133,13 +147,9 @@ def host_latencies(
     model = build(family, few, device)
     engine = Engine(model, EngineConfig(chunk_size=chunk))
     work = Workload.random(positions, few, device)
-    request = PlanRequest(
-        model="tiny-llama", context=positions + 1, group=few.group, completion=few.completion, gpus=1,
-        dtype=model.dtype, engine=EngineConfig(chunk_size=chunk),
-    )  # fmt: skip
-    counted = ModelWork.of(model.config, model.dtype, chunk)
-    schedule = Schedule(request, counted)
-    decoding = Schedule(replace(request, completion=few.decode_tokens), counted)
+    schedule, decoding = schedules(
+        ModelWork.of(model.config, model.dtype), positions, few, EngineConfig(chunk_size=chunk)
+    )
 
     def latency(run: Callable[[], object], modelled: Work, calls: float) -> float:
         return max(seconds(run, device) - profile.time(modelled), 0.0) / calls
@@ -189,9 +199,9 @@ def elementwise_seconds(family: str, args: argparse.Namespace, device: torch.dev
     """Seconds per matmul output element of the work around the matmuls: one chunk's capture through the real
     model, less what ``profile`` gives its matmuls, attention, delta rule, index scores and layer calls."""
     model = build(family, args, device)
-    engine = Engine(model, EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements))
+    engine = Engine(model, engine_config(args))
     prompt = torch.randint(0, args.vocab, (args.chunk,), device=device)
     with torch.no_grad():
         measured = seconds(lambda: engine.capture(prompt), device)
-    work = ModelWork.of(model.config, model.dtype, args.chunk).chunked(0, args.chunk, args.chunk, entries_only=True)
+    work = ModelWork.of(model.config, model.dtype).chunked(0, args.chunk, args.chunk, entries_only=True)
     return max(measured - profile.time(work), 0.0) / work.elementwise

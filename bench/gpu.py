@@ -328,6 +328,11 @@ def format_row(r: dict[str, Any]) -> str:
     )
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine every phase is measured with: ``--chunk`` and ``--max-score-elements``."""
+    return EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements)
+
+
 def build(family: str, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     """The family's model initialised on ``device`` directly (a 1B-parameter init on the host takes seconds)."""
     with torch.device(device):
@@ -348,7 +353,7 @@ def run_family(family: str, args: argparse.Namespace, device: torch.device) -> t
 
     start = time.perf_counter()
     model = build(family, args, device)
-    engine = Engine(model, EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements))
+    engine = Engine(model, engine_config(args))
     built = time.perf_counter()
     warm_up = argparse.Namespace(**{**vars(args), "exact_at": [2 * args.chunk], "decode_tokens": 2})
     measure_phases(model, engine, 2 * args.chunk, warm_up)

@@ -29,7 +29,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.ceilings import measure_profile
-from bench.gpu import FAMILIES, Workload, build
+from bench.ceilings import measure_profile, schedules
+from bench.gpu import FAMILIES, Workload, build, engine_config
 from bench.gpu import main as measure
 from bench.gpu import parse_args as gpu_args
-from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine import Engine
 from longstraw_agents.parallel import ParallelMesh
-from longstraw_agents.planner import PlanRequest
-from longstraw_agents.timing import H200_PRIOR, HardwareProfile, ModelWork, Schedule, Work, calibrate, total
+from longstraw_agents.timing import H200_PRIOR, HardwareProfile, ModelWork, Work, calibrate, total
 from longstraw_agents.trainer import grpo_backward
 
 RESULTS = Path(__file__).parent / "results"
@@ -76,13 +74,7 @@ def record_args(record: dict[str, Any]) -> argparse.Namespace:
 def row_work(row: dict[str, Any], model: ModelWork, args: argparse.Namespace) -> Work:
     """The work the time model counts for a measured row (one process; the prompt is the row's context plus the
     token each completion starts from)."""
-    engine = EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements)
-    request = PlanRequest(
-        model="tiny-llama", context=row["positions"] + 1, group=args.group, completion=args.completion, gpus=1,
-        dtype=model.dtype, engine=engine, mode="exact",
-    )  # fmt: skip
-    schedule = Schedule(request, model)
-    decoding = Schedule(replace(request, completion=args.decode_tokens), model)
+    schedule, decoding = schedules(model, row["positions"], args, engine_config(args))
     phases = {
         "capture": schedule.capture,
         "scoring": schedule.scoring,
@@ -99,7 +91,7 @@ def evaluate(record: dict[str, Any]) -> tuple[dict[str, HardwareProfile], list[d
     args = record_args(record)
     rows, dtype = record["rows"], getattr(torch, args.dtype)
     families = sorted({r["family"] for r in rows})
-    models = {family: ModelWork.of(FAMILIES[family](args), dtype, args.chunk) for family in families}
+    models = {family: ModelWork.of(FAMILIES[family](args), dtype) for family in families}
     works = [row_work(r, models[r["family"]], args) for r in rows]
     setup = record.get("setup", {})
     if all("profile" in setup.get(family, {}) for family in families):
@@ -213,8 +205,7 @@ def cp_worker(rank: int, world: int, store: str, out: str, family: str, argv: li
     model = build(family, args, torch.device("cpu"))
     work = Workload.random(positions, args, torch.device("cpu"))
     shards = mesh.context_parallel(positions + 1, args.chunk)
-    config = EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements)
-    engine = Engine(model, config, shards=shards)
+    engine = Engine(model, engine_config(args), shards=shards)
 
     def timed(fn: Callable[[], object]) -> float:
         times = []
@@ -266,12 +257,8 @@ def cp_shares(family: str, argv: list[str], positions: int, world: int = 2) -> d
     args = gpu_args(argv)
     profile = HardwareProfile(**ranks[-1]["profile"])  # the last rank's: the model charges its work
     profile = profile.model_copy(update={"link_bandwidth": min(r["link_bytes_per_s"] for r in ranks)})
-    request = PlanRequest(
-        model="tiny-llama", context=positions + 1, group=args.group, completion=args.completion, gpus=world,
-        cp=world, dp=1, dtype=getattr(torch, args.dtype), mode="exact",
-        engine=EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements),
-    )  # fmt: skip
-    schedule = Schedule(request, ModelWork.of(FAMILIES[family](args), request.dtype, args.chunk), sharded=False)
+    counted = ModelWork.of(FAMILIES[family](args), getattr(torch, args.dtype))
+    schedule, _ = schedules(counted, positions, args, engine_config(args), gpus=world, cp=world, dp=1)
     modelled = {"capture": schedule.capture(), "replay": schedule.replay(), "walk": schedule.walk()}
     seconds = {name: profile.time(work) for name, work in modelled.items()}
     step_measured, step_modelled = sum(phases.values()), sum(seconds.values())

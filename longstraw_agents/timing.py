@@ -61,7 +61,7 @@ BACKWARD = {
     "selection": 0.0,  # DSA's index scores take no gradient
     "memory": 0.0,
     "gathered": 2.0,  # gathered again in backward, and the rows' gradients scattered back
-    "elementwise": 2.0,  # gathered rows: gathered again, their gradients scattered back
+    "elementwise": 2.0,
     "launches": 2.0,
     "branch_calls": 2.0,
     "decode_calls": 0.0,
@@ -129,10 +129,9 @@ class ModelWork:
     # them (norms, rotations, activations, residuals, merges) go over
     weight_bytes: float  # every parameter, in ``dtype``
     active_weight_bytes: float  # the weights one token reads (a mixture of experts: its routed share)
-    chunk: int  # the engine's chunk: the state's blocks, each attended by a kernel call of its own
 
     @classmethod
-    def of(cls, config: PretrainedConfig, dtype: torch.dtype, chunk: int) -> ModelWork:
+    def of(cls, config: PretrainedConfig, dtype: torch.dtype) -> ModelWork:
         adapter = adapter_class(config)
         itemsize = torch.empty((), dtype=dtype).element_size()
         last = f".layers.{config.num_hidden_layers - 1}."
@@ -148,7 +147,7 @@ class ModelWork:
                 outputs += p.shape[1 if packed_experts else 0] * share
                 if last in name and not name.endswith(state):
                     skipped += 2.0 * p.numel() * share
-        return cls(config, dtype, linear, skipped, outputs, weights, active, chunk)
+        return cls(config, dtype, linear, skipped, outputs, weights, active)
 
     @property
     def layers(self) -> int:
@@ -217,16 +216,12 @@ class StepWork:
     request: PlanRequest
     phases: dict[str, Work]
 
-    @property
-    def total(self) -> Work:
-        return total(self.phases.values())
-
 
 def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: bool = True) -> StepWork:
     """Phases of one group's step (``request``): ``rollout`` (decoding in process, when asked), ``scoring`` (the
     reference model's log-probs when ``beta > 0``), ``capture``, ``replay`` (each member's branch forward and
     backward) and, in exact mode, ``walk`` (the reverse walk over the prefix)."""
-    model = model or ModelWork.of(load_config(request.model), request.dtype, request.engine.chunk_size)
+    model = model or ModelWork.of(load_config(request.model), request.dtype)
     schedule = Schedule(request, model)
     phases = {"rollout": schedule.rollout()} if rollout else {}
     if request.beta > 0:
@@ -356,19 +351,19 @@ class Schedule:
         """Decoding ``completion`` tokens for every member in one batch, on one GPU (in process, unsharded)."""
         request, model = self.request, self.model
         group, prompt = request.group, self.captured
+        weights = min(model.weight_bytes, model.active_weight_bytes * group)  # the experts the batch chose, at most all
+        shared, head = model.state_bytes(prompt), model.head(1).matmul
         steps = []
         for t in range(request.completion):
             token = model.forward(1, prompt + t)
-            weights = min(model.weight_bytes, model.active_weight_bytes * group)
-            state = model.state_bytes(prompt) + group * model.state_bytes(t)
             steps.append(
                 Work(
-                    matmul=(token.matmul + model.head(1).matmul) * group,
+                    matmul=(token.matmul + head) * group,
                     attention=token.attention * group,
                     recurrent=token.recurrent * group,
                     selection=token.selection * group,
                     elementwise=token.elementwise * group,
-                    memory=weights + state,
+                    memory=weights + shared + group * model.state_bytes(t),
                     gathered=token.gathered * group,
                     decode_calls=token.launches,
                 )
@@ -410,17 +405,15 @@ class HardwareProfile(BaseModel):
     efficiency: Efficiency
     measured_on: str  # where the efficiencies come from
 
+    def peaks(self) -> dict[str, float]:
+        """The peak rate of each class whose achieved rate is an ``efficiency`` of it."""
+        flops = dict.fromkeys(("matmul", "attention", "attention_backward", "recurrent"), self.peak_flops)
+        return {**flops, "memory": self.memory_bandwidth}
+
     def rates(self) -> dict[str, float]:
         """Units of each class per second."""
-        e = self.efficiency
-        return {
-            "matmul": self.peak_flops * e.matmul,
-            "attention": self.peak_flops * e.attention,
-            "attention_backward": self.peak_flops * e.attention_backward,
-            "recurrent": self.peak_flops * e.recurrent,
-            "memory": self.memory_bandwidth * e.memory,
-            "comm": self.link_bandwidth * e.link,
-        }
+        rates = {name: peak * getattr(self.efficiency, name) for name, peak in self.peaks().items()}
+        return {**rates, "comm": self.link_bandwidth * self.efficiency.link}
 
     def seconds(self, work: Work) -> dict[str, float]:
         """Seconds of each class of ``work`` (their sum is the phase's time)."""
@@ -462,8 +455,7 @@ def calibrate(
         rows.append([pull if j == k else 0.0 for j in range(len(used))])
         targets.append(pull)
     ratios = _nonnegative_least_squares(np.array(rows), np.array(targets))
-    peaks = {c: profile.peak_flops for c in ("matmul", "attention", "attention_backward", "recurrent")}
-    peaks["memory"] = profile.memory_bandwidth
+    peaks = profile.peaks()
     unit = dict(prior)
     for c, ratio in zip(used, ratios, strict=True):
         # no class beats its peak (a class the samples leave at 0 runs at its peak), none is free
@@ -503,7 +495,7 @@ def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _unit_seconds(profile: HardwareProfile) -> dict[str, float]:
     """Seconds per unit of each fitted class."""
     rates = profile.rates()
-    unit = {c: 1.0 / rates[c] for c in ("matmul", "attention", "attention_backward", "recurrent", "memory")}
+    unit = {c: 1.0 / rates[c] for c in profile.peaks()}
     unit["launches"] = max(profile.launch_s, 1e-9)
     unit["branch_calls"] = max(profile.branch_call_s, 1e-9)
     unit["decode_calls"] = max(profile.decode_call_s, 1e-9)

@@ -97,7 +97,7 @@ def measured(request):
     with torch.no_grad():
         capture = _counted(lambda: engine.capture(prompt[:-1]))  # a step's last prompt token starts each branch
     counted = {"capture": capture, "detached": _counted(step("detached")), "exact": _counted(step("exact"))}
-    phases = step_work(_request(name), ModelWork.of(config, torch.float32, CHUNK), rollout=False).phases
+    phases = step_work(_request(name), ModelWork.of(config, torch.float32), rollout=False).phases
     return name, counted, phases
 
 
@@ -126,16 +126,20 @@ def test_flops_of_each_phase_match_torchs_count_of_the_real_run(measured, step):
 
 @pytest.mark.parametrize("step", list(STEPS))
 def test_attention_flops_are_the_fused_kernels(measured, step):
+    """The modelled attention is what the fused kernels compute; with DSA, every chunk here reaches past
+    ``index_topk``, so its selected rows are attended with batched products and the fused kernels do nothing (those
+    products are in the total count of the test above; its modelled attention is not zero)."""
     name, counted, phases = measured
-    if name == "glm_moe_dsa":
-        pytest.skip("past index_topk the selected rows are attended with batched products, not the fused kernel")
     modelled = _modelled(phases, STEPS[step])
-    assert counted[step][1] == pytest.approx(modelled.attention + modelled.attention_backward, rel=1e-6), (name, step)
+    sparse = name == "glm_moe_dsa"
+    assert not sparse or modelled.attention > 0
+    fused = 0.0 if sparse else modelled.attention + modelled.attention_backward
+    assert counted[step][1] == pytest.approx(fused, rel=1e-6), (name, step)
 
 
 def test_cp_rank_computes_its_shard_and_receives_the_earlier_rows():
     config = TINY_PRESETS["llama"]()
-    model = ModelWork.of(config, torch.float32, CHUNK)
+    model = ModelWork.of(config, torch.float32)
     one = step_work(_request("llama"), model, rollout=False).phases
     shard = -(-(PROMPT - 1) // 2)  # the captured positions of the first rank
     two = step_work(PlanRequest(**{**_request("llama").__dict__, "gpus": 2, "cp": 2}), model, rollout=False).phases
@@ -194,7 +198,7 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
     messages; the replicated walk recomputes every chunk on every rank. (bench/distributed.py counts the real
     collectives' bytes.)"""
     config = TINY_PRESETS["llama"]()
-    model = ModelWork.of(config, torch.float32, CHUNK)
+    model = ModelWork.of(config, torch.float32)
     base = _request("llama").__dict__
     weights = model.weight_bytes
 
@@ -237,7 +241,7 @@ def test_the_walk_recomputes_the_recurrent_states_between_checkpoints():
         model.zero_grad(set_to_none=True)
         counted[mode] = _counted(lambda mode=mode: grpo_backward(engine, prompt, completions, [0.0, 1.0], mode))[0]
     request = PlanRequest(**{**_request("qwen3_5").__dict__, "group": 2, "engine": engine_config})
-    walk = Schedule(request, ModelWork.of(config, torch.float32, 16)).walk()
-    segments = Schedule(request, ModelWork.of(config, torch.float32, 16))._recurrent_segments()
+    walk = Schedule(request, ModelWork.of(config, torch.float32)).walk()
+    segments = Schedule(request, ModelWork.of(config, torch.float32))._recurrent_segments()
     assert segments.flops > 0
     assert counted["exact"] - counted["detached"] == pytest.approx(walk.flops, rel=0.02)
