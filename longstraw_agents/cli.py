@@ -299,7 +299,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
             optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, engine=engine,
             mixed_precision=False if args.no_mixed_precision else None, cp_rank=args.cp_rank,
-            groups_per_rank=args.groups_per_rank,
+            groups_per_rank=args.groups_per_rank, hsdp=args.hsdp,
         )  # fmt: skip
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
@@ -458,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: gpus / dp)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: gpus / cp, or 1)")
+    p.add_argument(
+        "--hsdp", action="store_true",
+        help="shard over each dp rank's cp GPUs, replicated over dp (parallel.hsdp): a layer at a time at dp > 1 too",
+    )  # fmt: skip
     p.add_argument(
         "--cp-rank", type=int, default=None,
         help="the cp rank to plan (default: the last, which receives the most of the earlier ranks' rows)",

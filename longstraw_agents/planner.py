@@ -50,7 +50,7 @@ from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
-from longstraw_agents.parallel.fsdp import gathers_by_layer, prefetch_window
+from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, gathers_by_layer, prefetch_window
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
 from longstraw_agents.trainer.loss import LossConfig
@@ -92,6 +92,7 @@ class PlanRequest:
     dtype: torch.dtype = torch.bfloat16
     optimizer: Literal["adamw", "none"] = "adamw"
     offload_optimizer: bool = False
+    hsdp: bool = False  # FSDP2 over each dp rank's cp ranks, replicated over dp (parallel.hsdp)
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
     beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
@@ -129,6 +130,16 @@ class PlanRequest:
             return self.dp
         return self.gpus // self.cp if self.cp is not None else 1
 
+    @property
+    def shard_ranks(self) -> int:
+        """The GPUs one parameter is sharded over: all of them, or with ``hsdp`` one dp rank's cp ranks."""
+        return self.context_parallel if self.hsdp else self.gpus
+
+    @property
+    def by_layer(self) -> bool:
+        """Whether the step gathers a decoder layer at a time (``parallel.fsdp.gathers_by_layer``)."""
+        return gathers_by_layer(self.data_parallel, self.hsdp)
+
     @model_validator(mode="after")
     def _gpus_split_into_dp_and_cp(self) -> PlanRequest:
         # Each message names only the settings given: a derived dp or cp is no value the caller chose.
@@ -139,6 +150,8 @@ class PlanRequest:
                 raise ValueError(f"gpus ({self.gpus}) is not a multiple of {name} ({ranks})")
         if self.cp_rank is not None and self.cp_rank >= self.context_parallel:
             raise ValueError(f"cp_rank ({self.cp_rank}) must be below cp ({self.context_parallel})")
+        if self.hsdp and self.context_parallel == 1:
+            raise ValueError(HSDP_WITHOUT_CP)
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
         return self
@@ -411,7 +424,7 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
     master dtype (fp32 with mixed precision, else the model's); what is whole at once in the compute dtype
     (``_whole_at_once``); and the KL reference, a whole frozen copy of the policy on every GPU (the run copies it
     before sharding). The phases: a capture (no gradient of its own) and the backward passes."""
-    shard = -(-probed.parameters // request.gpus)
+    shard = -(-probed.parameters // request.shard_ranks)
     master = request.master_itemsize
     adam = request.optimizer == "adamw" and not request.offload_optimizer
     phases = {}
@@ -419,7 +432,7 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
         phases[phase] = {
             "weights": shard * master,
             "gathered weights": whole_weights,
-            "gradients": -(-gradient_shards // request.gpus) * master,
+            "gradients": -(-gradient_shards // request.shard_ranks) * master,
             "gathered gradients": whole_gradients,
             "optimizer state": 2 * master * shard if adam else 0,
             "reference weights": probed.parameters * master if request.beta > 0 else 0,
@@ -446,7 +459,7 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
         copy = probed.parameters * compute if request.mixed else 0
         return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, 0, probed.parameters)}
     walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
-    if not gathers_by_layer(request.data_parallel):
+    if not request.by_layer:
         whole = probed.parameters * compute
         bucket = min(GRADIENT_BUCKET_BYTES, whole) if walk else 0
         return {CAPTURE: (whole, whole if later else 0, 0), BACKWARD: (whole, whole + bucket, 0)}
@@ -575,12 +588,14 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
-    if gathers_by_layer(request.data_parallel):
+    if request.by_layer:
         layers = min(prefetch_window(request.context_parallel) + 1, layers_in_model)
-        whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time, dp = 1)"
+        why = "HSDP" if request.data_parallel > 1 else "dp = 1"
+        whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time, {why})"
     else:
         whole = "the whole model and its gradient whole for the step (dp > 1)"
-    return f"FSDP2 shards {master}, their gradients and {adam} over all GPUs; {whole}"
+    over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
+    return f"FSDP2 shards {master}, their gradients and {adam} over {over}; {whole}"
 
 
 def plan_memory(request: PlanRequest) -> Plan:

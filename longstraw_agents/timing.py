@@ -238,8 +238,8 @@ class Schedule:
     """How the engine spreads a step over the ranks (docs/distributed.md): the capture and the walk are sharded
     (each cp rank its contiguous shard of the prompt, the earlier ranks' rows received per layer), extends are
     replicated (every rank computes each member's tokens, attending to its own shard, the partial results merged);
-    FSDP2 over all ``dp x cp`` ranks gathers a layer per pass at dp = 1 and the whole model once per step at dp > 1
-    (``sharded``; False: every rank holds the whole model, and exact mode sums the parameter gradient over cp)."""
+    FSDP2 gathers a layer per pass at dp = 1 or with HSDP, and otherwise the whole model once per step (``sharded``;
+    False: every rank holds the whole model, and exact mode sums the parameter gradient over cp)."""
 
     request: PlanRequest
     model: ModelWork
@@ -251,7 +251,8 @@ class Schedule:
 
     @property
     def ranks(self) -> int:
-        return self.request.gpus
+        """The ranks a parameter is sharded over (all, or with HSDP one dp rank's cp ranks)."""
+        return self.request.shard_ranks
 
     @property
     def captured(self) -> int:
@@ -269,9 +270,9 @@ class Schedule:
         return min((self.cp - 1) * self.shard, self.captured)
 
     def _gathers(self, passes: int) -> Work:
-        """FSDP2's all-gathers of ``passes`` passes over the layers (at dp = 1; the step's one gather at dp > 1 is
-        counted in ``replay``)."""
-        if self.ranks == 1 or self.request.data_parallel > 1 or not self.sharded:
+        """FSDP2's all-gathers of ``passes`` passes over the layers (a layer at a time; the step's one gather of the
+        whole model at dp > 1 without HSDP is counted in ``replay``)."""
+        if self.ranks == 1 or not self.request.by_layer or not self.sharded:
             return Work()
         return Work(comm=passes * self.model.weight_bytes * (self.ranks - 1) / self.ranks)
 
@@ -312,10 +313,13 @@ class Schedule:
         per_member_gathers = self._gathers(2)
         step = Work()
         if self.sharded and self.ranks > 1:
-            if self.request.data_parallel > 1:  # the whole model gathered once, its gradient reduce-scattered once
+            if not self.request.by_layer:  # the whole model gathered once, its gradient reduce-scattered once
                 step = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + gradients
             else:
                 per_member_gathers = per_member_gathers + gradients
+        if self.sharded and self.request.hsdp and request.data_parallel > 1:  # the replicas' gradient shards summed
+            dp = request.data_parallel
+            step = step + Work(comm=2 * (dp - 1) / dp * self.model.weight_bytes / self.ranks)
         return (member + per_member_gathers).scaled(request.group) + step
 
     def walk(self) -> Work:

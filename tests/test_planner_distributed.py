@@ -4,7 +4,8 @@ every byte a rank holds) and attributes the bytes by role. Each rank's peak must
 same configuration (its cp rank's: a later one receives more of the earlier ranks' rows), and the roles the planner
 counts from the parameters (the rank's shards of weights, gradients and AdamW state) and the captured state within
 15 % of the most the rank held of each. Two model shapes: one whose weights dominate (8 layers, hidden 128, a
-64-token prompt) and one whose captured state does (2 layers, hidden 64, a 2,048-token prompt)."""
+64-token prompt) and one whose captured state does (2 layers, hidden 64, a 2,048-token prompt); FSDP2 over every
+rank, and HSDP (sharded over each dp rank's cp ranks, replicated over dp)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from longstraw_agents.engine import EngineConfig
 from longstraw_agents.models.presets import TINY_PRESETS
 from longstraw_agents.planner import PlanRequest, plan_memory
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 8 configurations of 2-4 processes: ~45 s
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 10 configurations of 2-4 processes: ~60 s
 
 WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
 STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}
@@ -48,7 +49,7 @@ def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -
             model="measured", context=spec["prompt"], group=spec["group"], completion=spec["completion"],
             gpus=spec["dp"] * spec["cp"], dp=spec["dp"], cp=spec["cp"], mode=spec["mode"],
             dtype=getattr(torch, spec["compute_dtype"] or "float32"), optimizer="adamw",
-            engine=EngineConfig(chunk_size=spec["chunk"]), cp_rank=cp_rank,
+            engine=EngineConfig(chunk_size=spec["chunk"]), cp_rank=cp_rank, hsdp=spec["hsdp"],
         )
     )  # fmt: skip
 
@@ -62,13 +63,16 @@ CASES = [
     pytest.param(STATE, 1, 2, "detached", None, id="state-dp1xcp2-detached"),
     pytest.param(STATE, 2, 1, "detached", None, id="state-dp2-detached"),
     pytest.param(STATE, 1, 2, "exact", None, id="state-dp1xcp2-exact"),
+    pytest.param(WEIGHTS, 2, 2, "exact", "hsdp", id="weights-dp2xcp2-exact-hsdp"),
+    pytest.param(STATE, 2, 2, "detached", "hsdp", id="state-dp2xcp2-detached-hsdp"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("shape", "dp", "cp", "mode", "compute_dtype"), CASES)
-def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp, mode, compute_dtype) -> None:
-    spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode}
-    spec |= shape | {"compute_dtype": compute_dtype}
+@pytest.mark.parametrize(("shape", "dp", "cp", "mode", "variant"), CASES)
+def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp, mode, variant) -> None:
+    """``variant``: the compute dtype of mixed precision, or "hsdp" (sharded over each dp rank's cp ranks)."""
+    spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode, "hsdp": variant == "hsdp"}
+    spec |= shape | {"compute_dtype": None if variant == "hsdp" else variant}
     plans = [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(cp)]
     for rank, measured in enumerate(_measure(tmp_path, spec)):
         plan = plans[measured["cp_rank"]]  # a later cp rank receives more of the earlier ranks' rows
@@ -79,9 +83,9 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
             assert abs(held[role] - planned) <= 0.15 * planned, (rank, role, held[role], planned)
         # gradient shards: one per parameter once the step has reduced them all (the size of the weight shards);
         # at the peak the plan holds only the decoder layers' (the root's gradient is whole until the step ends),
-        # and none at dp > 1 (the whole model's gradient is reduced after the step's weights are freed)
+        # and none when the whole model is gathered (its gradient is reduced after the step's weights are freed)
         assert abs(held["gradients"] - plan.categories["weights"]) <= 0.15 * plan.categories["weights"], rank
-        if dp > 1:
+        if not plan.request.by_layer:
             assert plan.categories["gradients"] == 0 == measured["roles"]["gradients"], rank
         # the rollout between steps (the whole model gathered on every rank, the sampler on the first cp rank)
         rollout = plan.rollout_subtotal

@@ -27,6 +27,7 @@ from pydantic_core import InitErrorDetails
 
 from longstraw_agents.app.reporting import TrackerName, install_command, missing_trackers
 from longstraw_agents.app.seeds import TASK_STEP_STRIDE
+from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.trainer import GRPOConfig
 from longstraw_agents.trainer.sft import SFTConfig
@@ -149,6 +150,13 @@ class ParallelSpec(BaseModel):
     fsdp: bool = Field(
         False, description="shard parameters, gradients and optimizer state over every rank, dp x cp (FSDP2)"
     )
+    hsdp: bool = Field(
+        False,
+        description="with fsdp: shard over each dp rank's cp ranks and replicate over dp (FSDP2's hybrid sharding). "
+        "Each GPU holds 1/cp of the model, gradients and optimizer state instead of 1/(dp x cp), and in exchange the "
+        "engine gathers a layer at a time at dp > 1 too (without it a dp > 1 step gathers the whole model: the dp "
+        "ranks' groups differ in shape); see `longstraw plan --hsdp`",
+    )
     wavefront_walk: bool = Field(
         True,
         description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
@@ -234,6 +242,14 @@ class TrainConfig(BaseModel):
             )
         if self.parallel.cp > 1 and not self.parallel.fsdp:
             raise ValueError("trainer.mixed_precision with parallel.cp > 1 needs parallel.fsdp: true")
+        return self
+
+    @model_validator(mode="after")
+    def _hsdp_is_a_way_of_sharding(self) -> TrainConfig:
+        if self.parallel.hsdp and not self.parallel.fsdp:
+            raise ValueError("parallel.hsdp shards the model over each dp rank's cp ranks: it needs parallel.fsdp")
+        if self.parallel.hsdp and self.parallel.cp == 1:
+            raise ValueError(f"parallel.{HSDP_WITHOUT_CP}")
         return self
 
     @model_validator(mode="after")

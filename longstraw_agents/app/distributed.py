@@ -78,7 +78,7 @@ class Ranks:
         _check_nodes(spec, processes_per_node())
         roster = init_from_env(spec.timeout_s)
         with failing_clearly("building the device mesh", spec.timeout_s, roster):
-            mesh = ParallelMesh.build(spec.dp, spec.cp, device_type, spec.across_nodes)
+            mesh = ParallelMesh.build(spec.dp, spec.cp, device_type, spec.across_nodes, spec.hsdp)
         return cls(mesh, roster, spec.timeout_s)
 
     @property

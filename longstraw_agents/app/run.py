@@ -346,4 +346,4 @@ def _layout(config: TrainConfig) -> str:
     """A run's model and mesh, as a refused resume names them."""
     model = config.model.path or f"preset {config.model.preset} {config.model.overrides or ''}".rstrip()
     parallel = config.parallel
-    return f"model {model}, parallel dp={parallel.dp} cp={parallel.cp} fsdp={parallel.fsdp}"
+    return f"model {model}, parallel dp={parallel.dp} cp={parallel.cp} fsdp={parallel.fsdp} hsdp={parallel.hsdp}"

@@ -31,12 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Placement
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> None:
@@ -120,12 +121,19 @@ def gathered(model: nn.Module, replicas: int = 1) -> Iterator[None]:
     _reduce_into_shards(full, dict(model.named_parameters()), replicas)
 
 
-def gathers_by_layer(dp: int) -> bool:
+def gathers_by_layer(dp: int, hsdp: bool = False) -> bool:
     """Whether a sharded step gathers a decoder layer at a time (``LayerGather``) or the whole model (``gathered``):
-    by layer at dp = 1, where every rank of the shard mesh is a cp rank computing in lockstep. With dp > 1 the dp
-    ranks' groups differ in shape (their trees, so how many times each layer runs), and a gather is a collective over
-    all of them."""
-    return dp == 1
+    by layer when every rank of the shard mesh is a cp rank of one group, computing in lockstep — at dp = 1, or with
+    ``hsdp`` (each dp rank's cp ranks shard the model among themselves). Sharded over dp > 1 ranks, whose groups
+    differ in shape (their trees, so how many times each layer runs), a gather would be a collective over ranks
+    making different numbers of them."""
+    return dp == 1 or hsdp
+
+
+HSDP_WITHOUT_CP = (
+    "hsdp shards over each dp rank's cp ranks: with cp = 1 it shards nothing, every GPU holding the whole model, its "
+    "gradient and optimizer state (plain data parallelism); shard over every rank instead (fsdp without hsdp)"
+)
 
 
 def prefetch_window(cp: int) -> int:
@@ -145,8 +153,15 @@ class WeightSharding:
     weights: LayerGather | None = None
     replicas: int = 1
 
-    def step(self) -> contextlib.AbstractContextManager[None]:
-        return self.weights.gathered(None) if self.weights is not None else gathered(self.model, self.replicas)
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """The block of an optimizer step's forwards and backwards; on leaving it every gradient is in its shard,
+        summed over every rank (HSDP: over the dp replicas too, once, at the end: their groups differ in shape, so
+        their per-layer reductions cannot be collectives over all of them)."""
+        with self.weights.gathered(None) if self.weights is not None else gathered(self.model, self.replicas):
+            yield
+        if replicated(self.model):
+            reduce_replicas(self.model)
 
 
 class LayerGather:
@@ -206,8 +221,9 @@ class LayerGather:
         entries = list(self._touched.values())
         self._touched.clear()
         mine = torch.tensor([had for _, had, _ in entries], dtype=torch.int64)
-        mesh = entries[0][0].device_mesh
-        anyone = DTensor.from_local(mine, mesh, [Partial("sum")] * mesh.ndim).full_tensor().tolist()
+        shard = entries[0][0]  # (every shard of the model is cut over the same mesh)
+        summed = DTensor.from_local(mine, shard.device_mesh, _summed_over_shards(shard.placements))
+        anyone = summed.full_tensor().tolist()
         for (shard, _, before), found in zip(entries, anyone, strict=True):
             if not found and not before:
                 shard.grad = None
@@ -382,7 +398,34 @@ def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], 
 
 
 def _reduce_scatter(grad: torch.Tensor, shard: DTensor, async_op: bool = False) -> DTensor:
-    """This rank's full-size gradient, summed over the shard's mesh and cut to the shard's placement (started
-    only, with ``async_op``: the collective is waited for where the result is read)."""
-    partial = DTensor.from_local(grad, shard.device_mesh, [Partial("sum")] * shard.device_mesh.ndim)
+    """This rank's full-size gradient, summed over the ranks the shard is cut over and cut to the shard's placement
+    (started only, with ``async_op``: the collective is waited for where the result is read). Over a replicated
+    dimension (HSDP's dp) nothing is summed: each replica keeps its own sum until ``reduce_replicas``."""
+    partial = DTensor.from_local(grad, shard.device_mesh, _summed_over_shards(shard.placements))
     return partial.redistribute(shard.device_mesh, shard.placements, async_op=async_op)
+
+
+def _summed_over_shards(placements: Sequence[Placement]) -> list[Placement]:
+    """``placements`` with each sharded dimension a pending sum (``Partial``), replicated ones kept."""
+    return [Partial("sum") if p.is_shard() else p for p in placements]
+
+
+def reduce_replicas(model: nn.Module) -> None:
+    """HSDP: every gradient shard summed over the mesh dimensions the model is replicated over (dp), in place, in
+    parameter order. Every rank must have a gradient for the same parameters (give zeros where a rank has none)."""
+    handles = []
+    for param in model.parameters():
+        grad = param.grad
+        if not isinstance(grad, DTensor):  # (a sharded parameter's gradient is one)
+            continue
+        local = grad.to_local()
+        for dim, placement in enumerate(grad.placements):
+            if placement.is_replicate():
+                handles.append(dist.all_reduce(local, group=grad.device_mesh.get_group(dim), async_op=True))
+    for handle in handles:
+        handle.wait()
+
+
+def replicated(model: nn.Module) -> bool:
+    """Whether a sharded ``model`` is replicated over a mesh dimension (HSDP) besides being cut over one."""
+    return any(isinstance(p, DTensor) and any(q.is_replicate() for q in p.placements) for p in model.parameters())

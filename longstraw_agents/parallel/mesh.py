@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_agents.parallel.context import ContextParallel, PairChannels
 from longstraw_agents.parallel.fsdp import (
+    HSDP_WITHOUT_CP,
     LayerGather,
     WeightSharding,
     gathered,
@@ -55,16 +56,26 @@ def straddles_nodes(dp: int, cp: int, across_nodes: AcrossNodes, per_node: int) 
 
 @dataclass
 class ParallelMesh:
+    """``hsdp``: FSDP2 shards over each dp rank's cp ranks and replicates over dp (hybrid sharding) instead of
+    sharding over every rank: a GPU holds 1/cp of the model, its gradient and optimizer state instead of 1/(dp·cp),
+    and in exchange the engine gathers a layer at a time at dp > 1 too (no rank holds the whole model or its whole
+    gradient), the replicas' gradients summed once at the step's end."""
+
     mesh: DeviceMesh
+    hsdp: bool = False
 
     @classmethod
-    def build(cls, dp: int, cp: int, device_type: str = "cpu", across_nodes: AcrossNodes = "dp") -> ParallelMesh:
+    def build(
+        cls, dp: int, cp: int, device_type: str = "cpu", across_nodes: AcrossNodes = "dp", hsdp: bool = False
+    ) -> ParallelMesh:
         """The ``(dp, cp)`` mesh over the initialised default process group (its size must be ``dp * cp``), laid out
         by ``mesh_ranks`` (``across_nodes``: the dimension that spans the nodes)."""
         world = dist.get_world_size()
         if dp * cp != world:
             raise ValueError(f"dp ({dp}) x cp ({cp}) must equal the number of processes ({world})")
-        return cls(DeviceMesh(device_type, mesh_ranks(dp, cp, across_nodes), mesh_dim_names=("dp", "cp")))
+        if hsdp and cp == 1:
+            raise ValueError(HSDP_WITHOUT_CP)
+        return cls(DeviceMesh(device_type, mesh_ranks(dp, cp, across_nodes), mesh_dim_names=("dp", "cp")), hsdp)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -93,13 +104,14 @@ class ParallelMesh:
 
     @cached_property
     def shard_mesh(self) -> DeviceMesh:
-        """The ranks parameters, gradients and optimizer state are sharded over: all of them (dp x cp flattened)."""
-        return self.mesh["dp", "cp"]._flatten("dp_cp")
+        """The mesh parameters, gradients and optimizer state are sharded over: all ranks (dp x cp flattened), or
+        with ``hsdp`` the (dp, cp) mesh itself, which FSDP2 reads as replicate over dp, shard over cp."""
+        return self.mesh if self.hsdp else self.mesh["dp", "cp"]._flatten("dp_cp")
 
     def fully_shard(self, model: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
-        """Shard ``model``'s parameters over every rank of the mesh with FSDP2 (``parallel.fsdp``): each holds
-        1/(dp·cp) of every parameter, of its gradient and of its optimizer state. ``compute_dtype``: mixed
-        precision (the shards stay the master weights; gathers cast them)."""
+        """Shard ``model``'s parameters with FSDP2 (``parallel.fsdp``) over ``shard_mesh``: each rank holds
+        1/(dp·cp) of every parameter, of its gradient and of its optimizer state (1/cp with ``hsdp``).
+        ``compute_dtype``: mixed precision (the shards stay the master weights; gathers cast them)."""
         shard_model(model, self.shard_mesh, compute_dtype)
 
     @contextlib.contextmanager
@@ -112,8 +124,9 @@ class ParallelMesh:
         """How a step reaches ``model``'s weights on this mesh. Sharded, with dp = 1 — every rank of the shard mesh a
         cp rank, computing in lockstep — the engine gathers a layer at a time (``LayerGather``); with dp > 1 the dp
         ranks' groups differ in shape (their trees, so their numbers of layer passes), and a gather is a collective
-        over all of them: the step gathers the whole model once."""
+        over all of them: the step gathers the whole model once — unless ``hsdp``, where a gather spans one dp
+        rank's cp ranks only."""
         replicas = self.mesh["cp"].size()
-        if is_sharded(model) and gathers_by_layer(self.mesh["dp"].size()):
+        if is_sharded(model) and gathers_by_layer(self.mesh["dp"].size(), self.hsdp):
             return WeightSharding(model, LayerGather(model, replicas), replicas)
         return WeightSharding(model, None, replicas)

@@ -80,8 +80,10 @@ def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
 @pytest.mark.slow
 def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
     """dp=2 x cp=2 with FSDP2 (the replicated checkpoint's resume is tested on the trainer,
-    tests/trainer/test_data_parallel.py): 2 steps launched by torchrun, then --resume to 3 by accelerate launch. The
-    trainer spreads each group's shared context over both cp ranks, so the shard boundary falls inside it."""
+    tests/trainer/test_data_parallel.py): 2 steps launched by torchrun, sharded over all four ranks, then --resume to
+    3 by accelerate launch with HSDP (each dp rank's cp ranks shard the model, gathering a layer at a time; DCP
+    reshards the checkpoint). The trainer spreads each group's shared context over both cp ranks, so the shard
+    boundary falls inside it."""
     run_dir = tmp_path / "run"
     config = tmp_path / "train.yaml"
     settings = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True})
@@ -94,6 +96,8 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     done = _launch("torchrun", config)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("step    1 ") == 1  # one metrics line per step, printed by the writer only
+    settings["parallel"] = {**settings["parallel"], "hsdp": True}
+    config.write_text(yaml.safe_dump(settings))
     resumed = _launch("accelerate", config, "--resume", "--steps", "3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
@@ -117,6 +121,7 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     assert {f"random_states_{r}.pkl" for r in range(4)} | {"trainer_state.json"} <= checkpoint
     assert "sharded" in checkpoint and "model.safetensors" not in checkpoint
     assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
+    assert json.loads((run_dir / "config.json").read_text())["parallel"]["hsdp"]  # the settings it now runs with
 
     # The sharded checkpoint exported as a Hugging Face directory holds what torch's own DCP converter reads.
     exported = AutoModelForCausalLM.from_pretrained(export_hf(run_dir, tmp_path / "hf"))

@@ -96,7 +96,7 @@ def stray_collectives(mesh: ParallelMesh) -> Iterator[list[str]]:
     (no ``group`` means the default world group, which a dimension spanning every process may be)."""
     calls: list[str] = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
-    allowed = {mesh.dp_group, mesh.cp_group, mesh.shard_mesh.get_group()}
+    allowed = {mesh.dp_group, mesh.cp_group} | ({mesh.shard_mesh.get_group()} if mesh.shard_mesh.ndim == 1 else set())
 
     def recording(name: str, fn):
         def call(*args, group=None, **kwargs):
@@ -145,7 +145,7 @@ def join(rank: int, world: int, port: int, spec: dict[str, Any]) -> tuple[Accele
     AcceleratorState._reset_state(reset_partial_state=True)  # a forked child inherits the parent's 1-process state
     GradientState._reset_state()
     accelerator = Accelerator(cpu=True)
-    mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"])
+    mesh = ParallelMesh.build(dp=spec["dp"], cp=spec["cp"], hsdp=spec.get("hsdp", False))
     return accelerator, mesh
 
 
