@@ -90,7 +90,8 @@ class Decoder:
             for shared, own, recurrent in zip(self._shared, self._own, self._recurrent, strict=True)
         ]
         with torch.no_grad():
-            hidden, new = adapter.decode(ids, batch, contexts, attention=self.engine.attention)
+            runner = self.engine.weights.run if self.engine.weights is not None else None
+            hidden, new = adapter.decode(ids, batch, contexts, attention=self.engine.attention, runner=runner)
             logits = adapter.lm_head(hidden)
         self._recurrent = [() if grows else entry for grows, entry in zip(self._grows(), new, strict=True)]
         self._positions = self._positions + 1

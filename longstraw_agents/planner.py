@@ -492,13 +492,22 @@ class _Measured:
     parameters: dict[str, dict[str, int]]  # per phase
     graphs: int
     how: str
-    parameter_count: int
+    rollout_whole: int  # parameters whole at once while sampling (``rollout_terms``)
 
 
 def _measure(request: PlanRequest) -> _Measured:
     config = load_config(request.model)
     probed, how = extrapolated(config, request)
-    return _Measured(config, parameter_phases(probed, request), probed.graphs, how, probed.parameters)
+    return _Measured(config, parameter_phases(probed, request), probed.graphs, how, _whole_in_rollouts(probed, request))
+
+
+def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> int:
+    """The parameters whole at once while a rank samples (``Run.sampling_weights``): on one GPU none (mixed
+    precision: the compute copy); sharded a layer at a time, the root unit and the one layer computing; else the
+    whole model."""
+    if request.gpus == 1:
+        return probed.parameters if request.mixed else 0
+    return probed.root + probed.largest_layer if request.by_layer else probed.parameters
 
 
 def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
@@ -524,14 +533,14 @@ def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str,
 
 def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     """What a rank holds while ``longstraw train`` samples in process (``app.training``): the shards, the last
-    step's gradient shards and AdamW's state, the whole model gathered in the compute dtype on every rank (FSDP2's
-    ``gathered``: a collective, so every rank holds it), and on the rank that samples (a dp rank's first cp rank,
+    step's gradient shards and AdamW's state, what is gathered in the compute dtype (``_whole_in_rollouts``: a
+    collective, so every rank of the shard group holds it), and on the rank that samples (a dp rank's first cp rank,
     with an engine that holds the whole context: no cp shards) the prompt's state, each member's own tokens, one
     layer's rows of the whole context gathered for attention (a chunk of the capture attends to all earlier rows at
     once) and one decode step's fp32 logits per member."""
     compute = _itemsize(request.dtype)
     parameters = measured.parameters[BACKWARD]
-    whole = measured.parameter_count * compute if request.gpus > 1 or request.mixed else 0
+    whole = measured.rollout_whole * compute
     size = state_size(measured.config, request.dtype)
     members = request.group * (size.bytes_per_token * request.completion + size.fixed_bytes)
     return {

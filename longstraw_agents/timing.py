@@ -352,7 +352,9 @@ class Schedule:
         return segments + total(self.model.forward(chunk, m * chunk, entries_only=True) for m in kept).scaled(-1.0)
 
     def rollout(self) -> Work:
-        """Decoding ``completion`` tokens for every member in one batch, on one GPU (in process, unsharded)."""
+        """Decoding ``completion`` tokens for every member in one batch, on one GPU (in process, its engine holding
+        the whole context), with FSDP2's gathers: each decode step's layers where the step gathers a layer at a time,
+        else the whole model once."""
         request, model = self.request, self.model
         group, prompt = request.group, self.captured
         weights = min(model.weight_bytes, model.active_weight_bytes * group)  # the experts the batch chose, at most all
@@ -372,7 +374,11 @@ class Schedule:
                     decode_calls=token.launches,
                 )
             )
-        return total(steps)
+        gathers = Work()
+        if self.sharded and self.ranks > 1:
+            passes = request.completion if request.by_layer else 1
+            gathers = Work(comm=passes * model.weight_bytes * (self.ranks - 1) / self.ranks)
+        return total(steps) + gathers
 
 
 # --- hardware -----------------------------------------------------------------------------------------------

@@ -193,10 +193,11 @@ def test_step_time_table_names_every_phase_and_the_model():
 
 def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
     """The model's accounting of FSDP2's traffic, per rank: at dp = 1 every layer gathered per pass (the capture's
-    one, two per branch) and each branch's gradient reduce-scattered; at dp > 1 the whole model gathered and its
-    gradient reduce-scattered once per step; the engine without FSDP2 (``sharded=False``) moves only the context's
-    messages; the replicated walk recomputes every chunk on every rank. (bench/distributed.py counts the real
-    collectives' bytes.)"""
+    one, two per branch, one per decode step of a rollout) and each branch's gradient reduce-scattered; at dp > 1
+    the whole model gathered and its gradient reduce-scattered once per step (once per rollout), unless HSDP shards
+    over the cp ranks only (a layer at a time, the replicas' gradient shards summed at the step's end); the engine
+    without FSDP2 (``sharded=False``) moves only the context's messages; the replicated walk recomputes every chunk
+    on every rank. (bench/distributed.py counts the real collectives' bytes.)"""
     config = TINY_PRESETS["llama"]()
     model = ModelWork.of(config, torch.float32)
     base = _request("llama").__dict__
@@ -205,7 +206,7 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
     def phases(sharded: bool = True, **mesh: int) -> dict[str, Work]:
         return {
             name: getattr(Schedule(PlanRequest(**{**base, **mesh}), model, sharded=sharded), name)()
-            for name in ("capture", "replay", "walk")
+            for name in ("capture", "replay", "walk", "rollout")
         }
 
     dp1 = phases(gpus=2, cp=2)
@@ -216,6 +217,15 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
     dp2 = phases(gpus=2, dp=2, cp=1)
     assert dp2["capture"].comm == 0  # no cp messages; the whole model is gathered once for the step
     assert dp2["replay"].comm == pytest.approx(weights / 2 + weights / 2)
+    # sampling: every decode step's layers gathered where the step gathers a layer at a time, else the model once
+    assert plain["rollout"].comm == 0
+    assert dp1["rollout"].comm == pytest.approx(base["completion"] * weights / 2)
+    assert dp2["rollout"].comm == pytest.approx(weights / 2)
+    # HSDP over dp 2 x cp 2: a layer at a time over the 2 cp ranks, the replicas' gradient shards all-reduced once
+    hsdp, flat = phases(gpus=4, dp=2, cp=2, hsdp=True), phases(gpus=4, dp=2, cp=2)
+    assert hsdp["capture"].comm - flat["capture"].comm == pytest.approx(weights / 2)
+    assert hsdp["replay"].comm - dp1["replay"].comm == pytest.approx(2 * (2 - 1) / 2 * weights / 2)
+    assert hsdp["rollout"].comm == dp1["rollout"].comm
     walk_replicated = Schedule(
         PlanRequest(**{**base, "gpus": 2, "cp": 2, "engine": EngineConfig(chunk_size=CHUNK, wavefront_walk=False)}),
         model,

@@ -21,6 +21,7 @@ environments it makes use the run's tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import time
@@ -49,7 +50,7 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
-from longstraw_agents.parallel.fsdp import gathered
+from longstraw_agents.parallel.fsdp import OneRankGather, gathered
 from longstraw_agents.rollout import make_env_factory, reset_prompt
 from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import Store
@@ -142,6 +143,7 @@ class Run:
         # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None
         self._reporter: Reporter | None = None
+        self._one_rank: OneRankGather | None = None  # the sampling engine's weights, a layer at a time
         with self.ranks.failing_clearly(lambda: "starting the run"):
             self.ranks.share_directory(self.dir)  # every node sees it (made by the writer), before any step
             if self.ranks.writes:
@@ -223,8 +225,12 @@ class Run:
             return self.served.sampler(self.trainer.engine.model, self.trainer.policy_version, self.stop_ids, sampling)
         return TorchSampler(self.sampling_engine, self.stop_ids, sampling, policy_version=self.trainer.policy_version)
 
-    def gathered(self):
-        """The policy's full weights for a block of sampling (FSDP2: every dp rank enters together)."""
+    def sampling_weights(self) -> contextlib.AbstractContextManager[Any]:
+        """The policy's weights for a block of sampling, entered by every rank together (FSDP2's gathers are
+        collectives). Where the step gathers a layer at a time, so does the sampling rank, its shard peers joining
+        each gather (``OneRankGather``): no rank holds the whole model. Otherwise the whole model, for the block."""
+        if self._one_rank is not None:
+            return self._one_rank.session(samples=self.ranks.rolls_out)
         return gathered(self.trainer.model)
 
     def push_weights(self) -> None:
@@ -294,8 +300,12 @@ class Run:
 
     def _sampling_engine(self) -> Engine:
         """The trainer's engine, or with cp > 1 one over the same weights without shards: a rollout runs on one cp
-        rank (``Ranks.rolls_out``), so it must not wait for its cp peers."""
+        rank (``Ranks.rolls_out``), so it must not wait for its cp peers; where the step gathers a layer at a time,
+        with its layers gathered one at a time too (``sampling_weights``)."""
         engine = self.trainer.engine
+        if self.trainer.sharding.weights is not None:
+            self._one_rank = OneRankGather(engine.model)
+            return Engine(engine.model, engine.config, weights=self._one_rank)
         return engine if engine.shards is None else Engine(engine.model, engine.config)
 
     def _warm_start(self) -> None:

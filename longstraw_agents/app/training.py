@@ -201,7 +201,7 @@ def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
     config, ranks = run.config, run.ranks
     prefix = group_prefix(run, step, ranks.dp_rank)
     groups: list[list[Trajectory]] = []
-    with run.gathered():  # FSDP2: the full weights for sampling, every dp rank together
+    with run.sampling_weights():  # FSDP2: every rank enters together
         if ranks.rolls_out:
             groups = rollout_groups(
                 run.env_factory,
@@ -256,7 +256,7 @@ def evaluate(run: Run, num_episodes: int, step: int | None = None) -> EvalRecord
     limits = RolloutLimits(run.config.sampling.max_new_tokens, run.max_context)
     sampler = run.sampler(seed=eval_sampling_seed(ranks.dp_rank))
     rewards: list[float] = []
-    with run.gathered():
+    with run.sampling_weights():
         if ranks.rolls_out and seeds:
             progress = run.config.progress and ranks.writes
             groups = rollout_groups(

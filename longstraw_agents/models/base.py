@@ -384,20 +384,31 @@ class FamilyAdapter(ABC):
         return h + layer.mlp(layer.post_norm(h)), out.new
 
     def decode(
-        self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None
+        self,
+        ids: Tensor,
+        batch: DecodeBatch,
+        contexts: list[DecodeContext],
+        attention: Attention | None = None,
+        runner: LayerRunner | None = None,
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         """One new token per member (``ids [B]`` at ``batch.positions``) through the decoder in one batched forward:
-        the final-normed hidden states ``[B, hidden]`` and, per layer, what it adds to each member's state."""
+        the final-normed hidden states ``[B, hidden]`` and, per layer, what it adds to each member's state.
+        ``runner``: as ``forward``'s."""
+        self.check_reach(int(batch.positions.max()) + 1)
         h = self.backbone.embed_tokens(ids)
         rope = self.rope(h, batch.positions)
         shared: dict[str, Any] = {}
         attention = Attention() if attention is None else attention
         new_entries: list[tuple[Tensor, ...]] = []
-        for layer, ctx in zip(self.layers, contexts, strict=True):
-            out = layer.mixer.decode(DecodeInput(layer.input_norm(h), rope, batch, ctx, shared, attention))
-            h = h + out.y
-            h = h + layer.mlp(layer.post_norm(h))
-            new_entries.append(out.new)
+        for index, (layer, ctx) in enumerate(zip(self.layers, contexts, strict=True)):
+
+            def run(h: Tensor, layer: DecoderLayer = layer, ctx: DecodeContext = ctx) -> tuple[Tensor, ...]:
+                out = layer.mixer.decode(DecodeInput(layer.input_norm(h), rope, batch, ctx, shared, attention))
+                h = h + out.y
+                return (h + layer.mlp(layer.post_norm(h)), *out.new)
+
+            h, *new = run(h) if runner is None else runner(index, run, h)
+            new_entries.append(tuple(new))
         return self.final_norm(h), new_entries
 
     def lm_head(self, hidden: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from longstraw_agents.attention import Attention, KVBlock
+from longstraw_agents.attention import KVBlock
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -31,7 +31,7 @@ from longstraw_agents.models.base import (
     norm_eps,
     rms_norm,
 )
-from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeInput, cascade_attention, write_own
+from longstraw_agents.models.batch import DecodeInput, cascade_attention, write_own
 
 
 class AttentionMixer(Mixer):
@@ -146,12 +146,6 @@ class DenseAdapter(FamilyAdapter):
     def window_limit(cls, config: Any) -> int | None:
         windows = [w for w in sliding_windows(config) if w is not None]
         return min(windows) if windows else None
-
-    def decode(
-        self, ids: Tensor, batch: DecodeBatch, contexts: list[DecodeContext], attention: Attention | None = None
-    ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
-        self.check_reach(int(batch.positions.max()) + 1)
-        return super().decode(ids, batch, contexts, attention)
 
     def check_reach(self, end: int) -> None:
         if self.window is not None and end > self.window:

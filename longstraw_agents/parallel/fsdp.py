@@ -356,6 +356,62 @@ class LayerGather:
         self._backward_pending.clear()
 
 
+class OneRankGather(LayerGather):
+    """``LayerGather`` for work one rank of the shard group does alone — sampling, on the first cp rank — while the
+    group's other ranks serve its gathers: before each gather the sampling rank broadcasts the layer's index, and
+    the others join the all-gather and free the layer at once. The sampling rank holds the root unit and the layer
+    it computes, never the whole model.
+
+    ``session(samples)`` is the block of sampling, entered by every rank of the shard group: the root unit gathered
+    on all of them; on the sampling rank (``samples``) it gives the engine's weights, elsewhere None, and at its end
+    the others serve until the sampling rank says it is done. The work must not need gradients."""
+
+    DONE = -1  # the index that ends a session
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model, replicas=1, window=0)
+        self.group, self.source = _shard_group(model)
+
+    @contextlib.contextmanager
+    def session(self, samples: bool) -> Iterator[OneRankGather | None]:
+        with torch.no_grad(), self.gathered(None):
+            if not samples:
+                yield None
+                self._serve()
+                return
+            try:
+                yield self
+            finally:
+                self._tell(self.DONE)
+
+    def _unshard(self, layer: int | None) -> None:
+        if layer is not None and layer not in self._gathered:
+            self._tell(layer)
+        super()._unshard(layer)
+
+    def _tell(self, layer: int) -> None:
+        dist.broadcast(torch.tensor([layer]), group=self.group, group_src=self.source)
+
+    def _serve(self) -> None:
+        """Join the sampling rank's gathers until it is done."""
+        layer = torch.zeros(1, dtype=torch.int64)
+        while True:
+            dist.broadcast(layer, group=self.group, group_src=self.source)
+            if int(layer) == self.DONE:
+                return
+            unit: Any = self.units[int(layer)]  # an FSDPModule (fully_shard changes the class at run time)
+            unit.unshard()
+            unit.reshard()
+
+
+def _shard_group(model: nn.Module) -> tuple[dist.ProcessGroup, int]:
+    """The process group a sharded ``model``'s gathers run over (its mesh's sharded dimension) and the rank in it
+    that samples: the first (at dp = 1 the first cp rank; with HSDP a dp rank's first cp rank)."""
+    param = next(p for p in model.parameters() if isinstance(p, DTensor))
+    dim = next(d for d, placement in enumerate(param.placements) if placement.is_shard())
+    return param.device_mesh.get_group(dim), 0
+
+
 class _AfterBackward(torch.autograd.Function):
     """Identity on a layer's input; its backward runs once the layer's own backward has produced the input's
     gradient: then the layer's gradient is reduced into its shards."""

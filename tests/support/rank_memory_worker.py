@@ -21,7 +21,7 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
-from longstraw_agents.parallel.fsdp import gathered
+from longstraw_agents.parallel.fsdp import OneRankGather, gathered
 from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.torch_sampler import TorchSampler
@@ -58,13 +58,16 @@ def step_group(trainer: GRPOTrainer, spec: dict[str, Any], seed: int) -> Group:
 
 
 def roll_out(trainer: GRPOTrainer, spec: dict[str, Any], mesh: ParallelMesh) -> None:
-    """A group's rollout as ``longstraw train`` samples in process (``app.training``): the whole model gathered on
-    every rank, the first cp rank sampling with an engine of no shards over it (``Run._sampling_engine``), the
+    """A group's rollout as ``longstraw train`` samples in process (``app.training``, ``Run.sampling_weights``): the
+    first cp rank samples with an engine of no shards (``Run._sampling_engine``), its layers gathered one at a time
+    where the step gathers so (its peers joining each gather), else the whole model gathered on every rank; the
     members decoded together; the stop token is outside the vocabulary, so every member decodes to its limit."""
     vocab = spec["model"].get("vocab_size", 256)
-    with gathered(trainer.model):
+    one_rank = OneRankGather(trainer.engine.model) if trainer.sharding.weights is not None else None
+    block = gathered(trainer.model) if one_rank is None else one_rank.session(samples=mesh.cp_rank == 0)
+    with block:
         if mesh.cp_rank == 0:
-            engine = Engine(trainer.engine.model, trainer.engine.config)
+            engine = Engine(trainer.engine.model, trainer.engine.config, weights=one_rank)
             sampling = SamplingConfig(max_new_tokens=spec["completion"], seed=0)
             sampler = TorchSampler(engine, [vocab], sampling)
             prompt = torch.randint(0, vocab, (spec["prompt"],), generator=torch.Generator().manual_seed(3))

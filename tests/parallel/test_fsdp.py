@@ -1,0 +1,45 @@
+"""Sampling from a policy FSDP2 shards (``parallel.fsdp.OneRankGather``), on gloo CPU processes: the sampling rank
+holds one decoder layer whole at a time while its shard peers join each gather, and samples exactly what one process
+holding the whole model samples."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from sampling_worker import CHUNK, run, sample
+
+from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.presets import tiny_model
+
+pytestmark = pytest.mark.distributed
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("family", "dp", "cp", "hsdp"),
+    [("llama", 1, 2, False), ("qwen3_5", 1, 2, False), ("glm_moe_dsa", 2, 2, True)],
+    ids=["llama-dp1xcp2", "qwen3_5-dp1xcp2", "glm_moe_dsa-dp2xcp2-hsdp"],
+)
+def test_a_rank_samples_a_sharded_policy_a_layer_at_a_time(tmp_path, family, dp, cp, hsdp) -> None:
+    spec = {"family": family, "dp": dp, "cp": cp, "hsdp": hsdp}
+    world = dp * cp
+    mp.start_processes(run, args=(world, _free_port(), str(tmp_path), spec), nprocs=world, start_method="fork")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    model = tiny_model(family, dtype=torch.float64, seed=0)
+    expected = sample(Engine(model, EngineConfig(chunk_size=CHUNK)), model.config.vocab_size)
+    samplers = [r for r in ranks if r["samples"]]
+    assert len(samplers) == dp  # the first cp rank of each dp rank (HSDP: each replica's shard group its own)
+    for result in samplers:
+        assert result["most_gathered"] == 1  # a decoder layer at a time (and the root unit)
+        for (ids, logprobs), (want_ids, want_logprobs) in zip(result["generations"], expected, strict=True):
+            assert ids == want_ids
+            assert logprobs == pytest.approx(want_logprobs, abs=1e-10)
+    assert all(r["most_gathered"] == 0 for r in ranks if not r["samples"])  # they free each layer at once
