@@ -19,6 +19,7 @@ import pydantic
 import pytest
 import torch
 import yaml
+from grpo_reference import relative_l2
 from tiny_runs import tiny_config_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tracker_logs import as_float32, expected_scalars, tensorboard_scalars
@@ -29,6 +30,7 @@ from longstraw_agents.app.distributed import SHARED_MARK, Ranks, directory_probl
 from longstraw_agents.app.export import export_hf
 from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.seeds import task_seed
+from longstraw_agents.cli import main
 from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
 
@@ -43,17 +45,18 @@ def _free_port() -> int:
 
 LAUNCHERS = {
     # a free port of its own
-    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", PROCESSES],
+    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"],
     # accelerate's multi-process launcher (torch.distributed.run underneath; with no CUDA the ranks use gloo)
-    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", PROCESSES]
-    + ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port"],
+    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu"]
+    + ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes"],
 }
 
 
-def _launch(launcher: str, config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    """``longstraw train`` on 4 CPU processes; on a timeout the whole process group is killed, so that no worker
-    outlives the test."""
-    command = [sys.executable, *LAUNCHERS[launcher]] + ([str(_free_port())] if launcher == "accelerate" else [])
+def _launch(launcher: str, config: Path, *extra: str, processes: str = PROCESSES) -> subprocess.CompletedProcess[str]:
+    """``longstraw train`` on CPU processes (4 by default); on a timeout the whole process group is killed, so that
+    no worker outlives the test."""
+    command = [sys.executable, *LAUNCHERS[launcher], processes]
+    command += ["--main_process_port", str(_free_port())] if launcher == "accelerate" else []
     command += ["-m", "longstraw_agents.cli", "train", str(config), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, also on a GPU machine
     with subprocess.Popen(
@@ -129,6 +132,49 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     reference = torch.load(tmp_path / "whole.pt")["model"]
     for name, param in exported.named_parameters():
         assert param.dtype == torch.float32 and torch.equal(param, reference[name]), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path) -> None:
+    """``longstraw train`` with ``parallel: {dp: 1, cp: 2, fsdp: true}`` (the published run's shape, fp64): the first
+    cp rank samples with the sharded model gathered a layer at a time, both ranks train on the group with its context
+    sharded; the episodes stored are the ones one process samples, and the exported weights after the step are its
+    weights (fp64, relative 1e-10). Whatever the rewards (an untrained policy rarely solves one), the step's second
+    iteration has a gradient: the first one's weight decay moved the policy from the KL reference."""
+    runs = {}
+    for name, parallel in (("cp2", {"dp": 1, "cp": 2, "fsdp": True}), ("one", {})):
+        settings = tiny_config_dict(tmp_path / name, parallel=parallel, steps=1, groups_per_step=1)
+        settings["model"] = {**settings["model"], "max_context": 1024, "dtype": "float64"}
+        settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1, "beta": 0.1, "num_iterations": 2}
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(settings))
+        runs[name] = config
+    done = _launch("torchrun", runs["cp2"], processes="2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["train", str(runs["one"])]) == 0
+    stored = {name: _stored_episodes(tmp_path / name) for name in runs}
+    assert stored["cp2"] == stored["one"] and len(stored["one"]) == GROUP_SIZE
+    weights = {}
+    for name in runs:
+        exported = AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / name, tmp_path / f"{name}-hf"))
+        weights[name] = {key: p.detach() for key, p in exported.named_parameters()}
+    assert relative_l2(weights["cp2"], weights["one"]) <= 1e-10
+    norms = {name: _iteration_grad_norms(tmp_path / name) for name in runs}
+    assert norms["one"][1] > 0 and norms["cp2"] == pytest.approx(norms["one"], rel=1e-8)
+
+
+def _iteration_grad_norms(run_dir: Path) -> list[float]:
+    step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    return [iteration["grad_norm"] for iteration in step["iterations"]]
+
+
+def _stored_episodes(run_dir: Path) -> list[list[int]]:
+    store = Store.open(run_dir / "trajectories.db", create=False)
+    try:
+        return [t.token_ids().tolist() for members in store.groups().values() for t in members]
+    finally:
+        store.close()
 
 
 def test_dp_times_cp_must_equal_the_number_of_processes(monkeypatch: pytest.MonkeyPatch) -> None:
