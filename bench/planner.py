@@ -53,7 +53,7 @@ def main() -> None:
         ("detached", "none", False),
         ("exact", "none", False),
     ]:
-        plan = plan_memory(replace(QWEN, context=4_460_000, mode=mode, optimizer=optimizer, offload_optimizer=offload))
+        plan = plan_memory(replace(QWEN, context=4_460_000, mode=mode, optimizer=optimizer, offload=offload))
         rows.append(row("Qwen3.6-27B stress, 8 x 96 GB", plan))
     for optimizer in ("adamw", "none"):
         rows.append(row("GLM-5.2, 32 x 96 GB, detached", plan_memory(replace(GLM, optimizer=optimizer))))

@@ -264,7 +264,6 @@ def _quantity(text: str) -> int:
 _PLAN_FLAGS = {
     "gpu_mem_bytes": "--gpu-mem",
     "graph_budget_bytes": "--graph-budget",
-    "offload_optimizer": "--offload",
     "mixed_precision": "--no-mixed-precision",
     "chunk_size": "--chunk",
     "wavefront_walk": "--walk",
@@ -297,7 +296,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         request = PlanRequest(
             model=args.model, context=args.context, group=args.group, completion=args.completion, gpus=args.gpus,
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
-            optimizer=args.optimizer, offload_optimizer=args.offload == "optimizer", beta=args.beta, engine=engine,
+            optimizer=args.optimizer, offload=args.offload, beta=args.beta, engine=engine,
             mixed_precision=False if args.no_mixed_precision else None, cp_rank=args.cp_rank,
             groups_per_rank=args.groups_per_rank, hsdp=args.hsdp,
         )  # fmt: skip
@@ -470,8 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
     p.add_argument(
-        "--offload", choices=["none", "optimizer"], default="none", help="keep AdamW state off the GPU (planned only)"
-    )
+        "--offload", action="store_true",
+        help="FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW state on the host",
+    )  # fmt: skip
     p.add_argument(
         "--no-mixed-precision",
         action="store_true",

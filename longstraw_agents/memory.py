@@ -20,6 +20,11 @@ true peak), the rest under ``"other"``, and ``role_peaks`` the most each held at
 joins a role by assignment (``p.grad = t``) counts under it from the next look on. For tests and benchmarks on
 small models (each look walks every role's tensors); one thread at a time (the counts are not locked).
 
+Placement: the counts above are the device's. A storage allocated inside ``host_placement()`` — where offloading
+code puts what it keeps on the host (FSDP2's offloaded shards, their gradients, the optimizer's step) — counts in
+``host_bytes`` / ``host_peak_bytes`` instead, for its whole life; on a GPU those are the CPU tensors, on a CPU
+machine, where host and device are one memory, the tag is what tells them apart.
+
 >>> import torch
 >>> with MemoryTracker() as mem:
 ...     x = torch.zeros(1000)      # 4,000 bytes
@@ -30,8 +35,9 @@ small models (each look walks every role's tensors); one thread at a time (the c
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +52,23 @@ OTHER = "other"
 @dataclass
 class _Live:
     nbytes: int = 0
+    host: bool = False  # allocated inside ``host_placement``
+
+
+class _Placement:
+    """How deep inside ``host_placement`` blocks the code is now."""
+
+    depth = 0
+
+
+@contextlib.contextmanager
+def host_placement() -> Iterator[None]:
+    """Allocations in the block are the host's (offloaded), not the device's, for open ``MemoryTracker``s."""
+    _Placement.depth += 1
+    try:
+        yield
+    finally:
+        _Placement.depth -= 1
 
 
 Roles = Mapping[str, Callable[[], Iterable[torch.Tensor]]]
@@ -61,6 +84,8 @@ class MemoryTracker(TorchDispatchMode):
         self.baseline = baseline
         self.current_bytes = baseline
         self.peak_bytes = baseline
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
         self.roles = dict(roles or {})
         self.resolution = resolution
         self.peak_roles: dict[str, int] = {}
@@ -101,12 +126,17 @@ class MemoryTracker(TorchDispatchMode):
 
     def _count(self, storage: torch.UntypedStorage, key: int) -> None:
         """Start counting ``storage`` (not counted yet) until it dies."""
-        self._live[key] = entry = _Live()
+        self._live[key] = entry = _Live(host=_Placement.depth > 0)
         self._resize(entry, storage.nbytes())
         # torch keeps one Python object per live storage: it dies with the storage, whatever tensors held it
         weakref.finalize(storage, self._release, key)
 
     def _resize(self, entry: _Live, nbytes: int) -> None:
+        if entry.host:
+            self.host_bytes += nbytes - entry.nbytes
+            entry.nbytes = nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            return
         self.current_bytes += nbytes - entry.nbytes
         entry.nbytes = nbytes
         if self.current_bytes > self.peak_bytes:
@@ -126,8 +156,9 @@ class MemoryTracker(TorchDispatchMode):
             self._count(storage, key)
 
     def snapshot(self) -> dict[str, int]:
-        """Each role's bytes now (storages this tracker counts, or that existed before it: ``baseline``'s), the rest
-        under ``other``; each role's most so far is kept in ``role_peaks``."""
+        """Each role's bytes on the device now (storages this tracker counts, or that existed before it:
+        ``baseline``'s; a host-placed storage counts nothing), the rest under ``other``; each role's most so far is
+        kept in ``role_peaks``."""
         taken: set[int] = set()
         by_role = {}
         for role, tensors in self.roles.items():
@@ -137,7 +168,10 @@ class MemoryTracker(TorchDispatchMode):
                 if key not in taken:
                     taken.add(key)
                     entry = self._live.get(key)
-                    nbytes += entry.nbytes if entry is not None else _local(t).untyped_storage().nbytes()
+                    if entry is None:
+                        nbytes += _local(t).untyped_storage().nbytes()
+                    elif not entry.host:
+                        nbytes += entry.nbytes
             by_role[role] = nbytes
         by_role[OTHER] = self.current_bytes - sum(by_role.values())
         for role, nbytes in by_role.items():
@@ -147,10 +181,11 @@ class MemoryTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
-            self.current_bytes -= entry.nbytes
+            self._resize(entry, 0)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self._looked_at = self.current_bytes
+        self.host_peak_bytes = self.host_bytes
         self.role_peaks = {}
         if self.roles:
             self.peak_roles = self.snapshot()

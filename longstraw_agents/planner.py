@@ -91,7 +91,8 @@ class PlanRequest:
     mode: Literal["detached", "exact"] = "detached"
     dtype: torch.dtype = torch.bfloat16
     optimizer: Literal["adamw", "none"] = "adamw"
-    offload_optimizer: bool = False
+    # FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW's state on the host
+    offload: bool = False
     hsdp: bool = False  # FSDP2 over each dp rank's cp ranks, replicated over dp (parallel.hsdp)
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
@@ -152,6 +153,8 @@ class PlanRequest:
             raise ValueError(f"cp_rank ({self.cp_rank}) must be below cp ({self.context_parallel})")
         if self.hsdp and self.context_parallel == 1:
             raise ValueError(HSDP_WITHOUT_CP)
+        if self.offload and self.gpus == 1:
+            raise ValueError("offload runs through FSDP2 (parallel.fsdp), which shards over 2 or more GPUs")
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
         return self
@@ -166,6 +169,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # what a rank holds while the run samples in process (``rollout_terms``): a phase of its own, between steps
     rollout: dict[str, int] = field(default_factory=dict)
+    # what each GPU's process keeps on the host (``PlanRequest.offload``): not in the GPU's figures
+    host: dict[str, int] = field(default_factory=dict)
 
     @property
     def subtotal(self) -> int:
@@ -201,7 +206,7 @@ class Plan:
             f"{r.model}: {r.context:,} positions, G={r.group} x {r.completion} tokens, {r.mode}, "
             f"{str(r.dtype).removeprefix('torch.')}, {r.gpus} GPUs x {r.gpu_mem_bytes / 1e9:.0f} GB "
             f"(dp={r.data_parallel}, cp={r.context_parallel}), optimizer {r.optimizer}"
-            + (" offloaded" if r.offload_optimizer else "")
+            + (", offloaded to the host" if r.offload else "")
             + (f", beta={r.beta}" if r.beta else ""),
             f"{'per GPU':<{CATEGORY_WIDTH + 2}} {'GiB':>9}",
         ]
@@ -216,6 +221,9 @@ class Plan:
             lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.rollout.items()]
             total = self.rollout_total / GIB
             lines.append(f"  {'total (with the margin)':<{CATEGORY_WIDTH}} {total:>9.2f}  {of}: {verdict}")
+        if self.host:
+            lines.append("on the host, per GPU's process (offloaded; not in the figures above)")
+            lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.host.items()]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -426,18 +434,28 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
     before sharding). The phases: a capture (no gradient of its own) and the backward passes."""
     shard = -(-probed.parameters // request.shard_ranks)
     master = request.master_itemsize
-    adam = request.optimizer == "adamw" and not request.offload_optimizer
+    adam = request.optimizer == "adamw"
+    on_gpu = 0 if request.offload else 1  # offloaded: the shards, their gradients and AdamW's state are the host's
     phases = {}
     for phase, (whole_weights, whole_gradients, gradient_shards) in _whole_at_once(probed, request).items():
         phases[phase] = {
-            "weights": shard * master,
+            "weights": shard * master * on_gpu,
             "gathered weights": whole_weights,
-            "gradients": -(-gradient_shards // request.shard_ranks) * master,
+            "gradients": -(-gradient_shards // request.shard_ranks) * master * on_gpu,
             "gathered gradients": whole_gradients,
-            "optimizer state": 2 * master * shard if adam else 0,
+            "optimizer state": 2 * master * shard * on_gpu if adam else 0,
             "reference weights": probed.parameters * master if request.beta > 0 else 0,
         }
     return phases
+
+
+def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
+    """What a GPU's process keeps on the host with ``offload`` (FSDP2's CPU offload policy): its master shards,
+    their gradients once the step has reduced them all, and AdamW's two moments."""
+    if not request.offload:
+        return {}
+    shard = -(-probed.parameters // request.shard_ranks) * request.master_itemsize
+    return {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
 
 
 def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:
@@ -493,12 +511,16 @@ class _Measured:
     graphs: int
     how: str
     rollout_whole: int  # parameters whole at once while sampling (``rollout_terms``)
+    host: dict[str, int]  # offloaded (``host_terms``)
 
 
 def _measure(request: PlanRequest) -> _Measured:
     config = load_config(request.model)
     probed, how = extrapolated(config, request)
-    return _Measured(config, parameter_phases(probed, request), probed.graphs, how, _whole_in_rollouts(probed, request))
+    phases = parameter_phases(probed, request)
+    return _Measured(
+        config, phases, probed.graphs, how, _whole_in_rollouts(probed, request), host_terms(probed, request)
+    )
 
 
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> int:
@@ -582,18 +604,12 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         if request.context_parallel > 1:
             walk = "wavefront (layer inputs kept)" if request.engine.wavefront_walk else "replicated (no layer inputs)"
             notes.append(f"the reverse walk over the cp ranks: {walk}")
-    return Plan(request, categories, notes, rollout_terms(measured, request))
+    return Plan(request, categories, notes, rollout_terms(measured, request), measured.host)
 
 
 def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     master = "fp32 master weights" if request.mixed else f"{str(request.dtype).removeprefix('torch.')} weights"
-    adam = "no optimizer state"
-    if request.optimizer == "adamw":
-        adam = (
-            "AdamW offloaded (planned only: the trainer keeps it on the GPU)"
-            if request.offload_optimizer
-            else f"AdamW state (2 x {request.master_itemsize} B)"
-        )
+    adam = f"AdamW state (2 x {request.master_itemsize} B)" if request.optimizer == "adamw" else "no optimizer state"
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
@@ -604,7 +620,8 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     else:
         whole = "the whole model and its gradient whole for the step (dp > 1)"
     over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
-    return f"FSDP2 shards {master}, their gradients and {adam} over {over}; {whole}"
+    where = " on the host (CPU offload; AdamW steps there)" if request.offload else ""
+    return f"FSDP2 shards {master}, their gradients and {adam} over {over}{where}; {whole}"
 
 
 def plan_memory(request: PlanRequest) -> Plan:

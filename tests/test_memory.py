@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from longstraw_agents.memory import MemoryTracker, tensor_bytes
+from longstraw_agents.memory import MemoryTracker, host_placement, tensor_bytes
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.trainer import grpo_backward
 
@@ -140,6 +140,25 @@ def test_backward_into_materialised_grads_counts_no_grad_buffers(device: str):
     # the peak holds the activations and one weight gradient before it is added in place, never a .grad buffer
     assert fresh.peak_bytes >= tensor_bytes(params)
     assert accumulated.peak_bytes < tensor_bytes([w1]) + 16000
+
+
+def test_host_placed_storages_count_on_the_host_for_their_whole_life():
+    """What offloading code allocates inside ``host_placement`` is the host's: never in the device's counts or its
+    roles, however it is used later (an in-place update outside the block, a view), and freed from the host's."""
+    kept: list[torch.Tensor] = []
+    with MemoryTracker(roles={"moments": lambda: kept}) as mem:
+        device = torch.zeros(1000)  # 4,000 device bytes
+        with host_placement():
+            kept.append(torch.zeros(500))  # 2,000 host bytes
+            grown = torch.ones(250)  # 1,000 more
+        kept[0].add_(1)  # in place, outside the block: still the host's
+        assert (mem.current_bytes, mem.host_bytes) == (4000, 3000)
+        assert mem.snapshot() == {"moments": 0, "other": 4000}
+        del grown
+        assert mem.host_bytes == 2000
+        more = device * 2  # the device's again
+    assert (mem.peak_bytes, mem.host_peak_bytes) == (8000, 3000)
+    assert more.shape == device.shape
 
 
 def test_tensor_bytes_counts_each_storage_once():

@@ -291,13 +291,31 @@ def test_parameter_phases_follow_the_trainers_schedule(request_args: dict, captu
     assert with_reference["capture"]["reference weights"] == probe.parameters * request.master_itemsize
 
 
+def test_offload_moves_the_shards_their_gradients_and_adamw_to_the_host() -> None:
+    """``offload`` (FSDP2's CPU offload): the device keeps what is whole (gathered weights and gradients), the host
+    the rank's master shards, their gradients and AdamW's moments — the same bytes the device held without it."""
+    request = PlanRequest(dtype=torch.bfloat16, gpus=8)
+    kept, moved = parameter_phases(PROBE, request), parameter_phases(PROBE, dataclasses.replace(request, offload=True))
+    for phase in kept:
+        assert moved[phase]["weights"] == moved[phase]["gradients"] == moved[phase]["optimizer state"] == 0, phase
+        assert kept[phase]["weights"] > 0 and kept[phase]["optimizer state"] > 0, phase
+        for role in ("gathered weights", "gathered gradients"):
+            assert moved[phase][role] == kept[phase][role], (phase, role)
+    shard = -(-PROBE.parameters // 8) * 4
+    offloaded = dataclasses.replace(request, offload=True)
+    assert planner.host_terms(PROBE, offloaded) == {"weights": shard, "gradients": shard, "optimizer state": 2 * shard}
+    assert planner.host_terms(PROBE, request) == {}
+    with pytest.raises(pydantic.ValidationError, match="offload runs through FSDP2"):
+        PlanRequest(gpus=1, offload=True)
+
+
 def test_a_plan_is_the_phase_that_holds_the_most() -> None:
     """At cp = 2 the capture of a long context holds its hidden states and the earlier rank's rows beside 3 layers;
     a short one holds less than a replay's layer, its gradients and the gradient shards."""
     config = TINY_PRESETS["llama"]()
     for context, phase in ((1 << 20, "capture"), (64, "backward")):
         request = PlanRequest(model="tiny-llama", context=context, gpus=2, dtype=torch.bfloat16)
-        measured = planner._Measured(config, parameter_phases(PROBE, request), 0, "", PROBE.parameters)
+        measured = planner._Measured(config, parameter_phases(PROBE, request), 0, "", PROBE.parameters, {})
         plan = planner._plan(request, measured)
         phases = planner._phase_categories(measured, planner.exact_terms(config, request, context // 2))
         assert plan.categories == phases[phase] and sum(phases[phase].values()) > sum(

@@ -23,7 +23,7 @@ from longstraw_agents.engine import EngineConfig
 from longstraw_agents.models.presets import TINY_PRESETS
 from longstraw_agents.planner import PlanRequest, plan_memory
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 10 configurations of 2-4 processes: ~60 s
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 11 configurations of 2-4 processes: ~65 s
 
 WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
 STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}
@@ -49,7 +49,7 @@ def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -
             model="measured", context=spec["prompt"], group=spec["group"], completion=spec["completion"],
             gpus=spec["dp"] * spec["cp"], dp=spec["dp"], cp=spec["cp"], mode=spec["mode"],
             dtype=getattr(torch, spec["compute_dtype"] or "float32"), optimizer="adamw",
-            engine=EngineConfig(chunk_size=spec["chunk"]), cp_rank=cp_rank, hsdp=spec["hsdp"],
+            engine=EngineConfig(chunk_size=spec["chunk"]), cp_rank=cp_rank, hsdp=spec["hsdp"], offload=spec["offload"],
         )
     )  # fmt: skip
 
@@ -65,14 +65,17 @@ CASES = [
     pytest.param(STATE, 1, 2, "exact", None, id="state-dp1xcp2-exact"),
     pytest.param(WEIGHTS, 2, 2, "exact", "hsdp", id="weights-dp2xcp2-exact-hsdp"),
     pytest.param(STATE, 2, 2, "detached", "hsdp", id="state-dp2xcp2-detached-hsdp"),
+    pytest.param(STATE, 1, 2, "detached", "offload", id="state-dp1xcp2-detached-offload"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("shape", "dp", "cp", "mode", "variant"), CASES)
 def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp, mode, variant) -> None:
-    """``variant``: the compute dtype of mixed precision, or "hsdp" (sharded over each dp rank's cp ranks)."""
-    spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode, "hsdp": variant == "hsdp"}
-    spec |= shape | {"compute_dtype": None if variant == "hsdp" else variant}
+    """``variant``: the compute dtype of mixed precision, "hsdp" (sharded over each dp rank's cp ranks) or "offload"
+    (the shards, their gradients and AdamW's state on the host: the device's peak and the host's compared apart)."""
+    spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode}
+    spec |= {"hsdp": variant == "hsdp", "offload": variant == "offload"}
+    spec |= shape | {"compute_dtype": None if variant in ("hsdp", "offload") else variant}
     plans = [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(cp)]
     for rank, measured in enumerate(_measure(tmp_path, spec)):
         plan = plans[measured["cp_rank"]]  # a later cp rank receives more of the earlier ranks' rows
@@ -85,6 +88,8 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
         # at the peak the plan holds only the decoder layers' (the root's gradient is whole until the step ends),
         # and none when the whole model is gathered (its gradient is reduced after the step's weights are freed)
         assert abs(held["gradients"] - plan.categories["weights"]) <= 0.15 * plan.categories["weights"], rank
+        host = sum(plan.host.values())  # (offloaded: what the host holds, not the device)
+        assert abs(measured["host_peak"] - host) <= 0.15 * max(host, measured["host_peak"]), (rank, measured, host)
         if not plan.request.by_layer:
             assert plan.categories["gradients"] == 0 == measured["roles"]["gradients"], rank
         # the rollout between steps (the whole model gathered on every rank, the sampler on the first cp rank)

@@ -16,6 +16,7 @@ samples the data. Checkpoints carry the global RNG states (accelerate), so a sam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,9 +31,10 @@ from accelerate import Accelerator
 from torch import nn
 
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.memory import host_placement
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
-from longstraw_agents.parallel.fsdp import WeightSharding, compute_dtype, is_sharded
+from longstraw_agents.parallel.fsdp import WeightSharding, compute_dtype, is_sharded, offloaded
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
 from longstraw_agents.trainer.group import (
@@ -278,13 +280,19 @@ class GRPOTrainer:
         if not summed:
             for p in params:
                 p.grad.div_(total_groups)
-        grad_norm = self._clip(params)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        with self._where_the_optimizer_steps():
+            grad_norm = self._clip(params)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
         if self.compute is not None:
             self.compute.refresh()
         self.scheduler.step()
         return results, IterationMetrics.of_groups(results, grad_norm=grad_norm, lr=lr, summed=summed)
+
+    def _where_the_optimizer_steps(self) -> contextlib.AbstractContextManager[None]:
+        """The host for a model whose shards are offloaded (their gradients and the optimizer's state live there:
+        the clip and the step run there), else the device."""
+        return host_placement() if offloaded(self.model) else contextlib.nullcontext()
 
     def _sum_gradients_across_processes(self, params: list[nn.Parameter], num_groups: int) -> int:
         """All-reduce (sum) the gradients and group counts of the data-parallel ranks; returns the total group count.

@@ -157,6 +157,12 @@ class ParallelSpec(BaseModel):
         "engine gathers a layer at a time at dp > 1 too (without it a dp > 1 step gathers the whole model: the dp "
         "ranks' groups differ in shape); see `longstraw plan --hsdp`",
     )
+    offload: bool = Field(
+        False,
+        description="with fsdp: FSDP2's CPU offload — the master shards, their gradients and AdamW's state live on "
+        "the host and AdamW steps there; each layer's gradient shard is copied to the host as its reduction "
+        "completes, and a gather copies the shards to the GPU first (see `longstraw plan --offload`)",
+    )
     wavefront_walk: bool = Field(
         True,
         description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
@@ -245,11 +251,13 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _hsdp_is_a_way_of_sharding(self) -> TrainConfig:
+    def _hsdp_and_offload_are_ways_of_sharding(self) -> TrainConfig:
         if self.parallel.hsdp and not self.parallel.fsdp:
             raise ValueError("parallel.hsdp shards the model over each dp rank's cp ranks: it needs parallel.fsdp")
         if self.parallel.hsdp and self.parallel.cp == 1:
             raise ValueError(f"parallel.{HSDP_WITHOUT_CP}")
+        if self.parallel.offload and not self.parallel.fsdp:
+            raise ValueError("parallel.offload is FSDP2's CPU offload of the shards: it needs parallel.fsdp: true")
         return self
 
     @model_validator(mode="after")

@@ -288,7 +288,7 @@ class Run:
         mesh, spec = self.ranks.mesh, self.config.parallel
         if mesh is not None and spec.fsdp:
             precision = self.config.trainer.mixed_precision
-            mesh.fully_shard(self.model, None if precision is None else precision.dtype)
+            mesh.fully_shard(self.model, None if precision is None else precision.dtype, spec.offload)
         policy: torch.nn.Module | Engine = self.model
         if mesh is not None and spec.cp > 1:
             if self.max_context is None:
@@ -356,4 +356,5 @@ def _layout(config: TrainConfig) -> str:
     """A run's model and mesh, as a refused resume names them."""
     model = config.model.path or f"preset {config.model.preset} {config.model.overrides or ''}".rstrip()
     parallel = config.parallel
-    return f"model {model}, parallel dp={parallel.dp} cp={parallel.cp} fsdp={parallel.fsdp} hsdp={parallel.hsdp}"
+    sharding = f"fsdp={parallel.fsdp} hsdp={parallel.hsdp} offload={parallel.offload}"
+    return f"model {model}, parallel dp={parallel.dp} cp={parallel.cp} {sharding}"

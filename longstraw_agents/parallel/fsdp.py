@@ -36,26 +36,43 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Placement
 
+from longstraw_agents.memory import host_placement
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None) -> None:
+
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None, offload: bool = False
+) -> None:
     """``fully_shard`` each decoder layer of a transformers CausalLM (``model.model.layers``), then the model.
 
     Call before building the optimizer: FSDP2 replaces the parameters by DTensor shards. ``compute_dtype``: mixed
     precision (FSDP2's ``MixedPrecisionPolicy``): the shards stay in the model's dtype (the master weights AdamW
-    steps), a gather casts them to ``compute_dtype``, and gradients are reduced in the master dtype."""
+    steps), a gather casts them to ``compute_dtype``, and gradients are reduced in the master dtype. ``offload``:
+    FSDP2's ``CPUOffloadPolicy`` — the shards live on the host (a gather copies them to the device first), so do
+    their gradients (each reduction's result is copied there as it completes) and the optimizer's state and step."""
     policy = MixedPrecisionPolicy()
     if compute_dtype is not None:
         master = next(model.parameters()).dtype
         if compute_dtype == master:
             raise ValueError(f"mixed precision computes in {compute_dtype}, the model's own dtype: nothing to mix")
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=master)
+    placement: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
-    for layer in backbone.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    with host_placement() if offload else contextlib.nullcontext():
+        for layer in backbone.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=placement)
+        fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
+
+
+def offloaded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded with its shards on the host (``shard_model(offload=True)``). (FSDP2 keeps the
+    policy in its per-unit state, which has no public accessor.)"""
+    if not isinstance(model, FSDPModule):
+        return False
+    group = model._get_fsdp_state()._fsdp_param_group
+    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype | None:
@@ -118,7 +135,7 @@ def gathered(model: nn.Module, replicas: int = 1) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
-    _reduce_into_shards(full, dict(model.named_parameters()), replicas)
+    _reduce_into_shards(full, dict(model.named_parameters()), replicas, offloaded(model))
 
 
 def gathers_by_layer(dp: int, hsdp: bool = False) -> bool:
@@ -189,6 +206,7 @@ class LayerGather:
 
     def __init__(self, model: nn.Module, replicas: int, window: int | None = None):
         self.model, self.replicas = model, replicas
+        self.host = offloaded(model)  # the shards' gradients live on the host
         self.window = prefetch_window(replicas) if window is None else window
         backbone: Any = model.model
         self.units: list[nn.Module] = list(backbone.layers)
@@ -215,7 +233,7 @@ class LayerGather:
         """Wait for the partial reductions in flight; a parameter no rank had a gradient for in them (and none
         before: an expert no token chose) keeps none, as in one process (one collective over the shard mesh)."""
         while self._reducing:
-            _settle(self._reducing.popleft())
+            _settle(self._reducing.popleft(), self.host)
         if not self._touched:
             return
         entries = list(self._touched.values())
@@ -303,7 +321,7 @@ class LayerGather:
         if partial:
             self._reduce_partial(whole, shards)
         else:
-            _reduce_into_shards(whole, shards, self.replicas)
+            _reduce_into_shards(whole, shards, self.replicas, self.host)
         self._start_ahead()
 
     def _reduce_partial(self, whole: dict[str, nn.Parameter], shards: dict[str, Any]) -> None:
@@ -326,7 +344,7 @@ class LayerGather:
             flight.append((shard, _reduce_scatter(grad, shard, async_op=True)))
         self._reducing.append(flight)
         while len(self._reducing) > self.window:
-            _settle(self._reducing.popleft())
+            _settle(self._reducing.popleft(), self.host)
 
     def _registered(self, layer: int | None) -> dict[str, nn.Parameter]:
         """The unit's own parameters as registered now (whole while gathered, else its shards), by name."""
@@ -427,20 +445,16 @@ class _AfterBackward(torch.autograd.Function):
         return grad, None, None
 
 
-def _settle(flight: list[tuple[DTensor, DTensor]]) -> None:
+def _settle(flight: list[tuple[DTensor, DTensor]], host: bool) -> None:
     """Wait for the reductions of one release and add them into their shards' gradients."""
     for shard, reduced in flight:
-        local = reduced.to_local()
-        if isinstance(local, AsyncCollectiveTensor):
-            local = local.wait()
-        done = DTensor.from_local(local, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
-        shard.grad = done if shard.grad is None else shard.grad + done
+        _add_into(shard, reduced.to_local(), host)
 
 
-def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], replicas: int) -> None:
+def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], replicas: int, host: bool) -> None:
     """Each whole parameter's gradient summed over the shard mesh into its shard's gradient (divided by
     ``replicas``), the whole one dropped; in the shard's dtype (mixed precision: the master's, not the compute
-    dtype). Every rank must have a gradient for the same parameters."""
+    dtype); on the host where the shards are offloaded. Every rank must have a gradient for the same parameters."""
     for name, shard in shards.items():
         grad = whole[name].grad
         if grad is None or not isinstance(shard, DTensor):
@@ -449,8 +463,22 @@ def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], 
         grad = grad.to(shard.dtype)
         if replicas > 1:
             grad.div_(replicas)
-        reduced = _reduce_scatter(grad, shard)
-        shard.grad = reduced if shard.grad is None else shard.grad + reduced
+        _add_into(shard, _reduce_scatter(grad, shard).to_local(), host)
+
+
+def _add_into(shard: DTensor, local: Tensor, host: bool) -> None:
+    """This rank's part of a reduced gradient added into ``shard``'s gradient; with ``host`` (an offloaded shard)
+    copied to the host first, as soon as it is complete, so that the device keeps no gradient shard."""
+    if isinstance(local, AsyncCollectiveTensor):  # (a reduction started asynchronously: waited for here)
+        local = local.wait()
+    if host:
+        with host_placement():
+            copy = torch.empty_like(local, device="cpu")
+            copy.copy_(local)
+        local = copy
+    done = DTensor.from_local(local, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
+    with host_placement() if host else contextlib.nullcontext():
+        shard.grad = done if shard.grad is None else shard.grad + done
 
 
 def _reduce_scatter(grad: torch.Tensor, shard: DTensor, async_op: bool = False) -> DTensor:
@@ -470,16 +498,22 @@ def reduce_replicas(model: nn.Module) -> None:
     """HSDP: every gradient shard summed over the mesh dimensions the model is replicated over (dp), in place, in
     parameter order. Every rank must have a gradient for the same parameters (give zeros where a rank has none)."""
     handles = []
+    copies: list[tuple[Tensor, Tensor]] = []
     for param in model.parameters():
         grad = param.grad
         if not isinstance(grad, DTensor):  # (a sharded parameter's gradient is one)
             continue
         local = grad.to_local()
+        on_mesh = local.to(grad.device_mesh.device_type)  # an offloaded shard's: its backend may not take the host's
         for dim, placement in enumerate(grad.placements):
             if placement.is_replicate():
-                handles.append(dist.all_reduce(local, group=grad.device_mesh.get_group(dim), async_op=True))
+                handles.append(dist.all_reduce(on_mesh, group=grad.device_mesh.get_group(dim), async_op=True))
+        if on_mesh is not local:
+            copies.append((local, on_mesh))
     for handle in handles:
         handle.wait()
+    for local, on_mesh in copies:
+        local.copy_(on_mesh)
 
 
 def replicated(model: nn.Module) -> bool:

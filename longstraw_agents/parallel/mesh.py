@@ -108,11 +108,12 @@ class ParallelMesh:
         with ``hsdp`` the (dp, cp) mesh itself, which FSDP2 reads as replicate over dp, shard over cp."""
         return self.mesh if self.hsdp else self.mesh["dp", "cp"]._flatten("dp_cp")
 
-    def fully_shard(self, model: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
+    def fully_shard(self, model: nn.Module, compute_dtype: torch.dtype | None = None, offload: bool = False) -> None:
         """Shard ``model``'s parameters with FSDP2 (``parallel.fsdp``) over ``shard_mesh``: each rank holds
         1/(dp·cp) of every parameter, of its gradient and of its optimizer state (1/cp with ``hsdp``).
-        ``compute_dtype``: mixed precision (the shards stay the master weights; gathers cast them)."""
-        shard_model(model, self.shard_mesh, compute_dtype)
+        ``compute_dtype``: mixed precision (the shards stay the master weights; gathers cast them). ``offload``
+        (``parallel.offload``): the shards, their gradients and the optimizer's state on the host."""
+        shard_model(model, self.shard_mesh, compute_dtype, offload)
 
     @contextlib.contextmanager
     def gathered(self, model: nn.Module) -> Iterator[None]:

@@ -314,7 +314,9 @@ def test_mixed_precision_needs_wider_master_weights_and_fsdp_under_cp() -> None:
     assert config.trainer.mixed_precision is not None and config.trainer.mixed_precision.dtype == torch.bfloat16
 
 
-def test_hsdp_needs_fsdp() -> None:
+def test_hsdp_and_offload_need_fsdp() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"parallel\.offload .* needs parallel\.fsdp"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"cp": 2, "offload": True}))
     with pytest.raises(pydantic.ValidationError, match=r"parallel\.hsdp .* needs parallel\.fsdp"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "hsdp": True}))
     with pytest.raises(pydantic.ValidationError, match=r"parallel\.hsdp .* with cp = 1 it shards nothing"):

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.parallel.fsdp import offloaded
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 from longstraw_agents.trainer.group import Group
 
@@ -32,6 +33,7 @@ def make_trainer(
     fsdp: bool = False,
     family: str = "llama",
     compute_dtype: str | None = None,
+    offload: bool = False,
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
     ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
@@ -39,7 +41,7 @@ def make_trainer(
     model = tiny_model(family, dtype=torch.float64, seed=0)
     if fsdp:
         assert mesh is not None
-        mesh.fully_shard(model, None if compute_dtype is None else getattr(torch, compute_dtype))
+        mesh.fully_shard(model, None if compute_dtype is None else getattr(torch, compute_dtype), offload)
     precision = None if compute_dtype is None else {"compute_dtype": compute_dtype}
     config = GRPOConfig(
         G=G, chunk_size=CHUNK, lr=1e-2, max_grad_norm=1.0, normalization=normalization, mixed_precision=precision
@@ -158,6 +160,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
         spec.get("fsdp", False),
         spec.get("family", "llama"),
         spec.get("compute_dtype"),
+        spec.get("offload", False),
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])
@@ -177,6 +180,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             "counters": (trainer.step_count, trainer.policy_version),
             # (per-layer gathers: the most decoder layers whole at once on this rank; None: the step gathers all)
             "most_gathered": None if trainer.sharding.weights is None else trainer.sharding.weights.most_gathered,
+            "offloaded": offloaded(model),
             "resumed": resumed,
             # (the dtypes AdamW steps in: the parameters it holds and its moments)
             "stepped_dtypes": sorted(

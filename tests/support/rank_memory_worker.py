@@ -33,7 +33,7 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
     config = TINY_PRESETS[spec["family"]](**spec["model"])
     model = build_model(config, dtype=torch.float32, seed=0)
     compute = getattr(torch, spec["compute_dtype"]) if spec["compute_dtype"] else None
-    mesh.fully_shard(model, compute)
+    mesh.fully_shard(model, compute, spec.get("offload", False))
     grpo = GRPOConfig(
         G=spec["group"],
         chunk_size=spec["chunk"],
@@ -87,6 +87,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             trainer.train_step([step_group(trainer, spec, seed=2)])
             tracker.snapshot()  # every gradient shard reduced: the most the step holds of them
             measured = {"cp_rank": mesh.cp_rank, "peak": tracker.peak_bytes, "roles": tracker.peak_roles}
+            measured["host_peak"] = tracker.host_peak_bytes
             measured["role_peaks"] = tracker.role_peaks
             tracker.reset_peak()
             roll_out(trainer, spec, mesh)

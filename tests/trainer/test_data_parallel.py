@@ -107,11 +107,19 @@ def held_rows(shape: tuple[int, ...], ranks: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("dp", "cp", "bucket", "hsdp"),
-    [(2, 2, 4096, False), (1, 2, None, False), (2, 2, None, True)],
-    ids=["dp2xcp2-4KiB-buckets", "dp1xcp2", "dp2xcp2-hsdp"],
+    ("dp", "cp", "bucket", "hsdp", "offload"),
+    [
+        (2, 2, 4096, False, False),
+        (1, 2, None, False, False),
+        (2, 2, None, True, False),
+        (1, 2, None, False, True),
+        (2, 2, None, True, True),
+    ],
+    ids=["dp2xcp2-4KiB-buckets", "dp1xcp2", "dp2xcp2-hsdp", "dp1xcp2-offload", "dp2xcp2-hsdp-offload"],
 )
-def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(tmp_path, monkeypatch, dp, cp, bucket, hsdp):
+def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
+    tmp_path, monkeypatch, dp, cp, bucket, hsdp, offload
+):
     """FSDP2 over the flattened dp x cp mesh on a hybrid (dp = 1 included, the published run's shape): the cp ranks
     of a dp rank each end the backward with the group's whole gradient (exact mode's wavefront walk sums it over cp),
     which the reduce-scatter over every rank counts once; the step equals one process's, and each rank stores
@@ -120,16 +128,18 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(tmp_path
     walk's sum over cp runs in 4 KiB buckets — many, and parameters larger than one alone: every path of the
     bucketing, whose default 25 MiB holds a tiny model in one (the forked ranks inherit the setting). With HSDP the
     dp ranks (2 groups and 1) replicate the model, each sharded over its cp ranks, which gather a layer at a time
-    too; the replicas' gradients are summed once at the step's end."""
+    too; the replicas' gradients are summed once at the step's end. With offload (FSDP2's CPU offload policy) the
+    shards, their gradients and AdamW's state are the host's and AdamW steps there: the same step."""
     if bucket is not None:
         monkeypatch.setattr(wavefront, "GRADIENT_BUCKET_BYTES", bucket)
-    spec = {"normalization": "group", "fsdp": True, "family": "qwen3_5", "hsdp": hsdp}
+    spec = {"normalization": "group", "fsdp": True, "family": "qwen3_5", "hsdp": hsdp, "offload": offload}
     ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, **spec)
     expected, grad_norm = _one_process("group", "qwen3_5")
     for rank, result in enumerate(ranks):
         assert relative_l2(result["params"], expected) <= 1e-10, rank
         assert result["stray_collectives"] == [], rank
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
+        assert result["offloaded"] == offload, rank
         if dp == 1 or hsdp:  # (what the planner counts: longstraw_agents/planner.py, _whole_at_once)
             assert 1 <= result["most_gathered"] <= prefetch_window(cp) + 1 < 4, rank
         else:  # (dp ranks' trees differ: the step gathers the whole model once)
