@@ -136,14 +136,16 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path) -> None:
-    """``longstraw train`` with ``parallel: {dp: 1, cp: 2, fsdp: true}`` (the published run's shape, fp64): the first
-    cp rank samples with the sharded model gathered a layer at a time, both ranks train on the group with its context
-    sharded; the episodes stored are the ones one process samples, and the exported weights after the step are its
-    weights (fp64, relative 1e-10). Whatever the rewards (an untrained policy rarely solves one), the step's second
-    iteration has a gradient: the first one's weight decay moved the policy from the KL reference."""
+@pytest.mark.parametrize("offload", [False, True], ids=["on-the-device", "offloaded"])
+def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: bool) -> None:
+    """``longstraw train`` with ``parallel: {dp: 1, cp: 2, fsdp: true}`` (the published run's shape, fp64), and with
+    ``offload: true`` (the shards, their gradients and AdamW on the host): the first cp rank samples with the sharded
+    model gathered a layer at a time, both ranks train on the group with its context sharded; the episodes stored are
+    the ones one process samples, and the exported weights after the step are its weights (fp64, relative 1e-10).
+    Whatever the rewards (an untrained policy rarely solves one), the step's second iteration has a gradient: the
+    first one's weight decay moved the policy from the KL reference."""
     runs = {}
-    for name, parallel in (("cp2", {"dp": 1, "cp": 2, "fsdp": True}), ("one", {})):
+    for name, parallel in (("cp2", {"dp": 1, "cp": 2, "fsdp": True, "offload": offload}), ("one", {})):
         settings = tiny_config_dict(tmp_path / name, parallel=parallel, steps=1, groups_per_step=1)
         settings["model"] = {**settings["model"], "max_context": 1024, "dtype": "float64"}
         settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1, "beta": 0.1, "num_iterations": 2}
