@@ -28,7 +28,7 @@ def row(label: str, plan: Plan) -> dict:
     r = plan.request
     print(
         f"{label:<58} {r.context / 1e6:>5.2f}M {r.mode:<8} G={r.group} opt={r.optimizer}"
-        f"{' (fp32 masters)' if r.mixed else ''} "
+        f"{' (fp32 masters)' if r.mixed else ''}{' offloaded' if r.offload else ''} "
         f"-> {plan.total / GIB:7.1f} GiB of {r.gpu_mem_bytes / GIB:.1f}: {'fits' if plan.fits else 'does NOT fit'}",
         flush=True,
     )
@@ -39,6 +39,7 @@ def row(label: str, plan: Plan) -> dict:
     return {
         "label": label, "request": request, "gib": categories, "total_gib": plan.total / GIB, "fits": plan.fits,
         "rollout_gib": rollout, "rollout_total_gib": plan.rollout_total / GIB, "rollout_fits": plan.rollout_fits,
+        "host_gib": {k: v / GIB for k, v in plan.host.items()},
     }  # fmt: skip
 
 
@@ -48,15 +49,21 @@ def main() -> None:
     rows += [row("Qwen3.6-27B, 8 x 96 GB, detached, G=2", g2), row("Qwen3.6-27B, 8 x 96 GB, detached, G=8", g8)]
     growth = (g8.total - g2.total) / 1e9
     print(f"G=2 -> 8 adds {growth:.3f} GB (published: 0.21 GB)")
+    for group in (2, 8):  # the shards, their gradients and AdamW's state on the host (parallel.offload)
+        plan = plan_memory(replace(QWEN, group=group, offload=True))
+        rows.append(row(f"Qwen3.6-27B, 8 x 96 GB, detached, G={group}, offloaded", plan))
     for mode, optimizer, offload in [
         ("detached", "adamw", False),
         ("detached", "none", False),
+        ("detached", "adamw", True),
         ("exact", "none", False),
+        ("exact", "adamw", True),
     ]:
         plan = plan_memory(replace(QWEN, context=4_460_000, mode=mode, optimizer=optimizer, offload=offload))
-        rows.append(row("Qwen3.6-27B stress, 8 x 96 GB", plan))
-    for optimizer in ("adamw", "none"):
-        rows.append(row("GLM-5.2, 32 x 96 GB, detached", plan_memory(replace(GLM, optimizer=optimizer))))
+        rows.append(row("Qwen3.6-27B stress, 8 x 96 GB" + (", offloaded" if offload else ""), plan))
+    for optimizer, offload in (("adamw", False), ("none", False), ("adamw", True)):
+        plan = plan_memory(replace(GLM, optimizer=optimizer, offload=offload))
+        rows.append(row("GLM-5.2, 32 x 96 GB, detached" + (", offloaded" if offload else ""), plan))
     longest = {}  # (bf16 compute with fp32 master weights, as trainer.mixed_precision runs)
     replicated = replace(QWEN, engine=QWEN.engine.updated(wavefront_walk=False))
     for base, gpus, walk in [
@@ -67,10 +74,11 @@ def main() -> None:
         (GLM, 8, "wavefront"),
         (GLM, 32, "wavefront"),
     ]:
-        for optimizer in ("adamw", "none"):
-            request = replace(base, gpus=gpus, mode="exact", optimizer=optimizer)
+        for optimizer, offload in (("adamw", False), ("none", False), ("adamw", True)):
+            request = replace(base, gpus=gpus, mode="exact", optimizer=optimizer, offload=offload)
             tokens, plan = longest_context(request)
-            key = f"{base.model}, {gpus} GPUs, exact ({walk} walk), optimizer {optimizer}"
+            where = ", offloaded" if offload else ""
+            key = f"{base.model}, {gpus} GPUs, exact ({walk} walk), optimizer {optimizer}{where}"
             longest[key] = tokens
             print(f"longest exact context: {key}: {tokens:,} positions ({plan.total / GIB:.1f} GiB)", flush=True)
     out = RESULTS / "planner.json"

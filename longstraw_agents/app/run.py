@@ -165,6 +165,8 @@ class Run:
             self._warm_start()
         self.ranks.same_weights(self.model)
         self.trainer = self._trainer(self._reference(resume, reference))
+        if self.trainer.sharding.weights is not None:  # the step gathers a layer at a time: so does sampling
+            self._one_rank = OneRankGather(self.trainer.engine.model)
         self.sampling_engine = self._sampling_engine()
         if resume:
             self._load_checkpoint()
@@ -303,8 +305,7 @@ class Run:
         rank (``Ranks.rolls_out``), so it must not wait for its cp peers; where the step gathers a layer at a time,
         with its layers gathered one at a time too (``sampling_weights``)."""
         engine = self.trainer.engine
-        if self.trainer.sharding.weights is not None:
-            self._one_rank = OneRankGather(engine.model)
+        if self._one_rank is not None:
             return Engine(engine.model, engine.config, weights=self._one_rank)
         return engine if engine.shards is None else Engine(engine.model, engine.config)
 

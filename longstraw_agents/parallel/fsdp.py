@@ -16,10 +16,13 @@ public APIs only (``unshard`` / ``reshard``, DTensor), so FSDP's internal hook s
 read FSDP2's per-unit state, which has no public accessor: the mixed-precision policy (``compute_dtype``) and what
 is whole now, for memory attribution (``whole_now``).
 
-Schedule: at dp = 1 the engine gathers a decoder layer at a time (``LayerGather``: its weights whole only while it
-computes, its gradient reduce-scattered when its backward is done); at dp > 1, where the dp ranks' groups differ
-in shape, ``gathered`` gathers the whole model once per block (an optimizer step, a rollout) and reduce-scatters
-each parameter's gradient at its end.
+Schedule: at dp = 1, or with HSDP (sharded over each dp rank's cp ranks, replicated over dp: ``reduce_replicas``
+sums the replicas' gradient shards at the step's end), the engine gathers a decoder layer at a time
+(``LayerGather``: its weights whole only while it computes, its gradient reduce-scattered when its backward is
+done), and so does sampling on one rank (``OneRankGather``: its shard peers join each gather); sharded over dp > 1
+ranks, whose groups differ in shape, ``gathered`` gathers the whole model once per block (an optimizer step, a
+rollout) and reduce-scatters each parameter's gradient at its end. With CPU offload (``shard_model(offload=True)``)
+the shards, their gradients and the optimizer's state live on the host.
 """
 
 from __future__ import annotations
