@@ -307,6 +307,17 @@ def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> 
     return tracker.peak_bytes
 
 
+def capture_working_set(model: Any, request: PlanRequest, prompt_len: int) -> int:
+    """What a capture holds beyond the state it keeps: one chunk's no-grad working set (at its peak)."""
+    engine = Engine(model, request.engine)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len)
+    with MemoryTracker() as tracker:
+        state = engine.capture(prompt.tolist())
+        kept = tracker.current_bytes
+    del state
+    return tracker.peak_bytes - kept
+
+
 # --- the plan -------------------------------------------------------------------------------------------------
 
 
@@ -386,6 +397,7 @@ class _Probe:
     largest_layer: int
     root: int  # parameters outside the decoder layers: embeddings, final norm, LM head
     layers: int  # decoder layers
+    capture: int = 0  # a capture's working set beyond its state (``capture_working_set``)
 
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
@@ -397,7 +409,8 @@ def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     graphs = peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
     parameters = sum(p.numel() for p in model.parameters())
     in_layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
-    return _Probe(graphs, parameters, max(in_layers), parameters - sum(in_layers), len(in_layers))
+    capture = capture_working_set(model, request, prompt_len)
+    return _Probe(graphs, parameters, max(in_layers), parameters - sum(in_layers), len(in_layers), capture)
 
 
 def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe, str]:
@@ -419,7 +432,8 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
     growth = probe(small, request, request.group).graphs - t1.graphs if request.group > pair else 0
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
-    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full)
+    capture = int(t1.capture + (t2.capture - t1.capture) * scale)
+    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full, capture)
     return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
 
 
@@ -510,8 +524,10 @@ class _Measured:
     parameters: dict[str, dict[str, int]]  # per phase
     graphs: int
     how: str
-    rollout_whole: int  # parameters whole at once while sampling (``rollout_terms``)
+    rollout_whole: tuple[int, int]  # parameters whole while sampling, and a gather's buffer (``_whole_in_rollouts``)
     host: dict[str, int]  # offloaded (``host_terms``)
+    apart: int = 0  # of the graph term, what a backward never holds beside a whole layer (``_never_beside_a_layer``)
+    capture: int = 0  # a capture's working set (``capture_working_set``)
 
 
 def _measure(request: PlanRequest) -> _Measured:
@@ -519,22 +535,44 @@ def _measure(request: PlanRequest) -> _Measured:
     probed, how = extrapolated(config, request)
     phases = parameter_phases(probed, request)
     return _Measured(
-        config, phases, probed.graphs, how, _whole_in_rollouts(probed, request), host_terms(probed, request)
+        config,
+        phases,
+        probed.graphs,
+        how,
+        _whole_in_rollouts(probed, request),
+        host_terms(probed, request),
+        _never_beside_a_layer(config, probed, request),
+        probed.capture,
     )
 
 
-def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> int:
-    """The parameters whole at once while a rank samples (``Run.sampling_weights``): on one GPU none (mixed
-    precision: the compute copy); sharded a layer at a time, the root unit and the one layer computing; else the
-    whole model."""
+def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: PlanRequest) -> int:
+    """Where a step gathers a layer at a time, the LM head's weight-gradient buffers (fp32, and the model's dtype
+    before they join the root's gradient: part of the measured graph term) and a decoder layer with its gradient
+    are never whole at once — the head's backward ends before any layer's begins — so the backward phase holds the
+    larger of the two, not both: the smaller comes off its graph term."""
+    if request.gpus == 1 or not request.by_layer:
+        return 0
+    head = config.vocab_size * config.hidden_size * (4 + _itemsize(request.dtype))
+    return min(head, 2 * probed.largest_layer * _itemsize(request.dtype))
+
+
+def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
+    """The parameters whole while a rank samples (``Run.sampling_weights``) — on one GPU none (mixed precision: the
+    compute copy); sharded a layer at a time, the root unit and the layer computing; else the whole model — and the
+    parameters of the buffer a gather adds for its moment (FSDP2's all-gather output beside the layer's weights it
+    is copied into: a layer, a layer at a time)."""
     if request.gpus == 1:
-        return probed.parameters if request.mixed else 0
-    return probed.root + probed.largest_layer if request.by_layer else probed.parameters
+        return (probed.parameters if request.mixed else 0), 0
+    if request.by_layer:
+        return probed.root + probed.largest_layer, probed.largest_layer
+    return probed.parameters, 0
 
 
 def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
-    """Each phase's bytes by category. Both hold the state, the kept layer inputs and a graph (the measured term:
-    the larger of a chunk's and a branch's); only a sharded capture holds its layer-major hidden states and the
+    """Each phase's bytes by category. Both hold the state, the kept layer inputs and a measured working set (the
+    backward passes a graph: the larger of a chunk's and a branch's; a capture its no-grad chunk's, under the same
+    category name); only a sharded capture holds its layer-major hidden states and the
     earlier ranks' rows it receives, only the backward passes the state gradient and the walk's recomputed segment
     (recurrent checkpoints are made by the capture and kept)."""
     phases = {}
@@ -548,7 +586,7 @@ def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str,
             "recurrent checkpoints": exact.checkpoints,
             "layer inputs (wavefront walk)": exact.layer_inputs if backward else exact.layer_inputs_kept,
             "sharded capture (hidden, earlier rows)": 0 if backward else exact.capture_rows,
-            "one chunk's or branch's graph": measured.graphs,
+            "one chunk's or branch's graph": measured.graphs - measured.apart if backward else measured.capture,
         }
     return phases
 
@@ -559,10 +597,12 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     collective, so every rank of the shard group holds it), and on the rank that samples (a dp rank's first cp rank,
     with an engine that holds the whole context: no cp shards) the prompt's state, each member's own tokens, one
     layer's rows of the whole context gathered for attention (a chunk of the capture attends to all earlier rows at
-    once) and one decode step's fp32 logits per member."""
+    once) and one decode step's fp32 logits per member. A gather's buffer and the rows are never held at once (a
+    layer is gathered before it computes): the larger counts, the gather's beyond the rows under gathered weights."""
     compute = _itemsize(request.dtype)
     parameters = measured.parameters[BACKWARD]
-    whole = measured.rollout_whole * compute
+    whole, buffer = (n * compute for n in measured.rollout_whole)
+    rows = _rows_per_layer(measured.config, request, request.context)
     size = state_size(measured.config, request.dtype)
     members = request.group * (size.bytes_per_token * request.completion + size.fixed_bytes)
     return {
@@ -570,9 +610,9 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
         "gradients": parameters["weights"],  # every shard's, kept until the next step zeroes them
         "optimizer state": parameters["optimizer state"],
         "reference weights": parameters["reference weights"],
-        "gathered weights": whole,
+        "gathered weights": whole + max(0, buffer - rows),
         "sampler state": size.total(request.context) + members,
-        "attention's earlier rows": _rows_per_layer(measured.config, request, request.context),
+        "attention's earlier rows": rows,
         "logits": request.group * measured.config.vocab_size * 4,
     }
 

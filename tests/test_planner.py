@@ -315,7 +315,7 @@ def test_a_plan_is_the_phase_that_holds_the_most() -> None:
     config = TINY_PRESETS["llama"]()
     for context, phase in ((1 << 20, "capture"), (64, "backward")):
         request = PlanRequest(model="tiny-llama", context=context, gpus=2, dtype=torch.bfloat16)
-        measured = planner._Measured(config, parameter_phases(PROBE, request), 0, "", PROBE.parameters, {})
+        measured = planner._Measured(config, parameter_phases(PROBE, request), 0, "", (PROBE.parameters, 0), {})
         plan = planner._plan(request, measured)
         phases = planner._phase_categories(measured, planner.exact_terms(config, request, context // 2))
         assert plan.categories == phases[phase] and sum(phases[phase].values()) > sum(
