@@ -174,7 +174,8 @@ class GatedDeltaNetMixer(Mixer):
         out = (windows * self.mod.conv1d.weight[:, 0, :]).sum(dim=-1)
         if self.mod.conv1d.bias is not None:
             out = out + self.mod.conv1d.bias
-        return F.silu(out), full[full.shape[0] - (self.kernel - 1) :]
+        # the tail is copied: a view would keep the whole [K-1+n, C] input alive for as long as the state holds it
+        return F.silu(out), full[full.shape[0] - (self.kernel - 1) :].clone()
 
     def _gated_norm(self, core: Tensor, gate: Tensor) -> Tensor:
         """Qwen3.5's RMSNormGated: norm in compute precision, scale, then multiply by SiLU(gate)."""

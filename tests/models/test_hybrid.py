@@ -82,6 +82,20 @@ def test_a_mixer_run_in_pieces_equals_one_run() -> None:
     assert [tuple(t.shape) for t in whole.new] == [tuple(s) for s in mixer.state_shapes()]
 
 
+def test_a_chunks_new_state_holds_no_chunk_sized_storage() -> None:
+    """The conv tail a mixer returns owns its (K-1) rows: a view of the chunk's conv input would keep that whole
+    input alive while a capture holds every layer's new entries until the chunk is recorded (about 4 GB for
+    Qwen3.6-27B's 48 GatedDeltaNet layers at 4,096-token chunks)."""
+    model = tiny_model("qwen3_5", dtype=torch.float64)
+    mixer = GatedDeltaNetMixer(model.model.layers[0].linear_attn)
+    x = torch.randn(64, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rope = (torch.empty(0), torch.empty(0))
+    with torch.no_grad():
+        new = mixer.state_entries(MixerInput(x, torch.arange(64), rope))
+    for t in new:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def run_in_two_pieces(mixer: GatedDeltaNetMixer, x: torch.Tensor, split: int, initial: tuple[torch.Tensor, ...]):
     """The mixer over ``x[:split]`` from ``initial`` (conv tail, delta-rule state), then over the rest from there."""
     positions = torch.arange(x.shape[0], device=x.device)
