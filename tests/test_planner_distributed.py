@@ -23,7 +23,7 @@ from longstraw_agents.engine import EngineConfig
 from longstraw_agents.models.presets import TINY_PRESETS
 from longstraw_agents.planner import PlanRequest, plan_memory
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 11 configurations of 2-4 processes: ~65 s
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 12 configurations of 2-4 processes: ~70 s
 
 WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
 STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}
@@ -49,7 +49,8 @@ def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -
             model="measured", context=spec["prompt"], group=spec["group"], completion=spec["completion"],
             gpus=spec["dp"] * spec["cp"], dp=spec["dp"], cp=spec["cp"], mode=spec["mode"],
             dtype=getattr(torch, spec["compute_dtype"] or "float32"), optimizer="adamw",
-            engine=EngineConfig(chunk_size=spec["chunk"]), cp_rank=cp_rank, hsdp=spec["hsdp"], offload=spec["offload"],
+            engine=EngineConfig(chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"]), cp_rank=cp_rank,
+            hsdp=spec["hsdp"], offload=spec["offload"],
         )
     )  # fmt: skip
 
@@ -66,16 +67,19 @@ CASES = [
     pytest.param(WEIGHTS, 2, 2, "exact", "hsdp", id="weights-dp2xcp2-exact-hsdp"),
     pytest.param(STATE, 2, 2, "detached", "hsdp", id="state-dp2xcp2-detached-hsdp"),
     pytest.param(STATE, 1, 2, "detached", "offload", id="state-dp1xcp2-detached-offload"),
+    pytest.param(STATE, 1, 2, "exact", "offload-replicated-walk", id="state-dp1xcp2-exact-offload-replicated-walk"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("shape", "dp", "cp", "mode", "variant"), CASES)
 def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp, mode, variant) -> None:
     """``variant``: the compute dtype of mixed precision, "hsdp" (sharded over each dp rank's cp ranks) or "offload"
-    (the shards, their gradients and AdamW's state on the host: the device's peak and the host's compared apart)."""
+    (the shards, their gradients and AdamW's state on the host: the device's peak and the host's compared apart),
+    with exact mode's replicated walk (every cp rank recomputes every chunk, keeping no layer inputs) or not."""
     spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode}
-    spec |= {"hsdp": variant == "hsdp", "offload": variant == "offload"}
-    spec |= shape | {"compute_dtype": None if variant in ("hsdp", "offload") else variant}
+    spec |= {"hsdp": variant == "hsdp", "offload": str(variant).startswith("offload")}
+    spec |= {"wavefront_walk": not str(variant).endswith("replicated-walk")}
+    spec |= shape | {"compute_dtype": variant if variant in ("bfloat16",) else None}
     plans = [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(cp)]
     for rank, measured in enumerate(_measure(tmp_path, spec)):
         plan = plans[measured["cp_rank"]]  # a later cp rank receives more of the earlier ranks' rows

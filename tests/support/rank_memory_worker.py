@@ -44,7 +44,9 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
     policy: nn.Module | Engine = model
     if mesh.mesh["cp"].size() > 1:
         shards = ContextParallel.for_prompt(mesh.cp_group, spec["prompt"], spec["chunk"], mesh.cp_channels)
-        policy = Engine(model, EngineConfig(chunk_size=spec["chunk"]), shards=shards)
+        policy = Engine(
+            model, EngineConfig(chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"]), shards=shards
+        )
     return GRPOTrainer(policy, grpo, accelerator=accelerator, mesh=mesh)
 
 
