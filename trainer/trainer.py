@@ -280,7 +280,7 @@ class GRPOTrainer:
         if not summed:
             for p in params:
                 p.grad.div_(total_groups)
-        with self._where_the_optimizer_steps():
+        with self._optimizer_placement():
             grad_norm = self._clip(params)
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
@@ -289,9 +289,10 @@ class GRPOTrainer:
         self.scheduler.step()
         return results, IterationMetrics.of_groups(results, grad_norm=grad_norm, lr=lr, summed=summed)
 
-    def _where_the_optimizer_steps(self) -> contextlib.AbstractContextManager[None]:
-        """The host for a model whose shards are offloaded (their gradients and the optimizer's state live there:
-        the clip and the step run there), else the device."""
+    def _optimizer_placement(self) -> contextlib.AbstractContextManager[None]:
+        """Where the clip and the step allocate, for the memory tracker: the host's memory when the shards are
+        offloaded (FSDP2 keeps them, their gradients and AdamW's state there, so the arithmetic runs there), else
+        the device's."""
         return host_placement() if offloaded(self.model) else contextlib.nullcontext()
 
     def _sum_gradients_across_processes(self, params: list[nn.Parameter], num_groups: int) -> int:

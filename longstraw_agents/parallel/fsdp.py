@@ -392,6 +392,7 @@ class OneRankGather(LayerGather):
     def __init__(self, model: nn.Module):
         super().__init__(model, replicas=1, window=0)
         self.group, self.source = _shard_group(model)
+        self.gathers = 0  # layer gathers made so far (sampling) or joined (serving)
 
     @contextlib.contextmanager
     def session(self, samples: bool) -> Iterator[OneRankGather | None]:
@@ -412,6 +413,7 @@ class OneRankGather(LayerGather):
 
     def _tell(self, layer: int) -> None:
         dist.broadcast(torch.tensor([layer]), group=self.group, group_src=self.source)
+        self.gathers += layer != self.DONE
 
     def _serve(self) -> None:
         """Join the sampling rank's gathers until it is done."""
@@ -423,6 +425,7 @@ class OneRankGather(LayerGather):
             unit: Any = self.units[int(layer)]  # an FSDPModule (fully_shard changes the class at run time)
             unit.unshard()
             unit.reshard()
+            self.gathers += 1
 
 
 def _shard_group(model: nn.Module) -> tuple[dist.ProcessGroup, int]:
@@ -499,24 +502,20 @@ def _summed_over_shards(placements: Sequence[Placement]) -> list[Placement]:
 
 def reduce_replicas(model: nn.Module) -> None:
     """HSDP: every gradient shard summed over the mesh dimensions the model is replicated over (dp), in place, in
-    parameter order. Every rank must have a gradient for the same parameters (give zeros where a rank has none)."""
+    parameter order, where it lives (an offloaded shard's on the host: the process groups take host tensors through
+    their CPU backend, ``parallel.launch``'s ``cpu:gloo,cuda:nccl``). Every rank must have a gradient for the same
+    parameters (give zeros where a rank has none)."""
     handles = []
-    copies: list[tuple[Tensor, Tensor]] = []
     for param in model.parameters():
         grad = param.grad
         if not isinstance(grad, DTensor):  # (a sharded parameter's gradient is one)
             continue
-        local = grad.to_local()
-        on_mesh = local.to(grad.device_mesh.device_type)  # an offloaded shard's: its backend may not take the host's
         for dim, placement in enumerate(grad.placements):
             if placement.is_replicate():
-                handles.append(dist.all_reduce(on_mesh, group=grad.device_mesh.get_group(dim), async_op=True))
-        if on_mesh is not local:
-            copies.append((local, on_mesh))
+                group = grad.device_mesh.get_group(dim)
+                handles.append(dist.all_reduce(grad.to_local(), group=group, async_op=True))
     for handle in handles:
         handle.wait()
-    for local, on_mesh in copies:
-        local.copy_(on_mesh)
 
 
 def replicated(model: nn.Module) -> bool:

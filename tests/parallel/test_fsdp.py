@@ -42,4 +42,5 @@ def test_a_rank_samples_a_sharded_policy_a_layer_at_a_time(tmp_path, family, dp,
         for (ids, logprobs), (want_ids, want_logprobs) in zip(result["generations"], expected, strict=True):
             assert ids == want_ids
             assert logprobs == pytest.approx(want_logprobs, abs=1e-10)
-    assert all(r["most_gathered"] == 0 for r in ranks if not r["samples"])  # they free each layer at once
+    served = [r["gathers"] for r in ranks if not r["samples"]]  # its peers joined every one of its gathers
+    assert served == [samplers[0]["gathers"]] * (world - dp) and served[0] >= model.config.num_hidden_layers

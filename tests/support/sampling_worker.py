@@ -46,6 +46,6 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
         if weights is not None:
             engine = Engine(model, EngineConfig(chunk_size=CHUNK), weights=weights)
             result["generations"] = sample(engine, model.config.vocab_size)
-    result["most_gathered"] = gather.most_gathered
+    result["most_gathered"], result["gathers"] = gather.most_gathered, gather.gathers
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
