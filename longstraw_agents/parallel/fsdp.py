@@ -253,16 +253,31 @@ class LayerGather:
     def gathered(self, layer: int | None, partial: bool = False) -> Iterator[None]:
         """Layer ``layer``'s weights (None: the root unit's) whole for the block; on leaving the outermost block of the
         layer, the gradient accumulated summed into the shards (divided by ``replicas`` unless ``partial``) and the
-        whole copy freed. Blocks of one layer nest: an inner one changes nothing."""
+        whole copy freed. Blocks of one layer nest: an inner one changes nothing. A block left by an exception drops
+        the layer's gradient instead of reducing it: a failing rank must not enter collectives its peers are not in
+        (it raises at once; they stop at ``parallel.timeout_s``, naming it)."""
         self._unshard(layer)
         self._blocks[layer] = self._blocks.get(layer, 0) + 1
+        failed = False
         try:
             yield
+        except BaseException:
+            failed = True
+            raise
         finally:
             self._blocks[layer] -= 1
             if not self._blocks[layer]:
                 del self._blocks[layer]
-                self._release(layer, partial)
+                if failed:
+                    self._drop(layer)
+                else:
+                    self._release(layer, partial)
+
+    def _drop(self, layer: int | None) -> None:
+        """The whole copy freed and the gradient it accumulated dropped, with no collective."""
+        self._free(layer)
+        for param in self._whole[layer].values():
+            param.grad = None
 
     def root_parameters(self) -> list[nn.Parameter]:
         """The parameters outside the decoder layers, as registered now (whole while the root is gathered)."""

@@ -1,6 +1,6 @@
-"""Sampling from a policy FSDP2 shards (``parallel.fsdp.OneRankGather``), on gloo CPU processes: the sampling rank
-holds one decoder layer whole at a time while its shard peers join each gather, and samples exactly what one process
-holding the whole model samples."""
+"""``parallel.fsdp`` on gloo CPU processes: sampling from a policy FSDP2 shards (``OneRankGather``) — the sampling
+rank holds one decoder layer whole at a time while its shard peers join each gather, and samples exactly what one
+process holding the whole model samples — and ``LayerGather`` leaving a block by an exception."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from layer_gather_worker import run as fail_in_a_block
 from sampling_worker import CHUNK, run, sample
 
 from longstraw_agents.engine import Engine, EngineConfig
@@ -44,3 +45,15 @@ def test_a_rank_samples_a_sharded_policy_a_layer_at_a_time(tmp_path, family, dp,
             assert logprobs == pytest.approx(want_logprobs, abs=1e-10)
     served = [r["gathers"] for r in ranks if not r["samples"]]  # its peers joined every one of its gathers
     assert served == [samplers[0]["gathers"]] * (world - dp) and served[0] >= model.config.num_hidden_layers
+
+
+def test_a_block_left_by_an_exception_drops_its_gradient_without_a_collective(tmp_path) -> None:
+    """A failing rank must not enter a reduction its peers are not in: the layer is freed and its gradient dropped;
+    the next block, ending normally, reduces as before."""
+    spec = {"dp": 1, "cp": 2}
+    mp.start_processes(fail_in_a_block, args=(2, _free_port(), str(tmp_path), spec), nprocs=2, start_method="fork")
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["reductions"] == ["reduce"], rank  # the second block's only
+        assert not any(result["whole_grads"]) and not any(result["shard_grads"]), rank
+        assert result["gathered_now"] == [], rank
