@@ -411,6 +411,11 @@ class OneRankGather(LayerGather):
 
     @contextlib.contextmanager
     def session(self, samples: bool) -> Iterator[OneRankGather | None]:
+        if samples != (dist.get_rank(self.group) == self.source):  # (the others would wait for it forever)
+            raise ValueError(
+                f"the rank that samples must be rank {self.source} of its shard group (the first cp rank), not rank "
+                f"{dist.get_rank(self.group)}"
+            )
         with torch.no_grad(), self.gathered(None):
             if not samples:
                 yield None

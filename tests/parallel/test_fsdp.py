@@ -36,6 +36,7 @@ def test_a_rank_samples_a_sharded_policy_a_layer_at_a_time(tmp_path, family, dp,
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     model = tiny_model(family, dtype=torch.float64, seed=0)
     expected = sample(Engine(model, EngineConfig(chunk_size=CHUNK)), model.config.vocab_size)
+    assert all("must be rank 0 of its shard group" in r["refused"] for r in ranks)
     samplers = [r for r in ranks if r["samples"]]
     assert len(samplers) == dp  # the first cp rank of each dp rank (HSDP: each replica's shard group its own)
     for result in samplers:

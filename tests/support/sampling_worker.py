@@ -41,7 +41,14 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     mesh.fully_shard(model)
     gather = OneRankGather(model)
     samples = mesh.cp_rank == 0
-    result: dict[str, Any] = {"samples": samples}
+    try:  # (the rank that samples is the first of its shard group: a session elsewhere is refused before any gather)
+        with gather.session(samples=not samples):
+            pass
+    except ValueError as err:
+        refused: str | None = str(err)
+    else:
+        refused = None
+    result: dict[str, Any] = {"samples": samples, "refused": refused}
     with gather.session(samples=samples) as weights:
         if weights is not None:
             engine = Engine(model, EngineConfig(chunk_size=CHUNK), weights=weights)
