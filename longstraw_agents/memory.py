@@ -62,13 +62,14 @@ class _Placement:
 
 
 @contextlib.contextmanager
-def host_placement() -> Iterator[None]:
-    """Allocations in the block are the host's (offloaded), not the device's, for open ``MemoryTracker``s."""
-    _Placement.depth += 1
+def host_placement(on: bool = True) -> Iterator[None]:
+    """Allocations in the block are the host's (offloaded), not the device's, for open ``MemoryTracker``s (with
+    ``on`` False the block changes nothing: for code that offloads or not)."""
+    _Placement.depth += on
     try:
         yield
     finally:
-        _Placement.depth -= 1
+        _Placement.depth -= on
 
 
 Roles = Mapping[str, Callable[[], Iterable[torch.Tensor]]]

@@ -401,16 +401,26 @@ class _Probe:
 
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
-    """Simulate a step of ``group`` members on ``config`` over two chunks of context."""
-    prompt_len = 2 * request.engine.chunk_size + 1
+    """Simulate a step of ``group`` members on ``config`` over two chunks of context, and a capture of them."""
     model = meta_model(config, request.dtype)
-    peak = step_peak(model, request, prompt_len, group)
-    exact = exact_terms(config, request, prompt_len - 1)
-    graphs = peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
+    graphs = _graphs(model, request, group)
     parameters = sum(p.numel() for p in model.parameters())
     in_layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
-    capture = capture_working_set(model, request, prompt_len)
+    capture = capture_working_set(model, request, _probe_prompt(request))
     return _Probe(graphs, parameters, max(in_layers), parameters - sum(in_layers), len(in_layers), capture)
+
+
+def _probe_prompt(request: PlanRequest) -> int:
+    """The prompt a probe simulates: two chunks of context, then the token that starts every branch."""
+    return 2 * request.engine.chunk_size + 1
+
+
+def _graphs(model: Any, request: PlanRequest, group: int) -> int:
+    """A step's peak on the meta ``model`` less the terms the plan counts from the engine's own accounting."""
+    prompt_len = _probe_prompt(request)
+    peak = step_peak(model, request, prompt_len, group)
+    exact = exact_terms(model.config, request, prompt_len - 1)
+    return peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
 
 
 def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe, str]:
@@ -429,7 +439,9 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
         t1, t2 = probe(small, request, pair), probe(with_layers(config, n2), request, pair)
         scale = (full - n1) / period
         how = f"simulated {n1} and {n2} of {full} layers (period {period}) and extrapolated linearly"
-    growth = probe(small, request, request.group).graphs - t1.graphs if request.group > pair else 0
+    growth = (
+        _graphs(meta_model(small, request.dtype), request, request.group) - t1.graphs if request.group > pair else 0
+    )
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
     capture = int(t1.capture + (t2.capture - t1.capture) * scale)

@@ -293,7 +293,7 @@ class GRPOTrainer:
         """Where the clip and the step allocate, for the memory tracker: the host's memory when the shards are
         offloaded (FSDP2 keeps them, their gradients and AdamW's state there, so the arithmetic runs there), else
         the device's."""
-        return host_placement() if offloaded(self.model) else contextlib.nullcontext()
+        return host_placement(offloaded(self.model))
 
     def _sum_gradients_across_processes(self, params: list[nn.Parameter], num_groups: int) -> int:
         """All-reduce (sum) the gradients and group counts of the data-parallel ranks; returns the total group count.

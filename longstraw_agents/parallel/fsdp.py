@@ -63,7 +63,7 @@ def shard_model(
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=master)
     placement: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
-    with host_placement() if offload else contextlib.nullcontext():
+    with host_placement(offload):
         for layer in backbone.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=placement)
         fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
@@ -167,11 +167,12 @@ def prefetch_window(cp: int) -> int:
 class WeightSharding:
     """How a step reaches a model's weights: ``weights`` (per-layer gathers inside the engine, or None) and the
     block the step runs in (``step``): the root unit gathered when the engine gathers the layers, else the whole
-    model (a no-op for a model that is not sharded)."""
+    model (a no-op for a model that is not sharded). ``replicated``: HSDP, the model copied over the dp ranks."""
 
     model: nn.Module
     weights: LayerGather | None = None
     replicas: int = 1
+    replicated: bool = False
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -180,7 +181,7 @@ class WeightSharding:
         their per-layer reductions cannot be collectives over all of them)."""
         with self.weights.gathered(None) if self.weights is not None else gathered(self.model, self.replicas):
             yield
-        if replicated(self.model):
+        if self.replicated:
             reduce_replicas(self.model)
 
 
@@ -403,17 +404,18 @@ class OneRankGather(LayerGather):
     the others serve until the sampling rank says it is done. The work must not need gradients."""
 
     DONE = -1  # the index that ends a session
+    SOURCE = 0  # the sampling rank in its shard group: the first (at dp = 1 the first cp rank; with HSDP a dp rank's)
 
     def __init__(self, model: nn.Module):
         super().__init__(model, replicas=1, window=0)
-        self.group, self.source = _shard_group(model)
+        self.group = _shard_group(model)
         self.gathers = 0  # layer gathers made so far (sampling) or joined (serving)
 
     @contextlib.contextmanager
     def session(self, samples: bool) -> Iterator[OneRankGather | None]:
-        if samples != (dist.get_rank(self.group) == self.source):  # (the others would wait for it forever)
+        if samples != (dist.get_rank(self.group) == self.SOURCE):  # (the others would wait for it forever)
             raise ValueError(
-                f"the rank that samples must be rank {self.source} of its shard group (the first cp rank), not rank "
+                f"the rank that samples must be rank {self.SOURCE} of its shard group (the first cp rank), not rank "
                 f"{dist.get_rank(self.group)}"
             )
         with torch.no_grad(), self.gathered(None):
@@ -432,14 +434,14 @@ class OneRankGather(LayerGather):
         super()._unshard(layer)
 
     def _tell(self, layer: int) -> None:
-        dist.broadcast(torch.tensor([layer]), group=self.group, group_src=self.source)
+        dist.broadcast(torch.tensor([layer]), group=self.group, group_src=self.SOURCE)
         self.gathers += layer != self.DONE
 
     def _serve(self) -> None:
         """Join the sampling rank's gathers until it is done."""
         layer = torch.zeros(1, dtype=torch.int64)
         while True:
-            dist.broadcast(layer, group=self.group, group_src=self.source)
+            dist.broadcast(layer, group=self.group, group_src=self.SOURCE)
             if int(layer) == self.DONE:
                 return
             unit: Any = self.units[int(layer)]  # an FSDPModule (fully_shard changes the class at run time)
@@ -448,12 +450,11 @@ class OneRankGather(LayerGather):
             self.gathers += 1
 
 
-def _shard_group(model: nn.Module) -> tuple[dist.ProcessGroup, int]:
-    """The process group a sharded ``model``'s gathers run over (its mesh's sharded dimension) and the rank in it
-    that samples: the first (at dp = 1 the first cp rank; with HSDP a dp rank's first cp rank)."""
+def _shard_group(model: nn.Module) -> dist.ProcessGroup:
+    """The process group a sharded ``model``'s gathers run over: its mesh's sharded dimension."""
     param = next(p for p in model.parameters() if isinstance(p, DTensor))
     dim = next(d for d, placement in enumerate(param.placements) if placement.is_shard())
-    return param.device_mesh.get_group(dim), 0
+    return param.device_mesh.get_group(dim)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -503,7 +504,7 @@ def _add_into(shard: DTensor, local: Tensor, host: bool) -> None:
             copy.copy_(local)
         local = copy
     done = DTensor.from_local(local, shard.device_mesh, shard.placements, shape=shard.shape, stride=shard.stride())
-    with host_placement() if host else contextlib.nullcontext():
+    with host_placement(host):
         shard.grad = done if shard.grad is None else shard.grad + done
 
 
@@ -536,8 +537,3 @@ def reduce_replicas(model: nn.Module) -> None:
                 handles.append(dist.all_reduce(grad.to_local(), group=group, async_op=True))
     for handle in handles:
         handle.wait()
-
-
-def replicated(model: nn.Module) -> bool:
-    """Whether a sharded ``model`` is replicated over a mesh dimension (HSDP) besides being cut over one."""
-    return any(isinstance(p, DTensor) and any(q.is_replicate() for q in p.placements) for p in model.parameters())

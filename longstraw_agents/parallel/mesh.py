@@ -129,5 +129,5 @@ class ParallelMesh:
         rank's cp ranks only."""
         replicas = self.mesh["cp"].size()
         if is_sharded(model) and gathers_by_layer(self.mesh["dp"].size(), self.hsdp):
-            return WeightSharding(model, LayerGather(model, replicas), replicas)
+            return WeightSharding(model, LayerGather(model, replicas), replicas, replicated=self.hsdp)
         return WeightSharding(model, None, replicas)
