@@ -3,18 +3,21 @@
 The store answers the queries (``Store.totals``, ``env_totals``, ``finish_reasons``, ``records``...); this module only
 lays their answers out: aligned tables, one line per segment with its role, turn, token count, loss fraction, mean
 behaviour logprob and text (cut to ``max_text`` characters with its head and tail kept), tool calls under their turn.
+An episode that edited its context lists its physical sequences and one line per edit: where in the log it happened,
+what left the context and what took its place.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from longstraw_agents.store import EpisodeRecord, RunRecord, Store, StoreError
-from longstraw_agents.trajectory import Segment
+from longstraw_agents.trajectory import ContextEdit, EditKind, Segment, Trajectory
 
 
 def summary_text(
@@ -66,6 +69,9 @@ def _overview_text(store: Store, where: str | None, params: Sequence[Any]) -> st
     reasons = store.finish_reasons(where, params)
     lines.extend(["", *_env_table(store, where, params), ""])
     lines.append("finish reasons  " + ", ".join(f"{reason} {n:,}" for reason, n in reasons.items()))
+    edited, edits = store.edit_totals(where, params)
+    if edited:
+        lines.append(f"context edits  {edits:,} in {_count(edited, 'episode')}")
     if runs:
         lines.extend(["", *_runs_table(store, runs)])
     return "\n".join(lines)
@@ -112,7 +118,68 @@ def transcript_text(record: EpisodeRecord, max_text: int = 120) -> str:
         if seg.tool_calls is not None:
             rows.append([""] * len(cells) + [f"tool_calls {_preview(_json(seg.tool_calls), max_text, quote=False)}"])
     lines.extend(_table(["#", "role", "turn", "tokens", "loss", "logp", "text"], rows, align="rlrrrr", indent="  "))
+    if t.is_edited:
+        lines.extend(_edits_lines(t))
     return "\n".join(lines)
+
+
+def _edits_lines(trajectory: Trajectory) -> list[str]:
+    """The physical sequences (what the trainer trains as members) and one line per context edit."""
+    sequences = trajectory.physical_sequences()
+    sizes = [sum(len(trajectory.segments[k]) for k in seq.segments) for seq in sequences]
+    loss = [sum(int(trajectory.segments[k].loss_mask.sum()) for k in seq.own()) for seq in sequences]
+    lines = [
+        f"  {_count(len(trajectory.edits), 'context edit')}, {_count(len(sequences), 'physical sequence')}:"
+        f" {', '.join(f'{n:,}' for n in sizes)} tokens (loss {', '.join(f'{n:,}' for n in loss)})"
+    ]
+    lines.extend(f"  edit {k} {_edit_text(trajectory, edit)}" for k, edit in enumerate(trajectory.edits, start=1))
+    return lines
+
+
+_EDIT_WORDS: dict[EditKind, tuple[str, str]] = {"evict": ("evict", "placeholder"), "summary": ("summarize", "summary")}
+"""Per kind of edit: what it does to the segments it removes, and what the segment in their place is."""
+
+
+def _edit_text(trajectory: Trajectory, edit: ContextEdit) -> str:
+    """Where and what, e.g. ``before segment 9 (turn 4): evict segments 3 (tool, 1,204 tokens) -> placeholder segment 9
+    (12 tokens)``."""
+    segments = trajectory.segments
+    where = (
+        f"before segment {edit.before} (turn {segments[edit.before].turn})"
+        if edit.before < len(segments)
+        else f"at the end of the log (after segment {edit.before - 1})"
+    )
+    verb, name = _EDIT_WORDS[edit.kind]
+    removed = [segments[k] for k in edit.removed]
+    tokens = sum(len(seg) for seg in removed)
+    gone = f"{verb} segments {_indices(edit.removed)} ({_roles(removed)}, {tokens:,} tokens)"
+    if edit.replacement is None:
+        return f"{where}: {gone} -> nothing"
+    reused = "reused, " if edit.replacement < edit.before else ""
+    size = len(segments[edit.replacement])
+    return f"{where}: {gone} -> {name} segment {edit.replacement} ({reused}{size:,} tokens)"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _indices(indices: Sequence[int]) -> str:
+    """Log indices with runs of consecutive ones as ``first..last``: ``2, 6, 4..7``."""
+    runs: list[list[int]] = []
+    for k in indices:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}..{run[-1]}" for run in runs)
+
+
+def _roles(segments: Sequence[Segment]) -> str:
+    """``tool`` for one segment, ``2 assistant + 3 tool`` for several (in order of first appearance)."""
+    if len(segments) == 1:
+        return segments[0].role
+    return " + ".join(f"{n} {role}" for role, n in Counter(seg.role for seg in segments).items())
 
 
 def _json(value: Any) -> str:

@@ -8,6 +8,10 @@ autograd). Tokens of a shared loss node carry every member's loss term (member w
 logprobs are kept per member), so the tree's loss equals the naive per-member loss exactly. ``fuse_chains`` turns
 runs of single-child nodes (many short turns) into single mixed nodes, for walks where that changes nothing.
 
+An episode that edited its context (``Trajectory.edits``) contributes one member per physical sequence
+(``episode_members``): the trie then shares the system prompt, the kept turns and the history before each edit
+between the sequences of one episode and across the group, while the tokens after an edit are at new positions.
+
 Positions here are *target* positions: token ``t`` is predicted from the tokens before it, so a node covering
 targets ``[start, end)`` feeds the model the inputs ``ids[start-1 : end-1]`` (``Node.input_ids``); position 0 is
 never a target.
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from longstraw_agents.trajectory import Trajectory
+from longstraw_agents.trajectory import Rendered, Trajectory
 
 
 @dataclass
@@ -50,7 +54,16 @@ class Member:
 
     @classmethod
     def from_trajectory(cls, trajectory: Trajectory) -> Member:
-        rendered = trajectory.render()
+        """The member of an episode that only appended (an edited one has several: ``episode_members``)."""
+        if trajectory.is_edited:
+            raise ValueError(
+                f"this trajectory edited its context ({len(trajectory.edits)} edits): it is "
+                f"{len(trajectory.physical_sequences())} physical sequences, one member each (episode_members)"
+            )
+        return cls.from_rendered(trajectory.render())
+
+    @classmethod
+    def from_rendered(cls, rendered: Rendered) -> Member:
         has_lp = any(span.has_logprobs for span in rendered.spans)
         return cls(rendered.token_ids, rendered.loss_mask, rendered.logprobs if has_lp else None)
 
@@ -295,5 +308,12 @@ def _fuse(node: Node, max_context: int, live: set[int]) -> tuple[Node, Node]:
     return fused, last
 
 
+def episode_members(trajectory: Trajectory) -> list[Member]:
+    """One member per physical sequence of the episode (one for an episode that only appended): the sequence's
+    tokens, with loss on the assistant tokens generated under it."""
+    return [Member.from_rendered(trajectory.render_sequence(seq)) for seq in trajectory.physical_sequences()]
+
+
 def tree_from_trajectories(trajectories: Sequence[Trajectory]) -> PrefixTree:
-    return build_tree([Member.from_trajectory(t) for t in trajectories])
+    """The prefix tree over every physical sequence of the episodes (``episode_members``, episode by episode)."""
+    return build_tree([member for t in trajectories for member in episode_members(t)])

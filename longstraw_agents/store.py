@@ -8,6 +8,10 @@ Layout (plain column types, so ``sqlite-utils rows trajectories.db episodes`` an
 - ``segments``: one row per segment, primary key ``(episode_id, idx)``. ``token_ids`` is a little-endian int32
   blob, ``loss_mask`` a uint8 blob (0/1), ``logprobs`` a little-endian float32 blob (NULL when unknown),
   ``tool_calls`` JSON. Read a blob back with ``np.frombuffer(blob, "<i4")`` / ``"<f4"``. Nothing is pickled.
+- ``context_edits``: one row per ``ContextEdit`` of an episode that edited its context, primary key
+  ``(episode_id, idx)`` with ``idx`` its place in ``Trajectory.edits``: ``before`` (the log length when it
+  happened), ``removed`` (a JSON list of segment indices), ``replacement`` (a segment index, NULL for none), ``kind``.
+  An episode that only appended has no row.
 
 Any trajectory an environment produced is accepted. A policy can write a lone UTF-16 surrogate (``"\\ud800"`` in
 tool-call JSON, decoded by the tool parser into a one-character string that UTF-8, and so SQLite's TEXT, cannot
@@ -19,13 +23,16 @@ escapes ``json.loads`` restores. Only the id and reason strings of an episode (`
 altered. Token ids are never touched; the caller's trajectory is not modified.
 
 Reading is checked row by row: a damaged segment (a blob of the wrong length or type, negative ids, a loss mask
-other than 0/1, an unknown role, broken tool-call JSON...) raises ``StoreError`` naming its episode and segment.
+other than 0/1, an unknown role, broken tool-call JSON...) or context edit (one that does not fit the episode's
+segments) raises ``StoreError`` naming its episode and row.
 
 The schema version lives in ``PRAGMA user_version`` and the file is marked with ``PRAGMA application_id``; a store
-written by a newer version of this package is refused rather than misread.
+written by a newer version of this package is refused rather than misread. A store of an older version is upgraded
+in place when opened (its new tables and version in one transaction; versions of this package that predate it then
+refuse it). A store this process cannot write (a read-only file) is read as it is: version 1 holds no edits.
 
 Concurrency and durability: the file is in WAL mode, so readers never block writers. Every write runs in one
-``BEGIN IMMEDIATE`` transaction: an episode and all its segments become visible together or not at all, even when
+``BEGIN IMMEDIATE`` transaction: an episode, all its segments and edits become visible together or not at all, even when
 the writer is killed with SIGKILL, and concurrent writers queue on the busy timeout instead of failing.
 ``synchronous=NORMAL`` is the WAL setting SQLite recommends: a committed episode survives a crash of the process;
 only a power loss can drop the last few commits, and it never corrupts the file. A ``Store`` object belongs to
@@ -48,24 +55,26 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 from sqlite_utils import Database
 
-from longstraw_agents.trajectory import ROLES, Segment, Trajectory
+from longstraw_agents.trajectory import ROLES, ContextEdit, EditKind, Segment, Trajectory
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # "LSTR" in the SQLite header: marks the file as a longstraw store for `file(1)` and for `Store.open`.
 APPLICATION_ID = int.from_bytes(b"LSTR", "big")
 # Writers wait this long for the write lock before giving up; a commit takes milliseconds, so only a stuck
 # process holding a transaction open would exhaust it.
 BUSY_TIMEOUT_S = 60.0
-TABLES = ("runs", "episodes", "segments")
+TABLES = ("runs", "episodes", "segments", "context_edits")
+_ADDED_IN_VERSION = {"context_edits": 2}
+"""The tables a store of an earlier version lacks (the others are in every version), by the version that added them."""
 QueryParams = Sequence[Any] | dict[str, Any]
 """Values of a query's placeholders: a sequence for ``?``, a dict for ``:name`` (sqlite3 takes no other mapping)."""
 
-_SCHEMA = """
+_VERSION_1_SCHEMA = """
 CREATE TABLE runs (
     id TEXT PRIMARY KEY,
     created_at TEXT NOT NULL,
@@ -105,6 +114,21 @@ CREATE INDEX idx_episodes_group_id ON episodes(group_id);
 CREATE INDEX idx_episodes_run_id ON episodes(run_id);
 CREATE INDEX idx_episodes_policy_version ON episodes(policy_version);
 """
+_CONTEXT_EDITS_SCHEMA = """
+CREATE TABLE context_edits (
+    episode_id INTEGER NOT NULL REFERENCES episodes(id),
+    idx INTEGER NOT NULL,
+    before INTEGER NOT NULL,
+    removed TEXT NOT NULL,
+    replacement INTEGER,
+    kind TEXT NOT NULL,
+    PRIMARY KEY (episode_id, idx)
+);
+"""
+_SCHEMA = _VERSION_1_SCHEMA + _CONTEXT_EDITS_SCHEMA
+_UPGRADES = {2: _CONTEXT_EDITS_SCHEMA}
+"""The statements that turn a store of version ``v - 1`` into one of version ``v`` (a new store runs ``_SCHEMA``:
+version 1's tables and every upgrade's)."""
 
 _INT64 = np.iinfo(np.int64)
 ESCAPED_SURROGATES = "store_escaped_surrogates"
@@ -353,17 +377,46 @@ def _segment_row(idx: int, segment: Segment) -> dict[str, Any]:
     }
 
 
+_EDIT_KINDS: tuple[EditKind, ...] = get_args(EditKind)
+
+
+def _edit_row(idx: int, edit: ContextEdit) -> dict[str, Any]:
+    if not isinstance(edit, ContextEdit):
+        raise StoreError(f"context edit {idx} is a {type(edit).__name__}, not a ContextEdit")
+    return {
+        "idx": idx,
+        "before": _int64(edit.before, what=f"context edit {idx} before"),
+        "removed": json.dumps([_int64(k, what=f"context edit {idx} removed segment") for k in edit.removed]),
+        "replacement": _int64(edit.replacement, what=f"context edit {idx} replacement", optional=True),
+        "kind": edit.kind,
+    }
+
+
+def _edits_misfit(trajectory: Trajectory) -> str | None:
+    """Why the trajectory's context edits cannot be replayed on its segments; None when they can (or there are none)."""
+    if trajectory.edits:
+        try:
+            trajectory.physical_sequences(keep_empty=True)
+        except ValueError as err:
+            return f"its context edits do not fit its {len(trajectory)} segments: {err}"
+    return None
+
+
 @dataclass(frozen=True)
 class _EncodedEpisode:
     episode: dict[str, Any]
     segments: list[dict[str, Any]]
+    edits: list[dict[str, Any]]
 
 
 def _encode(trajectory: Trajectory, run_id: str | None) -> _EncodedEpisode:
     if not isinstance(trajectory, Trajectory):
         raise StoreError(f"expected a Trajectory, got {type(trajectory).__name__}")
     segments = [_segment_row(idx, seg) for idx, seg in enumerate(trajectory.segments)]
-    return _EncodedEpisode(episode=_episode_row(trajectory, run_id, _utc_now()), segments=segments)
+    edits = [_edit_row(idx, edit) for idx, edit in enumerate(trajectory.edits)]
+    if misfit := _edits_misfit(trajectory):
+        raise StoreError(f"cannot store the trajectory: {misfit}")
+    return _EncodedEpisode(episode=_episode_row(trajectory, run_id, _utc_now()), segments=segments, edits=edits)
 
 
 def _segment_from_row(episode_id: int, row: Mapping[str, Any]) -> Segment:
@@ -423,12 +476,38 @@ def _preview(text: str, limit: int = 60) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def _record_from_rows(episode: Mapping[str, Any], segment_rows: list[dict[str, Any]]) -> EpisodeRecord:
+def _edit_from_row(episode_id: int, row: Mapping[str, Any]) -> ContextEdit:
+    """The stored context edit; ``StoreError`` naming the episode and the edit when the row is damaged."""
+    try:
+        removed = _stored_json(row["removed"], "removed")
+        if not isinstance(removed, list) or not all(type(k) is int and k >= 0 for k in removed):
+            raise _Damaged(f"removed is {_preview(row['removed'])}, not a JSON list of segment indices")
+        replacement = row["replacement"]
+        if row["kind"] not in _EDIT_KINDS:
+            raise _Damaged(f"kind is {row['kind']!r}, not one of {_EDIT_KINDS}")
+        return ContextEdit(
+            before=_stored_int(row["before"], "before"),
+            removed=tuple(removed),
+            replacement=None if replacement is None else _stored_int(replacement, "replacement"),
+            kind=row["kind"],
+        )
+    except (_Damaged, ValueError) as err:  # ValueError: what ContextEdit itself refuses (nothing removed)
+        raise StoreError(f"episode {episode_id} context edit {row['idx']} is damaged: {err}") from None
+
+
+def _record_from_rows(
+    episode: Mapping[str, Any], segment_rows: list[dict[str, Any]], edit_rows: list[dict[str, Any]]
+) -> EpisodeRecord:
     episode_id = episode["id"]
     if [row["idx"] for row in segment_rows] != list(range(episode["num_segments"])):
         raise StoreError(
             f"episode {episode_id} is damaged: expected segments 0..{episode['num_segments'] - 1}, "
             f"found {[row['idx'] for row in segment_rows]}"
+        )
+    if [row["idx"] for row in edit_rows] != list(range(len(edit_rows))):
+        raise StoreError(
+            f"episode {episode_id} is damaged: expected context edits 0..{len(edit_rows) - 1}, "
+            f"found {[row['idx'] for row in edit_rows]}"
         )
     try:
         info = _stored_json(episode["info"], "info")
@@ -443,12 +522,15 @@ def _record_from_rows(episode: Mapping[str, Any], segment_rows: list[dict[str, A
         finish_reason=episode["finish_reason"],
         policy_version=episode["policy_version"],
         info=info,
+        edits=[_edit_from_row(episode_id, row) for row in edit_rows],
     )
     if trajectory.num_tokens != episode["num_tokens"]:
         raise StoreError(
             f"episode {episode_id} is damaged: {trajectory.num_tokens} tokens in its segments, "
             f"{episode['num_tokens']} recorded"
         )
+    if misfit := _edits_misfit(trajectory):
+        raise StoreError(f"episode {episode_id} is damaged: {misfit}")
     return EpisodeRecord(
         id=episode_id, run_id=episode["run_id"], created_at=episode["created_at"], trajectory=trajectory
     )
@@ -563,6 +645,11 @@ def _connect(path: Path, create: bool) -> sqlite3.Connection:
     return sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)
 
 
+def _is_read_only_error(err: BaseException | None) -> bool:
+    """Whether ``err`` is SQLite refusing to write a file this process may only read."""
+    return isinstance(err, sqlite3.Error) and err.sqlite_errorcode & 0xFF == sqlite3.SQLITE_READONLY
+
+
 def _store_hint(directory: Path) -> str:
     """Where the store of a run directory is, when ``directory`` holds one."""
     inside = directory / "trajectories.db"
@@ -575,6 +662,8 @@ class Store:
     def __init__(self, db: Database, path: Path) -> None:
         self._db = db
         self.path = path
+        # False only while a store of version 1 is read as it is (see ``_upgrade``): no edits to read then.
+        self._has_edits_table = True
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -631,6 +720,7 @@ class Store:
         self._check_is_store()
         self._enable_wal()
         self._db.execute("PRAGMA synchronous = NORMAL")
+        self._upgrade()
 
     def _enable_wal(self) -> None:
         # Switching a file to WAL needs an exclusive lock, and SQLite answers SQLITE_BUSY at once instead of waiting
@@ -650,6 +740,28 @@ class Store:
             time.sleep(delay_s)
             delay_s = min(2 * delay_s, 0.05)
 
+    def _upgrade(self) -> None:
+        """Bring a store of an older schema version to this one, in one transaction (so another process sees the
+        old store or the new one, never a mix; several may open it at once). A store this process cannot write is
+        left as it is and read as its version."""
+        if self.schema_version >= SCHEMA_VERSION:
+            return
+        try:
+            with self._write_transaction(f"upgrading the store schema to version {SCHEMA_VERSION}"):
+                for version in range(self.schema_version + 1, SCHEMA_VERSION + 1):
+                    self._run_script(_UPGRADES[version])
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except StoreError as err:
+            if not _is_read_only_error(err.__cause__):
+                raise
+        self._has_edits_table = self.schema_version >= 2
+
+    def _run_script(self, script: str) -> None:
+        # One statement at a time, inside the caller's transaction (sqlite3's executescript would commit it).
+        for statement in script.split(";"):
+            if statement.strip():
+                self._db.execute(statement)
+
     def _is_empty(self) -> bool:
         return self._pragma("application_id") == 0 and self._pragma("user_version") == 0 and not self._db.table_names()
 
@@ -659,9 +771,7 @@ class Store:
         self._enable_wal()
         with self._write_transaction("creating the store schema"):
             if self._is_empty():
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        self._db.execute(statement)
+                self._run_script(_SCHEMA)
                 self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -676,7 +786,7 @@ class Store:
                 f"{self.path} has store schema version {version}, newer than this longstraw-agents reads "
                 f"(up to {SCHEMA_VERSION}); upgrade longstraw-agents to open it"
             )
-        missing = [name for name in TABLES if name not in tables]
+        missing = [name for name in TABLES if name not in tables and _ADDED_IN_VERSION.get(name, 1) <= version]
         if missing or version < 1:
             raise StoreError(f"{self.path} is a damaged longstraw store: missing tables {missing}, version {version}")
 
@@ -743,6 +853,7 @@ class Store:
         episode_id = self._db.table("episodes").insert(encoded.episode).last_rowid
         assert episode_id is not None
         self._db.table("segments").insert_all({"episode_id": episode_id, **row} for row in encoded.segments)
+        self._db.table("context_edits").insert_all({"episode_id": episode_id, **row} for row in encoded.edits)
         return episode_id
 
     def _run_exists(self, run_id: str) -> bool:
@@ -768,7 +879,14 @@ class Store:
 
     def _load(self, episode: Mapping[str, Any]) -> EpisodeRecord:
         segments = self._select("SELECT * FROM segments WHERE episode_id = ? ORDER BY idx", [episode["id"]])
-        return _record_from_rows(episode, segments)
+        return _record_from_rows(episode, segments, self._edit_rows(episode["id"]))
+
+    def _edit_rows(self, episode_id: int) -> list[dict[str, Any]]:
+        if not self._has_edits_table:  # a store read as version 1, unless another process upgraded it since
+            self._has_edits_table = self.schema_version >= 2
+            if not self._has_edits_table:
+                return []
+        return self._select("SELECT * FROM context_edits WHERE episode_id = ? ORDER BY idx", [episode_id])
 
     def records(
         self,
@@ -891,6 +1009,15 @@ class Store:
             params,
         )
         return [EnvTotals(**row) for row in rows]
+
+    def edit_totals(self, where: str | None = None, params: Sequence[Any] = ()) -> tuple[int, int]:
+        """How many of the episodes matching ``where`` edited their context, and their edits in all."""
+        row = self._select(
+            "SELECT COUNT(DISTINCT episode_id) AS edited, COUNT(*) AS edits FROM context_edits"
+            f" WHERE episode_id IN (SELECT id FROM episodes{_where_sql(where)})",
+            params,
+        )[0]
+        return int(row["edited"]), int(row["edits"])
 
     def finish_reasons(self, where: str | None = None, params: Sequence[Any] = ()) -> dict[str, int]:
         """How many episodes matching ``where`` ended for each reason, most frequent first."""

@@ -4,6 +4,13 @@ A trajectory is what an episode leaves behind and what the trainer consumes. Tok
 text: the ids the policy produced (and the ids the environment appended) are the trajectory. Rendering the segments
 into one sequence (``render``) and splitting it back (``Trajectory.from_rendered``) are exact inverses.
 
+Most episodes only append, and then the segments in order are the one sequence the policy conditioned on. An agent
+near its context budget may also *edit* its context: evict a tool output (a placeholder takes its place) or replace
+a run of turns by a summary. The segments are then a log, in the order they were written, and ``edits`` records
+each ``ContextEdit``; ``physical_sequences()`` replays the log into the token sequences the policy actually
+conditioned on, each with positions from 0. Every assistant token carries loss in exactly one of them: the one that
+was the context when it was generated (later sequences that keep it see it as context).
+
 Arrays are numpy (int32 ids, bool masks, float32 logprobs) so that a million-token episode stays a few MB and the
 agent side never needs torch.
 """
@@ -19,6 +26,7 @@ import numpy as np
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant", "tool")
 
+EditKind = Literal["evict", "summary"]
 FinishReason = Literal["answered", "max_turns", "max_tokens", "context_limit", "error", "aborted", "running"]
 
 
@@ -138,9 +146,50 @@ class Rendered:
     spans: tuple[SegmentSpan, ...]
 
 
+@dataclass(frozen=True)
+class ContextEdit:
+    """A change of the context that is not an append.
+
+    When the log held ``before`` segments, the run ``removed`` (log indices, consecutive in the context) left the
+    context and ``replacement`` (a log index, or None: nothing) took its place. The replacement is either the next
+    segment logged (index ``before``: a placeholder or a summary the environment writes) or an earlier one no longer in
+    the context (a summary the policy generated, reused verbatim). ``kind`` says why, for people.
+    """
+
+    before: int
+    removed: tuple[int, ...]
+    replacement: int | None
+    kind: EditKind
+
+    def __post_init__(self) -> None:
+        if not self.removed:
+            raise ValueError("a context edit must remove at least one segment")
+        if self.kind not in ("evict", "summary"):
+            raise ValueError(f"unknown edit kind {self.kind!r}; expected 'evict' or 'summary'")
+
+
+@dataclass(frozen=True)
+class PhysicalSequence:
+    """A token sequence the policy conditioned on: the log segments ``segments`` in context order.
+
+    It was the context while the log grew from ``opened`` to ``closed`` segments; the assistant segments logged then
+    were generated under it, so it carries their loss and no other (kept older turns are context here)."""
+
+    segments: tuple[int, ...]
+    opened: int
+    closed: int
+
+    def generated(self, segment: int) -> bool:
+        return self.opened <= segment < self.closed
+
+    def own(self) -> list[int]:
+        """The segments logged while this was the context, in context order."""
+        return [k for k in self.segments if self.generated(k)]
+
+
 @dataclass
 class Trajectory:
-    """An ordered list of segments plus the episode's metadata."""
+    """An ordered list of segments plus the episode's metadata (``edits``: context edits, when the agent made any)."""
 
     segments: list[Segment] = field(default_factory=list)
     env_id: str = ""
@@ -150,6 +199,7 @@ class Trajectory:
     finish_reason: FinishReason = "running"
     policy_version: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    edits: list[ContextEdit] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Segment]:
         return iter(self.segments)
@@ -167,14 +217,77 @@ class Trajectory:
     def extend(self, segments: Iterable[Segment]) -> None:
         self.segments.extend(segments)
 
+    @property
+    def is_edited(self) -> bool:
+        return bool(self.edits)
+
+    # --- context edits ---------------------------------------------------------------------------------------------
+    def evict(self, segments: Sequence[int], placeholder: Segment) -> ContextEdit:
+        """Remove the consecutive context segments ``segments`` (log indices) and put ``placeholder`` (logged now)
+        in their place."""
+        return self._edit(segments, placeholder, "evict")
+
+    def summarize(self, segments: Sequence[int], summary: Segment | int) -> ContextEdit:
+        """Replace the consecutive context segments ``segments`` by ``summary``: a new segment (logged now), or the
+        log index of one already written (the policy's summary turn, reused verbatim)."""
+        return self._edit(segments, summary, "summary")
+
+    def _edit(self, segments: Sequence[int], replacement: Segment | int | None, kind: EditKind) -> ContextEdit:
+        index = len(self.segments) if isinstance(replacement, Segment) else replacement
+        edit = ContextEdit(
+            before=len(self.segments), removed=tuple(int(k) for k in segments), replacement=index, kind=kind
+        )
+        _apply(edit, self.context())  # validates against the current context before anything changes
+        self.edits.append(edit)
+        if isinstance(replacement, Segment):
+            self.segments.append(replacement)
+        return edit
+
+    def context(self) -> list[int]:
+        """The log indices of the current context, in order (every segment when there are no edits)."""
+        return list(self.physical_sequences(keep_empty=True)[-1].segments) if self.segments else []
+
+    def physical_sequences(self, keep_empty: bool = False) -> list[PhysicalSequence]:
+        """The contexts the policy conditioned on, in time order: one per edit plus the last. A context under which
+        no assistant segment was logged (two edits in a row, an episode that ends on an edit) is left out unless
+        ``keep_empty`` or it is the only one."""
+        edits = sorted(self.edits, key=lambda e: e.before)
+        context: list[int] = []
+        sequences: list[PhysicalSequence] = []
+        opened = 0
+        pending = iter(edits)
+        edit = next(pending, None)
+        for index in range(len(self.segments) + 1):
+            while edit is not None and edit.before == index:
+                sequences.append(PhysicalSequence(tuple(context), opened, index))
+                context, opened = _apply(edit, context), index
+                edit = next(pending, None)
+            if index < len(self.segments) and index not in context:
+                context.append(index)
+        if edit is not None:
+            raise ValueError(f"context edit {edit} is after the end of the log ({len(self.segments)} segments)")
+        sequences.append(PhysicalSequence(tuple(context), opened, len(self.segments)))
+        generating = [seq for seq in sequences if any(self.segments[k].role == "assistant" for k in seq.own())]
+        return sequences if keep_empty or not generating else generating
+
+    def render_sequence(self, sequence: PhysicalSequence) -> Rendered:
+        """One physical sequence as flat arrays (a span per segment, in context order): loss and behaviour log-probs
+        only on the segments logged while it was the context."""
+        parts = [
+            self.segments[k] if sequence.generated(k) else _as_context(self.segments[k]) for k in sequence.segments
+        ]
+        return Trajectory(parts).render()
+
+    # --- the log as one sequence -----------------------------------------------------------------------------------
     def token_ids(self) -> np.ndarray:
+        """The log's tokens (the one sequence the policy saw when there are no edits)."""
         return self.render().token_ids
 
     def loss_mask(self) -> np.ndarray:
         return self.render().loss_mask
 
     def render(self) -> Rendered:
-        """Concatenate the segments into one sequence; ``from_rendered`` inverts it exactly."""
+        """Concatenate the segments (the log) into one sequence; ``from_rendered`` inverts it exactly."""
         spans: list[SegmentSpan] = []
         pos = 0
         for seg in self.segments:
@@ -230,3 +343,35 @@ class Trajectory:
         mask = self.loss_mask()
         hits = np.flatnonzero(mask)
         return int(hits[0]) if hits.size else int(mask.size)
+
+
+def _apply(edit: ContextEdit, context: list[int]) -> list[int]:
+    """``context`` after ``edit``; refuses an edit that does not fit it (with what is wrong)."""
+    removed = list(edit.removed)
+    missing = [k for k in removed if k not in context]
+    if missing:
+        raise ValueError(f"context edit removes segments {missing}, which are not in the context {context}")
+    first = context.index(removed[0])
+    if context[first : first + len(removed)] != removed:
+        raise ValueError(f"context edit must remove consecutive context segments in order; got {removed} in {context}")
+    rest = context[:first] + context[first + len(removed) :]
+    if edit.replacement is None:
+        return rest
+    if edit.replacement > edit.before or edit.replacement < 0:
+        raise ValueError(f"replacement {edit.replacement} is neither logged yet nor the next segment ({edit.before})")
+    if edit.replacement in rest:
+        raise ValueError(f"replacement {edit.replacement} is already in the context")
+    return rest[:first] + [edit.replacement] + rest[first:]
+
+
+def _as_context(segment: Segment) -> Segment:
+    """``segment`` as context: no loss, no behaviour log-probs."""
+    return Segment(
+        segment.role,
+        segment.token_ids,
+        np.zeros(len(segment), bool),
+        None,
+        segment.turn,
+        segment.text,
+        segment.tool_calls,
+    )

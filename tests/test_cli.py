@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from stored_episodes import edited_trajectory
 from terminal import sigint_as_in_a_terminal
 from tiny_runs import ENV_ID, TINY_MODEL, WARM_START, tiny_config_dict
 from viewer_stores import write_run_directory
@@ -251,7 +252,7 @@ def run_inspect(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
 def test_inspect_summarises_the_store(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_inspect(capsys, str(db))
     assert code == 0 and err == ""
-    assert f"store {db} (schema v1)" in out
+    assert f"store {db} (schema v2)" in out
     assert "episodes 4  groups 2  tokens 40  policy versions 0..2" in out
     env_line = next(line for line in out.splitlines() if line.startswith("LongStraw/Calculator-v0"))
     assert env_line.split()[1:] == ["4", "2", "40", "0.625", "0.000", "1.000"]
@@ -269,6 +270,28 @@ def test_inspect_one_episode(db: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert roles == ["system", "user", "assistant", "tool", "assistant"]
     assert any(line.split()[:6] == ["2", "assistant", "0", "2", "100%", "-0.500"] for line in lines)
     assert 'tool_calls [{"name": "calculator", "arguments": {"expression": "6 * 7"}}]' in out
+
+
+def test_inspect_an_edited_episode_and_a_damaged_edit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trajectories.db"
+    with Store.open(path) as store:
+        episode_id = store.add_episode(edited_trajectory())
+        store.add_episode(edited_trajectory())
+    code, out, _ = run_inspect(capsys, str(path))
+    assert code == 0 and "context edits  6 in 2 episodes" in out.splitlines()
+    code, out, _ = run_inspect(capsys, str(path), "--where", f"id = {episode_id}")
+    assert code == 0 and "context edits  3 in 1 episode" in out.splitlines()
+    code, out, _ = run_inspect(capsys, str(path), "--episode", str(episode_id))
+    assert code == 0 and "  3 context edits, 4 physical sequences: 374, 88, 74, 42 tokens (loss 13, 10, 8, 5)" in out
+    assert "  edit 1 before segment 6 (turn 1): evict segments 3 (tool, 300 tokens) -> placeholder segment 6" in out
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE context_edits SET removed = '[99]' WHERE idx = 0")
+    code, out, err = run_inspect(capsys, str(path), "--episode", str(episode_id))
+    assert code == 2 and out == ""
+    assert err == (
+        f"error: episode {episode_id} is damaged: its context edits do not fit its 13 segments: context edit removes "
+        "segments [99], which are not in the context [0, 1, 2, 3, 4, 5]\n"
+    )
 
 
 def test_inspect_a_group_and_all_transcripts(db: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -100,3 +100,21 @@ def test_slurm_script_starts_one_torchrun_per_node_meeting_at_the_first_node(tmp
     assert torchrun.training_script_args == ["train", "train.yaml", "--resume"]
     train = build_parser().parse_args(torchrun.training_script_args)
     assert (train.config, train.resume) == ("train.yaml", True)
+
+
+def test_context_edits_example_logs_edited_episodes_and_trains_over_their_sequences(tmp_path: Path) -> None:
+    """At a small size: the stored episodes keep their edits, and the printed sharing is the tree's."""
+    script = EXAMPLES / "context_edits.py"
+    assert len(script.read_text().splitlines()) < 150
+    argv = ["--group", "4", "--pages", "8", "--reads", "6", "--words", "40", "--budget", "400", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with Store.open(tmp_path / "trajectories.db", create=False) as store:
+        episodes = list(store.episodes())
+    assert len(episodes) == 4 and all(t.is_edited for t in episodes)
+    assert {e.kind for e in episodes[0].edits} == {"evict"} and {e.kind for e in episodes[1].edits} == {"summary"}
+    sequences = [s for t in episodes for s in t.physical_sequences()]
+    lengths = sum(sum(len(t.segments[k]) for k in s.segments) for t in episodes for s in t.physical_sequences())
+    assert f"{len(sequences)} physical sequences, {lengths:,} tokens in all" in done.stdout
+    for t in episodes:  # every sequence stays within the budget plus the turn that crossed it
+        assert max(sum(len(t.segments[k]) for k in s.segments) for s in t.physical_sequences()) < 400 + 200

@@ -20,6 +20,7 @@ from longstraw_agents.envs import tool_instructions
 from longstraw_agents.sampler import OpenAISampler, SamplingConfig
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
+from longstraw_agents.trajectory import Segment
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -148,3 +149,16 @@ def test_the_readme_custom_env_config_trains_from_the_cli(tmp_path: Path, monkey
         assert {t.env_id for members in groups.values() for t in members} == {"MyTasks/Reverse-v0"}
     assert sorted(groups) == ["step1-g0", "step1-g1"]  # stepN-gK: group K (from 0) of step N (from 1)
     assert "`stepN-gK`" in README and "--group step3-g1" in README
+
+
+def test_the_context_edit_snippet_does_what_its_comments_say() -> None:
+    section = README.split("### Episodes that edit their context", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```\n", 1)[0]
+    names = ["sys_ids", "task_ids", "call_ids", "page_ids", "call2_ids", "page2_ids", "placeholder_ids", "answer_ids"]
+    scope: dict[str, Any] = {name: [k + 1] * (k + 2) for k, name in enumerate(names)}
+    scope["summary"] = Segment("user", [99, 98])
+    exec(compile(snippet, "README.md", "exec"), scope)
+    trajectory = scope["t"]
+    shown = re.search(r"physical_sequences\(\)\]\s+# (.*)", snippet).group(1)
+    assert [s.segments for s in trajectory.physical_sequences(keep_empty=True)[:2]] == ast.literal_eval(shown)
+    assert trajectory.context() == [0, 1, 8] and [e.kind for e in trajectory.edits] == ["evict", "summary"]

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stored_episodes import make_trajectory
+from stored_episodes import edited_trajectory, make_trajectory
 
 from longstraw_agents.report import summary_text
 from longstraw_agents.store import Store, StoreError
-from longstraw_agents.trajectory import Segment, Trajectory
+from longstraw_agents.trajectory import ContextEdit, Segment, Trajectory
 
 
 @pytest.fixture
@@ -82,6 +82,34 @@ def test_transcript_of_an_episode(store: Store) -> None:
     assert lines[5].strip() == 'tool_calls [{"name": "calculator", "arguments": {"expression": "6*7"}}]'
     assert lines[6].split() == ["2", "tool", "0", "0", "-", "-", '"42"']
     assert "middle" in summary_text(store, episode=episode_id, max_text=0)
+
+
+def test_the_transcript_of_an_edited_episode_lists_its_sequences_and_edits(store: Store) -> None:
+    trajectory = edited_trajectory()
+    lines = summary_text(store, episode=store.add_episode(trajectory)).splitlines()
+    assert len(lines) == 2 + 1 + 13 + 4  # header, info, table header, one row per segment, then the edits
+    sizes = [sum(len(trajectory.segments[k]) for k in seq.segments) for seq in trajectory.physical_sequences()]
+    assert sizes == [374, 88, 74, 42]
+    assert lines[-4:] == [
+        "  3 context edits, 4 physical sequences: 374, 88, 74, 42 tokens (loss 13, 10, 8, 5)",
+        "  edit 1 before segment 6 (turn 1): evict segments 3 (tool, 300 tokens) -> placeholder segment 6 (4 tokens)",
+        "  edit 2 before segment 8 (turn 3): summarize segments 2, 6, 4..5, 7 (3 assistant + 2 tool, 67 tokens)"
+        " -> summary segment 7 (reused, 10 tokens)",
+        "  edit 3 before segment 11 (turn 3): summarize segments 8..10 (1 user + 1 assistant + 1 tool, 43 tokens)"
+        " -> summary segment 11 (6 tokens)",
+    ]
+    plain = summary_text(store, episode=store.add_episode(make_trajectory(1)))
+    assert "context edits" not in plain and "edit 1" not in plain
+
+
+def test_an_edit_at_the_end_of_the_log_that_leaves_nothing(store: Store) -> None:
+    trajectory = Trajectory([Segment("user", [1, 2]), Segment("assistant", [3], turn=0), Segment("tool", [4, 5, 6])])
+    trajectory.edits.append(ContextEdit(before=3, removed=(2,), replacement=None, kind="evict"))
+    lines = summary_text(store, episode=store.add_episode(trajectory)).splitlines()
+    assert lines[-2:] == [
+        "  1 context edit, 1 physical sequence: 6 tokens (loss 1)",
+        "  edit 1 at the end of the log (after segment 2): evict segments 2 (tool, 3 tokens) -> nothing",
+    ]
 
 
 def test_transcripts_of_a_group_and_of_everything(store: Store) -> None:

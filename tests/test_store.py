@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from sqlite_utils.cli import cli as sqlite_utils_cli
-from stored_episodes import LARGEST_ID, edge_case_trajectory, make_trajectory
+from stored_episodes import LARGEST_ID, edge_case_trajectory, edited_trajectory, make_trajectory
 
+from longstraw_agents import store as store_module
 from longstraw_agents.store import APPLICATION_ID, SCHEMA_VERSION, Store, StoreError, _grouped_episodes
-from longstraw_agents.trajectory import Segment, Trajectory
+from longstraw_agents.trajectory import ContextEdit, Segment, Trajectory
 
 TESTS_DIR = Path(__file__).resolve().parent
 SUPPORT_DIR = TESTS_DIR / "support"
@@ -99,7 +100,7 @@ def test_wal_mode_schema_version_and_integrity(store: Store) -> None:
     store.add_episodes([make_trajectory(n) for n in range(5)])
     assert raw_query(store.path, "PRAGMA journal_mode") == [("wal",)]
     assert raw_query(store.path, "PRAGMA integrity_check") == [("ok",)]
-    assert raw_query(store.path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] and store.schema_version == 1
+    assert raw_query(store.path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] and store.schema_version == 2
     assert raw_query(store.path, "PRAGMA application_id") == [(APPLICATION_ID,)]
     indexed = raw_query(
         store.path,
@@ -462,6 +463,94 @@ def test_a_lone_surrogate_in_a_run_is_a_store_error(store: Store) -> None:
     assert store.runs() == []
 
 
+# -- context edits -------------------------------------------------------------------------------------------------
+
+
+def test_context_edits_round_trip_exactly(store: Store) -> None:
+    """An eviction with a placeholder, a policy summary reused by index and a summary the environment wrote."""
+    originals = [edited_trajectory(0), make_trajectory(1), edited_trajectory(2)]
+    ids = store.add_episodes(originals)
+    for episode_id, original in zip(ids, originals, strict=True):
+        loaded = store.get_episode(episode_id)
+        assert loaded == original and loaded.edits == original.edits
+        assert loaded.physical_sequences() == original.physical_sequences()
+    assert list(store.episodes()) == originals
+    assert store.get_episode(ids[1]).edits == []
+    rows = raw_query(
+        store.path,
+        "SELECT idx, before, removed, replacement, kind FROM context_edits WHERE episode_id = ? ORDER BY idx",
+        [ids[0]],
+    )
+    assert rows == [(0, 6, "[3]", 6, "evict"), (1, 8, "[2, 6, 4, 5, 7]", 7, "summary"),
+                    (2, 11, "[8, 9, 10]", 11, "summary")]  # fmt: skip
+    assert raw_query(store.path, "SELECT COUNT(*) FROM context_edits WHERE episode_id = ?", [ids[1]]) == [(0,)]
+
+
+def test_an_edit_that_removes_the_end_of_the_context_with_nothing_in_its_place(store: Store) -> None:
+    trajectory = Trajectory([Segment("user", [1, 2]), Segment("assistant", [3]), Segment("tool", [4, 5, 6])])
+    trajectory.edits.append(ContextEdit(before=3, removed=(2,), replacement=None, kind="evict"))
+    loaded = store.get_episode(store.add_episode(trajectory))
+    assert loaded == trajectory and loaded.edits == [ContextEdit(3, (2,), None, "evict")]
+
+
+def test_edits_that_do_not_fit_the_segments_are_refused_before_writing(store: Store) -> None:
+    trajectory = edited_trajectory()
+    trajectory.edits.append(ContextEdit(before=13, removed=(3,), replacement=None, kind="evict"))
+    refused = r"cannot store the trajectory: its context edits do not fit its 13 segments: .* \[3\], which are not"
+    with pytest.raises(StoreError, match=refused):
+        store.add_episodes([make_trajectory(0), trajectory])
+    assert store.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("removed = '[3'", "removed is not valid JSON"),
+        ("removed = '[]'", "a context edit must remove at least one segment"),
+        ("removed = '[\"3\"]'", "removed is .*, not a JSON list of segment indices"),
+        ("removed = '[-3]'", "removed is .*, not a JSON list of segment indices"),
+        ("removed = X'5B335D'", "removed is bytes where JSON text belongs"),
+        ("kind = 'forget'", "kind is 'forget', not one of"),
+        ("before = 'six'", "before is text where an integer belongs"),
+        ("replacement = 6.5", "replacement is a real where an integer belongs"),
+    ],
+)
+def test_a_damaged_context_edit_is_a_store_error_naming_episode_and_edit(
+    store: Store, change: str, message: str
+) -> None:
+    episode_id = store.add_episode(edited_trajectory())
+    corrupt(store.path, f"UPDATE context_edits SET {change} WHERE episode_id = {episode_id} AND idx = 0")
+    with pytest.raises(StoreError, match=f"^episode {episode_id} context edit 0 is damaged: {message}"):
+        store.get_episode(episode_id)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("UPDATE context_edits SET removed = '[99]' WHERE idx = 0", r"context edit removes segments \[99\]"),
+        ("UPDATE context_edits SET before = 20 WHERE idx = 2", r"context edit .* is after the end of the log \(13 "),
+        ("UPDATE context_edits SET replacement = 12 WHERE idx = 0", "replacement 12 is neither logged yet"),
+        ("UPDATE context_edits SET removed = '[2, 4]' WHERE idx = 1", "context edit must remove consecutive"),
+    ],
+)
+def test_edits_that_do_not_fit_the_stored_segments_are_a_damaged_episode(
+    store: Store, change: str, message: str
+) -> None:
+    episode_id = store.add_episode(edited_trajectory())
+    corrupt(store.path, change)
+    damaged = f"^episode {episode_id} is damaged: its context edits do not fit its 13 segments: {message}"
+    with pytest.raises(StoreError, match=damaged):
+        store.get_episode(episode_id)
+
+
+def test_a_missing_context_edit_row_is_named(store: Store) -> None:
+    episode_id = store.add_episode(edited_trajectory())
+    corrupt(store.path, "UPDATE context_edits SET idx = 5 WHERE idx = 1")
+    damaged = rf"^episode {episode_id} is damaged: expected context edits 0..2, found \[0, 2, 5\]"
+    with pytest.raises(StoreError, match=damaged):
+        store.get_episode(episode_id)
+
+
 # -- opening files -------------------------------------------------------------------------------------------------
 
 
@@ -518,6 +607,132 @@ def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
     raw_query(path, f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}, newer than .* upgrade"):
         Store.open(path, create=False)
+
+
+def test_a_store_missing_its_context_edits_table_is_damaged(tmp_path: Path) -> None:
+    path = tmp_path / "store.db"
+    Store.open(path).close()
+    raw_query(path, "DROP TABLE context_edits")
+    with pytest.raises(StoreError, match=r"damaged longstraw store: missing tables \['context_edits'\], version 2"):
+        Store.open(path)
+
+
+# -- upgrading a store of schema version 1 -------------------------------------------------------------------------
+
+# The schema version 1 wrote, as it wrote it (kept literally: an upgrade must read the files that exist).
+VERSION_1_SCHEMA = """
+CREATE TABLE runs (
+    id TEXT PRIMARY KEY,
+    created_at TEXT NOT NULL,
+    config TEXT NOT NULL,
+    model TEXT NOT NULL,
+    tokenizer TEXT NOT NULL,
+    notes TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE episodes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT REFERENCES runs(id),
+    env_id TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    seed INTEGER,
+    policy_version INTEGER NOT NULL,
+    reward REAL,
+    finish_reason TEXT NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    num_segments INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    info TEXT NOT NULL
+);
+CREATE TABLE segments (
+    episode_id INTEGER NOT NULL REFERENCES episodes(id),
+    idx INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    turn INTEGER NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    token_ids BLOB NOT NULL CHECK (length(token_ids) = 4 * num_tokens),
+    loss_mask BLOB NOT NULL CHECK (length(loss_mask) = num_tokens),
+    logprobs BLOB CHECK (logprobs IS NULL OR length(logprobs) = 4 * num_tokens),
+    text TEXT NOT NULL,
+    tool_calls TEXT,
+    PRIMARY KEY (episode_id, idx)
+);
+CREATE INDEX idx_episodes_group_id ON episodes(group_id);
+CREATE INDEX idx_episodes_run_id ON episodes(run_id);
+CREATE INDEX idx_episodes_policy_version ON episodes(policy_version);
+"""
+
+
+def write_version_1_store(path: Path, trajectories: list[Trajectory]) -> None:
+    """A store as version 1 of the package left it (WAL, its schema, its rows), written with plain sqlite3."""
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.executescript(VERSION_1_SCHEMA)
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute("PRAGMA user_version = 1")
+        with conn:
+            conn.execute("INSERT INTO runs VALUES ('r1', '2026-01-01', '{}', 'tiny', 'bpe', '')")
+            for t in trajectories:
+                episode = conn.execute(
+                    "INSERT INTO episodes (run_id, env_id, group_id, seed, policy_version, reward, finish_reason,"
+                    " num_tokens, num_segments, created_at, info) VALUES ('r1', ?, ?, ?, ?, ?, ?, ?, ?, '', ?)",
+                    [t.env_id, t.group_id, t.seed, t.policy_version, t.reward, t.finish_reason, t.num_tokens,
+                     len(t), json.dumps(t.info)],
+                )  # fmt: skip
+                for idx, seg in enumerate(t.segments):
+                    lp = None if seg.logprobs is None else seg.logprobs.astype("<f4").tobytes()
+                    conn.execute(
+                        "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [episode.lastrowid, idx, seg.role, seg.turn, len(seg), seg.token_ids.astype("<i4").tobytes(),
+                         seg.loss_mask.astype(np.uint8).tobytes(), lp, seg.text,
+                         None if seg.tool_calls is None else json.dumps(seg.tool_calls)],
+                    )  # fmt: skip
+
+
+def schema(path: Path) -> set[tuple[str, str, str]]:
+    return set(raw_query(path, "SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL"))
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_a_version_1_store_is_upgraded_in_place_when_opened(tmp_path: Path, create: bool) -> None:
+    path = tmp_path / "old.db"
+    originals = [make_trajectory(n) for n in range(6)]
+    write_version_1_store(path, originals)
+    with Store.open(path, create=create) as store:
+        assert store.schema_version == SCHEMA_VERSION == 2
+        assert list(store.episodes()) == originals
+        edited = edited_trajectory()
+        assert store.get_episode(store.add_episode(edited, run_id="r1")) == edited
+    Store.open(tmp_path / "new.db").close()
+    assert schema(path) == schema(tmp_path / "new.db")  # exactly a new store's tables and indexes
+    assert raw_query(path, "PRAGMA user_version") == [(2,)]
+    assert raw_query(path, "PRAGMA integrity_check") == [("ok",)]
+    assert raw_query(path, "PRAGMA foreign_key_check") == []
+    with Store.open(path, create=False) as store:  # and it opens as any store of this version
+        assert list(store.episodes()) == [*originals, edited]
+
+
+def test_a_version_1_store_this_process_cannot_write_is_read_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "old.db"
+    originals = [make_trajectory(n) for n in range(3)]
+    write_version_1_store(path, originals)
+    before = path.read_bytes()
+
+    def read_only(target: Path, create: bool) -> sqlite3.Connection:
+        return sqlite3.connect(f"{target.absolute().as_uri()}?mode=ro", uri=True)
+
+    monkeypatch.setattr(store_module, "_connect", read_only)
+    with Store.open(path, create=False) as reader:
+        assert reader.schema_version == 1
+        assert list(reader.episodes()) == originals
+        with pytest.raises(StoreError, match="writing episodes in .* failed, nothing was written: .*readonly"):
+            reader.add_episode(make_trajectory(9))
+        assert path.read_bytes() == before
+        monkeypatch.undo()
+        with Store.open(path) as writer:  # another process upgrades the store and writes an edited episode
+            episode_id = writer.add_episode(edited_trajectory())
+        assert reader.get_episode(episode_id) == edited_trajectory()
 
 
 # -- crashes and concurrent writers --------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
+from edited_episodes import SCRIPTS, block_tokens, expected_sequences, play, script_log
 
 from longstraw_agents.trajectory import Rendered, Segment, SegmentSpan, Trajectory
 
@@ -119,3 +122,82 @@ def test_from_rendered_rejects_spans_that_do_not_tile() -> None:
         Trajectory.from_rendered(_rendered((SegmentSpan(0, 2, "user"), SegmentSpan(2, 1, "user")), 4))
     with pytest.raises(ValueError, match="cover 2 tokens, sequence has 4"):
         Trajectory.from_rendered(_rendered((SegmentSpan(0, 2, "user"),), 4))
+
+
+# --- context edits ----------------------------------------------------------------------------------------------
+def test_physical_sequences_replay_the_edits_as_written_by_hand() -> None:
+    tokens = block_tokens()
+    for script, expected in zip(SCRIPTS, expected_sequences(), strict=True):
+        trajectory = play(script, tokens)
+        log = script_log(script)
+        sequences = trajectory.physical_sequences()
+        assert [seq.segments for seq in sequences] == [e.segments for e in expected]
+        for seq, want in zip(sequences, expected, strict=True):
+            assert set(seq.own()) & {k for k in seq.segments if trajectory.segments[k].role == "assistant"} == set(
+                want.generated
+            )
+            rendered = trajectory.render_sequence(seq)
+            assert np.array_equal(rendered.token_ids, want.tokens(log, tokens))
+            assert np.array_equal(rendered.loss_mask, want.loss_mask(log, tokens))
+        assert trajectory.context() == list(expected[-1].segments)
+
+
+def test_an_episode_that_only_appends_is_one_sequence_of_every_segment() -> None:
+    trajectory = _trajectory()
+    assert not trajectory.is_edited
+    (only,) = trajectory.physical_sequences()
+    assert only.segments == tuple(range(len(trajectory)))
+    rendered = trajectory.render_sequence(only)
+    assert np.array_equal(rendered.token_ids, trajectory.token_ids())
+    assert np.array_equal(rendered.loss_mask, trajectory.loss_mask())
+    assert np.array_equal(rendered.logprobs, trajectory.render().logprobs, equal_nan=True)
+
+
+def test_loss_and_behaviour_logprobs_stay_with_the_sequence_that_generated_them() -> None:
+    trajectory = Trajectory([Segment("user", [1, 2]), Segment("assistant", [3, 4], logprobs=[-0.5, -0.25])])
+    trajectory.append(Segment("tool", [5, 6, 7]))
+    trajectory.evict([2], Segment("tool", [8]))
+    trajectory.append(Segment("assistant", [9], logprobs=[-1.0]))
+    first, second = (trajectory.render_sequence(s) for s in trajectory.physical_sequences())
+    assert first.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7] and first.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert np.allclose(first.logprobs[2:4], [-0.5, -0.25])
+    assert second.token_ids.tolist() == [1, 2, 3, 4, 8, 9] and second.loss_mask.tolist() == [0, 0, 0, 0, 0, 1]
+    assert np.isnan(second.logprobs[:5]).all() and second.logprobs[5] == -1.0
+    assert [s.has_logprobs for s in second.spans] == [False, False, False, True]
+
+
+def test_edits_in_a_row_leave_out_the_context_nothing_was_generated_under() -> None:
+    trajectory = Trajectory(
+        [Segment("user", [1]), Segment("assistant", [2]), Segment("tool", [3]), Segment("tool", [4])]
+    )
+    trajectory.evict([2], Segment("tool", [5]))
+    trajectory.evict([3], Segment("tool", [6]))
+    trajectory.append(Segment("assistant", [7]))
+    assert [s.segments for s in trajectory.physical_sequences()] == [(0, 1, 2, 3), (0, 1, 4, 5, 6)]
+    assert len(trajectory.physical_sequences(keep_empty=True)) == 3
+
+
+@pytest.mark.parametrize(
+    ("removed", "replacement", "match"),
+    [
+        ([], Segment("tool", [9]), "at least one segment"),
+        ([7], Segment("tool", [9]), r"segments \[7\], which are not in the context"),
+        ([1, 3], Segment("tool", [9]), "consecutive context segments"),
+        ([3, 2], Segment("tool", [9]), "consecutive context segments"),
+        ([2], 0, "already in the context"),
+        ([2], 9, "neither logged yet nor the next segment"),
+    ],
+)
+def test_an_edit_that_does_not_fit_the_context_is_refused_and_changes_nothing(removed, replacement, match) -> None:
+    trajectory = _trajectory()
+    before = copy.deepcopy(trajectory)
+    with pytest.raises(ValueError, match=match):
+        trajectory.summarize(removed, replacement)
+    assert trajectory == before
+
+
+def test_an_evicted_segment_cannot_be_evicted_again() -> None:
+    trajectory = _trajectory()
+    trajectory.evict([3], Segment("tool", [99]))
+    with pytest.raises(ValueError, match=r"segments \[3\], which are not in the context"):
+        trajectory.evict([3], Segment("tool", [98]))

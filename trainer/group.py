@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from longstraw_agents.segmenter import Member, PrefixTree, build_tree
+from longstraw_agents.segmenter import Member, PrefixTree, build_tree, episode_members
 from longstraw_agents.token_ids import TokenIds, as_token_ids
 from longstraw_agents.trainer.loss import AGGREGATIONS, LossConfig, MemberTerms, group_advantages
 from longstraw_agents.trajectory import Trajectory
@@ -19,11 +19,20 @@ from longstraw_agents.trajectory import Trajectory
 
 @dataclass
 class Group:
-    """A GRPO group ready for the loss: its prefix tree and each member's advantage and weight."""
+    """A GRPO group ready for the loss: its prefix tree and each member's advantage and weight.
+
+    A member is a token sequence of the tree; ``episodes[i]`` is the GRPO sample (index into ``rewards``) member i
+    belongs to. An episode that edited its context is several members (its physical sequences) sharing its one
+    reward, advantage and aggregation weight; otherwise member i is episode i."""
 
     tree: PrefixTree
     terms: list[MemberTerms]
     rewards: list[float]
+    episodes: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.episodes:
+            self.episodes = list(range(len(self.tree.members)))
 
     @property
     def members(self) -> list[Member]:
@@ -33,37 +42,63 @@ class Group:
     def num_loss_tokens(self) -> int:
         return sum(m.num_loss_tokens for m in self.members)
 
+    def advantages(self) -> list[float]:
+        """Each episode's advantage."""
+        by_episode = dict(zip(self.episodes, (t.advantage for t in self.terms), strict=True))
+        return [by_episode[e] for e in range(len(self.rewards))]
 
-def make_group(members: Sequence[Member], rewards: Sequence[float], config: LossConfig) -> Group:
+    def episode_loss_tokens(self) -> list[int]:
+        """Each episode's loss tokens, over all its physical sequences (what the aggregation normalises by)."""
+        return _episode_sums([m.num_loss_tokens for m in self.members], self.episodes, len(self.rewards))
+
+
+def _episode_sums(lengths: Sequence[int], episodes: Sequence[int], count: int) -> list[int]:
+    sums = [0] * count
+    for length, episode in zip(lengths, episodes, strict=True):
+        sums[episode] += length
+    return sums
+
+
+def make_group(
+    members: Sequence[Member], rewards: Sequence[float], config: LossConfig, episodes: Sequence[int] | None = None
+) -> Group:
+    """The group of ``members`` with one reward per episode; ``episodes``: the episode of each member when an episode
+    is several physical sequences (default: one member per episode)."""
     members = list(members)
-    if len(rewards) != len(members):
+    if episodes is None and len(rewards) != len(members):
         raise ValueError(f"{len(rewards)} rewards for {len(members)} members")
+    owners = list(range(len(members))) if episodes is None else [int(e) for e in episodes]
+    if len(owners) != len(members):
+        raise ValueError(f"{len(owners)} episode indices for {len(members)} members")
+    if sorted(set(owners)) != list(range(len(rewards))):
+        raise ValueError(f"{len(rewards)} rewards for the episodes {sorted(set(owners))} of {len(members)} members")
     advantages = group_advantages(rewards, scale=config.scale_rewards).tolist()
-    lengths = [m.num_loss_tokens for m in members]
+    lengths = _episode_sums([m.num_loss_tokens for m in members], owners, len(rewards))
     if sum(lengths) == 0:
         raise ValueError("no member has a loss token (check the loss masks / completions)")
     weights = AGGREGATIONS[config.aggregation].weights(lengths, config)
-    terms = [MemberTerms(advantage=a, weight=w) for a, w in zip(advantages, weights, strict=True)]
-    return Group(tree=build_tree(members), terms=terms, rewards=[float(r) for r in rewards])
+    terms = [MemberTerms(advantage=advantages[e], weight=weights[e]) for e in owners]
+    return Group(tree=build_tree(members), terms=terms, rewards=[float(r) for r in rewards], episodes=owners)
 
 
 def batch_weighted(
     groups: Sequence[Group], config: LossConfig, pool: Sequence[int] | None = None, offset: int = 0
 ) -> list[Group]:
-    """The groups with member weights from the aggregation over all their members as one pool
+    """The groups with member weights from the aggregation over all their episodes as one pool
     (``LossConfig.normalization="batch"``): summed, their losses are the batch's loss, e.g. Σ loss / Σ tokens of
-    the whole batch for token-mean. ``pool``: the loss-token counts of every member of the batch when it spans more
-    than ``groups`` (data parallel: all processes' members in rank order), these groups' members from ``offset``."""
-    own = [m.num_loss_tokens for g in groups for m in g.members]
+    the whole batch for token-mean. ``pool``: the loss-token counts of every episode of the batch when it spans more
+    than ``groups`` (data parallel: all processes' episodes in rank order), these groups' episodes from ``offset``."""
+    own = [n for g in groups for n in g.episode_loss_tokens()]
     lengths = own if pool is None else list(pool)
     if lengths[offset : offset + len(own)] != own:
-        raise ValueError(f"pool[{offset}:{offset + len(own)}] must be the loss-token counts of these groups' members")
-    weights = AGGREGATIONS[config.aggregation].weights(lengths, config)[offset : offset + len(own)]
-    rows = iter(weights)
-    return [
-        dataclasses.replace(group, terms=[MemberTerms(t.advantage, next(rows)) for t in group.terms])
-        for group in groups
-    ]
+        raise ValueError(f"pool[{offset}:{offset + len(own)}] must be the loss-token counts of these groups' episodes")
+    weights = iter(AGGREGATIONS[config.aggregation].weights(lengths, config)[offset : offset + len(own)])
+    reweighted = []
+    for group in groups:
+        episode_weights = [next(weights) for _ in group.rewards]
+        terms = [MemberTerms(t.advantage, episode_weights[e]) for t, e in zip(group.terms, group.episodes, strict=True)]
+        reweighted.append(dataclasses.replace(group, terms=terms))
+    return reweighted
 
 
 def token_array(values: TokenIds, name: str) -> np.ndarray:
@@ -114,9 +149,15 @@ def trajectory_rewards(trajectories: Sequence[Trajectory], rewards: Sequence[flo
 
 
 def trajectory_group(trajectories: Sequence[Trajectory], rewards: Sequence[float] | None, config: LossConfig) -> Group:
-    """A group of whole trajectories: loss masks and behaviour log-probs come from their segments."""
+    """A group of whole trajectories: loss masks and behaviour log-probs come from their segments; an episode that
+    edited its context is one member per physical sequence (``episode_members``), still one GRPO sample."""
     rewards = trajectory_rewards(trajectories, rewards)
-    return make_group([Member.from_trajectory(t) for t in trajectories], rewards, config)
+    if len(rewards) != len(trajectories):
+        raise ValueError(f"{len(rewards)} rewards for {len(trajectories)} trajectories")
+    per_episode = [episode_members(t) for t in trajectories]
+    members = [member for sequences in per_episode for member in sequences]
+    episodes = [k for k, sequences in enumerate(per_episode) for _ in sequences]
+    return make_group(members, rewards, config, episodes)
 
 
 def _logprob_array(values: Tensor | Sequence[float], name: str) -> np.ndarray:

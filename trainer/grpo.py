@@ -54,16 +54,18 @@ def backward_group(
     return BackwardResult(
         loss=loss,
         mode=mode,
-        num_members=len(group.members),
+        num_members=len(group.rewards),
         loss_tokens=group.num_loss_tokens,
         unique_tokens=group.tree.num_unique_tokens,
         forward_tokens=walk.forward_tokens,
         nodes=walk.nodes,
         peak_bytes=tracker.peak_bytes if tracker is not None else None,
         seconds=time.perf_counter() - start,
-        advantages=tuple(t.advantage for t in group.terms),
+        advantages=tuple(group.advantages()),
         rewards=tuple(group.rewards),
         kl=kl,
+        sequences=len(group.members),
+        sequence_tokens=sum(len(m) for m in group.members),
     )
 
 

@@ -82,11 +82,13 @@ class WalkMetrics:
 class BackwardResult:
     """One group's GRPO backward (the gradient itself went into ``param.grad``).
 
-    loss: the group's loss value; mode: the execution mode; num_members: G; loss_tokens: loss tokens summed over
-    members (a shared token counts once per member); unique_tokens: token positions of the prefix tree (each shared
-    token once); forward_tokens / nodes: as ``WalkMetrics``; peak_bytes: peak live tensor bytes (None when not
-    tracked); seconds: wall time; advantages / rewards: per member; kl: mean k3 KL per loss token (None without a
-    KL term); prompt_tokens: the shared prompt's length (``grpo_backward`` only).
+    loss: the group's loss value; mode: the execution mode; num_members: G (episodes); loss_tokens: loss tokens
+    summed over members (a shared token counts once per member); unique_tokens: token positions of the prefix tree
+    (each shared token once); forward_tokens / nodes: as ``WalkMetrics``; peak_bytes: peak live tensor bytes (None
+    when not tracked); seconds: wall time; advantages / rewards: per episode; kl: mean k3 KL per loss token (None
+    without a KL term); prompt_tokens: the shared prompt's length (``grpo_backward`` only); sequences /
+    sequence_tokens: the physical sequences of the tree and their summed length (G and the members' lengths unless
+    an episode edited its context), what training each sequence on its own would evaluate.
     """
 
     loss: float
@@ -102,6 +104,8 @@ class BackwardResult:
     rewards: tuple[float, ...]
     kl: float | None = None
     prompt_tokens: int | None = None
+    sequences: int = 0
+    sequence_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -253,7 +253,7 @@ class GRPOTrainer:
         """The groups as the loss weights them: as built ("group"), or re-weighted over the whole batch ("batch")."""
         if self.config.loss.normalization == "group":
             return list(groups)
-        own = [m.num_loss_tokens for g in groups for m in g.members]
+        own = [n for g in groups for n in g.episode_loss_tokens()]
         if self.dp_group is None:
             return batch_weighted(groups, self.config.loss)
         gathered: list[list[int] | None] = [None] * self.dp_size

@@ -141,6 +141,7 @@ class ReplaySelectRecord(MetricsRecord):
     fork_skipped_no_seed: int | None = None
     fork_skipped_env: int | None = None
     fork_skipped_mismatch: int | None = None
+    fork_skipped_edited: int | None = None
 
     def summary(self) -> str:
         counts = {k: v for k, v in self.model_dump(exclude={"policy_version", "policy_source"}).items() if v}

@@ -50,7 +50,7 @@ from longstraw_agents.trajectory import Segment, Trajectory
 log = logging.getLogger(__name__)
 
 # Why a logged episode could not be forked; each is counted as ``fork_skipped_<reason>`` in the metrics.
-FORK_SKIP_REASONS = ("too_short", "no_seed", "env", "mismatch")
+FORK_SKIP_REASONS = ("too_short", "no_seed", "env", "mismatch", "edited")
 
 
 class ReplayMismatch(RuntimeError):
@@ -132,9 +132,13 @@ def replay_prefix(env: ToolEnv, logged: Trajectory, turns: int, recorded_tools: 
     episode so far (prompt, replayed actions and observations)."""
     if logged.seed is None:
         raise ReplayMismatch("the logged episode has no seed; it cannot be re-executed", "no_seed")
-    actions = [s for s in logged.segments if s.role == "assistant"]
+    actions = [k for k, s in enumerate(logged.segments) if s.role == "assistant"]
     if len(actions) < turns:
         raise ReplayMismatch(f"episode has fewer than {turns} assistant turns", "too_short")
+    fork_point = actions[turns] if turns < len(actions) else len(logged.segments)
+    if any(edit.before <= fork_point for edit in logged.edits):
+        # the environment re-executes appends only: it cannot reproduce a context it evicted or summarised
+        raise ReplayMismatch(f"the episode edited its context before turn {turns}", "edited")
     try:
         observation, _ = env.reset(seed=logged.seed, options={"group_id": logged.group_id})
     except ValueError as err:  # e.g. the prompt no longer fits the (model-capped) token budget

@@ -9,6 +9,10 @@ or context) and at the segment boundaries of its first member, whose loss mask a
 tokens. Advantages are the trainer's: ``(r - mean) / (std + 1e-4)`` over the group's rewards (unbiased std; without
 the division when the run's ``trainer.loss.scale_rewards`` is false).
 
+An episode that edited its context is several token sequences for the trainer (``segmenter.episode_members``), while
+the page draws one path per member row; a group with such an episode is shown without its tree, with a note saying
+so, and each member's tokens are its log (``Trajectory.render``: every segment in writing order).
+
 A page stays small whatever the episodes' length: a piece carries its whole token text only when it is short,
 otherwise a window at each end, and a group carries at most ``ViewLimits.group_tokens`` tokens of text (loss pieces
 first). The rest is fetched in ranges on demand (``token_window``, served mode).
@@ -152,7 +156,8 @@ class GroupPage:
 
 @dataclass
 class LoadedGroup:
-    """A group read from the store, with its segmenter tree (None when the segmenter refuses it: ``tree_error``).
+    """A group read from the store, with its segmenter tree (None, and ``tree_error`` saying why, when the segmenter
+    refuses the group or a member edited its context).
 
     ``key`` is the id of its first episode, which names the group in a store (an episode without a group id is a
     group of its own)."""
@@ -166,12 +171,27 @@ class LoadedGroup:
 
     def __post_init__(self) -> None:
         trajectories = [record.trajectory for record in self.records]
-        self.members = [Member.from_trajectory(t) for t in trajectories]
-        self.spans = [[(k, s) for k, s in enumerate(t.render().spans) if s.end > s.start] for t in trajectories]
-        try:
-            self.tree, self.tree_error = build_tree(self.members), None
-        except ValueError as err:  # a member too short to train on
-            self.tree, self.tree_error = None, f"the trainer would refuse this group: {err}"
+        rendered = [t.render() for t in trajectories]
+        self.members = [Member.from_rendered(r) for r in rendered]
+        self.spans = [[(k, s) for k, s in enumerate(r.spans) if s.end > s.start] for r in rendered]
+        self.tree, self.tree_error = None, self._edited_note()
+        if self.tree_error is None:
+            try:
+                self.tree = build_tree(self.members)
+            except ValueError as err:  # a member too short to train on
+                self.tree_error = f"the trainer would refuse this group: {err}"
+
+    def _edited_note(self) -> str | None:
+        """Why the tree is not drawn when members edited their context (None when none did)."""
+        edited = [k for k, record in enumerate(self.records) if record.trajectory.is_edited]
+        if not edited:
+            return None
+        sequences = [len(self.records[k].trajectory.physical_sequences()) for k in edited]
+        which = ", ".join(f"{k} ({n} physical sequences)" for k, n in zip(edited, sequences, strict=True))
+        return (
+            f"the tree is not drawn: members {which} edited their context, and the trainer trains each physical "
+            "sequence as a member of its own (a member's tokens here are its log, every segment in writing order)"
+        )
 
     @property
     def key(self) -> int:

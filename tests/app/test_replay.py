@@ -17,6 +17,7 @@ import torch
 from tiny_runs import ENV_ID, ENV_KWARGS, checkpoint_weights, tiny_config, warm_started_policy
 from tracker_logs import as_float32, expected_scalars, tensorboard_scalars
 
+from longstraw_agents.app.export import load_run_policy
 from longstraw_agents.app.records import MetricsRecord, ReplaySelectRecord
 from longstraw_agents.app.replay import (
     ReplayConfig,
@@ -31,7 +32,7 @@ from longstraw_agents.app.training import train
 from longstraw_agents.envs import unwrap_tool_env
 from longstraw_agents.store import Store, StoreError
 from longstraw_agents.tools import ToolRegistry, ToolResult
-from longstraw_agents.trainer import GRPOTrainer
+from longstraw_agents.trainer import GRPOTrainer, LossConfig, grpo_backward_trajectories
 from longstraw_agents.trainer.loss import GRPOLoss
 from longstraw_agents.trajectory import Segment, Trajectory
 
@@ -355,6 +356,11 @@ def test_replay_prefix_re_executes_the_log_and_detects_tampering(source: Path) -
         replay_prefix(fresh_env(), original, 2)  # a two-turn episode ends at turn 1
     with pytest.raises(ReplayMismatch, match="no seed"):
         replay_prefix(fresh_env(), dataclasses.replace(original, seed=None), 1)
+    edited = evicting_before_the_answer(original, original.group_id)  # the tool output evicted before turn 1
+    np.testing.assert_array_equal(replay_prefix(fresh_env(), edited, 0), replay_prefix(fresh_env(), original, 0))
+    with pytest.raises(ReplayMismatch, match="edited its context before turn 1") as refused:
+        replay_prefix(fresh_env(), edited, 1)
+    assert refused.value.reason == "edited"
 
 
 def test_as_context_drops_the_loss_of_earlier_turns_only(source: Path) -> None:
@@ -457,3 +463,38 @@ def test_a_run_without_checkpoint_warns_that_an_untrained_policy_is_trained(
     finally:
         replayer.close()
     assert "has no checkpoint" in caplog.text and "RANDOMLY INITIALISED" in caplog.text
+
+
+def evicting_before_the_answer(trajectory: Trajectory, group_id: str) -> Trajectory:
+    """``trajectory`` as if the agent had evicted its first tool output before its last turn (a placeholder takes
+    its place), logged under ``group_id``; unchanged but regrouped when there is no tool output before that turn."""
+    last = max(k for k, s in enumerate(trajectory.segments) if s.role == "assistant")
+    tools = [k for k, s in enumerate(trajectory.segments[:last]) if s.role == "tool"]
+    edited = dataclasses.replace(trajectory, segments=list(trajectory.segments[:last]), group_id=group_id, edits=[])
+    if tools:
+        edited.evict([tools[0]], Segment("tool", trajectory.segments[tools[0]].token_ids[:3], text="[removed]"))
+    edited.extend(trajectory.segments[last:])
+    return edited
+
+
+def test_replay_rebuilds_the_physical_sequences_of_edited_episodes_and_their_loss(source: Path, tmp_path: Path) -> None:
+    """Episodes that evicted a tool output are stored with their edits; replay trains them over their physical
+    sequences, and its step's loss is the loss of the same episodes computed in memory at the checkpoint."""
+    run = tmp_path / "source"
+    shutil.copytree(source, run)
+    group_id = mixed_groups(source)[0]
+    with Store.open(run / "trajectories.db") as store:
+        records = list(store.records(f"group_id = '{group_id}'"))
+        edited = [evicting_before_the_answer(r.trajectory, "edited") for r in records]
+        assert sum(t.is_edited for t in edited) >= 2
+        store.add_episodes(edited, run_id=records[0].run_id)
+        assert [store.get_episode(i) for i in store.episode_ids("group_id = 'edited'")] == edited
+
+    out = replay(run / "trajectories.db", ReplayConfig(where="group_id = 'edited'"), out_dir=tmp_path / "replay")
+
+    _, step = metrics(out)
+    trainer = json.loads((out / "config.json").read_text())["trainer"]
+    policy = load_run_policy(run).model
+    expected = grpo_backward_trajectories(policy, edited, mode=trainer["mode"], config=LossConfig(**trainer["loss"]))
+    assert expected.sequences > len(edited)
+    assert step["loss"] == pytest.approx(expected.loss, rel=1e-6)

@@ -91,6 +91,7 @@ def grpo_loss(
     use_bias_correction_kl: bool = True,
     importance: str = "ratio",
     tis_cap: float = 2.0,
+    episodes: Sequence[int] | None = None,
 ) -> Reference:
     """TRL's GRPO loss over member rows (each row: log-probs of a member's targets, mask says which carry loss).
 
@@ -101,6 +102,9 @@ def grpo_loss(
     use_bias_correction_kl: TRL 1.16's default, the k3 term times the differentiable ratio ``coef_1``.
     importance: "ratio" (behaviour log-probs are the ratio's denominator) or "tis" (verl's truncated importance
     sampling: the ratio is on-policy and each token is weighted by min(π/μ, tis_cap), π/μ detached).
+    episodes: the episode (index into ``rewards``) of each row, when an episode is several rows (the physical
+    sequences of an agent that edited its context): the episode is the sample, its rows share its advantage and the
+    aggregation counts its masked tokens over all its rows. Default: row i is episode i.
     """
     logp = pad_sequence(list(logps), batch_first=True)
     mask = pad_sequence([m.to(torch.float64) for m in masks], batch_first=True)
@@ -109,7 +113,8 @@ def grpo_loss(
         for row, (lp, m) in enumerate(zip(old_logps, masks, strict=True)):
             if lp is not None:
                 old[row, : len(lp)] = torch.where(m.bool(), lp.to(torch.float64), old[row, : len(lp)])
-    adv = advantages(rewards, scale_rewards).unsqueeze(1)
+    owner = torch.arange(len(rewards)) if episodes is None else torch.tensor(list(episodes))
+    adv = advantages(rewards, scale_rewards)[owner].unsqueeze(1)
     tis_weight = torch.ones_like(old)
     if importance == "tis":
         tis_weight = torch.clamp(torch.exp(logp.detach() - old), max=tis_cap)
@@ -126,13 +131,16 @@ def grpo_loss(
         per_token_loss = per_token_loss + beta * corrected
         kl = float((per_token_kl.detach() * mask).sum() / mask.sum())
 
+    # per episode: its masked loss and its masked tokens, summed over its rows
+    episode_loss = torch.zeros(len(rewards), dtype=torch.float64).index_add(0, owner, (per_token_loss * mask).sum(-1))
+    episode_tokens = torch.zeros(len(rewards), dtype=torch.float64).index_add(0, owner, mask.sum(-1))
     if aggregation == "token-mean":
-        loss = (per_token_loss * mask).sum() / mask.sum()
+        loss = episode_loss.sum() / episode_tokens.sum()
     elif aggregation == "seq-mean":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1)).mean()
+        loss = (episode_loss / episode_tokens).mean()
     elif aggregation == "dr-grpo":
-        length = max_completion_length or int(mask.sum(-1).max())
-        loss = (per_token_loss * mask).sum() / (logp.shape[0] * length)
+        length = max_completion_length or int(episode_tokens.max())
+        loss = episode_loss.sum() / (len(rewards) * length)
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     return Reference(loss=loss, kl=kl)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from longstraw_agents.trajectory import ROLES, Segment, Trajectory
+from longstraw_agents.trajectory import ROLES, Role, Segment, Trajectory
 
 LARGEST_ID = 2**31 - 1
 TEXTS = ("", "plain words", "héllo wörld ✓ 🦙", "line\nbreak\ttab", "nul\x00byte", "中文字符 and émoji 🎉")
@@ -67,3 +67,46 @@ def edge_case_trajectory() -> Trajectory:
         policy_version=2**40,
         info={"unicode": "ümlaut ✓", "list": [1, [2, [3]]], "float": 0.1},
     )
+
+
+def edited_trajectory(n: int = 0) -> Trajectory:
+    """An episode that edited its context three times (a trajectory determined by ``n`` alone):
+
+    - evict: the first tool output (segment 3) leaves, a placeholder the environment writes (6) takes its place;
+    - summary by the policy: its summary turn (7) replaces the turns so far (2, 6, 4, 5 and itself), reused verbatim;
+    - summary by the environment: a summary it writes (11) replaces the next turn (8, 9, 10).
+
+    Its four physical sequences are [0..5], [0, 1, 2, 6, 4, 5, 7], [0, 1, 7, 8, 9, 10] and [0, 1, 7, 11, 12].
+    """
+    rng = np.random.default_rng(1000 + n)
+
+    def segment(role: Role, length: int, turn: int, text: str) -> Segment:
+        ids = rng.integers(0, 50_000, size=length)
+        logprobs = -rng.exponential(size=length).astype(np.float32) if role == "assistant" else None
+        return Segment(role, ids, logprobs=logprobs, turn=turn, text=text)
+
+    trajectory = Trajectory(
+        segments=[
+            segment("system", 12, 0, "Answer the question; tools may help."),
+            segment("user", 9, 0, "Where is the needle?"),
+            segment("assistant", 7, 0, "search(haystack)"),
+            segment("tool", 300, 0, "a long search result"),
+            segment("assistant", 6, 1, "read(page 2)"),
+            segment("tool", 40, 1, "page 2"),
+        ],
+        env_id="LongStraw/NeedleSearch-v0",
+        group_id=f"edited-{n}",
+        seed=n,
+        reward=1.0,
+        finish_reason="answered",
+        policy_version=3,
+        info={"edits": "evict, policy summary, env summary"},
+    )
+    trajectory.evict([3], segment("tool", 4, 1, "[search result evicted]"))
+    trajectory.append(segment("assistant", 10, 2, "Summary: the needle is on page 2."))
+    trajectory.summarize([2, 6, 4, 5, 7], 7)
+    trajectory.extend([segment("user", 5, 3, "Go on."), segment("assistant", 8, 3, "read(page 3)")])
+    trajectory.append(segment("tool", 30, 3, "page 3"))
+    trajectory.summarize([8, 9, 10], segment("user", 6, 3, "Summary: page 3 has nothing."))
+    trajectory.append(segment("assistant", 5, 4, "<answer>page 2</answer>"))
+    return trajectory

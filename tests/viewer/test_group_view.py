@@ -3,14 +3,17 @@ windows of token text within the page's limits."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
+from stored_episodes import edited_trajectory
 from viewer_stores import CALL, RESULT, TOOL_OUTPUT, calculator_group
 
-from longstraw_agents.segmenter import tree_from_trajectories
+from longstraw_agents.segmenter import episode_members, tree_from_trajectories
 from longstraw_agents.store import EpisodeRecord
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.trainer.loss import ADVANTAGE_EPS, group_advantages
@@ -176,6 +179,23 @@ def test_a_group_the_trainer_refuses_is_listed_with_the_reason() -> None:
     page = group_page(loaded([calculator_group()[0], short]), TEXT, ViewLimits())
     assert page.branches == [] and "member 1 has 1 tokens" in (page.tree_error or "")
     assert [m.tokens for m in page.members] == [93, 1]
+
+
+def test_a_group_with_an_edited_episode_is_listed_without_its_tree() -> None:
+    edited = edited_trajectory()
+    edited.group_id = "step2-g0"
+    group = loaded([*calculator_group()[:2], edited])
+    page = group_page(group, TEXT, ViewLimits())
+    assert page.branches == [] and page.unique_tokens == 0
+    assert page.tree_error is not None
+    assert page.tree_error.startswith("the tree is not drawn: members 2 (4 physical sequences) edited their context")
+    assert [m.tokens for m in page.members] == [93, 93, 442] and page.total_tokens == 93 + 93 + 442
+    trained = sum(m.num_loss_tokens for m in episode_members(edited))  # every loss token in exactly one sequence
+    assert page.members[2].loss_tokens == trained == 36 and page.members[2].has_logprobs
+    assert page.members[0].advantage is not None and page.members[2].advantage is not None
+    json.dumps(dataclasses.asdict(page), allow_nan=False)  # what the page receives
+    window = token_window(group, 2, 300, 442, TEXT, limit=4096)  # the log, in writing order
+    assert window.loss == "".join(str(int(m)) for m in edited.loss_mask()[300:])
 
 
 def test_members_without_a_shared_first_token_hang_from_an_empty_root() -> None:

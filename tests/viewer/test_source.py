@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from stored_episodes import edited_trajectory
 from viewer_stores import RUN_CONFIG, calculator_group, write_run_directory
 
 from longstraw_agents.app.training import group_prefix
@@ -100,6 +101,20 @@ def test_groups_are_loaded_by_their_first_episode(run_dir: Path) -> None:
     assert window.start == 0 and "".join(window.text) == "".join(s.text for s in calculator_group()[2].segments)
     limited = ViewSource(run_dir, limits=ViewLimits(range_tokens=5)).window(4, 2, 3, 37)
     assert (limited.start, len(limited.text)) == (3, 5)
+
+
+def test_a_group_with_an_edited_episode_loads_with_a_note_instead_of_its_tree(tmp_path: Path) -> None:
+    edited = edited_trajectory()
+    edited.group_id = "step2-g0"
+    with Store.open(tmp_path / "trajectories.db") as store:
+        store.add_episodes([*calculator_group()[:3], edited])
+    source = ViewSource(tmp_path)
+    assert [(g["key"], g["members"]) for g in source.index()["groups"]] == [(1, 4)]
+    page = source.group(1)
+    assert [m.episode for m in page.members] == [1, 2, 3, 4] and page.branches == []
+    assert "members 3 (4 physical sequences) edited their context" in (page.tree_error or "")
+    window = source.window(1, 3, 0, 12)
+    assert window.loss == "0" * 12  # the system prompt
 
 
 def test_a_run_without_scaled_rewards_and_a_tokenizer_given_or_missing(tmp_path: Path) -> None:
