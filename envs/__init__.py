@@ -28,6 +28,7 @@ from .base import (
     tool_instructions,
 )
 from .calculator import EASY_CALCULATOR_KWARGS, CalculatorConfig, CalculatorEnv
+from .context import ContextChange, ContextConfig, Eviction, SummaryTurn
 from .key_value import FormatOnlyPolicy, KeyValueRecallConfig, KeyValueRecallEnv
 from .needle_search import NeedleSearchConfig, NeedleSearchEnv
 from .policy import Policy, ScriptedPolicy, run_episode, unwrap_tool_env
@@ -48,6 +49,9 @@ __all__ = [
     "Action",
     "CalculatorConfig",
     "CalculatorEnv",
+    "ContextChange",
+    "ContextConfig",
+    "Eviction",
     "FormatOnlyPolicy",
     "KeyValueRecallConfig",
     "KeyValueRecallEnv",
@@ -58,6 +62,7 @@ __all__ = [
     "PythonTaskEnv",
     "Score",
     "ScriptedPolicy",
+    "SummaryTurn",
     "ToolEnv",
     "ToolEnvConfig",
     "registered_env_ids",

@@ -52,6 +52,7 @@ from longstraw_agents.tools import Tool, ToolCall, ToolCallError, ToolRegistry, 
 from longstraw_agents.trajectory import FinishReason, Segment, Trajectory
 
 from .answers import ANSWER_CLOSE, ANSWER_OPEN, find_answer
+from .context import ContextChange, ContextConfig, Eviction, SummaryTurn, context_tokens, evictable, kept_tokens
 
 TaskT = TypeVar("TaskT")
 
@@ -76,7 +77,15 @@ class ToolEnvConfig(BaseModel):
         default=8, ge=1, description="Assistant turns per episode; the last one truncates the episode."
     )
     max_tokens: int = Field(
-        default=16_384, ge=1, description="Token budget of the whole episode: prompt, actions and observations."
+        default=16_384,
+        ge=1,
+        description="Token budget of the whole episode: prompt, actions and observations (every segment logged, "
+        "evicted ones included).",
+    )
+    context: ContextConfig | None = Field(
+        default=None,
+        description="Keep the context under a budget by evicting tool outputs or by summary turns (envs.context); "
+        "None: the context is the whole episode.",
     )
 
 
@@ -97,10 +106,31 @@ class _Episode(Generic[TaskT]):
     num_tokens: int = 0
     done: bool = False
     pending_logprobs: np.ndarray | None = None
+    context: list[int] = field(default_factory=list)  # log indices of the current context
+    summary_threshold: int | None = None  # context tokens past which a summary is asked for (SummaryTurn)
+    awaiting_summary: bool = False  # the next action is the summary asked for
+    summaries: int = 0  # summary turns taken
 
     def append(self, segment: Segment) -> None:
+        self.context.append(len(self.trajectory.segments))
         self.trajectory.append(segment)
         self.num_tokens += len(segment)
+
+    @property
+    def context_tokens(self) -> int:
+        return context_tokens(self.trajectory, self.context)
+
+    def context_ids(self) -> np.ndarray:
+        return np.concatenate([self.trajectory.segments[k].token_ids for k in self.context]).astype(np.int64)
+
+    def evict(self, segment: int, placeholder: Segment) -> None:
+        self.num_tokens += len(placeholder)
+        self.trajectory.evict([segment], placeholder)
+        self.context = self.trajectory.context()
+
+    def summarize(self, segments: list[int], summary: int) -> None:
+        self.trajectory.summarize(segments, summary)
+        self.context = self.trajectory.context()
 
 
 class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
@@ -174,6 +204,12 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         `ScriptedPolicy` plays, for demos, supervised warm starts and tests."""
         raise NotImplementedError(f"{type(self).__name__} has no scripted solution (define scripted_turns(task))")
 
+    def scripted_summary(self, task: TaskT, played: int) -> str:
+        """The reference solution's summary after its first ``played`` turns, when the context policy asks for one:
+        by default what those turns did."""
+        done = "\n".join(f"- {turn}" for turn in self.scripted_turns(task)[:played])
+        return f"So far I have done this:\n{done}"
+
     # ----------------------------------------------------------------------------------------------------------------
     # State
     # ----------------------------------------------------------------------------------------------------------------
@@ -204,11 +240,27 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the whole episode (every segment logged)."""
         return self._current().num_tokens
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens of the current context (``num_tokens`` unless the context policy edited it)."""
+        return self._current().context_tokens
 
     @property
     def done(self) -> bool:
         return self._current().done
+
+    @property
+    def awaiting_summary(self) -> bool:
+        """Whether the next action is the summary the context policy asked for (``SummaryTurn``)."""
+        return self._current().awaiting_summary
+
+    @property
+    def summary_turns(self) -> int:
+        """Summary turns taken so far (they count as turns)."""
+        return self._current().summaries
 
     def _current(self) -> _Episode[TaskT]:
         if self._episode is None:
@@ -242,6 +294,9 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             info={"max_turns": self.config.max_turns, "max_tokens": self.config.max_tokens},
         )
         episode = _Episode(task=task, registry=ToolRegistry(self.tools(task)), trajectory=trajectory)
+        context = self.config.context
+        if context is not None and isinstance(context.strategy, SummaryTurn):
+            episode.summary_threshold = context.strategy.draw_threshold(context.max_context_tokens, episode_seed)
         self._episode = episode  # the prompt hooks may read self.registry and self.task
         try:
             self._append_prompt(episode)
@@ -289,18 +344,34 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             return self._finish(episode, action_segment, "answered", score, calls, [], answer.answer)
         if turn + 1 >= self.config.max_turns:
             return self._finish(episode, action_segment, "max_turns", Score(0.0), calls, [], None)
+        if episode.awaiting_summary:  # this turn is the summary asked for: it replaces the turns so far
+            return self._summarised(episode, action_segment, closes_turn=self._ends_turn(ids))
         execute = self.tool_executor or episode.registry.call
         results = [execute(call) for call in calls]
         observation = self._observation(results, content, turn, closes_turn=self._ends_turn(ids))
-        if episode.num_tokens + len(action_segment) + len(observation) > self.config.max_tokens:
+        request = self._summary_request(episode, len(action_segment) + len(observation), turn)
+        if request is not None:  # the observation hands over to the request, which ends with the generation prompt
+            observation = self._observation(
+                results, content, turn, closes_turn=self._ends_turn(ids), add_generation_prompt=False
+            )
+        added = [observation] if request is None else [observation, request]
+        if episode.num_tokens + len(action_segment) + sum(len(s) for s in added) > self.config.max_tokens:
             return self._finish(episode, action_segment, "max_tokens", Score(0.0), calls, results, None)
 
         episode.append(action_segment)
-        episode.append(observation)
+        for segment in added:
+            episode.append(segment)
         episode.turn += 1
         episode.pending_logprobs = None
-        info = self._step_info(episode, action_segment, observation.text, calls, results, None, "running")
-        return observation.token_ids.astype(np.int64), 0.0, False, False, info
+        episode.awaiting_summary = request is not None
+        text = "".join(segment.text for segment in added)
+        info = self._step_info(episode, action_segment, text, calls, results, None, "running")
+        before, edits = list(episode.context), len(episode.trajectory.edits)
+        if not self._fit_context(episode, newest=len(episode.trajectory.segments) - len(added)):
+            return self._out_of_context(episode, info)
+        if episode.context == before:
+            return np.concatenate([s.token_ids for s in added]).astype(np.int64), 0.0, False, False, info
+        return self._changed_context(episode, before, edits, info)
 
     def end_episode(self, finish_reason: FinishReason = "aborted") -> Trajectory:
         """End the running episode from outside — e.g. the policy's context is full (``"context_limit"``): the
@@ -335,6 +406,12 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             raise ValueError(
                 f"{self.env_id}: the prompt has {episode.num_tokens} tokens, more than max_tokens="
                 f"{self.config.max_tokens}; raise max_tokens"
+            )
+        context = self.config.context
+        if context is not None and episode.num_tokens > context.max_context_tokens:
+            raise ValueError(
+                f"{self.env_id}: the prompt has {episode.num_tokens} tokens, more than context.max_context_tokens="
+                f"{context.max_context_tokens}; raise it"
             )
 
     def _running(self) -> _Episode[TaskT]:
@@ -377,23 +454,121 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         """The text of a turn without its final stop token (which is not part of what the assistant said)."""
         return self.tokenizer.decode(ids[:-1] if self._ends_turn(ids) else ids)
 
-    def _observation(self, results: list[ToolResult], content: str, turn: int, *, closes_turn: bool) -> Segment:
+    def _observation(
+        self,
+        results: list[ToolResult],
+        content: str,
+        turn: int,
+        *,
+        closes_turn: bool,
+        add_generation_prompt: bool = True,
+    ) -> Segment:
         if results:
             segment = self.formatter.tool_observation(
-                [result.content for result in results], turn, tool_calls=[result.to_record() for result in results]
+                [result.content for result in results],
+                turn,
+                add_generation_prompt,
+                tool_calls=[result.to_record() for result in results],
             )
         else:
-            segment = self.formatter.observation("user", self._correction(content, self.registry), turn)
-        if closes_turn:
-            return segment
+            correction = self._correction(content, self.registry)
+            segment = self.formatter.observation("user", correction, turn, add_generation_prompt)
+        return segment if closes_turn else self._closing(segment)
+
+    def _closing(self, segment: Segment) -> Segment:
+        """``segment`` after an action the sampler cut at its length limit: ``<|im_end|>`` first closes the turn."""
         ids = np.concatenate([np.array([self.tokenizer.eos_token_id], dtype=np.int32), segment.token_ids])
         return Segment(
             role=segment.role,
             token_ids=ids,
-            turn=turn,
+            turn=segment.turn,
             text=self.tokenizer.decode(ids),
             tool_calls=segment.tool_calls,
         )
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # The context policy (envs.context)
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _summary_request(self, episode: _Episode[TaskT], adding: int, turn: int) -> Segment | None:
+        """The user message asking for a summary, when this turn's ``adding`` tokens take the context past the
+        episode's threshold (``SummaryTurn``); None otherwise."""
+        threshold, context = episode.summary_threshold, self.config.context
+        if threshold is None or context is None or episode.context_tokens + adding <= threshold:
+            return None
+        assert isinstance(context.strategy, SummaryTurn)  # the threshold is drawn for summary turns only
+        return self.formatter.observation("user", context.strategy.request, turn)
+
+    def _fit_context(self, episode: _Episode[TaskT], newest: int) -> bool:
+        """Bring the context under its budget (``Eviction``: the oldest tool outputs before log index ``newest``
+        leave it, each for a placeholder); False when it stays over."""
+        context = self.config.context
+        if context is None:
+            return True
+        while episode.context_tokens > context.max_context_tokens:
+            candidates = evictable(episode.trajectory, episode.context, newest)
+            if not isinstance(context.strategy, Eviction) or not candidates:
+                return False
+            oldest = candidates[0]
+            placeholder = self._placeholder(episode.trajectory.segments[oldest], context.strategy)
+            episode.evict(oldest, placeholder)
+        return True
+
+    def _placeholder(self, evicted: Segment, strategy: Eviction) -> Segment:
+        """A tool message in place of ``evicted``, formed like it (closing an unclosed turn where it did)."""
+        text = strategy.placeholder.format(turn=evicted.turn, tokens=len(evicted))
+        segment = self.formatter.tool_observation([text], evicted.turn)
+        closes = int(evicted.token_ids[0]) == self.tokenizer.eos_token_id
+        return self._closing(segment) if closes else segment
+
+    def _summarised(
+        self, episode: _Episode[TaskT], summary: Segment, *, closes_turn: bool
+    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """The step of the summary turn: the summary replaces every turn so far, then the episode resumes."""
+        context = self.config.context
+        assert context is not None and isinstance(context.strategy, SummaryTurn)  # a summary was asked for
+        resume = self.formatter.observation("user", context.strategy.resume, episode.turn)
+        resume = resume if closes_turn else self._closing(resume)
+        if episode.num_tokens + len(summary) + len(resume) > self.config.max_tokens:
+            return self._finish(episode, summary, "max_tokens", Score(0.0), [], [], None)
+        episode.append(summary)
+        before, edits = list(episode.context), len(episode.trajectory.edits)
+        first_turn = next(k for k in before if episode.trajectory.segments[k].role == "assistant")
+        replaced = before[before.index(first_turn) :]
+        episode.summarize(replaced, replaced[-1])
+        episode.append(resume)
+        episode.turn += 1
+        episode.pending_logprobs = None
+        episode.awaiting_summary = False
+        episode.summaries += 1
+        info = self._step_info(episode, summary, resume.text, [], [], None, "running")
+        if episode.context_tokens > context.max_context_tokens:
+            return self._out_of_context(episode, info)
+        return self._changed_context(episode, before, edits, info)
+
+    @staticmethod
+    def _changed_context(
+        episode: _Episode[TaskT], before: list[int], edits: int, info: dict[str, Any]
+    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """The step's result after edits: the whole new context, and ``info["context_edit"]`` (``ContextChange``;
+        ``before``: the context up to this step's action, ``edits``: the number of edits before this step)."""
+        trajectory = episode.trajectory
+        change = ContextChange(
+            kept_tokens(trajectory, before, episode.context), episode.context_tokens, tuple(trajectory.edits[edits:])
+        )
+        info["context_edit"] = change.to_record()
+        return episode.context_ids(), 0.0, False, False, info
+
+    @staticmethod
+    def _out_of_context(
+        episode: _Episode[TaskT], info: dict[str, Any]
+    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """The context cannot be brought under its budget: the episode ends (``"context_limit"``, reward 0)."""
+        episode.done = True
+        episode.trajectory.reward = 0.0
+        episode.trajectory.finish_reason = "context_limit"
+        info["finish_reason"] = "context_limit"
+        return np.zeros(0, dtype=np.int64), 0.0, False, True, info
 
     @staticmethod
     def _correction(content: str, registry: ToolRegistry) -> str:

@@ -37,7 +37,7 @@ class NeedleSearchConfig(ToolEnvConfig):
     target_tokens: int = Field(
         default=4096, ge=2048, le=1 << 24, description="About how long the scripted solution's episode is, in tokens."
     )
-    needles: int = Field(default=2, ge=2, le=6, description="How many documents the answer needs.")
+    needles: int = Field(default=2, ge=2, le=12, description="How many documents the answer needs.")
     num_documents: int = Field(default=24, ge=4, le=MAX_DOCUMENTS, description="Documents in the corpus.")
     max_turns: int = Field(default=8, ge=1, description="Assistant turns per episode (default: 2 * needles + 4).")
     max_tokens: int = Field(default=12_288, ge=1, description="Token budget (default: 2 * target_tokens + 4096).")
@@ -103,6 +103,14 @@ class NeedleSearchEnv(ToolEnv[NeedleTask]):
 
     def score(self, task: NeedleTask, answer: str) -> float:
         return float(number_matches(answer, task.answer))
+
+    def scripted_summary(self, task: NeedleTask, played: int) -> str:
+        """The facts of the needle documents opened in the first ``played`` turns (two turns per needle: search,
+        open), and the names still to look up: what the answer needs, in a few tokens."""
+        opened = task.needles[: played // 2]
+        facts = "; ".join(f"{n.entity.name}: {n.fact} {n.value}" for n in opened) or "none yet"
+        left = ", ".join(n.entity.name for n in task.needles[len(opened) :]) or "nothing"
+        return f"Facts found: {facts}. Still to look up: {left}."
 
     def scripted_turns(self, task: NeedleTask) -> list[str]:
         turns = []

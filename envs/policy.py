@@ -28,7 +28,8 @@ class ScriptedPolicy:
     """The reference solution of an environment, played turn by turn.
 
     It is an oracle: it reads the env's hidden task and plays ``env.scripted_turns(task)``, encoded as a policy
-    would emit them (special tokens allowed, ``<|im_end|>`` appended). Used by ``make demo``, for supervised warm
+    would emit them (special tokens allowed, ``<|im_end|>`` appended), and ``env.scripted_summary`` when the
+    context policy asks for a summary. Used by ``make demo``, for supervised warm
     starts and in tests; it ignores the observations, because the script already knows every answer.
     """
 
@@ -38,12 +39,15 @@ class ScriptedPolicy:
     def act(self, observation: np.ndarray | None = None) -> np.ndarray:
         env = self.env
         turns = env.scripted_turns(env.task)
-        if env.turn >= len(turns):
+        played = env.turn - env.summary_turns  # summary turns are not in the script
+        if env.awaiting_summary:
+            return env.formatter.assistant(env.scripted_summary(env.task, played), env.turn).token_ids.astype(np.int64)
+        if played >= len(turns):
             raise RuntimeError(
                 f"{env.env_id}: the script has {len(turns)} turns and the episode is at turn {env.turn}; "
                 "the episode should have ended (is max_turns too small for the script?)"
             )
-        return env.formatter.assistant(turns[env.turn], env.turn).token_ids.astype(np.int64)
+        return env.formatter.assistant(turns[played], env.turn).token_ids.astype(np.int64)
 
     __call__ = act
 

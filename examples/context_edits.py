@@ -4,7 +4,7 @@ Each of G agents reads pages of a book with a ``read`` tool, looking for the pag
 the same opening pages, then each its own. When its context passes ``--budget`` tokens an agent edits it: the even
 ones evict their oldest pages down to half the budget (a placeholder says what was removed), the odd ones ask
 themselves for a summary that replaces their turns so far. The episodes are logged token-exactly with their edits,
-one exact GRPO step trains a tiny random-init hybrid model over every physical sequence they conditioned on,
+one exact GRPO backward of a tiny random-init hybrid model runs over every physical sequence they conditioned on,
 sharing each common prefix, and the script prints the sharing: the tree's positions against the summed lengths of
 the physical sequences (what training each sequence as its own sample evaluates). Run:
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import gymnasium
 import numpy as np
 
-from longstraw_agents.envs import ToolEnv, unwrap_tool_env
+from longstraw_agents.envs import ToolEnv, ToolEnvConfig, unwrap_tool_env
 from longstraw_agents.progress import progress_bar
 from longstraw_agents.sampler import Generation, Sampler
 from longstraw_agents.trajectory import Trajectory
@@ -52,12 +52,29 @@ def make_env_factory(env_id: str, env_kwargs: dict | None = None, max_context: i
 
     def factory() -> gymnasium.Env:
         env = gymnasium.make(env_id, **kwargs)
-        if max_context is not None and unwrap_tool_env(env).config.max_tokens > max_context:
+        capped = None if max_context is None else _capped_budget(unwrap_tool_env(env).config, max_context)
+        if capped is not None:
             env.close()
-            env = gymnasium.make(env_id, **{**kwargs, "max_tokens": max_context})
+            env = gymnasium.make(env_id, **{**kwargs, **capped})
         return env
 
     return factory
+
+
+def _capped_budget(config: ToolEnvConfig, max_context: int) -> dict[str, Any] | None:
+    """The env kwargs that keep what the model holds within ``max_context`` (None: it already is): the whole
+    episode's ``max_tokens``, or with a context policy its ``max_context_tokens`` (the episode may be longer)."""
+    context = config.context
+    if context is None:
+        return None if config.max_tokens <= max_context else {"max_tokens": max_context}
+    if context.max_context_tokens <= max_context:
+        return None
+    return {"context": {**context.model_dump(), "max_context_tokens": max_context}}
+
+
+def _context_budget(config: ToolEnvConfig) -> int:
+    """The most tokens an episode's context holds: its context policy's budget, else the episode's."""
+    return config.max_tokens if config.context is None else config.context.max_context_tokens
 
 
 def rollout_group(
@@ -79,9 +96,9 @@ def start_group(
 ) -> list[_Member]:
     """``group_size`` environments reset to the task ``seed`` and the sampler's fork of their (shared) prompt."""
     envs = [unwrap_tool_env(env_factory()) for _ in range(group_size)]
-    if limits.max_context is not None and envs[0].config.max_tokens > limits.max_context:
+    if limits.max_context is not None and _context_budget(envs[0].config) > limits.max_context:
         raise ValueError(
-            f"{envs[0].env_id}: the environment's max_tokens={envs[0].config.max_tokens} exceeds the model's "
+            f"{envs[0].env_id}: the environment's context budget={_context_budget(envs[0].config)} exceeds the model's "
             f"max_context={limits.max_context}, so observations could overflow the context; build the envs with "
             "make_env_factory(env_id, kwargs, max_context)"
         )
@@ -168,12 +185,20 @@ def play_lockstep(
         generations = generate_turn(sampler, [members[k].handle for k in ready], budgets) if ready else []
         if on_turn is not None:
             on_turn(generations)
-        active = []
+        active, edited = [], []
         for k, generation in zip(ready, generations, strict=True):
-            if _apply(members[k], sampler, generation):
+            step = _step(members[k], generation)
+            if step is None:
                 ended.append(k)
-            else:
-                active.append(k)
+                continue
+            active.append(k)
+            observation, change = step
+            if change is None:
+                sampler.append(members[k].handle, observation)
+            else:  # the env edited the context: the observation is the whole new context
+                edited.append((members[k].handle, observation, int(change["kept_tokens"])))
+        if edited:
+            replace_contexts(sampler, edited)
         for k in sorted(ended):
             if on_end is not None:
                 on_end(k)
@@ -186,15 +211,32 @@ def _budget(member: _Member, sampler: Sampler, limits: RolloutLimits) -> int:
     return min(limits.max_new_tokens, limits.max_context - sampler.num_tokens(member.handle))
 
 
-def _apply(member: _Member, sampler: Sampler, generation: Generation) -> bool:
-    """Step the member's env with its generation and extend its handle with the observation; True when its
-    episode ended."""
+def _step(member: _Member, generation: Generation) -> tuple[list[int], dict[str, Any] | None] | None:
+    """Step the member's env with its generation: None when its episode ended, else the observation and the
+    context edit the env reports (``info["context_edit"]``, None when it only appended)."""
     action = {"token_ids": generation.token_ids, "logprobs": generation.logprobs}
-    observation, _, terminated, truncated, _ = member.env.step(action)
+    observation, _, terminated, truncated, info = member.env.step(action)
     if terminated or truncated:
-        return True
-    sampler.append(member.handle, observation.tolist())
-    return False
+        return None
+    return observation.tolist(), info.get("context_edit")
+
+
+@runtime_checkable
+class BatchReplacer(Sampler, Protocol):
+    """A sampler that captures several edited contexts at once, sharing what they have in common (``TorchSampler``)."""
+
+    def replace_batch(self, handles: Sequence[Any], contexts: Sequence[Sequence[int]], kept: Sequence[int]) -> None: ...
+
+
+def replace_contexts(sampler: Sampler, edited: Sequence[tuple[Any, list[int], int]]) -> None:
+    """A turn's edited contexts (handle, new context, kept tokens): at once when the sampler can
+    (``BatchReplacer``), else member by member."""
+    if isinstance(sampler, BatchReplacer):
+        handles, contexts, kept = zip(*edited, strict=True)
+        sampler.replace_batch(handles, contexts, kept)
+        return
+    for handle, context, kept_tokens in edited:
+        sampler.replace(handle, context, kept_tokens)
 
 
 def rollout_groups(

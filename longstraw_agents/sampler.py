@@ -61,6 +61,10 @@ class Sampler(Protocol):
 
     def append(self, handle: Any, ids: Sequence[int]) -> None: ...
 
+    def replace(self, handle: Any, ids: Sequence[int], kept: int) -> None:
+        """The member's context is now ``ids`` (the environment edited it); its first ``kept`` tokens are what the
+        context held before."""
+
     def num_tokens(self, handle: Any) -> int: ...
 
 
@@ -170,6 +174,12 @@ class OpenAISampler:
     def append(self, handle: OpenAIHandle, ids: Sequence[int]) -> None:
         handle.token_ids.extend(int(i) for i in ids)
 
+    def replace(self, handle: OpenAIHandle, ids: Sequence[int], kept: int) -> None:
+        """The next request sends the edited context ``ids`` whole (the server's prefix cache finds the ``kept``
+        tokens it still holds)."""
+        _check_kept(handle.token_ids, ids, kept)
+        handle.token_ids = [int(i) for i in ids]
+
     def _next_seed(self) -> int:
         """A distinct seed per request, derived from (config seed, request number): with one seed for all, the G
         members of a group (same prompt) would come back identical and their advantages would all be zero; derived
@@ -239,6 +249,12 @@ class OpenAISampler:
                 "changed during the rollout (something else loaded weights into the server)"
             )
         self.policy_version = version
+
+
+def _check_kept(old: Sequence[int], new: Sequence[int], kept: int) -> None:
+    """An edit keeps the first ``kept`` tokens of the context: refuse a replacement that says otherwise."""
+    if not 0 <= kept <= min(len(old), len(new)) or list(old[:kept]) != list(new[:kept]):
+        raise ValueError(f"the edited context does not start with the {kept} tokens it is said to keep")
 
 
 def weight_version_number(value: Any) -> int | None:

@@ -881,11 +881,16 @@ class Store:
         segments = self._select("SELECT * FROM segments WHERE episode_id = ? ORDER BY idx", [episode["id"]])
         return _record_from_rows(episode, segments, self._edit_rows(episode["id"]))
 
-    def _edit_rows(self, episode_id: int) -> list[dict[str, Any]]:
-        if not self._has_edits_table:  # a store read as version 1, unless another process upgraded it since
+    def _edits_readable(self) -> bool:
+        """Whether the store has the context_edits table: not when read as version 1, unless another process
+        upgraded it since."""
+        if not self._has_edits_table:
             self._has_edits_table = self.schema_version >= 2
-            if not self._has_edits_table:
-                return []
+        return self._has_edits_table
+
+    def _edit_rows(self, episode_id: int) -> list[dict[str, Any]]:
+        if not self._edits_readable():
+            return []
         return self._select("SELECT * FROM context_edits WHERE episode_id = ? ORDER BY idx", [episode_id])
 
     def records(
@@ -1012,6 +1017,8 @@ class Store:
 
     def edit_totals(self, where: str | None = None, params: Sequence[Any] = ()) -> tuple[int, int]:
         """How many of the episodes matching ``where`` edited their context, and their edits in all."""
+        if not self._edits_readable():  # a store read as version 1: none of its episodes edited anything
+            return 0, 0
         row = self._select(
             "SELECT COUNT(DISTINCT episode_id) AS edited, COUNT(*) AS edits FROM context_edits"
             f" WHERE episode_id IN (SELECT id FROM episodes{_where_sql(where)})",

@@ -62,13 +62,17 @@ def sample_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.
 @dataclass
 class TorchHandle:
     """A member's position in its episode: the engine state, the next-token logits after it, its own random
-    generator and the prompt state it shares with its group (the fork)."""
+    generator and the prompt state it shares with its group (the fork).
+
+    ``marks``: the states where its context was extended by the environment (the prompt, then every observation),
+    oldest first; when the environment edits the context, the new one is captured from the last mark it keeps."""
 
     state: State
     next_logits: torch.Tensor
     generator: torch.Generator
     prefix: State | None = None
     history: list[int] = field(default_factory=list, repr=False)
+    marks: list[State] = field(default_factory=list, repr=False)
 
 
 class TorchSampler:
@@ -99,7 +103,10 @@ class TorchSampler:
         with torch.no_grad():
             state = self.engine.capture(ids[:-1]) if ids.numel() > 1 else self.engine.empty_state()
             state, logits = self.engine.step(state, ids[-1:], reserve=self._reserve())
-        return [TorchHandle(state, logits, self._generator(), prefix=state, history=ids.tolist()) for _ in range(n)]
+        return [
+            TorchHandle(state, logits, self._generator(), prefix=state, history=ids.tolist(), marks=[state])
+            for _ in range(n)
+        ]
 
     def generate(self, handle: TorchHandle, max_new_tokens: int | None = None) -> Generation:
         """One member's turn, token by token (``Engine.step``)."""
@@ -158,6 +165,45 @@ class TorchSampler:
                 handle.state, torch.as_tensor(list(ids), dtype=torch.long), reserve=self._reserve()
             )
         handle.history.extend(int(i) for i in ids)
+        handle.marks.append(handle.state)
+
+    def replace(self, handle: TorchHandle, ids: Sequence[int], kept: int) -> None:
+        """The environment edited the member's context to ``ids`` (its first ``kept`` tokens unchanged)."""
+        self.replace_batch([handle], [ids], [kept])
+
+    def replace_batch(
+        self, handles: Sequence[TorchHandle], contexts: Sequence[Sequence[int]], kept: Sequence[int]
+    ) -> None:
+        """Edited contexts of several members: each is captured from the last of its marks that the edit keeps
+        (its positions and state are unchanged), and what members resuming from the same mark have in common
+        after it is captured once for all of them (a group's shared prompt, or every token when they agree)."""
+        empty = self.engine.empty_state()
+        requests = [
+            _Replacement.of(h, [int(i) for i in c], k, empty) for h, c, k in zip(handles, contexts, kept, strict=True)
+        ]
+        by_mark: dict[int, list[_Replacement]] = {}
+        for request in requests:
+            by_mark.setdefault(id(request.mark), []).append(request)
+        with torch.no_grad():
+            for group in by_mark.values():
+                self._resume(group)
+
+    def _resume(self, requests: list[_Replacement]) -> None:
+        """Capture the requests' contexts after their common mark: the run they all share once, then each tail."""
+        mark = requests[0].mark
+        tails = [r.ids[mark.num_tokens :] for r in requests]
+        common = _common_length(tails) if len(requests) > 1 else 0
+        common = min(common, min(len(t) for t in tails) - 1)  # every member steps at least its last token
+        shared = self.engine.extend(mark, torch.as_tensor(tails[0][:common], dtype=torch.long)) if common else mark
+        for request, tail in zip(requests, tails, strict=True):
+            handle = request.handle
+            handle.state, handle.next_logits = self.engine.step(
+                shared, torch.as_tensor(tail[common:], dtype=torch.long), reserve=self._reserve()
+            )
+            handle.marks = [*request.kept_marks, handle.state]
+            handle.history = request.ids
+            if handle.prefix is not None and handle.prefix.num_tokens > mark.num_tokens:
+                handle.prefix = None  # the edit reached into the shared prompt: decode without it
 
     def num_tokens(self, handle: TorchHandle) -> int:
         return handle.state.num_tokens
@@ -172,6 +218,40 @@ class TorchSampler:
 
     def _reserve(self) -> int:
         return self.config.max_new_tokens
+
+
+@dataclass
+class _Replacement:
+    """One member's edited context ``ids`` and the last of its marks within the ``kept`` tokens."""
+
+    handle: TorchHandle
+    ids: list[int]
+    kept_marks: list[State]
+
+    @property
+    def mark(self) -> State:
+        return self.kept_marks[-1]
+
+    @classmethod
+    def of(cls, handle: TorchHandle, ids: list[int], kept: int, empty: State) -> _Replacement:
+        """``empty``: where to start when the edit keeps less than the prompt."""
+        if not 0 <= kept <= min(len(handle.history), len(ids)) or handle.history[:kept] != ids[:kept]:
+            raise ValueError(f"the edited context does not start with the {kept} tokens it is said to keep")
+        if len(ids) <= kept:
+            raise ValueError("an edited context must hold new tokens after the ones it keeps")
+        return cls(handle, ids, [m for m in handle.marks if m.num_tokens <= kept] or [empty])
+
+
+def _common_length(rows: list[list[int]]) -> int:
+    """Length of the longest common prefix of ``rows``."""
+    first = rows[0]
+    length = min(len(row) for row in rows)
+    for row in rows[1:]:
+        for k in range(length):
+            if row[k] != first[k]:
+                length = k
+                break
+    return length
 
 
 class _Turn:

@@ -162,6 +162,7 @@ class ContextEdit:
     kind: EditKind
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "removed", tuple(int(k) for k in self.removed))  # lists compare unequal to tuples
         if not self.removed:
             raise ValueError("a context edit must remove at least one segment")
         if self.kind not in ("evict", "summary"):
@@ -223,24 +224,23 @@ class Trajectory:
 
     # --- context edits ---------------------------------------------------------------------------------------------
     def evict(self, segments: Sequence[int], placeholder: Segment) -> ContextEdit:
-        """Remove the consecutive context segments ``segments`` (log indices) and put ``placeholder`` (logged now)
-        in their place."""
+        """Remove the consecutive context segments ``segments`` (log indices) and put ``placeholder`` (logged now,
+        as context: the environment wrote it) in their place."""
         return self._edit(segments, placeholder, "evict")
 
     def summarize(self, segments: Sequence[int], summary: Segment | int) -> ContextEdit:
-        """Replace the consecutive context segments ``segments`` by ``summary``: a new segment (logged now), or the
-        log index of one already written (the policy's summary turn, reused verbatim)."""
+        """Replace the consecutive context segments ``segments`` by ``summary``: a new segment the environment
+        writes (logged now, as context), or the log index of one already written (the policy's summary turn, reused
+        verbatim; its loss stays in the sequence it was generated under)."""
         return self._edit(segments, summary, "summary")
 
     def _edit(self, segments: Sequence[int], replacement: Segment | int | None, kind: EditKind) -> ContextEdit:
         index = len(self.segments) if isinstance(replacement, Segment) else replacement
-        edit = ContextEdit(
-            before=len(self.segments), removed=tuple(int(k) for k in segments), replacement=index, kind=kind
-        )
+        edit = ContextEdit(before=len(self.segments), removed=tuple(segments), replacement=index, kind=kind)
         _apply(edit, self.context())  # validates against the current context before anything changes
         self.edits.append(edit)
         if isinstance(replacement, Segment):
-            self.segments.append(replacement)
+            self.segments.append(_as_context(replacement))
         return edit
 
     def context(self) -> list[int]:
@@ -248,27 +248,51 @@ class Trajectory:
         return list(self.physical_sequences(keep_empty=True)[-1].segments) if self.segments else []
 
     def physical_sequences(self, keep_empty: bool = False) -> list[PhysicalSequence]:
-        """The contexts the policy conditioned on, in time order: one per edit plus the last. A context under which
-        no assistant segment was logged (two edits in a row, an episode that ends on an edit) is left out unless
-        ``keep_empty`` or it is the only one."""
+        """The contexts the policy conditioned on, in time order: one per edit plus the last. A context an edit
+        closed ends with the last segment generated under it (an assistant segment, or any with loss); one under
+        which nothing was generated (two edits in a row, an episode that ends on an edit) is left out (with nothing
+        generated at all, the last context alone is). ``keep_empty``: every context whole, as it was before each edit
+        and at the end."""
         edits = sorted(self.edits, key=lambda e: e.before)
         context: list[int] = []
         sequences: list[PhysicalSequence] = []
         opened = 0
         pending = iter(edits)
         edit = next(pending, None)
+        placed: set[int] = set()  # the log segments already in some context (``in`` on a set, not the list)
         for index in range(len(self.segments) + 1):
             while edit is not None and edit.before == index:
+                if edit.replacement is not None and edit.replacement >= len(self.segments):
+                    raise ValueError(f"context edit {edit}: its replacement segment is not in the log")
                 sequences.append(PhysicalSequence(tuple(context), opened, index))
                 context, opened = _apply(edit, context), index
+                placed.update(context)
                 edit = next(pending, None)
-            if index < len(self.segments) and index not in context:
+            if index < len(self.segments) and index not in placed:
                 context.append(index)
+                placed.add(index)
         if edit is not None:
             raise ValueError(f"context edit {edit} is after the end of the log ({len(self.segments)} segments)")
         sequences.append(PhysicalSequence(tuple(context), opened, len(self.segments)))
-        generating = [seq for seq in sequences if any(self.segments[k].role == "assistant" for k in seq.own())]
-        return sequences if keep_empty or not generating else generating
+        if keep_empty:
+            return sequences
+        generating = [self._conditioned(seq) for seq in sequences[:-1] if self._generated_under(seq)]
+        last = sequences[-1]
+        return [*generating, last] if self._generated_under(last) or not generating else generating
+
+    def _generates(self, segment: int) -> bool:
+        """An assistant segment, or any that carries loss: something the policy wrote."""
+        return self.segments[segment].role == "assistant" or bool(self.segments[segment].loss_mask.any())
+
+    def _generated_under(self, sequence: PhysicalSequence) -> bool:
+        return any(self._generates(k) for k in sequence.own())
+
+    def _conditioned(self, sequence: PhysicalSequence) -> PhysicalSequence:
+        """A sequence an edit closed, up to its last generated segment: what was logged after it (the observation
+        the edit answered) was never conditioned on there; it is read in the next sequence."""
+        last = max(k for k in sequence.own() if self._generates(k))
+        segments = sequence.segments[: sequence.segments.index(last) + 1]
+        return PhysicalSequence(segments, sequence.opened, sequence.closed)
 
     def render_sequence(self, sequence: PhysicalSequence) -> Rendered:
         """One physical sequence as flat arrays (a span per segment, in context order): loss and behaviour log-probs

@@ -282,7 +282,7 @@ def test_inspect_an_edited_episode_and_a_damaged_edit(tmp_path: Path, capsys: py
     code, out, _ = run_inspect(capsys, str(path), "--where", f"id = {episode_id}")
     assert code == 0 and "context edits  3 in 1 episode" in out.splitlines()
     code, out, _ = run_inspect(capsys, str(path), "--episode", str(episode_id))
-    assert code == 0 and "  3 context edits, 4 physical sequences: 374, 88, 74, 42 tokens (loss 13, 10, 8, 5)" in out
+    assert code == 0 and "  3 context edits, 4 physical sequences: 334, 88, 44, 42 tokens (loss 13, 10, 8, 5)" in out
     assert "  edit 1 before segment 6 (turn 1): evict segments 3 (tool, 300 tokens) -> placeholder segment 6" in out
     with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("UPDATE context_edits SET removed = '[99]' WHERE idx = 0")

@@ -89,9 +89,9 @@ def test_the_transcript_of_an_edited_episode_lists_its_sequences_and_edits(store
     lines = summary_text(store, episode=store.add_episode(trajectory)).splitlines()
     assert len(lines) == 2 + 1 + 13 + 4  # header, info, table header, one row per segment, then the edits
     sizes = [sum(len(trajectory.segments[k]) for k in seq.segments) for seq in trajectory.physical_sequences()]
-    assert sizes == [374, 88, 74, 42]
+    assert sizes == [334, 88, 44, 42]
     assert lines[-4:] == [
-        "  3 context edits, 4 physical sequences: 374, 88, 74, 42 tokens (loss 13, 10, 8, 5)",
+        "  3 context edits, 4 physical sequences: 334, 88, 44, 42 tokens (loss 13, 10, 8, 5)",
         "  edit 1 before segment 6 (turn 1): evict segments 3 (tool, 300 tokens) -> placeholder segment 6 (4 tokens)",
         "  edit 2 before segment 8 (turn 3): summarize segments 2, 6, 4..5, 7 (3 assistant + 2 tool, 67 tokens)"
         " -> summary segment 7 (reused, 10 tokens)",
@@ -107,7 +107,7 @@ def test_an_edit_at_the_end_of_the_log_that_leaves_nothing(store: Store) -> None
     trajectory.edits.append(ContextEdit(before=3, removed=(2,), replacement=None, kind="evict"))
     lines = summary_text(store, episode=store.add_episode(trajectory)).splitlines()
     assert lines[-2:] == [
-        "  1 context edit, 1 physical sequence: 6 tokens (loss 1)",
+        "  1 context edit, 1 physical sequence: 3 tokens (loss 1)",
         "  edit 1 at the end of the log (after segment 2): evict segments 2 (tool, 3 tokens) -> nothing",
     ]
 

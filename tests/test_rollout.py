@@ -335,3 +335,26 @@ def test_an_unreachable_server_writes_no_episode(tokenizer, tmp_path: Path):
             rollout_groups(factory, sampler, [0], 2, RolloutLimits(8), store=store, progress=False)
         assert store.count() == 0
     sampler.close()
+
+
+def test_summary_turns_edit_the_context_and_each_turn_was_sampled_from_its_physical_sequence(model, tokenizer):
+    """A random policy's context passes the summary threshold: its next turn is the summary, which replaces its
+    turns, and the sampler resumes from the kept prompt. Every sampled token's behaviour logprob is the model's
+    log-probability of it in the physical sequence the trajectory says it was generated under."""
+    prompt = len(unwrap_tool_env(make_env_factory(ENV_ID, ENV_KWARGS)()).reset(seed=5)[0])
+    context = {"max_context_tokens": prompt + 400, "strategy": {"kind": "summary", "threshold": prompt + 40}}
+    factory = make_env_factory(ENV_ID, {**ENV_KWARGS, "max_turns": 8, "context": context})
+    sampler = make_sampler(model, tokenizer)
+    trajectories = rollout_group(factory, sampler, G, seed=5, group_id="g", limits=RolloutLimits(MAX_NEW_TOKENS))
+
+    assert all(t.is_edited for t in trajectories) and all(e.kind == "summary" for t in trajectories for e in t.edits)
+    for trajectory in trajectories:
+        sequences = trajectory.physical_sequences()
+        assert len(sequences) > 1 and all(len(s.segments) < len(trajectory.segments) for s in sequences)
+        for sequence in sequences:
+            rendered = trajectory.render_sequence(sequence)
+            with torch.no_grad():
+                logits = model(torch.as_tensor(rendered.token_ids[None, :-1], dtype=torch.long)).logits[0].double()
+            positions = np.flatnonzero(rendered.loss_mask)
+            expected = torch.log_softmax(logits, dim=-1)[positions - 1, rendered.token_ids[positions]].numpy()
+            np.testing.assert_allclose(rendered.logprobs[positions], expected, atol=1e-4)

@@ -726,6 +726,7 @@ def test_a_version_1_store_this_process_cannot_write_is_read_as_it_is(
     with Store.open(path, create=False) as reader:
         assert reader.schema_version == 1
         assert list(reader.episodes()) == originals
+        assert reader.edit_totals() == (0, 0)
         with pytest.raises(StoreError, match="writing episodes in .* failed, nothing was written: .*readonly"):
             reader.add_episode(make_trajectory(9))
         assert path.read_bytes() == before
@@ -733,6 +734,7 @@ def test_a_version_1_store_this_process_cannot_write_is_read_as_it_is(
         with Store.open(path) as writer:  # another process upgrades the store and writes an edited episode
             episode_id = writer.add_episode(edited_trajectory())
         assert reader.get_episode(episode_id) == edited_trajectory()
+        assert reader.edit_totals() == (1, 3)
 
 
 # -- crashes and concurrent writers --------------------------------------------------------------------------------

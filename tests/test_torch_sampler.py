@@ -145,3 +145,79 @@ def test_stop_and_length_finish_reasons(model):
         TorchSampler(model, [])
     with pytest.raises(ValueError):
         sampler.fork([], 2)
+
+
+# --- edited contexts ----------------------------------------------------------------------------------------------
+def count_forward_tokens(sampler: TorchSampler, monkeypatch) -> list[int]:
+    """Every token the engine evaluates from now on (forward and state-only pieces), as a list of piece sizes."""
+    pieces: list[int] = []
+    forward, entries = sampler.engine.forward, sampler.engine.state_entries
+
+    def counted_forward(ids, start, contexts):
+        pieces.append(int(ids.shape[0]))
+        return forward(ids, start, contexts)
+
+    def counted_entries(ids, start, contexts):
+        pieces.append(int(ids.shape[0]))
+        return entries(ids, start, contexts)
+
+    monkeypatch.setattr(sampler.engine, "forward", counted_forward)
+    monkeypatch.setattr(sampler.engine, "state_entries", counted_entries)
+    return pieces
+
+
+def test_an_edited_context_resumes_from_the_last_observation_it_keeps(model, monkeypatch):
+    """After an edit that keeps the prompt and the first turn, the member's next-token distribution is a fresh
+    forward's over the new context, and only the tokens after the kept observation are evaluated."""
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=5, seed=1), chunk_size=4)
+    prompt = list(range(20, 31))
+    [handle] = sampler.fork(prompt, 1)
+    sampler.generate(handle)
+    sampler.append(handle, [40, 41, 42])
+    kept = len(handle.history)
+    sampler.generate(handle)
+    sampler.append(handle, [43, 44, 45, 46])
+    edited = handle.history[:kept] + [50, 51] + handle.history[kept + 2 :]  # two tokens replaced after the kept ones
+
+    pieces = count_forward_tokens(sampler, monkeypatch)
+    sampler.replace(handle, edited, kept)
+
+    assert sum(pieces) == len(edited) - kept  # resumed from the mark after the first observation
+    assert handle.history == edited and sampler.num_tokens(handle) == len(edited)
+    assert torch.allclose(torch.log_softmax(handle.next_logits.double(), -1), full_logprobs(model, edited)[-1])
+    generation = sampler.generate(handle)  # and sampling goes on from there
+    reference = full_logprobs(model, edited + generation.token_ids)
+    for k, (token, lp) in enumerate(zip(generation.token_ids, generation.logprobs, strict=True)):
+        assert lp == pytest.approx(float(reference[len(edited) + k - 1, token]), abs=1e-6)
+
+
+def test_members_resuming_from_one_mark_capture_what_they_share_once(model, monkeypatch):
+    """Two members whose edits keep only the group's prompt and agree on the next 9 tokens: those are evaluated
+    once for both, then each its own tail."""
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=4, seed=2), chunk_size=4)
+    prompt = list(range(20, 31))
+    handles = sampler.fork(prompt, 2)
+    sampler.generate_batch(handles)
+    contexts = [prompt + list(range(60, 69)) + [70, 71], prompt + list(range(60, 69)) + [72, 73, 74]]
+
+    pieces = count_forward_tokens(sampler, monkeypatch)
+    sampler.replace_batch(handles, contexts, [len(prompt), len(prompt)])
+
+    assert sum(pieces) == 9 + 2 + 3
+    for handle, context in zip(handles, contexts, strict=True):
+        assert handle.history == context
+        assert torch.allclose(torch.log_softmax(handle.next_logits.double(), -1), full_logprobs(model, context)[-1])
+    generations = sampler.generate_batch(handles)  # the batched decoder still reads the shared prompt once
+    for handle, generation in zip(handles, generations, strict=True):
+        assert handle.history[-len(generation.token_ids) :] == generation.token_ids
+
+
+def test_an_edit_that_does_not_keep_what_it_claims_is_refused(model):
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=3, seed=2), chunk_size=4)
+    [handle] = sampler.fork(list(range(20, 31)), 1)
+    with pytest.raises(ValueError, match="does not start with the 11 tokens it is said to keep"):
+        sampler.replace(handle, [99] + list(range(21, 31)) + [5], 11)
+    with pytest.raises(ValueError, match="must hold new tokens"):
+        sampler.replace(handle, list(range(20, 31)), 11)
+    sampler.replace(handle, [99, 98, 97], 0)  # an edit of the prompt itself: captured from nothing
+    assert handle.prefix is None and sampler.num_tokens(handle) == 3

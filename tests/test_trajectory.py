@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from edited_episodes import SCRIPTS, block_tokens, expected_sequences, play, script_log
 
-from longstraw_agents.trajectory import Rendered, Segment, SegmentSpan, Trajectory
+from longstraw_agents.trajectory import ContextEdit, Rendered, Segment, SegmentSpan, Trajectory
 
 
 def _trajectory() -> Trajectory:
@@ -159,7 +159,7 @@ def test_loss_and_behaviour_logprobs_stay_with_the_sequence_that_generated_them(
     trajectory.evict([2], Segment("tool", [8]))
     trajectory.append(Segment("assistant", [9], logprobs=[-1.0]))
     first, second = (trajectory.render_sequence(s) for s in trajectory.physical_sequences())
-    assert first.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7] and first.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert first.token_ids.tolist() == [1, 2, 3, 4] and first.loss_mask.tolist() == [0, 0, 1, 1]
     assert np.allclose(first.logprobs[2:4], [-0.5, -0.25])
     assert second.token_ids.tolist() == [1, 2, 3, 4, 8, 9] and second.loss_mask.tolist() == [0, 0, 0, 0, 0, 1]
     assert np.isnan(second.logprobs[:5]).all() and second.logprobs[5] == -1.0
@@ -173,8 +173,9 @@ def test_edits_in_a_row_leave_out_the_context_nothing_was_generated_under() -> N
     trajectory.evict([2], Segment("tool", [5]))
     trajectory.evict([3], Segment("tool", [6]))
     trajectory.append(Segment("assistant", [7]))
-    assert [s.segments for s in trajectory.physical_sequences()] == [(0, 1, 2, 3), (0, 1, 4, 5, 6)]
-    assert len(trajectory.physical_sequences(keep_empty=True)) == 3
+    assert [s.segments for s in trajectory.physical_sequences()] == [(0, 1), (0, 1, 4, 5, 6)]
+    whole = trajectory.physical_sequences(keep_empty=True)
+    assert [s.segments for s in whole] == [(0, 1, 2, 3), (0, 1, 4, 3), (0, 1, 4, 5, 6)]
 
 
 @pytest.mark.parametrize(
@@ -201,3 +202,29 @@ def test_an_evicted_segment_cannot_be_evicted_again() -> None:
     trajectory.evict([3], Segment("tool", [99]))
     with pytest.raises(ValueError, match=r"segments \[3\], which are not in the context"):
         trajectory.evict([3], Segment("tool", [98]))
+
+
+def test_a_segment_the_environment_writes_into_an_edit_is_context() -> None:
+    """A placeholder or summary given as a new segment is the environment's: no loss even with role assistant."""
+    trajectory = Trajectory([Segment("user", [1, 2]), Segment("assistant", [3, 4]), Segment("tool", [5])])
+    trajectory.summarize([1, 2], Segment("assistant", [7, 8, 9], logprobs=[-1.0, -1.0, -1.0]))
+    written = trajectory.segments[3]
+    assert not written.loss_mask.any() and written.logprobs is None
+    trajectory.append(Segment("assistant", [10]))
+    assert [s.segments for s in trajectory.physical_sequences()] == [(0, 1), (0, 3, 4)]
+
+
+def test_loss_on_a_segment_of_any_role_stays_in_the_sequence_it_was_written_under() -> None:
+    trajectory = Trajectory([Segment("user", [1, 2]), Segment("assistant", [3, 4]), Segment("tool", [5, 6])])
+    trajectory.evict([2], Segment("tool", [9]))
+    trajectory.append(Segment("user", [7, 8], loss_mask=[True, True]))  # e.g. a user simulator trained as policy
+    masks = [trajectory.render_sequence(s).loss_mask.sum() for s in trajectory.physical_sequences()]
+    assert masks == [2, 2] and sum(masks) == trajectory.loss_mask().sum()
+
+
+def test_an_edit_whose_replacement_was_never_logged_is_refused() -> None:
+    trajectory = Trajectory([Segment("user", [1]), Segment("assistant", [2]), Segment("tool", [3])])
+    trajectory.edits.append(ContextEdit(before=3, removed=[2], replacement=3, kind="evict"))  # as a damaged store
+    with pytest.raises(ValueError, match="its replacement segment is not in the log"):
+        trajectory.physical_sequences()
+    assert ContextEdit(3, [2], None, "evict") == ContextEdit(3, (2,), None, "evict")  # removed is a tuple

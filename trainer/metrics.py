@@ -151,8 +151,10 @@ class StepMetrics:
 
     step / policy_version: the counters after the step; loss / grad_norm / lr / kl: of the first optimizer step
     (on-policy, as with ``num_iterations=1``); reward_mean / reward_std: over all members (population std);
-    loss_tokens / unique_tokens: summed over groups; forward_tokens / seconds: summed over groups and optimizer
-    steps; peak_bytes: the largest group's peak (None when not tracked); iterations: each optimizer step's figures.
+    loss_tokens / unique_tokens: summed over groups; sequence_tokens: the summed length of the groups' physical
+    sequences (what training each as its own sample evaluates; the episodes' lengths unless one edited its
+    context); forward_tokens / seconds: summed over groups and optimizer steps; peak_bytes: the largest group's
+    peak (None when not tracked); iterations: each optimizer step's figures.
     """
 
     step: int
@@ -165,6 +167,7 @@ class StepMetrics:
     lr: float
     loss_tokens: int
     unique_tokens: int
+    sequence_tokens: int
     forward_tokens: int
     seconds: float
     peak_bytes: int | None
@@ -196,6 +199,7 @@ class StepMetrics:
             lr=first.lr,
             loss_tokens=sum(res.loss_tokens for res in results),
             unique_tokens=sum(res.unique_tokens for res in results),
+            sequence_tokens=sum(res.sequence_tokens for res in results),
             forward_tokens=sum(it.forward_tokens for it in iterations),
             seconds=sum(it.seconds for it in iterations),
             peak_bytes=max(peaks) if peaks else None,

@@ -32,9 +32,11 @@ class SFTConfig(BaseModel):
 def masked_nll(model: nn.Module, trajectories: Sequence[Trajectory]) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over the trajectories' loss tokens, and their count, in one forward.
 
-    The sequences are right-padded into one batch: under the causal mask a real token never attends to the padding
-    after it, so its logits are those of the sequence alone, and padded positions carry no loss."""
-    rendered = [t.render() for t in trajectories]
+    A row per physical sequence (one per trajectory unless it edited its context: each token is learned in the
+    context it was written in). The rows are right-padded into one batch: under the causal mask a real token never
+    attends to the padding after it, so its logits are those of the sequence alone, and padded positions carry no
+    loss."""
+    rendered = [t.render_sequence(sequence) for t in trajectories for sequence in t.physical_sequences()]
     width = max(len(r.token_ids) for r in rendered) - 1
     ids = torch.zeros((len(rendered), width + 1), dtype=torch.long)
     mask = torch.zeros((len(rendered), width), dtype=torch.bool)

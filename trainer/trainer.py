@@ -406,6 +406,6 @@ def _check_behaviour_logprobs(groups: Sequence[Group], num_iterations: int) -> N
             if member.logprobs is None or np.isnan(member.logprobs[targets]).any():
                 raise ValueError(
                     f"num_iterations={num_iterations} needs behaviour logprobs on every loss token (the ratio of "
-                    f"the later optimizer steps is against them); member {k} of group {g} lacks some. Sample with a "
-                    "sampler that records them (TorchSampler, OpenAISampler) or pass old_logprobs"
+                    f"the later optimizer steps is against them); episode {group.episodes[k]} of group {g} lacks "
+                    "some. Sample with a sampler that records them (TorchSampler, OpenAISampler) or pass old_logprobs"
                 )

@@ -262,6 +262,7 @@ def merged_step_metrics(parts: Sequence[StepMetrics], groups: Sequence[int], sum
         reward_std=math.sqrt(max(second - reward_mean**2, 0.0)),
         loss_tokens=sum(p.loss_tokens for p in parts),
         unique_tokens=sum(p.unique_tokens for p in parts),
+        sequence_tokens=sum(p.sequence_tokens for p in parts),
         forward_tokens=sum(p.forward_tokens for p in parts),
         seconds=max(p.seconds for p in parts),
         peak_bytes=max(peaks) if peaks else None,

@@ -1,7 +1,8 @@
 """One group's page data: its members with reward and advantage, the prefix tree the trainer trains on, and windows
 of token text.
 
-The tree is the segmenter's (``build_tree`` over ``Member.from_trajectory``, as the trainer builds it); the page
+The tree is the segmenter's (``build_tree`` over ``Member.from_trajectory``, as the trainer builds it for episodes
+that only append; a group with an edited episode is shown without its tree); the page
 draws it with every run of single-child nodes that keep the same members joined into one *branch*: the shared prefix
 is the root branch, a branch ends where the members diverge (a branch point) or where a member's episode ends, and
 each member's path is the chain of branches that hold it. A branch is cut into *pieces* at its nodes' boundaries (loss

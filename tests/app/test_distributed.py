@@ -224,6 +224,7 @@ def _metrics(rewards: list[float], loss: float, loss_tokens: int) -> StepMetrics
         lr=1e-3,
         loss_tokens=loss_tokens,
         unique_tokens=loss_tokens,
+        sequence_tokens=2 * loss_tokens,
         forward_tokens=loss_tokens,
         seconds=1.0,
         peak_bytes=None,
@@ -241,7 +242,7 @@ def test_merged_metrics_pool_the_ranks_members(summed: bool) -> None:
     assert merged.reward_mean == pytest.approx(np.mean(pooled))
     assert merged.reward_std == pytest.approx(np.std(pooled))
     assert merged.loss == pytest.approx(0.9 if summed else (2 * 0.3 + 0.6) / 3)
-    assert merged.loss_tokens == 14 and merged.grad_norm == 0.5
+    assert merged.loss_tokens == 14 and merged.sequence_tokens == 28 and merged.grad_norm == 0.5
 
 
 def test_parallel_wavefront_walk_reaches_the_engine() -> None:

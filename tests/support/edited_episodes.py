@@ -73,14 +73,15 @@ SCRIPTS: list[list[Step]] = [
     + [("append", b) for b in ("a2c", "tool6", "a8")],
 ]
 
-# per episode, its physical sequences: log indices in context order, "*" where generated under that sequence
+# per episode, its physical sequences: log indices in context order, "*" where generated under that sequence; one an
+# edit closed ends with its last generated segment (the observation the edit answered was read in the next one)
 SEQUENCES: list[list[str]] = [
-    ["0 1 2* 3 4* 5", "0 1 2 6 4 5 7* 8 9*"],
-    ["0 1 2* 3 4* 5", "0 1 2 6 4 5 7* 8 9*"],
+    ["0 1 2* 3 4*", "0 1 2 6 4 5 7* 8 9*"],
+    ["0 1 2* 3 4*", "0 1 2 6 4 5 7* 8 9*"],
     ["0 1 2* 3 4* 5 6 7*", "0 1 7 8* 9 10*"],
-    ["0 1 2* 3 4* 5", "0 1 6 7*"],
+    ["0 1 2* 3 4*", "0 1 6 7*"],
     ["0 1 2* 3 4* 5 6*"],
-    ["0 1 2* 3", "0 1 2 4 5* 6 7*"],
+    ["0 1 2*", "0 1 2 4 5* 6 7*"],
 ]
 
 

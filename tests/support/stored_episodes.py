@@ -76,7 +76,8 @@ def edited_trajectory(n: int = 0) -> Trajectory:
     - summary by the policy: its summary turn (7) replaces the turns so far (2, 6, 4, 5 and itself), reused verbatim;
     - summary by the environment: a summary it writes (11) replaces the next turn (8, 9, 10).
 
-    Its four physical sequences are [0..5], [0, 1, 2, 6, 4, 5, 7], [0, 1, 7, 8, 9, 10] and [0, 1, 7, 11, 12].
+    Its four physical sequences are [0..4], [0, 1, 2, 6, 4, 5, 7], [0, 1, 7, 8, 9] and [0, 1, 7, 11, 12] (one an edit
+    closed ends with its last assistant turn).
     """
     rng = np.random.default_rng(1000 + n)
 

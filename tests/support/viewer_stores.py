@@ -63,7 +63,8 @@ def calculator_group(group_id: str = "step2-g0", policy_version: int = 1) -> lis
 def step_metrics(step: int, reward: float, loss: float, kl: float | None) -> StepRecord:
     metrics = StepMetrics(
         step=step, policy_version=step, mode="exact", loss=loss, reward_mean=reward, reward_std=0.5, grad_norm=0.5,
-        lr=1e-3, loss_tokens=40, unique_tokens=60, forward_tokens=90, seconds=1.5, peak_bytes=None, kl=kl,
+        lr=1e-3, loss_tokens=40, unique_tokens=60, sequence_tokens=75, forward_tokens=90, seconds=1.5, peak_bytes=None,
+        kl=kl,
     )  # fmt: skip
     return StepRecord(metrics=metrics, episode_tokens_mean=120.5)
 

@@ -14,16 +14,17 @@ import functools
 import numpy as np
 import pytest
 import torch
-from edited_episodes import REWARDS, SCRIPTS, block_tokens, expected_sequences, play, script_log
+from edited_episodes import BLOCKS, REWARDS, SCRIPTS, VOCAB, block_tokens, expected_sequences, play, script_log
 from grpo_reference import engine_logits, grpo_loss, parameter_grads, relative_l2, sequence_logprobs
 from reference_dsa import reference_logits as dsa_reference_logits
 from torch import nn
 
 from longstraw_agents.engine import Engine
 from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.segmenter import Member, episode_members
 from longstraw_agents.trainer import LossConfig, grpo_backward_trajectories
-from longstraw_agents.trainer.group import trajectory_group
-from longstraw_agents.trajectory import Trajectory
+from longstraw_agents.trainer.group import batch_weighted, make_group, trajectory_group
+from longstraw_agents.trajectory import Segment, Trajectory
 
 CHUNK = 8
 MODES = ["naive", "detached", "exact"]
@@ -176,3 +177,77 @@ def test_a_sequence_after_an_edit_extends_the_kept_prefix_to_a_fresh_capture(fam
         reference = reference_logits_fn(family, net)(after)[kept:]
     assert torch.allclose(extended, fresh, rtol=0, atol=1e-10)
     assert torch.allclose(extended, reference, rtol=0, atol=1e-9)
+
+
+def test_the_tree_holds_every_distinct_prefix_of_the_sequences_once():
+    """Its positions are the distinct (non-empty) prefixes of the hand-written sequences: shared ones count once."""
+    net = model("llama")
+    tokens = block_tokens()
+    trajectories = [play(script, tokens) for script in SCRIPTS]
+    stats, _ = trained(net, trajectories, "exact", {})
+    rows = [
+        tuple(seq.tokens(script_log(script), tokens).tolist())
+        for script, sequences in zip(SCRIPTS, expected_sequences(), strict=True)
+        for seq in sequences
+    ]
+    assert stats.unique_tokens == len({row[: k + 1] for row in rows for k in range(len(row))})
+
+
+def growing_group(size: int) -> list[Trajectory]:
+    """``size`` episodes that share two turns, evict the first tool output, then each go on with its own turns."""
+    tokens = block_tokens(seed=4)
+    rng = np.random.default_rng(5)
+    shared = [Segment(BLOCKS[b][0], tokens[b]) for b in ("system", "task", "a1", "tool1", "a2", "tool2")]
+    group = []
+    for _ in range(size):
+        episode = Trajectory(list(shared))
+        episode.evict([3], Segment("tool", tokens["evicted"]))
+        for role, length in (("assistant", 6), ("tool", 30), ("assistant", 5)):
+            episode.append(Segment(role, rng.integers(0, VOCAB, length)))
+        group.append(episode)
+    return group
+
+
+def test_exact_mode_memory_stays_flat_in_the_group_size_with_edits():
+    """Peak tracked bytes of an exact backward over 2 and 8 edited episodes: the state and one branch at a time,
+    whatever G (naive's per-member graphs grow with it)."""
+    net = model("llama")
+    peaks = {}
+    for mode in ("exact", "naive"):
+        for size in (2, 8):
+            rewards = [float(k % 3) for k in range(size)]
+            net.zero_grad(set_to_none=True)
+            stats = grpo_backward_trajectories(
+                net, growing_group(size), rewards, mode=mode, chunk_size=CHUNK, track_memory=True
+            )
+            peaks[mode, size] = stats.peak_bytes
+    assert peaks["exact", 8] <= 1.1 * peaks["exact", 2]
+    assert peaks["naive", 8] > 2 * peaks["naive", 2]
+
+
+def test_batch_normalisation_pools_episodes_not_sequences():
+    """seq-mean over two groups as one batch: every episode weighs 1 / (G_batch n_episode), n over all its
+    sequences, G_batch the episodes of both groups."""
+    trajectories = [play(script, block_tokens()) for script in SCRIPTS]
+    config = LossConfig(aggregation="seq-mean", normalization="batch")
+    groups = [
+        trajectory_group(trajectories[:3], REWARDS[:3], config),
+        trajectory_group(trajectories[3:], REWARDS[3:], config),
+    ]
+    pooled = batch_weighted(groups, config)
+    for group, episodes in zip(pooled, (trajectories[:3], trajectories[3:]), strict=True):
+        for term, episode in zip(group.terms, group.episodes, strict=True):
+            loss_tokens = int(episodes[episode].loss_mask()[1:].sum())  # each generated token once, in the log
+            assert term.weight == pytest.approx(1 / (len(REWARDS) * loss_tokens))
+    assert [len(g.members) for g in pooled] == [6, 5] and [len(g.rewards) for g in pooled] == [3, 3]
+
+
+def test_an_edited_episode_is_never_taken_as_one_sequence():
+    trajectory = play(SCRIPTS[0], block_tokens())
+    with pytest.raises(ValueError, match="edited its context .* it is 2 physical sequences"):
+        Member.from_trajectory(trajectory)
+    members = episode_members(trajectory)
+    with pytest.raises(ValueError, match="2 episode indices for 3 members"):
+        make_group([*members, members[0]], [1.0, 0.0], LossConfig(), episodes=[0, 1])
+    with pytest.raises(ValueError, match=r"3 rewards for the episodes \[0, 1\]"):
+        make_group(members, [1.0, 0.0, 0.5], LossConfig(), episodes=[0, 1])

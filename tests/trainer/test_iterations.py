@@ -100,7 +100,7 @@ def test_the_first_step_is_on_policy_when_the_behaviour_logprobs_come_from_the_s
 
 def test_mu_above_one_needs_behaviour_logprobs_on_every_loss_token() -> None:
     trainer = make_trainer(num_iterations=2)
-    with pytest.raises(ValueError, match=r"num_iterations=2 needs behaviour logprobs .* member 0 of group 0"):
+    with pytest.raises(ValueError, match=r"num_iterations=2 needs behaviour logprobs .* episode 0 of group 0"):
         trainer.train_step(groups_for(trainer, data(), behaviour="none"))
     assert trainer.step_count == 0
     make_trainer().train_step(groups_for(trainer, data(), behaviour="none"))  # μ = 1: on-policy is fine

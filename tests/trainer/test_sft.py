@@ -10,7 +10,7 @@ from longstraw_agents.envs import ScriptedPolicy, run_episode
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.trainer.sft import SFTConfig, masked_nll, supervised_warm_start
-from longstraw_agents.trajectory import Trajectory
+from longstraw_agents.trajectory import Segment, Trajectory
 
 
 def scripted_traces(count: int) -> list[Trajectory]:
@@ -62,3 +62,32 @@ def test_the_warm_start_lowers_the_loss_on_its_traces() -> None:
     assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]
     with pytest.raises(ValueError, match="no trajectories"):
         supervised_warm_start(model, [], SFTConfig(steps=1))
+
+
+def test_an_edited_trajectory_is_learned_in_the_contexts_it_was_written_in() -> None:
+    """An episode that evicted a tool output: each assistant turn's loss is taken in its own physical sequence, so
+    the batch loss equals the hand-built sequences' loss (and differs from the segment log's)."""
+    [trace] = scripted_traces(1)
+    model = tiny_model("llama", vocab_size=load_tokenizer().vocab_size, dtype=torch.float64)
+    tool = next(k for k, s in enumerate(trace.segments) if s.role == "tool")
+    last = max(k for k, s in enumerate(trace.segments) if s.role == "assistant")
+    edited = Trajectory(list(trace.segments[:last]))
+    placeholder = Segment("tool", trace.segments[tool].token_ids[:2])
+    edited.evict([tool], placeholder)
+    edited.extend(trace.segments[last:])
+    by_hand = [
+        Trajectory(list(trace.segments[:last])),
+        Trajectory(
+            [Segment(s.role, s.token_ids, loss_mask=[False] * len(s)) for s in trace.segments[:tool]]
+            + [placeholder]
+            + [Segment(s.role, s.token_ids, loss_mask=[False] * len(s)) for s in trace.segments[tool + 1 : last]]
+            + list(trace.segments[last:])
+        ),
+    ]
+    with torch.no_grad():
+        nll, count = masked_nll(model, [edited])
+        expected, expected_count = one_by_one(model, by_hand)
+        log, _ = one_by_one(model, [trace])
+    assert count == expected_count == int(trace.loss_mask()[1:].sum())
+    assert float(nll) == pytest.approx(float(expected), rel=1e-9)
+    assert float(nll) != pytest.approx(float(log), rel=1e-6)

@@ -245,7 +245,7 @@ def test_step_metrics_are_a_frozen_record_with_a_plain_dict_form():
     metrics = trainer.train_step(step_groups(trainer, 0))
     assert list(metrics.to_dict()) == [
         "step", "policy_version", "mode", "loss", "reward_mean", "reward_std", "grad_norm", "lr", "loss_tokens",
-        "unique_tokens", "forward_tokens", "seconds", "peak_bytes", "kl", "iterations",
+        "unique_tokens", "sequence_tokens", "forward_tokens", "seconds", "peak_bytes", "kl", "iterations",
     ]  # fmt: skip
     assert json.loads(json.dumps(metrics.to_dict())) == metrics.to_dict()
     [iteration] = metrics.to_dict()["iterations"]  # one optimizer step (num_iterations=1)
