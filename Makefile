@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) -m bench.ablation
 	$(PY) -m bench.ablation_learning
 	$(PY) -m bench.rollout
+	$(PY) -m bench.compaction
 
 # re-pin constraints.txt to what the venv holds now (after a dependency changed in pyproject.toml)
 constraints: $(STAMP)

@@ -121,6 +121,20 @@ def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
     assert all(r["grad_drift"] > 0.0 for r in rows[1:])
 
 
+def test_compaction_bench_trains_the_forest_and_the_per_sequence_baseline_to_one_gradient(tmp_path: Path) -> None:
+    """Both strategies edit, the forest evaluates fewer tokens than the physical sequences hold, and the baseline
+    (transformers' forward per sequence) reaches the forest's gradient."""
+    out = tmp_path / "compaction.json"
+    stdout = run_module("bench.compaction", "--quick", "--group", "3", "--threads", "1", "--out", str(out))
+    assert "| strategy | logged tokens |" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["strategy"] for r in rows] == ["evict", "summary"]
+    for r in rows:
+        assert r["edits"] > 0 and r["sequences"] > r["episodes"]
+        assert r["forest_tokens"] < r["sequence_tokens"] and r["logged_tokens"] > json.loads(out.read_text())["budget"]
+        assert r["gradient_distance"] < 1e-4
+
+
 @pytest.fixture(scope="module")
 def timing_quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict, Path]:
     """``bench.timing --quick``: it runs ``bench.gpu`` at toy sizes on the CPU (its phases and each family's

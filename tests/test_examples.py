@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from longstraw_agents.cli import main
 from longstraw_agents.store import Store
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -118,3 +121,14 @@ def test_context_edits_example_logs_edited_episodes_and_trains_over_their_sequen
     assert f"{len(sequences)} physical sequences, {lengths:,} tokens in all" in done.stdout
     for t in episodes:  # every sequence stays within the budget plus the turn that crossed it
         assert max(sum(len(t.segments[k]) for k in s.segments) for s in t.physical_sequences()) < 400 + 200
+
+
+def test_the_full_size_compaction_config_would_run(tmp_path: Path, capsys) -> None:
+    """``longstraw train --check`` on the full-size NeedleSearch compaction example: the env builds with its
+    context policy, the model's context holds the budget (the run itself takes minutes: README's figures)."""
+    config = yaml.safe_load((EXAMPLES / "train_needle_compaction.yaml").read_text())
+    assert config["env"]["kwargs"]["target_tokens"] >= 32_768
+    assert config["env"]["kwargs"]["context"]["max_context_tokens"] == 4096
+    config["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", "--check", str(tmp_path / "config.yaml")]) == 0, capsys.readouterr().err

@@ -12,11 +12,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import gymnasium
 import pytest
 import yaml
 
 from longstraw_agents.cli import build_parser, main
-from longstraw_agents.envs import tool_instructions
+from longstraw_agents.envs import SummaryTurn, tool_instructions, unwrap_tool_env
 from longstraw_agents.sampler import OpenAISampler, SamplingConfig
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
@@ -27,7 +28,8 @@ README = (ROOT / "README.md").read_text()
 
 
 def test_readme_shows_the_example_training_config_verbatim() -> None:
-    shown = README.split("```yaml\n", 1)[1].split("```\n", 1)[0]
+    blocks = [block.split("```\n", 1)[0] for block in README.split("```yaml\n")[1:]]
+    [shown] = [block for block in blocks if block.startswith("# longstraw train examples/train_calculator.yaml")]
     assert shown == (ROOT / "examples" / "train_calculator.yaml").read_text()
 
 
@@ -162,3 +164,12 @@ def test_the_context_edit_snippet_does_what_its_comments_say() -> None:
     shown = re.search(r"physical_sequences\(\)\]\s+# (.*)", snippet).group(1)
     assert [s.segments for s in trajectory.physical_sequences()] == ast.literal_eval(shown)
     assert trajectory.context() == [0, 1, 8] and [e.kind for e in trajectory.edits] == ["evict", "summary"]
+
+
+def test_the_context_policy_snippet_builds_its_environment() -> None:
+    blocks = [block.split("```\n", 1)[0] for block in README.split("```yaml\n")[1:]]
+    [shown] = [block for block in blocks if "max_context_tokens" in block]
+    env = yaml.safe_load(shown)["env"]
+    config = unwrap_tool_env(gymnasium.make(env["id"], **env["kwargs"])).config
+    assert config.context is not None and config.context.max_context_tokens == 4096
+    assert config.context.strategy == SummaryTurn(threshold=2560)

@@ -43,6 +43,29 @@ def test_openai_sampler_against_loopback_server(model):
     assert handle.token_ids == [5, 6, 7, 8, *gen.token_ids, 9, 10, *gen2.token_ids]
 
 
+def test_an_edited_context_is_what_the_next_request_sends(model):
+    """After the environment edits the context, the served policy continues from the edited context exactly as
+    in-process sampling does after ``TorchSampler.replace``."""
+    config = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    local = TorchSampler(model, [STOP], config)
+    with CompletionServer(TorchSampler(model, [STOP], config)) as server:
+        remote = OpenAISampler(server.url, [STOP], config, max_retries=1, backoff_s=0.01)
+        handle = remote.fork([5, 6, 7, 8], 1)[0]
+        gen = remote.generate(handle)
+        edited = [5, 6, 7, 8, 30, 31, 32]  # the turn replaced by a summary
+        with pytest.raises(ValueError, match="does not start with the 5 tokens it is said to keep"):
+            remote.replace(handle, [5, 6, 7, 9, 30], 5)
+        remote.replace(handle, edited, 4)
+        after = remote.generate(handle)
+        remote.close()
+    lh = local.fork([5, 6, 7, 8], 1)[0]
+    assert local.generate(lh).token_ids == gen.token_ids
+    local.replace(lh, edited, 4)
+    expected = local.generate(lh)
+    assert after.token_ids == expected.token_ids and after.logprobs == pytest.approx(expected.logprobs, abs=1e-9)
+    assert handle.token_ids == [*edited, *after.token_ids]
+
+
 def test_openai_group_members_differ_and_runs_reproduce(model):
     """Every request carries its own seed (derived from the config's): the members of a group, which share their
     prompt, must not come back identical at temperature 1 (zero advantages), and the same base seed repeats them."""

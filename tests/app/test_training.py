@@ -12,16 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from tiny_runs import (
     assert_same_weights,
     checkpoint_weights,
     tiny_config,
+    tiny_config_dict,
     warm_started_policy,
 )
 
 from longstraw_agents.app.config import ConfigError, TrainConfig
 from longstraw_agents.app.training import train
+from longstraw_agents.cli import main
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
@@ -256,3 +259,28 @@ def test_the_context_limit_stops_at_a_sliding_window_the_engine_cannot_pass() ->
     assert max_context_of(model, ModelSpec(preset="llama", max_context=32)) == 32
     config.sliding_window = None
     assert max_context_of(AutoModelForCausalLM.from_config(config), ModelSpec(preset="llama")) == 512
+
+
+def test_a_needle_search_run_with_a_context_budget_smaller_than_its_episodes_trains_on_edited_episodes(
+    tmp_path: Path,
+) -> None:
+    """``longstraw train`` on NeedleSearch with a summary context policy: the random policy's episodes outgrow the
+    budget, ask for summaries and continue from them; the store keeps the edits, each step trains over the physical
+    sequences: the metrics' sequence tokens are the stored episodes' (replay over edited groups:
+    tests/app/test_replay.py)."""
+    context = {"max_context_tokens": 1400, "strategy": {"kind": "summary", "threshold": 900}}
+    env = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "max_turns": 10, "context": context}}
+    config = tiny_config_dict(tmp_path / "run", env=env, steps=1, groups_per_step=1, checkpoint_every=1)
+    (tmp_path / "needle.yaml").write_text(yaml.safe_dump(config))
+
+    assert main(["train", str(tmp_path / "needle.yaml")]) == 0
+
+    run = tmp_path / "run"
+    with Store.open(run / "trajectories.db", create=False) as store:
+        episodes = list(store.episodes())
+    assert len(episodes) == 4 and all(t.is_edited and t.reward is not None for t in episodes)
+    assert all(t.num_tokens > 1400 for t in episodes)  # longer than the context holds
+    [step] = grpo_lines(run)
+    sequences = [s for t in episodes for s in t.physical_sequences()]
+    lengths = sum(sum(len(t.segments[k]) for k in s.segments) for t in episodes for s in t.physical_sequences())
+    assert step["sequence_tokens"] == lengths > step["unique_tokens"] and len(sequences) > len(episodes)
