@@ -23,6 +23,7 @@ from tiny_runs import (
 )
 
 from longstraw_agents.app.config import ConfigError, TrainConfig
+from longstraw_agents.app.replay import ReplayConfig, replay
 from longstraw_agents.app.training import train
 from longstraw_agents.cli import main
 from longstraw_agents.models.presets import tiny_model
@@ -266,8 +267,7 @@ def test_a_needle_search_run_with_a_context_budget_smaller_than_its_episodes_tra
 ) -> None:
     """``longstraw train`` on NeedleSearch with a summary context policy: the random policy's episodes outgrow the
     budget, ask for summaries and continue from them; the store keeps the edits, each step trains over the physical
-    sequences: the metrics' sequence tokens are the stored episodes' (replay over edited groups:
-    tests/app/test_replay.py)."""
+    sequences: the metrics' sequence tokens are the stored episodes', and offline replay trains the same ones."""
     context = {"max_context_tokens": 1400, "strategy": {"kind": "summary", "threshold": 900}}
     env = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "max_turns": 10, "context": context}}
     config = tiny_config_dict(tmp_path / "run", env=env, steps=1, groups_per_step=1, checkpoint_every=1)
@@ -284,3 +284,11 @@ def test_a_needle_search_run_with_a_context_budget_smaller_than_its_episodes_tra
     sequences = [s for t in episodes for s in t.physical_sequences()]
     lengths = sum(sum(len(t.segments[k]) for k in s.segments) for t in episodes for s in t.physical_sequences())
     assert step["sequence_tokens"] == lengths > step["unique_tokens"] and len(sequences) > len(episodes)
+
+    # offline replay of the run's group (one reward raised, so that the group trains) goes over the same sequences
+    with closing(sqlite3.connect(run / "trajectories.db")) as db, db:
+        db.execute("UPDATE episodes SET reward = 1.0 WHERE id = (SELECT MIN(id) FROM episodes)")
+    out = replay(run / "trajectories.db", ReplayConfig(), out_dir=tmp_path / "replay")
+    [replayed] = grpo_lines(out)
+    assert replayed["sequence_tokens"] == lengths and replayed["unique_tokens"] == step["unique_tokens"]
+    assert replayed["grad_norm"] > 0
