@@ -8,7 +8,8 @@ oldest tool outputs, ``summary`` asks for a summary turn at a threshold. Each me
 detours (before a scripted turn it opens a random document with probability ``--detour``, from its own generator),
 so the members of a group diverge and edit at different times; a member that runs out of turns gets reward 0.
 Printed per strategy: the episodes' logged tokens, their physical sequences and summed length (what the baseline
-evaluates), the forest's positions, both step times and the gradients' relative distance (they must agree).
+evaluates), the forest's positions, both step times (the fastest of ``--repeats``) and the gradients' relative
+distance (they must agree).
 
     python -m bench.compaction [--group 8] [--budget 4096] [--quick] [--out bench/results/compaction.json]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gymnasium
@@ -31,7 +33,7 @@ from bench.peers import attention_implementation
 from longstraw_agents.engine import Engine
 from longstraw_agents.envs import ToolEnv, unwrap_tool_env
 from longstraw_agents.tools import format_tool_call
-from longstraw_agents.trainer import LossConfig, grpo_backward_trajectories
+from longstraw_agents.trainer import BackwardResult, LossConfig, grpo_backward_trajectories
 from longstraw_agents.trainer.loss import group_advantages
 from longstraw_agents.trajectory import Trajectory
 
@@ -81,8 +83,9 @@ def compacting_group(strategy: str, size: dict, budget: int, group: int, detour:
 
 
 def per_sequence_backward(model: PreTrainedModel, episodes: list[Trajectory], rewards: list[float]) -> None:
-    """The frameworks' way: every physical sequence its own sample through transformers' SDPA forward, on-policy
-    GRPO with the episode's advantage, the group's loss tokens as one pool (TRL's "dapo"); one backward each."""
+    """The frameworks' way: every physical sequence its own sample through transformers' SDPA forward (logits from
+    its first loss token on, as TRL's ``logits_to_keep``), on-policy GRPO with the episode's advantage, the group's
+    loss tokens as one pool (TRL's "dapo"); one backward each."""
     advantages = group_advantages(rewards).tolist()
     rows = [
         (episode.render_sequence(sequence), advantages[k])
@@ -93,30 +96,40 @@ def per_sequence_backward(model: PreTrainedModel, episodes: list[Trajectory], re
     with attention_implementation(model, "sdpa"):
         for rendered, advantage in rows:
             ids = torch.as_tensor(rendered.token_ids, dtype=torch.long)
-            mask = torch.as_tensor(rendered.loss_mask[1:])
-            logits = model(input_ids=ids[None, :-1], use_cache=False).logits[0].float()
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None])[:, 0]
+            # TRL's split: the "prompt" is what precedes the first loss token, logits only after it
+            first = int(np.flatnonzero(rendered.loss_mask)[0])
+            kept = len(ids) - first
+            logits = model(input_ids=ids[None, :-1], use_cache=False, logits_to_keep=kept).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[first:, None])[:, 0]
+            mask = torch.as_tensor(rendered.loss_mask[first:])
             ratio = torch.exp(logp - logp.detach())
             per_token = -torch.min(ratio * advantage, torch.clamp(ratio, 0.8, 1.2) * advantage)
             ((per_token * mask).sum() / total).backward()
 
 
-def measure(model: PreTrainedModel, strategy: str, episodes: list[Trajectory], chunk: int) -> dict:
+def timed(step: Callable[[], object], model: PreTrainedModel, repeats: int) -> tuple[float, object, torch.Tensor]:
+    """The fastest of ``repeats`` runs of ``step`` from zero gradients: seconds, its result, the gradient."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        result = step()
+        best = min(best, time.perf_counter() - start)
+    return best, result, flat_grad(model).double().clone()
+
+
+def measure(model: PreTrainedModel, strategy: str, episodes: list[Trajectory], chunk: int, repeats: int) -> dict:
     rewards = [float(t.reward or 0.0) for t in episodes]
     if len(set(rewards)) == 1:  # every member solved it (or none did): no advantage to train on
         rewards[0] = 1.0 - rewards[0]
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    stats = grpo_backward_trajectories(
-        Engine(model, chunk_size=chunk), episodes, rewards, mode="exact", config=LossConfig()
+    engine = Engine(model, chunk_size=chunk)
+    forest_seconds, stats, forest = timed(
+        lambda: grpo_backward_trajectories(engine, episodes, rewards, mode="exact", config=LossConfig()),
+        model,
+        repeats,
     )
-    forest_seconds = time.perf_counter() - start
-    forest = flat_grad(model).double().clone()
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    per_sequence_backward(model, episodes, rewards)
-    baseline_seconds = time.perf_counter() - start
-    baseline = flat_grad(model).double()
+    assert isinstance(stats, BackwardResult)
+    baseline_seconds, _, baseline = timed(lambda: per_sequence_backward(model, episodes, rewards), model, repeats)
     return {
         "strategy": strategy,
         "episodes": len(episodes),
@@ -142,6 +155,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="time each side this many times, keep the fastest")
     parser.add_argument("--quick", action="store_true", help="small episodes (CI)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/compaction.json"))
     args = parser.parse_args()
@@ -151,7 +165,7 @@ def main() -> None:
     rows = []
     for strategy, size in (QUICK if args.quick else FULL).items():
         episodes = compacting_group(strategy, size, budget, args.group, args.detour, args.seed)
-        rows.append(measure(model, strategy, episodes, args.chunk))
+        rows.append(measure(model, strategy, episodes, args.chunk, args.repeats))
     print(f"G = {args.group} NeedleSearch episodes, context budget {budget:,} tokens, tiny llama, exact mode")
     print(
         "| strategy | logged tokens | edits | physical sequences | their tokens | forest tokens | fewer |"

@@ -8,7 +8,8 @@ An episode, in token ids (ChatML, rendered by `ChatFormatter`; see ``longstraw_a
 
 Nothing is ever re-tokenized. The prompt, every action and every observation become `Segment`\\ s of
 ``env.unwrapped.trajectory`` exactly as they were exchanged, so ``trajectory.token_ids()`` is the concatenation of
-everything ``reset`` and ``step`` returned and received. Each turn is read as follows:
+everything ``reset`` and ``step`` returned and received (without a context policy: see below). Each turn is read as
+follows:
 
 1. A turn that alone takes the episode past ``max_tokens`` ends it: ``truncated``, finish reason
    ``"max_tokens"``, reward 0, even if it holds an answer (the budget binds what gets scored).
@@ -21,6 +22,13 @@ everything ``reset`` and ``step`` returned and received. Each turn is read as fo
    tokens, say — gets a user message saying how to call a tool or answer. Nothing the policy writes raises.
 5. An observation that would take the episode past ``max_tokens`` is not appended: ``truncated``, finish reason
    ``"max_tokens"``, reward 0.
+
+With a context policy (``ToolEnvConfig.context``, ``envs.context``) the context may also be edited: an observation
+that takes it past its budget makes the environment evict old tool outputs, or ask for a summary turn that then
+replaces the turns so far. The step that edits returns the whole new context instead of the ids to append, and its
+``info["context_edit"]`` says how many leading tokens were kept; a context that cannot be brought under its budget
+ends the episode (``"context_limit"``, reward 0). The trajectory logs every segment and the edits, and its physical
+sequences are the contexts the policy conditioned on.
 
 The observation that ends an episode is empty: nothing follows the final action. A turn that does not end with a
 stop token (the sampler hit its length limit) is closed by the environment: the next observation starts with
@@ -355,21 +363,25 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
                 results, content, turn, closes_turn=self._ends_turn(ids), add_generation_prompt=False
             )
         added = [observation] if request is None else [observation, request]
-        if episode.num_tokens + len(action_segment) + sum(len(s) for s in added) > self.config.max_tokens:
+        adding = len(action_segment) + sum(len(s) for s in added)
+        evictions = self._evictions(episode, adding)  # planned before anything changes, placeholders included
+        if evictions is None:  # the context cannot be brought under its budget: the turn is the last
+            return self._finish(episode, action_segment, "context_limit", Score(0.0), calls, results, None)
+        if episode.num_tokens + adding + sum(len(p) for _, p in evictions) > self.config.max_tokens:
             return self._finish(episode, action_segment, "max_tokens", Score(0.0), calls, results, None)
 
         episode.append(action_segment)
         for segment in added:
             episode.append(segment)
+        before, edits = list(episode.context), len(episode.trajectory.edits)
+        for evicted, placeholder in evictions:
+            episode.evict(evicted, placeholder)
         episode.turn += 1
         episode.pending_logprobs = None
         episode.awaiting_summary = request is not None
         text = "".join(segment.text for segment in added)
         info = self._step_info(episode, action_segment, text, calls, results, None, "running")
-        before, edits = list(episode.context), len(episode.trajectory.edits)
-        if not self._fit_context(episode, newest=len(episode.trajectory.segments) - len(added)):
-            return self._out_of_context(episode, info)
-        if episode.context == before:
+        if not evictions:
             return np.concatenate([s.token_ids for s in added]).astype(np.int64), 0.0, False, False, info
         return self._changed_context(episode, before, edits, info)
 
@@ -499,20 +511,28 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         assert isinstance(context.strategy, SummaryTurn)  # the threshold is drawn for summary turns only
         return self.formatter.observation("user", context.strategy.request, turn)
 
-    def _fit_context(self, episode: _Episode[TaskT], newest: int) -> bool:
-        """Bring the context under its budget (``Eviction``: the oldest tool outputs before log index ``newest``
-        leave it, each for a placeholder); False when it stays over."""
+    def _evictions(self, episode: _Episode[TaskT], adding: int) -> list[tuple[int, Segment]] | None:
+        """The tool outputs to evict, oldest first, each with its placeholder, so that the context fits its budget
+        once this turn's ``adding`` tokens are in (``Eviction``; an output whose placeholder is not shorter stays);
+        None when it cannot fit."""
         context = self.config.context
         if context is None:
-            return True
-        while episode.context_tokens > context.max_context_tokens:
-            candidates = evictable(episode.trajectory, episode.context, newest)
-            if not isinstance(context.strategy, Eviction) or not candidates:
-                return False
-            oldest = candidates[0]
-            placeholder = self._placeholder(episode.trajectory.segments[oldest], context.strategy)
-            episode.evict(oldest, placeholder)
-        return True
+            return []
+        over = episode.context_tokens + adding - context.max_context_tokens
+        if over <= 0:
+            return []
+        if not isinstance(context.strategy, Eviction):
+            return None
+        plan = []
+        for candidate in evictable(episode.trajectory, episode.context):
+            placeholder = self._placeholder(episode.trajectory.segments[candidate], context.strategy)
+            saved = len(episode.trajectory.segments[candidate]) - len(placeholder)
+            if saved > 0:
+                plan.append((candidate, placeholder))
+                over -= saved
+                if over <= 0:
+                    return plan
+        return None
 
     def _placeholder(self, evicted: Segment, strategy: Eviction) -> Segment:
         """A tool message in place of ``evicted``, formed like it (closing an unclosed turn where it did)."""
@@ -531,10 +551,13 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         resume = resume if closes_turn else self._closing(resume)
         if episode.num_tokens + len(summary) + len(resume) > self.config.max_tokens:
             return self._finish(episode, summary, "max_tokens", Score(0.0), [], [], None)
+        first_turn = next(k for k in episode.context if episode.trajectory.segments[k].role == "assistant")
+        kept = episode.context[: episode.context.index(first_turn)]
+        if context_tokens(episode.trajectory, kept) + len(summary) + len(resume) > context.max_context_tokens:
+            return self._finish(episode, summary, "context_limit", Score(0.0), [], [], None)
         episode.append(summary)
         before, edits = list(episode.context), len(episode.trajectory.edits)
-        first_turn = next(k for k in before if episode.trajectory.segments[k].role == "assistant")
-        replaced = before[before.index(first_turn) :]
+        replaced = before[len(kept) :]
         episode.summarize(replaced, replaced[-1])
         episode.append(resume)
         episode.turn += 1
@@ -542,8 +565,6 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         episode.awaiting_summary = False
         episode.summaries += 1
         info = self._step_info(episode, summary, resume.text, [], [], None, "running")
-        if episode.context_tokens > context.max_context_tokens:
-            return self._out_of_context(episode, info)
         return self._changed_context(episode, before, edits, info)
 
     @staticmethod
@@ -558,17 +579,6 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         )
         info["context_edit"] = change.to_record()
         return episode.context_ids(), 0.0, False, False, info
-
-    @staticmethod
-    def _out_of_context(
-        episode: _Episode[TaskT], info: dict[str, Any]
-    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        """The context cannot be brought under its budget: the episode ends (``"context_limit"``, reward 0)."""
-        episode.done = True
-        episode.trajectory.reward = 0.0
-        episode.trajectory.finish_reason = "context_limit"
-        info["finish_reason"] = "context_limit"
-        return np.zeros(0, dtype=np.int64), 0.0, False, True, info
 
     @staticmethod
     def _correction(content: str, registry: ToolRegistry) -> str:

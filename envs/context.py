@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from longstraw_agents.trajectory import ContextEdit, Trajectory
 
@@ -40,7 +40,18 @@ class Eviction(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["evict"] = "evict"
-    placeholder: str = Field(PLACEHOLDER, description="the text in place of an evicted tool output")
+    placeholder: str = Field(
+        PLACEHOLDER, description="the text in place of an evicted tool output; may use {turn} and {tokens}"
+    )
+
+    @field_validator("placeholder")
+    @classmethod
+    def _formats(cls, text: str) -> str:
+        try:
+            text.format(turn=0, tokens=0)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"placeholder may use {{turn}} and {{tokens}} only; {text!r} fails: {err!r}") from None
+        return text
 
 
 class SummaryTurn(BaseModel):
@@ -64,6 +75,10 @@ class SummaryTurn(BaseModel):
         if isinstance(self.threshold, int) and self.threshold < 1:
             raise ValueError(f"threshold must be >= 1, got {self.threshold}")
         return self
+
+    def highest_threshold(self) -> int | None:
+        """The largest threshold it may draw (None: it follows max_context_tokens)."""
+        return self.threshold[1] if isinstance(self.threshold, tuple) else self.threshold
 
     def draw_threshold(self, max_context_tokens: int, seed: int) -> int:
         """The episode's threshold; a range is drawn from the episode seed, so every member of a group gets one."""
@@ -91,13 +106,12 @@ class ContextConfig(BaseModel):
     @model_validator(mode="after")
     def _threshold_fits(self) -> ContextConfig:
         strategy = self.strategy
-        if isinstance(strategy, SummaryTurn) and strategy.threshold is not None:
-            high = strategy.threshold if isinstance(strategy.threshold, int) else strategy.threshold[1]
-            if high >= self.max_context_tokens:
-                raise ValueError(
-                    f"the summary threshold ({high}) must be below max_context_tokens ({self.max_context_tokens}): "
-                    "the request and the summary need room"
-                )
+        high = strategy.highest_threshold() if isinstance(strategy, SummaryTurn) else None
+        if high is not None and high >= self.max_context_tokens:
+            raise ValueError(
+                f"the summary threshold ({high}) must be below max_context_tokens ({self.max_context_tokens}): "
+                "the request and the summary need room"
+            )
         return self
 
 
@@ -135,8 +149,8 @@ def kept_tokens(trajectory: Trajectory, before: list[int], after: list[int]) -> 
     return kept
 
 
-def evictable(trajectory: Trajectory, context: list[int], newest: int) -> list[int]:
-    """Tool outputs of ``context`` that may leave it, oldest first: not a placeholder and not the newest
-    observation (log index ``newest``), which the next turn must read."""
+def evictable(trajectory: Trajectory, context: list[int]) -> list[int]:
+    """Tool outputs of ``context`` that may leave it, oldest first: not a placeholder. (Called before the turn's
+    observation is logged: the newest output, which the next turn must read, is never among them.)"""
     replacements = {edit.replacement for edit in trajectory.edits}
-    return [k for k in context if trajectory.segments[k].role == "tool" and k not in replacements and k < newest]
+    return [k for k in context if trajectory.segments[k].role == "tool" and k not in replacements]

@@ -18,6 +18,7 @@ from longstraw_agents.tools import Tool, format_tool_call, make_document_tools
 
 from .answers import number_matches
 from .base import ToolEnv, ToolEnvConfig
+from .context import ContextConfig, SummaryTurn
 from .needle_corpus import MAX_DOCUMENTS, NeedleTask, build_needle_task
 
 # What the scripted episode spends besides the needle documents' filler, measured on the shipped BPE: the prompt
@@ -39,7 +40,12 @@ class NeedleSearchConfig(ToolEnvConfig):
     )
     needles: int = Field(default=2, ge=2, le=12, description="How many documents the answer needs.")
     num_documents: int = Field(default=24, ge=4, le=MAX_DOCUMENTS, description="Documents in the corpus.")
-    max_turns: int = Field(default=8, ge=1, description="Assistant turns per episode (default: 2 * needles + 4).")
+    max_turns: int = Field(
+        default=8,
+        ge=1,
+        description="Assistant turns per episode (default: 2 * needles + 4, and one summary turn per needle more "
+        "with a summary context policy).",
+    )
     max_tokens: int = Field(default=12_288, ge=1, description="Token budget (default: 2 * target_tokens + 4096).")
 
     @model_validator(mode="before")
@@ -52,7 +58,7 @@ class NeedleSearchConfig(ToolEnvConfig):
             if isinstance(target, int) and "max_tokens" not in data:
                 data["max_tokens"] = 2 * target + 4096
             if isinstance(needles, int) and "max_turns" not in data:
-                data["max_turns"] = 2 * needles + 4
+                data["max_turns"] = 2 * needles + 4 + (needles if _summarises(data.get("context")) else 0)
         return data
 
     @model_validator(mode="after")
@@ -70,6 +76,16 @@ class NeedleSearchConfig(ToolEnvConfig):
     def document_tokens(self) -> int:
         """Tokens per needle document so that the scripted episode is about ``target_tokens`` long."""
         return (self.target_tokens - PROMPT_TOKENS) // self.needles - PER_NEEDLE_TOKENS
+
+
+def _summarises(context: Any) -> bool:
+    """Whether a ``context`` setting (a ``ContextConfig`` or its dict form) asks for summary turns."""
+    if isinstance(context, ContextConfig):
+        return isinstance(context.strategy, SummaryTurn)
+    if isinstance(context, dict):
+        strategy = context.get("strategy")
+        return isinstance(strategy, SummaryTurn) or (isinstance(strategy, dict) and strategy.get("kind") == "summary")
+    return False
 
 
 class NeedleSearchEnv(ToolEnv[NeedleTask]):

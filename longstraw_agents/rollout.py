@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import gymnasium
 import numpy as np
 
-from longstraw_agents.envs import ToolEnv, ToolEnvConfig, unwrap_tool_env
+from longstraw_agents.envs import SummaryTurn, ToolEnv, ToolEnvConfig, unwrap_tool_env
 from longstraw_agents.progress import progress_bar
 from longstraw_agents.sampler import Generation, Sampler
 from longstraw_agents.trajectory import Trajectory
@@ -69,6 +69,13 @@ def _capped_budget(config: ToolEnvConfig, max_context: int) -> dict[str, Any] | 
         return None if config.max_tokens <= max_context else {"max_tokens": max_context}
     if context.max_context_tokens <= max_context:
         return None
+    strategy = context.strategy
+    if isinstance(strategy, SummaryTurn) and (strategy.highest_threshold() or 0) >= max_context:
+        raise ContextLimitError(
+            f"the summary threshold ({strategy.threshold}) is not below the model's context limit of {max_context} "
+            "tokens (model.max_context or the model config's max_position_embeddings), which caps "
+            f"context.max_context_tokens={context.max_context_tokens}; lower the threshold or max_context_tokens"
+        )
     return {"context": {**context.model_dump(), "max_context_tokens": max_context}}
 
 
@@ -117,7 +124,7 @@ def reset_prompt(env: ToolEnv, seed: int, options: dict | None = None, max_conte
     try:
         return env.reset(seed=seed, options=options)[0]
     except ValueError as err:
-        if max_context is None or env.config.max_tokens < max_context:
+        if max_context is None or _context_budget(env.config) < max_context:  # the env's own budget binds
             raise
         raise ContextLimitError(
             f"{env.env_id}: the task's prompt does not fit the model's context limit of {max_context} tokens (set by "

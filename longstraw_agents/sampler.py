@@ -64,6 +64,7 @@ class Sampler(Protocol):
     def replace(self, handle: Any, ids: Sequence[int], kept: int) -> None:
         """The member's context is now ``ids`` (the environment edited it); its first ``kept`` tokens are what the
         context held before."""
+        ...
 
     def num_tokens(self, handle: Any) -> int: ...
 

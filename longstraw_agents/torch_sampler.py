@@ -64,8 +64,9 @@ class TorchHandle:
     """A member's position in its episode: the engine state, the next-token logits after it, its own random
     generator and the prompt state it shares with its group (the fork).
 
-    ``marks``: the states where its context was extended by the environment (the prompt, then every observation),
-    oldest first; when the environment edits the context, the new one is captured from the last mark it keeps."""
+    ``marks``: states it may resume from when the environment edits its context, oldest first: the prompt, and with
+    ``TorchSampler(keep_marks=True)`` every turn's end and every observation's; the edited context is captured from
+    the last mark it keeps."""
 
     state: State
     next_logits: torch.Tensor
@@ -86,7 +87,12 @@ class TorchSampler:
         *,
         policy_version: int = 0,
         chunk_size: int = 512,
+        keep_marks: bool = False,
     ):
+        """keep_marks: keep the state after every generated turn and every observation, so that a context edit
+        resumes from the last one it keeps (an eviction recomputes nothing before the output it removes); each costs
+        a recurrent state of hybrid models (attention K/V are shared). Without it an edit resumes from the prompt."""
+        self.keep_marks = keep_marks
         self.engine = model if isinstance(model, Engine) else Engine(model, chunk_size=chunk_size)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         if not self.stop_token_ids:
@@ -120,6 +126,7 @@ class TorchSampler:
                     handle.state, torch.tensor([token]), reserve=self._reserve()
                 )
         handle.history.extend(turn.ids)
+        self._mark(handle)
         return turn.generation()
 
     def generate_batch(
@@ -138,6 +145,7 @@ class TorchSampler:
         self._decode(members, [turn for turn in turns if not turn.done])
         for handle, turn in zip(handles, turns, strict=True):
             handle.history.extend(turn.ids)
+            self._mark(handle)
         return [turn.generation() for turn in turns]
 
     def _decode(self, handles: list[TorchHandle], turns: list[_Turn]) -> None:
@@ -165,7 +173,11 @@ class TorchSampler:
                 handle.state, torch.as_tensor(list(ids), dtype=torch.long), reserve=self._reserve()
             )
         handle.history.extend(int(i) for i in ids)
-        handle.marks.append(handle.state)
+        self._mark(handle)
+
+    def _mark(self, handle: TorchHandle) -> None:
+        if self.keep_marks and handle.state is not handle.marks[-1]:
+            handle.marks.append(handle.state)
 
     def replace(self, handle: TorchHandle, ids: Sequence[int], kept: int) -> None:
         """The environment edited the member's context to ``ids`` (its first ``kept`` tokens unchanged)."""
@@ -177,20 +189,22 @@ class TorchSampler:
         """Edited contexts of several members: each is captured from the last of its marks that the edit keeps
         (its positions and state are unchanged), and what members resuming from the same mark have in common
         after it is captured once for all of them (a group's shared prompt, or every token when they agree)."""
+        if len({id(h) for h in handles}) != len(handles):
+            raise ValueError("replace_batch got the same handle twice")
         empty = self.engine.empty_state()
         requests = [
             _Replacement.of(h, [int(i) for i in c], k, empty) for h, c, k in zip(handles, contexts, kept, strict=True)
         ]
-        by_mark: dict[int, list[_Replacement]] = {}
-        for request in requests:
-            by_mark.setdefault(id(request.mark), []).append(request)
+        by_mark: dict[tuple[int, ...], list[_Replacement]] = {}
+        for request in requests:  # members whose marks hold the same tokens resume from one of them
+            by_mark.setdefault(tuple(request.ids[: request.mark.num_tokens]), []).append(request)
         with torch.no_grad():
             for group in by_mark.values():
                 self._resume(group)
 
     def _resume(self, requests: list[_Replacement]) -> None:
         """Capture the requests' contexts after their common mark: the run they all share once, then each tail."""
-        mark = requests[0].mark
+        mark, kept_marks = requests[0].mark, requests[0].kept_marks
         tails = [r.ids[mark.num_tokens :] for r in requests]
         common = _common_length(tails) if len(requests) > 1 else 0
         common = min(common, min(len(t) for t in tails) - 1)  # every member steps at least its last token
@@ -200,7 +214,7 @@ class TorchSampler:
             handle.state, handle.next_logits = self.engine.step(
                 shared, torch.as_tensor(tail[common:], dtype=torch.long), reserve=self._reserve()
             )
-            handle.marks = [*request.kept_marks, handle.state]
+            handle.marks = [*kept_marks, handle.state] if self.keep_marks else list(kept_marks)
             handle.history = request.ids
             if handle.prefix is not None and handle.prefix.num_tokens > mark.num_tokens:
                 handle.prefix = None  # the edit reached into the shared prompt: decode without it

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from longstraw_agents.cli import build_parser, main
-from longstraw_agents.envs import SummaryTurn, tool_instructions, unwrap_tool_env
+from longstraw_agents.envs import ScriptedPolicy, SummaryTurn, run_episode, tool_instructions, unwrap_tool_env
 from longstraw_agents.sampler import OpenAISampler, SamplingConfig
 from longstraw_agents.store import Store
 from longstraw_agents.tokenizer import load_tokenizer
@@ -173,3 +173,6 @@ def test_the_context_policy_snippet_builds_its_environment() -> None:
     config = unwrap_tool_env(gymnasium.make(env["id"], **env["kwargs"])).config
     assert config.context is not None and config.context.max_context_tokens == 4096
     assert config.context.strategy == SummaryTurn(threshold=2560)
+    built = gymnasium.make(env["id"], **env["kwargs"])
+    solved = run_episode(built, ScriptedPolicy(built), seed=0)  # its default max_turns counts the summary turns
+    assert solved.reward == 1.0 and sum(e.kind == "summary" for e in solved.edits) > 5

@@ -320,6 +320,14 @@ def test_a_prompt_over_the_model_context_names_the_model_limit(model, tokenizer)
     with pytest.raises(ValueError, match="raise max_tokens") as err:  # the env's own budget: its advice stands
         rollout_group(make_env_factory(ENV_ID, {**ENV_KWARGS, "max_tokens": 16}), sampler, G, 0, "g", RolloutLimits(8))
     assert not isinstance(err.value, ContextLimitError)
+    # a context budget of the env's own below the model's: its advice stands, whatever max_tokens is
+    kwargs = {**ENV_KWARGS, "max_tokens": 100_000, "context": {"max_context_tokens": 16}}
+    with pytest.raises(ValueError, match="more than context.max_context_tokens=16") as err:
+        rollout_group(make_env_factory(ENV_ID, kwargs, 4096), sampler, G, 0, "g", RolloutLimits(8, 4096))
+    assert not isinstance(err.value, ContextLimitError)
+    # the model's context caps a larger context budget (not max_tokens: the episode may be longer than the context)
+    capped = unwrap_tool_env(make_env_factory(ENV_ID, {**kwargs, "context": {"max_context_tokens": 9000}}, 512)())
+    assert capped.config.context.max_context_tokens == 512 and capped.config.max_tokens == 100_000
 
 
 def test_an_unreachable_server_writes_no_episode(tokenizer, tmp_path: Path):
@@ -353,6 +361,55 @@ def test_summary_turns_edit_the_context_and_each_turn_was_sampled_from_its_physi
         assert len(sequences) > 1 and all(len(s.segments) < len(trajectory.segments) for s in sequences)
         for sequence in sequences:
             rendered = trajectory.render_sequence(sequence)
+            with torch.no_grad():
+                logits = model(torch.as_tensor(rendered.token_ids[None, :-1], dtype=torch.long)).logits[0].double()
+            positions = np.flatnonzero(rendered.loss_mask)
+            expected = torch.log_softmax(logits, dim=-1)[positions - 1, rendered.token_ids[positions]].numpy()
+            np.testing.assert_allclose(rendered.logprobs[positions], expected, atol=1e-4)
+
+
+class PagingEnv(ToolEnv[int]):
+    """Every turn is answered with the next page of a book as a tool output (a stand-in for an agent that reads a
+    tool each turn: a random policy never writes a well-formed call), so evictions happen under any policy."""
+
+    instructions = "Read the book."
+
+    def make_task(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(1000))
+
+    def user_prompt(self, task: int) -> str:
+        return f"Read book {task}."
+
+    def score(self, task: int, answer: str) -> float:
+        return float(answer == str(task))
+
+    def _observation(self, results, content, turn, *, closes_turn, add_generation_prompt=True):
+        page = f"page {turn} of book {self.task}: " + "the river runs by the old mill " * 12
+        segment = self.formatter.tool_observation([page], turn, add_generation_prompt)
+        return segment if closes_turn else self._closing(segment)
+
+
+def test_evictions_resume_sampling_from_the_kept_turn_and_each_turn_was_sampled_from_its_sequence(model, tokenizer):
+    """Tool outputs evicted under a budget, the sampler resuming each member from a state the edit keeps
+    (``keep_marks``; which one: tests/test_torch_sampler.py): every sampled token's behaviour logprob is the
+    model's in the physical sequence the trajectory says it was generated under."""
+    prompt = len(PagingEnv().reset(seed=0)[0])
+    context = {"max_context_tokens": prompt + 600}
+
+    def factory() -> ToolEnv:
+        return PagingEnv(tokenizer=tokenizer, max_turns=6, context=context)
+
+    sampler = TorchSampler(
+        model, [tokenizer.eos_token_id], SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, seed=0), keep_marks=True
+    )
+    trajectories = rollout_group(factory, sampler, G, seed=0, group_id="g", limits=RolloutLimits(MAX_NEW_TOKENS))
+
+    for trajectory in trajectories:
+        assert trajectory.finish_reason == "max_turns" and len(trajectory.edits) >= 2
+        assert {e.kind for e in trajectory.edits} == {"evict"}
+        for sequence in trajectory.physical_sequences():
+            rendered = trajectory.render_sequence(sequence)
+            assert len(rendered.token_ids) <= prompt + 600 + MAX_NEW_TOKENS
             with torch.no_grad():
                 logits = model(torch.as_tensor(rendered.token_ids[None, :-1], dtype=torch.long)).logits[0].double()
             positions = np.flatnonzero(rendered.loss_mask)

@@ -166,10 +166,12 @@ def count_forward_tokens(sampler: TorchSampler, monkeypatch) -> list[int]:
     return pieces
 
 
-def test_an_edited_context_resumes_from_the_last_observation_it_keeps(model, monkeypatch):
+@pytest.mark.parametrize("keep_marks", [True, False])
+def test_an_edited_context_resumes_from_the_last_state_it_keeps(model, monkeypatch, keep_marks):
     """After an edit that keeps the prompt and the first turn, the member's next-token distribution is a fresh
-    forward's over the new context, and only the tokens after the kept observation are evaluated."""
-    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=5, seed=1), chunk_size=4)
+    forward's over the new context. With marks only the tokens after the kept turn's observation are evaluated,
+    without them everything after the prompt."""
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=5, seed=1), chunk_size=4, keep_marks=keep_marks)
     prompt = list(range(20, 31))
     [handle] = sampler.fork(prompt, 1)
     sampler.generate(handle)
@@ -177,12 +179,13 @@ def test_an_edited_context_resumes_from_the_last_observation_it_keeps(model, mon
     kept = len(handle.history)
     sampler.generate(handle)
     sampler.append(handle, [43, 44, 45, 46])
+    assert len(handle.marks) == (5 if keep_marks else 1)  # prompt, two turns, two observations
     edited = handle.history[:kept] + [50, 51] + handle.history[kept + 2 :]  # two tokens replaced after the kept ones
 
     pieces = count_forward_tokens(sampler, monkeypatch)
     sampler.replace(handle, edited, kept)
 
-    assert sum(pieces) == len(edited) - kept  # resumed from the mark after the first observation
+    assert sum(pieces) == len(edited) - (kept if keep_marks else len(prompt))
     assert handle.history == edited and sampler.num_tokens(handle) == len(edited)
     assert torch.allclose(torch.log_softmax(handle.next_logits.double(), -1), full_logprobs(model, edited)[-1])
     generation = sampler.generate(handle)  # and sampling goes on from there
@@ -191,9 +194,26 @@ def test_an_edited_context_resumes_from_the_last_observation_it_keeps(model, mon
         assert lp == pytest.approx(float(reference[len(edited) + k - 1, token]), abs=1e-6)
 
 
+def test_an_eviction_right_after_a_turn_resumes_from_that_turns_end(model, monkeypatch):
+    """An eviction keeps everything up to the output it removes: the state after the turn that asked for it."""
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=4, seed=3), chunk_size=4, keep_marks=True)
+    [handle] = sampler.fork(list(range(20, 31)), 1)
+    sampler.generate(handle)
+    kept = len(handle.history)
+    sampler.append(handle, [40, 41, 42, 43, 44])  # the output that will go
+    sampler.generate(handle)
+    edited = handle.history[:kept] + [60] + handle.history[kept + 5 :]  # the output replaced by a placeholder
+    pieces = count_forward_tokens(sampler, monkeypatch)
+    sampler.replace(handle, edited + [70, 71], kept)
+    assert sum(pieces) == len(edited) + 2 - kept
+    assert torch.allclose(
+        torch.log_softmax(handle.next_logits.double(), -1), full_logprobs(model, edited + [70, 71])[-1]
+    )
+
+
 def test_members_resuming_from_one_mark_capture_what_they_share_once(model, monkeypatch):
     """Two members whose edits keep only the group's prompt and agree on the next 9 tokens: those are evaluated
-    once for both, then each its own tail."""
+    once for both, then each its own tail; batched decoding goes on from there with the model's distribution."""
     sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=4, seed=2), chunk_size=4)
     prompt = list(range(20, 31))
     handles = sampler.fork(prompt, 2)
@@ -208,8 +228,28 @@ def test_members_resuming_from_one_mark_capture_what_they_share_once(model, monk
         assert handle.history == context
         assert torch.allclose(torch.log_softmax(handle.next_logits.double(), -1), full_logprobs(model, context)[-1])
     generations = sampler.generate_batch(handles)  # the batched decoder still reads the shared prompt once
-    for handle, generation in zip(handles, generations, strict=True):
-        assert handle.history[-len(generation.token_ids) :] == generation.token_ids
+    for context, generation in zip(contexts, generations, strict=True):
+        reference = full_logprobs(model, context + generation.token_ids)
+        for k, (token, lp) in enumerate(zip(generation.token_ids, generation.logprobs, strict=True)):
+            assert lp == pytest.approx(float(reference[len(context) + k - 1, token]), abs=1e-6)
+
+
+def test_members_with_the_same_tokens_share_their_resumed_capture(model, monkeypatch):
+    """Marks of different members holding the same tokens (the same observation appended to both) are one: the
+    edited contexts after them are captured once when they agree."""
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=4, seed=2), chunk_size=4, keep_marks=True)
+    prompt = list(range(20, 31))
+    handles = sampler.fork(prompt, 2)
+    for handle in handles:
+        sampler.append(handle, [40, 41, 42])
+    assert handles[0].marks[-1] is not handles[1].marks[-1]
+    kept = len(prompt) + 3
+    context = prompt + [40, 41, 42] + [80, 81, 82, 83]
+    pieces = count_forward_tokens(sampler, monkeypatch)
+    sampler.replace_batch(handles, [context, context], [kept, kept])
+    assert sum(pieces) == 3 + 1 + 1  # the shared run once, then each member its last token
+    with pytest.raises(ValueError, match="the same handle twice"):
+        sampler.replace_batch([handles[0], handles[0]], [context, context], [kept, kept])
 
 
 def test_an_edit_that_does_not_keep_what_it_claims_is_refused(model):

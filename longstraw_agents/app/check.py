@@ -134,7 +134,10 @@ def check_prompt_fits(config: TrainConfig, model_config: PretrainedConfig, token
 
     max_context = context_limit(model_config, config.model.max_context)
     kwargs = {**config.env.kwargs, "tokenizer": tokenizer}
-    env = unwrap_tool_env(make_env_factory(config.env.id, kwargs, max_context)())
+    try:  # the model's context caps the env's budget: a summary threshold above it cannot be kept
+        env = unwrap_tool_env(make_env_factory(config.env.id, kwargs, max_context)())
+    except ValueError as err:
+        raise ConfigError(f"env: {err}") from None
     try:
         reset_prompt(env, task_seed(config.seed, 0, 0), max_context=max_context)
     except ValueError as err:

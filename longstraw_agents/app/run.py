@@ -47,11 +47,11 @@ from longstraw_agents.app.reporting import Reporter
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.app.served import ServedPolicy
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
+from longstraw_agents.envs import Eviction, ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.fsdp import OneRankGather, gathered
-from longstraw_agents.rollout import make_env_factory, reset_prompt
+from longstraw_agents.rollout import EnvFactory, make_env_factory, reset_prompt
 from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import Store
 from longstraw_agents.torch_sampler import TorchSampler
@@ -81,6 +81,16 @@ def build_policy(spec: ModelSpec, config: PretrainedConfig, seed: int) -> torch.
             raise ConfigError(f"model.path: cannot load the weights in {spec.path}: {err}") from None
         return model.eval()
     return build_model(config, dtype=dtype, seed=seed)
+
+
+def _evicts(env_factory: EnvFactory) -> bool:
+    """Whether the run's env evicts tool outputs: its edits keep most of the context, so the sampler keeps a state
+    at every turn to resume from (``TorchSampler(keep_marks=True)``); summaries keep only the prompt."""
+    env = unwrap_tool_env(env_factory())
+    try:
+        return env.config.context is not None and isinstance(env.config.context.strategy, Eviction)
+    finally:
+        env.close()
 
 
 def max_context_of(model: torch.nn.Module, spec: ModelSpec) -> int | None:
@@ -139,6 +149,7 @@ class Run:
         self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), self.max_context)
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
         self._check_prompt_fits()
+        self.keep_marks = _evicts(self.env_factory)
         # Nothing is written before the configuration is known to run: a config error leaves no run directory, and a
         # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None
@@ -225,7 +236,13 @@ class Run:
         sampling = self.config.sampling if seed is None else self.config.sampling.model_copy(update={"seed": seed})
         if self.served is not None:  # the server, once it serves the trainer's weights
             return self.served.sampler(self.trainer.engine.model, self.trainer.policy_version, self.stop_ids, sampling)
-        return TorchSampler(self.sampling_engine, self.stop_ids, sampling, policy_version=self.trainer.policy_version)
+        return TorchSampler(
+            self.sampling_engine,
+            self.stop_ids,
+            sampling,
+            policy_version=self.trainer.policy_version,
+            keep_marks=self.keep_marks,
+        )
 
     def sampling_weights(self) -> contextlib.AbstractContextManager[Any]:
         """The policy's weights for a block of sampling, entered by every rank together (FSDP2's gathers are

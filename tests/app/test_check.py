@@ -186,3 +186,17 @@ def test_a_server_that_cannot_load_weights_is_refused(tmp_path: Path, capsys) ->
         httpd.server_close()
     assert code == 2 and error_fields(err) == {"policy.served.weight_sync"}
     assert "no POST /update_weights_from_disk" in err and "vLLM is not supported yet" in err
+
+
+def test_a_summary_threshold_above_the_models_context_is_one_line_naming_it(tmp_path: Path, capsys) -> None:
+    """The model's context caps the env's context budget; a summary threshold that no longer fits below it is
+    refused by --check and by a run, in one line, before anything is written."""
+    context = {"max_context_tokens": 4096, "strategy": {"kind": "summary", "threshold": 2560}}
+    env = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"context": context}}
+    model = {"preset": "llama", "overrides": {"hidden": 32, "layers": 1}, "max_context": 2048}
+    config = tiny_config_dict(tmp_path / "run", env=env, model=model)
+    code, _, err = check(tmp_path, config, capsys)
+    assert code == 2 and "env: the summary threshold (2560) is not below the model's context limit of 2048" in err
+    assert main(["train", str(tmp_path / "config.yaml")]) == 2
+    assert capsys.readouterr().err.startswith("error: the summary threshold (2560)")
+    assert not (tmp_path / "run").exists()

@@ -263,7 +263,7 @@ def test_the_context_limit_stops_at_a_sliding_window_the_engine_cannot_pass() ->
 
 
 def test_a_needle_search_run_with_a_context_budget_smaller_than_its_episodes_trains_on_edited_episodes(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``longstraw train`` on NeedleSearch with a summary context policy: the random policy's episodes outgrow the
     budget, ask for summaries and continue from them; the store keeps the edits, each step trains over the physical
@@ -285,6 +285,9 @@ def test_a_needle_search_run_with_a_context_budget_smaller_than_its_episodes_tra
     lengths = sum(sum(len(t.segments[k]) for k in s.segments) for t in episodes for s in t.physical_sequences())
     assert step["sequence_tokens"] == lengths > step["unique_tokens"] and len(sequences) > len(episodes)
 
+    main(["inspect", str(run / "trajectories.db"), "--episode", str(1)])
+    shown = capsys.readouterr().out
+    assert f"{len(episodes[0].edits)} context edit" in shown and "summarize segments" in shown
     # offline replay of the run's group (one reward raised, so that the group trains) goes over the same sequences
     with closing(sqlite3.connect(run / "trajectories.db")) as db, db:
         db.execute("UPDATE episodes SET reward = 1.0 WHERE id = (SELECT MIN(id) FROM episodes)")

@@ -8,7 +8,6 @@ physical sequences are exactly those contexts, each action carrying loss in the 
 from __future__ import annotations
 
 import gymnasium
-import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -110,11 +109,21 @@ def test_a_drawn_threshold_is_shared_by_a_group_and_varies_between_tasks() -> No
 
 
 def test_a_context_that_cannot_be_brought_under_budget_ends_the_episode() -> None:
-    """A document longer than the budget with nothing left to evict: the episode ends, reward 0, nothing lost."""
-    trajectory, _, _ = play(make({"kind": "evict"}, target_tokens=16_384), seed=3)
+    """A document longer than the budget, with nothing left to evict: the turn that opened it is the last (logged;
+    the observation that cannot fit is not), reward 0, and every turn was still generated within the budget."""
+    trajectory, turns, _ = play(make({"kind": "evict"}, target_tokens=16_384), seed=3)
     assert trajectory.finish_reason == "context_limit" and trajectory.reward == 0.0
-    whole = trajectory.physical_sequences(keep_empty=True)[-1]
-    assert sum(len(trajectory.segments[k]) for k in whole.segments) > BUDGET
+    assert trajectory.segments[-1].role == "assistant"
+    assert generated_under(trajectory) == [(list(context), action) for context, action in turns]
+    assert all(len(context) <= BUDGET for context, _ in turns)
+
+
+def test_the_episode_budget_counts_placeholders_and_an_output_longer_than_its_placeholder_is_evicted() -> None:
+    """max_tokens binds every segment logged, placeholders included: an episode ends at it rather than pass it."""
+    trajectory, _, changes = play(make({"kind": "evict"}, max_tokens=8142), seed=3)
+    assert trajectory.num_tokens <= 8142 and trajectory.finish_reason == "max_tokens"
+    for edit in trajectory.edits:
+        assert len(trajectory.segments[edit.removed[0]]) > len(trajectory.segments[edit.replacement])
 
 
 def test_without_a_context_policy_nothing_is_edited() -> None:
@@ -130,6 +139,7 @@ def test_without_a_context_policy_nothing_is_edited() -> None:
         ({"max_context_tokens": 4096, "strategy": {"kind": "summary", "threshold": [3000, 2000]}}, "low <= high"),
         ({"max_context_tokens": 4096, "strategy": {"kind": "compact"}}, "does not match any of the expected tags"),
         ({"max_context_tokens": 0}, "greater than or equal to 1"),
+        ({"max_context_tokens": 9, "strategy": {"kind": "evict", "placeholder": "[{what}]"}}, r"use \{turn\} and"),
     ],
 )
 def test_bad_context_settings_are_refused_naming_the_problem(context: dict, match: str) -> None:
@@ -141,7 +151,6 @@ def test_a_prompt_over_the_context_budget_is_refused() -> None:
     env = gymnasium.make(NEEDLE, context={"max_context_tokens": 100})
     with pytest.raises(ValueError, match="more than context.max_context_tokens=100"):
         env.reset(seed=0)
-    assert np.array_equal(gymnasium.make(NEEDLE).reset(seed=0)[0], gymnasium.make(NEEDLE).reset(seed=0)[0])
 
 
 def test_the_reference_summary_of_an_env_without_its_own_says_what_its_turns_did() -> None:
