@@ -5,7 +5,7 @@ the ones the policy actually sampled and the environment actually appended: a po
 tokenisation, two pieces encoded separately may merge differently when encoded together, and a special-token string
 inside a document is text in the token view but a control token once the transcript is re-encoded. Training on the
 re-encoded ids then scores tokens the policy never produced. ``audit_drift`` compares the two views and says where
-they part; ``check_trajectory`` does it per segment and for the whole rendered sequence.
+they part; ``check_trajectory`` does it per segment and for each context the episode was rendered into.
 """
 
 from __future__ import annotations
@@ -68,14 +68,21 @@ class DriftReport:
 
 @dataclass(frozen=True)
 class TrajectoryDriftReport:
-    """Drift of each segment (its ``text`` against its ids) and of the whole rendered sequence."""
+    """Drift of each segment (its ``text`` against its ids) and of each context the episode was rendered into: the
+    one whole sequence of an episode that only appended, every context (``physical_sequences(keep_empty=True)``) of
+    one that edited its context, whose edits make joins the log does not have."""
 
     segments: tuple[DriftReport, ...]
-    whole: DriftReport
+    sequences: tuple[DriftReport, ...]
+
+    @property
+    def whole(self) -> DriftReport:
+        """The first context's report: the whole sequence of an episode that only appended."""
+        return self.sequences[0]
 
     @property
     def ok(self) -> bool:
-        return self.whole.ok and all(report.ok for report in self.segments)
+        return all(report.ok for report in self.sequences) and all(report.ok for report in self.segments)
 
     @property
     def drifted_segments(self) -> list[int]:
@@ -83,10 +90,12 @@ class TrajectoryDriftReport:
 
     def __str__(self) -> str:
         if self.ok:
-            return f"no drift ({len(self.segments)} segments, {self.whole.num_actual} tokens)"
+            tokens = sum(report.num_actual for report in self.sequences)
+            return f"no drift ({len(self.segments)} segments, {tokens} tokens)"
         lines = [f"segment {i}: {self.segments[i]}" for i in self.drifted_segments]
-        if not self.whole.ok:
-            lines.append(f"whole sequence: {self.whole}")
+        for k, report in enumerate(self.sequences):
+            if not report.ok:
+                lines.append(f"{'whole sequence' if len(self.sequences) == 1 else f'context {k}'}: {report}")
         return "\n".join(lines)
 
 
@@ -160,9 +169,16 @@ def audit_drift(
 def check_trajectory(
     tokenizer: Tokenizer, trajectory: Trajectory, *, context: int = DEFAULT_CONTEXT
 ) -> TrajectoryDriftReport:
-    """Audit every segment's ``text`` against its ids, and the concatenated text against the rendered ids (which
+    """Audit every segment's ``text`` against its ids, and each context's concatenated text against its ids (which
     also catches pieces that re-encode differently once joined across a segment boundary)."""
     segments = tuple(audit_drift(tokenizer, segment.text, segment.token_ids, context=context) for segment in trajectory)
-    whole_text = "".join(segment.text for segment in trajectory)
-    whole = audit_drift(tokenizer, whole_text, trajectory.token_ids(), context=context)
-    return TrajectoryDriftReport(segments=segments, whole=whole)
+    sequences = tuple(
+        audit_drift(
+            tokenizer,
+            "".join(trajectory.segments[k].text for k in sequence.segments),
+            trajectory.render_sequence(sequence).token_ids,
+            context=context,
+        )
+        for sequence in (trajectory.physical_sequences(keep_empty=True) if trajectory.segments else [])
+    ) or (audit_drift(tokenizer, "", trajectory.token_ids(), context=context),)
+    return TrajectoryDriftReport(segments=segments, sequences=sequences)

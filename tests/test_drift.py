@@ -7,7 +7,7 @@ import pytest
 from longstraw_agents.chat import ChatFormatter
 from longstraw_agents.drift import audit_drift, check_trajectory, compare_ids
 from longstraw_agents.tokenizer import IM_END, TiktokenTokenizer, load_tokenizer
-from longstraw_agents.trajectory import Trajectory
+from longstraw_agents.trajectory import Segment, Trajectory
 
 CONVERSATION = [
     {"role": "system", "content": "Use the calculator."},
@@ -115,3 +115,23 @@ def test_compare_ids_counts_and_regions(tokenizer: TiktokenTokenizer) -> None:
     assert truncated.first_mismatch == 2 and truncated.num_differing == 0 and not truncated.ok
     assert truncated.actual_window_ids == (6,) and truncated.reencoded_window_ids == (6, 7)
     assert compare_ids(tokenizer, [], []).ok
+
+
+def test_check_trajectory_audits_the_joins_an_edit_makes(tokenizer: TiktokenTokenizer, chat: ChatFormatter) -> None:
+    """A turn cut before ``<|im_end|>`` is closed by the observation that follows it (no drift in the log); an edit
+    that puts an unclosed placeholder there joins ".\\n" across the boundary: drift in the edited context only."""
+    cut = tokenizer.encode("The answer is 42.")
+    closing = [tokenizer.eos_token_id, *chat.observation("tool", "page", turn=0).token_ids]
+    trajectory = Trajectory(
+        segments=[
+            *chat.prompt(CONVERSATION[:2]),
+            chat.assistant(cut, turn=0),
+            Segment("tool", closing, text=tokenizer.decode(closing)),
+        ]
+    )
+    assert check_trajectory(tokenizer, trajectory).ok
+    trajectory.evict([len(trajectory.segments) - 1], chat.observation("tool", "[removed]", turn=0))
+    report = check_trajectory(tokenizer, trajectory)
+    assert report.drifted_segments == [] and len(report.sequences) == 2
+    assert report.sequences[0].ok and not report.sequences[1].ok and not report.ok
+    assert str(report).startswith("context 1: drift")
