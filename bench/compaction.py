@@ -135,9 +135,7 @@ def measure(model: PreTrainedModel, strategy: str, episodes: list[Trajectory], c
         "episodes": len(episodes),
         "edits": sum(len(t.edits) for t in episodes),
         "logged_tokens": sum(t.num_tokens for t in episodes),
-        "longest_sequence": max(
-            sum(len(t.segments[k]) for k in s.segments) for t in episodes for s in t.physical_sequences()
-        ),
+        "longest_sequence": max(t.num_tokens_of(s.segments) for t in episodes for s in t.physical_sequences()),
         "sequences": stats.sequences,
         "sequence_tokens": stats.sequence_tokens,
         "forest_tokens": stats.unique_tokens,

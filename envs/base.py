@@ -60,7 +60,7 @@ from longstraw_agents.tools import Tool, ToolCall, ToolCallError, ToolRegistry, 
 from longstraw_agents.trajectory import FinishReason, Segment, Trajectory
 
 from .answers import ANSWER_CLOSE, ANSWER_OPEN, find_answer
-from .context import ContextChange, ContextConfig, Eviction, SummaryTurn, context_tokens, evictable, kept_tokens
+from .context import ContextChange, ContextConfig, Eviction, SummaryTurn, evictable, kept_tokens
 
 TaskT = TypeVar("TaskT")
 
@@ -126,19 +126,17 @@ class _Episode(Generic[TaskT]):
 
     @property
     def context_tokens(self) -> int:
-        return context_tokens(self.trajectory, self.context)
+        return self.trajectory.num_tokens_of(self.context)
 
     def context_ids(self) -> np.ndarray:
         return np.concatenate([self.trajectory.segments[k].token_ids for k in self.context]).astype(np.int64)
 
     def evict(self, segment: int, placeholder: Segment) -> None:
         self.num_tokens += len(placeholder)
-        self.trajectory.evict([segment], placeholder)
-        self.context = self.trajectory.context()
+        self.context = self.trajectory.evict([segment], placeholder).applied_to(self.context)
 
     def summarize(self, segments: list[int], summary: int) -> None:
-        self.trajectory.summarize(segments, summary)
-        self.context = self.trajectory.context()
+        self.context = self.trajectory.summarize(segments, summary).applied_to(self.context)
 
 
 class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
@@ -553,7 +551,7 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             return self._finish(episode, summary, "max_tokens", Score(0.0), [], [], None)
         first_turn = next(k for k in episode.context if episode.trajectory.segments[k].role == "assistant")
         kept = episode.context[: episode.context.index(first_turn)]
-        if context_tokens(episode.trajectory, kept) + len(summary) + len(resume) > context.max_context_tokens:
+        if episode.trajectory.num_tokens_of(kept) + len(summary) + len(resume) > context.max_context_tokens:
             return self._finish(episode, summary, "context_limit", Score(0.0), [], [], None)
         episode.append(summary)
         before, edits = list(episode.context), len(episode.trajectory.edits)

@@ -135,10 +135,6 @@ class ContextChange:
         }
 
 
-def context_tokens(trajectory: Trajectory, context: list[int]) -> int:
-    return sum(len(trajectory.segments[k]) for k in context)
-
-
 def kept_tokens(trajectory: Trajectory, before: list[int], after: list[int]) -> int:
     """Tokens of the longest run of segments ``before`` and ``after`` start with."""
     kept = 0

@@ -60,7 +60,7 @@ def read_episode(fmt: ChatFormatter, pages: list[str], order: list[int], budget:
 
 
 def _context_tokens(t: Trajectory) -> int:
-    return sum(len(t.segments[k]) for k in t.context())
+    return t.num_tokens_of(t.context())
 
 
 def _edit(fmt: ChatFormatter, t: Trajectory, turn: int, budget: int, summarise: bool) -> None:
@@ -112,7 +112,7 @@ def main() -> None:
     print(f"episode 0: {len(first.segments)} segments logged, {len(first.edits)} edits, reward {first.reward}")
     for seq in first.physical_sequences():
         print(
-            f"  a physical sequence of {sum(len(first.segments[k]) for k in seq.segments):,} tokens "
+            f"  a physical sequence of {first.num_tokens_of(seq.segments):,} tokens "
             f"({len(seq.segments)} segments, {len(seq.own())} written under it)"
         )
     if args.out is not None:

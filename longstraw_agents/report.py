@@ -126,7 +126,7 @@ def transcript_text(record: EpisodeRecord, max_text: int = 120) -> str:
 def _edits_lines(trajectory: Trajectory) -> list[str]:
     """The physical sequences (what the trainer trains as members) and one line per context edit."""
     sequences = trajectory.physical_sequences()
-    sizes = [sum(len(trajectory.segments[k]) for k in seq.segments) for seq in sequences]
+    sizes = [trajectory.num_tokens_of(seq.segments) for seq in sequences]
     loss = [sum(int(trajectory.segments[k].loss_mask.sum()) for k in seq.own()) for seq in sequences]
     lines = [
         f"  {_count(len(trajectory.edits), 'context edit')}, {_count(len(sequences), 'physical sequence')}:"

@@ -178,7 +178,7 @@ class OpenAISampler:
     def replace(self, handle: OpenAIHandle, ids: Sequence[int], kept: int) -> None:
         """The next request sends the edited context ``ids`` whole (the server's prefix cache finds the ``kept``
         tokens it still holds)."""
-        _check_kept(handle.token_ids, ids, kept)
+        check_kept(handle.token_ids, ids, kept)
         handle.token_ids = [int(i) for i in ids]
 
     def _next_seed(self) -> int:
@@ -252,7 +252,7 @@ class OpenAISampler:
         self.policy_version = version
 
 
-def _check_kept(old: Sequence[int], new: Sequence[int], kept: int) -> None:
+def check_kept(old: Sequence[int], new: Sequence[int], kept: int) -> None:
     """An edit keeps the first ``kept`` tokens of the context: refuse a replacement that says otherwise."""
     if not 0 <= kept <= min(len(old), len(new)) or list(old[:kept]) != list(new[:kept]):
         raise ValueError(f"the edited context does not start with the {kept} tokens it is said to keep")

@@ -21,7 +21,7 @@ import torch
 
 from longstraw_agents.decoding import Decoder, Member
 from longstraw_agents.engine import Engine
-from longstraw_agents.sampler import FinishReason, Generation, SamplingConfig, request_seed
+from longstraw_agents.sampler import FinishReason, Generation, SamplingConfig, check_kept, request_seed
 from longstraw_agents.state import State
 
 
@@ -249,8 +249,7 @@ class _Replacement:
     @classmethod
     def of(cls, handle: TorchHandle, ids: list[int], kept: int, empty: State) -> _Replacement:
         """``empty``: where to start when the edit keeps less than the prompt."""
-        if not 0 <= kept <= min(len(handle.history), len(ids)) or handle.history[:kept] != ids[:kept]:
-            raise ValueError(f"the edited context does not start with the {kept} tokens it is said to keep")
+        check_kept(handle.history, ids, kept)
         if len(ids) <= kept:
             raise ValueError("an edited context must hold new tokens after the ones it keeps")
         return cls(handle, ids, [m for m in handle.marks if m.num_tokens <= kept] or [empty])

@@ -168,6 +168,28 @@ class ContextEdit:
         if self.kind not in ("evict", "summary"):
             raise ValueError(f"unknown edit kind {self.kind!r}; expected 'evict' or 'summary'")
 
+    def applied_to(self, context: list[int]) -> list[int]:
+        """``context`` (log indices) after this edit; refuses an edit that does not fit it (with what is wrong)."""
+        removed = list(self.removed)
+        missing = [k for k in removed if k not in context]
+        if missing:
+            raise ValueError(f"context edit removes segments {missing}, which are not in the context {context}")
+        first = context.index(removed[0])
+        if context[first : first + len(removed)] != removed:
+            raise ValueError(
+                f"context edit must remove consecutive context segments in order; got {removed} in {context}"
+            )
+        rest = context[:first] + context[first + len(removed) :]
+        if self.replacement is None:
+            return rest
+        if self.replacement > self.before or self.replacement < 0:
+            raise ValueError(
+                f"replacement {self.replacement} is neither logged yet nor the next segment ({self.before})"
+            )
+        if self.replacement in rest:
+            raise ValueError(f"replacement {self.replacement} is already in the context")
+        return rest[:first] + [self.replacement] + rest[first:]
+
 
 @dataclass(frozen=True)
 class PhysicalSequence:
@@ -222,6 +244,10 @@ class Trajectory:
     def is_edited(self) -> bool:
         return bool(self.edits)
 
+    def num_tokens_of(self, segments: Iterable[int]) -> int:
+        """Tokens of the log segments ``segments`` (a context, a physical sequence's ``segments``)."""
+        return sum(len(self.segments[k]) for k in segments)
+
     # --- context edits ---------------------------------------------------------------------------------------------
     def evict(self, segments: Sequence[int], placeholder: Segment) -> ContextEdit:
         """Remove the consecutive context segments ``segments`` (log indices) and put ``placeholder`` (logged now,
@@ -237,7 +263,7 @@ class Trajectory:
     def _edit(self, segments: Sequence[int], replacement: Segment | int | None, kind: EditKind) -> ContextEdit:
         index = len(self.segments) if isinstance(replacement, Segment) else replacement
         edit = ContextEdit(before=len(self.segments), removed=tuple(segments), replacement=index, kind=kind)
-        _apply(edit, self.context())  # validates against the current context before anything changes
+        edit.applied_to(self.context())  # validates against the current context before anything changes
         self.edits.append(edit)
         if isinstance(replacement, Segment):
             self.segments.append(_as_context(replacement))
@@ -265,7 +291,7 @@ class Trajectory:
                 if edit.replacement is not None and edit.replacement >= len(self.segments):
                     raise ValueError(f"context edit {edit}: its replacement segment is not in the log")
                 sequences.append(PhysicalSequence(tuple(context), opened, index))
-                context, opened = _apply(edit, context), index
+                context, opened = edit.applied_to(context), index
                 placed.update(context)
                 edit = next(pending, None)
             if index < len(self.segments) and index not in placed:
@@ -367,25 +393,6 @@ class Trajectory:
         mask = self.loss_mask()
         hits = np.flatnonzero(mask)
         return int(hits[0]) if hits.size else int(mask.size)
-
-
-def _apply(edit: ContextEdit, context: list[int]) -> list[int]:
-    """``context`` after ``edit``; refuses an edit that does not fit it (with what is wrong)."""
-    removed = list(edit.removed)
-    missing = [k for k in removed if k not in context]
-    if missing:
-        raise ValueError(f"context edit removes segments {missing}, which are not in the context {context}")
-    first = context.index(removed[0])
-    if context[first : first + len(removed)] != removed:
-        raise ValueError(f"context edit must remove consecutive context segments in order; got {removed} in {context}")
-    rest = context[:first] + context[first + len(removed) :]
-    if edit.replacement is None:
-        return rest
-    if edit.replacement > edit.before or edit.replacement < 0:
-        raise ValueError(f"replacement {edit.replacement} is neither logged yet nor the next segment ({edit.before})")
-    if edit.replacement in rest:
-        raise ValueError(f"replacement {edit.replacement} is already in the context")
-    return rest[:first] + [edit.replacement] + rest[first:]
 
 
 def _as_context(segment: Segment) -> Segment:

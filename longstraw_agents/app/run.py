@@ -47,11 +47,11 @@ from longstraw_agents.app.reporting import Reporter
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.app.served import ServedPolicy
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.envs import Eviction, ScriptedPolicy, run_episode, unwrap_tool_env
+from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.fsdp import OneRankGather, gathered
-from longstraw_agents.rollout import EnvFactory, make_env_factory, reset_prompt
+from longstraw_agents.rollout import make_env_factory, reset_prompt
 from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import Store
 from longstraw_agents.torch_sampler import TorchSampler
@@ -83,14 +83,10 @@ def build_policy(spec: ModelSpec, config: PretrainedConfig, seed: int) -> torch.
     return build_model(config, dtype=dtype, seed=seed)
 
 
-def _evicts(env_factory: EnvFactory) -> bool:
+def _evicts(env_config: ToolEnvConfig) -> bool:
     """Whether the run's env evicts tool outputs: its edits keep most of the context, so the sampler keeps a state
     at every turn to resume from (``TorchSampler(keep_marks=True)``); summaries keep only the prompt."""
-    env = unwrap_tool_env(env_factory())
-    try:
-        return env.config.context is not None and isinstance(env.config.context.strategy, Eviction)
-    finally:
-        env.close()
+    return env_config.context is not None and isinstance(env_config.context.strategy, Eviction)
 
 
 def max_context_of(model: torch.nn.Module, spec: ModelSpec) -> int | None:
@@ -148,8 +144,7 @@ class Run:
         self.max_context = max_context_of(self.model, config.model)
         self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), self.max_context)
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
-        self._check_prompt_fits()
-        self.keep_marks = _evicts(self.env_factory)
+        self.keep_marks = _evicts(self._check_prompt_fits())
         # Nothing is written before the configuration is known to run: a config error leaves no run directory, and a
         # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None
@@ -281,8 +276,9 @@ class Run:
             return None
         return ServedPolicy(spec, self.dir, weights_changed=not resume and self.config.warm_start is not None)
 
-    def _check_prompt_fits(self) -> None:
-        """The first task's prompt fits the env's budget and the model's context (else every rollout fails)."""
+    def _check_prompt_fits(self) -> ToolEnvConfig:
+        """The first task's prompt fits the env's budget and the model's context (else every rollout fails); returns
+        the env's config, as the model's context capped it."""
         env = unwrap_tool_env(self.env_factory())
         try:
             reset_prompt(env, self.task_seeds(0)[0], max_context=self.max_context)
@@ -290,6 +286,7 @@ class Run:
             raise ConfigError(str(err)) from None
         finally:
             env.close()
+        return env.config
 
     def _run_row(self, resume: bool) -> str:
         runs = self.store.runs()
