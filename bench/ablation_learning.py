@@ -1,6 +1,7 @@
 """Does exactness matter? Learning curves of GRPO in detached and exact mode, from the same init and seeds.
 
-    python -m bench.ablation_learning [--quick] [--out bench/results] [--threads N] [--first-seeds N] [--tasks ...]
+    python -m bench.ablation_learning [--quick] [--jobs N] [--out bench/results] [--threads N] [--first-seeds N]
+                                      [--tasks ...]
 
 Per task and seed, a tiny hybrid policy (``qwen3_5``: GatedDeltaNet + full attention, random init) gets a supervised
 warm start, and from those same weights GRPO runs once in each mode with the same task and sampling seeds (the
@@ -13,9 +14,12 @@ Tasks (fixed below before any comparison run; a null result is an answer, not a 
 - ``key_value_format_only``: ``LongStraw/KeyValueRecall-v0``; the warm start learns the answer format only
   (`FormatOnlyPolicy`'s decoy answers), so retrieving the value — which needs the prompt's state to encode the
   facts, the gradient detached mode drops — is left for GRPO.
-- ``key_value_retrieval``: the same task after a warm start on the oracle's answers to other prompts (the
-  warm-start seeds, never the held-out ones; the word pools are small, so a single key-value pair can recur by
-  chance) — closer to a pretrained model, which already reads its prompt.
+- ``key_value_retrieval``: the same task from a model first trained to retrieve on other facts — closer to a
+  pretrained model, which already reads its prompt: supervised pretraining on documents of one task's facts
+  followed by 16 questions about them (`retrieval_document`; facts from a generator stream of their own, never an
+  environment seed; the word pools are small, so a single key-value pair can recur by chance), once per benchmark
+  run and shared by the seeds, then each seed's warm start on the oracle's answers to other prompts (the
+  warm-start seeds, never the held-out ones).
 - ``calculator``: the control, ``LongStraw/Calculator-v0`` ("What is 7 + 5?" with the calculator tool), warm-started
   on scripted traces; its short prompt holds little to encode.
 
@@ -23,7 +27,11 @@ Prints per task and mode the final held-out reward (mean and standard deviation 
 exact − detached with its spread, seconds per GRPO step (rollout + update, and the update alone) and the peak
 tracked tensor bytes of one update (measured on an extra step after the curve, so tracking never slows the timed
 steps); naive mode, which has exact mode's gradient, gets only these cost figures (first seed, ``COST_STEPS``
-steps). Writes ``ablation_learning.json`` and ``ablation_learning.png`` (held-out reward vs step and vs wall time;
+steps). On the key-value tasks it also measures the gradient geometry of ``bench.ablation`` on trained policies
+(`prefix_geometry`): cosine and relative L2 distance between the detached and the exact gradient of groups the
+first seed's policy samples itself — after its warm start and after GRPO in each mode — with the prompt stretched
+to each of ``Settings.geometry_lengths`` (up to 16,384 tokens). ``--jobs N`` runs N tasks at once, a process each.
+Writes ``ablation_learning.json`` and ``ablation_learning.png`` (held-out reward vs step and vs wall time;
 ``_quick`` with ``--quick``) to ``bench/results`` or ``--out``. Tiny random-init models cannot speak for pretrained
 ones.
 """
@@ -31,7 +39,10 @@ ones.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -41,14 +52,22 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium
+import numpy as np
 import torch
 
+from bench.common import flat_grad
 from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.run import Run
-from longstraw_agents.app.seeds import warm_start_seed
+from longstraw_agents.app.seeds import eval_sampling_seed, eval_task_seed, warm_start_seed
 from longstraw_agents.app.training import evaluate, rollout_and_train
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, FormatOnlyPolicy, Policy, ScriptedPolicy, run_episode
+from longstraw_agents.envs.answers import ANSWER_CLOSE, ANSWER_OPEN
+from longstraw_agents.envs.key_value import KeyValueRecallEnv, KeyValueTask
+from longstraw_agents.envs.policy import unwrap_tool_env
+from longstraw_agents.rollout import RolloutLimits, make_env_factory, rollout_group
+from longstraw_agents.trainer.grpo import grpo_backward_trajectories
 from longstraw_agents.trainer.sft import SFTConfig, supervised_warm_start
+from longstraw_agents.trajectory import Segment, Trajectory
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("detached", "exact")
@@ -58,27 +77,121 @@ COST_STEPS = 10
 FAMILY = "qwen3_5"
 
 
+DocumentMaker = Callable[[gymnasium.Env, np.random.Generator, int], Trajectory]
+"""Makes one pretraining document from an environment, a generator and a number of questions."""
+
+
 @dataclass(frozen=True)
 class Task:
     """An environment setting and the policy whose traces warm-start the model."""
 
     env_id: str
     kwargs: dict[str, Any]
-    warm_start_policy: Callable[[gymnasium.Env], Policy]
+    warm_start_policy: Callable[[gymnasium.Env], Policy] | None
+    """Whose episodes each seed's warm start learns (None: none, the pretrained model is every seed's start)."""
     max_new_tokens: int
-    warm_start_scale: int = 1
-    """Multiplies the settings' warm-start episodes and supervised steps."""
+    prompt_length: str | None = None
+    """The environment argument that sets the prompt's length: the gradient geometry is measured at longer prompts
+    (``GEOMETRY_LENGTHS``) on tasks that have one."""
+    pretraining: tuple[DocumentMaker, ...] = ()
+    """Stages of supervised pretraining, each on its own documents, run once per benchmark run before every seed's
+    warm start (sizes: ``Settings.pretraining``)."""
+
+
+def _task_of(
+    env: gymnasium.Env, rng: np.random.Generator, caller: str, filler: bool
+) -> tuple[KeyValueRecallEnv, KeyValueTask]:
+    """``env``'s task generator run on ``rng`` (not an environment seed), with or without its filler lines."""
+    inner = unwrap_tool_env(env)
+    if not isinstance(inner, KeyValueRecallEnv):
+        raise TypeError(f"{caller} reads KeyValueRecallEnv tasks, got {type(inner).__name__}")
+    task = inner.make_task(rng)
+    return inner, task if filler else dataclasses.replace(task, filler=())
+
+
+def drill_document(env: gymnasium.Env, rng: np.random.Generator, questions: int) -> Trajectory:
+    """One task's facts as plain text (no filler), then ``questions`` questions about them, each followed at once by
+    its answer (``What is the value of pop?<answer> raise</answer>``): loss on the answers only. The asked key sits
+    right before the answer, so a tiny model learns to look a value up before it learns to carry the key across a
+    chat turn's boundary."""
+    inner, task = _task_of(env, rng, "drill_document", filler=False)
+    encode = inner.tokenizer.encode
+    segments = [Segment("user", encode(inner.facts_text(task) + "\n"))]
+    for asked in rng.integers(len(task.facts), size=questions):
+        key, value = task.facts[asked]
+        segments.append(Segment("user", encode(f"{inner.question(key)}{ANSWER_OPEN}")))
+        segments.append(Segment("assistant", encode(f"{value}{ANSWER_CLOSE}\n")))
+    return Trajectory(segments)
+
+
+def conversation_document(env: gymnasium.Env, rng: np.random.Generator, questions: int) -> Trajectory:
+    """A conversation about one task (its facts among filler lines, as an episode has them) in the episodes' chat
+    layout: the episode's system prompt and user message, the oracle's answer, then ``questions - 1`` more
+    questions about the same facts as user turns, each answered as the oracle answers; loss on the answers only."""
+    return _conversation(env, rng, questions, "conversation_document", filler=True)
+
+
+def short_conversation_document(env: gymnasium.Env, rng: np.random.Generator, questions: int) -> Trajectory:
+    """`conversation_document` without the filler lines: the facts alone."""
+    return _conversation(env, rng, questions, "short_conversation_document", filler=False)
+
+
+def _conversation(
+    env: gymnasium.Env, rng: np.random.Generator, questions: int, caller: str, filler: bool
+) -> Trajectory:
+    inner, task = _task_of(env, rng, caller, filler)
+    inner.reset(seed=int(rng.integers(1 << 31)))  # for the episode's system prompt (its tools): not the task's source
+    messages = [
+        {"role": "system", "content": inner.system_prompt(task)},
+        {"role": "user", "content": inner.user_prompt(task)},
+    ]
+    for turn, asked in enumerate([task.asked, *rng.integers(len(task.facts), size=questions - 1)]):
+        if turn:
+            messages.append({"role": "user", "content": inner.question(task.facts[asked][0])})
+        (answer,) = inner.scripted_turns(dataclasses.replace(task, asked=int(asked)))
+        messages.append({"role": "assistant", "content": answer})
+    return inner.formatter.render_messages(messages, add_generation_prompt=False)
 
 
 # One turn: the episode is a prompt and one answer (4 facts, 1-token values, a ~160-token user message).
 KEY_VALUE_KWARGS: dict[str, Any] = {"num_facts": 4, "value_tokens": 1, "prompt_tokens": 160, "max_turns": 1}
 TASKS: dict[str, Task] = {
-    "key_value_format_only": Task("LongStraw/KeyValueRecall-v0", KEY_VALUE_KWARGS, FormatOnlyPolicy, 8),
-    # Reading the prompt takes more supervision than the format: measured before any GRPO run, 512 episodes and 480
-    # steps gave held-out reward 0.078 at seed 0 (retrieval begun: chance is 1/57, a random fact's value 1/4).
-    "key_value_retrieval": Task("LongStraw/KeyValueRecall-v0", KEY_VALUE_KWARGS, ScriptedPolicy, 8, 4),
+    "key_value_format_only": Task(
+        "LongStraw/KeyValueRecall-v0", KEY_VALUE_KWARGS, FormatOnlyPolicy, 8, prompt_length="prompt_tokens"
+    ),
+    # Set up again after the first comparison run, whose warm start (512 oracle episodes, 480 steps) did not
+    # retrieve: held-out 0.078, mostly values the prompt does not hold. Measured before this run: episodes alone do
+    # not teach the tiny model to read its prompt (4,096 episodes and 2,000 steps, lr 1e-2, or 2 facts without
+    # filler: <= 0.08; one answer per episode is little signal), nor do conversations of 16 questions from the
+    # random init (loss 0.65 after 1,000 steps); a drill with each answer right after its question does (loss 0.27
+    # after 1,200 steps), then conversations without and with filler carry it into the chat layout: held-out 0.20
+    # (a random fact's value would get 0.25, chance 1/57), no warm start on episodes after it.
+    "key_value_retrieval": Task(
+        "LongStraw/KeyValueRecall-v0",
+        KEY_VALUE_KWARGS,
+        None,
+        8,
+        prompt_length="prompt_tokens",
+        pretraining=(drill_document, short_conversation_document, conversation_document),
+    ),
     "calculator": Task("LongStraw/Calculator-v0", {**EASY_CALCULATOR_KWARGS, "max_turns": 2}, ScriptedPolicy, 24),
 }
+
+
+@dataclass(frozen=True)
+class Pretraining:
+    """Sizes of a task's supervised pretraining (``Task.pretraining``), run once and shared by the seeds, as one
+    pretrained model is the start of every seed's warm start and GRPO run."""
+
+    steps: tuple[int, ...] = (1200, 500, 500)
+    """Optimizer steps of each stage (``Task.pretraining``'s documents, in order)."""
+    documents: int = 4096
+    """Documents per stage, drawn before it."""
+    questions: int = 16
+    batch_size: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+    """Seeds the documents' facts (a stream of its own: no environment seed, held-out or warm-start, is used)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +200,7 @@ class Settings:
 
     seeds: tuple[int, ...]
     model: dict[str, Any] = field(default_factory=dict)  # tiny_qwen3_5 arguments
+    pretraining: Pretraining = field(default_factory=Pretraining)
     warm_start_episodes: int = 128
     sft_steps: int = 120
     steps: int = 60
@@ -96,6 +210,8 @@ class Settings:
     group_size: int = 8
     lr: float = 1e-3
     temperature: float = 1.0
+    geometry_lengths: tuple[int, ...] = (160, 1024, 4096, 16384)
+    geometry_groups: int = 2
 
 
 # Fixed before the first comparison run.
@@ -103,6 +219,7 @@ FULL = Settings(seeds=(0, 1, 2, 3, 4), model={"hidden": 64, "layers": 4})
 QUICK = Settings(
     seeds=(0,),
     model={"hidden": 32, "layers": 4},
+    pretraining=Pretraining(steps=(2, 2, 2), documents=4, questions=2, batch_size=2),
     warm_start_episodes=4,
     sft_steps=2,
     steps=2,
@@ -110,6 +227,8 @@ QUICK = Settings(
     eval_episodes=2,
     groups_per_step=1,
     group_size=2,
+    geometry_lengths=(32, 64),
+    geometry_groups=1,
 )
 
 
@@ -151,15 +270,93 @@ def train_config(task: Task, mode: str, seed: int, settings: Settings, out: Path
     )
 
 
+def pretrain(run: Run, task: Task, sizes: Pretraining) -> dict[str, torch.Tensor]:
+    """``task.pretraining``'s stages learned in turn by the run's policy from its init; returns the weights."""
+    env, rng = run.env_factory(), np.random.default_rng(sizes.seed)
+    for stage, (make_document, steps) in enumerate(zip(task.pretraining, sizes.steps, strict=True)):
+        documents = [make_document(env, rng, sizes.questions) for _ in range(sizes.documents)]
+        config = SFTConfig(steps=steps, batch_size=sizes.batch_size, lr=sizes.lr, seed=sizes.seed + stage)
+        supervised_warm_start(
+            run.model, documents, config, on_step=_every(100, f"pretraining {make_document.__name__}")
+        )
+    return weights_of(run.model)
+
+
+def _every(steps: int, label: str) -> Callable[[int, float], None]:
+    def report(step: int, loss: float) -> None:
+        if (step + 1) % steps == 0:
+            print(f"  {label} step {step + 1}: loss {loss:.3f}", flush=True)
+
+    return report
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
 def warm_start(run: Run, task: Task, settings: Settings, seed: int) -> dict[str, torch.Tensor]:
     """Supervised warm start of the run's policy on ``task.warm_start_policy``'s traces; returns its weights."""
+    if task.warm_start_policy is None:
+        return weights_of(run.model)
     env = run.env_factory()
     policy = task.warm_start_policy(env)
-    episodes = settings.warm_start_episodes * task.warm_start_scale
-    traces = [run_episode(env, policy, seed=warm_start_seed(k)) for k in range(episodes)]
-    sft = SFTConfig(steps=settings.sft_steps * task.warm_start_scale, batch_size=8, lr=3e-3, seed=seed)
-    supervised_warm_start(run.model, traces, sft)
-    return {name: tensor.detach().clone() for name, tensor in run.model.state_dict().items()}
+    traces = [run_episode(env, policy, seed=warm_start_seed(k)) for k in range(settings.warm_start_episodes)]
+    supervised_warm_start(run.model, traces, SFTConfig(steps=settings.sft_steps, batch_size=8, lr=3e-3, seed=seed))
+    return weights_of(run.model)
+
+
+@dataclass
+class Geometry:
+    """Detached vs exact GRPO gradients of one policy, per prompt length: mean cosine and relative L2 distance over
+    ``groups`` groups the policy samples itself (held-out tasks), and how many of those groups had rewards of their
+    own that differed (the others get a seeded uniform draw: a group that is all right or all wrong has no GRPO
+    gradient to compare)."""
+
+    policy: str
+    prompt_tokens: list[int] = field(default_factory=list)
+    cosine: list[float] = field(default_factory=list)
+    relative_l2: list[float] = field(default_factory=list)
+    groups: int = 0
+    groups_with_own_rewards: list[int] = field(default_factory=list)
+
+
+def prefix_geometry(run: Run, task: Task, policy: str, settings: Settings) -> Geometry:
+    """The cosine ablation (``bench.ablation``) on a trained policy and its own task: the groups are sampled by the
+    run's policy on ``task`` with the prompt stretched to each length; the gradients are computed from the same
+    trajectories in both modes and leave no trace in the run (``param.grad`` cleared)."""
+    assert task.prompt_length is not None
+    lengths, groups = settings.geometry_lengths, settings.geometry_groups
+    geometry = Geometry(policy=policy, groups=groups)
+    limits = RolloutLimits(task.max_new_tokens, run.max_context)
+    loss, chunk = run.config.trainer.loss, run.config.trainer.chunk_size
+    for length in lengths:
+        env_factory = make_env_factory(task.env_id, {**task.kwargs, task.prompt_length: length}, run.max_context)
+        cosines, distances, own = [], [], 0
+        for g in range(groups):
+            with run.sampling_weights():
+                sampler = run.sampler(seed=eval_sampling_seed() + g)
+                group = rollout_group(
+                    env_factory, sampler, run.config.trainer.group_size, eval_task_seed(g), f"geo-{g}", limits
+                )
+            rewards = [t.reward or 0.0 for t in group]
+            if len(set(rewards)) > 1:
+                own += 1
+            else:
+                rewards = np.random.default_rng(g).random(len(group)).tolist()
+            flat = {}
+            for mode in MODES:
+                run.model.zero_grad(set_to_none=True)
+                grpo_backward_trajectories(run.model, group, rewards, mode, config=loss, chunk_size=chunk)
+                flat[mode] = flat_grad(run.model).double()
+            run.model.zero_grad(set_to_none=True)
+            cosines.append(float(torch.nn.functional.cosine_similarity(flat["detached"], flat["exact"], dim=0)))
+            distances.append(float((flat["detached"] - flat["exact"]).norm() / flat["exact"].norm()))
+        geometry.prompt_tokens.append(length)
+        geometry.cosine.append(statistics.fmean(cosines))
+        geometry.relative_l2.append(statistics.fmean(distances))
+        geometry.groups_with_own_rewards.append(own)
+        print(f"  geometry {policy} at {length} tokens: cosine {geometry.cosine[-1]:.4f}", flush=True)
+    return geometry
 
 
 def learning_curve(run: Run, settings: Settings, seed: int, measure_memory: bool) -> Curve:
@@ -206,29 +403,52 @@ def cost_only(run: Run, seed: int, steps: int) -> Curve:
     return curve
 
 
-def run_task(name: str, task: Task, settings: Settings, workdir: Path) -> dict[str, list[Curve]]:
-    """Every seed, every mode, each mode from the seed's same warm-started weights; naive's cost on the first."""
+def run_task(name: str, task: Task, settings: Settings, workdir: Path) -> tuple[dict[str, list[Curve]], list[Geometry]]:
+    """Every seed, every mode, each mode from the seed's same warm-started weights; naive's cost on the first; the
+    gradient geometry of the first seed's warm start and of its policy after GRPO in each mode."""
     curves: dict[str, list[Curve]] = {mode: [] for mode in (*MODES, COST_ONLY_MODE)}
+    geometry: list[Geometry] = []
+    measures_geometry = task.prompt_length is not None
+    pretrained: dict[str, torch.Tensor] | None = None
     for seed in settings.seeds:
         init: dict[str, torch.Tensor] | None = None
         first = seed == settings.seeds[0]
         for mode in (*MODES, COST_ONLY_MODE) if first else MODES:
             run = Run(train_config(task, mode, seed, settings, workdir / f"{name}-{mode}-{seed}"))
             try:
+                if task.pretraining and pretrained is None:
+                    pretrained = pretrain(run, task, settings.pretraining)
                 if init is None:
+                    if pretrained is not None:
+                        run.model.load_state_dict(pretrained)
                     init = warm_start(run, task, settings, seed)
+                    if first and measures_geometry:
+                        geometry.append(prefix_geometry(run, task, "warm start", settings))
                 else:
                     run.model.load_state_dict(init)
                 if mode == COST_ONLY_MODE:
                     curve = cost_only(run, seed, min(COST_STEPS, settings.steps))
                 else:
                     curve = learning_curve(run, settings, seed, measure_memory=first)
+                    if first and measures_geometry:
+                        geometry.append(prefix_geometry(run, task, f"after {mode} GRPO", settings))
             finally:
                 run.close()
             curves[mode].append(curve)
             if curve.reward:
                 print(f"  {name} seed {seed} {mode:>8}: held-out reward {' '.join(f'{r:.2f}' for r in curve.reward)}")
-    return curves
+    return curves, geometry
+
+
+def results_of(name: str, settings: Settings, threads: int | None) -> dict[str, Any]:
+    """One task's runs, summarised: everything a worker process does with ``--jobs``."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    task = TASKS[name]
+    with tempfile.TemporaryDirectory() as workdir:
+        curves, geometry = run_task(name, task, settings, Path(workdir))
+    summary = summarise(curves)
+    return {"env_id": task.env_id, "kwargs": task.kwargs, **summary, "geometry": [asdict(g) for g in geometry]}
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -283,6 +503,15 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{name:<24} {'gap':>8} {gap['mean']:>+9.3f} {gap['std']:>6.3f}  (exact - detached, paired by seed)")
 
 
+def print_geometry(results: dict[str, Any]) -> None:
+    """Per task with a prompt-length argument and per policy: cosine(detached, exact) at each prompt length."""
+    for name, task in results["tasks"].items():
+        for row in task["geometry"]:
+            figures = zip(row["prompt_tokens"], row["cosine"], row["relative_l2"], strict=True)
+            cells = "  ".join(f"{n}: {c:.4f} ({d:.3f})" for n, c, d in figures)
+            print(f"{name:<24} {row['policy']:<22} cosine (relative L2) by prompt tokens  {cells}")
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -323,9 +552,10 @@ def main() -> None:
         "--first-seeds", type=int, default=None, help="run only the first N of the fixed seeds (a shorter run)"
     )
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=list(TASKS), help="tasks to run")
+    parser.add_argument("--jobs", type=int, default=1, help="tasks run at once, a process each (one thread each)")
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     settings = QUICK if args.quick else FULL
     if args.first_seeds is not None:
         try:
@@ -337,12 +567,16 @@ def main() -> None:
         f"{settings.groups_per_step} groups x G={settings.group_size}; {settings.eval_episodes} held-out episodes"
     )
     results: dict[str, Any] = {"family": FAMILY, "settings": asdict(settings), "tasks": {}}
-    with tempfile.TemporaryDirectory() as workdir:
-        for name in args.tasks:
-            task = TASKS[name]
-            curves = run_task(name, task, settings, Path(workdir))
-            results["tasks"][name] = {"env_id": task.env_id, "kwargs": task.kwargs, **summarise(curves)}
+    if args.jobs == 1:
+        task_results = [results_of(name, settings, args.threads) for name in args.tasks]
+    else:  # a process per task, one thread each unless told: the tasks share no state
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
+            threads = [args.threads or 1] * len(args.tasks)
+            task_results = list(pool.map(results_of, args.tasks, [settings] * len(args.tasks), threads))
+    results["tasks"] = dict(zip(args.tasks, task_results, strict=True))
     print_table(results)
+    print_geometry(results)
     suffix = "_quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"ablation_learning{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -146,6 +146,10 @@ class KeyValueRecallEnv(ToolEnv[KeyValueTask]):
         return tuple(sorted(lines, key=lambda placed: placed[0]))  # stable: keeps the drawing order within a gap
 
     def user_prompt(self, task: KeyValueTask) -> str:
+        return f"{self.facts_text(task)}\n{self.question(task.key)}"
+
+    def facts_text(self, task: KeyValueTask) -> str:
+        """The user message before its question: the facts, one a line, among the filler lines."""
         lines = ["Facts:"]
         filler = iter(task.filler)
         pending = next(filler, None)
@@ -155,8 +159,12 @@ class KeyValueRecallEnv(ToolEnv[KeyValueTask]):
                 pending = next(filler, None)
             if key:
                 lines.append(f"{key} ={value}")
-        lines.append(f"What is the value of{task.key}?")
         return "\n".join(lines)
+
+    @staticmethod
+    def question(key: str) -> str:
+        """The question asking for ``key``'s value (the key with its leading space)."""
+        return f"What is the value of{key}?"
 
     def score(self, task: KeyValueTask, answer: str) -> float:
         return float(" ".join(answer.split()) == task.answer)

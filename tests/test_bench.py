@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,9 +205,9 @@ def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
 def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Path) -> None:
     """Every task has a curve per mode and seed, held-out rewards in [0, 1] at the same steps, both modes starting
     from the same weights (the same held-out reward before GRPO), a paired gap, timings, memory (naive's too) and
-    the plot.
-    One torch thread: pytest may run in parallel on the same cores."""
-    stdout = run_module("bench.ablation_learning", "--quick", "--threads", "1", "--out", str(tmp_path))
+    the plot; the key-value tasks the gradient geometry of three policies at each prompt length.
+    Two tasks at once, a process each with one torch thread (pytest may run in parallel on the same cores)."""
+    stdout = run_module("bench.ablation_learning", "--quick", "--jobs", "2", "--out", str(tmp_path))
     assert "(exact - detached, paired by seed)" in stdout
     text = (tmp_path / "ablation_learning_quick.json").read_text()
     assert str(tmp_path) not in text and str(ROOT) not in text  # no machine paths
@@ -232,7 +233,73 @@ def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Pat
         assert naive["step_seconds_mean"] > 0 and naive["peak_bytes"] > modes["exact"]["peak_bytes"]
         gap = task["final_gap_exact_minus_detached"]
         assert len(gap["per_seed"]) == len(seeds) and -1.0 <= gap["mean"] <= 1.0
+    assert results["tasks"]["calculator"]["geometry"] == []  # no prompt length to stretch
+    for name in ("key_value_format_only", "key_value_retrieval"):
+        geometry = results["tasks"][name]["geometry"]
+        assert [g["policy"] for g in geometry] == ["warm start", "after detached GRPO", "after exact GRPO"]
+        for row in geometry:
+            assert row["prompt_tokens"] == settings["geometry_lengths"]
+            assert all(-1.0 <= c < 1.0 for c in row["cosine"]) and all(d > 0 for d in row["relative_l2"])
+            assert all(0 <= own <= row["groups"] for own in row["groups_with_own_rewards"])
+    assert "cosine (relative L2) by prompt tokens" in stdout
     assert (tmp_path / "ablation_learning_quick.png").stat().st_size > 0
+
+
+def _facts(text: str, count: int, filler: bool) -> dict[str, str]:
+    """The ``key = value`` lines after ``Facts:`` (up to the first question): ``count`` of them, among filler lines
+    (sentences of filler words) or alone."""
+    lines = text.split("Facts:\n", 1)[1].split("What is the value of")[0].splitlines()
+    facts = [m.groups() for line in lines if (m := re.fullmatch(r"( [a-z]+) =( [a-z]+)", line))]
+    assert len(facts) == count and (len(lines) > count) == filler
+    return dict(facts)
+
+
+@pytest.mark.parametrize(
+    ("name", "filler"),
+    [("drill_document", False), ("short_conversation_document", False), ("conversation_document", True)],
+)
+def test_pretraining_documents_ask_about_their_own_facts(name: str, filler: bool) -> None:
+    """Every answer (the only loss tokens) is the value of the key its question asks, as the oracle writes it; a
+    document's facts are its rng's (two draws differ), among the task's filler lines or alone; other environments
+    are refused."""
+    import gymnasium
+    import numpy as np
+
+    import bench.ablation_learning as bench
+    from longstraw_agents.envs.answers import ANSWER_CLOSE, ANSWER_OPEN
+
+    make = getattr(bench, name)
+    env = gymnasium.make("LongStraw/KeyValueRecall-v0", **bench.KEY_VALUE_KWARGS)
+    first, again, other = (make(env, np.random.default_rng(seed), 5) for seed in (7, 7, 8))
+    assert first.token_ids().tolist() == again.token_ids().tolist() != other.token_ids().tolist()
+    answers = [s for s in first.segments if s.role == "assistant"]
+    assert len(answers) == 5 and all(s.loss_mask.all() for s in answers)
+    assert not any(s.loss_mask.any() for s in first.segments if s.role != "assistant")
+    text = "".join(s.text or env.unwrapped.tokenizer.decode(s.token_ids.tolist()) for s in first.segments)
+    facts = _facts(text, bench.KEY_VALUE_KWARGS["num_facts"], filler)
+    asked = re.findall(r"What is the value of( [a-z]+)\?", text)
+    answered = re.findall(f"{re.escape(ANSWER_OPEN)}( [a-z]+){re.escape(ANSWER_CLOSE)}", text)
+    assert len(asked) == 5 and answered == [facts[key] for key in asked]
+    with pytest.raises(TypeError, match=f"{name} reads KeyValueRecallEnv tasks, got CalculatorEnv"):
+        make(gymnasium.make("LongStraw/Calculator-v0"), np.random.default_rng(0), 1)
+
+
+def test_conversation_document_has_the_episodes_chat_layout() -> None:
+    """The episode's system prompt, then its user message (facts and the first question) and the answers and
+    further questions as chat turns; a drill puts each answer right after its question."""
+    import gymnasium
+    import numpy as np
+
+    from bench.ablation_learning import KEY_VALUE_KWARGS, conversation_document, drill_document
+
+    env = gymnasium.make("LongStraw/KeyValueRecall-v0", **KEY_VALUE_KWARGS)
+    conversation = conversation_document(env, np.random.default_rng(0), 3)
+    system, *turns = conversation.segments
+    assert env.reset(seed=0)[0].tolist()[: len(system.token_ids)] == system.token_ids.tolist()
+    assert system.role == "system" and [t.role for t in turns] == ["user", "assistant"] * 3
+    assert all("<|im_start|>user\n" in t.text for t in turns[0::2])
+    drill = drill_document(env, np.random.default_rng(0), 3)
+    assert "<|im_start|>" not in env.unwrapped.tokenizer.decode(drill.token_ids().tolist())
 
 
 def test_learning_ablation_runs_a_prefix_of_its_fixed_seeds() -> None:
