@@ -305,6 +305,10 @@ def warm_start(run: Run, task: Task, settings: Settings, seed: int) -> dict[str,
     return weights_of(run.model)
 
 
+VANISHING = 1e-8
+"""An exact gradient norm below this is rounding: the policy's samples all carry (numerically) certain tokens."""
+
+
 @dataclass
 class Geometry:
     """Detached vs exact GRPO gradients of one policy, per prompt length: mean cosine and relative L2 distance over
@@ -314,13 +318,17 @@ class Geometry:
 
     policy: str
     prompt_tokens: list[int] = field(default_factory=list)
-    cosine: list[float] = field(default_factory=list)
-    relative_l2: list[float] = field(default_factory=list)
+    cosine: list[float | None] = field(default_factory=list)
+    """None where the gradient vanishes (`VANISHING`): a policy that answers every sample alike has nothing to
+    compare, and the cosine of two rounding errors says nothing."""
+    relative_l2: list[float | None] = field(default_factory=list)
+    exact_norm: list[float] = field(default_factory=list)
+    """Mean L2 norm of the exact gradient."""
     groups: int = 0
     groups_with_own_rewards: list[int] = field(default_factory=list)
 
 
-def prefix_geometry(run: Run, task: Task, policy: str, settings: Settings) -> Geometry:
+def prefix_geometry(run: Run, name: str, task: Task, policy: str, settings: Settings) -> Geometry:
     """The cosine ablation (``bench.ablation``) on a trained policy and its own task: the groups are sampled by the
     run's policy on ``task`` with the prompt stretched to each length; the gradients are computed from the same
     trajectories in both modes and leave no trace in the run (``param.grad`` cleared)."""
@@ -331,7 +339,7 @@ def prefix_geometry(run: Run, task: Task, policy: str, settings: Settings) -> Ge
     loss, chunk = run.config.trainer.loss, run.config.trainer.chunk_size
     for length in lengths:
         env_factory = make_env_factory(task.env_id, {**task.kwargs, task.prompt_length: length}, run.max_context)
-        cosines, distances, own = [], [], 0
+        cosines, distances, norms, own = [], [], [], 0
         for g in range(groups):
             with run.sampling_weights():
                 sampler = run.sampler(seed=eval_sampling_seed() + g)
@@ -349,13 +357,20 @@ def prefix_geometry(run: Run, task: Task, policy: str, settings: Settings) -> Ge
                 grpo_backward_trajectories(run.model, group, rewards, mode, config=loss, chunk_size=chunk)
                 flat[mode] = flat_grad(run.model).double()
             run.model.zero_grad(set_to_none=True)
-            cosines.append(float(torch.nn.functional.cosine_similarity(flat["detached"], flat["exact"], dim=0)))
-            distances.append(float((flat["detached"] - flat["exact"]).norm() / flat["exact"].norm()))
+            norms.append(float(flat["exact"].norm()))
+            if norms[-1] > VANISHING:
+                cosines.append(float(torch.nn.functional.cosine_similarity(flat["detached"], flat["exact"], dim=0)))
+                distances.append(float((flat["detached"] - flat["exact"]).norm() / flat["exact"].norm()))
         geometry.prompt_tokens.append(length)
-        geometry.cosine.append(statistics.fmean(cosines))
-        geometry.relative_l2.append(statistics.fmean(distances))
+        geometry.cosine.append(statistics.fmean(cosines) if cosines else None)
+        geometry.relative_l2.append(statistics.fmean(distances) if distances else None)
+        geometry.exact_norm.append(statistics.fmean(norms))
         geometry.groups_with_own_rewards.append(own)
-        print(f"  geometry {policy} at {length} tokens: cosine {geometry.cosine[-1]:.4f}", flush=True)
+        print(
+            f"  {name} geometry, {policy}, {length} prompt tokens: cosine {geometry.cosine[-1]}, "
+            f"exact gradient norm {norms[-1]:.2e}",
+            flush=True,
+        )
     return geometry
 
 
@@ -423,7 +438,7 @@ def run_task(name: str, task: Task, settings: Settings, workdir: Path) -> tuple[
                         run.model.load_state_dict(pretrained)
                     init = warm_start(run, task, settings, seed)
                     if first and measures_geometry:
-                        geometry.append(prefix_geometry(run, task, "warm start", settings))
+                        geometry.append(prefix_geometry(run, name, task, "warm start", settings))
                 else:
                     run.model.load_state_dict(init)
                 if mode == COST_ONLY_MODE:
@@ -431,7 +446,7 @@ def run_task(name: str, task: Task, settings: Settings, workdir: Path) -> tuple[
                 else:
                     curve = learning_curve(run, settings, seed, measure_memory=first)
                     if first and measures_geometry:
-                        geometry.append(prefix_geometry(run, task, f"after {mode} GRPO", settings))
+                        geometry.append(prefix_geometry(run, name, task, f"after {mode} GRPO", settings))
             finally:
                 run.close()
             curves[mode].append(curve)
@@ -503,12 +518,16 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{name:<24} {'gap':>8} {gap['mean']:>+9.3f} {gap['std']:>6.3f}  (exact - detached, paired by seed)")
 
 
+def _figure(value: float | None, spec: str) -> str:
+    return "vanishing" if value is None else format(value, spec)
+
+
 def print_geometry(results: dict[str, Any]) -> None:
     """Per task with a prompt-length argument and per policy: cosine(detached, exact) at each prompt length."""
     for name, task in results["tasks"].items():
         for row in task["geometry"]:
             figures = zip(row["prompt_tokens"], row["cosine"], row["relative_l2"], strict=True)
-            cells = "  ".join(f"{n}: {c:.4f} ({d:.3f})" for n, c, d in figures)
+            cells = "  ".join(f"{n}: {_figure(c, '.4f')} ({_figure(d, '.3f')})" for n, c, d in figures)
             print(f"{name:<24} {row['policy']:<22} cosine (relative L2) by prompt tokens  {cells}")
 
 

@@ -207,6 +207,8 @@ def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Pat
     from the same weights (the same held-out reward before GRPO), a paired gap, timings, memory (naive's too) and
     the plot; the key-value tasks the gradient geometry of three policies at each prompt length.
     Two tasks at once, a process each with one torch thread (pytest may run in parallel on the same cores)."""
+    from bench.ablation_learning import VANISHING
+
     stdout = run_module("bench.ablation_learning", "--quick", "--jobs", "2", "--out", str(tmp_path))
     assert "(exact - detached, paired by seed)" in stdout
     text = (tmp_path / "ablation_learning_quick.json").read_text()
@@ -237,9 +239,12 @@ def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Pat
     for name in ("key_value_format_only", "key_value_retrieval"):
         geometry = results["tasks"][name]["geometry"]
         assert [g["policy"] for g in geometry] == ["warm start", "after detached GRPO", "after exact GRPO"]
+        assert None not in geometry[0]["cosine"]  # a warm start samples unlike answers: a gradient to compare
         for row in geometry:
-            assert row["prompt_tokens"] == settings["geometry_lengths"]
-            assert all(-1.0 <= c < 1.0 for c in row["cosine"]) and all(d > 0 for d in row["relative_l2"])
+            assert row["prompt_tokens"] == settings["geometry_lengths"] and all(n > 0 for n in row["exact_norm"])
+            for cosine, distance, norm in zip(row["cosine"], row["relative_l2"], row["exact_norm"], strict=True):
+                assert (cosine is None) == (distance is None) == (norm <= VANISHING)
+                assert cosine is None or (-1.0 <= cosine < 1.0 and distance > 0)
             assert all(0 <= own <= row["groups"] for own in row["groups_with_own_rewards"])
     assert "cosine (relative L2) by prompt tokens" in stdout
     assert (tmp_path / "ablation_learning_quick.png").stat().st_size > 0
