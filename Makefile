@@ -42,7 +42,7 @@ bench: $(STAMP)
 	$(PY) -m bench.engine
 	$(PY) -m bench.trainer
 	$(PY) -m bench.ablation
-	$(PY) -m bench.ablation_learning
+	$(PY) -m bench.ablation_learning --jobs 2
 	$(PY) -m bench.rollout
 	$(PY) -m bench.compaction
 
