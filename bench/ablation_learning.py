@@ -4,22 +4,22 @@
                                       [--tasks ...]
 
 Per task and seed, a tiny hybrid policy (``qwen3_5``: GatedDeltaNet + full attention, random init) gets a supervised
-warm start, and from those same weights GRPO runs once in each mode with the same task and sampling seeds (the
-project's own training loop: ``app.run.Run``, ``app.training.rollout_and_train``). Held-out reward is the mean over
+start (a warm start per seed, or a pretraining shared by the seeds), and from those same weights GRPO runs once in
+each mode with the same task and sampling seeds (the project's own training loop: ``app.run.Run``,
+``app.training.rollout_and_train``). Held-out reward is the mean over
 a fixed set of held-out tasks (``app.seeds.eval_task_seed``, the same for every run), measured every
 ``eval_every`` steps at the sampling temperature.
 
-Tasks (fixed below before any comparison run; a null result is an answer, not a reason to retune):
+Tasks (a null result is an answer, not a reason to retune):
 
 - ``key_value_format_only``: ``LongStraw/KeyValueRecall-v0``; the warm start learns the answer format only
   (`FormatOnlyPolicy`'s decoy answers), so retrieving the value — which needs the prompt's state to encode the
   facts, the gradient detached mode drops — is left for GRPO.
-- ``key_value_retrieval``: the same task from a model first trained to retrieve on other facts — closer to a
-  pretrained model, which already reads its prompt: supervised pretraining on documents of one task's facts
-  followed by 16 questions about them (`retrieval_document`; facts from a generator stream of their own, never an
-  environment seed; the word pools are small, so a single key-value pair can recur by chance), once per benchmark
-  run and shared by the seeds, then each seed's warm start on the oracle's answers to other prompts (the
-  warm-start seeds, never the held-out ones).
+- ``key_value_retrieval``: the same task from a model first trained on other facts — closer to a pretrained model,
+  which already reads its prompt: supervised pretraining on documents of one task's facts followed by 16 questions
+  about them (`drill_document`, `short_conversation_document`, `conversation_document` in turn; facts from a
+  generator stream of their own, never an environment seed; the word pools are small, so a single key-value pair
+  can recur by chance), once per benchmark run and shared by the seeds, with no warm start on episodes after it.
 - ``calculator``: the control, ``LongStraw/Calculator-v0`` ("What is 7 + 5?" with the calculator tool), warm-started
   on scripted traces; its short prompt holds little to encode.
 
@@ -90,9 +90,9 @@ class Task:
     warm_start_policy: Callable[[gymnasium.Env], Policy] | None
     """Whose episodes each seed's warm start learns (None: none, the pretrained model is every seed's start)."""
     max_new_tokens: int
-    prompt_length: str | None = None
+    prompt_length_argument: str | None = None
     """The environment argument that sets the prompt's length: the gradient geometry is measured at longer prompts
-    (``GEOMETRY_LENGTHS``) on tasks that have one."""
+    (``Settings.geometry_lengths``) on tasks that have one."""
     pretraining: tuple[DocumentMaker, ...] = ()
     """Stages of supervised pretraining, each on its own documents, run once per benchmark run before every seed's
     warm start (sizes: ``Settings.pretraining``)."""
@@ -157,21 +157,20 @@ def _conversation(
 KEY_VALUE_KWARGS: dict[str, Any] = {"num_facts": 4, "value_tokens": 1, "prompt_tokens": 160, "max_turns": 1}
 TASKS: dict[str, Task] = {
     "key_value_format_only": Task(
-        "LongStraw/KeyValueRecall-v0", KEY_VALUE_KWARGS, FormatOnlyPolicy, 8, prompt_length="prompt_tokens"
+        "LongStraw/KeyValueRecall-v0", KEY_VALUE_KWARGS, FormatOnlyPolicy, 8, prompt_length_argument="prompt_tokens"
     ),
-    # Set up again after the first comparison run, whose warm start (512 oracle episodes, 480 steps) did not
-    # retrieve: held-out 0.078, mostly values the prompt does not hold. Measured before this run: episodes alone do
-    # not teach the tiny model to read its prompt (4,096 episodes and 2,000 steps, lr 1e-2, or 2 facts without
-    # filler: <= 0.08; one answer per episode is little signal), nor do conversations of 16 questions from the
-    # random init (loss 0.65 after 1,000 steps); a drill with each answer right after its question does (loss 0.27
-    # after 1,200 steps), then conversations without and with filler carry it into the chat layout: held-out 0.20
-    # (a random fact's value would get 0.25, chance 1/57), no warm start on episodes after it.
+    # Documents, not episodes (measured before this task's comparison run): oracle episodes do not teach the tiny
+    # model to read its prompt (512 to 4,096 episodes, up to 2,000 steps, lr up to 1e-2, or 2 facts without
+    # filler: held-out <= 0.08, mostly values the prompt does not hold; one answer per episode is little signal),
+    # nor do conversations of 16 questions from the random init (loss 0.65 after 1,000 steps). A drill, each answer
+    # right after its question, does (loss 0.27 after 1,200 steps); conversations without and with filler then
+    # carry it into the chat layout: held-out 0.20, its answers one of the prompt's values 90 % of the time.
     "key_value_retrieval": Task(
         "LongStraw/KeyValueRecall-v0",
         KEY_VALUE_KWARGS,
         None,
         8,
-        prompt_length="prompt_tokens",
+        prompt_length_argument="prompt_tokens",
         pretraining=(drill_document, short_conversation_document, conversation_document),
     ),
     "calculator": Task("LongStraw/Calculator-v0", {**EASY_CALCULATOR_KWARGS, "max_turns": 2}, ScriptedPolicy, 24),
@@ -191,7 +190,8 @@ class Pretraining:
     batch_size: int = 16
     lr: float = 1e-3
     seed: int = 0
-    """Seeds the documents' facts (a stream of its own: no environment seed, held-out or warm-start, is used)."""
+    """Seeds the documents' facts (a stream of its own: no environment seed, held-out or warm-start, is used) and,
+    plus the stage's index, each stage's batches."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,8 @@ class Settings:
     geometry_groups: int = 2
 
 
-# Fixed before the first comparison run.
+# The GRPO settings and seeds were fixed before the first comparison run, the pretraining and geometry sizes before
+# the first run of the pretrained start.
 FULL = Settings(seeds=(0, 1, 2, 3, 4), model={"hidden": 64, "layers": 4})
 QUICK = Settings(
     seeds=(0,),
@@ -312,9 +313,10 @@ VANISHING = 1e-8
 @dataclass
 class Geometry:
     """Detached vs exact GRPO gradients of one policy, per prompt length: mean cosine and relative L2 distance over
-    ``groups`` groups the policy samples itself (held-out tasks), and how many of those groups had rewards of their
-    own that differed (the others get a seeded uniform draw: a group that is all right or all wrong has no GRPO
-    gradient to compare)."""
+    the ``groups`` groups the policy samples itself (held-out tasks) whose exact gradient does not vanish, and how
+    many of them had rewards of their own that differed (the others get a seeded uniform draw: a group that is all
+    right or all wrong has no GRPO gradient to compare). ``policy`` "warm start" is the weights GRPO starts from
+    (the pretrained model where a task has no warm start)."""
 
     policy: str
     prompt_tokens: list[int] = field(default_factory=list)
@@ -328,17 +330,28 @@ class Geometry:
     groups_with_own_rewards: list[int] = field(default_factory=list)
 
 
+def compare(detached: torch.Tensor, exact: torch.Tensor) -> tuple[float, float] | None:
+    """Cosine and relative L2 distance of the detached gradient to the exact one; None where the exact one vanishes
+    (its norm at most `VANISHING`)."""
+    norm = exact.norm()
+    if norm <= VANISHING:
+        return None
+    cosine = torch.nn.functional.cosine_similarity(detached, exact, dim=0)
+    return float(cosine), float((detached - exact).norm() / norm)
+
+
 def prefix_geometry(run: Run, name: str, task: Task, policy: str, settings: Settings) -> Geometry:
     """The cosine ablation (``bench.ablation``) on a trained policy and its own task: the groups are sampled by the
     run's policy on ``task`` with the prompt stretched to each length; the gradients are computed from the same
     trajectories in both modes and leave no trace in the run (``param.grad`` cleared)."""
-    assert task.prompt_length is not None
+    assert task.prompt_length_argument is not None
     lengths, groups = settings.geometry_lengths, settings.geometry_groups
     geometry = Geometry(policy=policy, groups=groups)
     limits = RolloutLimits(task.max_new_tokens, run.max_context)
     loss, chunk = run.config.trainer.loss, run.config.trainer.chunk_size
     for length in lengths:
-        env_factory = make_env_factory(task.env_id, {**task.kwargs, task.prompt_length: length}, run.max_context)
+        kwargs = {**task.kwargs, task.prompt_length_argument: length}
+        env_factory = make_env_factory(task.env_id, kwargs, run.max_context)
         cosines, distances, norms, own = [], [], [], 0
         for g in range(groups):
             with run.sampling_weights():
@@ -358,9 +371,10 @@ def prefix_geometry(run: Run, name: str, task: Task, policy: str, settings: Sett
                 flat[mode] = flat_grad(run.model).double()
             run.model.zero_grad(set_to_none=True)
             norms.append(float(flat["exact"].norm()))
-            if norms[-1] > VANISHING:
-                cosines.append(float(torch.nn.functional.cosine_similarity(flat["detached"], flat["exact"], dim=0)))
-                distances.append(float((flat["detached"] - flat["exact"]).norm() / flat["exact"].norm()))
+            compared = compare(flat["detached"], flat["exact"])
+            if compared is not None:
+                cosines.append(compared[0])
+                distances.append(compared[1])
         geometry.prompt_tokens.append(length)
         geometry.cosine.append(statistics.fmean(cosines) if cosines else None)
         geometry.relative_l2.append(statistics.fmean(distances) if distances else None)
@@ -368,7 +382,7 @@ def prefix_geometry(run: Run, name: str, task: Task, policy: str, settings: Sett
         geometry.groups_with_own_rewards.append(own)
         print(
             f"  {name} geometry, {policy}, {length} prompt tokens: cosine {geometry.cosine[-1]}, "
-            f"exact gradient norm {norms[-1]:.2e}",
+            f"exact gradient norm {geometry.exact_norm[-1]:.2e}",
             flush=True,
         )
     return geometry
@@ -423,7 +437,7 @@ def run_task(name: str, task: Task, settings: Settings, workdir: Path) -> tuple[
     gradient geometry of the first seed's warm start and of its policy after GRPO in each mode."""
     curves: dict[str, list[Curve]] = {mode: [] for mode in (*MODES, COST_ONLY_MODE)}
     geometry: list[Geometry] = []
-    measures_geometry = task.prompt_length is not None
+    measures_geometry = task.prompt_length_argument is not None
     pretrained: dict[str, torch.Tensor] | None = None
     for seed in settings.seeds:
         init: dict[str, torch.Tensor] | None = None
@@ -451,7 +465,8 @@ def run_task(name: str, task: Task, settings: Settings, workdir: Path) -> tuple[
                 run.close()
             curves[mode].append(curve)
             if curve.reward:
-                print(f"  {name} seed {seed} {mode:>8}: held-out reward {' '.join(f'{r:.2f}' for r in curve.reward)}")
+                rewards = " ".join(f"{r:.2f}" for r in curve.reward)
+                print(f"  {name} seed {seed} {mode:>8}: held-out reward {rewards}", flush=True)
     return curves, geometry
 
 

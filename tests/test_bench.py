@@ -201,7 +201,7 @@ def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
         assert abs(rank["peak"] - rank["planned"]) <= 0.10 * rank["peak"]
 
 
-@pytest.mark.slow  # ~20 s on one thread: three tasks x two modes, each a warm start, evaluations and GRPO steps
+@pytest.mark.slow  # ~20 s: three tasks x two modes, each a start, evaluations, GRPO steps and the geometry
 def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Path) -> None:
     """Every task has a curve per mode and seed, held-out rewards in [0, 1] at the same steps, both modes starting
     from the same weights (the same held-out reward before GRPO), a paired gap, timings, memory (naive's too) and
@@ -305,6 +305,19 @@ def test_conversation_document_has_the_episodes_chat_layout() -> None:
     assert all("<|im_start|>user\n" in t.text for t in turns[0::2])
     drill = drill_document(env, np.random.default_rng(0), 3)
     assert "<|im_start|>" not in env.unwrapped.tokenizer.decode(drill.token_ids().tolist())
+
+
+def test_geometry_compares_only_gradients_that_do_not_vanish() -> None:
+    """A policy certain of every sampled token has a gradient of rounding errors: no cosine is taken from it."""
+    import torch
+
+    from bench.ablation_learning import VANISHING, compare
+
+    exact = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    cosine, distance = compare(torch.tensor([3.0, 0.0], dtype=torch.float64), exact)  # type: ignore[misc]
+    assert cosine == pytest.approx(0.6) and distance == pytest.approx(0.8)
+    assert compare(exact, exact) == (pytest.approx(1.0), 0.0)
+    assert compare(torch.tensor([1e-17, 0.0]), torch.tensor([0.0, VANISHING / 2])) is None
 
 
 def test_learning_ablation_runs_a_prefix_of_its_fixed_seeds() -> None:
