@@ -31,7 +31,7 @@ import longstraw_agents.envs  # noqa: F401 - registers the LongStraw ids
 from bench.common import bench_model, flat_grad
 from bench.peers import attention_implementation
 from longstraw_agents.engine import Engine
-from longstraw_agents.envs import ToolEnv, unwrap_tool_env
+from longstraw_agents.envs import ToolEnv, run_episode, unwrap_tool_env
 from longstraw_agents.tools import format_tool_call
 from longstraw_agents.trainer import BackwardResult, LossConfig, grpo_backward_trajectories
 from longstraw_agents.trainer.loss import group_advantages
@@ -72,12 +72,7 @@ def compacting_group(strategy: str, size: dict, budget: int, group: int, detour:
     for member in range(group):
         env = gymnasium.make(ENV_ID, **size, max_tokens=8 * size["target_tokens"], max_turns=turns, context=context)
         policy = WanderingPolicy(unwrap_tool_env(env), np.random.default_rng([seed, member]), detour)
-        observation, _ = env.reset(seed=seed)
-        while True:
-            observation, _, terminated, truncated, _ = env.step(policy(observation))
-            if terminated or truncated:
-                break
-        episodes.append(unwrap_tool_env(env).trajectory)
+        episodes.append(run_episode(env, policy, seed=seed))
         env.close()
     return episodes
 

@@ -3,9 +3,11 @@ logprobs equal in-process sampling, per-request seeds, retries, clear errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -24,16 +26,25 @@ def model():
     return tiny_model("qwen3_5", dtype=torch.float64)
 
 
+@contextlib.contextmanager
+def served(model: torch.nn.Module, config: SamplingConfig) -> Iterator[OpenAISampler]:
+    """An `OpenAISampler` of a loopback server that samples ``model`` in process with ``config``."""
+    with CompletionServer(TorchSampler(model, [STOP], config)) as server:
+        remote = OpenAISampler(server.url, [STOP], config, max_retries=1, backoff_s=0.01)
+        try:
+            yield remote
+        finally:
+            remote.close()
+
+
 def test_openai_sampler_against_loopback_server(model):
     config = SamplingConfig(max_new_tokens=6, temperature=0.0)
     local = TorchSampler(model, [STOP], config)
-    with CompletionServer(TorchSampler(model, [STOP], config)) as server:
-        remote = OpenAISampler(server.url, [STOP], config, max_retries=1, backoff_s=0.01)
+    with served(model, config) as remote:
         handle = remote.fork([5, 6, 7, 8], 1)[0]
         gen = remote.generate(handle)
         remote.append(handle, [9, 10])
         gen2 = remote.generate(handle)
-        remote.close()
     lh = local.fork([5, 6, 7, 8], 1)[0]
     expected = local.generate(lh)
     local.append(lh, [9, 10])
@@ -48,8 +59,7 @@ def test_an_edited_context_is_what_the_next_request_sends(model):
     in-process sampling does after ``TorchSampler.replace``."""
     config = SamplingConfig(max_new_tokens=5, temperature=0.0)
     local = TorchSampler(model, [STOP], config)
-    with CompletionServer(TorchSampler(model, [STOP], config)) as server:
-        remote = OpenAISampler(server.url, [STOP], config, max_retries=1, backoff_s=0.01)
+    with served(model, config) as remote:
         handle = remote.fork([5, 6, 7, 8], 1)[0]
         gen = remote.generate(handle)
         edited = [5, 6, 7, 8, 30, 31, 32]  # the turn replaced by a summary
@@ -57,7 +67,6 @@ def test_an_edited_context_is_what_the_next_request_sends(model):
             remote.replace(handle, [5, 6, 7, 9, 30], 5)
         remote.replace(handle, edited, 4)
         after = remote.generate(handle)
-        remote.close()
     lh = local.fork([5, 6, 7, 8], 1)[0]
     assert local.generate(lh).token_ids == gen.token_ids
     local.replace(lh, edited, 4)
