@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from bench.common import bench_model, flat_grad, synthetic_group
+from bench.common import bench_model, compare, flat_grad, synthetic_group
 from longstraw_agents.engine import Engine
 from longstraw_agents.trainer import grpo_backward
 
@@ -40,8 +40,13 @@ def main() -> None:
         cosines, distances = [], []
         for seed in range(args.groups):
             g = gradients(engine, model, length, seed)
-            cosines.append(float(torch.nn.functional.cosine_similarity(g["detached"], g["exact"], dim=0)))
-            distances.append(float((g["detached"] - g["exact"]).norm() / g["exact"].norm()))
+            compared = compare(g["detached"], g["exact"])
+            if compared is not None:  # a random-init policy's gradient vanishes only if every reward is equal
+                cosines.append(compared[0])
+                distances.append(compared[1])
+        if not cosines:
+            print(f"{length:>8} {'(the exact gradient vanished in every group)':>49}")
+            continue
         print(f"{length:>8} {sum(cosines) / len(cosines):>24.3f} {sum(distances) / len(distances):>24.3f}")
 
 

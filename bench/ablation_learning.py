@@ -17,9 +17,10 @@ Tasks (a null result is an answer, not a reason to retune):
   facts, the gradient detached mode drops — is left for GRPO.
 - ``key_value_retrieval``: the same task from a model first trained on other facts — closer to a pretrained model,
   which already reads its prompt: supervised pretraining on documents of one task's facts followed by 16 questions
-  about them (`drill_document`, `short_conversation_document`, `conversation_document` in turn; facts from a
-  generator stream of their own, never an environment seed; the word pools are small, so a single key-value pair
-  can recur by chance), once per benchmark run and shared by the seeds, with no warm start on episodes after it.
+  about them (`drill_document`, then `short_conversation_document` and `conversation_document`, each with drills
+  mixed in: `Mixture`; facts from a generator stream of their own, never an environment seed; the word pools are
+  small, so a single key-value pair can recur by chance), once per benchmark run and shared by the seeds, with no
+  warm start on episodes after it.
 - ``calculator``: the control, ``LongStraw/Calculator-v0`` ("What is 7 + 5?" with the calculator tool), warm-started
   on scripted traces; its short prompt holds little to encode.
 
@@ -55,7 +56,7 @@ import gymnasium
 import numpy as np
 import torch
 
-from bench.common import flat_grad
+from bench.common import VANISHING, compare, flat_grad
 from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.run import Run
 from longstraw_agents.app.seeds import eval_sampling_seed, eval_task_seed, warm_start_seed
@@ -111,16 +112,18 @@ def _task_of(
 
 def drill_document(env: gymnasium.Env, rng: np.random.Generator, questions: int) -> Trajectory:
     """One task's facts as plain text (no filler), then ``questions`` questions about them, each followed at once by
-    its answer (``What is the value of pop?<answer> raise</answer>``): loss on the answers only. The asked key sits
-    right before the answer, so a tiny model learns to look a value up before it learns to carry the key across a
-    chat turn's boundary."""
+    its answer (``What is the value of pop?<answer> raise</answer>``; the answer marks are the single tokens a
+    policy writes, as in the episodes): loss on the answers only. The asked key sits two tokens before the value, as
+    the key of a fact sits before its value: a tiny model learns to match keys here before it learns to carry the
+    asked key across a chat turn's boundary."""
     inner, task = _task_of(env, rng, "drill_document", filler=False)
     encode = inner.tokenizer.encode
+    answer_open, answer_close = (encode(mark, allow_special=True) for mark in (ANSWER_OPEN, ANSWER_CLOSE))
     segments = [Segment("user", encode(inner.facts_text(task) + "\n"))]
     for asked in rng.integers(len(task.facts), size=questions):
         key, value = task.facts[asked]
-        segments.append(Segment("user", encode(f"{inner.question(key)}{ANSWER_OPEN}")))
-        segments.append(Segment("assistant", encode(f"{value}{ANSWER_CLOSE}\n")))
+        segments.append(Segment("user", encode(inner.question(key)) + answer_open))
+        segments.append(Segment("assistant", encode(value) + answer_close + encode("\n")))
     return Trajectory(segments)
 
 
@@ -153,6 +156,26 @@ def _conversation(
     return inner.formatter.render_messages(messages, add_generation_prompt=False)
 
 
+@dataclass(frozen=True)
+class Mixture:
+    """Documents of ``learned``, each replaced by one of ``rehearsed`` with probability ``rehearsal``: a stage that
+    learns a new layout while it keeps an earlier stage's skill in use. (Measured: after the drill matches keys,
+    conversations alone lose it — loss 0.42 per answer token after 400 steps, as a random fact's value — while half
+    conversations, half drills reach 0.03 by step 400.)"""
+
+    learned: DocumentMaker
+    rehearsed: DocumentMaker
+    rehearsal: float
+
+    def __call__(self, env: gymnasium.Env, rng: np.random.Generator, questions: int) -> Trajectory:
+        make = self.rehearsed if rng.random() < self.rehearsal else self.learned
+        return make(env, rng, questions)
+
+    @property
+    def __name__(self) -> str:  # the stage's label in the progress lines, as a function's name is
+        return f"{self.learned.__name__} + {self.rehearsal:.0%} {self.rehearsed.__name__}"
+
+
 # One turn: the episode is a prompt and one answer (4 facts, 1-token values, a ~160-token user message).
 KEY_VALUE_KWARGS: dict[str, Any] = {"num_facts": 4, "value_tokens": 1, "prompt_tokens": 160, "max_turns": 1}
 TASKS: dict[str, Task] = {
@@ -162,16 +185,23 @@ TASKS: dict[str, Task] = {
     # Documents, not episodes (measured before this task's comparison run): oracle episodes do not teach the tiny
     # model to read its prompt (512 to 4,096 episodes, up to 2,000 steps, lr up to 1e-2, or 2 facts without
     # filler: held-out <= 0.08, mostly values the prompt does not hold; one answer per episode is little signal),
-    # nor do conversations of 16 questions from the random init (loss 0.65 after 1,000 steps). A drill, each answer
-    # right after its question, does (loss 0.27 after 1,200 steps); conversations without and with filler then
-    # carry it into the chat layout: held-out 0.20, its answers one of the prompt's values 90 % of the time.
+    # nor do conversations of 16 questions from the random init (loss 0.65 after 1,000 steps). A drill, the asked
+    # key two tokens before its value, learns to match keys: loss per answer token 0.60 (a random fact's value)
+    # until step 600, 0.01 by step 1,100. Conversations alone then lose it (0.42 by step 400; so did 500 more steps
+    # with hidden 128 or 8 layers); with the drill mixed in (`Mixture`) they reach 0.03. (The first pretraining of
+    # this regime spelled the drill's answer marks as text, putting the key five tokens before the value, and ran
+    # the stages one after another: it never matched keys, and its model answered a random fact's value.)
     "key_value_retrieval": Task(
         "LongStraw/KeyValueRecall-v0",
         KEY_VALUE_KWARGS,
         None,
         8,
         prompt_length_argument="prompt_tokens",
-        pretraining=(drill_document, short_conversation_document, conversation_document),
+        pretraining=(
+            drill_document,
+            Mixture(short_conversation_document, drill_document, rehearsal=0.5),
+            Mixture(conversation_document, drill_document, rehearsal=0.25),
+        ),
     ),
     "calculator": Task("LongStraw/Calculator-v0", {**EASY_CALCULATOR_KWARGS, "max_turns": 2}, ScriptedPolicy, 24),
 }
@@ -182,7 +212,7 @@ class Pretraining:
     """Sizes of a task's supervised pretraining (``Task.pretraining``), run once and shared by the seeds, as one
     pretrained model is the start of every seed's warm start and GRPO run."""
 
-    steps: tuple[int, ...] = (1200, 500, 500)
+    steps: tuple[int, ...] = (1200, 1000, 500)
     """Optimizer steps of each stage (``Task.pretraining``'s documents, in order)."""
     documents: int = 4096
     """Documents per stage, drawn before it."""
@@ -306,10 +336,6 @@ def warm_start(run: Run, task: Task, settings: Settings, seed: int) -> dict[str,
     return weights_of(run.model)
 
 
-VANISHING = 1e-8
-"""An exact gradient norm below this is rounding: the policy's samples all carry (numerically) certain tokens."""
-
-
 @dataclass
 class Geometry:
     """Detached vs exact GRPO gradients of one policy, per prompt length: mean cosine and relative L2 distance over
@@ -328,16 +354,6 @@ class Geometry:
     """Mean L2 norm of the exact gradient."""
     groups: int = 0
     groups_with_own_rewards: list[int] = field(default_factory=list)
-
-
-def compare(detached: torch.Tensor, exact: torch.Tensor) -> tuple[float, float] | None:
-    """Cosine and relative L2 distance of the detached gradient to the exact one; None where the exact one vanishes
-    (its norm at most `VANISHING`)."""
-    norm = exact.norm()
-    if norm <= VANISHING:
-        return None
-    cosine = torch.nn.functional.cosine_similarity(detached, exact, dim=0)
-    return float(cosine), float((detached - exact).norm() / norm)
 
 
 def prefix_geometry(run: Run, name: str, task: Task, policy: str, settings: Settings) -> Geometry:

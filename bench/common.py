@@ -33,3 +33,17 @@ def materialise_grads(model: torch.nn.Module) -> None:
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+VANISHING = 1e-8
+"""An exact gradient norm below this is rounding: the policy's samples all carry (numerically) certain tokens."""
+
+
+def compare(detached: torch.Tensor, exact: torch.Tensor) -> tuple[float, float] | None:
+    """Cosine and relative L2 distance of the detached gradient to the exact one; None where the exact one vanishes
+    (its norm at most `VANISHING`)."""
+    norm = exact.norm()
+    if norm <= VANISHING:
+        return None
+    cosine = torch.nn.functional.cosine_similarity(detached, exact, dim=0)
+    return float(cosine), float((detached - exact).norm() / norm)

@@ -207,7 +207,7 @@ def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Pat
     from the same weights (the same held-out reward before GRPO), a paired gap, timings, memory (naive's too) and
     the plot; the key-value tasks the gradient geometry of three policies at each prompt length.
     Two tasks at once, a process each with one torch thread (pytest may run in parallel on the same cores)."""
-    from bench.ablation_learning import VANISHING
+    from bench.common import VANISHING
 
     stdout = run_module("bench.ablation_learning", "--quick", "--jobs", "2", "--out", str(tmp_path))
     assert "(exact - detached, paired by seed)" in stdout
@@ -296,6 +296,7 @@ def test_conversation_document_has_the_episodes_chat_layout() -> None:
     import numpy as np
 
     from bench.ablation_learning import KEY_VALUE_KWARGS, conversation_document, drill_document
+    from longstraw_agents.envs.answers import ANSWER_CLOSE, ANSWER_OPEN
 
     env = gymnasium.make("LongStraw/KeyValueRecall-v0", **KEY_VALUE_KWARGS)
     conversation = conversation_document(env, np.random.default_rng(0), 3)
@@ -304,14 +305,42 @@ def test_conversation_document_has_the_episodes_chat_layout() -> None:
     assert system.role == "system" and [t.role for t in turns] == ["user", "assistant"] * 3
     assert all("<|im_start|>user\n" in t.text for t in turns[0::2])
     drill = drill_document(env, np.random.default_rng(0), 3)
-    assert "<|im_start|>" not in env.unwrapped.tokenizer.decode(drill.token_ids().tolist())
+    tokenizer = env.unwrapped.tokenizer
+    assert "<|im_start|>" not in tokenizer.decode(drill.token_ids().tolist())
+    # the answer marks are the tokens a policy writes (the episodes' own), not their spelling as plain text
+    marks = [tokenizer.special_token_id(mark) for mark in (ANSWER_OPEN, ANSWER_CLOSE)]
+    assert [drill.token_ids().tolist().count(mark) for mark in marks] == [3, 3]
+    assert [conversation.token_ids().tolist().count(mark) for mark in marks] == [3, 3]
+
+
+def test_mixture_rehearses_its_share_of_an_earlier_stage() -> None:
+    """A mixed stage draws each document from the rehearsed maker with its probability, from the same rng (so the
+    same seed gives the same documents), and names both makers in its progress label."""
+    import gymnasium
+    import numpy as np
+
+    from bench.ablation_learning import KEY_VALUE_KWARGS, Mixture, drill_document, short_conversation_document
+
+    env = gymnasium.make("LongStraw/KeyValueRecall-v0", **KEY_VALUE_KWARGS)
+    tokenizer = env.unwrapped.tokenizer
+
+    def drills(mixture: Mixture, seed: int = 0) -> list[bool]:
+        rng = np.random.default_rng(seed)
+        documents = [mixture(env, rng, 2) for _ in range(24)]
+        return ["<|im_start|>" not in tokenizer.decode(d.token_ids().tolist()) for d in documents]
+
+    assert not any(drills(Mixture(short_conversation_document, drill_document, rehearsal=0.0)))
+    assert all(drills(Mixture(short_conversation_document, drill_document, rehearsal=1.0)))
+    half = Mixture(short_conversation_document, drill_document, rehearsal=0.5)
+    assert 6 <= sum(drills(half)) <= 18 and drills(half, seed=3) == drills(half, seed=3)
+    assert half.__name__ == "short_conversation_document + 50% drill_document"
 
 
 def test_geometry_compares_only_gradients_that_do_not_vanish() -> None:
     """A policy certain of every sampled token has a gradient of rounding errors: no cosine is taken from it."""
     import torch
 
-    from bench.ablation_learning import VANISHING, compare
+    from bench.common import VANISHING, compare
 
     exact = torch.tensor([3.0, 4.0], dtype=torch.float64)
     cosine, distance = compare(torch.tensor([3.0, 0.0], dtype=torch.float64), exact)  # type: ignore[misc]
