@@ -56,7 +56,7 @@ import gymnasium
 import numpy as np
 import torch
 
-from bench.common import VANISHING, compare, flat_grad
+from bench.common import compare, flat_grad
 from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.run import Run
 from longstraw_agents.app.seeds import eval_sampling_seed, eval_task_seed, warm_start_seed
