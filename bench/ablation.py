@@ -47,7 +47,8 @@ def main() -> None:
         if not cosines:
             print(f"{length:>8} {'(the exact gradient vanished in every group)':>49}")
             continue
-        print(f"{length:>8} {sum(cosines) / len(cosines):>24.3f} {sum(distances) / len(distances):>24.3f}")
+        fewer = f"  (mean of {len(cosines)}: the others' gradient vanished)" if len(cosines) < args.groups else ""
+        print(f"{length:>8} {sum(cosines) / len(cosines):>24.3f} {sum(distances) / len(distances):>24.3f}{fewer}")
 
 
 if __name__ == "__main__":

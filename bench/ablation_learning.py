@@ -15,11 +15,11 @@ Tasks (a null result is an answer, not a reason to retune):
 - ``key_value_format_only``: ``LongStraw/KeyValueRecall-v0``; the warm start learns the answer format only
   (`FormatOnlyPolicy`'s decoy answers), so retrieving the value — which needs the prompt's state to encode the
   facts, the gradient detached mode drops — is left for GRPO.
-- ``key_value_retrieval``: the same task from a model first trained on other facts — closer to a pretrained model,
-  which already reads its prompt: supervised pretraining on documents of one task's facts followed by 16 questions
-  about them (`drill_document`, then `short_conversation_document` and `conversation_document`, each with drills
-  mixed in: `Mixture`; facts from a generator stream of their own, never an environment seed; the word pools are
-  small, so a single key-value pair can recur by chance), once per benchmark run and shared by the seeds, with no
+- ``key_value_retrieval``: the same task from a model first trained on other facts — closer to a pretrained model, which
+  already reads its prompt: supervised pretraining on documents of one task's facts followed by 16 questions about them
+  (`drill_document`, then `short_conversation_document` and `conversation_document`, each with drills mixed in:
+  `Mixture`; facts from a generator stream of their own, never an environment seed: single key-value pairs recur, as the
+  word pools are small, but no held-out task's set of facts), once per benchmark run and shared by the seeds, with no
   warm start on episodes after it.
 - ``calculator``: the control, ``LongStraw/Calculator-v0`` ("What is 7 + 5?" with the calculator tool), warm-started
   on scripted traces; its short prompt holds little to encode.
@@ -113,9 +113,9 @@ def _task_of(
 def drill_document(env: gymnasium.Env, rng: np.random.Generator, questions: int) -> Trajectory:
     """One task's facts as plain text (no filler), then ``questions`` questions about them, each followed at once by
     its answer (``What is the value of pop?<answer> raise</answer>``; the answer marks are the single tokens a
-    policy writes, as in the episodes): loss on the answers only. The asked key sits two tokens before the value, as
-    the key of a fact sits before its value: a tiny model learns to match keys here before it learns to carry the
-    asked key across a chat turn's boundary."""
+    policy writes, as in the episodes): loss on the answers only. One token (``?<answer>``) lies between the asked
+    key and the value, as one (`` =``) lies between a fact's key and value: a tiny model learns to match keys here
+    before it learns to carry the asked key across a chat turn's boundary."""
     inner, task = _task_of(env, rng, "drill_document", filler=False)
     encode = inner.tokenizer.encode
     answer_open, answer_close = (encode(mark, allow_special=True) for mark in (ANSWER_OPEN, ANSWER_CLOSE))
@@ -159,9 +159,10 @@ def _conversation(
 @dataclass(frozen=True)
 class Mixture:
     """Documents of ``learned``, each replaced by one of ``rehearsed`` with probability ``rehearsal``: a stage that
-    learns a new layout while it keeps an earlier stage's skill in use. (Measured: after the drill matches keys,
-    conversations alone lose it — loss 0.42 per answer token after 400 steps, as a random fact's value — while half
-    conversations, half drills reach 0.03 by step 400.)"""
+    learns a new layout while it keeps an earlier stage's skill in use. (Measured after 1,200 drill steps, loss per
+    answer token: conversations without filler alone stay at 0.42 by step 400, about what choosing among the
+    prompt's values costs; half conversations, half drills fall to 0.03 by step 400 and 0.004 by step 700 — a
+    mixed batch's mean, so the conversations' own loss is at most about twice that.)"""
 
     learned: DocumentMaker
     rehearsed: DocumentMaker
@@ -182,15 +183,16 @@ TASKS: dict[str, Task] = {
     "key_value_format_only": Task(
         "LongStraw/KeyValueRecall-v0", KEY_VALUE_KWARGS, FormatOnlyPolicy, 8, prompt_length_argument="prompt_tokens"
     ),
-    # Documents, not episodes (measured before this task's comparison run): oracle episodes do not teach the tiny
-    # model to read its prompt (512 to 4,096 episodes, up to 2,000 steps, lr up to 1e-2, or 2 facts without
-    # filler: held-out <= 0.08, mostly values the prompt does not hold; one answer per episode is little signal),
-    # nor do conversations of 16 questions from the random init (loss 0.65 after 1,000 steps). A drill, the asked
-    # key two tokens before its value, learns to match keys: loss per answer token 0.60 (a random fact's value)
-    # until step 600, 0.01 by step 1,100. Conversations alone then lose it (0.42 by step 400; so did 500 more steps
-    # with hidden 128 or 8 layers); with the drill mixed in (`Mixture`) they reach 0.03. (The first pretraining of
-    # this regime spelled the drill's answer marks as text, putting the key five tokens before the value, and ran
-    # the stages one after another: it never matched keys, and its model answered a random fact's value.)
+    # Documents, not episodes (measured before the comparison runs of each pretraining): oracle episodes do not teach
+    # the tiny model to read its prompt (512 to 4,096 episodes, up to 2,000 steps, lr up to 1e-2, or 2 facts without
+    # filler: held-out <= 0.08, mostly values the prompt does not hold; one answer per episode is little signal), nor do
+    # conversations of 16 questions from the random init (loss 0.65 after 1,000 steps). A drill, the asked key one token
+    # from its value, learns to match keys: loss per answer token about 0.6 (no better than choosing among the prompt's
+    # values: ln 4 over 3 answer tokens, 0.46) until step 600, 0.01 by step 1,100. Conversations alone then do not (0.42
+    # by step 400); with drills mixed in (`Mixture`) they do (mixed batches 0.004 by step 700). The first pretraining of
+    # this regime (its comparison run is in README) spelled the drill's answer marks as text, four tokens between the
+    # asked key and the value, and ran the stages one after another: it never matched keys (conversations 0.42 per
+    # token, also at hidden 128 or with 8 layers), and its model answered a random one of the prompt's values.
     "key_value_retrieval": Task(
         "LongStraw/KeyValueRecall-v0",
         KEY_VALUE_KWARGS,
@@ -220,8 +222,10 @@ class Pretraining:
     batch_size: int = 16
     lr: float = 1e-3
     seed: int = 0
-    """Seeds the documents' facts (a stream of its own: no environment seed, held-out or warm-start, is used) and,
-    plus the stage's index, each stage's batches."""
+    """Seeds the documents' facts (a stream of its own, never an environment seed: held-out and warm-start tasks
+    come from seeds, these from this stream, so only single key-value pairs recur — the pools are 57 x 57, so each
+    recurs about 15 times, with every value as often — never a task's set of facts) and, plus the stage's index,
+    each stage's batches."""
 
 
 @dataclass(frozen=True)
@@ -244,8 +248,9 @@ class Settings:
     geometry_groups: int = 2
 
 
-# The GRPO settings and seeds were fixed before the first comparison run, the pretraining and geometry sizes before
-# the first run of the pretrained start.
+# The GRPO settings and seeds were fixed before the first comparison run, the geometry sizes before the first run
+# of the pretrained start. Its first pretraining did not give what the regime asks for, a model that retrieves (it
+# never matched keys: see TASKS), so it was rebuilt; this one was fixed before its own comparison run.
 FULL = Settings(seeds=(0, 1, 2, 3, 4), model={"hidden": 64, "layers": 4})
 QUICK = Settings(
     seeds=(0,),
