@@ -168,6 +168,10 @@ class Mixture:
     rehearsed: DocumentMaker
     rehearsal: float
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rehearsal <= 1.0:
+            raise ValueError(f"Mixture.rehearsal is a probability, between 0 and 1; got {self.rehearsal}")
+
     def __call__(self, env: gymnasium.Env, rng: np.random.Generator, questions: int) -> Trajectory:
         make = self.rehearsed if rng.random() < self.rehearsal else self.learned
         return make(env, rng, questions)

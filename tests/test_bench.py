@@ -334,6 +334,8 @@ def test_mixture_rehearses_its_share_of_an_earlier_stage() -> None:
     half = Mixture(short_conversation_document, drill_document, rehearsal=0.5)
     assert 6 <= sum(drills(half)) <= 18 and drills(half, seed=3) == drills(half, seed=3)
     assert half.__name__ == "short_conversation_document + 50% drill_document"
+    with pytest.raises(ValueError, match="Mixture.rehearsal is a probability, between 0 and 1; got 1.5"):
+        Mixture(short_conversation_document, drill_document, rehearsal=1.5)
 
 
 def test_geometry_compares_only_gradients_that_do_not_vanish() -> None:
