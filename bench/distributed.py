@@ -104,7 +104,7 @@ def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     prompt = torch.randint(0, 2048, (args["prompt"],), generator=gen)
     completions = [torch.randint(0, 2048, (16,), generator=gen) for _ in range(args["group"])]
     rewards = torch.rand(args["group"], generator=gen).tolist()
-    shards = mesh.context_parallel(args["prompt"], args["chunk"]) if world > 1 else None
+    shards = mesh.context_parallel() if world > 1 else None
     engine = Engine(model, EngineConfig(chunk_size=args["chunk"]), shards=shards)
     result: dict[str, Any] = {}
 
@@ -198,9 +198,7 @@ def sharded_worker(rank: int, world: int, store: str, out: str, args: dict) -> N
     with MemoryTracker() as tracker:
         model = build_model(step_model_config(args), dtype=torch.float32, seed=0)
         mesh.fully_shard(model)
-        engine = Engine(
-            model, EngineConfig(chunk_size=args["chunk"]), shards=mesh.context_parallel(args["prompt"], args["chunk"])
-        )
+        engine = Engine(model, EngineConfig(chunk_size=args["chunk"]), shards=mesh.context_parallel())
         trainer = GRPOTrainer(engine, GRPOConfig(G=args["group"], chunk_size=args["chunk"], mode=MODE), mesh=mesh)
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, VOCAB_SIZE, (args["prompt"],), generator=gen)

@@ -204,7 +204,7 @@ def cp_worker(rank: int, world: int, store: str, out: str, family: str, argv: li
     mesh = ParallelMesh.build(dp=1, cp=world)
     model = build(family, args, torch.device("cpu"))
     work = Workload.random(positions, args, torch.device("cpu"))
-    shards = mesh.context_parallel(positions + 1, args.chunk)
+    shards = mesh.context_parallel()
     engine = Engine(model, engine_config(args), shards=shards)
 
     def timed(fn: Callable[[], object]) -> float:

@@ -99,7 +99,8 @@ class ChunkRecord:
 
     ``blocks[i]`` is the block of growing layer i (None for recurrent layers, and — context parallelism — on ranks
     that do not hold these positions); ``recurrent[i]`` the recurrent state of layer i after the chunk (None for
-    growing layers, and for every layer once the checkpoint was dropped: ``kept`` is then False).
+    growing layers, and for every layer once the checkpoint was dropped: ``kept`` is then False). ``owner``: the
+    context-parallel rank that holds the blocks (every rank records it; 0 without context parallelism).
     """
 
     start: int
@@ -107,13 +108,15 @@ class ChunkRecord:
     blocks: tuple[Block | None, ...]
     recurrent: tuple[RecurrentState | None, ...]
     kept: bool = True
+    owner: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.length
 
     def without_checkpoints(self) -> ChunkRecord:
-        return ChunkRecord(self.start, self.length, self.blocks, tuple(None for _ in self.recurrent), kept=False)
+        nothing = tuple(None for _ in self.recurrent)
+        return ChunkRecord(self.start, self.length, self.blocks, nothing, kept=False, owner=self.owner)
 
 
 # per layer, the merged blocks of a state with the token position each starts at (see State.blocks)
@@ -171,6 +174,13 @@ class State:
         twin = State(self.chunks, self.num_layers, self.checkpoints, self.owner, inputs)
         object.__setattr__(twin, "_merged", self._merged)
         return twin
+
+    def positions_held(self, ranks: int) -> list[int]:
+        """How many of the state's positions each of ``ranks`` context-parallel ranks holds (``ChunkRecord.owner``)."""
+        held = [0] * ranks
+        for chunk in self.chunks:
+            held[chunk.owner] += chunk.length
+        return held
 
     def keeps_checkpoint(self, index: int) -> bool:
         """Whether the recurrent state after chunk ``index`` is kept once later chunks follow it."""
@@ -270,10 +280,12 @@ class State:
 def _merge_block(
     merged: tuple[tuple[int, Block], ...], start: int, block: Block | None
 ) -> tuple[tuple[int, Block], ...]:
-    """``merged`` plus ``block`` (covering tokens from ``start``), joined to the last block when it follows it."""
+    """``merged`` plus ``block`` (covering tokens from ``start``), joined to the last block when it follows it in
+    its arena and in positions (with context parallelism a rank's arena may hold positions other ranks' chunks
+    separate)."""
     if block is None:
         return merged
-    if merged and block.follows(merged[-1][1]):
+    if merged and block.follows(merged[-1][1]) and start == merged[-1][0] + merged[-1][1].length:
         first, last = merged[-1]
         return (*merged[:-1], (first, Block(block.arena, last.lo, block.hi)))
     return (*merged, (start, block))

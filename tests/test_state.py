@@ -53,6 +53,17 @@ def test_a_child_state_shares_its_parents_tensors_and_merges_adjacent_blocks() -
     assert child.nbytes == a.nbytes + rec1.nbytes  # arena storage once, the recurrent state kept
 
 
+def test_blocks_back_to_back_in_an_arena_stay_apart_when_their_positions_are_not() -> None:
+    """Context parallelism: a rank appends its pieces of a chain to one arena while other ranks hold the positions
+    between them; each piece keeps its own position, and every chunk records its owner."""
+    a = arena(8)
+    state = State((), num_layers=1).append(record(0, [a.append(values(2, 1.0))], [None]))
+    state = state.append(ChunkRecord(2, 3, (None,), (None,), owner=1))  # another rank's piece
+    state = state.append(record(5, [a.append(values(2, 2.0))], [None]))
+    assert [(position, b.lo, b.hi) for position, b in state.positioned_blocks(0)] == [(0, 0, 2), (5, 2, 4)]
+    assert state.positions_held(2) == [4, 3]
+
+
 def test_a_state_with_checkpoints_keeps_every_chunks_recurrent_state() -> None:
     recs = [RecurrentState((torch.full((4,), float(k), dtype=torch.float64),)) for k in range(3)]
     a = arena(6)

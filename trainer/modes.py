@@ -193,8 +193,6 @@ class TreeMode(ExecutionMode):
         self.grad = self.engine.new_grad()
         self.bank = self.engine.graph_bank(self.grad) if self.keeps_graphs else None
         tree = self.tree(group)
-        captured = [tree.root] if len(tree.root.input_ids) else tree.root.children  # the group's shared context
-        self.engine.begin_group(max((len(node.input_ids) for node in captured), default=0))
         self.live = nodes_with_loss_below(tree.root)
         self.reserve = _chain_reserve(tree.root, self.live)
         root_state = self.engine.empty_state(self.checkpoints)

@@ -298,8 +298,8 @@ class Run:
         )
 
     def _trainer(self, ref_model: torch.nn.Module | None) -> GRPOTrainer:
-        """The GRPO trainer over the run's mesh: with cp > 1 its engine holds each prompt's state in cp shards (a
-        shard per ``max_context / cp`` positions); with ``parallel.fsdp`` the policy is sharded over every rank first
+        """The GRPO trainer over the run's mesh: with cp > 1 its engine spreads each group's state over the cp
+        ranks (``parallel.BalancedOwnership``); with ``parallel.fsdp`` the policy is sharded over every rank first
         (its compute dtype: ``trainer.mixed_precision``'s)."""
         mesh, spec = self.ranks.mesh, self.config.parallel
         if mesh is not None and spec.fsdp:
@@ -307,11 +307,8 @@ class Run:
             mesh.fully_shard(self.model, None if precision is None else precision.dtype, spec.offload)
         policy: torch.nn.Module | Engine = self.model
         if mesh is not None and spec.cp > 1:
-            if self.max_context is None:
-                raise ConfigError("parallel.cp > 1 shards the context: set model.max_context")
             chunk = self.config.trainer.chunk_size
-            shards = mesh.context_parallel(self.max_context, chunk)
-            policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=shards)
+            policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=mesh.context_parallel())
         return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
 
     def _sampling_engine(self) -> Engine:

@@ -72,6 +72,15 @@ class EngineConfig(BaseModel):
         "(rank, layer); False: every rank recomputes every chunk in the walk (no layer inputs kept; the choice when "
         "they do not fit: `longstraw plan` shows both). See docs/distributed.md",
     )
+    sharded_extend_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="with context parallelism, an extend of at least this many tokens (a long tool output, a "
+        "member's long first turn) is computed sharded like a capture — each rank evaluates its even share, the "
+        "earlier rows sent to it — even when shorter than the context before it; shorter extends run replicated "
+        "(every rank computes them, attention partials merged). None: only extends at least as long as their "
+        "context are sharded. Either way the new positions' state is spread over the ranks",
+    )
     layer_inputs_every: int | None = Field(
         None,
         ge=1,

@@ -123,13 +123,6 @@ class Engine:
         """An empty state gradient accumulating as ``EngineConfig.grad_accumulation`` says."""
         return StateGrad(torch.float32 if self.config.grad_accumulation == "fp32" else None)
 
-    def begin_group(self, shared_len: int) -> None:
-        """Before a group's first capture: its shared context is ``shared_len`` positions long. With context
-        parallelism the shards are re-cut so that it spreads over every rank (a short prompt too, not only the
-        first rank); nothing to do otherwise. States captured under the old cut are not to be used after it."""
-        if self.shards is not None:
-            self.shards.ownership.fit(shared_len, self.config.chunk_size)
-
     def capture(
         self, ids: Tensor | Sequence[int], *, checkpoints: bool | int = False, chunk_size: int | None = None
     ) -> State:
@@ -309,26 +302,39 @@ class Engine:
                 arenas.append(Arena(shapes, n + reserve, self.adapter.dtype, self.adapter.device))
         return arenas
 
-    def pieces(self, start: int, n: int, chunk: int) -> list[tuple[int, int]]:
-        """``[lo, hi)`` offsets of the chunks of ``n`` tokens from position ``start``: at most ``chunk`` long, and
-        (context parallelism) never across a shard boundary."""
-        pieces, lo = [], 0
-        while lo < n:
-            hi = min(lo + chunk, n)
-            if self.shards is not None:
-                hi = min(hi, self.shards.ownership.shard_end(start + lo) - start)
-            pieces.append((lo, hi))
-            lo = hi
+    def pieces(self, state: State, n: int, chunk: int, sharded: bool = False) -> list[tuple[int, int, int]]:
+        """``(lo, hi, owner)``: offsets of the chunks of ``n`` tokens after ``state`` (at most ``chunk`` long) and the
+        rank that will store each (context parallelism; 0 without). ``sharded``: a sharded extend's even cut, in
+        rank order; otherwise each chunk goes to the rank holding the least of the path (``Ownership``)."""
+        runs = [(0, n, 0)] if self.shards is None or not sharded else self.shards.ownership.cut(n)
+        pieces = [(lo, min(lo + chunk, hi), owner) for a, hi, owner in runs for lo in range(a, hi, chunk)]
+        if self.shards is not None and not sharded:
+            ownership = self.shards.ownership
+            owners = ownership.assign(state.positions_held(ownership.size), [hi - lo for lo, hi, _ in pieces])
+            pieces = [(lo, hi, owner) for (lo, hi, _), owner in zip(pieces, owners, strict=True)]
         return pieces
 
-    def owns(self, position: int) -> bool:
-        """Whether this rank stores the state of ``position`` (always, without context parallelism)."""
-        return self.shards is None or self.shards.ownership.owner(position) == self.shards.ownership.rank
+    def reserve_share(self, reserve: int) -> int:
+        """The room each rank reserves for ``reserve`` later positions: they spread over the ranks too."""
+        return reserve if self.shards is None else -(-reserve // self.shards.ownership.size)
 
-    def record(self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None]) -> ChunkRecord:
-        """The chunk's record: growing layers' entries appended to their arenas — on the rank that owns the
-        positions (context parallelism: elsewhere the chunk has no block) — and recurrent layers' new states."""
-        store = self.owns(start)
+    def sharded(self, state: State, n: int) -> bool:
+        """Whether an extend of ``n`` tokens after ``state`` runs sharded (``ShardedCapture``): with context
+        parallelism, when it is at least as long as the state (a capture: moving the earlier rows costs no more than
+        computing the new ones replicated) or than ``EngineConfig.sharded_extend_tokens``."""
+        least = self.config.sharded_extend_tokens
+        return self.shards is not None and n > 0 and (n >= state.num_tokens or (least is not None and n >= least))
+
+    def owns(self, owner: int) -> bool:
+        """Whether this rank stores the state of chunks of ``owner`` (always, without context parallelism)."""
+        return self.shards is None or owner == self.shards.ownership.rank
+
+    def record(
+        self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None], owner: int
+    ) -> ChunkRecord:
+        """The chunk's record: growing layers' entries appended to their arenas — on its ``owner`` (context
+        parallelism: elsewhere the chunk has no block) — and recurrent layers' new states."""
+        store = self.owns(owner)
         blocks: list[Block | None] = []
         recurrent: list[RecurrentState | None] = []
         for entry, arena, layer in zip(new, arenas, self.adapter.layers, strict=True):
@@ -338,7 +344,7 @@ class Engine:
             else:
                 blocks.append(None)
                 recurrent.append(RecurrentState.owning(entry))
-        return ChunkRecord(start, n, tuple(blocks), tuple(recurrent))
+        return ChunkRecord(start, n, tuple(blocks), tuple(recurrent), owner=owner)
 
     # --- internals ------------------------------------------------------------------------------------------
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
@@ -363,16 +369,17 @@ class Engine:
         self._check_state(state)
         chunk = chunk_size or self.config.chunk_size
         keeping = keep is not None and keep.budget_bytes > 0
-        if self.shards is not None and not keeping and not want_logits and ids.shape[0] >= state.num_tokens:
+        if not keeping and not want_logits and self.sharded(state, ids.shape[0]):
             # a long extend (a capture): each rank computes its own shard, layer by layer (see ShardedCapture)
+            assert self.shards is not None  # (only context parallelism shards an extend)
             return ShardedCapture(self, self.shards, state, ids, chunk).run(reserve), None
-        pieces = self.pieces(state.num_tokens, ids.shape[0], chunk)
-        owned = sum(hi - lo for lo, hi in pieces if self.owns(state.num_tokens + lo))
-        arenas = self.arenas_for(state, owned, reserve if self.owns(state.num_tokens + ids.shape[0] - 1) else 0)
+        pieces = self.pieces(state, ids.shape[0], chunk)
+        owned = sum(hi - lo for lo, hi, owner in pieces if self.owns(owner))
+        arenas = self.arenas_for(state, owned, self.reserve_share(reserve))
         # a kept chunk's graph reads the recurrent state before it: keep every one (the graph holds it anyway)
         current = state.with_checkpoints(1) if keeping else state
         last_logits = None
-        for lo, hi in pieces:
+        for lo, hi, owner in pieces:
             piece = ids[lo:hi]
             logits_here = want_logits and hi == ids.shape[0]
             hidden: Tensor | None = None
@@ -388,7 +395,7 @@ class Engine:
                     else:  # nothing reads this chunk's hidden states
                         new = self.state_entries(piece, current.num_tokens, contexts)
             with torch.no_grad():
-                record = self.record(current.num_tokens, piece.shape[0], new, arenas)
+                record = self.record(current.num_tokens, piece.shape[0], new, arenas, owner)
                 current = current.append(record)
                 if logits_here and hidden is not None:
                     last_logits = self.adapter.lm_head(hidden[-1:])[0]

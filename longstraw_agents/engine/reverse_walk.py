@@ -95,7 +95,7 @@ class ReverseWalk:
         shards = self.engine.shards
         if shards is None:
             return None if block is None else self.grad.existing_block_grads(block)
-        owner = shards.ownership.owner(chunk.start)
+        owner = chunk.owner
         found = self.grad.existing_block_grads(block) if block is not None else None
         buffers = [found[i].clone() if found is not None else self.grad.zeros_like(t) for i, t in enumerate(entry)]
         return tuple(shards.transport.broadcast(b, owner) for b in buffers)

@@ -12,7 +12,7 @@ from torch import Tensor
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, ChunkRecord, RecurrentState, State
 
-from .shards import ChunkOwners, StateShards, outgoing_rows
+from .shards import ChunkOwners, StateShards, incoming_runs, outgoing_runs
 from .wavefront import LayerInputs
 
 if TYPE_CHECKING:
@@ -26,13 +26,14 @@ class ShardedCapture:
 
     - a growing layer (attention, MLA + DSA index keys): every rank that holds earlier rows of the layer (from the
       parent state, or computed in this extend) sends them to each later rank that computes here, once it has
-      computed its own; the receiver attends to them as ordinary past blocks (one process's arithmetic) and drops
-      them after the layer;
+      computed its own; the parent's rows held by a later rank go to the earlier computing ranks before the
+      capture starts (they are state, not results: waiting for them would hold every rank to the last); the
+      receiver attends to them as ordinary past blocks (one process's arithmetic) and drops them after the layer;
     - a recurrent layer (GatedDeltaNet): the state after a rank's last chunk goes to the rank computing the next
       chunk.
 
-    Every message goes from a lower rank to a higher one, so rank r finishes layer i after rank r-1 did: the
-    critical path is ``layers + ranks - 1`` layer steps of one shard, not their product. Afterwards the owners
+    Every message computed here goes from a lower rank to a higher one, so rank r finishes layer i after rank r-1
+    did: the critical path is ``layers + ranks - 1`` layer steps of one shard, not their product. Afterwards the owners
     broadcast the recurrent states every rank's later work reads (the last, and the replicated walk's checkpoints);
     attention rows stay with their owners. Used where the new tokens are at least as many as the parent's (a
     capture): moving the earlier rows there costs no more than the rows computed; a short extend (a turn, a branch)
@@ -46,13 +47,13 @@ class ShardedCapture:
         self.engine, self.state, self.ids = engine, state, ids
         self.ownership, self.transport = shards.ownership, shards.transport
         self.base = state.num_tokens
-        self.pieces = [(self.base + lo, self.base + hi) for lo, hi in engine.pieces(self.base, ids.shape[0], chunk)]
-        chunks = ChunkOwners.of(self.ownership, [a for a, _ in self.pieces])
+        pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True)
+        self.pieces = [(self.base + lo, self.base + hi) for lo, hi, _ in pieces]
+        chunks = ChunkOwners.of([owner for _, _, owner in pieces], self.ownership.rank)
         self.owners, self.mine, self.computing = chunks.owners, chunks.mine, chunks.computing
-        # per rank holding rows once this extend is done (parent's or new; one contiguous range): its first position
-        self.row_start: dict[int, int] = {}
-        for start in [c.start for c in state.chunks] + [a for a, _ in self.pieces]:
-            self.row_start.setdefault(self.ownership.owner(start), start)
+        # the ranks holding rows of the parent, and of the parent or this extend once it is done
+        self.parent_holders = {c.owner for c in state.chunks}
+        self.holders = self.parent_holders | set(self.computing)
         self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0 and self.base == 0
 
     def run(self, reserve: int) -> State:
@@ -60,19 +61,14 @@ class ShardedCapture:
         engine, adapter = self.engine, self.engine.adapter
         mine = [self.pieces[j] for j in self.mine]
         width = sum(b - a for a, b in mine)
-        # later appends (a chain of turns, decoding) go to the owner of the position after these
-        owns_next = self.ownership.owner(self.base + self.ids.shape[0]) == self.ownership.rank
-        arenas = engine.arenas_for(self.state, width, reserve if owns_next else 0)
+        arenas = engine.arenas_for(self.state, width, engine.reserve_share(reserve))
         blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in mine]
         recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in mine]
         # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
-        inputs = (
-            LayerInputs.empty(adapter.device, engine.layer_inputs_spacing, self.ownership.shard_size)
-            if self.keeps_inputs
-            else None
-        )
+        inputs = LayerInputs.empty(adapter.device, engine.layer_inputs_spacing) if self.keeps_inputs else None
         kept_after = [self._keeps(j) for j in self.mine]  # chunks whose states are kept
         engine.announce(range(engine.num_layers))  # every rank gathers every layer, in order
+        self._post_parent_rows()
         with torch.no_grad():
             if mine:
                 lo = mine[0][0]
@@ -107,7 +103,8 @@ class ShardedCapture:
                                 recurrent[k][i] = RecurrentState.owning(new)
                 self._pass_on(i, layer.mixer.grows, blocks, carried if not layer.mixer.grows and mine else None)
                 # a window of messages in flight: the later ranks trail by up to N - 1 layers in the wavefront
-                self.transport.flush(keep=self.ownership.size**2)
+                for kind in ("rows", "recurrent"):
+                    self.transport.flush(kind, keep=self.ownership.size**2)
             self.transport.flush()
         child = self._records(blocks, recurrent)
         if inputs is not None:
@@ -116,14 +113,28 @@ class ShardedCapture:
         return child
 
     def _earlier_rows(self, i: int) -> list[PastBlock]:
-        """Layer ``i``'s rows before this rank's first chunk, received from the ranks that hold them."""
-        past = []
-        for src in range(self.ownership.rank):
-            if src in self.row_start:
-                tensors = self.transport.recv(src, i, self.engine.adapter.device)
-                past.append(PastBlock(tensors, None, self.row_start[src]))
+        """Layer ``i``'s rows before this rank's chunks: received from the ranks that hold them (the earlier ranks'
+        of the parent and this extend, the later ranks' of the parent), and this rank's own of the parent."""
+        rank, past = self.ownership.rank, []
+        for src in sorted(self.holders - {rank}):
+            if src < rank or src in self.parent_holders:
+                message = self.transport.recv(src, i, self.engine.adapter.device)
+                past += [PastBlock(rows, None, start) for start, rows in incoming_runs(message)]
         past += self.engine.past_blocks(self.state.positioned_blocks(i), None)  # this rank's own, earlier
-        return past
+        return sorted(past, key=lambda block: block.start)  # in position order, as the mixers read them (DSA's ties)
+
+    def _post_parent_rows(self) -> None:
+        """Start sending this rank's rows of the parent, every growing layer in order, to the earlier ranks that
+        compute here (views of its arenas; on a GPU a host copy of the rank's share of the state)."""
+        rank = self.ownership.rank
+        earlier = [dst for dst in self.computing if dst < rank]
+        if rank not in self.parent_holders or not earlier:
+            return
+        for i, layer in enumerate(self.engine.adapter.layers):
+            if layer.mixer.grows:
+                rows = outgoing_runs(self.state.positioned_blocks(i))
+                for dst in earlier:
+                    self.transport.send(rows, dst, i, "parent_rows")
 
     def _recurrent_before(self, i: int) -> tuple[Tensor, ...] | None:
         """Layer ``i``'s recurrent state before this rank's first chunk: the parent's, or the previous rank's."""
@@ -139,11 +150,12 @@ class ShardedCapture:
         """Send what later ranks need of layer ``i``: this rank's rows, or the recurrent state after its chunks."""
         rank = self.ownership.rank
         if grows:
-            if rank not in self.row_start:
+            if rank not in self.holders:
                 return
-            own = [b for _, b in self.state.positioned_blocks(i)]
-            own += [row[i] for row in blocks if row[i] is not None]  # type: ignore[misc]
-            rows = outgoing_rows(own)  # one host copy for every destination
+            own = self.state.positioned_blocks(i)
+            starts = [self.pieces[j][0] for j in self.mine]
+            own += [(a, row[i]) for a, row in zip(starts, blocks, strict=True) if row[i] is not None]  # type: ignore[misc]
+            rows = outgoing_runs(own)  # one host copy for every destination
             for dst in self.computing:
                 if dst > rank:
                     self.transport.send(rows, dst, i, "rows")
@@ -167,7 +179,8 @@ class ShardedCapture:
             # a chunk whose states no rank shares is marked not kept: a replicated walk recomputes them from the
             # nearest kept state instead of reading them as absent (position 0)
             kept = needed or not recurrent_layers
-            current = current.append(ChunkRecord(a, b - a, tuple(record_blocks), tuple(states), kept=kept))
+            record = ChunkRecord(a, b - a, tuple(record_blocks), tuple(states), kept=kept, owner=self.owners[j])
+            current = current.append(record)
             k += mine
         return current
 

@@ -1,6 +1,6 @@
 """Context parallelism as the engine sees it: two protocols, implemented by ``longstraw_agents.parallel``.
 
-- ``Ownership`` says which rank stores each position's state (contiguous shards of the positions);
+- ``Ownership`` says which rank stores each new position's state (recorded per chunk in the state);
 - ``Transport`` carries the messages between the ranks: the collectives of replicated compute (``attention.Shards``:
   attention partials, top-k candidates, sums) and the point-to-point messages and broadcasts of the sharded
   schedules (a capture, exact mode's wavefront walk).
@@ -22,23 +22,21 @@ from longstraw_agents.state import Block
 
 
 class Ownership(Protocol):
-    """The ranks of a group hold contiguous shards of the positions; a position's attention/MLA state is stored by
-    its owner only."""
+    """Which rank of the group stores each new position's state (attention/MLA rows, DSA index keys: its owner
+    only). The engine records every chunk's owner in its ``ChunkRecord``, so a state carries its own placement and
+    siblings may be placed differently."""
 
     rank: int
     size: int
-    shard_size: int
 
-    def owner(self, position: int) -> int:
-        """The rank that stores ``position``'s state."""
+    def cut(self, n: int) -> list[tuple[int, int, int]]:
+        """A sharded extend (a capture) of ``n`` positions: ``(lo, hi, owner)`` offsets of contiguous runs, one per
+        rank that gets any, lower ranks first (the wavefront's order)."""
         ...
 
-    def shard_end(self, position: int) -> int:
-        """The first position after ``position``'s shard (chunks never cross it)."""
-        ...
-
-    def fit(self, prompt_len: int, chunk: int) -> None:
-        """Re-cut the shards so that a prompt of ``prompt_len`` positions spreads evenly over the ranks."""
+    def assign(self, held: Sequence[int], lengths: Sequence[int]) -> list[int]:
+        """A replicated extend (a turn, a branch) of pieces of ``lengths`` positions after a path whose ranks hold
+        ``held`` positions each: the owner of each piece."""
         ...
 
 
@@ -87,11 +85,32 @@ class ChunkOwners:
     computing: list[int]
 
     @classmethod
-    def of(cls, ownership: Ownership, starts: Sequence[int]) -> ChunkOwners:
-        """The owners of chunks starting at ``starts``."""
-        owners = [ownership.owner(start) for start in starts]
-        mine = [j for j, owner in enumerate(owners) if owner == ownership.rank]
-        return cls(owners, mine, sorted(set(owners)))
+    def of(cls, owners: Sequence[int], rank: int) -> ChunkOwners:
+        """The chunks of ``owners`` as rank ``rank`` sees them."""
+        return cls(list(owners), [j for j, owner in enumerate(owners) if owner == rank], sorted(set(owners)))
+
+
+def outgoing_runs(blocks: Sequence[tuple[int, Block]]) -> list[Tensor]:
+    """``outgoing_rows`` of positioned ``blocks``, led by an int64 ``[runs, 2]`` tensor of the (first position,
+    length) of each run of consecutive positions: a rank's rows need not be contiguous in positions (its share of
+    a capture and of later extends), and DSA selects keys by position. ``incoming_runs`` splits them again."""
+    runs: list[list[int]] = []
+    for position, block in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1][1] += block.length
+        else:
+            runs.append([position, block.length])
+    return [torch.tensor(runs, dtype=torch.int64).reshape(-1, 2), *outgoing_rows([b for _, b in blocks])]
+
+
+def incoming_runs(message: Sequence[Tensor]) -> list[tuple[int, tuple[Tensor, ...]]]:
+    """What ``outgoing_runs`` sent: ``(first position, rows)`` per run."""
+    runs, rows = message[0].tolist(), message[1:]
+    out, at = [], 0
+    for position, length in runs:
+        out.append((position, tuple(t[at : at + length] for t in rows)))
+        at += length
+    return out
 
 
 def outgoing_rows(blocks: Sequence[Block]) -> list[Tensor]:

@@ -34,17 +34,16 @@ class LayerInputs:
     positions: Tensor
     rope: tuple[Tensor, Tensor]
     every: int = 1
-    shard_size: int = 0  # the cut the capture was made under (the walk must see the same)
     hidden: dict[int, Tensor] = field(default_factory=dict)
     scratch: list[list[dict[str, Any]]] = field(default_factory=list)
     recurrent: list[tuple[Tensor, ...] | None] = field(default_factory=list)
     final: Tensor | None = None
 
     @classmethod
-    def empty(cls, device: torch.device, every: int, shard_size: int) -> LayerInputs:
-        """The inputs of a rank without chunks (filled in when it has some), captured under ``shard_size``."""
+    def empty(cls, device: torch.device, every: int) -> LayerInputs:
+        """The inputs of a rank without chunks (filled in when it has some)."""
         nothing = torch.empty(0, device=device)
-        return cls(nothing.long(), (nothing, nothing), every, shard_size)
+        return cls(nothing.long(), (nothing, nothing), every)
 
     def add_layer(self, i: int, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
         if i % self.every == 0:
@@ -107,15 +106,12 @@ class WavefrontWalk:
         inputs = state.layer_inputs
         assert isinstance(inputs, LayerInputs)  # the engine walks only states a sharded capture gave inputs
         self.inputs = inputs
-        chunks = ChunkOwners.of(self.ownership, [c.start for c in state.chunks])
+        # the capture's even cut: each rank's chunks contiguous, in rank order
+        chunks = ChunkOwners.of([c.owner for c in state.chunks], self.ownership.rank)
         self.owners, self.mine, self.computing = chunks.owners, chunks.mine, chunks.computing
         self.row_start = {owner: state.chunks[self.owners.index(owner)].start for owner in self.computing}
+        self.earlier = [src for src in self.computing if src < self.ownership.rank]
         self.lo = state.chunks[self.mine[0]].start if self.mine else 0
-        if inputs.shard_size != self.ownership.shard_size:
-            raise ValueError(
-                f"the context-parallel shards were re-cut between the capture (shard size {inputs.shard_size}) and its "
-                f"reverse walk ({self.ownership.shard_size}): walk a state under the cut it was captured with"
-            )
         self.segment: dict[int, Tensor | None] = {}  # the current segment's layer inputs (recomputed from its first)
         # recurrent layers the segment recomputed: the state before each of this rank's chunks
         self.states_before: dict[int, list[tuple[Tensor, ...] | None]] = {}
@@ -253,10 +249,9 @@ class WavefrontWalk:
     def _receive_rows(self, i: int, tag: int) -> list[PastBlock]:
         """The earlier ranks' rows of layer ``i`` (``tag``: for its backward or its recomputation)."""
         received = []
-        for src in self.computing:
-            if src < self.ownership.rank:
-                rows = self.transport.recv(src, tag + i, self.engine.adapter.device)
-                received.append(PastBlock(rows, None, self.row_start[src]))
+        for src in self.earlier:
+            rows = self.transport.recv(src, tag + i, self.engine.adapter.device)
+            received.append(PastBlock(rows, None, self.row_start[src]))
         return received
 
     def _forward_layer(self, i: int, h: Tensor | None) -> Tensor | None:
@@ -306,9 +301,9 @@ class WavefrontWalk:
                 self._backpropagate(out, g, span, new, upstream)
             if x.grad is not None:
                 g_in[span] = x.grad
-        for past in remote:  # the earlier ranks' K/V gradient, to their owners
+        for src, past in zip(self.earlier, remote, strict=True):  # the earlier ranks' K/V gradient, to their owners
             assert past.grads is not None
-            self.transport.send(past.grads, self.ownership.owner(past.start), _ROW_GRADS_TAG + i, "state_grad")
+            self.transport.send(past.grads, src, _ROW_GRADS_TAG + i, "state_grad")
         for _, block in self._own_rows(i):
             self.grad.release_arena(block.arena)
         return g_in

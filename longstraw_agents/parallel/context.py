@@ -1,11 +1,13 @@
-"""Context parallelism for the engine's state: the ranks of a process group hold contiguous shards of the positions.
+"""Context parallelism for the engine's state: the ranks of a process group each hold a share of every path's
+positions.
 
-Two types, as the engine sees them (``longstraw_agents.engine.shards``): ``EvenShards`` says who stores what —
-position ``p`` belongs to rank ``min(p // shard_size, N - 1)``: a prompt is spread evenly when ``shard_size`` is its
-length over N, and positions past the last shard (later turns, branches) go to the last rank; a rank stores the
-attention K/V, MLA rows and DSA index keys of its own positions, ``state / N`` (± one chunk) — and
-``GroupTransport`` carries the messages over the process group. ``ContextParallel`` holds one of each (what
-``Engine(shards=...)`` takes). Two schedules use them (the engine picks one per call; docs/distributed.md):
+Two types, as the engine sees them (``longstraw_agents.engine.shards``): ``BalancedOwnership`` says who stores what
+— a capture is cut into contiguous even shards in rank order, and the pieces of later turns and branches go to the
+rank holding the least of their path, so that a member whose own history grows long keeps it spread; a rank stores
+the attention K/V, MLA rows and DSA index keys of its own positions, ``state / N`` (± a chunk per path), and the
+state records each chunk's owner — and ``GroupTransport`` carries the messages over the process group.
+``ContextParallel`` holds one of each (what ``Engine(shards=...)`` takes). Two schedules use them (the engine picks
+one per call; docs/distributed.md):
 
 - **Sharded compute** (a capture, and exact mode's reverse walk over it): each rank evaluates only its own chunks,
   layer by layer across them, and the ranks meet in a wavefront through point-to-point messages (``send`` /
@@ -38,34 +40,37 @@ from torch import Tensor
 
 from longstraw_agents.attention import merge
 
-LAST = 1 << 62  # the last shard reaches past any position
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
 
 @dataclass
-class EvenShards:
-    """The engine's ``Ownership``: contiguous shards of ``shard_size`` positions, the last reaching past any."""
+class BalancedOwnership:
+    """The engine's ``Ownership``: every path's positions spread evenly over the ranks.
+
+    - A sharded extend (a capture; ``Engine.extend`` says which) is cut into contiguous runs of ``ceil(n / N)``
+      positions, rank 0 first: a prompt is spread evenly (a short one too, instead of sitting on the first rank),
+      and so is a long turn or a member's long history captured at once.
+    - A replicated extend's pieces (turns, branches, decoded tokens: computed by every rank) go one by one to the
+      rank that holds the fewest positions of the path so far (the lowest such rank): a member whose own history
+      grows turn by turn keeps it spread over every rank, within a piece per rank of even.
+    """
 
     rank: int
     size: int
-    shard_size: int
 
-    def __post_init__(self) -> None:
-        if self.shard_size < 1:
-            raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
+    def cut(self, n: int) -> list[tuple[int, int, int]]:
+        if n == 0:
+            return []
+        width = -(-n // self.size)  # not rounded to chunks: a prompt of fewer chunks than ranks uses every rank
+        return [(lo, min(lo + width, n), r) for r, lo in enumerate(range(0, n, width))]
 
-    def fit(self, prompt_len: int, chunk: int) -> None:
-        """Re-cut the shards for the next prompt (one group's shared context): spread evenly over the ranks, a
-        short prompt too, instead of sitting on the first. Only between captures: a state cut the old way stays
-        readable only under the old cut."""
-        self.shard_size = _even_shard(prompt_len, self.size, chunk)
-
-    def owner(self, position: int) -> int:
-        return min(position // self.shard_size, self.size - 1)
-
-    def shard_end(self, position: int) -> int:
-        owner = self.owner(position)
-        return LAST if owner == self.size - 1 else (owner + 1) * self.shard_size
+    def assign(self, held: Sequence[int], lengths: Sequence[int]) -> list[int]:
+        held, owners = list(held), []
+        for length in lengths:
+            owner = min(range(self.size), key=lambda r: (held[r], r))
+            owners.append(owner)
+            held[owner] += length
+        return owners
 
 
 class PairChannels:
@@ -127,16 +132,9 @@ class ContextParallel:
     positions (``ownership``) and the messages between the ranks (``transport``: collectives on ``group``,
     point-to-point messages on ``channels``, by default ``PairChannels.of(group)``)."""
 
-    def __init__(self, group: dist.ProcessGroup, shard_size: int, channels: PairChannels | None = None):
+    def __init__(self, group: dist.ProcessGroup, channels: PairChannels | None = None):
         self.transport = GroupTransport(group, channels)
-        self.ownership = EvenShards(self.transport.rank, self.transport.size, shard_size)
-
-    @classmethod
-    def for_prompt(
-        cls, group: dist.ProcessGroup, prompt_len: int, chunk: int, channels: PairChannels | None = None
-    ) -> ContextParallel:
-        """Shards that spread ``prompt_len`` positions evenly over the ranks (``chunk``: the size for no prompt)."""
-        return cls(group, _even_shard(prompt_len, dist.get_world_size(group), chunk), channels)
+        self.ownership = BalancedOwnership(self.transport.rank, self.transport.size)
 
 
 class GroupTransport:
@@ -151,7 +149,7 @@ class GroupTransport:
         self.channels = channels if channels is not None else PairChannels.of(group)
         self._me = dist.get_global_rank(group, self.rank)
         # this rank's sends, by what they carry
-        kinds = ("partials", "dq", "topk", "state_grad", "rows", "recurrent", "param_grads", "metrics")
+        kinds = ("partials", "dq", "topk", "state_grad", "rows", "parent_rows", "recurrent", "param_grads", "metrics")
         self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
         self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
         # per kind, the messages in flight: each one's works and the tensors they read (kept alive until done)
@@ -188,7 +186,8 @@ class GroupTransport:
         self, running: tuple[Tensor, Tensor] | None, n: int, k: int, like: Tensor
     ) -> tuple[Tensor, Tensor] | None:
         """Pad each rank's candidates to ``k`` (score -inf, position -1: never visible), all-gather them, and keep
-        the best ``k`` by a stable sort over the ranks' lists in rank order (earlier positions first on ties)."""
+        the best ``k``, earlier positions first on ties (as one process: a rank's positions need not all precede
+        the next rank's)."""
         scores = torch.full((n, k), float("-inf"), dtype=like.dtype, device=like.device)
         positions = torch.full((n, k), -1, dtype=torch.long, device=like.device)
         if running is not None:
@@ -200,6 +199,8 @@ class GroupTransport:
         dist.all_gather(all_positions, positions, group=self.group)
         self.sent_bytes["topk"] += _nbytes(scores) + _nbytes(positions)
         cat_scores, cat_positions = torch.cat(all_scores, 1), torch.cat(all_positions, 1)
+        by_position = torch.sort(cat_positions, dim=1, stable=True).indices  # then by score, stably: ties by position
+        cat_scores, cat_positions = cat_scores.gather(1, by_position), cat_positions.gather(1, by_position)
         order = torch.sort(cat_scores, dim=1, descending=True, stable=True).indices[:, :k]
         return cat_scores.gather(1, order), cat_positions.gather(1, order)
 
@@ -269,13 +270,6 @@ class GroupTransport:
             dist.broadcast(t, src=peer, group=self.group)
         self.waited_s += time.perf_counter() - began
         return out
-
-
-def _even_shard(prompt_len: int, ranks: int, chunk: int) -> int:
-    """ceil(prompt_len / ranks), not rounded to whole chunks (a rank's first or last chunk is then shorter): whole
-    chunks would leave the last ranks empty for a prompt of fewer chunks than ranks. ``chunk`` bounds it below only
-    for an empty prompt."""
-    return -(-prompt_len // ranks) if prompt_len else chunk
 
 
 def _header(tensors: Sequence[Tensor]) -> Tensor:

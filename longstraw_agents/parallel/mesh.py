@@ -93,9 +93,9 @@ class ParallelMesh:
     def cp_rank(self) -> int:
         return self.mesh.get_local_rank("cp")
 
-    def context_parallel(self, prompt_len: int, chunk: int) -> ContextParallel:
-        """Shards of a prompt of ``prompt_len`` positions over this mesh's ``cp`` ranks."""
-        return ContextParallel.for_prompt(self.cp_group, prompt_len, chunk, self.cp_channels)
+    def context_parallel(self) -> ContextParallel:
+        """The engine's state shards over this mesh's ``cp`` ranks."""
+        return ContextParallel(self.cp_group, self.cp_channels)
 
     @cached_property
     def cp_channels(self) -> PairChannels:

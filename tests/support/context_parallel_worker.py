@@ -51,6 +51,64 @@ def shared_turn_group(prompt: torch.Tensor, gen: torch.Generator, rewards: list[
     return make_group(members, rewards, LossConfig(aggregation="seq-mean"))  # shared tokens weigh per member
 
 
+def agent_group(prompt: torch.Tensor, gen: torch.Generator, rewards: list[float], turns: int):
+    """A group shaped like agents: members share ``prompt`` and diverge at once, each growing its own history of
+    ``turns`` turns (a tool output without loss, then an answer with loss): the prefix tree's leaves are long."""
+    members = []
+    for _ in rewards:
+        ids, mask = [prompt], [torch.zeros(len(prompt))]
+        for _ in range(turns):
+            observation, answer = (int(n) for n in torch.randint(3, 8, (2,), generator=gen))
+            ids += [torch.randint(0, 256, (observation + answer,), generator=gen)]
+            mask += [torch.zeros(observation), torch.ones(answer)]
+        members.append(Member(torch.cat(ids).numpy(), torch.cat(mask).bool().numpy()))
+    return make_group(members, rewards, LossConfig())
+
+
+def group_gradient(engine: Engine, group, mode: str) -> torch.Tensor:
+    engine.model.zero_grad(set_to_none=True)
+    backward_group(engine, group, mode, LossConfig(), track_memory=False)
+    return grads(engine.model)
+
+
+def agent_results(family: str, model, single: Engine, shards: ContextParallel, prompt, rewards) -> dict[str, float]:
+    """Members whose own histories grow long: turn by turn (replicated extends, each piece on the rank holding the
+    least of the path) and at once (a sharded extend over a parent every rank holds some of); the gradients of an
+    agent-shaped group, its long leaves captured sharded or (a shorter prompt's share) replicated."""
+    results: dict[str, float] = {}
+    parallel = Engine(model, EngineConfig(chunk_size=CHUNK), shards=shards)
+    gen = torch.Generator().manual_seed(2)
+    turns = [torch.randint(0, 256, (7,), generator=gen) for _ in range(30)]
+    probe = torch.randint(0, 256, (BRANCH,), generator=gen)
+    state, reference = parallel.capture(prompt), single.capture(prompt)
+    long_state = parallel.extend(state, torch.cat(turns[:12]))  # 84 tokens after 61: sharded, parent on every rank
+    long_reference = single.extend(reference, torch.cat(turns[:12]))
+    for turn in turns:  # replicated extends
+        state, reference = parallel.extend(state, turn), single.extend(reference, turn)
+    with torch.no_grad():
+        results[f"{family}/turn_by_turn"] = relative(parallel.logits(state, probe), single.logits(reference, probe))
+        results[f"{family}/long_turn"] = relative(
+            parallel.logits(long_state, probe), single.logits(long_reference, probe)
+        )
+    results[f"{family}/turn_by_turn_bytes"] = growing_bytes(state)
+    results[f"{family}/turn_by_turn_single_bytes"] = growing_bytes(reference)
+    results[f"{family}/turn_by_turn_positions"] = state.positions_held(shards.ownership.size)[shards.ownership.rank]
+    # leaves of 30-70 tokens after 20 shared ones (captured sharded), of 24-56 after 61 (replicated), the same with
+    # EngineConfig.sharded_extend_tokens below them (sharded)
+    cases = (
+        ("agent", prompt[:20], 5, None, ("exact", "detached")),
+        ("agent_replicated", prompt, 4, None, ("detached",)),
+        ("agent_threshold", prompt, 4, 16, ("exact",)),
+    )
+    for name, group_prompt, turns, least, modes in cases:
+        group = agent_group(group_prompt, torch.Generator().manual_seed(3), rewards[:2], turns)
+        engine = Engine(model, EngineConfig(chunk_size=CHUNK, sharded_extend_tokens=least), shards=shards)
+        for mode in modes:
+            expected = group_gradient(single, group, mode)
+            results[f"{family}/{name}_{mode}"] = relative(group_gradient(engine, group, mode), expected)
+    return results
+
+
 def counting_layer_runs(engine: Engine) -> list[int]:
     """A counter (one cell) of the layer evaluations ``engine`` makes from now on."""
     count = [0]
@@ -64,11 +122,11 @@ def counting_layer_runs(engine: Engine) -> list[int]:
     return count
 
 
-def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> None:
+def run(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     mesh = ParallelMesh.build(dp=1, cp=world)
-    shards = ContextParallel(mesh.cp_group, shard_size, mesh.cp_channels)
+    shards = ContextParallel(mesh.cp_group, mesh.cp_channels)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (PROMPT,), generator=gen)
     branch = torch.randint(0, 256, (BRANCH,), generator=gen)
@@ -91,11 +149,11 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
         layer_runs = counting_layer_runs(parallel)
         state = parallel.capture(prompt)  # sharded compute: this rank evaluates its own chunks only
         results[f"{family}/layer_runs"] = layer_runs[0]
-        results[f"{family}/own_chunks"] = sum(1 for c in state.chunks if shards.ownership.owner(c.start) == rank)
+        results[f"{family}/own_chunks"] = sum(1 for c in state.chunks if c.owner == rank)
         results[f"{family}/layers"] = parallel.num_layers
         results[f"{family}/chunks"] = len(state.chunks)
         kept = parallel.capture(prompt, checkpoints=True)  # exact mode's capture: this rank's layer inputs kept
-        own = sum(c.length for c in kept.chunks if shards.ownership.owner(c.start) == rank)
+        own = sum(c.length for c in kept.chunks if c.owner == rank)
         request = PlanRequest(context=PROMPT, gpus=world, mode="exact", dtype=torch.float64)
         results[f"{family}/layer_inputs"] = kept.layer_inputs.nbytes
         results[f"{family}/planned_layer_inputs"] = layer_inputs_bytes(model.config, request, own)[0]
@@ -119,7 +177,6 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
             results[f"{family}/{mode}"] = relative(gradient(parallel, prompt, completions, rewards, mode), expected)
             results[f"{family}/{mode}_layer_runs"] = parallel_runs[0]  # capture + branches + (exact) reverse walk
             results[f"{family}/{mode}_single_layer_runs"] = single_runs[0]
-        results[f"{family}/fitted_shard"] = shards.ownership.shard_size  # the trainer re-cut the shards for its prompt
         group = shared_turn_group(prompt[:6], torch.Generator().manual_seed(1), rewards)
         model.zero_grad(set_to_none=True)
         config = LossConfig(aggregation="seq-mean")
@@ -139,6 +196,6 @@ def run(rank: int, world: int, store: str, out_dir: str, shard_size: int) -> Non
             gradient(replicated, prompt, completions, rewards, "exact"), expected
         )
         results[f"{family}/replicated_exact_layer_runs"] = replicated_runs[0]
-        shards.ownership.shard_size = shard_size
+        results.update(agent_results(family, model, single, shards, prompt, rewards))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()

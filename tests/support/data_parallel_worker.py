@@ -23,7 +23,7 @@ from longstraw_agents.parallel.fsdp import offloaded
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 from longstraw_agents.trainer.group import Group
 
-PROMPT_LEN, CHUNK, SHARD, G, NUM_GROUPS = 20, 8, 16, 3, 3
+PROMPT_LEN, CHUNK, G, NUM_GROUPS = 20, 8, 3, 3
 
 
 def make_trainer(
@@ -48,9 +48,7 @@ def make_trainer(
     )
     policy: torch.nn.Module | Engine = model
     if mesh is not None and mesh.mesh["cp"].size() > 1:
-        policy = Engine(
-            model, EngineConfig(chunk_size=CHUNK), shards=ContextParallel(mesh.cp_group, SHARD, mesh.cp_channels)
-        )
+        policy = Engine(model, EngineConfig(chunk_size=CHUNK), shards=ContextParallel(mesh.cp_group, mesh.cp_channels))
     return GRPOTrainer(policy, config, accelerator=accelerator, mesh=mesh)
 
 

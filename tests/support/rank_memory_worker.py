@@ -43,7 +43,7 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
     )
     policy: nn.Module | Engine = model
     if mesh.mesh["cp"].size() > 1:
-        shards = ContextParallel.for_prompt(mesh.cp_group, spec["prompt"], spec["chunk"], mesh.cp_channels)
+        shards = ContextParallel(mesh.cp_group, mesh.cp_channels)
         policy = Engine(
             model, EngineConfig(chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"]), shards=shards
         )

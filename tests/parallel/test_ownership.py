@@ -1,0 +1,29 @@
+"""Where the context-parallel ranks store new positions (parallel/context.py, ``BalancedOwnership``): a sharded
+extend cut evenly in rank order, a replicated extend's pieces to the rank holding the least of the path."""
+
+from __future__ import annotations
+
+import pytest
+
+from longstraw_agents.parallel import BalancedOwnership
+
+
+@pytest.mark.parametrize(("n", "ranks"), [(61, 2), (61, 4), (3, 4), (16, 4), (1, 8)])
+def test_a_sharded_extend_is_cut_evenly_in_rank_order(n: int, ranks: int) -> None:
+    runs = BalancedOwnership(0, ranks).cut(n)
+    assert [owner for *_, owner in runs] == list(range(len(runs)))  # the wavefront's order
+    assert runs[0][0] == 0 and runs[-1][1] == n and all(a[1] == b[0] for a, b in zip(runs, runs[1:], strict=False))
+    widths = [hi - lo for lo, hi, _ in runs]
+    assert max(widths) - min(widths) <= max(1, ranks - 1) and len(runs) == min(n, ranks)
+    assert BalancedOwnership(0, ranks).cut(0) == []
+
+
+def test_replicated_pieces_go_to_the_rank_holding_the_least_of_the_path() -> None:
+    ownership = BalancedOwnership(1, 3)
+    assert ownership.assign([10, 4, 4], [5, 5, 5]) == [1, 2, 1]  # ties to the lower rank
+    held = [20, 20, 21]
+    for turn in range(200):  # a member's history, turn by turn
+        lengths = [7, 3] if turn % 3 else [16, 16, 2]
+        for owner, length in zip(ownership.assign(held, lengths), lengths, strict=True):
+            held[owner] += length
+    assert max(held) - min(held) <= 16  # within a piece of even
