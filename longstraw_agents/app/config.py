@@ -168,6 +168,13 @@ class ParallelSpec(BaseModel):
         description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
         "recomputes every chunk, keeping no layer inputs; see docs/distributed.md and `longstraw plan --walk`)",
     )
+    sharded_extend_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="cp > 1: an extend of at least this many tokens (a long tool output, a member's long history) "
+        "is computed sharded like a capture even when shorter than the context before it "
+        "(EngineConfig.sharded_extend_tokens; None: only extends at least as long as their context)",
+    )
     timeout_s: float = Field(
         600.0,
         gt=0,

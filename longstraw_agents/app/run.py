@@ -360,8 +360,11 @@ class Run:
 
 
 def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConfig:
-    """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk)."""
-    return EngineConfig(chunk_size=chunk, wavefront_walk=spec.wavefront_walk)
+    """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk;
+    ``parallel.sharded_extend_tokens``: which extends are computed sharded)."""
+    return EngineConfig(
+        chunk_size=chunk, wavefront_walk=spec.wavefront_walk, sharded_extend_tokens=spec.sharded_extend_tokens
+    )
 
 
 def _layout(config: TrainConfig) -> str:

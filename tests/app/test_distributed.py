@@ -250,3 +250,11 @@ def test_parallel_wavefront_walk_reaches_the_engine() -> None:
     assert context_parallel_engine_config(ParallelSpec(cp=2), 64).wavefront_walk
     replicated = context_parallel_engine_config(ParallelSpec(cp=2, wavefront_walk=False), 64)
     assert not replicated.wavefront_walk and replicated.chunk_size == 64
+
+
+def test_parallel_sharded_extend_tokens_reaches_the_engine() -> None:
+    """``parallel.sharded_extend_tokens`` says which extends the cp ranks compute sharded."""
+    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).sharded_extend_tokens is None
+    assert (
+        context_parallel_engine_config(ParallelSpec(cp=2, sharded_extend_tokens=4096), 64).sharded_extend_tokens == 4096
+    )
