@@ -252,9 +252,10 @@ class TreeMode(ExecutionMode):
         """A long loss node: captured without a graph (with recurrent checkpoints), then its chunks recomputed in
         reverse, each with its loss; ``into_parent``: also pass the gradient on to ``parent``'s state."""
         state = self.engine.extend(parent.with_checkpoints(self.engine.checkpoint_spacing), inputs)
-        self.engine.backward(
-            state, grad, inputs, since=parent, loss_fn=self._loss_fn(loss, parent.num_tokens), into_since=into_parent
-        )
+        before, self.sums = self.sums, LossSums.zeros(self.engine.adapter.device)  # the node's own sums, from zero
+        loss_fn = self._loss_fn(loss, parent.num_tokens)
+        walk = self.engine.backward(state, grad, inputs, since=parent, loss_fn=loss_fn, into_since=into_parent)
+        self.sums = before + self.sums.mapped(walk.total)  # the whole node's, whichever rank evaluated which chunks
         self.forward_tokens += 2 * inputs.numel()
 
     @abstractmethod

@@ -22,7 +22,7 @@ from .graphs import GraphBank
 from .reverse_walk import ReverseWalk
 from .sharded_capture import ShardedCapture
 from .shards import StateShards, Transport
-from .wavefront import WavefrontWalk
+from .wavefront import LayerInputs, WavefrontWalk
 from .weights import LayerWeights
 
 # loss_fn(hidden [n, hidden], start, end) -> scalar loss for the tokens at positions [start, end), or None; it gets
@@ -198,8 +198,9 @@ class Engine:
         from the nearest checkpoint. Chunks whose graphs ``kept`` holds are not recomputed. Peak: state + grad +
         one chunk graph (+ up to k-1 recurrent states, + the kept graphs).
 
-        A capture made under context parallelism with its layer inputs (``EngineConfig.wavefront_walk``) is walked
-        sharded: each rank walks its own chunks (``Backward.sharded``).
+        A sharded extend made under context parallelism with its layer inputs (``EngineConfig.wavefront_walk``: a
+        capture, or a long extend of ``since``) is walked sharded: each rank walks its own chunks
+        (``Backward.sharded``).
         """
         self._check_state(state)
         ids = self._check_ids(ids, allow_empty=True)
@@ -211,8 +212,9 @@ class Engine:
         first = next((j for j, chunk in enumerate(state.chunks) if chunk.start >= base), len(state.chunks))
         if first < len(state.chunks) and state.chunks[first].start != base:
             raise ValueError("`since` must be an ancestor of `state` (its end must fall on a chunk boundary)")
-        if self.shards is not None and state.layer_inputs is not None and base == 0:
-            WavefrontWalk(self, self.shards, state, grad, ids, loss_fn).run()
+        inputs = state.layer_inputs
+        if self.shards is not None and isinstance(inputs, LayerInputs) and inputs.base == base:
+            WavefrontWalk(self, self.shards, state, grad, ids, loss_fn, since, into_since).run()
             return Backward(sharded=True, transport=self.shards.transport)
         ReverseWalk(self, state, grad, ids, since, first, loss_fn, into_since, kept).run()
         return Backward()

@@ -39,9 +39,9 @@ class ShardedCapture:
     capture): moving the earlier rows there costs no more than the rows computed; a short extend (a turn, a branch)
     instead runs replicated with partials merged (``Attention.shards``), which moves only the new tokens' partials.
 
-    A capture from position 0 of a state with checkpoints (exact mode), with ``EngineConfig.wavefront_walk``, keeps
-    this rank's layer inputs on the child state (``State.layer_inputs``) for the wavefront walk instead of sharing
-    checkpoints: the walk then runs sharded too."""
+    An extend of a state with checkpoints (exact mode's capture, a long leaf walked chunk by chunk), with
+    ``EngineConfig.wavefront_walk``, keeps this rank's layer inputs on the child state (``State.layer_inputs``) for
+    the wavefront walk instead of sharing checkpoints: the walk back to the parent then runs sharded too."""
 
     def __init__(self, engine: Engine, shards: StateShards, state: State, ids: Tensor, chunk: int):
         self.engine, self.state, self.ids = engine, state, ids
@@ -54,7 +54,7 @@ class ShardedCapture:
         # the ranks holding rows of the parent, and of the parent or this extend once it is done
         self.parent_holders = {c.owner for c in state.chunks}
         self.holders = self.parent_holders | set(self.computing)
-        self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0 and self.base == 0
+        self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0
 
     def run(self, reserve: int) -> State:
         """The child state."""
@@ -65,7 +65,9 @@ class ShardedCapture:
         blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in mine]
         recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in mine]
         # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
-        inputs = LayerInputs.empty(adapter.device, engine.layer_inputs_spacing) if self.keeps_inputs else None
+        inputs = (
+            LayerInputs.empty(adapter.device, engine.layer_inputs_spacing, self.base) if self.keeps_inputs else None
+        )
         kept_after = [self._keeps(j) for j in self.mine]  # chunks whose states are kept
         engine.announce(range(engine.num_layers))  # every rank gathers every layer, in order
         self._post_parent_rows()

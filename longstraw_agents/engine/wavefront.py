@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, State, StateGrad
 
-from .shards import ChunkOwners, StateShards, outgoing_rows
+from .shards import ChunkOwners, StateShards, incoming_runs, outgoing_runs
 
 # The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat
 # copy of a whole model's gradient would hold a second gradient at once.
@@ -34,16 +34,17 @@ class LayerInputs:
     positions: Tensor
     rope: tuple[Tensor, Tensor]
     every: int = 1
+    base: int = 0  # the first position of the extend whose inputs these are
     hidden: dict[int, Tensor] = field(default_factory=dict)
     scratch: list[list[dict[str, Any]]] = field(default_factory=list)
     recurrent: list[tuple[Tensor, ...] | None] = field(default_factory=list)
     final: Tensor | None = None
 
     @classmethod
-    def empty(cls, device: torch.device, every: int) -> LayerInputs:
-        """The inputs of a rank without chunks (filled in when it has some)."""
+    def empty(cls, device: torch.device, every: int, base: int) -> LayerInputs:
+        """The inputs of a rank without chunks (filled in when it has some) of an extend from ``base``."""
         nothing = torch.empty(0, device=device)
-        return cls(nothing.long(), (nothing, nothing), every)
+        return cls(nothing.long(), (nothing, nothing), every, base)
 
     def add_layer(self, i: int, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
         if i % self.every == 0:
@@ -66,13 +67,16 @@ class LayerInputs:
         return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
 
 
-# + the layer index (< 4096 layers): rows for a layer's backward, for its forward recomputation, their gradients
+# + the layer index (< 4096 layers): rows for a layer's backward, for its forward recomputation, their gradients, a
+# recurrent state's gradient, the gradient of a later rank's context rows (sent when the walk is done)
 _ROWS_TAG, _RECOMPUTE_ROWS_TAG, _ROW_GRADS_TAG, _RECURRENT_GRAD_TAG = 1 << 12, 2 << 12, 3 << 12, 4 << 12
+_CONTEXT_GRADS_TAG = 5 << 12
 
 
 class WavefrontWalk:
-    """Exact mode's reverse walk over a sharded capture (``ShardedCapture`` from position 0), compute sharded: each
-    rank backpropagates only its own chunks, layer by layer from the last, reading the layer inputs the capture kept.
+    """Exact mode's reverse walk over a sharded extend (``ShardedCapture``: a capture from position 0, or a long
+    extend after ``since`` — a long turn, a member's long history), compute sharded: each rank backpropagates only
+    its own chunks, layer by layer from the last, reading the layer inputs the capture kept.
 
     Layer i on rank r needs the gradient of its chunks' outputs of layer i — from its own layer i+1 — and of the
     state rows it holds of layer i — from every later query, i.e. its own later chunks and every later rank's
@@ -80,13 +84,19 @@ class WavefrontWalk:
     i: a wavefront from the last rank, whose critical path is ``layers + ranks - 1`` layer steps (the naive order,
     each rank walking all its layers after the later ranks finished all theirs, is their product). The messages:
 
-    - before the walk, each rank posts its rows of every growing layer to the later ranks (views of its arenas; on a
-      GPU one host copy per layer), in the order they are taken: a receiver takes layer i's when it recomputes or
-      backpropagates the layer and drops them after (one layer's at a time; a recomputed layer's rows travel
-      twice); it attends to them with gradient sinks of their own, and sends those sinks (the gradient for the
-      earlier rank's K/V) back to their owner once its layer i is done, where they are added into the state's
+    - before the walk, each rank posts its rows of every growing layer to the later computing ranks (views of its
+      arenas; on a GPU one host copy per layer), in the order they are taken: a receiver takes layer i's when it
+      recomputes or backpropagates the layer and drops them after (one layer's at a time; a recomputed layer's rows
+      travel twice); it attends to them with gradient sinks of their own, and sends those sinks (the gradient for
+      the earlier rank's K/V) back to their owner once its layer i is done, where they are added into the state's
       gradient;
-    - a recurrent layer's state gradient before a rank's first chunk goes to the rank that holds the chunk before.
+    - after ``since``, the earlier ranks' queries read the context rows the later ranks hold too: a later rank posts
+      those of layer i as its own step i ends (after the gradient it sends the same rank), and the gradient the
+      earlier ranks' queries give them (``into_since``) goes back once their walk is done (until then each rank
+      holds it: at most the context's state gradient);
+    - a recurrent layer's state gradient before a rank's first chunk goes to the rank that holds the chunk before;
+      the extend's first chunk's, the gradient of ``since``'s last recurrent state, is broadcast when the walk is
+      done (every rank holds that state).
 
     The replicated part of the parameters' gradient (the branch replays, which every rank ran) is divided by the
     number of ranks before the walk, and the sum over ranks afterwards restores it and adds every rank's share of the
@@ -100,21 +110,36 @@ class WavefrontWalk:
         grad: StateGrad,
         ids: Tensor,
         loss_fn: ChunkLoss | None,
+        since: State | None = None,
+        into_since: bool = True,
     ):
         self.engine, self.state, self.grad, self.ids, self.loss_fn = engine, state, grad, ids, loss_fn
         self.ownership, self.transport = shards.ownership, shards.transport
         inputs = state.layer_inputs
         assert isinstance(inputs, LayerInputs)  # the engine walks only states a sharded capture gave inputs
-        self.inputs = inputs
-        # the capture's even cut: each rank's chunks contiguous, in rank order
-        chunks = ChunkOwners.of([c.owner for c in state.chunks], self.ownership.rank)
-        self.owners, self.mine, self.computing = chunks.owners, chunks.mine, chunks.computing
-        self.row_start = {owner: state.chunks[self.owners.index(owner)].start for owner in self.computing}
-        self.earlier = [src for src in self.computing if src < self.ownership.rank]
-        self.lo = state.chunks[self.mine[0]].start if self.mine else 0
+        self.inputs, self.since = inputs, since
+        self.base = since.num_tokens if since is not None else 0
+        self.into_since = into_since and self.base > 0  # (nothing before position 0)
+        self.first = next(j for j, chunk in enumerate(state.chunks) if chunk.start >= self.base)  # the extend's first
+        rank = self.ownership.rank
+        # the extend's even cut: each rank's chunks contiguous, in rank order
+        extend = ChunkOwners.of([c.owner for c in state.chunks[self.first :]], rank)
+        self.owners = [c.owner for c in state.chunks]
+        self.mine = [self.first + j for j in extend.mine]
+        self.computing = extend.computing
+        self.context_holders = sorted({c.owner for c in state.chunks[: self.first]})
+        holders = sorted({*self.computing, *self.context_holders})
+        # who sends this rank rows: the earlier ranks holding any (posted before the walk), the later ones holding
+        # context rows (posted as they walk)
+        self.posted_by = [src for src in holders if src < rank] if self.mine else []
+        self.walked_by = [src for src in self.context_holders if src > rank] if self.mine else []
+        self.lo = state.chunks[self.mine[0]].start if self.mine else self.base
         self.segment: dict[int, Tensor | None] = {}  # the current segment's layer inputs (recomputed from its first)
         # recurrent layers the segment recomputed: the state before each of this rank's chunks
         self.states_before: dict[int, list[tuple[Tensor, ...] | None]] = {}
+        # per later rank, the gradient of its context rows this rank's queries read, a layer at a time (walk order)
+        self.context_grads: dict[int, list[tuple[Tensor, ...]]] = {}
+        self.since_recurrent: dict[int, tuple[Tensor, ...]] = {}  # per layer, the gradient of since's last state
 
     def run(self) -> None:
         engine = self.engine
@@ -137,14 +162,18 @@ class WavefrontWalk:
                 if engine.adapter.layers[i].mixer.grows:
                     self._add_row_grads(i)
                     g = self._backward_growing(i, g, layer_input)
+                    self._post_context_rows([i], _ROWS_TAG)
                 else:
                     g = self._backward_recurrent(i, g, layer_input)
             self.transport.flush("state_grad", keep=self.ownership.size**2)  # a window of layers in flight
         if g is not None:  # into the embeddings of this rank's tokens
             with torch.enable_grad():
-                h, _, _ = engine.adapter.embed(self.ids[self.lo : self.lo + g.shape[0]], self.lo)
+                at = self.lo - self.base
+                h, _, _ = engine.adapter.embed(self.ids[at : at + g.shape[0]], self.lo)
                 h.backward(g)
+        self._exchange_context_grads()
         self.transport.flush()
+        self._into_since_recurrent()
         engine.settle()
         self._sum_parameter_grads(params, had_grad)
 
@@ -160,8 +189,38 @@ class WavefrontWalk:
         return order
 
     # --- messages ---------------------------------------------------------------------------------------------
-    def _own_rows(self, i: int) -> list[tuple[int, Block]]:
-        return self.state.positioned_blocks(i)
+    def _sinked(self, position: int) -> bool:
+        """Whether rows from ``position`` on get a gradient: the extend's always, ``since``'s with ``into_since``."""
+        return position >= self.base or self.into_since
+
+    def _own_rows(self, i: int, context_only: bool = False) -> list[tuple[int, Block]]:
+        """This rank's rows of layer ``i`` (only ``since``'s: ``context_only``), cut at the extend's start."""
+        rows = []
+        for position, block in self.state.positioned_blocks(i):
+            for lo, hi in _cut(position, block.length, self.base):
+                if not context_only or lo < self.base:
+                    rows.append((lo, Block(block.arena, block.lo + lo - position, block.lo + hi - position)))
+        return rows
+
+    def _past(self, message: Sequence[Tensor], sinks: bool) -> list[PastBlock]:
+        """The rows another rank sent, cut at the extend's start, with gradient sinks of their own (``sinks``) where
+        they get a gradient."""
+        blocks = []
+        for start, rows in incoming_runs(message):
+            for lo, hi in _cut(start, rows[0].shape[0], self.base):
+                part = tuple(t[lo - start : hi - start] for t in rows)
+                grads = tuple(self.grad.zeros_like(t) for t in part) if sinks and self._sinked(lo) else None
+                blocks.append(PastBlock(part, grads, lo))
+        return blocks
+
+    def _add_into_own(self, message: Sequence[Tensor], rows: list[tuple[int, Block]]) -> None:
+        """Add ``message`` — the gradient of those of ``rows`` that get one, back to back — into the state's."""
+        offset = 0
+        for position, block in rows:
+            if self._sinked(position):
+                for buffer, part in zip(self.grad.block_grads(block), message, strict=True):
+                    buffer.add_(part[offset : offset + block.length])
+                offset += block.length
 
     def _post_rows(self) -> None:
         """Start sending this rank's rows of every growing layer to the later computing ranks, in the order they
@@ -170,7 +229,7 @@ class WavefrontWalk:
         travel twice."""
         rank = self.ownership.rank
         later = [dst for dst in self.computing if dst > rank]
-        if not self.mine or not later:
+        if not later or not (self.mine or rank in self.context_holders):
             return
         every, layers = self.inputs.every, self.engine.num_layers
         staged: dict[int, list[Tensor]] = {}  # one host copy per layer, for every destination and both tags
@@ -182,23 +241,76 @@ class WavefrontWalk:
                 if not self.engine.adapter.layers[i].mixer.grows:
                     continue
                 if i not in staged:
-                    staged[i] = outgoing_rows([b for _, b in self._own_rows(i)])
+                    staged[i] = outgoing_runs(self._own_rows(i))
                 for dst in later:
                     self.transport.send(staged[i], dst, tag + i, "rows")
 
+    def _post_context_rows(self, layers: Sequence[int], tag: int) -> None:
+        """Send this rank's context rows of ``layers`` to the earlier computing ranks, which take them in this order
+        (a segment's recomputation as it is entered, a layer's backward after its gradient from this rank)."""
+        rank = self.ownership.rank
+        earlier = [dst for dst in self.computing if dst < rank]
+        if not earlier or rank not in self.context_holders:
+            return
+        for i in layers:
+            if self.engine.adapter.layers[i].mixer.grows:
+                rows = outgoing_runs(self._own_rows(i, context_only=True))
+                for dst in earlier:
+                    self.transport.send(rows, dst, tag + i, "rows")
+
+    def _receive_rows(self, i: int, tag: int, sinks: bool) -> list[tuple[int, PastBlock]]:
+        """The other ranks' rows of layer ``i`` (``tag``: for its backward or its recomputation), each with the rank
+        that sent it."""
+        received = []
+        for src in self.posted_by + self.walked_by:
+            message = self.transport.recv(src, tag + i, self.engine.adapter.device)
+            received += [(src, block) for block in self._past(message, sinks)]
+        return received
+
     def _add_row_grads(self, i: int) -> None:
         """Add what the later ranks' queries sent back for this rank's rows of layer ``i`` into the state gradient."""
-        if not self.mine:
+        rank = self.ownership.rank
+        own = self._own_rows(i)
+        if not any(self._sinked(position) for position, _ in own):
             return
         for src in self.computing:
-            if src <= self.ownership.rank:
-                continue
-            received = self.transport.recv(src, _ROW_GRADS_TAG + i, self.engine.adapter.device)
-            offset = 0
-            for _, block in self._own_rows(i):
-                for buffer, part in zip(self.grad.block_grads(block), received, strict=True):
-                    buffer.add_(part[offset : offset + block.length])
-                offset += block.length
+            if src > rank:
+                self._add_into_own(self.transport.recv(src, _ROW_GRADS_TAG + i, self.engine.adapter.device), own)
+
+    def _exchange_context_grads(self) -> None:
+        """Once the walk is done: send the gradient of the later ranks' context rows, and add what the earlier
+        ranks' queries gave this rank's (every growing layer, from the last)."""
+        for dst, per_layer in self.context_grads.items():
+            growing = [i for i in reversed(range(self.engine.num_layers)) if self.engine.adapter.layers[i].mixer.grows]
+            for i, grads in zip(growing, per_layer, strict=True):
+                self.transport.send(grads, dst, _CONTEXT_GRADS_TAG + i, "state_grad")
+        rank = self.ownership.rank
+        if not self.into_since or rank not in self.context_holders:
+            return
+        for src in [q for q in self.computing if q < rank]:
+            for i in reversed(range(self.engine.num_layers)):
+                if self.engine.adapter.layers[i].mixer.grows:
+                    message = self.transport.recv(src, _CONTEXT_GRADS_TAG + i, self.engine.adapter.device)
+                    self._add_into_own(message, self._own_rows(i, context_only=True))
+
+    def _into_since_recurrent(self) -> None:
+        """The gradient of ``since``'s last recurrent states, from the rank that walked the extend's first chunk,
+        added on every rank (each holds those states)."""
+        recurrent = [i for i, layer in enumerate(self.engine.adapter.layers) if not layer.mixer.grows]
+        if not self.into_since or not recurrent or self.since is None:
+            return
+        src = self.owners[self.first]
+        mine = src == self.ownership.rank
+        flat = [t for i in recurrent for t in self.since_recurrent[i]] if mine else None
+        received = self.transport.broadcast_tensors(flat, src, self.engine.adapter.device)
+        at = 0
+        for i in recurrent:
+            rec = self.since.chunks[-1].recurrent[i]
+            assert rec is not None  # a state after position 0 keeps its last recurrent states
+            buffers = self.grad.recurrent_grads(rec)
+            for buffer, part in zip(buffers, received[at : at + len(buffers)], strict=True):
+                buffer.add_(part)
+            at += len(buffers)
 
     # --- the walk ---------------------------------------------------------------------------------------------
     def _rows(self, j: int) -> slice:
@@ -239,20 +351,13 @@ class WavefrontWalk:
         rank without chunks (which still gathers the segment's layers with the others)."""
         if i not in self.segment:
             first = i - i % self.inputs.every
+            self._post_context_rows(range(first, i), _RECOMPUTE_ROWS_TAG)  # the earlier ranks recompute them too
             h: Tensor | None = self.inputs.hidden.get(first)
             for layer in range(first, i + 1):
                 self.segment[layer] = h
                 if layer < i:
                     h = self._forward_layer(layer, h)
         return self.segment.pop(i)
-
-    def _receive_rows(self, i: int, tag: int) -> list[PastBlock]:
-        """The earlier ranks' rows of layer ``i`` (``tag``: for its backward or its recomputation)."""
-        received = []
-        for src in self.earlier:
-            rows = self.transport.recv(src, tag + i, self.engine.adapter.device)
-            received.append(PastBlock(rows, None, self.row_start[src]))
-        return received
 
     def _forward_layer(self, i: int, h: Tensor | None) -> Tensor | None:
         """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs); None without
@@ -264,13 +369,13 @@ class WavefrontWalk:
         layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
         carried = self.inputs.recurrent[i]
         befores: list[tuple[Tensor, ...] | None] = []
-        earlier = self._receive_rows(i, _RECOMPUTE_ROWS_TAG) if layer.mixer.grows else []
+        remote = [b for _, b in self._receive_rows(i, _RECOMPUTE_ROWS_TAG, sinks=False)] if layer.mixer.grows else []
         with torch.no_grad():
             for k, j in enumerate(self.mine):
                 span = self._rows(j)
                 if layer.mixer.grows:
                     own = self.engine.past_blocks(self.state.positioned_blocks(i, j), None)
-                    ctx = LayerContext(past=[*earlier, *own])
+                    ctx = LayerContext(past=_in_position_order([*remote, *own]))
                 else:
                     befores.append(carried)
                     ctx = LayerContext(recurrent=carried)
@@ -284,28 +389,36 @@ class WavefrontWalk:
         """Layer ``i`` (attention / MLA) of this rank's chunks, last chunk first; returns the gradient of its input."""
         if layer_input is None:
             return None
-        remote = [
-            PastBlock(b.tensors, tuple(self.grad.zeros_like(t) for t in b.tensors), b.start)
-            for b in self._receive_rows(i, _ROWS_TAG)
-        ]  # each with gradient sinks of its own, sent back to the owner
+        received = self._receive_rows(i, _ROWS_TAG, sinks=True)  # sinks of their own, sent back to the owners
+        remote = [block for _, block in received]
+        frozen_before = 0 if self.into_since else self.base
         g_in = torch.zeros_like(layer_input)
         for k in reversed(range(len(self.mine))):
             j = self.mine[k]
             chunk, span = self.state.chunks[j], self._rows(j)
-            own = self.engine.past_blocks(self.state.positioned_blocks(i, j), self.grad)
+            own = self.engine.past_blocks(self.state.positioned_blocks(i, j), self.grad, frozen_before)
             block = chunk.blocks[i]
             upstream = self.grad.existing_block_grads(block) if block is not None else None
             with torch.enable_grad():
                 x = layer_input[span].detach().requires_grad_(True)
-                out, new = self._layer(i, j, x, LayerContext(past=[*remote, *own]), self.inputs.scratch[i][k])
+                past = _in_position_order([*remote, *own])
+                out, new = self._layer(i, j, x, LayerContext(past=past), self.inputs.scratch[i][k])
                 self._backpropagate(out, g, span, new, upstream)
             if x.grad is not None:
                 g_in[span] = x.grad
-        for src, past in zip(self.earlier, remote, strict=True):  # the earlier ranks' K/V gradient, to their owners
-            assert past.grads is not None
-            self.transport.send(past.grads, src, _ROW_GRADS_TAG + i, "state_grad")
+        rank = self.ownership.rank
+        for src in dict.fromkeys(src for src, _ in received):  # the other ranks' K/V gradient, to their owners
+            grads = _joined([block.grads for s, block in received if s == src and block.grads is not None])
+            if grads is None:
+                continue
+            if src < rank:
+                self.transport.send(grads, src, _ROW_GRADS_TAG + i, "state_grad")
+            else:  # a later rank's context rows: once the walk is done
+                self.context_grads.setdefault(src, []).append(grads)
+        kept = {id(block.arena) for _, block in self._own_rows(i, context_only=True)} if self.into_since else set()
         for _, block in self._own_rows(i):
-            self.grad.release_arena(block.arena)
+            if id(block.arena) not in kept:  # (since's gradient is walked later)
+                self.grad.release_arena(block.arena)
         return g_in
 
     def _backward_recurrent(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
@@ -331,9 +444,11 @@ class WavefrontWalk:
             carry = (
                 None if leaves is None else tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
             )
-        if self.mine[0] > 0:
+        if self.mine[0] > self.first:
             assert carry is not None  # a chunk after position 0 starts from a state
             self.transport.send(carry, self.owners[self.mine[0] - 1], _RECURRENT_GRAD_TAG + i, "state_grad")
+        elif self.into_since and carry is not None:  # the gradient of since's last state: broadcast after the walk
+            self.since_recurrent[i] = carry
         return g_in
 
     def _recurrent_grad_after_last(self, i: int) -> tuple[Tensor, ...] | None:
@@ -384,6 +499,22 @@ class WavefrontWalk:
                 for g in bucket:
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
+
+
+def _cut(start: int, length: int, at: int) -> list[tuple[int, int]]:
+    """``[start, start + length)`` as one or two ``(lo, hi)`` ranges, cut at position ``at``."""
+    end = start + length
+    return [(start, at), (at, end)] if start < at < end else [(start, end)]
+
+
+def _in_position_order(blocks: list[PastBlock]) -> list[PastBlock]:
+    """Past blocks as the mixers read them: by position (DSA's top-k breaks ties by it)."""
+    return sorted(blocks, key=lambda block: block.start)
+
+
+def _joined(parts: list[tuple[Tensor, ...]]) -> tuple[Tensor, ...] | None:
+    """Per state tensor, the ``parts`` back to back (None for none)."""
+    return tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True)) if parts else None
 
 
 def _buckets(tensors: list[Tensor], limit: int) -> list[list[Tensor]]:

@@ -76,6 +76,15 @@ def test_the_wavefront_walk_runs_fewer_layers_than_one_process(mesh_results: dic
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_long_leaves_are_walked_sharded(mesh_results: dict[str, Any], family: str) -> None:
+    """Exact mode: an agent-shaped group's long leaves are captured and walked back sharded (a rank evaluates its
+    chunks of them), so a rank runs fewer layer evaluations than one process — a replicated walk back (every chunk
+    again on every rank) runs more. (Detached mode replays each answer from the turn's state: no long leaves.)"""
+    for result in mesh_results["ranks"]:
+        assert result[f"{family}/agent_exact_layer_runs"] < result[f"{family}/agent_exact_single_layer_runs"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_kept_layer_inputs_are_what_the_planner_counts(mesh_results: dict[str, Any], family: str) -> None:
     """Hybrids keep a recurrent state per layer beside the hidden vectors: a few KiB over the plan."""
     for result in mesh_results["ranks"]:

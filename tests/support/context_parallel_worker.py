@@ -103,9 +103,13 @@ def agent_results(family: str, model, single: Engine, shards: ContextParallel, p
     for name, group_prompt, turns, least, modes in cases:
         group = agent_group(group_prompt, torch.Generator().manual_seed(3), rewards[:2], turns)
         engine = Engine(model, EngineConfig(chunk_size=CHUNK, sharded_extend_tokens=least), shards=shards)
+        single_runs, parallel_runs = counting_layer_runs(single), counting_layer_runs(engine)
         for mode in modes:
+            single_runs[0] = parallel_runs[0] = 0
             expected = group_gradient(single, group, mode)
             results[f"{family}/{name}_{mode}"] = relative(group_gradient(engine, group, mode), expected)
+            results[f"{family}/{name}_{mode}_layer_runs"] = parallel_runs[0]
+            results[f"{family}/{name}_{mode}_single_layer_runs"] = single_runs[0]
     return results
 
 
