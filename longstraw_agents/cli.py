@@ -294,7 +294,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
         )  # fmt: skip
         request = PlanRequest(
-            model=args.model, context=args.context, group=args.group, completion=args.completion, gpus=args.gpus,
+            model=args.model, context=args.context, group=args.group, completion=args.completion,
+            history=args.history, turns=args.turns, gpus=args.gpus,
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
             optimizer=args.optimizer, offload=args.offload, beta=args.beta, engine=engine,
             mixed_precision=False if args.no_mixed_precision else None, cp_rank=args.cp_rank,
@@ -452,7 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--groups-per-rank", type=int, default=1,
         help="groups a dp rank trains in one optimizer step (a later group's capture holds the earlier gradients)",
     )  # fmt: skip
-    p.add_argument("--completion", type=_quantity, default=1024, help="tokens per completion")
+    p.add_argument("--completion", type=_quantity, default=1024, help="tokens per completion (agents: per answer)")
+    p.add_argument(
+        "--history", type=_quantity, default=0,
+        help="agents: each member's own history after the shared context (tool outputs and answers), e.g. 1M",
+    )  # fmt: skip
+    p.add_argument("--turns", type=int, default=1, help="agents: turns in which the history grows")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: gpus / dp)")

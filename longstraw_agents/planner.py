@@ -75,7 +75,8 @@ PLAN_ENGINE = EngineConfig(chunk_size=4096, activation_checkpointing=True, max_s
 
 @pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True, strict=True))
 class PlanRequest:
-    """What to plan. ``context`` counts the shared prompt's positions; ``completion`` each member's own tokens.
+    """What to plan. ``context`` counts the shared prompt's positions; ``completion`` each member's own tokens — or,
+    for agents whose members grow long after they part (``history``), the tokens of one answer.
 
     Validated on construction (and by ``dataclasses.replace``): counts and sizes are positive, ``beta`` finite and
     not negative, and the GPUs split into ``dp x cp``; a bad value raises pydantic's ``ValidationError``."""
@@ -84,6 +85,11 @@ class PlanRequest:
     context: Positive = 2_100_000
     group: Positive = 8
     completion: Positive = 1024
+    # an agent's own history after the shared context (tool outputs and answers, the longest member's), over
+    # ``turns`` turns; 0: a completion only (the published shape). The step walks one member's path at a time,
+    # spread over the cp ranks like the context; the in-process sampler holds every member's
+    history: Annotated[int, Field(ge=0)] = 0
+    turns: Positive = 1
     gpus: Positive = 8
     gpu_mem_bytes: Positive = 96 * 10**9
     cp: Positive | None = None  # context-parallel ranks (default: gpus / dp)
@@ -109,6 +115,32 @@ class PlanRequest:
         if self.cp is not None:
             return self.cp
         return self.gpus // self.dp if self.dp is not None else self.gpus
+
+    @property
+    def own_tokens(self) -> int:
+        """Each member's tokens after the shared context: its history, or its completion."""
+        return self.history or self.completion
+
+    @property
+    def sharded_history(self) -> int:
+        """The positions of a member's history captured sharded after the context (``Engine.sharded``: at least as
+        long as the context, or as ``sharded_extend_tokens``), 0 for none: in exact mode the whole history, one
+        leaf walked chunk by chunk when longer than a chunk; in detached mode, extended turn by turn, its first
+        turn."""
+        if not self.history or self.context_parallel == 1:
+            return 0
+        least = self.engine.sharded_extend_tokens
+        n = self.history if self.mode == "exact" else math.ceil(self.history / self.turns)
+        sharded = n >= self.context or (least is not None and n >= least)
+        long = self.mode == "detached" or n > self.engine.chunk_size
+        return n if sharded and long else 0
+
+    @property
+    def walked_back_sharded(self) -> bool:
+        """Exact mode: whether a member's history is walked back to the context sharded (its capture kept layer
+        inputs), so that an earlier rank holds the gradient of the later ranks' context rows until its walk is
+        done."""
+        return self.mode == "exact" and self.engine.wavefront_walk and self.sharded_history > 0
 
     @property
     def earlier_ranks(self) -> int:
@@ -155,6 +187,8 @@ class PlanRequest:
             raise ValueError(HSDP_WITHOUT_CP)
         if self.offload and self.gpus == 1:
             raise ValueError("offload runs through FSDP2 (parallel.fsdp), which shards over 2 or more GPUs")
+        if self.history and self.history < self.turns:
+            raise ValueError(f"a history of {self.history} tokens cannot hold {self.turns} turns")
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
         return self
@@ -203,7 +237,9 @@ class Plan:
     def table(self) -> str:
         r = self.request
         lines = [
-            f"{r.model}: {r.context:,} positions, G={r.group} x {r.completion} tokens, {r.mode}, "
+            f"{r.model}: {r.context:,} positions, G={r.group} x "
+            + (f"{r.history:,}-token histories over {r.turns} turns, " if r.history else f"{r.completion} tokens, ")
+            + f"{r.mode}, "
             f"{str(r.dtype).removeprefix('torch.')}, {r.gpus} GPUs x {r.gpu_mem_bytes / 1e9:.0f} GB "
             f"(dp={r.data_parallel}, cp={r.context_parallel}), optimizer {r.optimizer}"
             + (", offloaded to the host" if r.offload else "")
@@ -332,6 +368,7 @@ class _Exact:
     layer_inputs: int = 0
     layer_inputs_kept: int = 0  # (of layer_inputs: what the capture keeps, the rest the walk's segment)
     capture_rows: int = 0
+    context_grads: int = 0  # the later ranks' context rows' gradient, held until a sharded walk back is done
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -345,11 +382,29 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
     exact = request.mode == "exact"
     widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
     dstate = int(size.bytes_per_token * positions * widen) + size.fixed_bytes if exact else 0
+    if request.walked_back_sharded:  # the context's gradient whole; the history's a layer at a time (walked)
+        context, history = _shares(request)
+        dstate = int((size.bytes_per_token * context + _rows_per_layer(config, request, history)) * widen)
+        dstate += size.fixed_bytes
     spacing = checkpoint_spacing(config, request.dtype, request.engine)
     checkpoints = size.fixed_bytes * (math.ceil(positions / request.engine.chunk_size) // spacing) if exact else 0
     kept, segment = layer_inputs_bytes(config, request, positions)
-    rows = capture_rows_bytes(config, request, positions)
-    return _Exact(state, dstate, checkpoints, state if request.beta > 0 else 0, kept + segment, kept, rows)
+    rows = capture_rows_bytes(config, request)
+    reference = state if request.beta > 0 else 0
+    return _Exact(state, dstate, checkpoints, reference, kept + segment, kept, rows, context_grads(config, request))
+
+
+def context_grads(config: PretrainedConfig, request: PlanRequest) -> int:
+    """Exact mode's sharded walk of a member's history back to the context (``WavefrontWalk`` after ``since``): the
+    planned cp rank holds the gradient of the later ranks' context rows its queries read until its walk is done
+    (fp32 for a bf16 state): ``(cp - 1 - rank) / cp`` of the context's."""
+    if not request.walked_back_sharded:
+        return 0
+    cp = request.context_parallel
+    rank = cp - 1 if request.cp_rank is None else request.cp_rank
+    widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
+    later = math.ceil(request.context * (cp - 1 - rank) / cp)
+    return int(state_size(config, request.dtype).bytes_per_token * later * widen)
 
 
 def _rows_per_layer(config: PretrainedConfig, request: PlanRequest, positions: int) -> int:
@@ -358,14 +413,25 @@ def _rows_per_layer(config: PretrainedConfig, request: PlanRequest, positions: i
     return max(per_token for per_token, _ in per_layer) * positions
 
 
-def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> int:
-    """A sharded capture over cp ranks (``ShardedCapture``), per rank: it runs layer-major across the rank's chunks,
-    holding the hidden states of all its positions between layers, and receives one layer's rows of the earlier
-    ranks at a time (``PlanRequest.earlier_ranks`` shards) to attend to, dropped after the layer."""
+def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
+    """The largest sharded capture over cp ranks (``ShardedCapture``), per rank — the shared context's, or a
+    member's history captured sharded after it (``PlanRequest.sharded_history``): it runs layer-major across the
+    rank's chunks, holding the hidden states of all its positions between layers, and receives one layer's rows at a
+    time to attend to, dropped after the layer: the earlier ranks' new rows (``PlanRequest.earlier_ranks`` shards)
+    and the other ranks' rows of the context before it."""
     if request.context_parallel == 1:
         return 0
-    hidden = positions * config.hidden_size * _itemsize(request.dtype)
-    return hidden + _rows_per_layer(config, request, positions) * request.earlier_ranks
+    captures = [(0, request.context)]  # (the context before it, its positions)
+    if request.sharded_history:
+        captures.append((request.context, request.sharded_history))
+    return max(_capture_bytes(config, request, before, n) for before, n in captures)
+
+
+def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, n: int) -> int:
+    cp = request.context_parallel
+    own = math.ceil(n / cp)
+    received = own * request.earlier_ranks + math.ceil(before * (cp - 1) / cp)
+    return own * config.hidden_size * _itemsize(request.dtype) + _rows_per_layer(config, request, received)
 
 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
@@ -380,12 +446,20 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
     layers = config.num_hidden_layers
     every = layer_inputs_spacing(layers, request.engine)
     itemsize = _itemsize(request.dtype)
-    vector = positions * config.hidden_size * itemsize
     widen = max(itemsize, 4) / itemsize
-    earlier = _rows_per_layer(config, request, positions) * request.earlier_ranks  # a layer's rows of earlier ranks
-    received = earlier * (1 + widen)  # one layer's rows at a time, with their sinks
+    walked, received = positions, positions * request.earlier_ranks  # the earlier ranks' rows of a layer
+    if request.walked_back_sharded:  # the largest walk: a member's history, the other ranks' context rows too
+        context, walked = _shares(request)
+        received = walked * request.earlier_ranks + (request.context - context)
+    rows = _rows_per_layer(config, request, received) * (1 + widen)  # one layer's at a time, with their sinks
     kept = LayerInputs.planned_nbytes(positions, config.hidden_size, itemsize, layers, every)
-    return kept, vector * every + int(received)
+    return kept, walked * config.hidden_size * itemsize * every + int(rows)
+
+
+def _shares(request: PlanRequest) -> tuple[int, int]:
+    """A cp rank's positions of the shared context and of a member's history captured sharded after it."""
+    cp = request.context_parallel
+    return math.ceil(request.context / cp), math.ceil(request.sharded_history / cp)
 
 
 @dataclass(frozen=True)
@@ -595,6 +669,7 @@ def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str,
             "captured state": exact.state,
             "reference state": exact.reference_state,
             "dState": exact.dstate if backward else 0,
+            "later ranks' context rows' gradient": exact.context_grads if backward else 0,
             "recurrent checkpoints": exact.checkpoints,
             "layer inputs (wavefront walk)": exact.layer_inputs if backward else exact.layer_inputs_kept,
             "sharded capture (hidden, earlier rows)": 0 if backward else exact.capture_rows,
@@ -616,7 +691,7 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     whole, buffer = (n * compute for n in measured.rollout_whole)
     rows = _rows_per_layer(measured.config, request, request.context)
     size = state_size(measured.config, request.dtype)
-    members = request.group * (size.bytes_per_token * request.completion + size.fixed_bytes)
+    members = request.group * (size.bytes_per_token * request.own_tokens + size.fixed_bytes)
     return {
         "weights": parameters["weights"],
         "gradients": parameters["weights"],  # every shard's, kept until the next step zeroes them
@@ -636,7 +711,7 @@ def _phase_note(peak: str, most: int, other: int) -> str:
 
 
 def _plan(request: PlanRequest, measured: _Measured) -> Plan:
-    positions = math.ceil(request.context / request.context_parallel)
+    positions = math.ceil((request.context + request.history) / request.context_parallel)  # one member's path
     exact = exact_terms(measured.config, request, positions)
     phases = _phase_categories(measured, exact)
     peak = max(phases, key=lambda phase: sum(phases[phase].values()))
@@ -646,7 +721,9 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         f"graphs: {measured.how}, 2 chunks of {request.engine.chunk_size} positions on the meta device; they include "
         "the LM head's log-prob tiles and its fp32 weight gradient "
         f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
-        f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically); "
+        f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically"
+        + ("; the shared context and one member's history, both spread over the ranks" if request.history else "")
+        + "); "
         + _sharding_note(request, measured.config.num_hidden_layers),
         _phase_note(peak, sum(categories.values()), other),
     ]

@@ -236,8 +236,10 @@ def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: boo
 @dataclass(frozen=True)
 class Schedule:
     """How the engine spreads a step over the ranks (docs/distributed.md): the capture and the walk are sharded
-    (each cp rank its contiguous shard of the prompt, the earlier ranks' rows received per layer), extends are
-    replicated (every rank computes each member's tokens, attending to its own shard, the partial results merged);
+    (each cp rank its contiguous shard of the prompt, the earlier ranks' rows received per layer), a member's short
+    extends are replicated (every rank computes each member's tokens, attending to the positions it holds, the
+    partial results merged; the member's own positions spread over the ranks — counted here with the last rank's
+    shard, a completion being short next to the prompt; an agent's long ``history`` is not modelled);
     FSDP2 gathers a layer per pass at dp = 1 or with HSDP, and otherwise the whole model once per step (``sharded``;
     False: every rank holds the whole model, and exact mode sums the parameter gradient over cp)."""
 
@@ -284,8 +286,8 @@ class Schedule:
         return Work(comm=tokens * row * self.model.attention_layers() * (self.cp - 1))
 
     def _extend(self, tokens: int) -> Work:
-        """One member's own tokens after the prompt, on a rank: every token's matmuls, attention to the rank's
-        shard (the last rank: its shard and the member's own positions)."""
+        """One member's own tokens after the prompt, on a rank: every token's matmuls, attention to the positions
+        the rank holds (counted as its shard and the member's own positions, which in fact spread over the ranks)."""
         work = self.model.forward(tokens, self.captured - self.first)
         work = replace(work, launches=0.0, branch_calls=work.launches)
         return work + self._merges(tokens)

@@ -188,7 +188,10 @@ def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
     assert "path steps" in stdout
     one, two = json.loads(out.read_text())["rows"]
     assert two["state_ratio_to_share"] == 1.0
-    assert two["rows_bytes_max"] == two["row_schedule_bytes"] > two["row_minimum_bytes"]  # 3 layers: 0 recomputed
+    # 3 layers: layer 0 recomputed. The schedule counts the state / N a rank; a rank's share is within a position of
+    # it (63 positions: 31 and 32), and each message also carries its runs' positions (16 bytes a run)
+    assert 0.97 * two["row_schedule_bytes"] <= two["rows_bytes_max"] <= 1.01 * two["row_schedule_bytes"]
+    assert two["row_schedule_bytes"] > two["row_minimum_bytes"]
     assert two["critical_path_steps"] > 0 and 0 <= two["idle_max"] < 1
     assert two["wavefront_steps"] == 2 + 3 - 1 and two["naive_steps"] == 2 * 3
     # the training step with FSDP2 over both ranks: no fewer gathers and reductions than FSDP's forward, backward

@@ -50,13 +50,14 @@ class Backward:
 class Engine:
     """capture / extend / logits over a model's own state objects (never a transformers cache).
 
-    shards: context parallelism (``longstraw_agents.parallel``): this rank stores the state of its shard of the
-    positions only, and every rank of the group must make the same calls in the same order.
+    shards: context parallelism (``longstraw_agents.parallel``): this rank stores the state of its share of each
+    path's positions only (``Ownership``; every chunk records its owner), and every rank of the group must make the
+    same calls in the same order.
     weights: parameters sharded over the ranks (``LayerWeights``, FSDP2): each layer's weights are gathered only
-    around the work that uses them. A capture (an extend
-    at least as long as its parent) and exact mode's walk over it are computed shard by shard, layer by layer, in a
-    wavefront across the ranks (``ShardedCapture``, ``WavefrontWalk``); shorter extends and branch replays are
-    replicated, attention combining the ranks' partial results. Results equal one process's."""
+    around the work that uses them. A capture (an extend at least as long as its parent, or than
+    ``EngineConfig.sharded_extend_tokens``) and exact mode's walk back over it are computed shard by shard, layer by
+    layer, in a wavefront across the ranks (``ShardedCapture``, ``WavefrontWalk``); shorter extends and branch
+    replays are replicated, attention combining the ranks' partial results. Results equal one process's."""
 
     def __init__(
         self,
@@ -288,11 +289,11 @@ class Engine:
         return past
 
     def arenas_for(self, state: State, n: int, reserve: int) -> list[Arena | None]:
-        """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one (none when
-        this rank stores nothing of them)."""
+        """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one with room
+        for ``reserve`` more (none when this rank stores nothing of them: no block would hold on to its room)."""
         arenas: list[Arena | None] = []
         for i, layer in enumerate(self.adapter.layers):
-            if not layer.mixer.grows or n + reserve == 0:
+            if not layer.mixer.grows or n == 0:
                 arenas.append(None)
                 continue
             blocks = state.blocks(i)

@@ -36,7 +36,8 @@ class ShardedCapture:
     did: the critical path is ``layers + ranks - 1`` layer steps of one shard, not their product. Afterwards the owners
     broadcast the recurrent states every rank's later work reads (the last, and the replicated walk's checkpoints);
     attention rows stay with their owners. Used where the new tokens are at least as many as the parent's (a
-    capture): moving the earlier rows there costs no more than the rows computed; a short extend (a turn, a branch)
+    capture: moving the earlier rows there costs no more than the rows computed) or as
+    ``EngineConfig.sharded_extend_tokens``; a short extend (a turn, a branch)
     instead runs replicated with partials merged (``Attention.shards``), which moves only the new tokens' partials.
 
     An extend of a state with checkpoints (exact mode's capture, a long leaf walked chunk by chunk), with

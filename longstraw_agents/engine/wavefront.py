@@ -140,6 +140,7 @@ class WavefrontWalk:
         # per later rank, the gradient of its context rows this rank's queries read, a layer at a time (walk order)
         self.context_grads: dict[int, list[tuple[Tensor, ...]]] = {}
         self.since_recurrent: dict[int, tuple[Tensor, ...]] = {}  # per layer, the gradient of since's last state
+        self.context_rows: dict[int, list[Tensor]] = {}  # per layer, the context rows staged for the earlier ranks
 
     def run(self) -> None:
         engine = self.engine
@@ -165,7 +166,8 @@ class WavefrontWalk:
                     self._post_context_rows([i], _ROWS_TAG)
                 else:
                     g = self._backward_recurrent(i, g, layer_input)
-            self.transport.flush("state_grad", keep=self.ownership.size**2)  # a window of layers in flight
+            for kind in ("state_grad", "context_rows"):  # a window of layers in flight
+                self.transport.flush(kind, keep=self.ownership.size**2)
         if g is not None:  # into the embeddings of this rank's tokens
             with torch.enable_grad():
                 at = self.lo - self.base
@@ -247,16 +249,19 @@ class WavefrontWalk:
 
     def _post_context_rows(self, layers: Sequence[int], tag: int) -> None:
         """Send this rank's context rows of ``layers`` to the earlier computing ranks, which take them in this order
-        (a segment's recomputation as it is entered, a layer's backward after its gradient from this rank)."""
+        (a segment's recomputation as it is entered, a layer's backward after its gradient from this rank). One host
+        copy per layer serves both (dropped after the backward's); the sends are flushed in a window each step."""
         rank = self.ownership.rank
         earlier = [dst for dst in self.computing if dst < rank]
         if not earlier or rank not in self.context_holders:
             return
         for i in layers:
             if self.engine.adapter.layers[i].mixer.grows:
-                rows = outgoing_runs(self._own_rows(i, context_only=True))
+                if i not in self.context_rows:
+                    self.context_rows[i] = outgoing_runs(self._own_rows(i, context_only=True))
+                rows = self.context_rows[i] if tag == _RECOMPUTE_ROWS_TAG else self.context_rows.pop(i)
                 for dst in earlier:
-                    self.transport.send(rows, dst, tag + i, "rows")
+                    self.transport.send(rows, dst, tag + i, "context_rows")
 
     def _receive_rows(self, i: int, tag: int, sinks: bool) -> list[tuple[int, PastBlock]]:
         """The other ranks' rows of layer ``i`` (``tag``: for its backward or its recomputation), each with the rank
@@ -415,9 +420,9 @@ class WavefrontWalk:
                 self.transport.send(grads, src, _ROW_GRADS_TAG + i, "state_grad")
             else:  # a later rank's context rows: once the walk is done
                 self.context_grads.setdefault(src, []).append(grads)
-        kept = {id(block.arena) for _, block in self._own_rows(i, context_only=True)} if self.into_since else set()
+        context = {id(block.arena) for _, block in self._own_rows(i, context_only=True)}
         for _, block in self._own_rows(i):
-            if id(block.arena) not in kept:  # (since's gradient is walked later)
+            if id(block.arena) not in context:  # (the context's gradient is walked later, whoever added to it)
                 self.grad.release_arena(block.arena)
         return g_in
 

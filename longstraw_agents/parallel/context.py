@@ -47,9 +47,9 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 class BalancedOwnership:
     """The engine's ``Ownership``: every path's positions spread evenly over the ranks.
 
-    - A sharded extend (a capture; ``Engine.extend`` says which) is cut into contiguous runs of ``ceil(n / N)``
-      positions, rank 0 first: a prompt is spread evenly (a short one too, instead of sitting on the first rank),
-      and so is a long turn or a member's long history captured at once.
+    - A sharded extend (a capture; ``Engine.sharded`` says which) is cut into N contiguous runs of ``n / N``
+      positions (within one), rank 0 first: a prompt is spread evenly (a short one too, instead of sitting on the
+      first rank), and so is a long turn or a member's long history captured at once.
     - A replicated extend's pieces (turns, branches, decoded tokens: computed by every rank) go one by one to the
       rank that holds the fewest positions of the path so far (the lowest such rank): a member whose own history
       grows turn by turn keeps it spread over every rank, within a piece per rank of even.
@@ -59,10 +59,10 @@ class BalancedOwnership:
     size: int
 
     def cut(self, n: int) -> list[tuple[int, int, int]]:
-        if n == 0:
-            return []
-        width = -(-n // self.size)  # not rounded to chunks: a prompt of fewer chunks than ranks uses every rank
-        return [(lo, min(lo + width, n), r) for r, lo in enumerate(range(0, n, width))]
+        # not rounded to chunks: a prompt of fewer chunks than ranks uses every rank (of fewer positions, n of them)
+        bounds = [r * n // self.size for r in range(self.size + 1)]
+        runs = [(bounds[r], bounds[r + 1]) for r in range(self.size) if bounds[r + 1] > bounds[r]]
+        return [(lo, hi, owner) for owner, (lo, hi) in enumerate(runs)]
 
     def assign(self, held: Sequence[int], lengths: Sequence[int]) -> list[int]:
         held, owners = list(held), []
@@ -149,7 +149,8 @@ class GroupTransport:
         self.channels = channels if channels is not None else PairChannels.of(group)
         self._me = dist.get_global_rank(group, self.rank)
         # this rank's sends, by what they carry
-        kinds = ("partials", "dq", "topk", "state_grad", "rows", "parent_rows", "recurrent", "param_grads", "metrics")
+        kinds = ("partials", "dq", "topk", "state_grad", "rows", "parent_rows", "context_rows", "recurrent")
+        kinds += ("param_grads", "metrics")
         self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
         self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
         # per kind, the messages in flight: each one's works and the tensors they read (kept alive until done)

@@ -166,6 +166,45 @@ def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: boo
     assert norms["one"][1] > 0 and norms["cp2"] == pytest.approx(norms["one"], rel=1e-8)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_needle_search_members_that_diverge_early_and_grow_long_train_over_two_cp_ranks_as_one_process(
+    tmp_path: Path,
+) -> None:
+    """Agents whose own histories grow after they diverge: NeedleSearch episodes share the task and part from the
+    first sampled token, then grow turn by turn (tool outputs), each several times the shared part. ``longstraw
+    train`` at dp 1 x cp 2 (exact mode, 64-token chunks, turns of 64 tokens or more computed sharded) stores the
+    episodes one process samples and ends the step with its weights (fp64, relative 1e-10)."""
+    env = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "max_turns": 4}}
+    runs = {}
+    for name, parallel in (("cp2", {"dp": 1, "cp": 2, "sharded_extend_tokens": 64}), ("one", {})):
+        settings = tiny_config_dict(tmp_path / name, env=env, parallel=parallel, steps=1, groups_per_step=1)
+        settings["model"] = {**settings["model"], "max_context": 8192, "dtype": "float64"}
+        trainer = {"weight_decay": 0.1, "beta": 0.1, "num_iterations": 2, "chunk_size": 64}
+        settings["trainer"] = {**settings["trainer"], **trainer}
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(settings))
+        runs[name] = config
+    done = _launch("torchrun", runs["cp2"], processes="2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["train", str(runs["one"])]) == 0
+    stored = {name: _stored_episodes(tmp_path / name) for name in runs}
+    assert stored["cp2"] == stored["one"] and len(stored["one"]) == GROUP_SIZE
+    shared = _common_prefix(stored["one"])
+    assert all(len(episode) >= shared + 3 * 64 for episode in stored["one"]), (shared, [len(e) for e in stored["one"]])
+    weights = {}
+    for name in runs:
+        exported = AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / name, tmp_path / f"{name}-hf"))
+        weights[name] = {key: p.detach() for key, p in exported.named_parameters()}
+    assert relative_l2(weights["cp2"], weights["one"]) <= 1e-10
+
+
+def _common_prefix(sequences: list[list[int]]) -> int:
+    """How many leading tokens every sequence shares."""
+    shortest = min(len(s) for s in sequences)
+    return next((k for k in range(shortest) if len({s[k] for s in sequences}) > 1), shortest)
+
+
 def _iteration_grad_norms(run_dir: Path) -> list[float]:
     step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     return [iteration["grad_norm"] for iteration in step["iterations"]]

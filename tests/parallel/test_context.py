@@ -35,6 +35,10 @@ EQUAL_TO_ONE_PROCESS = (
     "agent_detached",
     "agent_replicated_detached",  # ... shorter than the shared prompt: replicated
     "agent_threshold_exact",  # ... sharded anyway (EngineConfig.sharded_extend_tokens)
+    "edge_one_token",  # a sharded extend of one token walked back: one rank computes, the others hold context rows
+    "edge_fewer_than_ranks",  # ... of 3 tokens
+    "edge_long",  # ... of 30
+    "edge_detached_shared",  # ... giving the context no gradient while a replay's sits in it (the same StateGrad)
 )
 
 
@@ -81,7 +85,9 @@ def test_long_leaves_are_walked_sharded(mesh_results: dict[str, Any], family: st
     chunks of them), so a rank runs fewer layer evaluations than one process — a replicated walk back (every chunk
     again on every rank) runs more. (Detached mode replays each answer from the turn's state: no long leaves.)"""
     for result in mesh_results["ranks"]:
+        assert result[f"{family}/agent_exact_sharded_walks_back"] == 2  # each member's history
         assert result[f"{family}/agent_exact_layer_runs"] < result[f"{family}/agent_exact_single_layer_runs"]
+        assert all(result[f"{family}/edge_{case}_sharded"] for case in ("one_token", "fewer_than_ranks", "long"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

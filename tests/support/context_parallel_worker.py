@@ -104,13 +104,72 @@ def agent_results(family: str, model, single: Engine, shards: ContextParallel, p
         group = agent_group(group_prompt, torch.Generator().manual_seed(3), rewards[:2], turns)
         engine = Engine(model, EngineConfig(chunk_size=CHUNK, sharded_extend_tokens=least), shards=shards)
         single_runs, parallel_runs = counting_layer_runs(single), counting_layer_runs(engine)
+        sharded_walks = counting_sharded_walks(engine)
         for mode in modes:
             single_runs[0] = parallel_runs[0] = 0
             expected = group_gradient(single, group, mode)
             results[f"{family}/{name}_{mode}"] = relative(group_gradient(engine, group, mode), expected)
             results[f"{family}/{name}_{mode}_layer_runs"] = parallel_runs[0]
             results[f"{family}/{name}_{mode}_single_layer_runs"] = single_runs[0]
+            results[f"{family}/{name}_{mode}_sharded_walks_back"] = sharded_walks[0]
+            sharded_walks[0] = 0
     return results
+
+
+def walk_back(engine: Engine, prompt, ids, probe, case: str) -> tuple[torch.Tensor, bool]:
+    """An extend of a captured context walked back to it (``into_since``, or not: ``case`` "detached_shared",
+    after a replay's gradient went into the context in the same ``StateGrad``), then the context walked; the
+    parameter gradient, and whether the extend's walk ran sharded."""
+    engine.model.zero_grad(set_to_none=True)
+    grad = engine.new_grad()
+    context = engine.capture(prompt, checkpoints=True)
+    if case == "detached_shared":
+        (engine.hidden(context, probe, grad=grad) ** 2).sum().backward()
+    child = engine.extend(context, ids)
+    weights = torch.linspace(0.5, 1.5, model_width(engine), dtype=torch.float64)
+
+    def loss_fn(hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return (hidden * weights).sum()
+
+    walk = engine.backward(child, grad, ids, since=context, loss_fn=loss_fn, into_since=case != "detached_shared")
+    engine.backward(context, grad, prompt)
+    return grads(engine.model), walk.sharded
+
+
+def model_width(engine: Engine) -> int:
+    return engine.model.config.hidden_size
+
+
+def edge_results(family: str, model, single: Engine, shards: ContextParallel) -> dict[str, float]:
+    """Sharded extends of a context walked back: of one token (one rank computes, the others only hold context
+    rows), of fewer tokens than ranks on 4, of 30; and one that gives the context no gradient while a replay's
+    gradient already sits in it."""
+    results: dict[str, float] = {}
+    parallel = Engine(model, EngineConfig(chunk_size=CHUNK, sharded_extend_tokens=1), shards=shards)
+    gen = torch.Generator().manual_seed(4)
+    prompt, probe = torch.randint(0, 256, (24,), generator=gen), torch.randint(0, 256, (5,), generator=gen)
+    for case, n in (("one_token", 1), ("fewer_than_ranks", 3), ("long", 30), ("detached_shared", 30)):
+        ids = torch.randint(0, 256, (n,), generator=gen)
+        expected, _ = walk_back(single, prompt, ids, probe, case)
+        got, sharded = walk_back(parallel, prompt, ids, probe, case)
+        results[f"{family}/edge_{case}"] = relative(got, expected)
+        results[f"{family}/edge_{case}_sharded"] = float(sharded)
+    return results
+
+
+def counting_sharded_walks(engine: Engine) -> list[int]:
+    """A counter (one cell) of the walks back to a context (``since`` of some tokens) ``engine`` runs sharded."""
+    count = [0]
+    backward = engine.backward
+
+    def counted(state, grad, ids, **kwargs):
+        walk = backward(state, grad, ids, **kwargs)
+        since = kwargs.get("since")
+        count[0] += walk.sharded and since is not None and since.num_tokens > 0
+        return walk
+
+    engine.backward = counted  # type: ignore[method-assign]
+    return count
 
 
 def counting_layer_runs(engine: Engine) -> list[int]:
@@ -168,7 +227,7 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
             results[f"{family}/resumed"] = relative(parallel.logits(resumed, branch), single.logits(reference, branch))
         with torch.no_grad():
             results[f"{family}/logits"] = relative(parallel.logits(state, branch), single.logits(reference, branch))
-            extended = parallel.extend(state, branch)  # later positions go to the last rank
+            extended = parallel.extend(state, branch)  # replicated: each piece to the rank holding the least
             after = single.extend(reference, branch)
             results[f"{family}/extend"] = relative(parallel.logits(extended, branch), single.logits(after, branch))
         results[f"{family}/growing_bytes"] = growing_bytes(state)
@@ -190,7 +249,7 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
         loss = backward_group(parallel, group, "exact", config, track_memory=False).loss
         results[f"{family}/shared_turn_exact"] = relative(grads(model), expected)
         results[f"{family}/shared_turn_loss"] = abs(loss - expected_loss)  # (on-policy seq-mean: the total is ~0)
-        short = prompt[:20]  # on 4 ranks, two hold none of it: they still take part in the walk
+        short = prompt[:3]  # the root is 2 tokens: on 4 ranks, two hold none of it and still take part in the walk
         expected = gradient(single, short, completions, rewards, "exact")
         results[f"{family}/short_exact"] = relative(gradient(parallel, short, completions, rewards, "exact"), expected)
         replicated = Engine(model, EngineConfig(chunk_size=CHUNK, wavefront_walk=False), shards=shards)
@@ -201,5 +260,6 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
         )
         results[f"{family}/replicated_exact_layer_runs"] = replicated_runs[0]
         results.update(agent_results(family, model, single, shards, prompt, rewards))
+        results.update(edge_results(family, model, single, shards))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()

@@ -24,9 +24,10 @@ from longstraw_agents.parallel import ContextParallel, ParallelMesh
 from longstraw_agents.parallel.fsdp import OneRankGather, gathered
 from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.sampler import SamplingConfig
+from longstraw_agents.segmenter import Member
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
-from longstraw_agents.trainer.group import Group
+from longstraw_agents.trainer.group import Group, make_group
 
 
 def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelerator) -> GRPOTrainer:
@@ -54,9 +55,25 @@ def step_group(trainer: GRPOTrainer, spec: dict[str, Any], seed: int) -> Group:
     gen = torch.Generator().manual_seed(seed)
     vocab = spec["model"].get("vocab_size", 256)
     prompt = torch.randint(0, vocab, (spec["prompt"],), generator=gen)
+    if spec.get("history"):
+        return agent_group(trainer, spec, prompt, gen)
     completions = [torch.randint(0, vocab, (spec["completion"],), generator=gen) for _ in range(spec["group"])]
     rewards = [float(k % 2) for k in range(spec["group"])]
     return trainer.group_from_completions(prompt, completions, rewards)
+
+
+def agent_group(trainer: GRPOTrainer, spec: dict[str, Any], prompt: torch.Tensor, gen: torch.Generator) -> Group:
+    """Members that part after ``prompt`` and grow a history of ``spec["history"]`` tokens each over
+    ``spec["turns"]`` turns: a tool output, then an answer of ``spec["completion"]`` tokens with loss."""
+    vocab, turn = spec["model"].get("vocab_size", 256), spec["history"] // spec["turns"]
+    members = []
+    for _ in range(spec["group"]):
+        history = torch.randint(0, vocab, (spec["history"],), generator=gen)
+        answer = (torch.arange(spec["history"]) % turn) >= turn - spec["completion"]
+        mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), answer])
+        members.append(Member(torch.cat([prompt, history]).numpy(), mask.numpy()))
+    rewards = [float(k % 2) for k in range(spec["group"])]
+    return make_group(members, rewards, trainer.config.loss)
 
 
 def roll_out(trainer: GRPOTrainer, spec: dict[str, Any], mesh: ParallelMesh) -> None:
@@ -92,7 +109,8 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             measured["host_peak"] = tracker.host_peak_bytes
             measured["role_peaks"] = tracker.role_peaks
             tracker.reset_peak()
-            roll_out(trainer, spec, mesh)
+            if not spec.get("history"):  # (an agent's rollout is a run's, turn by turn: not simulated here)
+                roll_out(trainer, spec, mesh)
             measured["rollout_peak"] = tracker.peak_bytes
     torch.save(measured, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
