@@ -149,8 +149,8 @@ class GroupTransport:
         self.channels = channels if channels is not None else PairChannels.of(group)
         self._me = dist.get_global_rank(group, self.rank)
         # this rank's sends, by what they carry
-        kinds = ("partials", "dq", "topk", "state_grad", "rows", "parent_rows", "context_rows", "recurrent")
-        kinds += ("param_grads", "metrics")
+        kinds = ["partials", "dq", "topk", "state_grad", "rows", "parent_rows", "context_rows", "recurrent"]
+        kinds += ["param_grads", "metrics"]
         self.sent_bytes: dict[str, int] = dict.fromkeys(kinds, 0)
         self.waited_s = 0.0  # time blocked in point-to-point receives and broadcasts (idle, in a wavefront)
         # per kind, the messages in flight: each one's works and the tensors they read (kept alive until done)
