@@ -134,53 +134,32 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
         assert param.dtype == torch.float32 and torch.equal(param, reference[name]), name
 
 
+# NeedleSearch: members share the task and part from the first sampled token, then grow turn by turn (tool outputs)
+NEEDLE = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "max_turns": 4}}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [False, True], ids=["on-the-device", "offloaded"])
-def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: bool) -> None:
+@pytest.mark.parametrize(
+    ("offload", "agents"), [(False, True), (True, False)], ids=["on-the-device-agents", "offloaded"]
+)
+def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: bool, agents: bool) -> None:
     """``longstraw train`` with ``parallel: {dp: 1, cp: 2, fsdp: true}`` (the published run's shape, fp64), and with
     ``offload: true`` (the shards, their gradients and AdamW on the host): the first cp rank samples with the sharded
     model gathered a layer at a time, both ranks train on the group with its context sharded; the episodes stored are
     the ones one process samples, and the exported weights after the step are its weights (fp64, relative 1e-10).
     Whatever the rewards (an untrained policy rarely solves one), the step's second iteration has a gradient: the
-    first one's weight decay moved the policy from the KL reference."""
+    first one's weight decay moved the policy from the KL reference. ``agents``: NeedleSearch episodes whose
+    members part at once and grow several times the shared part, turn by turn, in exact mode over 64-token chunks
+    (each member's history spread over both ranks, turns of 64 tokens or more computed sharded)."""
     runs = {}
     for name, parallel in (("cp2", {"dp": 1, "cp": 2, "fsdp": True, "offload": offload}), ("one", {})):
-        settings = tiny_config_dict(tmp_path / name, parallel=parallel, steps=1, groups_per_step=1)
-        settings["model"] = {**settings["model"], "max_context": 1024, "dtype": "float64"}
-        settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1, "beta": 0.1, "num_iterations": 2}
-        config = tmp_path / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(settings))
-        runs[name] = config
-    done = _launch("torchrun", runs["cp2"], processes="2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert main(["train", str(runs["one"])]) == 0
-    stored = {name: _stored_episodes(tmp_path / name) for name in runs}
-    assert stored["cp2"] == stored["one"] and len(stored["one"]) == GROUP_SIZE
-    weights = {}
-    for name in runs:
-        exported = AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / name, tmp_path / f"{name}-hf"))
-        weights[name] = {key: p.detach() for key, p in exported.named_parameters()}
-    assert relative_l2(weights["cp2"], weights["one"]) <= 1e-10
-    norms = {name: _iteration_grad_norms(tmp_path / name) for name in runs}
-    assert norms["one"][1] > 0 and norms["cp2"] == pytest.approx(norms["one"], rel=1e-8)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_needle_search_members_that_diverge_early_and_grow_long_train_over_two_cp_ranks_as_one_process(
-    tmp_path: Path,
-) -> None:
-    """Agents whose own histories grow after they diverge: NeedleSearch episodes share the task and part from the
-    first sampled token, then grow turn by turn (tool outputs), each several times the shared part. ``longstraw
-    train`` at dp 1 x cp 2 (exact mode, 64-token chunks, turns of 64 tokens or more computed sharded) stores the
-    episodes one process samples and ends the step with its weights (fp64, relative 1e-10)."""
-    env = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "max_turns": 4}}
-    runs = {}
-    for name, parallel in (("cp2", {"dp": 1, "cp": 2, "sharded_extend_tokens": 64}), ("one", {})):
-        settings = tiny_config_dict(tmp_path / name, env=env, parallel=parallel, steps=1, groups_per_step=1)
-        settings["model"] = {**settings["model"], "max_context": 8192, "dtype": "float64"}
-        trainer = {"weight_decay": 0.1, "beta": 0.1, "num_iterations": 2, "chunk_size": 64}
+        env = {"env": NEEDLE} if agents else {}
+        if agents and parallel:
+            parallel = {**parallel, "sharded_extend_tokens": 64}
+        settings = tiny_config_dict(tmp_path / name, parallel=parallel, steps=1, groups_per_step=1, **env)
+        settings["model"] = {**settings["model"], "max_context": 8192 if agents else 1024, "dtype": "float64"}
+        trainer = {"weight_decay": 0.1, "beta": 0.1, "num_iterations": 2} | ({"chunk_size": 64} if agents else {})
         settings["trainer"] = {**settings["trainer"], **trainer}
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump(settings))
@@ -190,13 +169,16 @@ def test_needle_search_members_that_diverge_early_and_grow_long_train_over_two_c
     assert main(["train", str(runs["one"])]) == 0
     stored = {name: _stored_episodes(tmp_path / name) for name in runs}
     assert stored["cp2"] == stored["one"] and len(stored["one"]) == GROUP_SIZE
-    shared = _common_prefix(stored["one"])
-    assert all(len(episode) >= shared + 3 * 64 for episode in stored["one"]), (shared, [len(e) for e in stored["one"]])
+    if agents:
+        shared = _common_prefix(stored["one"])
+        assert all(len(episode) >= shared + 3 * 64 for episode in stored["one"]), [len(e) for e in stored["one"]]
     weights = {}
     for name in runs:
         exported = AutoModelForCausalLM.from_pretrained(export_hf(tmp_path / name, tmp_path / f"{name}-hf"))
         weights[name] = {key: p.detach() for key, p in exported.named_parameters()}
     assert relative_l2(weights["cp2"], weights["one"]) <= 1e-10
+    norms = {name: _iteration_grad_norms(tmp_path / name) for name in runs}
+    assert norms["one"][1] > 0 and norms["cp2"] == pytest.approx(norms["one"], rel=1e-8)
 
 
 def _common_prefix(sequences: list[list[int]]) -> int:
