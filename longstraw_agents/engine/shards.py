@@ -91,38 +91,23 @@ class ChunkOwners:
 
 
 def outgoing_runs(blocks: Sequence[tuple[int, Block]]) -> list[Tensor]:
-    """``outgoing_rows`` of positioned ``blocks``, led by an int64 ``[runs, 2]`` tensor of the (first position,
-    length) of each run of consecutive positions: a rank's rows need not be contiguous in positions (its share of
-    a capture and of later extends), and DSA selects keys by position. ``incoming_runs`` splits them again."""
-    runs: list[list[int]] = []
+    """Positioned ``blocks`` as a message: an int64 ``[runs, 2]`` tensor of the (first position, length) of each run
+    of consecutive positions in one arena, then each run's tensors — views of the arena on the CPU (no copy), in
+    host memory (``.to("cpu")``) elsewhere. A rank's rows need not be contiguous in positions (its share of a
+    capture and of later extends) and DSA selects keys by position; ``incoming_runs`` reads it."""
+    runs: list[tuple[int, Block]] = []
     for position, block in blocks:
-        if runs and runs[-1][0] + runs[-1][1] == position:
-            runs[-1][1] += block.length
+        if runs and runs[-1][0] + runs[-1][1].length == position and block.follows(runs[-1][1]):
+            first, joined = runs[-1]
+            runs[-1] = (first, Block(joined.arena, joined.lo, block.hi))
         else:
-            runs.append([position, block.length])
-    return [torch.tensor(runs, dtype=torch.int64).reshape(-1, 2), *outgoing_rows([b for _, b in blocks])]
+            runs.append((position, block))
+    header = torch.tensor([[position, block.length] for position, block in runs], dtype=torch.int64).reshape(-1, 2)
+    return [header, *(t.detach().to("cpu") for _, block in runs for t in block.views())]
 
 
 def incoming_runs(message: Sequence[Tensor]) -> list[tuple[int, tuple[Tensor, ...]]]:
     """What ``outgoing_runs`` sent: ``(first position, rows)`` per run."""
-    runs, rows = message[0].tolist(), message[1:]
-    out, at = [], 0
-    for position, length in runs:
-        out.append((position, tuple(t[at : at + length] for t in rows)))
-        at += length
-    return out
-
-
-def outgoing_rows(blocks: Sequence[Block]) -> list[Tensor]:
-    """The rows of consecutive ``blocks`` (in position order) as one tensor per state tensor, in host memory, where
-    point-to-point messages travel (``Transport.send``): views when they lie back to back in one arena on the CPU
-    (no copy), else one copy — made once, then shared by every message that carries them."""
-    joined: list[Block] = []
-    for block in blocks:
-        if joined and block.follows(joined[-1]):
-            joined[-1] = Block(block.arena, joined[-1].lo, block.hi)
-        else:
-            joined.append(block)
-    parts = [b.views() for b in joined]
-    rows = [pieces[0] if len(pieces) == 1 else torch.cat(pieces) for pieces in zip(*parts, strict=True)]
-    return [t.detach().to("cpu") for t in rows]
+    runs = message[0].tolist()
+    per = (len(message) - 1) // max(len(runs), 1)  # the state's tensors
+    return [(position, tuple(message[1 + k * per : 1 + (k + 1) * per])) for k, (position, _) in enumerate(runs)]
