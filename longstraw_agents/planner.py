@@ -123,17 +123,22 @@ class PlanRequest:
 
     @property
     def sharded_history(self) -> int:
-        """The positions of a member's history captured sharded after the context (``Engine.sharded``: at least as
-        long as the context, or as ``sharded_extend_tokens``), 0 for none: in exact mode the whole history, one
-        leaf walked chunk by chunk when longer than a chunk; in detached mode, extended turn by turn, its first
-        turn."""
-        if not self.history or self.context_parallel == 1:
+        """The positions of a member's history extended sharded (``Engine.sharded``: at least as long as the path
+        before it — the tree's root, the context less the token that opens the members — or as
+        ``sharded_extend_tokens``), 0 for none. Each turn is a tool output and a ``completion``-token answer. Exact
+        mode fuses runs of turns whose tool outputs fit a chunk (``fuse_chains``): all but the last answer, one
+        extend; longer tool outputs stay apart, the first extended after the root. Detached mode extends each tool
+        output apart. A kept-graph budget computes every extend replicated."""
+        if not self.history or self.context_parallel == 1 or self.engine.graph_budget_bytes > 0:
             return 0
+        output = math.ceil(self.history / self.turns) - self.completion
+        fused = self.mode == "exact" and output <= self.engine.chunk_size
+        n = self.history - self.completion if fused else output
+        return n if n >= self.context - 1 or self.shards_by_threshold(n) else 0
+
+    def shards_by_threshold(self, n: int) -> bool:
         least = self.engine.sharded_extend_tokens
-        n = self.history if self.mode == "exact" else math.ceil(self.history / self.turns)
-        sharded = n >= self.context or (least is not None and n >= least)
-        long = self.mode == "detached" or n > self.engine.chunk_size
-        return n if sharded and long else 0
+        return least is not None and n >= least
 
     @property
     def walked_back_sharded(self) -> bool:
@@ -187,8 +192,13 @@ class PlanRequest:
             raise ValueError(HSDP_WITHOUT_CP)
         if self.offload and self.gpus == 1:
             raise ValueError("offload runs through FSDP2 (parallel.fsdp), which shards over 2 or more GPUs")
-        if self.history and self.history < self.turns:
-            raise ValueError(f"a history of {self.history} tokens cannot hold {self.turns} turns")
+        if self.turns > 1 and not self.history:
+            raise ValueError(f"turns ({self.turns}) describe a history: give history as well")
+        if self.history and self.history < self.turns * (self.completion + 1):
+            raise ValueError(
+                f"a history of {self.history} tokens cannot hold {self.turns} turns of a tool output and a "
+                f"{self.completion}-token answer (completion) each"
+            )
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
         return self
@@ -381,11 +391,8 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
     state = size.total(positions)
     exact = request.mode == "exact"
     widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
+    # (an agent's last answer is replayed with gradient sinks over the whole path before its history is walked)
     dstate = int(size.bytes_per_token * positions * widen) + size.fixed_bytes if exact else 0
-    if request.walked_back_sharded:  # the context's gradient whole; the history's a layer at a time (walked)
-        context, history = _shares(request)
-        dstate = int((size.bytes_per_token * context + _rows_per_layer(config, request, history)) * widen)
-        dstate += size.fixed_bytes
     spacing = checkpoint_spacing(config, request.dtype, request.engine)
     checkpoints = size.fixed_bytes * (math.ceil(positions / request.engine.chunk_size) // spacing) if exact else 0
     kept, segment = layer_inputs_bytes(config, request, positions)
@@ -397,11 +404,12 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
 def context_grads(config: PretrainedConfig, request: PlanRequest) -> int:
     """Exact mode's sharded walk of a member's history back to the context (``WavefrontWalk`` after ``since``): the
     planned cp rank holds the gradient of the later ranks' context rows its queries read until its walk is done
-    (fp32 for a bf16 state): ``(cp - 1 - rank) / cp`` of the context's."""
+    (fp32 for a bf16 state): ``(cp - 1 - rank) / cp`` of the context's; with no rank named, rank 0's (the most) is
+    planned beside the last rank's other terms (an upper bound of both)."""
     if not request.walked_back_sharded:
         return 0
     cp = request.context_parallel
-    rank = cp - 1 if request.cp_rank is None else request.cp_rank
+    rank = 0 if request.cp_rank is None else request.cp_rank  # (unnamed: the most, rank 0's, beside the last's rest)
     widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
     later = math.ceil(request.context * (cp - 1 - rank) / cp)
     return int(state_size(config, request.dtype).bytes_per_token * later * widen)
@@ -423,7 +431,7 @@ def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
         return 0
     captures = [(0, request.context)]  # (the context before it, its positions)
     if request.sharded_history:
-        captures.append((request.context, request.sharded_history))
+        captures.append((_history_before(request), request.sharded_history))
     return max(_capture_bytes(config, request, before, n) for before, n in captures)
 
 
@@ -448,18 +456,20 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
     itemsize = _itemsize(request.dtype)
     widen = max(itemsize, 4) / itemsize
     walked, received = positions, positions * request.earlier_ranks  # the earlier ranks' rows of a layer
-    if request.walked_back_sharded:  # the largest walk: a member's history, the other ranks' context rows too
-        context, walked = _shares(request)
-        received = walked * request.earlier_ranks + (request.context - context)
+    if request.walked_back_sharded:  # the largest walk: a member's history, the other ranks' rows before it too
+        cp, before = request.context_parallel, _history_before(request)
+        walked = math.ceil(request.sharded_history / cp)
+        received = walked * request.earlier_ranks + math.ceil(before * (cp - 1) / cp)
     rows = _rows_per_layer(config, request, received) * (1 + widen)  # one layer's at a time, with their sinks
     kept = LayerInputs.planned_nbytes(positions, config.hidden_size, itemsize, layers, every)
     return kept, walked * config.hidden_size * itemsize * every + int(rows)
 
 
-def _shares(request: PlanRequest) -> tuple[int, int]:
-    """A cp rank's positions of the shared context and of a member's history captured sharded after it."""
-    cp = request.context_parallel
-    return math.ceil(request.context / cp), math.ceil(request.sharded_history / cp)
+def _history_before(request: PlanRequest) -> int:
+    """The path before a member's history extended sharded: the context (its first extend), or — every turn
+    sharded by ``sharded_extend_tokens`` — the rest of the path before its last."""
+    n = request.sharded_history
+    return request.context + request.history - n if request.shards_by_threshold(n) else request.context
 
 
 @dataclass(frozen=True)
@@ -493,7 +503,7 @@ def _graphs(model: Any, request: PlanRequest, group: int) -> int:
     """A step's peak on the meta ``model`` less the terms the plan counts from the engine's own accounting."""
     prompt_len = _probe_prompt(request)
     peak = step_peak(model, request, prompt_len, group)
-    exact = exact_terms(model.config, request, prompt_len - 1)
+    exact = exact_terms(model.config, replace(request, history=0, turns=1), prompt_len - 1)  # (the probe's group)
     return peak - (exact.state + exact.dstate + exact.checkpoints + exact.reference_state)
 
 
@@ -689,7 +699,7 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     compute = _itemsize(request.dtype)
     parameters = measured.parameters[BACKWARD]
     whole, buffer = (n * compute for n in measured.rollout_whole)
-    rows = _rows_per_layer(measured.config, request, request.context)
+    rows = _rows_per_layer(measured.config, request, request.context + request.history)  # a member's last turn
     size = state_size(measured.config, request.dtype)
     members = request.group * (size.bytes_per_token * request.own_tokens + size.fixed_bytes)
     return {

@@ -328,3 +328,40 @@ def test_mixed_precision_needs_a_narrow_compute_dtype() -> None:
     with pytest.raises(pydantic.ValidationError, match="narrower than its fp32 masters"):
         PlanRequest(dtype=torch.float32, mixed_precision=True)
     assert not PlanRequest(dtype=torch.float32).mixed and PlanRequest(dtype=torch.bfloat16).mixed
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"turns": 3}, "give history"),
+        ({"history": 1000, "turns": 200, "completion": 8}, "cannot hold 200 turns"),
+        ({"history": -1}, "greater than or equal to 0"),
+    ],
+)
+def test_an_agent_shape_is_validated(given: dict, message: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=message):
+        PlanRequest(**given)
+
+
+@pytest.mark.parametrize(
+    ("shape", "sharded"),
+    [
+        # exact mode fuses turns whose tool outputs fit a chunk: all but the last answer, one node after the root
+        ({"mode": "exact", "history": 1536, "turns": 16, "completion": 32, "context": 256}, 1504),
+        ({"mode": "exact", "history": 1536, "turns": 16, "completion": 32, "context": 2048}, 0),  # shorter than it
+        # longer tool outputs stay apart: the first one after the root
+        ({"mode": "exact", "history": 1536, "turns": 8, "completion": 32, "context": 100}, 160),
+        ({"mode": "exact", "history": 1536, "turns": 8, "completion": 32, "context": 256}, 0),
+        # detached mode extends each tool output apart
+        ({"mode": "detached", "history": 1536, "turns": 4, "completion": 32, "context": 256}, 352),
+        ({"mode": "detached", "history": 1536, "turns": 16, "completion": 32, "context": 256}, 0),
+    ],
+)
+def test_the_history_is_planned_sharded_where_the_engine_shards_it(shape: dict, sharded: int) -> None:
+    request = PlanRequest(gpus=2, cp=2, engine=EngineConfig(chunk_size=128), **shape)
+    assert request.sharded_history == sharded
+    assert request.walked_back_sharded == (sharded > 0 and request.mode == "exact")
+    threshold = PlanRequest(gpus=2, cp=2, engine=EngineConfig(chunk_size=128, sharded_extend_tokens=8), **shape)
+    assert threshold.sharded_history > 0  # every extend of 8 tokens or more
+    budget = EngineConfig(chunk_size=128, graph_budget_bytes=1 << 20)
+    assert PlanRequest(gpus=2, cp=2, engine=budget, **shape).sharded_history == 0  # kept graphs: replicated

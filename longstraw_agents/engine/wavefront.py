@@ -337,18 +337,19 @@ class WavefrontWalk:
         if not self.mine or self.loss_fn is None:
             return None
         assert self.inputs.final is not None  # the capture keeps it
-        with torch.enable_grad():
-            x = self.inputs.final.detach().requires_grad_(True)
-            hidden = self.engine.adapter.final_norm(x)
-            chunks = [self.state.chunks[j] for j in self.mine]
-            losses = [
-                self.loss_fn(hidden[self._rows(j)], c.start, c.end) for j, c in zip(self.mine, chunks, strict=True)
-            ]
-            found = [loss for loss in losses if loss is not None]
-            if not found:
-                return None
-            torch.autograd.backward(found, [torch.ones_like(loss) for loss in found])
-        return x.grad
+        g: Tensor | None = None
+        for j in self.mine:  # a chunk's graph at a time (an agent's history has loss all along)
+            chunk, rows = self.state.chunks[j], self._rows(j)
+            with torch.enable_grad():
+                x = self.inputs.final[rows].detach().requires_grad_(True)
+                loss = self.loss_fn(self.engine.adapter.final_norm(x), chunk.start, chunk.end)
+                if loss is None:
+                    continue
+                loss.backward()
+            if x.grad is not None:
+                g = torch.zeros_like(self.inputs.final) if g is None else g
+                g[rows] = x.grad
+        return g
 
     def _input(self, i: int) -> Tensor | None:
         """Layer ``i``'s input on this rank: kept by the capture at the first layer of each segment, the others

@@ -67,8 +67,9 @@ def agent_group(trainer: GRPOTrainer, spec: dict[str, Any], prompt: torch.Tensor
     ``spec["turns"]`` turns: a tool output, then an answer of ``spec["completion"]`` tokens with loss."""
     vocab, turn = spec["model"].get("vocab_size", 256), spec["history"] // spec["turns"]
     members = []
-    for _ in range(spec["group"]):
+    for k in range(spec["group"]):
         history = torch.randint(0, vocab, (spec["history"],), generator=gen)
+        history[0] = k  # the members part at once
         answer = (torch.arange(spec["history"]) % turn) >= turn - spec["completion"]
         mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), answer])
         members.append(Member(torch.cat([prompt, history]).numpy(), mask.numpy()))
