@@ -445,7 +445,7 @@ def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
     shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
-    their recomputed inputs, and one layer's rows of the earlier ranks (``PlanRequest.earlier_ranks`` shards: the
+    the inputs it recomputes (k - 1: the first is kept), and one layer's rows of the earlier ranks (``PlanRequest.earlier_ranks`` shards: the
     last rank's N - 1) with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs
     replicated (docs/distributed.md)."""
     wavefront = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
@@ -462,7 +462,8 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
         received = walked * request.earlier_ranks + math.ceil(before * (cp - 1) / cp)
     rows = _rows_per_layer(config, request, received) * (1 + widen)  # one layer's at a time, with their sinks
     kept = LayerInputs.planned_nbytes(positions, config.hidden_size, itemsize, layers, every)
-    return kept, walked * config.hidden_size * itemsize * every + int(rows)
+    # a segment holds its first layer's kept input and recomputes the k - 1 after it
+    return kept, walked * config.hidden_size * itemsize * (every - 1) + int(rows)
 
 
 def _history_before(request: PlanRequest) -> int:

@@ -187,11 +187,12 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
     config = load_config("qwen3.6-27b")
     wavefront = PlanRequest(mode="exact", gpus=8)
     vector = config.hidden_size * 2  # bf16, per position
-    # 64 layers: kept every 8th and after the last (9), one segment of 8 recomputed at a time (plus its rows)
+    # 64 layers: kept every 8th and after the last (9), one segment of 8 at a time: its first input kept, 7
+    # recomputed (plus its rows)
     kept, segment = layer_inputs_bytes(config, wavefront, 1000)
     # on top of the segment's inputs, one attention layer's rows of the 7 earlier ranks and their fp32 sinks
     kv = 2 * config.num_key_value_heads * config.head_dim * 2
-    assert kept == 1000 * vector * 9 and segment == 1000 * vector * 8 + 1000 * kv * 7 * 3
+    assert kept == 1000 * vector * 9 and segment == 1000 * vector * 7 + 1000 * kv * 7 * 3
     every_layer = PlanRequest(mode="exact", gpus=8, engine=PLAN_ENGINE.updated(layer_inputs_every=1))
     assert layer_inputs_bytes(config, every_layer, 1000)[0] == 1000 * vector * 65
     for other in (
