@@ -445,9 +445,9 @@ def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
     shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
-    the inputs it recomputes (k - 1: the first is kept), and one layer's rows of the earlier ranks (``PlanRequest.earlier_ranks`` shards: the
-    last rank's N - 1) with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs
-    replicated (docs/distributed.md)."""
+    the inputs it recomputes (k - 1: the first is kept), and one layer's rows of the earlier ranks
+    (``PlanRequest.earlier_ranks`` shards: the last rank's N - 1) with their fp32 gradient sinks. None with a
+    kept-graph budget: the capture then runs replicated (docs/distributed.md)."""
     wavefront = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
     if not wavefront or request.engine.graph_budget_bytes > 0:
         return 0, 0
