@@ -45,19 +45,28 @@ MODEL = {"layers": 2, "hidden": 64, "vocab_size": 256}
 CHUNK = 64
 
 
+def agent_members(
+    prompt: torch.Tensor, history: int, turns: int, answer: int, group: int, vocab: int, gen: torch.Generator
+) -> list[Member]:
+    """``group`` members that share ``prompt`` and part at once, each growing a history of ``history`` tokens over
+    ``turns`` turns: a tool output, then an ``answer``-token answer with loss."""
+    turn, members = history // turns, []
+    for k in range(group):
+        own = torch.randint(0, vocab, (history,), generator=gen)
+        own[0] = k  # the members part at once
+        answers = (torch.arange(history) % turn) >= turn - answer
+        mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), answers])
+        members.append(Member(torch.cat([prompt, own]).numpy(), mask.numpy()))
+    return members
+
+
 def agent_group(trainer: GRPOTrainer, shape: dict[str, int], seed: int) -> Group:
-    """Members that share ``shared`` tokens and part at once, each growing a history of ``turns`` turns: a tool
-    output, then an answer with loss."""
+    """The shape's members (``agent_members``) after ``shared`` random tokens, with random rewards."""
     gen = torch.Generator().manual_seed(seed)
-    vocab, turn = MODEL["vocab_size"], shape["history"] // shape["turns"]
-    prompt = torch.randint(0, vocab, (shape["shared"],), generator=gen)
-    members = []
-    for k in range(shape["group"]):
-        history = torch.randint(0, vocab, (shape["history"],), generator=gen)
-        history[0] = k  # the members part at once
-        answer = (torch.arange(shape["history"]) % turn) >= turn - shape["answer"]
-        mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), answer])
-        members.append(Member(torch.cat([prompt, history]).numpy(), mask.numpy()))
+    prompt = torch.randint(0, MODEL["vocab_size"], (shape["shared"],), generator=gen)
+    members = agent_members(
+        prompt, shape["history"], shape["turns"], shape["answer"], shape["group"], MODEL["vocab_size"], gen
+    )
     rewards = torch.rand(shape["group"], generator=gen).tolist()
     return make_group(members, rewards, trainer.config.loss)
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, ChunkRecord, RecurrentState, State
 
-from .shards import ChunkOwners, StateShards, incoming_runs, outgoing_runs
+from .shards import ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
 from .wavefront import LayerInputs
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class ShardedCapture:
                 message = self.transport.recv(src, i, self.engine.adapter.device)
                 past += [PastBlock(rows, None, start) for start, rows in incoming_runs(message)]
         past += self.engine.past_blocks(self.state.positioned_blocks(i), None)  # this rank's own, earlier
-        return sorted(past, key=lambda block: block.start)  # in position order, as the mixers read them (DSA's ties)
+        return in_position_order(past)
 
     def _post_parent_rows(self) -> None:
         """Start sending this rank's rows of the parent, every growing layer in order, to the earlier ranks that

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from longstraw_agents.attention import Shards
+from longstraw_agents.models.base import PastBlock
 from longstraw_agents.state import Block
 
 
@@ -88,6 +89,11 @@ class ChunkOwners:
     def of(cls, owners: Sequence[int], rank: int) -> ChunkOwners:
         """The chunks of ``owners`` as rank ``rank`` sees them."""
         return cls(list(owners), [j for j, owner in enumerate(owners) if owner == rank], sorted(set(owners)))
+
+
+def in_position_order(blocks: list[PastBlock]) -> list[PastBlock]:
+    """Past blocks as the mixers read them: by position (DSA's top-k breaks ties by it), whichever ranks sent them."""
+    return sorted(blocks, key=lambda block: block.start)
 
 
 def outgoing_runs(blocks: Sequence[tuple[int, Block]]) -> list[Tensor]:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, State, StateGrad
 
-from .shards import ChunkOwners, StateShards, incoming_runs, outgoing_runs
+from .shards import ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
 
 # The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat
 # copy of a whole model's gradient would hold a second gradient at once.
@@ -285,18 +285,17 @@ class WavefrontWalk:
     def _exchange_context_grads(self) -> None:
         """Once the walk is done: send the gradient of the later ranks' context rows, and add what the earlier
         ranks' queries gave this rank's (every growing layer, from the last)."""
+        growing = [i for i in reversed(range(self.engine.num_layers)) if self.engine.adapter.layers[i].mixer.grows]
         for dst, per_layer in self.context_grads.items():
-            growing = [i for i in reversed(range(self.engine.num_layers)) if self.engine.adapter.layers[i].mixer.grows]
             for i, grads in zip(growing, per_layer, strict=True):
                 self.transport.send(grads, dst, _CONTEXT_GRADS_TAG + i, "state_grad")
         rank = self.ownership.rank
         if not self.into_since or rank not in self.context_holders:
             return
         for src in [q for q in self.computing if q < rank]:
-            for i in reversed(range(self.engine.num_layers)):
-                if self.engine.adapter.layers[i].mixer.grows:
-                    message = self.transport.recv(src, _CONTEXT_GRADS_TAG + i, self.engine.adapter.device)
-                    self._add_into_own(message, self._own_rows(i, context_only=True))
+            for i in growing:
+                message = self.transport.recv(src, _CONTEXT_GRADS_TAG + i, self.engine.adapter.device)
+                self._add_into_own(message, self._own_rows(i, context_only=True))
 
     def _into_since_recurrent(self) -> None:
         """The gradient of ``since``'s last recurrent states, from the rank that walked the extend's first chunk,
@@ -381,7 +380,7 @@ class WavefrontWalk:
                 span = self._rows(j)
                 if layer.mixer.grows:
                     own = self.engine.past_blocks(self.state.positioned_blocks(i, j), None)
-                    ctx = LayerContext(past=_in_position_order([*remote, *own]))
+                    ctx = LayerContext(past=in_position_order([*remote, *own]))
                 else:
                     befores.append(carried)
                     ctx = LayerContext(recurrent=carried)
@@ -407,7 +406,7 @@ class WavefrontWalk:
             upstream = self.grad.existing_block_grads(block) if block is not None else None
             with torch.enable_grad():
                 x = layer_input[span].detach().requires_grad_(True)
-                past = _in_position_order([*remote, *own])
+                past = in_position_order([*remote, *own])
                 out, new = self._layer(i, j, x, LayerContext(past=past), self.inputs.scratch[i][k])
                 self._backpropagate(out, g, span, new, upstream)
             if x.grad is not None:
@@ -511,11 +510,6 @@ def _cut(start: int, length: int, at: int) -> list[tuple[int, int]]:
     """``[start, start + length)`` as one or two ``(lo, hi)`` ranges, cut at position ``at``."""
     end = start + length
     return [(start, at), (at, end)] if start < at < end else [(start, end)]
-
-
-def _in_position_order(blocks: list[PastBlock]) -> list[PastBlock]:
-    """Past blocks as the mixers read them: by position (DSA's top-k breaks ties by it)."""
-    return sorted(blocks, key=lambda block: block.start)
 
 
 def _joined(parts: list[tuple[Tensor, ...]]) -> tuple[Tensor, ...] | None:

@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from data_parallel_worker import join
 from torch import nn
 
+from bench.agent_scale import agent_members
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
@@ -24,7 +25,6 @@ from longstraw_agents.parallel import ContextParallel, ParallelMesh
 from longstraw_agents.parallel.fsdp import OneRankGather, gathered
 from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.segmenter import Member
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 from longstraw_agents.trainer.group import Group, make_group
@@ -65,14 +65,8 @@ def step_group(trainer: GRPOTrainer, spec: dict[str, Any], seed: int) -> Group:
 def agent_group(trainer: GRPOTrainer, spec: dict[str, Any], prompt: torch.Tensor, gen: torch.Generator) -> Group:
     """Members that part after ``prompt`` and grow a history of ``spec["history"]`` tokens each over
     ``spec["turns"]`` turns: a tool output, then an answer of ``spec["completion"]`` tokens with loss."""
-    vocab, turn = spec["model"].get("vocab_size", 256), spec["history"] // spec["turns"]
-    members = []
-    for k in range(spec["group"]):
-        history = torch.randint(0, vocab, (spec["history"],), generator=gen)
-        history[0] = k  # the members part at once
-        answer = (torch.arange(spec["history"]) % turn) >= turn - spec["completion"]
-        mask = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), answer])
-        members.append(Member(torch.cat([prompt, history]).numpy(), mask.numpy()))
+    vocab = spec["model"].get("vocab_size", 256)
+    members = agent_members(prompt, spec["history"], spec["turns"], spec["completion"], spec["group"], vocab, gen)
     rewards = [float(k % 2) for k in range(spec["group"])]
     return make_group(members, rewards, trainer.config.loss)
 
