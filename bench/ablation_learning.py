@@ -379,8 +379,8 @@ def prefix_geometry(run: Run, name: str, task: Task, policy: str, settings: Sett
         env_factory = make_env_factory(task.env_id, kwargs, run.max_context)
         cosines, distances, norms, own = [], [], [], 0
         for g in range(groups):
-            with run.sampling_weights():
-                sampler = run.sampler(seed=eval_sampling_seed() + g)
+            with run.sampling(seed=eval_sampling_seed() + g) as sampler:
+                assert sampler is not None  # (one process)
                 group = rollout_group(
                     env_factory, sampler, run.config.trainer.group_size, eval_task_seed(g), f"geo-{g}", limits
                 )

@@ -525,10 +525,19 @@ def _placed(flat: Tensor, length: int, offset: int) -> tuple[Tensor, Tensor]:
 
 def _sparse_partial(q: Tensor, gathered: _Gathered, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(out [n, H, W], lse [n, H])`` of ``q`` over its ``visible`` gathered rows (lse -inf where none)."""
-    scores = gathered.scores(q, scale).masked_fill(~visible.unsqueeze(1), float("-inf"))
+    return selected_partial(q, gathered.rows, visible, scale)
+
+
+def selected_partial(q: Tensor, rows: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out [n, H, W], lse [n, H])`` of queries ``q [n, H, W]`` over their ``visible [n, k]`` rows
+    ``[n, k, W]`` (keys and values at once, as DSA reads them), in softmax precision; lse -inf where none is."""
+    sdt = softmax_dtype(q.dtype)
+    rows = rows.to(sdt)
+    scores = torch.matmul(q.to(sdt), rows.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
-    return torch.matmul(probs, gathered.rows), lse
+    return torch.matmul(probs, rows), lse
 
 
 class _SparseAttention(torch.autograd.Function):

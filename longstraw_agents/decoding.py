@@ -12,6 +12,9 @@ batch buffers and the recurrent states stacked, so a step does no per-member wor
 written to its state when it leaves, exactly as ``Engine.extend`` writes a chunk (in place at its arena's fill
 mark, else into fresh storage with ``reserve`` extra room). The states stay ordinary engine states:
 ``Engine.extend`` continues them (tool turns), and their logits equal those of stepping each member alone.
+
+With context parallelism the ranks decode together, each reading the positions it stores (see ``Decoder``): a
+member's path stays spread over the ranks as it grows, turn by turn.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch
 from torch import Tensor
 
 from longstraw_agents.engine import Engine
-from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeGroup
-from longstraw_agents.state import Arena, Block, ChunkRecord, RecurrentState, State
+from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeGroup, PositionedBlock
+from longstraw_agents.state import Block, State
 from longstraw_agents.token_ids import as_token_ids
 
 
@@ -42,6 +45,11 @@ class Decoder:
 
     reserve: extra positions allocated when a leaving member's positions go into fresh storage (as
     ``Engine.step``), so that its next turn's observation can be appended in place.
+
+    With context parallelism (an engine with ``shards``) every rank of the group makes the same calls in the same
+    order: a step is computed on every rank (each reads the prefix and own positions it stores, the partial results
+    merged over the ranks), and a leaving member's new positions are stored by one rank, the one holding the least
+    of its path (``Engine.pieces``), as a replicated extend's are.
     """
 
     def __init__(self, engine: Engine, members: Sequence[Member], *, reserve: int = 0):
@@ -54,16 +62,19 @@ class Decoder:
         self.live = list(range(len(members)))  # member index of each batch row
         self.device = engine.adapter.device
         self._prefixes, self._group_of = _groups(members)
-        self._shared = [  # per growing layer, per group: the prefix's blocks
-            [[block.views() for block in prefix.blocks(i)] for prefix in self._prefixes] if grows else []
+        starts = [0 if self._group_of[k] < 0 else self._prefixes[self._group_of[k]].num_tokens for k in self.live]
+        # what each growing layer reads of the state, per source: the prefixes' blocks, then each member's own
+        # blocks from before the session (after its prefix); with context parallelism, those held here
+        sources = [(prefix.positioned_blocks, 0) for prefix in self._prefixes]
+        sources += [(m.state.positioned_blocks, start) for m, start in zip(members, starts, strict=True)]
+        self._blocks = [
+            [_views_after(blocks(i), start) for blocks, start in sources] if grows else []
             for i, grows in enumerate(self._grows())
         ]
-        starts = [0 if self._group_of[k] < 0 else self._prefixes[self._group_of[k]].num_tokens for k in self.live]
-        self._own_start = torch.tensor(starts, dtype=torch.long, device=self.device)
         self._positions = torch.tensor([m.state.num_tokens for m in members], dtype=torch.long, device=self.device)
-        self._loaded = [m.state.num_tokens - start for m, start in zip(members, starts, strict=True)]
+        self._session_start = self._positions.clone()
         self._stepped = [0] * len(members)  # tokens given to each member in this session
-        self._own = [self._load_own(i) if grows else () for i, grows in enumerate(self._grows())]
+        self._session = [self._new_session(i, 1 + reserve) if grows else () for i, grows in enumerate(self._grows())]
         self._groups: tuple[list[int], tuple[DecodeGroup, ...]] | None = None
         self._recurrent = [() if grows else self._load_recurrent(i) for i, grows in enumerate(self._grows())]
 
@@ -76,18 +87,18 @@ class Decoder:
         ids = as_token_ids(tokens, vocab_size=adapter.vocab_size).to(self.device)
         if ids.shape[0] != len(self.live):
             raise ValueError(f"{len(self.live)} members in the batch but {ids.shape[0]} tokens")
-        lengths = [self._loaded[k] + self._stepped[k] for k in self.live]
-        self._reserve_own(max(lengths) + 1)
-        own_lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        lengths = [self._stepped[k] for k in self.live]
+        self._reserve_session(max(lengths) + 1)
+        session_lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
         slots = torch.arange(max(lengths) + 1, device=self.device)
-        visible = slots < own_lengths[:, None] + 1  # own positions and the new one
+        visible = slots < session_lengths[:, None] + 1  # the session's positions and the new one
         if self._groups is None:  # the batch's groups change only when members leave
             self._groups = self._batch_groups()
         present, groups = self._groups
-        batch = DecodeBatch(self._positions, groups, self._own_start, own_lengths, visible)
+        batch = DecodeBatch(self._positions, groups, self._session_start, session_lengths, visible)
         contexts = [
-            DecodeContext(shared=[shared[g] for g in present] if shared else [], own=own, recurrent=recurrent)
-            for shared, own, recurrent in zip(self._shared, self._own, self._recurrent, strict=True)
+            DecodeContext([blocks[j] for j in present] if blocks else [], session, recurrent)
+            for blocks, session, recurrent in zip(self._blocks, self._session, self._recurrent, strict=True)
         ]
         with torch.no_grad():
             runner = self.engine.weights.run if self.engine.weights is not None else None
@@ -113,31 +124,27 @@ class Decoder:
         return [layer.mixer.grows for layer in self.engine.adapter.layers]
 
     def _batch_groups(self) -> tuple[list[int], tuple[DecodeGroup, ...]]:
-        """The groups with members in the batch (their indices, and their rows)."""
+        """The groups of the rows in the batch, as sources of blocks (their indices) and rows: each prefix with
+        members in the batch, then each member holding own positions here (a row's prefix before its own)."""
         rows: dict[int, list[int]] = {}
         for row, k in enumerate(self.live):
             if self._group_of[k] >= 0:
                 rows.setdefault(self._group_of[k], []).append(row)
+        first_own = len(self._prefixes)
+        holds = self._blocks[self._grows().index(True)] if any(self._grows()) else []
+        for row, k in enumerate(self.live):
+            if holds and holds[first_own + k]:
+                rows[first_own + k] = [row]
         present = sorted(rows)
-        device = self.device
-        groups = tuple(DecodeGroup(torch.tensor(rows[g], device=device), self._prefixes[g].num_tokens) for g in present)
-        return present, groups
+        return present, tuple(DecodeGroup(torch.tensor(rows[j], device=self.device)) for j in present)
 
-    def _load_own(self, layer: int) -> tuple[Tensor, ...]:
-        """Buffers ``[B, capacity, *shape]`` holding each member's own positions of ``layer`` (after its prefix)."""
+    def _new_session(self, layer: int, capacity: int) -> tuple[Tensor, ...]:
+        """Empty session buffers ``[B, capacity, *shape]`` of ``layer``."""
         adapter = self.engine.adapter
-        capacity = max(self._loaded) + 1 + self.reserve
-        buffers = tuple(
+        return tuple(
             torch.zeros((len(self.members), capacity, *shape), dtype=adapter.dtype, device=self.device)
             for shape in adapter.layers[layer].mixer.state_shapes()
         )
-        for row, member in enumerate(self.members):
-            at = 0
-            for views in _own_views(member.state.blocks(layer), int(self._own_start[row])):
-                for buffer, view in zip(buffers, views, strict=True):
-                    buffer[row, at : at + view.shape[0]] = view
-                at += views[0].shape[0]
-        return buffers
 
     def _load_recurrent(self, layer: int) -> tuple[Tensor, ...]:
         """The members' recurrent states of ``layer`` stacked ``[B, ...]``."""
@@ -145,32 +152,29 @@ class Decoder:
         assert all(s is not None for s in states)  # only an empty state (refused) has none
         return tuple(torch.stack(parts) for parts in zip(*(s.tensors for s in states if s is not None), strict=True))
 
-    def _reserve_own(self, length: int) -> None:
-        """Grow the own buffers (doubling) to hold ``length`` positions per member."""
-        for i, buffers in enumerate(self._own):
+    def _reserve_session(self, length: int) -> None:
+        """Grow the session buffers (doubling) to hold ``length`` positions per member."""
+        for i, buffers in enumerate(self._session):
             if buffers and buffers[0].shape[1] < length:
                 grown = tuple(b.new_zeros((b.shape[0], 2 * length, *b.shape[2:])) for b in buffers)
                 for new, old in zip(grown, buffers, strict=True):
                     new[:, : old.shape[1]] = old
-                self._own[i] = grown
+                self._session[i] = grown
 
     def _state(self, k: int, row: int) -> State:
-        """Member ``k``'s state plus the positions it was given, as one chunk (row ``row`` of the buffers)."""
+        """Member ``k``'s state plus the positions it was given, as one chunk (row ``row`` of the buffers), stored
+        by the rank that ``Engine.pieces`` names (every rank without context parallelism)."""
         state, n = self.members[k].state, self._stepped[k]
         if n == 0:
             return state
-        lo = self._loaded[k]
-        blocks: list[Block | None] = []
-        recurrent: list[RecurrentState | None] = []
-        for i, (own, stacked) in enumerate(zip(self._own, self._recurrent, strict=True)):
-            if own:
-                arena = _arena_for(self.engine, state, i, n, self.reserve)
-                blocks.append(arena.append(tuple(b[row, lo : lo + n] for b in own)))
-                recurrent.append(None)
-            else:  # the member's own copy: a view would keep the whole batch's tensor alive
-                blocks.append(None)
-                recurrent.append(RecurrentState(tuple(t[row].clone() for t in stacked)))
-        return state.append(ChunkRecord(state.num_tokens, n, tuple(blocks), tuple(recurrent)))
+        engine = self.engine
+        [(_, _, owner)] = engine.pieces(state, n, n)
+        arenas = engine.arenas_for(state, n if engine.owns(owner) else 0, engine.reserve_share(self.reserve))
+        entries = [  # (``record`` copies a recurrent state out of the batch's tensor)
+            tuple(b[row, :n] for b in session) if session else tuple(t[row] for t in stacked)
+            for session, stacked in zip(self._session, self._recurrent, strict=True)
+        ]
+        return state.append(engine.record(state.num_tokens, n, entries, arenas, owner))
 
     def _compact(self, keep: list[int]) -> None:
         """Keep only batch rows ``keep`` (in order)."""
@@ -181,10 +185,10 @@ class Decoder:
         if not keep:
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._own = [tuple(b.index_select(0, index) for b in own) for own in self._own]
+        self._session = [tuple(b.index_select(0, index) for b in session) for session in self._session]
         self._recurrent = [tuple(t.index_select(0, index) for t in stacked) for stacked in self._recurrent]
         self._positions = self._positions.index_select(0, index)
-        self._own_start = self._own_start.index_select(0, index)
+        self._session_start = self._session_start.index_select(0, index)
 
 
 def decode_step(
@@ -226,24 +230,10 @@ def _groups(members: Sequence[Member]) -> tuple[list[State], list[int]]:
     return prefixes, group_of
 
 
-def _own_views(blocks: list[Block], start: int) -> list[tuple[Tensor, ...]]:
-    """The views of ``blocks`` (covering positions from 0, in order) past position ``start``."""
-    out = []
-    position = 0
-    for block in blocks:
-        end = position + block.length
-        if end > start:
-            out.append(Block(block.arena, block.lo + max(0, start - position), block.hi).views())
-        position = end
-    return out
-
-
-def _arena_for(engine: Engine, state: State, layer: int, n: int, reserve: int) -> Arena:
-    """Where layer ``layer`` of ``state`` appends ``n`` positions: in place at its last arena's fill mark (no
-    sibling wrote there yet), else fresh storage with ``reserve`` extra positions — ``Engine.extend``'s rule."""
-    blocks = state.blocks(layer)
-    last = blocks[-1] if blocks else None
-    if last is not None and last.arena.can_append(last.hi, n):
-        return last.arena
-    adapter = engine.adapter
-    return Arena(adapter.layers[layer].mixer.state_shapes(), n + reserve, adapter.dtype, adapter.device)
+def _views_after(blocks: list[tuple[int, Block]], start: int) -> list[PositionedBlock]:
+    """The views of ``blocks`` (with the position each starts at, in order) past position ``start``, with theirs."""
+    return [
+        (max(position, start), Block(block.arena, block.lo + max(0, start - position), block.hi).views())
+        for position, block in blocks
+        if position + block.length > start
+    ]

@@ -263,7 +263,7 @@ class Plan:
         lines.append(f"  {'total':<{CATEGORY_WIDTH}} {self.total / GIB:>9.2f}  {of}: {verdict}")
         if self.rollout:
             verdict = "fits" if self.rollout_fits else "does NOT fit: serve the policy instead (policy.served)"
-            lines.append("rollouts in process (longstraw train's own sampler, on cp rank 0; between steps)")
+            lines.append("rollouts in process (longstraw train's own sampler, on every cp rank; between steps)")
             lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.rollout.items()]
             total = self.rollout_total / GIB
             lines.append(f"  {'total (with the margin)':<{CATEGORY_WIDTH}} {total:>9.2f}  {of}: {verdict}")
@@ -661,8 +661,11 @@ def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     is copied into: a layer, a layer at a time)."""
     if request.gpus == 1:
         return (probed.parameters if request.mixed else 0), 0
-    if request.by_layer:
-        return probed.root + probed.largest_layer, probed.largest_layer
+    if request.by_layer:  # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
+        layers = (
+            min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.context_parallel > 1 else 1
+        )
+        return probed.root + layers * probed.largest_layer, probed.largest_layer
     return probed.parameters, 0
 
 
@@ -692,26 +695,34 @@ def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str,
 def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     """What a rank holds while ``longstraw train`` samples in process (``app.training``): the shards, the last
     step's gradient shards and AdamW's state, what is gathered in the compute dtype (``_whole_in_rollouts``: a
-    collective, so every rank of the shard group holds it), and on the rank that samples (a dp rank's first cp rank,
-    with an engine that holds the whole context: no cp shards) the prompt's state, each member's own tokens, one
-    layer's rows of the whole context gathered for attention (a chunk of the capture attends to all earlier rows at
-    once) and one decode step's fp32 logits per member. A gather's buffer and the rows are never held at once (a
-    layer is gathered before it computes): the larger counts, the gather's beyond the rows under gathered weights."""
+    collective, so every rank of the shard group holds it), one decode step's fp32 logits per member, and the
+    sampler's state. With cp > 1 the cp ranks sample together (``parallel.sampling``), each holding its share of
+    the prompt (cut evenly) and of the members' own tokens (each turn on the rank holding the least of the path,
+    ties spread over the ranks), and the largest sharded capture's rows (``capture_rows_bytes``; a decode step
+    reads only the rows a rank holds) and working set. On one GPU the whole prompt and every member's tokens, and
+    one layer's rows of the whole context gathered for attention (a chunk attends to all earlier rows at once). A
+    gather's buffer and the rows are never held at once (a layer is gathered before it computes): the larger
+    counts, the gather's beyond the rows under gathered weights."""
     compute = _itemsize(request.dtype)
     parameters = measured.parameters[BACKWARD]
     whole, buffer = (n * compute for n in measured.rollout_whole)
-    rows = _rows_per_layer(measured.config, request, request.context + request.history)  # a member's last turn
-    size = state_size(measured.config, request.dtype)
-    members = request.group * (size.bytes_per_token * request.own_tokens + size.fixed_bytes)
+    cp, config = request.context_parallel, measured.config
+    if cp == 1:
+        rows, working = _rows_per_layer(config, request, request.context + request.history), 0  # the last turn's
+    else:
+        rows, working = capture_rows_bytes(config, request), measured.capture
+    size = state_size(config, request.dtype)
+    held = math.ceil(request.context / cp) + math.ceil(request.group * request.own_tokens / cp)
     return {
         "weights": parameters["weights"],
         "gradients": parameters["weights"],  # every shard's, kept until the next step zeroes them
         "optimizer state": parameters["optimizer state"],
         "reference weights": parameters["reference weights"],
         "gathered weights": whole + max(0, buffer - rows),
-        "sampler state": size.total(request.context) + members,
+        "sampler state": size.bytes_per_token * held + (1 + request.group) * size.fixed_bytes,
         "attention's earlier rows": rows,
-        "logits": request.group * measured.config.vocab_size * 4,
+        "a capture's working set": working,
+        "logits": request.group * config.vocab_size * 4,
     }
 
 

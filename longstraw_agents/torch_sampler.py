@@ -120,7 +120,7 @@ class TorchSampler:
         turn = _Turn(limit)
         with torch.no_grad():
             while not turn.done:
-                [token], [logprob] = sample_tokens(handle.next_logits.unsqueeze(0), self.config, [handle.generator])
+                [token], [logprob] = self._draw(handle.next_logits.unsqueeze(0), [handle.generator])
                 turn.add(token, logprob, token in self.stop_token_ids)
                 handle.state, handle.next_logits = self.engine.step(
                     handle.state, torch.tensor([token]), reserve=self._reserve()
@@ -156,7 +156,7 @@ class TorchSampler:
         logits = torch.stack([h.next_logits for h in handles])
         while decoder.live:
             live = decoder.live
-            tokens, logprobs = sample_tokens(logits, self.config, [handles[k].generator for k in live])
+            tokens, logprobs = self._draw(logits, [handles[k].generator for k in live])
             for k, token, logprob in zip(live, tokens, logprobs, strict=True):
                 turns[k].add(token, logprob, token in self.stop_token_ids)
             logits = decoder.step(tokens)
@@ -166,12 +166,17 @@ class TorchSampler:
             logits = logits[[row for row, k in enumerate(live) if not turns[k].done]]
 
     def append(self, handle: TorchHandle, ids: Sequence[int]) -> None:
+        """Extend the member's state with ``ids`` (an observation); with context parallelism, one long enough for
+        ``Engine.sharded`` is computed sharded over the ranks (all but its last token, whose logits are replicated)."""
         if len(ids) == 0:
             return
+        tokens = torch.as_tensor(list(ids), dtype=torch.long)
         with torch.no_grad():
-            handle.state, handle.next_logits = self.engine.step(
-                handle.state, torch.as_tensor(list(ids), dtype=torch.long), reserve=self._reserve()
-            )
+            state = handle.state
+            if self.engine.sharded(state, len(tokens) - 1):
+                state = self.engine.extend(state, tokens[:-1], reserve=self._reserve())
+                tokens = tokens[-1:]
+            handle.state, handle.next_logits = self.engine.step(state, tokens, reserve=self._reserve())
         handle.history.extend(int(i) for i in ids)
         self._mark(handle)
 
@@ -225,6 +230,11 @@ class TorchSampler:
     def complete(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None) -> Generation:
         """One completion of a token prompt (what an OpenAI-compatible server answers)."""
         return self.generate(self.fork(prompt_ids, 1)[0], max_new_tokens)
+
+    def _draw(self, logits: torch.Tensor, generators: Sequence[torch.Generator]) -> tuple[list[int], list[float]]:
+        """The next token of each row of ``logits`` and its logprob (``sample_tokens``; ranks that decode together
+        draw on one of them)."""
+        return sample_tokens(logits, self.config, generators)
 
     def _generator(self) -> torch.Generator:
         index, self.members = self.members, self.members + 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,11 +75,47 @@ class SyncResult:
 def save_weights(model: torch.nn.Module, path: str | Path) -> Path:
     """Write ``model`` as a transformers directory at ``path`` (``save_pretrained``: config and safetensors),
     atomically: into a temporary sibling first, renamed into place once whole; an older ``path`` is replaced."""
+    return _written_whole(path, lambda tmp: model.save_pretrained(tmp))  # type: ignore[operator]  # transformers'
+
+
+def save_weight_parts(model: torch.nn.Module, parts: Iterable[dict[str, torch.Tensor]], path: str | Path) -> Path:
+    """Write ``model``'s config and the tensors of ``parts`` (``parallel.fsdp.whole_parts``: a sharded model's
+    weights assembled a part at a time) as a sharded transformers directory at ``path`` — one safetensors file per
+    part and ``model.safetensors.index.json``, what ``save_pretrained`` writes for a large model — atomically, as
+    ``save_weights``. Every part is taken even when writing fails (taking one may be a collective)."""
+    from safetensors.torch import save_file
+
+    pending = iter(parts)
+
+    def write(tmp: Path) -> None:
+        model.config.save_pretrained(tmp)  # type: ignore[union-attr,operator]  # a transformers model's config
+        weight_map: dict[str, str] = {}
+        names, total = [], 0
+        for index, part in enumerate(pending):
+            name = f"part-{index:05d}.safetensors"
+            if repeated := sorted(weight_map.keys() & part.keys()):
+                raise ValueError(f"tensors {repeated} are in two parts of the weights")
+            save_file({k: t.contiguous() for k, t in part.items()}, tmp / name, metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(part, name)
+            names.append(name)
+            total += sum(t.numel() * t.element_size() for t in part.values())
+        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2, sort_keys=True))
+
+    try:
+        return _written_whole(path, write)
+    finally:
+        for _ in pending:  # (a failed write must not leave the other ranks in a gather)
+            pass
+
+
+def _written_whole(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp)`` fills a temporary sibling of ``path``, renamed to ``path`` once whole (replacing an older)."""
     final = Path(path)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     final.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)  # type: ignore[operator]  # a transformers PreTrainedModel
+    write(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -114,11 +151,15 @@ class DiskWeightSync:
         except httpx.TransportError as err:
             raise WeightSyncError(f"{self.base_url} is unreachable ({type(err).__name__}: {err})") from None
 
-    def push(self, model: torch.nn.Module, version: int) -> SyncResult:
+    def push(
+        self, model: torch.nn.Module, version: int, parts: Iterable[dict[str, torch.Tensor]] | None = None
+    ) -> SyncResult:
         """Write ``model``'s weights as version ``version`` and have the server load them; returns once the server
-        reports that version (``WeightSyncError`` otherwise)."""
+        reports that version (``WeightSyncError`` otherwise). ``parts``: the weights assembled a part at a time
+        (a sharded model's, ``save_weight_parts``) instead of ``model``'s own tensors."""
         start = time.perf_counter()
-        path = save_weights(model, self.directory / f"{VERSION_PREFIX}{version:06d}")
+        path = self.directory / f"{VERSION_PREFIX}{version:06d}"
+        path = save_weights(model, path) if parts is None else save_weight_parts(model, parts, path)
         written = time.perf_counter()
         self._request_load(path, version)
         reported = self.served_version()

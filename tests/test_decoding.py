@@ -6,85 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoding_cases import GROUPS, PROMPTS, VOCAB, decode_both_ways
 
 from longstraw_agents.decoding import Decoder, Member, decode_step
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.state import State
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "glm_moe_dsa"]
-VOCAB = 256
-STEPS = 10
-DROPPED, DROP_AT = [1, 3, 4], 4  # after 4 tokens, member 1 and all of the second group (3, 4) leave the batch
-TOOL_MEMBER, TOOL_AT, TOOL_IDS = 0, 6, [3, 1, 4, 1, 5]  # member 0 gets an observation after 6 tokens
-
-
-def forced_tokens(members: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (members, STEPS), generator=torch.Generator().manual_seed(seed))
-
-
-def max_logprob_gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((torch.log_softmax(a.double(), -1) - torch.log_softmax(b.double(), -1)).abs().max())
-
-
-def step_both(engine: Engine, decoder: Decoder, alone: list[State], column: torch.Tensor, index: list[int]) -> float:
-    """One token for each member in the decoder's batch (``index[k]``: member k of the decoder, globally), and the
-    same token for each of those members stepped alone; the largest log-probability difference."""
-    live = [index[k] for k in decoder.live]
-    logits = decoder.step(column[live])
-    gap = 0.0
-    for row, b in enumerate(live):
-        alone[b], reference = engine.step(alone[b], column[b : b + 1], reserve=3)
-        gap = max(gap, max_logprob_gap(logits[row], reference))
-    return gap
-
-
-def decode_both_ways(engine: Engine, prompts: list[list[int]], group_sizes: list[int]) -> float:
-    """Teacher-force the same tokens through batched decoding and through ``Engine.step`` member by member; the
-    largest log-probability difference seen (also of the logits read from the final states with
-    ``Engine.logits``). The last prompt's members share nothing (``prefix=None``). Two decode sessions: in the
-    first, some members (a whole group among them) leave early; between them, a tool turn extends one member."""
-    members: list[Member] = []
-    for index, (prompt, size) in enumerate(zip(prompts, group_sizes, strict=True)):
-        fork = engine.capture(prompt)
-        members += [Member(fork, fork if index < len(prompts) - 1 else None) for _ in range(size)]
-    alone = [m.state for m in members]
-    tokens = forced_tokens(len(members))
-    everyone = list(range(len(members)))
-    gap = 0.0
-
-    decoder = Decoder(engine, members, reserve=3)
-    for t in range(TOOL_AT + 1):
-        if t == DROP_AT:
-            for b, state in zip(DROPPED, decoder.leave(DROPPED), strict=True):
-                members[b] = Member(state, members[b].prefix)
-        gap = max(gap, step_both(engine, decoder, alone, tokens[:, t], everyone))
-    live = list(decoder.live)
-    for b, state in zip(live, decoder.leave(live), strict=True):
-        members[b] = Member(state, members[b].prefix)
-
-    tool = members[TOOL_MEMBER]  # a tool turn: the observation extends the member's state as the rollout does
-    members[TOOL_MEMBER] = Member(engine.extend(tool.state, TOOL_IDS), tool.prefix)
-    alone[TOOL_MEMBER] = engine.extend(alone[TOOL_MEMBER], TOOL_IDS)
-
-    rest = [b for b in everyone if b not in DROPPED]
-    decoder = Decoder(engine, [members[b] for b in rest], reserve=3)
-    for t in range(TOOL_AT + 1, STEPS):
-        gap = max(gap, step_both(engine, decoder, alone, tokens[:, t], rest))
-    for b, state in zip(rest, decoder.leave(range(len(rest))), strict=True):
-        members[b] = Member(state, members[b].prefix)
-
-    probe = [7, 8, 9]
-    with torch.no_grad():
-        for member, state in zip(members, alone, strict=True):
-            assert member.state.num_tokens == state.num_tokens
-            gap = max(gap, max_logprob_gap(engine.logits(member.state, probe), engine.logits(state, probe)))
-    return gap
-
-
-# two groups (prompt lengths 20 and 5: past and within the tiny DSA preset's index_topk of 8) and one lone member
-PROMPTS = [list(range(10, 30)), [40, 41, 42, 43, 44], [50, 51, 52]]
-GROUPS = [3, 2, 1]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

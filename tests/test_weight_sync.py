@@ -13,10 +13,17 @@ import pytest
 import torch
 
 from longstraw_agents.models.presets import build_model, tiny_llama
+from longstraw_agents.parallel.fsdp import whole_parts
 from longstraw_agents.sampler import OpenAISampler, SamplingConfig
 from longstraw_agents.serving import CompletionServer
 from longstraw_agents.torch_sampler import TorchSampler
-from longstraw_agents.weight_sync import DiskWeightSync, WeightSyncError, load_weights, save_weights
+from longstraw_agents.weight_sync import (
+    DiskWeightSync,
+    WeightSyncError,
+    load_weights,
+    save_weight_parts,
+    save_weights,
+)
 
 STOP = 7
 SHAPE = {"hidden": 32, "layers": 1}
@@ -56,6 +63,30 @@ def test_save_weights_writes_a_whole_directory_that_loads_back_bit_equal(tmp_pat
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
     load_weights(other, path)
     assert_bit_equal(other, trained)
+
+
+def test_weights_written_a_part_at_a_time_load_back_bit_equal(tmp_path: Path) -> None:
+    """``whole_parts`` (here of an unsharded model: no gather) gives the root unit's tensors, then each decoder
+    layer's; ``save_weight_parts`` writes one file per part and the index, which ``load_weights`` reads. A part that
+    fails to write still lets every part be taken (on a mesh each is a collective)."""
+    trained, other = model(seed=1), model(seed=2)
+    parts = list(whole_parts(trained))
+    assert len(parts) == trained.config.num_hidden_layers + 1
+    assert all(name.startswith(f"model.layers.{i}.") for i, part in enumerate(parts[1:]) for name in part)
+    path = save_weight_parts(trained, parts, tmp_path / "v000001")
+    assert not (path / "model.safetensors").exists() and (path / "model.safetensors.index.json").is_file()
+    load_weights(other, path)
+    assert_bit_equal(other, trained)
+    taken: list[int] = []
+
+    def counted() -> Iterator[dict[str, torch.Tensor]]:
+        for index, part in enumerate(whole_parts(trained)):
+            taken.append(index)
+            yield part if index != 1 else {"model.norm.weight": torch.zeros(2)}  # a name written twice: refused
+
+    with pytest.raises(ValueError):
+        save_weight_parts(trained, counted(), tmp_path / "v000002")
+    assert taken == list(range(len(parts)))
 
 
 def test_pushed_weights_are_served_bit_equal_with_their_version(server: CompletionServer, tmp_path: Path) -> None:

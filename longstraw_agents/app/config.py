@@ -267,15 +267,6 @@ class TrainConfig(BaseModel):
             raise ValueError("parallel.offload is FSDP2's CPU offload of the shards: it needs parallel.fsdp: true")
         return self
 
-    @model_validator(mode="after")
-    def _served_by_one_process(self) -> TrainConfig:
-        if self.policy.served is not None and self.parallel.dp * self.parallel.cp > 1:
-            raise ValueError(
-                "policy.served is trained by one process (every rank would push its weights to the server); set "
-                "parallel.dp and parallel.cp to 1"
-            )
-        return self
-
 
 def load_config(path: str | Path) -> TrainConfig:
     """Read a YAML (.yaml/.yml) or TOML (.toml) file into a validated TrainConfig."""

@@ -4,8 +4,9 @@ Who does what:
 
 - every process trains: the dp ranks on their own share of each step's groups, the cp ranks of one dp rank on the
   same groups (their prompt state sharded);
-- the first cp rank of each dp rank rolls out that rank's share (its own task seeds and sampling seed) and
-  broadcasts the groups to its cp peers;
+- the first cp rank of each dp rank rolls out that rank's share (its own task seeds and sampling seed: it runs the
+  environments, its cp peers computing the engine's share with it, ``parallel.sampling``) and broadcasts the groups
+  to its cp peers;
 - exactly one process, global rank 0 (the *writer*), writes the run directory: ``config.json``, the SQLite store
   (WAL does not span machines: the other dp ranks' groups are gathered to it), ``metrics.jsonl`` (a step's record
   covers every dp rank's groups) and the checkpoint's shared files. Every rank runs the warm start (waiting for the
@@ -104,7 +105,8 @@ class Ranks:
 
     @property
     def rolls_out(self) -> bool:
-        """The first cp rank of each dp rank samples; its cp peers receive the groups."""
+        """The first cp rank of each dp rank runs the rollouts (its cp peers follow its sampler, and receive the
+        groups)."""
         return self.mesh is None or self.mesh.cp_rank == 0
 
     def share(self, items: Sequence[T]) -> list[T]:

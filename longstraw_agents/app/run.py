@@ -25,7 +25,7 @@ import contextlib
 import copy
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,8 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
-from longstraw_agents.parallel.fsdp import OneRankGather, gathered
+from longstraw_agents.parallel.fsdp import gathered
+from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.rollout import make_env_factory, reset_prompt
 from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import Store
@@ -149,7 +150,6 @@ class Run:
         # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None
         self._reporter: Reporter | None = None
-        self._one_rank: OneRankGather | None = None  # the sampling engine's weights, a layer at a time
         with self.ranks.failing_clearly(lambda: "starting the run"):
             self.ranks.share_directory(self.dir)  # every node sees it (made by the writer), before any step
             if self.ranks.writes:
@@ -171,9 +171,6 @@ class Run:
             self._warm_start()
         self.ranks.same_weights(self.model)
         self.trainer = self._trainer(self._reference(resume, reference))
-        if self.trainer.sharding.weights is not None:  # the step gathers a layer at a time: so does sampling
-            self._one_rank = OneRankGather(self.trainer.engine.model)
-        self.sampling_engine = self._sampling_engine()
         if resume:
             self._load_checkpoint()
         self.served = self._served_policy(resume)
@@ -225,26 +222,52 @@ class Run:
 
     def sampler(self, step: int | None = None, seed: int | None = None) -> Sampler:
         """The policy's sampler for ``step`` (its seed derived from the run's and the dp rank), or with an explicit
-        ``seed``."""
+        ``seed``. In process it runs the trainer's engine: with cp > 1 the cp ranks sample together (``sampling``),
+        this rank's sampler leading (the first cp rank) or following its calls."""
         if seed is None and step is not None:
             seed = sampling_seed(self.config.seed, step, self.ranks.dp_rank)
         sampling = self.config.sampling if seed is None else self.config.sampling.model_copy(update={"seed": seed})
         if self.served is not None:  # the server, once it serves the trainer's weights
             return self.served.sampler(self.trainer.engine.model, self.trainer.policy_version, self.stop_ids, sampling)
-        return TorchSampler(
-            self.sampling_engine,
-            self.stop_ids,
-            sampling,
-            policy_version=self.trainer.policy_version,
-            keep_marks=self.keep_marks,
-        )
+        engine, version, keep = self.trainer.engine, self.trainer.policy_version, self.keep_marks
+        mesh = self.ranks.mesh
+        if mesh is None or self.ranks.cp == 1:
+            return TorchSampler(engine, self.stop_ids, sampling, policy_version=version, keep_marks=keep)
+        calls = SamplerCalls(mesh.cp_group, engine.adapter.device)
+        role = LeadingSampler if self.ranks.rolls_out else FollowingSampler
+        return role(engine, self.stop_ids, sampling, calls=calls, policy_version=version, keep_marks=keep)
+
+    @contextlib.contextmanager
+    def sampling(self, step: int | None = None, seed: int | None = None) -> Iterator[Sampler | None]:
+        """A block of rollouts, entered by every rank together: the policy's weights (``sampling_weights``) and, on
+        the rank that rolls out (``Ranks.rolls_out``), its sampler (``sampler``); elsewhere None. With cp > 1 the
+        other cp ranks follow the first's sampler calls (``parallel.sampling``) until its block ends, each holding
+        its share of every member's state: they are done when the block starts. A served policy needs no weights
+        here: the server is brought up to date first (every rank taking part in assembling a push)."""
+        if self.served is not None:  # (the server holds the weights; bringing it up to date takes every rank)
+            sampler = self.sampler(step, seed)
+            yield sampler if self.ranks.rolls_out else None
+            return
+        with self.sampling_weights():
+            sampler = self.sampler(step, seed)
+            if isinstance(sampler, FollowingSampler):
+                sampler.follow()
+                yield None
+                return
+            try:
+                yield sampler
+            finally:
+                if isinstance(sampler, LeadingSampler):
+                    sampler.close()
 
     def sampling_weights(self) -> contextlib.AbstractContextManager[Any]:
         """The policy's weights for a block of sampling, entered by every rank together (FSDP2's gathers are
-        collectives). Where the step gathers a layer at a time, so does the sampling rank, its shard peers joining
-        each gather (``OneRankGather``): no rank holds the whole model. Otherwise the whole model, for the block."""
-        if self._one_rank is not None:
-            return self._one_rank.session(samples=self.ranks.rolls_out)
+        collectives). Where the step gathers a layer at a time, so does sampling — the cp ranks of a shard group
+        sample together, so each joins every gather — and the root unit is gathered for the block: no rank holds
+        the whole model. Otherwise the whole model, for the block."""
+        weights = self.trainer.sharding.weights
+        if weights is not None:
+            return _no_grad_around(weights.gathered(None))
         return gathered(self.trainer.model)
 
     def push_weights(self) -> None:
@@ -274,7 +297,8 @@ class Run:
         spec = self.config.policy.served
         if spec is None:
             return None
-        return ServedPolicy(spec, self.dir, weights_changed=not resume and self.config.warm_start is not None)
+        changed = not resume and self.config.warm_start is not None
+        return ServedPolicy(spec, self.dir, weights_changed=changed, ranks=self.ranks)
 
     def _check_prompt_fits(self) -> ToolEnvConfig:
         """The first task's prompt fits the env's budget and the model's context (else every rollout fails); returns
@@ -310,15 +334,6 @@ class Run:
             chunk = self.config.trainer.chunk_size
             policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=mesh.context_parallel())
         return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
-
-    def _sampling_engine(self) -> Engine:
-        """The trainer's engine, or with cp > 1 one over the same weights without shards: a rollout runs on one cp
-        rank (``Ranks.rolls_out``), so it must not wait for its cp peers; where the step gathers a layer at a time,
-        with its layers gathered one at a time too (``sampling_weights``)."""
-        engine = self.trainer.engine
-        if self._one_rank is not None:
-            return Engine(engine.model, engine.config, weights=self._one_rank)
-        return engine if engine.shards is None else Engine(engine.model, engine.config)
 
     def _warm_start(self) -> None:
         spec = self.config.warm_start
@@ -373,3 +388,10 @@ def _layout(config: TrainConfig) -> str:
     parallel = config.parallel
     sharding = f"fsdp={parallel.fsdp} hsdp={parallel.hsdp} offload={parallel.offload}"
     return f"model {model}, parallel dp={parallel.dp} cp={parallel.cp} {sharding}"
+
+
+@contextlib.contextmanager
+def _no_grad_around(block: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    """``block`` entered under ``torch.no_grad`` (sampling: no gradient may reach a gathered layer)."""
+    with torch.no_grad(), block:
+        yield

@@ -12,22 +12,28 @@ The loop stays synchronous, so every episode of a step is sampled by one weight 
 - the sampler is pinned to the version pushed: a response of another version (something else changed the
   server's weights) fails the rollout, so the run stops before training on it (``SamplerError``).
 
-One training process only (``parallel.dp`` 1): data-parallel ranks would each push their weights.
+On a mesh (``ranks``) the writer (global rank 0) alone talks to the server; every rank takes part in assembling the
+weights a part at a time from their FSDP2 shards (``parallel.fsdp.whole_parts``: no device ever holds the whole
+model), and learns the writer's outcome. The first cp rank of each dp rank samples from the server.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from longstraw_agents.app.config import ServedPolicySpec
+from longstraw_agents.app.distributed import Ranks
+from longstraw_agents.parallel.fsdp import whole_parts
 from longstraw_agents.sampler import OpenAISampler, SamplingConfig
-from longstraw_agents.weight_sync import DiskWeightSync, SyncResult
+from longstraw_agents.weight_sync import DiskWeightSync, SyncResult, WeightSyncError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVED_WEIGHTS = "served_weights"
 """The run directory's folder of pushed weight versions (``weight_sync.directory`` unless set)."""
@@ -44,10 +50,14 @@ class ServedPolicy:
     weights_changed: the trainer's weights differ from those the server was started with although the policy
         version is the same (a warm start ran in this process): the first sampling pushes them whatever the server
         reports.
+    ranks: the run's processes (every one makes the same calls; the writer alone talks to the server).
     """
 
-    def __init__(self, spec: ServedPolicySpec, run_dir: Path, *, weights_changed: bool = False):
+    def __init__(
+        self, spec: ServedPolicySpec, run_dir: Path, *, weights_changed: bool = False, ranks: Ranks | None = None
+    ):
         self.spec = spec
+        self.ranks = ranks or Ranks()
         self.sync = DiskWeightSync(
             spec.base_url,
             weights_directory(spec, run_dir),
@@ -83,16 +93,22 @@ class ServedPolicy:
         """Push ``model`` unless the server is known, or reports, to serve it at ``policy_version`` already."""
         if self.version == policy_version and not self.weights_changed:
             return
-        if not self.weights_changed and self.sync.served_version() == policy_version:
+        if not self.weights_changed and self._writers(self.sync.served_version) == policy_version:
             self.version = policy_version
             log.info("the server at %s serves policy version %d already", self.spec.base_url, policy_version)
             return
         self.push(model, policy_version)
 
     def push(self, model: torch.nn.Module, policy_version: int) -> SyncResult:
-        """Write ``model`` as ``policy_version`` and have the server load it."""
+        """Write ``model`` as ``policy_version`` and have the server load it (on a mesh: assembled a part at a time
+        from the shards, every rank taking part; the writer's outcome on every rank)."""
         self._retire_sampler()
-        result = self.sync.push(model, policy_version)
+        if self.ranks.mesh is None:
+            result = self.sync.push(model, policy_version)
+        else:
+            result = self._writers(
+                lambda: self.sync.push(model, policy_version, whole_parts(model)), whole_parts(model)
+            )
         self.version, self.weights_changed, self.last_push = policy_version, False, result
         log.info(
             "pushed policy version %d to %s (written in %.1fs, loaded in %.1fs)",
@@ -102,6 +118,25 @@ class ServedPolicy:
             result.load_seconds,
         )
         return result
+
+    def _writers(self, ask: Callable[[], T], parts: Iterable[object] = ()) -> T:
+        """``ask()`` on the writer, its answer (or its ``WeightSyncError``) on every rank; the others take
+        ``parts`` meanwhile (their share of the collectives ``ask`` runs on the writer)."""
+        if self.ranks.mesh is None:
+            return ask()
+        answer: tuple[T | None, str | None] = (None, None)
+        if self.ranks.writes:
+            try:
+                answer = (ask(), None)
+            except WeightSyncError as err:
+                answer = (None, str(err))
+        else:
+            for _ in parts:
+                pass
+        value, failure = self.ranks.from_writer(answer)
+        if failure is not None:
+            raise WeightSyncError(failure)
+        return value  # type: ignore[return-value]  # (None only beside a failure)
 
     def close(self) -> None:
         if self._sampler is not None:

@@ -196,16 +196,16 @@ def rollout_and_train(run: Run, step: int, watch: LearningSignalWatch | None = N
 
 
 def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
-    """This dp rank's groups of the step: rolled out by its first cp rank (one process: stored as each group ends;
-    several: stored by the writer once gathered), sent to its cp peers."""
+    """This dp rank's groups of the step: rolled out by its first cp rank, the others computing with it (one
+    process: stored as each group ends; several: stored by the writer once gathered), sent to its cp peers."""
     config, ranks = run.config, run.ranks
     prefix = group_prefix(run, step, ranks.dp_rank)
     groups: list[list[Trajectory]] = []
-    with run.sampling_weights():  # FSDP2: every rank enters together
-        if ranks.rolls_out:
+    with run.sampling(step) as sampler:  # every rank enters together (FSDP2's gathers, the cp ranks' engine)
+        if sampler is not None:
             groups = rollout_groups(
                 run.env_factory,
-                run.sampler(step),
+                sampler,
                 ranks.share(run.task_seeds(step)),
                 config.group_size,
                 RolloutLimits(config.sampling.max_new_tokens, run.max_context),
@@ -254,10 +254,9 @@ def evaluate(run: Run, num_episodes: int, step: int | None = None) -> EvalRecord
     ranks = run.ranks
     seeds = ranks.share([eval_task_seed(k) for k in range(num_episodes)])
     limits = RolloutLimits(run.config.sampling.max_new_tokens, run.max_context)
-    sampler = run.sampler(seed=eval_sampling_seed(ranks.dp_rank))
     rewards: list[float] = []
-    with run.sampling_weights():
-        if ranks.rolls_out and seeds:
+    with run.sampling(seed=eval_sampling_seed(ranks.dp_rank)) as sampler:
+        if sampler is not None and seeds:
             progress = run.config.progress and ranks.writes
             groups = rollout_groups(
                 run.env_factory, sampler, seeds, 1, limits, group_prefix="eval-", progress=progress, desc="eval"

@@ -37,7 +37,8 @@ class Ownership(Protocol):
 
     def assign(self, held: Sequence[int], lengths: Sequence[int]) -> list[int]:
         """A replicated extend (a turn, a branch) of pieces of ``lengths`` positions after a path whose ranks hold
-        ``held`` positions each: the owner of each piece."""
+        ``held`` positions each: the owner of each piece (every rank of the group gets the same answer to the same
+        calls in the same order; an answer may depend on the earlier calls')."""
         ...
 
 

@@ -6,10 +6,17 @@ Hydragen-style shared-prefix decoding, so the prefix's keys are read once per st
 their own later positions separately, and the partials are merged by log-sum-exp. Everything position-wise
 (projections, norms, MLPs, the LM head) runs over the B rows at once; recurrent layers step B independent states.
 
-A member's own positions (after its prefix) live in batch buffers ``[B, capacity, *shape]`` for the duration of a
-decode session (``longstraw_agents.decoding.Decoder``), so a step does no per-member work: a growing mixer writes
-its new position at each member's own length (``write_own``) and attends over the buffers padded to the longest
-member. This module holds what a mixer's ``decode`` reads and the attention pieces the mixers share.
+Blocks are read in *groups*: rows of the batch that read the same blocks of state — a group's members their shared
+prefix, or one member its own positions from before the session — with one ``partial_attention`` call per group;
+a row may be in several groups (its prefix's and its own), its partial results merged. Nothing of the state is
+copied for a session. The positions decoded in the session live in batch buffers ``[B, capacity, *shape]``, so a
+step does no per-member work for them: a growing mixer writes its new position at each member's session length
+(``write_session``) and attends over the buffers padded to the longest member.
+
+With context parallelism (``Attention.shards``) the blocks are this rank's share only: their partial results are
+merged over the ranks (``Shards.merge_partials``; DSA's candidates with ``merge_topk``) before the session's
+positions, which every rank computes (a decode step is replicated), are merged in once. This module holds what a
+mixer's ``decode`` reads and the attention pieces the mixers share.
 """
 
 from __future__ import annotations
@@ -26,13 +33,16 @@ from longstraw_agents.attention import Attention, KVBlock, merge, partial_attent
 BlockTensors = tuple[Tensor, ...]
 """One block of a growing layer's state: its per-position tensors (views of the state), position first."""
 
+PositionedBlock = tuple[int, BlockTensors]
+"""A block and the position of its first row (with context parallelism a rank's blocks are not back to back)."""
+
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Members (rows of the batch) that share a prefix of ``length`` positions (their group's prompt)."""
+    """Rows of the batch that read the same blocks: the members of a group their shared prefix, or one member its
+    own positions from before the session (with context parallelism, the ones this rank stores)."""
 
     rows: Tensor  # [g] long
-    length: int
 
 
 @dataclass(frozen=True)
@@ -40,17 +50,18 @@ class DecodeBatch:
     """What the layers share about one decode step.
 
     positions: ``[B]`` the position of each member's new token.
-    groups: the groups of rows sharing a prefix (a member in no group attends to its own positions only).
-    own_start: ``[B]`` where each member's own positions begin (its prefix length; 0 without a prefix).
-    own_lengths: ``[B]`` own positions before the new one: the new one goes to that slot of the own buffers.
-    own_mask: ``[B, L]`` the slots each member's query sees (its own positions and the new one), ``L`` the longest.
+    groups: the groups of rows reading the same blocks (``DecodeContext.blocks`` holds each one's), in position
+        order for every row (a prefix's group before its members' own).
+    session_start: ``[B]`` the position of each member's first session slot.
+    session_lengths: ``[B]`` session positions before the new one: the new one goes to that slot.
+    session_mask: ``[B, L]`` the session slots each member's query sees (the new one included), ``L`` the longest.
     """
 
     positions: Tensor
     groups: tuple[DecodeGroup, ...]
-    own_start: Tensor
-    own_lengths: Tensor
-    own_mask: Tensor
+    session_start: Tensor
+    session_lengths: Tensor
+    session_mask: Tensor
 
     @property
     def size(self) -> int:
@@ -61,19 +72,20 @@ class DecodeBatch:
 class DecodeContext:
     """What one layer reads for a decode step.
 
-    Growing layers: ``shared[j]``, the blocks of group j's prefix; ``own``, the members' own-position buffers
-    ``[B, capacity, *shape]`` (one per state tensor; ``write_own`` adds the new position). Recurrent layers:
+    Growing layers: ``blocks[j]``, group j's blocks held here with their positions; ``session``, the members'
+    session buffers (one per state tensor; ``write_session`` adds the new position). Recurrent layers:
     ``recurrent``, the members' states stacked ``[B, ...]`` (what ``decode`` returns as ``new``)."""
 
-    shared: list[list[BlockTensors]] = field(default_factory=list)
-    own: tuple[Tensor, ...] = ()
+    blocks: list[list[PositionedBlock]] = field(default_factory=list)
+    session: tuple[Tensor, ...] = ()
     recurrent: tuple[Tensor, ...] = ()
 
 
 @dataclass
 class DecodeInput:
     """A mixer's input for a decode step: ``x [B, hidden]`` (one new token per member), its RoPE tables
-    ``[B, rot]``, the step, the layer's context, scratch shared by the layers of one forward, the attention op."""
+    ``[B, rot]``, the step, the layer's context, scratch shared by the layers of one forward, the attention op
+    (its ``shards``: the other context-parallel ranks)."""
 
     x: Tensor
     rope: tuple[Tensor, Tensor]
@@ -83,22 +95,22 @@ class DecodeInput:
     attention: Attention
 
 
-def write_own(inp: DecodeInput, new: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """Store each member's new position (``new``: one ``[B, *shape]`` per state tensor) in its own buffers and
-    return the buffers up to the longest member, ``[B, L, *shape]`` (``inp.batch.own_mask`` says which slots)."""
+def write_session(inp: DecodeInput, new: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Store each member's new position (``new``: one ``[B, *shape]`` per state tensor) in its session buffers and
+    return the buffers up to the longest member, ``[B, L, *shape]`` (``inp.batch.session_mask`` says which slots)."""
     batch = inp.batch
-    rows = torch.arange(batch.size, device=batch.own_lengths.device)
-    for buffer, values in zip(inp.context.own, new, strict=True):
-        buffer[rows, batch.own_lengths] = values.to(buffer.dtype)
-    length = batch.own_mask.shape[1]
-    return tuple(buffer[:, :length] for buffer in inp.context.own)
+    rows = torch.arange(batch.size, device=batch.session_lengths.device)
+    for buffer, values in zip(inp.context.session, new, strict=True):
+        buffer[rows, batch.session_lengths] = values.to(buffer.dtype)
+    length = batch.session_mask.shape[1]
+    return tuple(buffer[:, :length] for buffer in inp.context.session)
 
 
 def own_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Each member's query over its own (few, ragged) positions: matmul math in softmax precision.
 
-    q ``[B, H, D]``; keys ``[B, L, H_kv, D]``, values ``[B, L, H_kv, Dv]``, mask ``[B, L]`` (every row sees at least
-    one key: its new position). Returns ``(out [B, H, Dv], lse [B, H])``."""
+    q ``[B, H, D]``; keys ``[B, L, H_kv, D]``, values ``[B, L, H_kv, Dv]``, mask ``[B, L]``. Returns
+    ``(out [B, H, Dv], lse [B, H])``; a row that sees no key has out 0 and lse -inf (a partial that weighs nothing)."""
     batch, heads, _ = q.shape
     kv_heads = keys.shape[2]
     sdt = softmax_dtype(q.dtype)
@@ -106,7 +118,8 @@ def own_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: 
     scores = torch.matmul(qg, keys.to(sdt).permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.to(sdt).transpose(1, 2))  # [B, H_kv, G, Dv]
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    out = torch.matmul(weights, values.to(sdt).transpose(1, 2))  # [B, H_kv, G, Dv]
     return out.reshape(batch, heads, -1), lse.reshape(batch, heads)
 
 
@@ -122,18 +135,27 @@ def kv_pair(block: BlockTensors) -> tuple[Tensor, Tensor]:
 def cascade_attention(
     q: Tensor, keys: Tensor, values: Tensor, inp: DecodeInput, scale: float, kv_of: KVOf = kv_pair
 ) -> Tensor:
-    """Decode attention of one layer: member b's query ``q[b] [H, D]`` over its group's prefix and over its own
-    positions ``keys[b], values[b] [L, H_kv, *]`` (``write_own``'s buffers, new position included).
+    """Decode attention of one layer: member b's query ``q[b] [H, D]`` over its groups' blocks and its session
+    positions ``keys[b], values[b] [L, H_kv, *]`` (``write_session``'s buffers, new position included).
 
-    Each group's prefix is read once: the group's queries are stacked as the rows of one ``partial_attention``
-    call. The groups' rows are disjoint, so their partials fill one tensor, merged once with the own part.
-    Returns ``[B, H, Dv]`` in q's dtype."""
-    batch = inp.batch
-    acc = own_attention(q, keys, values, batch.own_mask, scale)
-    if batch.groups:
-        shared_out, shared_lse = torch.zeros_like(acc[0]), torch.full_like(acc[1], float("-inf"))
-        for group, blocks in zip(batch.groups, inp.context.shared, strict=True):
-            out, lse = partial_attention(q[group.rows], [KVBlock(*kv_of(b)) for b in blocks], inp.attention, scale)
-            shared_out[group.rows], shared_lse[group.rows] = out.to(shared_out.dtype), lse.to(shared_lse.dtype)
-        acc = merge(acc, shared_out, shared_lse)
-    return acc[0].to(q.dtype)
+    Each group's blocks are read once: the group's queries are stacked as the rows of one ``partial_attention``
+    call, merged into its rows' partial results — over the ranks with context parallelism — and then with the
+    session's. Returns ``[B, H, Dv]`` in q's dtype."""
+    earlier = blocks_partial(q, values.shape[-1], inp, scale, kv_of)
+    out, _ = merge(earlier, *own_attention(q, keys, values, inp.batch.session_mask, scale))
+    return out.to(q.dtype)
+
+
+def blocks_partial(q: Tensor, width: int, inp: DecodeInput, scale: float, kv_of: KVOf) -> tuple[Tensor, Tensor]:
+    """``(out [B, H, width], lse [B, H])`` of the queries over their groups' blocks (every rank's, with context
+    parallelism), in softmax precision; a row that reads none has lse -inf."""
+    batch, heads = q.shape[0], q.shape[1]
+    out = torch.zeros((batch, heads, width), dtype=softmax_dtype(q.dtype), device=q.device)
+    lse = torch.full((batch, heads), float("-inf"), dtype=out.dtype, device=q.device)
+    for group, blocks in zip(inp.batch.groups, inp.context.blocks, strict=True):
+        if blocks:  # (with context parallelism this rank may hold none of them)
+            part = partial_attention(q[group.rows], [KVBlock(*kv_of(b)) for _, b in blocks], inp.attention, scale)
+            out[group.rows], lse[group.rows] = merge((out[group.rows], lse[group.rows]), *part)
+    if inp.attention.shards is not None:
+        return inp.attention.shards.merge_partials((out, lse), tuple(out.shape), lse)
+    return out, lse

@@ -31,7 +31,7 @@ from longstraw_agents.models.base import (
     norm_eps,
     rms_norm,
 )
-from longstraw_agents.models.batch import DecodeInput, cascade_attention, write_own
+from longstraw_agents.models.batch import DecodeInput, cascade_attention, write_session
 
 
 class AttentionMixer(Mixer):
@@ -101,7 +101,7 @@ class AttentionMixer(Mixer):
 
     def decode(self, inp: DecodeInput) -> MixerOutput:
         q, k, v, gate = self._project(inp.x, inp.rope)
-        keys, values = write_own(inp, (k, v))
+        keys, values = write_session(inp, (k, v))
         return MixerOutput(y=self._output(cascade_attention(q, keys, values, inp, self.scale), gate), new=())
 
 

@@ -17,14 +17,13 @@ tested only where ``index_topk`` >= context, and causal consistency everywhere.
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longstraw_agents.attention import KVBlock, Shards, softmax_dtype, sparse_attend
+from longstraw_agents.attention import KVBlock, Shards, merge, selected_partial, sparse_attend
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -40,7 +39,13 @@ from longstraw_agents.models.base import (
     norm_eps,
     rms_norm,
 )
-from longstraw_agents.models.batch import BlockTensors, DecodeInput, cascade_attention, write_own
+from longstraw_agents.models.batch import (
+    BlockTensors,
+    DecodeInput,
+    PositionedBlock,
+    cascade_attention,
+    write_session,
+)
 
 SELECTION_KEY = "dsa_selection"
 MAX_PLANNED_EXPERT_GROUPS = 8
@@ -172,39 +177,50 @@ class DSAIndexer:
         assert selected is not None  # the own keys were just added
         return selected[1]
 
-    def select_batch(self, x: Tensor, q_resid: Tensor, inp: DecodeInput, own_keys: Tensor) -> Selection | None:
+    def select_batch(self, x: Tensor, q_resid: Tensor, inp: DecodeInput, session_keys: Tensor) -> Selection | None:
         """Decoding: member b's ``index_topk`` positions ``[B, k]`` and which of them are real keys (a member that
         sees fewer than k keys has padding), or None while every member sees all its keys. Each group's queries
-        score its prefix together (one einsum per piece of keys); own keys (``own_keys [B, L, D]``, the new one
-        included) are scored padded to the longest. Ties go to earlier positions, exactly as in ``select``."""
+        score its blocks together (one einsum per piece of keys); session keys (``[B, L, D]``, the new one included)
+        are scored padded to the longest. With context parallelism every rank's best candidates among its blocks
+        are merged before the session's join. Ties go to earlier positions, exactly as in ``select``."""
         batch, ctx = inp.batch, inp.context
         if int(batch.positions.max()) + 1 <= self.topk:
             return None
         q, w = self._queries(x, q_resid, inp.rope)
         scores = torch.full((batch.size, self.topk), float("-inf"), dtype=q.dtype, device=x.device)
         positions = torch.full((batch.size, self.topk), -1, dtype=torch.long, device=x.device)
-        for group, blocks in zip(batch.groups, ctx.shared, strict=True):
-            top_scores, top_positions = self._prefix_topk(q[group.rows], w[group.rows], [b[1] for b in blocks], inp)
-            scores[group.rows, : top_scores.shape[1]] = top_scores
-            positions[group.rows, : top_positions.shape[1]] = top_positions
-        dots = torch.matmul(q, own_keys.to(q.dtype).transpose(1, 2))  # [B, heads, L]
-        own_scores = torch.matmul(w.unsqueeze(1), self._relu_scores(dots))[:, 0] + 0.0
-        own_scores = own_scores.masked_fill(~batch.own_mask, float("-inf"))
-        own_positions = batch.own_start.unsqueeze(1) + torch.arange(own_keys.shape[1], device=x.device)
-        best, top = stable_topk(torch.cat([scores, own_scores], 1), self.topk)
-        return torch.cat([positions, own_positions], 1).gather(1, top), best > float("-inf")
+        budget = inp.attention.max_score_elements
+        for group, blocks in zip(batch.groups, ctx.blocks, strict=True):
+            if blocks:  # (with context parallelism this rank may hold none of them)
+                rows = group.rows
+                keys, starts = [block[1] for _, block in blocks], [start for start, _ in blocks]
+                running = (scores[rows], positions[rows])  # a row's earlier groups hold its earlier positions
+                found = self._score_keys(q[rows], w[rows], keys, starts, budget, running).result()
+                assert found is not None  # (the running best was given)
+                scores[rows], positions[rows] = found
+        if inp.attention.shards is not None:
+            merged = inp.attention.shards.merge_topk((scores, positions), batch.size, self.topk, scores)
+            assert merged is not None  # (this rank's candidates were given)
+            scores, positions = merged
+        dots = torch.matmul(q, session_keys.to(q.dtype).transpose(1, 2))  # [B, heads, L]
+        session = torch.matmul(w.unsqueeze(1), self._relu_scores(dots))[:, 0] + 0.0
+        session = session.masked_fill(~batch.session_mask, float("-inf"))
+        session_positions = batch.session_start.unsqueeze(1) + torch.arange(session_keys.shape[1], device=x.device)
+        top_scores, top = stable_topk(torch.cat([scores, session], 1), self.topk)
+        return torch.cat([positions, session_positions], 1).gather(1, top), top_scores > float("-inf")
 
-    def _prefix_topk(self, q: Tensor, w: Tensor, keys: list[Tensor], inp: DecodeInput) -> tuple[Tensor, Tensor]:
-        """The best (score, position) pairs ``[g, <= k]`` of a group's queries over its prefix's index keys."""
-        starts = list(accumulate((b.shape[0] for b in keys[:-1]), initial=0))
-        best = self._score_keys(q, w, keys, starts, inp.attention.max_score_elements).result()
-        assert best is not None  # a group's prefix holds at least one position
-        return best
-
-    def _score_keys(self, q: Tensor, w: Tensor, blocks: list[Tensor], starts: list[int], budget: int) -> BestKeys:
+    def _score_keys(
+        self,
+        q: Tensor,
+        w: Tensor,
+        blocks: list[Tensor],
+        starts: list[int],
+        budget: int,
+        running: tuple[Tensor, Tensor] | None = None,
+    ) -> BestKeys:
         """The best keys of ``blocks`` (index keys starting at positions ``starts``) for queries ``q``, scored in
-        pieces whose per-head scores stay within ``budget`` elements."""
-        best = BestKeys(self.topk, budget)
+        pieces whose per-head scores stay within ``budget`` elements, after the ``running`` best (earlier keys')."""
+        best = BestKeys(self.topk, budget, running)
         step = max(1, budget // (q.shape[0] * self.heads))
         for keys, offset in zip(blocks, starts, strict=True):
             for lo in range(0, keys.shape[0], step):
@@ -322,18 +338,18 @@ class MLAMixer(Mixer):
         q_resid, q_rows, rows = self._project(x, inp.rope)
         selection: Selection | None
         if self.indexer is not None:
-            own_rows, own_keys = write_own(inp, (rows, self.indexer.keys(x, inp.rope)))
+            session_rows, session_keys = write_session(inp, (rows, self.indexer.keys(x, inp.rope)))
             with torch.no_grad():
-                selection = self.indexer.select_batch(x, q_resid, inp, own_keys)
+                selection = self.indexer.select_batch(x, q_resid, inp, session_keys)
             inp.shared[SELECTION_KEY] = selection
         else:
-            (own_rows,) = write_own(inp, (rows,))
+            (session_rows,) = write_session(inp, (rows,))
             selection = self._shared_selection(inp.shared)
         if selection is None:
-            own = own_rows[:, :, None]  # one KV head
-            out = cascade_attention(q_rows, own, own, inp, self.scale, kv_of=_rows_as_kv)
+            session = session_rows[:, :, None]  # one KV head
+            out = cascade_attention(q_rows, session, session, inp, self.scale, kv_of=_rows_as_kv)
         else:
-            out = sparse_decode(q_rows, own_rows, inp, selection, self.scale)
+            out = sparse_decode(q_rows, session_rows, inp, selection, self.scale)
         return MixerOutput(y=self._output(out), new=())
 
     @staticmethod
@@ -350,33 +366,38 @@ def _rows_as_kv(block: BlockTensors) -> tuple[Tensor, Tensor]:
     return rows, rows
 
 
-def sparse_decode(q: Tensor, own_rows: Tensor, inp: DecodeInput, selection: Selection, scale: float) -> Tensor:
+def sparse_decode(q: Tensor, session_rows: Tensor, inp: DecodeInput, selection: Selection, scale: float) -> Tensor:
     """DSA attention of a decode step: member b's query ``q[b] [H, W]`` over its selected rows, gathered from its
-    group's prefix blocks and its own rows ``own_rows[b] [L, W]`` (``write_own``'s buffer). Forward only.
-    Returns ``[B, H, W]``."""
+    groups' blocks and its session rows ``session_rows[b] [L, W]`` (``write_session``'s buffer). With context
+    parallelism the rows of the blocks held here give a partial result merged over the ranks, and the session's,
+    which every rank holds, join it once. Forward only. Returns ``[B, H, W]``."""
     selected, valid = selection
-    batch, ctx = inp.batch, inp.context
-    gathered = own_rows.new_zeros((*selected.shape, own_rows.shape[-1]))  # [B, k, W]
-    for group, blocks in zip(batch.groups, ctx.shared, strict=True):
-        gathered[group.rows] = _gather_prefix(gathered[group.rows], [b[0] for b in blocks], selected[group.rows])
-    relative = selected - batch.own_start.unsqueeze(1)
-    index = relative.clamp(0, own_rows.shape[1] - 1).unsqueeze(-1).expand(-1, -1, own_rows.shape[-1])
-    gathered = torch.where((relative >= 0).unsqueeze(-1), own_rows.gather(1, index), gathered)
-    sdt = softmax_dtype(q.dtype)
-    scores = torch.matmul(q.to(sdt), gathered.to(sdt).transpose(1, 2)) * scale  # [B, H, k]
-    probs = torch.softmax(scores.masked_fill(~valid.unsqueeze(1), float("-inf")), dim=-1)
-    return torch.matmul(probs, gathered.to(sdt)).to(q.dtype)
+    batch = inp.batch
+    gathered = session_rows.new_zeros((*selected.shape, session_rows.shape[-1]))  # [B, k, W]
+    here = torch.zeros_like(selected, dtype=torch.bool)
+    for group, blocks in zip(batch.groups, inp.context.blocks, strict=True):
+        rows, found = _gather_blocks(gathered[group.rows], blocks, selected[group.rows])
+        gathered[group.rows], here[group.rows] = rows, here[group.rows] | found
+    earlier = selected_partial(q, gathered, valid & here, scale)
+    if inp.attention.shards is not None:
+        earlier = inp.attention.shards.merge_partials(earlier, tuple(earlier[0].shape), earlier[1])
+    relative = selected - batch.session_start.unsqueeze(1)
+    index = relative.clamp(0, session_rows.shape[1] - 1).unsqueeze(-1).expand(-1, -1, session_rows.shape[-1])
+    out, _ = merge(earlier, *selected_partial(q, session_rows.gather(1, index), valid & (relative >= 0), scale))
+    return out.to(q.dtype)
 
 
-def _gather_prefix(gathered: Tensor, blocks: list[Tensor], selected: Tensor) -> Tensor:
-    """``gathered [g, k, W]`` with the selected positions that fall in the prefix ``blocks`` filled in."""
-    offset = 0
-    for block in blocks:
-        relative = selected - offset
-        inside = (relative >= 0) & (relative < block.shape[0])
-        gathered = torch.where(inside.unsqueeze(-1), block[relative.clamp(0, block.shape[0] - 1)], gathered)
-        offset += block.shape[0]
-    return gathered
+def _gather_blocks(gathered: Tensor, blocks: list[PositionedBlock], selected: Tensor) -> tuple[Tensor, Tensor]:
+    """``gathered [g, k, W]`` with the selected positions that fall in ``blocks`` filled in, and which slots they
+    filled."""
+    found = torch.zeros_like(selected, dtype=torch.bool)
+    for start, block in blocks:
+        rows = block[0]
+        relative = selected - start
+        inside = (relative >= 0) & (relative < rows.shape[0])
+        gathered = torch.where(inside.unsqueeze(-1), rows[relative.clamp(0, rows.shape[0] - 1)], gathered)
+        found |= inside
+    return gathered, found
 
 
 def _heads(t: Tensor | None) -> Tensor | None:

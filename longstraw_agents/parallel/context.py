@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -51,12 +51,18 @@ class BalancedOwnership:
       positions (within one), rank 0 first: a prompt is spread evenly (a short one too, instead of sitting on the
       first rank), and so is a long turn or a member's long history captured at once.
     - A replicated extend's pieces (turns, branches, decoded tokens: computed by every rank) go one by one to the
-      rank that holds the fewest positions of the path so far (the lowest such rank): a member whose own history
-      grows turn by turn keeps it spread over every rank, within a piece per rank of even.
+      rank that holds the fewest positions of the path so far: a member whose own history grows turn by turn keeps
+      it spread over every rank, within a piece per rank of even. Ties go to the rank given the fewest positions
+      this way so far (then the lowest): the G members of a group, whose paths are alike, put their turns on
+      different ranks, so that the ranks' memory stays even too (every rank makes the same calls: the counts agree).
     """
 
     rank: int
     size: int
+    given: list[int] = field(default_factory=list)  # positions assign gave each rank so far
+
+    def __post_init__(self) -> None:
+        self.given = self.given or [0] * self.size
 
     def cut(self, n: int) -> list[tuple[int, int, int]]:
         # not rounded to chunks: a prompt of fewer chunks than ranks uses every rank (of fewer positions, n of them)
@@ -67,9 +73,10 @@ class BalancedOwnership:
     def assign(self, held: Sequence[int], lengths: Sequence[int]) -> list[int]:
         held, owners = list(held), []
         for length in lengths:
-            owner = min(range(self.size), key=lambda r: (held[r], r))
+            owner = min(range(self.size), key=lambda r: (held[r], self.given[r], r))
             owners.append(owner)
             held[owner] += length
+            self.given[owner] += length
         return owners
 
 

@@ -19,10 +19,11 @@ is whole now, for memory attribution (``whole_now``).
 Schedule: at dp = 1, or with HSDP (sharded over each dp rank's cp ranks, replicated over dp: ``reduce_replicas``
 sums the replicas' gradient shards at the step's end), the engine gathers a decoder layer at a time
 (``LayerGather``: its weights whole only while it computes, its gradient reduce-scattered when its backward is
-done), and so does sampling on one rank (``OneRankGather``: its shard peers join each gather); sharded over dp > 1
-ranks, whose groups differ in shape, ``gathered`` gathers the whole model once per block (an optimizer step, a
-rollout) and reduce-scatters each parameter's gradient at its end. With CPU offload (``shard_model(offload=True)``)
-the shards, their gradients and the optimizer's state live on the host.
+done), and so does sampling (the cp ranks sample together, ``parallel.sampling``: each joins every gather);
+sharded over dp > 1 ranks, whose groups differ in shape, ``gathered`` gathers the whole model once per block (an
+optimizer step, a rollout) and reduce-scatters each parameter's gradient at its end. With CPU offload
+(``shard_model(offload=True)``) the shards, their gradients and the optimizer's state live on the host. A served
+policy gets the weights assembled a part at a time (``whole_parts``).
 """
 
 from __future__ import annotations
@@ -393,61 +394,32 @@ class LayerGather:
         self._backward_pending.clear()
 
 
-class OneRankGather(LayerGather):
-    """``LayerGather`` for work one rank of the shard group does alone — sampling, on the first cp rank — while the
-    group's other ranks serve its gathers: before each gather the sampling rank broadcasts the layer's index, and
-    the others join the all-gather and free the layer at once. The sampling rank holds the root unit and the layer
-    it computes, never the whole model.
+def whole_parts(model: nn.Module) -> Iterator[dict[str, Tensor]]:
+    """``model``'s parameters and persistent buffers whole, on the host, one part at a time: the root unit's
+    (embeddings, final norm, LM head), then each decoder layer's — what a served policy loads, assembled without
+    the whole model on any device. A sharded parameter is gathered in its master dtype (``DTensor.full_tensor``: a
+    collective over the shard mesh, so every rank of the job iterates every part, in order) and freed from the
+    device before the next; tied parameters appear once (the first name). Unsharded, the model's own tensors."""
+    layers = len(model.model.layers)  # type: ignore[union-attr,arg-type]  # a transformers CausalLM
+    parts: list[dict[str, Tensor]] = [{} for _ in range(layers + 1)]
+    state: dict[str, Tensor] = dict(model.named_parameters())
+    persistent = {name for name in model.state_dict() if name not in state}
+    state |= {name: b for name, b in model.named_buffers() if name in persistent}
+    for name, tensor in state.items():
+        parts[_part_of(name)][name] = tensor
+    for part in parts:
+        yield {name: _whole(tensor) for name, tensor in part.items()}
 
-    ``session(samples)`` is the block of sampling, entered by every rank of the shard group: the root unit gathered
-    on all of them; on the sampling rank (``samples``) it gives the engine's weights, elsewhere None, and at its end
-    the others serve until the sampling rank says it is done. The work must not need gradients."""
 
-    DONE = -1  # the index that ends a session
-    SOURCE = 0  # the sampling rank in its shard group: the first (at dp = 1 the first cp rank; with HSDP a dp rank's)
+def _part_of(name: str) -> int:
+    """0 for the root unit's tensors, 1 + i for decoder layer i's (``model.layers.{i}.``)."""
+    prefix = "model.layers."
+    return 1 + int(name[len(prefix) :].split(".", 1)[0]) if name.startswith(prefix) else 0
 
-    def __init__(self, model: nn.Module):
-        super().__init__(model, replicas=1, window=0)
-        self.group = _shard_group(model)
-        self.gathers = 0  # layer gathers made so far (sampling) or joined (serving)
 
-    @contextlib.contextmanager
-    def session(self, samples: bool) -> Iterator[OneRankGather | None]:
-        if samples != (dist.get_rank(self.group) == self.SOURCE):  # (the others would wait for it forever)
-            raise ValueError(
-                f"the rank that samples must be rank {self.SOURCE} of its shard group (the first cp rank), not rank "
-                f"{dist.get_rank(self.group)}"
-            )
-        with torch.no_grad(), self.gathered(None):
-            if not samples:
-                yield None
-                self._serve()
-                return
-            try:
-                yield self
-            finally:
-                self._tell(self.DONE)
-
-    def _unshard(self, layer: int | None) -> None:
-        if layer is not None and layer not in self._gathered:
-            self._tell(layer)
-        super()._unshard(layer)
-
-    def _tell(self, layer: int) -> None:
-        dist.broadcast(torch.tensor([layer]), group=self.group, group_src=self.SOURCE)
-        self.gathers += layer != self.DONE
-
-    def _serve(self) -> None:
-        """Join the sampling rank's gathers until it is done."""
-        layer = torch.zeros(1, dtype=torch.int64)
-        while True:
-            dist.broadcast(layer, group=self.group, group_src=self.SOURCE)
-            if int(layer) == self.DONE:
-                return
-            unit: Any = self.units[int(layer)]  # an FSDPModule (fully_shard changes the class at run time)
-            unit.unshard()
-            unit.reshard()
-            self.gathers += 1
+def _whole(tensor: Tensor) -> Tensor:
+    whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return whole.detach().to("cpu", copy=True)
 
 
 def _shard_group(model: nn.Module) -> dist.ProcessGroup:

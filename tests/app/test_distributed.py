@@ -7,11 +7,6 @@ checked before anything runs."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +15,7 @@ import pytest
 import torch
 import yaml
 from grpo_reference import relative_l2
+from launches import launch
 from tiny_runs import tiny_config_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tracker_logs import as_float32, expected_scalars, tensorboard_scalars
@@ -35,39 +31,6 @@ from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
 
 GROUPS_PER_STEP, GROUP_SIZE, PROCESSES = 2, 4, "4"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-LAUNCHERS = {
-    # a free port of its own
-    "torchrun": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"],
-    # accelerate's multi-process launcher (torch.distributed.run underneath; with no CUDA the ranks use gloo)
-    "accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu"]
-    + ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes"],
-}
-
-
-def _launch(launcher: str, config: Path, *extra: str, processes: str = PROCESSES) -> subprocess.CompletedProcess[str]:
-    """``longstraw train`` on CPU processes (4 by default); on a timeout the whole process group is killed, so that
-    no worker outlives the test."""
-    command = [sys.executable, *LAUNCHERS[launcher], processes]
-    command += ["--main_process_port", str(_free_port())] if launcher == "accelerate" else []
-    command += ["-m", "longstraw_agents.cli", "train", str(config), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, also on a GPU machine
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    ) as process:
-        try:
-            out, err = process.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
@@ -96,12 +59,12 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     settings["trainer"] = {**settings["trainer"], "weight_decay": 0.1, "bf16": True}
     settings["report_to"] = ["tensorboard"]  # the writer alone reports
     config.write_text(yaml.safe_dump(settings))
-    done = _launch("torchrun", config)
+    done = launch("torchrun", config, processes=PROCESSES)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("step    1 ") == 1  # one metrics line per step, printed by the writer only
     settings["parallel"] = {**settings["parallel"], "hsdp": True}
     config.write_text(yaml.safe_dump(settings))
-    resumed = _launch("accelerate", config, "--resume", "--steps", "3")
+    resumed = launch("accelerate", config, "--resume", "--steps", "3", processes=PROCESSES)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     groups = _stored_groups(run_dir)
@@ -145,13 +108,14 @@ NEEDLE = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "
 )
 def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: bool, agents: bool) -> None:
     """``longstraw train`` with ``parallel: {dp: 1, cp: 2, fsdp: true}`` (the published run's shape, fp64), and with
-    ``offload: true`` (the shards, their gradients and AdamW on the host): the first cp rank samples with the sharded
-    model gathered a layer at a time, both ranks train on the group with its context sharded; the episodes stored are
-    the ones one process samples, and the exported weights after the step are its weights (fp64, relative 1e-10).
-    Whatever the rewards (an untrained policy rarely solves one), the step's second iteration has a gradient: the
-    first one's weight decay moved the policy from the KL reference. ``agents``: NeedleSearch episodes whose
-    members part at once and grow several times the shared part, turn by turn, in exact mode over 64-token chunks
-    (each member's history spread over both ranks, turns of 64 tokens or more computed sharded)."""
+    ``offload: true`` (the shards, their gradients and AdamW on the host): both cp ranks sample together (the first
+    running the environments), the sharded model gathered a layer at a time; both ranks train on the group with its
+    context sharded; the episodes stored are the ones one process samples, and the exported weights after the step
+    are its weights (fp64, relative 1e-10). Whatever the rewards (an untrained policy rarely solves one), the step's
+    second iteration has a gradient: the first one's weight decay moved the policy from the KL reference.
+    ``agents``: NeedleSearch episodes whose members part at once and grow several times the shared part, turn by
+    turn, in exact mode over 64-token chunks (each member's history spread over both ranks, turns of 64 tokens or
+    more computed sharded)."""
     runs = {}
     for name, parallel in (("cp2", {"dp": 1, "cp": 2, "fsdp": True, "offload": offload}), ("one", {})):
         env = {"env": NEEDLE} if agents else {}
@@ -164,7 +128,7 @@ def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: boo
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump(settings))
         runs[name] = config
-    done = _launch("torchrun", runs["cp2"], processes="2")
+    done = launch("torchrun", runs["cp2"], processes="2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert main(["train", str(runs["one"])]) == 0
     stored = {name: _stored_episodes(tmp_path / name) for name in runs}

@@ -5,6 +5,7 @@ episode carries the version that was served when it was sampled."""
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,8 @@ import httpx
 import pytest
 import torch
 import yaml
-from tiny_runs import assert_same_weights, checkpoint_weights, tiny_config, warm_started_policy
+from launches import launch
+from tiny_runs import assert_same_weights, checkpoint_weights, tiny_config, tiny_config_dict, warm_started_policy
 from transformers import AutoModelForCausalLM
 
 from longstraw_agents.app.config import TrainConfig
@@ -95,6 +97,30 @@ def test_two_steps_against_a_served_policy(
     assert [version for version, _ in pushed] == [1, 2, 3]
     assert_same_weights(served_weights(server), checkpoint_weights(run_dir))
     assert stored_versions(run_dir) == {"step1": {0}, "step2": {1}, "step3": {2}}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_mesh_trains_a_served_policy(tmp_path: Path, policy: Path, server: CompletionServer) -> None:
+    """dp 1 x cp 2 with FSDP2 (``longstraw train`` under torchrun): after each step the writer pushes the weights
+    assembled a part at a time from the shards (the other rank joining each part's gathers: no device holds the
+    whole model), the server then serves the run's weights bit for bit, and the first cp rank samples from it."""
+    run_dir = tmp_path / "run"
+    served = {"base_url": server.url, "model": NAME, "max_retries": 0}
+    settings = tiny_config_dict(run_dir, model={"preset": None, "path": str(policy)}, policy={"served": served})
+    settings["trainer"] = {**settings["trainer"], "group_size": 4, "lr": 1e-3, "weight_decay": 0.1}
+    settings["parallel"] = {"dp": 1, "cp": 2, "fsdp": True}
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    done = launch("torchrun", config, processes="2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert server.policy_version == 2
+    assert_same_weights(served_weights(server), checkpoint_weights(run_dir))
+    assert stored_versions(run_dir) == {"step1": {0}, "step2": {1}}
+    pushed = run_dir / "served_weights" / "v000002"
+    parts = set(json.loads((pushed / "model.safetensors.index.json").read_text())["weight_map"].values())
+    layers = server.sampler.engine.model.config.num_hidden_layers
+    assert len(parts) == layers + 1  # the root unit's tensors, then each decoder layer's
 
 
 def test_changed_weights_are_pushed_before_the_first_sampling(tmp_path: Path, server: CompletionServer) -> None:

@@ -20,10 +20,18 @@ def test_a_sharded_extend_is_cut_evenly_in_rank_order(n: int, ranks: int) -> Non
 
 def test_replicated_pieces_go_to_the_rank_holding_the_least_of_the_path() -> None:
     ownership = BalancedOwnership(1, 3)
-    assert ownership.assign([10, 4, 4], [5, 5, 5]) == [1, 2, 1]  # ties to the lower rank
+    assert ownership.assign([10, 4, 4], [5, 5, 5]) == [1, 2, 1]  # ties: the rank given the least, then the lower
     held = [20, 20, 21]
     for turn in range(200):  # a member's history, turn by turn
         lengths = [7, 3] if turn % 3 else [16, 16, 2]
         for owner, length in zip(ownership.assign(held, lengths), lengths, strict=True):
             held[owner] += length
     assert max(held) - min(held) <= 16  # within a piece of even
+
+
+def test_members_alike_put_their_turns_on_different_ranks() -> None:
+    """G members forked from one evenly cut prompt hold the same of each path: their turns must not all land on the
+    lowest rank (it would hold G turns more than the others), but spread by what each rank was given so far."""
+    ownership = BalancedOwnership(0, 4)
+    owners = [ownership.assign([10, 10, 10, 10], [6])[0] for _ in range(8)]
+    assert owners == [0, 1, 2, 3, 0, 1, 2, 3]

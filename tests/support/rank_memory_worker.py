@@ -22,8 +22,9 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
-from longstraw_agents.parallel.fsdp import OneRankGather, gathered
+from longstraw_agents.parallel.fsdp import gathered
 from longstraw_agents.parallel.roles import step_roles
+from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
@@ -72,21 +73,29 @@ def agent_group(trainer: GRPOTrainer, spec: dict[str, Any], prompt: torch.Tensor
 
 
 def roll_out(trainer: GRPOTrainer, spec: dict[str, Any], mesh: ParallelMesh) -> None:
-    """A group's rollout as ``longstraw train`` samples in process (``app.training``, ``Run.sampling_weights``): the
-    first cp rank samples with an engine of no shards (``Run._sampling_engine``), its layers gathered one at a time
-    where the step gathers so (its peers joining each gather), else the whole model gathered on every rank; the
-    members decoded together; the stop token is outside the vocabulary, so every member decodes to its limit."""
+    """A group's rollout as ``longstraw train`` samples in process (``app.training``, ``Run.sampling``): the cp
+    ranks sample together with the trainer's engine (each holding its share of every member's state), the first
+    leading and the others following its calls; its layers gathered one at a time where the step gathers so, else
+    the whole model gathered on every rank; the members decoded together; the stop token is outside the
+    vocabulary, so every member decodes to its limit."""
     vocab = spec["model"].get("vocab_size", 256)
-    one_rank = OneRankGather(trainer.engine.model) if trainer.sharding.weights is not None else None
-    block = gathered(trainer.model) if one_rank is None else one_rank.session(samples=mesh.cp_rank == 0)
-    with block:
-        if mesh.cp_rank == 0:
-            engine = Engine(trainer.engine.model, trainer.engine.config, weights=one_rank)
-            sampling = SamplingConfig(max_new_tokens=spec["completion"], seed=0)
-            sampler = TorchSampler(engine, [vocab], sampling)
-            prompt = torch.randint(0, vocab, (spec["prompt"],), generator=torch.Generator().manual_seed(3))
-            handles = sampler.fork(prompt.tolist(), spec["group"])
-            sampler.generate_batch(handles, [spec["completion"]] * spec["group"])
+    weights = trainer.sharding.weights
+    block = gathered(trainer.model) if weights is None else weights.gathered(None)
+    sampling = SamplingConfig(max_new_tokens=spec["completion"], seed=0)
+    with torch.no_grad(), block:
+        if mesh.cp_group.size() == 1:
+            sampler: TorchSampler = TorchSampler(trainer.engine, [vocab], sampling)
+        else:
+            calls = SamplerCalls(mesh.cp_group)
+            if not calls.leads:
+                FollowingSampler(trainer.engine, [vocab], sampling, calls=calls).follow()
+                return
+            sampler = LeadingSampler(trainer.engine, [vocab], sampling, calls=calls)
+        prompt = torch.randint(0, vocab, (spec["prompt"],), generator=torch.Generator().manual_seed(3))
+        handles = sampler.fork(prompt.tolist(), spec["group"])
+        sampler.generate_batch(handles, [spec["completion"]] * spec["group"])
+        if isinstance(sampler, LeadingSampler):
+            sampler.close()
 
 
 def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
@@ -106,6 +115,6 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             tracker.reset_peak()
             if not spec.get("history"):  # (an agent's rollout is a run's, turn by turn: not simulated here)
                 roll_out(trainer, spec, mesh)
-            measured["rollout_peak"] = tracker.peak_bytes
+            measured["rollout_peak"], measured["rollout_roles"] = tracker.peak_bytes, tracker.peak_roles
     torch.save(measured, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()

@@ -1,7 +1,9 @@
-"""One rank of the sharded-sampling test (tests/parallel/test_fsdp.py): a tiny fp64 policy sharded with FSDP2 over a
-``(dp, cp)`` mesh; the first cp rank samples with its layers gathered one at a time (``OneRankGather``), the others
-serving its gathers, as ``longstraw train`` samples (``Run.sampling_weights``). Writes what was sampled and the most
-decoder layers the sampling rank held whole."""
+"""One rank of the mesh-sampling test (tests/parallel/test_fsdp.py): a tiny fp64 policy sharded with FSDP2 over a
+``(dp, cp)`` mesh, sampled by every cp rank together as ``longstraw train`` samples (``parallel.sampling``): the
+first cp rank leads (it alone would run the environments), the others follow its calls; the engine spreads every
+member's state over the cp ranks and gathers a decoder layer at a time (with the trainer's prefetch window).
+Writes what was sampled, the most decoder layers held whole, each member's positions held here, and the batched
+decoder's gap to one process."""
 
 from __future__ import annotations
 
@@ -11,48 +13,75 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from data_parallel_worker import join
+from decoding_cases import GROUPS, PROMPTS, decode_both_ways
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.parallel.fsdp import OneRankGather
+from longstraw_agents.parallel.fsdp import LayerGather
+from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.torch_sampler import TorchSampler
+from longstraw_agents.torch_sampler import TorchHandle, TorchSampler
 
-PROMPT, TURN, G, NEW_TOKENS, CHUNK = 19, 5, 3, 6, 8
+PROMPT, TURN, G, NEW_TOKENS, CHUNK = 19, 24, 3, 6, 8
+LONG_TURN = 16  # EngineConfig.sharded_extend_tokens: the 24-token observation is computed sharded
+CONFIG = EngineConfig(chunk_size=CHUNK, sharded_extend_tokens=LONG_TURN)
 
 
-def sample(engine: Engine, vocab: int) -> list[tuple[list[int], list[float]]]:
-    """G members from one prompt, a tool turn appended to each, then a second reply (capture, decode, extend)."""
+def script(sampler: TorchSampler, vocab: int) -> tuple[list[tuple[list[int], list[float]]], list[TorchHandle]]:
+    """What a rollout asks of a sampler: G members from one prompt, a reply each (batched), a long observation
+    appended to each, a second reply, the observation evicted from one member's context (resumed from a mark), and
+    a last reply of that member token by token."""
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, vocab, (PROMPT,), generator=gen).tolist()
     turn = torch.randint(0, vocab, (TURN,), generator=gen).tolist()
-    sampler = TorchSampler(engine, [vocab], SamplingConfig(max_new_tokens=NEW_TOKENS, seed=0))
     handles = sampler.fork(prompt, G)
     first = sampler.generate_batch(handles, [NEW_TOKENS] * G)
     for handle in handles:
         sampler.append(handle, turn)
     second = sampler.generate_batch(handles, [NEW_TOKENS] * G)
-    return [(g.token_ids, g.logprobs) for g in first + second]
+    kept = PROMPT + len(first[0].token_ids)
+    evicted = handles[0].history[:kept] + [1, 2, 3]
+    sampler.replace_batch([handles[0]], [evicted], [kept])
+    last = sampler.generate(handles[0], NEW_TOKENS)
+    return [(g.token_ids, g.logprobs) for g in [*first, *second, last]], handles
+
+
+def sample(engine: Engine, vocab: int) -> list[tuple[list[int], list[float]]]:
+    """The script on one process (the reference)."""
+    return script(TorchSampler(engine, [vocab], _sampling(), keep_marks=True), vocab)[0]
+
+
+def _sampling() -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=NEW_TOKENS, seed=0)
 
 
 def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
     _, mesh = join(rank, world, port, spec)
-    model = tiny_model(spec["family"], dtype=torch.float64, seed=0)
+    family = spec["family"]
+    whole = tiny_model(family, dtype=torch.float64, seed=0)  # one process's model, for the decoder's reference
+    model = tiny_model(family, dtype=torch.float64, seed=0)
     mesh.fully_shard(model)
-    gather = OneRankGather(model)
-    samples = mesh.cp_rank == 0
-    try:  # (the rank that samples is the first of its shard group: a session elsewhere is refused before any gather)
-        with gather.session(samples=not samples):
-            pass
-    except ValueError as err:
-        refused: str | None = str(err)
-    else:
-        refused = None
-    result: dict[str, Any] = {"samples": samples, "refused": refused}
-    with gather.session(samples=samples) as weights:
-        if weights is not None:
-            engine = Engine(model, EngineConfig(chunk_size=CHUNK), weights=weights)
-            result["generations"] = sample(engine, model.config.vocab_size)
-    result["most_gathered"], result["gathers"] = gather.most_gathered, gather.gathers
+    gather = LayerGather(model, replicas=spec["cp"])  # the trainer's: gathers started ahead for the wavefront
+    engine = Engine(model, CONFIG, shards=mesh.context_parallel(), weights=gather)
+    calls = SamplerCalls(mesh.cp_group)
+    vocab = model.config.vocab_size
+    result: dict[str, Any] = {"leads": calls.leads}
+    with torch.no_grad(), gather.gathered(None):  # the root unit for the session, as Run.sampling_weights
+        if calls.leads:
+            sampler = LeadingSampler(engine, [vocab], _sampling(), calls=calls, keep_marks=True)
+            try:
+                result["generations"], handles = script(sampler, vocab)
+            finally:
+                sampler.close()
+            states = [h.state for h in handles]
+        else:
+            follower = FollowingSampler(engine, [vocab], _sampling(), calls=calls, keep_marks=True)
+            result["calls"] = follower.follow()
+            states = [h.state for h in follower.handles]
+        cp, cp_rank = mesh.cp_group.size(), mesh.cp_rank
+        result["held"] = [state.positions_held(cp)[cp_rank] for state in states]
+        result["lengths"] = [state.num_tokens for state in states]
+        result["decoder_gap"] = decode_both_ways(engine, PROMPTS, GROUPS, reference=Engine(whole, CONFIG))
+    result["most_gathered"] = gather.most_gathered
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
