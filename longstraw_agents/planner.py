@@ -656,7 +656,8 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
 
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     """The parameters whole while a rank samples (``Run.sampling_weights``) — on one GPU none (mixed precision: the
-    compute copy); sharded a layer at a time, the root unit and the layer computing; else the whole model — and the
+    compute copy); sharded a layer at a time, the root unit and the layers a sharded capture gathers ahead
+    (``prefetch_window``; one over one cp rank); else the whole model — and the
     parameters of the buffer a gather adds for its moment (FSDP2's all-gather output beside the layer's weights it
     is copied into: a layer, a layer at a time)."""
     if request.gpus == 1:
@@ -698,8 +699,9 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     collective, so every rank of the shard group holds it), one decode step's fp32 logits per member, and the
     sampler's state. With cp > 1 the cp ranks sample together (``parallel.sampling``), each holding its share of
     the prompt (cut evenly) and of the members' own tokens (each turn on the rank holding the least of the path,
-    ties spread over the ranks), and the largest sharded capture's rows (``capture_rows_bytes``; a decode step
-    reads only the rows a rank holds) and working set. On one GPU the whole prompt and every member's tokens, and
+    ties spread over the ranks), each member's turn while it is decoded (every rank computes it), and the largest
+    sharded capture's rows (``capture_rows_bytes``; a decode step reads only the rows a rank holds) and working
+    set. On one GPU the whole prompt and every member's tokens, and
     one layer's rows of the whole context gathered for attention (a chunk attends to all earlier rows at once). A
     gather's buffer and the rows are never held at once (a layer is gathered before it computes): the larger
     counts, the gather's beyond the rows under gathered weights."""
@@ -720,6 +722,8 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
         "reference weights": parameters["reference weights"],
         "gathered weights": whole + max(0, buffer - rows),
         "sampler state": size.bytes_per_token * held + (1 + request.group) * size.fixed_bytes,
+        # a decode session's buffers: every rank computes each member's turn (``decoding.Decoder``)
+        "decoded turns": size.bytes_per_token * request.group * (request.completion + 1),
         "attention's earlier rows": rows,
         "a capture's working set": working,
         "logits": request.group * config.vocab_size * 4,

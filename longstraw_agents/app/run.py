@@ -254,17 +254,19 @@ class Run:
                 sampler.follow()
                 yield None
                 return
+            failed = True
             try:
                 yield sampler
+                failed = False
             finally:
                 if isinstance(sampler, LeadingSampler):
-                    sampler.close()
+                    sampler.close(failed)
 
     def sampling_weights(self) -> contextlib.AbstractContextManager[Any]:
         """The policy's weights for a block of sampling, entered by every rank together (FSDP2's gathers are
         collectives). Where the step gathers a layer at a time, so does sampling — the cp ranks of a shard group
-        sample together, so each joins every gather — and the root unit is gathered for the block: no rank holds
-        the whole model. Otherwise the whole model, for the block."""
+        sample together, so each joins every gather; a sharded capture gathers ahead, as the step's — and the root
+        unit is gathered for the block: no rank holds the whole model. Otherwise the whole model, for the block."""
         weights = self.trainer.sharding.weights
         if weights is not None:
             return _no_grad_around(weights.gathered(None))

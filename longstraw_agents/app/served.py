@@ -120,22 +120,26 @@ class ServedPolicy:
         return result
 
     def _writers(self, ask: Callable[[], T], parts: Iterable[object] = ()) -> T:
-        """``ask()`` on the writer, its answer (or its ``WeightSyncError``) on every rank; the others take
-        ``parts`` meanwhile (their share of the collectives ``ask`` runs on the writer)."""
+        """``ask()`` on the writer, its answer on every rank (its error raised on every rank: a ``WeightSyncError``
+        elsewhere); the others take ``parts`` meanwhile (their share of the collectives ``ask`` runs on the
+        writer)."""
         if self.ranks.mesh is None:
             return ask()
         answer: tuple[T | None, str | None] = (None, None)
+        error: Exception | None = None
         if self.ranks.writes:
             try:
                 answer = (ask(), None)
-            except WeightSyncError as err:
-                answer = (None, str(err))
+            except Exception as err:  # noqa: BLE001 - every rank must hear of it, then it is raised
+                error, answer = err, (None, str(err) if isinstance(err, WeightSyncError) else repr(err))
         else:
             for _ in parts:
                 pass
         value, failure = self.ranks.from_writer(answer)
+        if error is not None:
+            raise error
         if failure is not None:
-            raise WeightSyncError(failure)
+            raise WeightSyncError(f"the writer's push failed: {failure}")
         return value  # type: ignore[return-value]  # (None only beside a failure)
 
     def close(self) -> None:

@@ -69,6 +69,10 @@ class SamplerCalls:
 DONE = "done"
 
 
+class LeaderFailed(RuntimeError):
+    """The leading cp rank's rollout raised: its followers stop too, instead of waiting in the next collective."""
+
+
 class LeadingSampler(TorchSampler):
     """The leader's sampler: a ``TorchSampler`` over the cp-sharded engine whose engine-running calls are posted to
     the followers first, and whose draws are broadcast to them. ``close`` ends the followers' loop."""
@@ -86,13 +90,15 @@ class LeadingSampler(TorchSampler):
             raise ValueError(f"the leading sampler must run on rank {LEADER} of its cp group")
         super().__init__(engine, stop_token_ids, config, **options)
         self.calls = calls
-        self._index: dict[int, int] = {}  # id(handle) -> its index, in the order the handles were made
+        self._handles: list[TorchHandle] = []  # every handle made, in order (kept: an id is never reused)
+        self._index: dict[int, int] = {}  # id(handle) -> its index in _handles
 
     def fork(self, prompt_ids: Sequence[int], n: int) -> list[TorchHandle]:
         self.calls.post("fork", [int(i) for i in prompt_ids], n)
         handles = super().fork(prompt_ids, n)
         for handle in handles:
-            self._index[id(handle)] = len(self._index)
+            self._index[id(handle)] = len(self._handles)
+            self._handles.append(handle)
         return handles
 
     def generate(self, handle: TorchHandle, max_new_tokens: int | None = None) -> Generation:
@@ -117,9 +123,10 @@ class LeadingSampler(TorchSampler):
         self.calls.post("replace_batch", self._indices(handles), contexts, list(kept))
         super().replace_batch(handles, contexts, kept)
 
-    def close(self) -> None:
-        """End the followers' loop (every rollout call has been made)."""
-        self.calls.post(DONE)
+    def close(self, failed: bool = False) -> None:
+        """End the followers' loop: every rollout call has been made, or (``failed``) the leader's rollout failed,
+        and so do the followers, at once."""
+        self.calls.post(DONE, failed)
 
     def _draw(self, logits: torch.Tensor, generators: Sequence[torch.Generator]) -> tuple[list[int], list[float]]:
         tokens, logprobs = super()._draw(logits, generators)
@@ -153,13 +160,24 @@ class FollowingSampler(TorchSampler):
         self.handles: list[TorchHandle] = []
 
     def follow(self) -> int:
-        """Make the leader's calls until it closes; returns how many calls were made."""
-        made = 0
+        """Make the leader's calls until it closes; returns how many calls were made. A call that fails here (it
+        fails on the leader too: the same call on the same state) stops the calls being made, not the loop: the
+        leader's close ends it, and then the failure is raised, as is ``LeaderFailed`` when the leader's rollout
+        failed."""
+        made, failure = 0, None
         while True:
             name, args = self.calls.receive()
             if name == DONE:
+                if failure is not None:
+                    raise failure
+                if args[0]:
+                    raise LeaderFailed("the leading cp rank's rollout failed (see its error)")
                 return made
-            self._make(name, args)
+            if failure is None:
+                try:
+                    self._make(name, args)
+                except Exception as err:  # noqa: BLE001 - raised once the leader closes
+                    failure = err
             made += 1
 
     def _make(self, name: str, args: tuple[Any, ...]) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from layer_gather_worker import run as fail_in_a_block
-from sampling_worker import CHUNK, NEW_TOKENS, run, sample
+from sampling_worker import CHUNK, LAYERS, NEW_TOKENS, run, sample
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
@@ -39,7 +39,7 @@ def test_the_cp_ranks_sample_a_sharded_policy_together_a_layer_at_a_time(tmp_pat
     world = dp * cp
     mp.start_processes(run, args=(world, _free_port(), str(tmp_path), spec), nprocs=world, start_method="fork")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    model = tiny_model(family, dtype=torch.float64, seed=0)
+    model = tiny_model(family, dtype=torch.float64, seed=0, layers=LAYERS)
     expected = sample(Engine(model, EngineConfig(chunk_size=CHUNK)), model.config.vocab_size)
     leaders = [r for r in ranks if r["leads"]]
     assert len(leaders) == dp  # the first cp rank of each dp rank
@@ -54,7 +54,8 @@ def test_the_cp_ranks_sample_a_sharded_policy_together_a_layer_at_a_time(tmp_pat
             held = [r["held"][k] for r in members]
             assert sum(held) == length, held  # every position stored once
             assert max(held) - min(held) <= NEW_TOKENS + 1, held  # within a turn of even
-    assert all(r["most_gathered"] <= cp + 1 for r in ranks)  # a layer at a time and the prefetch window (cp)
+    assert all(r["most_gathered"] <= cp + 1 < LAYERS for r in ranks)  # a layer at a time, the prefetch window (cp)
+    assert all(r["failures"] == ["ValueError", "LeaderFailed"] for r in ranks if not r["leads"])
     assert all(r["decoder_gap"] <= 1e-10 for r in ranks), [r["decoder_gap"] for r in ranks]
 
 

@@ -1,5 +1,5 @@
 """Batched decoding checked against stepping each member alone (tests/test_decoding.py, and context-parallel in
-tests/parallel/test_sampling.py): the same teacher-forced tokens both ways, the largest log-probability gap."""
+tests/parallel/test_fsdp.py): the same teacher-forced tokens both ways, the largest log-probability gap."""
 
 from __future__ import annotations
 

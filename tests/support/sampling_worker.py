@@ -7,6 +7,7 @@ decoder's gap to one process."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ from decoding_cases import GROUPS, PROMPTS, decode_both_ways
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel.fsdp import LayerGather
-from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
+from longstraw_agents.parallel.sampling import FollowingSampler, LeaderFailed, LeadingSampler, SamplerCalls
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.torch_sampler import TorchHandle, TorchSampler
 
 PROMPT, TURN, G, NEW_TOKENS, CHUNK = 19, 24, 3, 6, 8
+LAYERS = 6  # more than a sharded capture gathers ahead on 2 ranks (3): a whole-model gather would show
 LONG_TURN = 16  # EngineConfig.sharded_extend_tokens: the 24-token observation is computed sharded
 CONFIG = EngineConfig(chunk_size=CHUNK, sharded_extend_tokens=LONG_TURN)
 
@@ -55,11 +57,32 @@ def _sampling() -> SamplingConfig:
     return SamplingConfig(max_new_tokens=NEW_TOKENS, seed=0)
 
 
+def fail_together(engine: Engine, calls: SamplerCalls, vocab: int) -> list[str]:
+    """A call that fails on every rank (an edit that keeps more than the context), then a rollout that fails on the
+    leader alone: the followers raise too, as soon as the leader closes, instead of waiting. Returns what each
+    follower raised (the leader: nothing)."""
+    raised = []
+    for failing_call in (True, False):
+        if calls.leads:
+            sampler = LeadingSampler(engine, [vocab], _sampling(), calls=calls)
+            [handle] = sampler.fork([1, 2, 3], 1)
+            if failing_call:
+                with contextlib.suppress(ValueError):
+                    sampler.replace_batch([handle], [[1, 2]], [5])
+            sampler.close(failed=True)
+        else:
+            try:
+                FollowingSampler(engine, [vocab], _sampling(), calls=calls).follow()
+            except (ValueError, LeaderFailed) as err:
+                raised.append(type(err).__name__)
+    return raised
+
+
 def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) -> None:
     _, mesh = join(rank, world, port, spec)
     family = spec["family"]
-    whole = tiny_model(family, dtype=torch.float64, seed=0)  # one process's model, for the decoder's reference
-    model = tiny_model(family, dtype=torch.float64, seed=0)
+    whole = tiny_model(family, dtype=torch.float64, seed=0, layers=LAYERS)  # one process's, the decoder's reference
+    model = tiny_model(family, dtype=torch.float64, seed=0, layers=LAYERS)
     mesh.fully_shard(model)
     gather = LayerGather(model, replicas=spec["cp"])  # the trainer's: gathers started ahead for the wavefront
     engine = Engine(model, CONFIG, shards=mesh.context_parallel(), weights=gather)
@@ -78,6 +101,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             follower = FollowingSampler(engine, [vocab], _sampling(), calls=calls, keep_marks=True)
             result["calls"] = follower.follow()
             states = [h.state for h in follower.handles]
+        result["failures"] = fail_together(engine, calls, vocab)
         cp, cp_rank = mesh.cp_group.size(), mesh.cp_rank
         result["held"] = [state.positions_held(cp)[cp_rank] for state in states]
         result["lengths"] = [state.num_tokens for state in states]
