@@ -7,11 +7,12 @@
 A member is an engine ``State`` plus the ``prefix`` it shares with its group (the state the group was forked from,
 an ancestor of the member's). Members with the same prefix object form a group: each growing layer reads that
 prefix once per step for the whole group (its queries stacked as the rows of one kernel call, see
-``models.batch``) and each member's own later positions separately. For the session, the own positions are held in
-batch buffers and the recurrent states stacked, so a step does no per-member work; a member's new positions are
-written to its state when it leaves, exactly as ``Engine.extend`` writes a chunk (in place at its arena's fill
-mark, else into fresh storage with ``reserve`` extra room). The states stay ordinary engine states:
-``Engine.extend`` continues them (tool turns), and their logits equal those of stepping each member alone.
+``models.batch``) and each member's own earlier positions separately, straight from the state's blocks (nothing is
+copied for a session). The positions decoded in the session are held in batch buffers and the recurrent states
+stacked, so a step does no per-member work for them; a member's new positions are written to its state when it
+leaves, exactly as ``Engine.extend`` writes a chunk (in place at its arena's fill mark, else into fresh storage with
+``reserve`` extra room). The states stay ordinary engine states: ``Engine.extend`` continues them (tool turns), and
+their logits equal those of stepping each member alone.
 
 With context parallelism the ranks decode together, each reading the positions it stores (see ``Decoder``): a
 member's path stays spread over the ranks as it grows, turn by turn.

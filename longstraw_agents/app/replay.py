@@ -327,11 +327,19 @@ class Replayer:
 
     def forked_groups(self) -> tuple[list[list[Trajectory]], dict[str, Any]]:
         """New groups sampled by the current policy from turn ``fork_at`` of each selected episode; episodes that
-        cannot be forked are skipped and counted by reason."""
+        cannot be forked are skipped and counted by reason. Sampled as ``longstraw train`` samples (``Run.sampling``:
+        every rank enters; with cp > 1 the first cp rank forks, its peers computing with it and receiving the
+        groups)."""
         turn = self.config.fork_at
         if turn is None:
             raise ValueError("forked_groups needs ReplayConfig.fork_at (the logged turn to fork from)")
-        sampler = self.run.sampler()  # the run's sampling settings and seed
+        forked = None
+        with self.run.sampling() as sampler:  # the run's sampling settings and seed
+            if sampler is not None:
+                forked = self._forked(sampler, turn)
+        return self.run.ranks.to_cp_peers(forked)  # type: ignore[return-value]  # (every cp rank's is the first's)
+
+    def _forked(self, sampler: Sampler, turn: int) -> tuple[list[list[Trajectory]], dict[str, Any]]:
         limits = RolloutLimits(self.run.config.sampling.max_new_tokens, self.run.max_context)
         run_configs = {run.id: run.config for run in self.source.runs()}
         own_config = self.run.config.model_dump(mode="json")  # for episodes without a recorded run

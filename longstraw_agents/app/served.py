@@ -105,10 +105,9 @@ class ServedPolicy:
         self._retire_sampler()
         if self.ranks.mesh is None:
             result = self.sync.push(model, policy_version)
-        else:
-            result = self._writers(
-                lambda: self.sync.push(model, policy_version, whole_parts(model)), whole_parts(model)
-            )
+        else:  # (the writer writes the parts; the others take part in their gathers, keeping nothing)
+            parts = whole_parts(model, keep=self.ranks.writes)
+            result = self._writers(lambda: self.sync.push(model, policy_version, parts), parts)
         self.version, self.weights_changed, self.last_push = policy_version, False, result
         log.info(
             "pushed policy version %d to %s (written in %.1fs, loaded in %.1fs)",

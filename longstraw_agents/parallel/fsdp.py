@@ -394,12 +394,13 @@ class LayerGather:
         self._backward_pending.clear()
 
 
-def whole_parts(model: nn.Module) -> Iterator[dict[str, Tensor]]:
+def whole_parts(model: nn.Module, keep: bool = True) -> Iterator[dict[str, Tensor]]:
     """``model``'s parameters and persistent buffers whole, on the host, one part at a time: the root unit's
     (embeddings, final norm, LM head), then each decoder layer's — what a served policy loads, assembled without
     the whole model on any device. A sharded parameter is gathered in its master dtype (``DTensor.full_tensor``: a
     collective over the shard mesh, so every rank of the job iterates every part, in order) and freed from the
-    device before the next; tied parameters appear once (the first name). Unsharded, the model's own tensors."""
+    device before the next; tied parameters appear once (the first name). Unsharded, the model's own tensors.
+    ``keep=False``: a rank that only takes part in the gathers (each part then empty: nothing copied to the host)."""
     layers = len(model.model.layers)  # type: ignore[union-attr,arg-type]  # a transformers CausalLM
     parts: list[dict[str, Tensor]] = [{} for _ in range(layers + 1)]
     state: dict[str, Tensor] = dict(model.named_parameters())
@@ -408,7 +409,15 @@ def whole_parts(model: nn.Module) -> Iterator[dict[str, Tensor]]:
     for name, tensor in state.items():
         parts[_part_of(name)][name] = tensor
     for part in parts:
-        yield {name: _whole(tensor) for name, tensor in part.items()}
+        yield {name: _whole(tensor) for name, tensor in part.items()} if keep else _gathered_only(part)
+
+
+def _gathered_only(part: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Take part in gathering ``part``'s sharded tensors, keeping nothing."""
+    for tensor in part.values():
+        if isinstance(tensor, DTensor):
+            tensor.full_tensor()
+    return {}
 
 
 def _part_of(name: str) -> int:

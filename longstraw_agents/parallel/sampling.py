@@ -18,7 +18,7 @@ logprobs 0). The environments never run on a follower, so they need not be deter
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -73,9 +73,11 @@ class LeaderFailed(RuntimeError):
     """The leading cp rank's rollout raised: its followers stop too, instead of waiting in the next collective."""
 
 
-class LeadingSampler(TorchSampler):
-    """The leader's sampler: a ``TorchSampler`` over the cp-sharded engine whose engine-running calls are posted to
-    the followers first, and whose draws are broadcast to them. ``close`` ends the followers' loop."""
+class _CpRankSampler(TorchSampler):
+    """A ``TorchSampler`` over the cp-sharded engine on one rank of the cp group: the first (``leads``) or another.
+    ``handles``: every handle made, in order (kept, so that an id is never reused)."""
+
+    leads: ClassVar[bool]
 
     def __init__(
         self,
@@ -86,19 +88,31 @@ class LeadingSampler(TorchSampler):
         calls: SamplerCalls,
         **options: Any,
     ):
-        if not calls.leads:
-            raise ValueError(f"the leading sampler must run on rank {LEADER} of its cp group")
+        if calls.leads != self.leads:
+            where = f"rank {LEADER}" if self.leads else f"a rank other than {LEADER}"
+            rank = dist.get_rank(calls.group)
+            raise ValueError(f"a {type(self).__name__} runs on {where} of its cp group, not on rank {rank}")
         super().__init__(engine, stop_token_ids, config, **options)
         self.calls = calls
-        self._handles: list[TorchHandle] = []  # every handle made, in order (kept: an id is never reused)
-        self._index: dict[int, int] = {}  # id(handle) -> its index in _handles
+        self.handles: list[TorchHandle] = []
+
+
+class LeadingSampler(_CpRankSampler):
+    """The leader's sampler: a ``TorchSampler`` over the cp-sharded engine whose engine-running calls are posted to
+    the followers first, and whose draws are broadcast to them. ``close`` ends the followers' loop."""
+
+    leads = True
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._index: dict[int, int] = {}  # id(handle) -> its index in handles
 
     def fork(self, prompt_ids: Sequence[int], n: int) -> list[TorchHandle]:
         self.calls.post("fork", [int(i) for i in prompt_ids], n)
         handles = super().fork(prompt_ids, n)
         for handle in handles:
-            self._index[id(handle)] = len(self._handles)
-            self._handles.append(handle)
+            self._index[id(handle)] = len(self.handles)
+            self.handles.append(handle)
         return handles
 
     def generate(self, handle: TorchHandle, max_new_tokens: int | None = None) -> Generation:
@@ -140,24 +154,11 @@ class LeadingSampler(TorchSampler):
             raise ValueError("a handle this sampler did not fork") from None
 
 
-class FollowingSampler(TorchSampler):
+class FollowingSampler(_CpRankSampler):
     """A follower's sampler: ``follow`` makes the leader's calls on its own replicas of the members until the
     leader's ``close``, decoding the tokens the leader drew."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        stop_token_ids: Sequence[int],
-        config: SamplingConfig | None = None,
-        *,
-        calls: SamplerCalls,
-        **options: Any,
-    ):
-        if calls.leads:
-            raise ValueError(f"rank {LEADER} of the cp group leads; a following sampler runs on the others")
-        super().__init__(engine, stop_token_ids, config, **options)
-        self.calls = calls
-        self.handles: list[TorchHandle] = []
+    leads = False
 
     def follow(self) -> int:
         """Make the leader's calls until it closes; returns how many calls were made. A call that fails here (it
