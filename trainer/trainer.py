@@ -30,7 +30,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
-from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine import Engine, EngineConfig, StateShards
 from longstraw_agents.memory import host_placement
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
@@ -125,7 +125,7 @@ class GRPOTrainer:
         self.compute = self._compute_copy(self.accelerator.unwrap_model(self.model), shards is not None)
         computed = self.compute.compute if self.compute is not None else self.accelerator.unwrap_model(self.model)
         self.engine = Engine(computed, engine_config, shards=shards, weights=self.sharding.weights)
-        self.ref_engine = self._reference_engine(ref_model, engine_config, module)
+        self.ref_engine = reference_engine(ref_model, engine_config, module, shards, self.accelerator.device)
         if self.config.loss.beta > 0 and self.ref_engine is None:
             raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
 
@@ -162,18 +162,6 @@ class GRPOTrainer:
                 f"Engine(model, chunk_size={self.config.chunk_size}))"
             )
         return model.config
-
-    def _reference_engine(
-        self, ref_model: nn.Module | Engine | None, engine_config: EngineConfig, policy: nn.Module
-    ) -> Engine | None:
-        """The KL reference on the policy's device, in eval mode, without gradients."""
-        if ref_model is None:
-            return None
-        module = ref_model.model if isinstance(ref_model, Engine) else ref_model
-        if module is policy:
-            raise ValueError("ref_model is the policy itself; pass a frozen copy (copy.deepcopy(model))")
-        module.to(self.accelerator.device).eval().requires_grad_(False)
-        return Engine(module, ref_model.config if isinstance(ref_model, Engine) else engine_config)
 
     @property
     def step_count(self) -> int:
@@ -409,3 +397,22 @@ def _check_behaviour_logprobs(groups: Sequence[Group], num_iterations: int) -> N
                     f"the later optimizer steps is against them); episode {group.episodes[k]} of group {g} lacks "
                     "some. Sample with a sampler that records them (TorchSampler, OpenAISampler) or pass old_logprobs"
                 )
+
+
+def reference_engine(
+    ref_model: nn.Module | Engine | None,
+    engine_config: EngineConfig,
+    policy: nn.Module,
+    shards: StateShards | None,
+    device: torch.device | str,
+) -> Engine | None:
+    """The KL reference's engine on ``device``, in eval mode, without gradients; with context parallelism its state
+    is spread over the policy's cp ranks as the policy's is (``shards``), not whole on every rank."""
+    if ref_model is None:
+        return None
+    module = ref_model.model if isinstance(ref_model, Engine) else ref_model
+    if module is policy:
+        raise ValueError("ref_model is the policy itself; pass a frozen copy (copy.deepcopy(model))")
+    module.to(device).eval().requires_grad_(False)
+    config = ref_model.config if isinstance(ref_model, Engine) else engine_config
+    return Engine(module, config, shards=shards)

@@ -25,6 +25,8 @@ EQUAL_TO_ONE_PROCESS = (
     "resumed",  # a capture over a parent whose rows sit on several ranks
     "exact",  # GRPO gradients, wavefront walk
     "detached",
+    "kl_exact",  # with a KL term: the reference's state spread over the ranks too
+    "kl_detached",
     "short_exact",  # a prompt that leaves ranks without chunks
     "replicated_exact",  # EngineConfig.wavefront_walk=False
     "shared_turn_exact",  # a loss-bearing fused root: its loss walked sharded
@@ -118,3 +120,11 @@ def test_a_members_own_history_spreads_over_the_ranks(mesh_results: dict[str, An
     assert max(positions) <= 1.1 * sum(positions) / world, positions
     held = [r[f"{family}/turn_by_turn_bytes"] for r in ranks]
     assert sum(held) == ranks[0][f"{family}/turn_by_turn_single_bytes"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_kl_references_state_is_spread_like_the_policys(mesh_results: dict[str, Any], family: str) -> None:
+    ranks, world = mesh_results["ranks"], mesh_results["world"]
+    held = [r[f"{family}/reference_bytes"] for r in ranks]
+    total, chunk = ranks[0][f"{family}/single_reference_bytes"], ranks[0][f"{family}/chunk_bytes"]
+    assert sum(held) == total and max(held) <= total / world + chunk

@@ -14,6 +14,7 @@ from longstraw_agents.parallel import ContextParallel, ParallelMesh
 from longstraw_agents.planner import PlanRequest, layer_inputs_bytes
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer import LossConfig, backward_group, grpo_backward, make_group
+from longstraw_agents.trainer.trainer import reference_engine
 
 OVERRIDES = {"llama": {}, "qwen3_5": {}, "glm_moe_dsa": {"index_topk": 8}}
 PROMPT, BRANCH, CHUNK = 61, 7, 16
@@ -69,6 +70,29 @@ def group_gradient(engine: Engine, group, mode: str) -> torch.Tensor:
     engine.model.zero_grad(set_to_none=True)
     backward_group(engine, group, mode, LossConfig(), track_memory=False)
     return grads(engine.model)
+
+
+def kl_results(family: str, model, single: Engine, parallel: Engine, shards: ContextParallel, data) -> dict:
+    """GRPO gradients with a KL term (beta 0.1), the reference's engine built as ``GRPOTrainer`` builds it (its
+    state spread over the cp ranks as the policy's), against one process's; and the reference state a rank holds."""
+    prompt, completions, rewards = data
+    reference = tiny_model(family, dtype=torch.float64, seed=1, **OVERRIDES[family])
+    engines = {
+        name: reference_engine(reference, EngineConfig(chunk_size=CHUNK), model, engine.shards, "cpu")
+        for name, engine in (("single", single), ("parallel", parallel))
+    }
+    results: dict[str, float] = {}
+    for mode in ("exact", "detached"):
+        grads_of = {}
+        for name, engine in (("single", single), ("parallel", parallel)):
+            model.zero_grad(set_to_none=True)
+            config = LossConfig(beta=0.1)
+            grpo_backward(engine, prompt, completions, rewards, mode, config=config, ref_model=engines[name])
+            grads_of[name] = grads(model)
+        results[f"{family}/kl_{mode}"] = relative(grads_of["parallel"], grads_of["single"])
+    results[f"{family}/reference_bytes"] = growing_bytes(engines["parallel"].capture(prompt))
+    results[f"{family}/single_reference_bytes"] = growing_bytes(engines["single"].capture(prompt))
+    return results
 
 
 def agent_results(family: str, model, single: Engine, shards: ContextParallel, prompt, rewards) -> dict[str, float]:
@@ -240,6 +264,7 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
             results[f"{family}/{mode}"] = relative(gradient(parallel, prompt, completions, rewards, mode), expected)
             results[f"{family}/{mode}_layer_runs"] = parallel_runs[0]  # capture + branches + (exact) reverse walk
             results[f"{family}/{mode}_single_layer_runs"] = single_runs[0]
+        results |= kl_results(family, model, single, parallel, shards, (prompt, completions, rewards))
         group = shared_turn_group(prompt[:6], torch.Generator().manual_seed(1), rewards)
         model.zero_grad(set_to_none=True)
         config = LossConfig(aggregation="seq-mean")
