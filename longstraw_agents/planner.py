@@ -541,8 +541,8 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
     """What the trainer holds of the parameters per GPU in each phase of a step, as ``parallel.fsdp`` runs FSDP2
     over all GPUs (dp x cp): shards of the master weights, of their gradients and of AdamW's two moments, in the
     master dtype (fp32 with mixed precision, else the model's); what is whole at once in the compute dtype
-    (``_whole_at_once``); and the KL reference, a whole frozen copy of the policy on every GPU (the run copies it
-    before sharding). The phases: a capture (no gradient of its own) and the backward passes."""
+    (``_whole_at_once``); and the KL reference (``_reference_weights``). The phases: a capture (no gradient of its
+    own) and the backward passes."""
     shard = -(-probed.parameters // request.shard_ranks)
     master = request.master_itemsize
     adam = request.optimizer == "adamw"
@@ -555,18 +555,32 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
             "gradients": -(-gradient_shards // request.shard_ranks) * master * on_gpu,
             "gathered gradients": whole_gradients,
             "optimizer state": 2 * master * shard * on_gpu if adam else 0,
-            "reference weights": probed.parameters * master if request.beta > 0 else 0,
+            "reference weights": _reference_weights(probed, request),
         }
     return phases
 
 
+def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
+    """The KL reference's weights on a GPU (beta > 0): on one GPU the whole frozen copy; sharded, FSDP2 shards it as
+    the policy (``trainer._reference_sharding``): its shards in the master dtype (on the host when offloaded) and
+    what the step holds whole in the compute dtype — the root unit where the step gathers a layer at a time (its
+    layers are whole only while it scores, never at the policy's peak), else the whole model."""
+    if request.beta == 0:
+        return 0
+    if request.gpus == 1:
+        return probed.parameters * request.master_itemsize
+    shard = 0 if request.offload else -(-probed.parameters // request.shard_ranks) * request.master_itemsize
+    return shard + (probed.root if request.by_layer else probed.parameters) * _itemsize(request.dtype)
+
+
 def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
     """What a GPU's process keeps on the host with ``offload`` (FSDP2's CPU offload policy): its master shards,
-    their gradients once the step has reduced them all, and AdamW's two moments."""
+    their gradients once the step has reduced them all, AdamW's two moments, and the KL reference's shards."""
     if not request.offload:
         return {}
     shard = -(-probed.parameters // request.shard_ranks) * request.master_itemsize
-    return {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
+    host = {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
+    return host | {"reference weights": shard if request.beta > 0 else 0}
 
 
 def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
-from longstraw_agents.engine import Engine, EngineConfig, StateShards
+from longstraw_agents.engine import Engine, EngineConfig, LayerWeights, StateShards
 from longstraw_agents.memory import host_placement
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
@@ -125,7 +125,9 @@ class GRPOTrainer:
         self.compute = self._compute_copy(self.accelerator.unwrap_model(self.model), shards is not None)
         computed = self.compute.compute if self.compute is not None else self.accelerator.unwrap_model(self.model)
         self.engine = Engine(computed, engine_config, shards=shards, weights=self.sharding.weights)
-        self.ref_engine = reference_engine(ref_model, engine_config, module, shards, self.accelerator.device)
+        self.ref_sharding = _reference_sharding(ref_model, module, mesh)
+        weights = self.ref_sharding.weights if self.ref_sharding is not None else None
+        self.ref_engine = reference_engine(ref_model, engine_config, module, shards, self.accelerator.device, weights)
         if self.config.loss.beta > 0 and self.ref_engine is None:
             raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
 
@@ -256,7 +258,9 @@ class GRPOTrainer:
     ) -> tuple[list[BackwardResult], IterationMetrics]:
         self.optimizer.zero_grad(set_to_none=True)
         config = self.config
-        with self.sharding.step():  # FSDP2: gathered for the step (the root, or all), gradients reduce-scattered after
+        reference = self.ref_sharding.step() if self.ref_sharding is not None else contextlib.nullcontext()
+        # FSDP2: gathered for the step (the root, or all), gradients reduce-scattered after; the reference likewise
+        with self.sharding.step(), reference:
             results = [
                 backward_group(self.engine, g, config.mode, config.loss, self.ref_engine, config.track_memory, cache)
                 for g, cache in zip(groups, caches, strict=True)
@@ -405,14 +409,33 @@ def reference_engine(
     policy: nn.Module,
     shards: StateShards | None,
     device: torch.device | str,
+    weights: LayerWeights | None = None,
 ) -> Engine | None:
     """The KL reference's engine on ``device``, in eval mode, without gradients; with context parallelism its state
-    is spread over the policy's cp ranks as the policy's is (``shards``), not whole on every rank."""
+    is spread over the policy's cp ranks as the policy's is (``shards``), not whole on every rank; sharded with FSDP2
+    (``_reference_sharding``), its layers gathered as ``weights`` says."""
     if ref_model is None:
         return None
     module = ref_model.model if isinstance(ref_model, Engine) else ref_model
     if module is policy:
         raise ValueError("ref_model is the policy itself; pass a frozen copy (copy.deepcopy(model))")
-    module.to(device).eval().requires_grad_(False)
+    if not is_sharded(module):  # (FSDP2 places a sharded one: its shards may live on the host)
+        module.to(device)
+    module.eval().requires_grad_(False)
     config = ref_model.config if isinstance(ref_model, Engine) else engine_config
-    return Engine(module, config, shards=shards)
+    return Engine(module, config, shards=shards, weights=weights)
+
+
+def _reference_sharding(
+    ref_model: nn.Module | Engine | None, policy: nn.Module, mesh: ParallelMesh | None
+) -> WeightSharding | None:
+    """A policy FSDP2 shards gets its KL reference sharded the same way (the compute dtype and offload of the
+    policy's), reached as the policy's weights are: a layer at a time where the step gathers so, else the whole
+    model for the step. A frozen copy whole on every GPU would cost the whole model in the master dtype."""
+    if ref_model is None or mesh is None or not is_sharded(policy):
+        return None
+    module = ref_model.model if isinstance(ref_model, Engine) else ref_model
+    if not is_sharded(module):
+        mesh.fully_shard(module, compute_dtype(policy), offloaded(policy))
+        module.requires_grad_(False)
+    return mesh.sharding(module)

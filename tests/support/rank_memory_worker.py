@@ -8,6 +8,7 @@ gets the peaks and the step's bytes by role."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from longstraw_agents.trainer.group import Group, make_group
 def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelerator) -> GRPOTrainer:
     config = TINY_PRESETS[spec["family"]](**spec["model"])
     model = build_model(config, dtype=torch.float32, seed=0)
+    reference = copy.deepcopy(model) if spec.get("beta") else None  # (as Run copies it: before sharding)
     compute = getattr(torch, spec["compute_dtype"]) if spec["compute_dtype"] else None
     mesh.fully_shard(model, compute, spec.get("offload", False))
     grpo = GRPOConfig(
@@ -41,6 +43,7 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
         chunk_size=spec["chunk"],
         lr=1e-3,
         mode=spec["mode"],
+        beta=spec.get("beta", 0.0),
         mixed_precision=None if compute is None else {"compute_dtype": spec["compute_dtype"]},
     )
     policy: nn.Module | Engine = model
@@ -49,7 +52,7 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
         policy = Engine(
             model, EngineConfig(chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"]), shards=shards
         )
-    return GRPOTrainer(policy, grpo, accelerator=accelerator, mesh=mesh)
+    return GRPOTrainer(policy, grpo, ref_model=reference, accelerator=accelerator, mesh=mesh)
 
 
 def step_group(trainer: GRPOTrainer, spec: dict[str, Any], seed: int) -> Group:
