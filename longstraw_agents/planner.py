@@ -17,8 +17,8 @@ of their layer pattern, and extrapolates:
   (``parameter_phases``): shards over all ``dp x cp`` GPUs in the master dtype (fp32 with mixed precision), and what
   the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit, up to cp + 1 decoder layers in a
   capture (gathers started ahead) and one in a branch replay, with the gradients on their way to the shards; at
-  dp > 1 the whole model for the step; the frozen reference model (whole, on every GPU) and its captured state when
-  ``beta > 0``;
+  dp > 1 the whole model for the step; the frozen reference model (sharded as the policy: its shards, and its root
+  unit or the whole model for the step) and its captured state when ``beta > 0``;
 - a step has two phases, and the plan is the larger: the capture (its gathered layers, the earlier cp ranks' rows
   it receives, for the cp rank ``cp_rank``: the last by default) and the backward passes (a layer and its gradient,
   the state gradient, the walk's recomputed segment); both hold the state and a graph;
@@ -561,16 +561,25 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
 
 
 def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
-    """The KL reference's weights on a GPU (beta > 0): on one GPU the whole frozen copy; sharded, FSDP2 shards it as
-    the policy (``trainer._reference_sharding``): its shards in the master dtype (on the host when offloaded) and
+    """The KL reference's weights on a GPU during a step (beta > 0): its shards (``_reference_shards``) and, sharded,
     what the step holds whole in the compute dtype — the root unit where the step gathers a layer at a time (its
     layers are whole only while it scores, never at the policy's peak), else the whole model."""
+    if request.beta == 0 or request.gpus == 1:
+        return _reference_shards(probed, request)
+    return _reference_shards(probed, request) + (probed.root if request.by_layer else probed.parameters) * _itemsize(
+        request.dtype
+    )
+
+
+def _reference_shards(probed: _Probe, request: PlanRequest) -> int:
+    """What a GPU keeps of the KL reference between steps (beta > 0): on one GPU the whole frozen copy; sharded,
+    FSDP2 shards it as the policy (``trainer._reference_sharding``): its shards in the master dtype, on the host
+    when offloaded (``host_terms``)."""
     if request.beta == 0:
         return 0
     if request.gpus == 1:
         return probed.parameters * request.master_itemsize
-    shard = 0 if request.offload else -(-probed.parameters // request.shard_ranks) * request.master_itemsize
-    return shard + (probed.root if request.by_layer else probed.parameters) * _itemsize(request.dtype)
+    return 0 if request.offload else -(-probed.parameters // request.shard_ranks) * request.master_itemsize
 
 
 def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
@@ -639,6 +648,7 @@ class _Measured:
     host: dict[str, int]  # offloaded (``host_terms``)
     apart: int = 0  # of the graph term, what a backward never holds beside a whole layer (``_never_beside_a_layer``)
     capture: int = 0  # a capture's working set (``capture_working_set``)
+    reference: int = 0  # the KL reference's shards kept between steps (``_reference_shards``)
 
 
 def _measure(request: PlanRequest) -> _Measured:
@@ -654,6 +664,7 @@ def _measure(request: PlanRequest) -> _Measured:
         host_terms(probed, request),
         _never_beside_a_layer(config, probed, request),
         probed.capture,
+        _reference_shards(probed, request),
     )
 
 
@@ -733,7 +744,7 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
         "weights": parameters["weights"],
         "gradients": parameters["weights"],  # every shard's, kept until the next step zeroes them
         "optimizer state": parameters["optimizer state"],
-        "reference weights": parameters["reference weights"],
+        "reference weights": measured.reference,  # (its root, whole for a step, resharded after it)
         "gathered weights": whole + max(0, buffer - rows),
         "sampler state": size.bytes_per_token * held + (1 + request.group) * size.fixed_bytes,
         # a decode session's buffers: every rank computes each member's turn (``decoding.Decoder``)

@@ -289,7 +289,18 @@ def test_parameter_phases_follow_the_trainers_schedule(request_args: dict, captu
     request = PlanRequest(dtype=torch.bfloat16, **request_args)
     assert parameter_phases(probe, request) == {"capture": capture, "backward": backward}
     with_reference = parameter_phases(probe, dataclasses.replace(request, beta=0.04))
-    assert with_reference["capture"]["reference weights"] == probe.parameters * request.master_itemsize
+    # the KL reference sharded as the policy: its shards, and what the step holds whole (one GPU: the whole copy)
+    expected = probe.parameters * request.master_itemsize
+    if request.gpus > 1:
+        whole = probe.root if request.by_layer else probe.parameters
+        expected = -(-probe.parameters // request.shard_ranks) * request.master_itemsize * (not request.offload)
+        expected += whole * request_itemsize(request)
+    assert with_reference["capture"]["reference weights"] == with_reference["backward"]["reference weights"]
+    assert with_reference["capture"]["reference weights"] == expected
+
+
+def request_itemsize(request: PlanRequest) -> int:
+    return torch.empty((), dtype=request.dtype).element_size()
 
 
 def test_offload_moves_the_shards_their_gradients_and_adamw_to_the_host() -> None:
@@ -304,7 +315,10 @@ def test_offload_moves_the_shards_their_gradients_and_adamw_to_the_host() -> Non
             assert moved[phase][role] == kept[phase][role], (phase, role)
     shard = -(-PROBE.parameters // 8) * 4
     offloaded = dataclasses.replace(request, offload=True)
-    assert planner.host_terms(PROBE, offloaded) == {"weights": shard, "gradients": shard, "optimizer state": 2 * shard}
+    host = {"weights": shard, "gradients": shard, "optimizer state": 2 * shard, "reference weights": 0}
+    assert planner.host_terms(PROBE, offloaded) == host
+    with_reference = dataclasses.replace(offloaded, beta=0.04)  # the reference's shards on the host too
+    assert planner.host_terms(PROBE, with_reference) == host | {"reference weights": shard}
     assert planner.host_terms(PROBE, request) == {}
     with pytest.raises(pydantic.ValidationError, match="offload runs through FSDP2"):
         PlanRequest(gpus=1, offload=True)

@@ -73,7 +73,8 @@ class GRPOTrainer:
 
     model: a transformers CausalLM, or an ``Engine`` over one (to set e.g. ``max_score_elements``, or context
         parallel ``shards``; its chunk size must equal ``config.chunk_size``). ref_model: the frozen KL reference
-        (needed when beta > 0); it is moved to the accelerator's device, put in eval mode and frozen.
+        (needed when beta > 0); it is moved to the accelerator's device (sharded as the policy when FSDP2 shards
+        the policy), put in eval mode and frozen; with context parallelism its state spreads as the policy's.
     mesh: the job's ``(dp, cp)`` mesh. The trainer's collectives (gradient sums, the batch pool) then run over its
         ``dp`` group only: the ``cp`` ranks of one dp rank hold the same groups and compute the same gradients.
         Without a mesh every process is a data-parallel rank (the default world group), as before. A model sharded
@@ -125,7 +126,7 @@ class GRPOTrainer:
         self.compute = self._compute_copy(self.accelerator.unwrap_model(self.model), shards is not None)
         computed = self.compute.compute if self.compute is not None else self.accelerator.unwrap_model(self.model)
         self.engine = Engine(computed, engine_config, shards=shards, weights=self.sharding.weights)
-        self.ref_sharding = _reference_sharding(ref_model, module, mesh)
+        self.ref_sharding = _reference_sharding(ref_model, module, mesh) if self.config.loss.beta > 0 else None
         weights = self.ref_sharding.weights if self.ref_sharding is not None else None
         self.ref_engine = reference_engine(ref_model, engine_config, module, shards, self.accelerator.device, weights)
         if self.config.loss.beta > 0 and self.ref_engine is None:
@@ -432,10 +433,16 @@ def _reference_sharding(
     """A policy FSDP2 shards gets its KL reference sharded the same way (the compute dtype and offload of the
     policy's), reached as the policy's weights are: a layer at a time where the step gathers so, else the whole
     model for the step. A frozen copy whole on every GPU would cost the whole model in the master dtype."""
-    if ref_model is None or mesh is None or not is_sharded(policy):
+    if ref_model is None:
         return None
     module = ref_model.model if isinstance(ref_model, Engine) else ref_model
+    if mesh is None or not is_sharded(policy):
+        if is_sharded(module):
+            raise ValueError("ref_model is sharded (FSDP2) but the policy is not: pass an unsharded frozen copy")
+        return None
     if not is_sharded(module):
-        mesh.fully_shard(module, compute_dtype(policy), offloaded(policy))
+        dtype = compute_dtype(policy)
+        mix = dtype if dtype != next(module.parameters()).dtype else None  # (a reference already in it: no mixing)
+        mesh.fully_shard(module, mix, offloaded(policy))
         module.requires_grad_(False)
     return mesh.sharding(module)
