@@ -573,13 +573,18 @@ def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
 
 def _reference_shards(probed: _Probe, request: PlanRequest) -> int:
     """What a GPU keeps of the KL reference between steps (beta > 0): on one GPU the whole frozen copy; sharded,
-    FSDP2 shards it as the policy (``trainer._reference_sharding``): its shards in the master dtype, on the host
-    when offloaded (``host_terms``)."""
+    FSDP2 shards it as the policy (``trainer._reference_sharding``): its shards in the compute dtype (frozen, it
+    needs no master weights), on the host when offloaded (``host_terms``)."""
     if request.beta == 0:
         return 0
     if request.gpus == 1:
         return probed.parameters * request.master_itemsize
-    return 0 if request.offload else -(-probed.parameters // request.shard_ranks) * request.master_itemsize
+    return 0 if request.offload else _reference_shard(probed, request)
+
+
+def _reference_shard(probed: _Probe, request: PlanRequest) -> int:
+    """A GPU's shard of the KL reference, in the compute dtype."""
+    return -(-probed.parameters // request.shard_ranks) * _itemsize(request.dtype)
 
 
 def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
@@ -589,7 +594,7 @@ def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
         return {}
     shard = -(-probed.parameters // request.shard_ranks) * request.master_itemsize
     host = {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
-    return host | {"reference weights": shard if request.beta > 0 else 0}
+    return host | {"reference weights": _reference_shard(probed, request) if request.beta > 0 else 0}
 
 
 def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:

@@ -293,8 +293,8 @@ def test_parameter_phases_follow_the_trainers_schedule(request_args: dict, captu
     expected = probe.parameters * request.master_itemsize
     if request.gpus > 1:
         whole = probe.root if request.by_layer else probe.parameters
-        expected = -(-probe.parameters // request.shard_ranks) * request.master_itemsize * (not request.offload)
-        expected += whole * request_itemsize(request)
+        shard = -(-probe.parameters // request.shard_ranks) * request_itemsize(request)  # (frozen: compute dtype)
+        expected = shard * (not request.offload) + whole * request_itemsize(request)
     assert with_reference["capture"]["reference weights"] == with_reference["backward"]["reference weights"]
     assert with_reference["capture"]["reference weights"] == expected
 
@@ -317,8 +317,8 @@ def test_offload_moves_the_shards_their_gradients_and_adamw_to_the_host() -> Non
     offloaded = dataclasses.replace(request, offload=True)
     host = {"weights": shard, "gradients": shard, "optimizer state": 2 * shard, "reference weights": 0}
     assert planner.host_terms(PROBE, offloaded) == host
-    with_reference = dataclasses.replace(offloaded, beta=0.04)  # the reference's shards on the host too
-    assert planner.host_terms(PROBE, with_reference) == host | {"reference weights": shard}
+    with_reference = dataclasses.replace(offloaded, beta=0.04)  # the reference's shards on the host too, in bf16
+    assert planner.host_terms(PROBE, with_reference) == host | {"reference weights": shard // 2}
     assert planner.host_terms(PROBE, request) == {}
     with pytest.raises(pydantic.ValidationError, match="offload runs through FSDP2"):
         PlanRequest(gpus=1, offload=True)

@@ -70,22 +70,24 @@ CASES = [
     pytest.param(STATE, 1, 2, "detached", "offload", id="state-dp1xcp2-detached-offload"),
     pytest.param(STATE, 1, 2, "exact", "offload-replicated-walk", id="state-dp1xcp2-exact-offload-replicated-walk"),
     pytest.param(WEIGHTS, 1, 2, "detached", "kl", id="weights-dp1xcp2-detached-kl"),
+    pytest.param(WEIGHTS, 1, 2, "detached", "kl-bfloat16", id="weights-dp1xcp2-detached-kl-mixed"),
     pytest.param(STATE, 1, 2, "exact", "kl", id="state-dp1xcp2-exact-kl"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("shape", "dp", "cp", "mode", "variant"), CASES)
 def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp, mode, variant) -> None:
-    """``variant``: the compute dtype of mixed precision, "kl" (beta 0.1: the KL reference sharded as the policy, its
-    state spread over the cp ranks), "hsdp" (sharded over each dp rank's cp ranks) or "offload"
-    (the shards, their gradients and AdamW's state on the host: the device's peak and the host's compared apart),
-    with exact mode's replicated walk (every cp rank recomputes every chunk, keeping no layer inputs) or not."""
+    """``variant``: the compute dtype of mixed precision; "kl" (beta 0.1: the KL reference sharded as the policy,
+    its state spread over the cp ranks; "kl-bfloat16" with mixed precision: its shards in bf16); "hsdp" (sharded
+    over each dp rank's cp ranks); or "offload" (the shards, their gradients and AdamW's state on the host: the
+    device's peak and the host's compared apart), with exact mode's replicated walk (every cp rank recomputes every
+    chunk, keeping no layer inputs) or not."""
     spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode}
     spec |= {"hsdp": variant == "hsdp", "offload": str(variant).startswith("offload")}
     spec |= {"wavefront_walk": not str(variant).endswith("replicated-walk")}
     spec |= shape | {
-        "compute_dtype": variant if variant in ("bfloat16",) else None,
-        "beta": 0.1 if variant == "kl" else 0.0,
+        "compute_dtype": "bfloat16" if str(variant).endswith("bfloat16") else None,
+        "beta": 0.1 if str(variant).startswith("kl") else 0.0,
     }
     plans = [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(cp)]
     for rank, measured in enumerate(_measure(tmp_path, spec)):

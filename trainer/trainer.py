@@ -430,9 +430,10 @@ def reference_engine(
 def _reference_sharding(
     ref_model: nn.Module | Engine | None, policy: nn.Module, mesh: ParallelMesh | None
 ) -> WeightSharding | None:
-    """A policy FSDP2 shards gets its KL reference sharded the same way (the compute dtype and offload of the
-    policy's), reached as the policy's weights are: a layer at a time where the step gathers so, else the whole
-    model for the step. A frozen copy whole on every GPU would cost the whole model in the master dtype."""
+    """A policy FSDP2 shards gets its KL reference sharded the same way (its shards in the policy's compute dtype,
+    offloaded where the policy's are), reached as the policy's weights are: a layer at a time where the step gathers
+    so, else the whole model for the step. A frozen copy whole on every GPU would cost the whole model in the
+    master dtype."""
     if ref_model is None:
         return None
     module = ref_model.model if isinstance(ref_model, Engine) else ref_model
@@ -442,7 +443,8 @@ def _reference_sharding(
         return None
     if not is_sharded(module):
         dtype = compute_dtype(policy)
-        mix = dtype if dtype != next(module.parameters()).dtype else None  # (a reference already in it: no mixing)
-        mesh.fully_shard(module, mix, offloaded(policy))
+        if dtype is not None:  # frozen: its shards need not be master weights (a gather casts to the same values)
+            module.to(dtype)
+        mesh.fully_shard(module, None, offloaded(policy))
         module.requires_grad_(False)
     return mesh.sharding(module)
