@@ -66,6 +66,7 @@ BACKWARD = {
     "branch_calls": 2.0,
     "decode_calls": 0.0,
     "comm": 0.0,
+    "host": 0.0,
 }
 COMPUTE_CLASSES = ("matmul", "attention", "attention_backward", "recurrent", "selection", "elementwise")
 EXACT_CHUNKS = 2048  # chunks counted one by one (beyond: runs summed from their ends)
@@ -87,6 +88,7 @@ class Work:
     branch_calls: float = 0.0
     decode_calls: float = 0.0
     comm: float = 0.0
+    host: float = 0.0  # bytes between host and device (offload: the shards in, their gradients out)
 
     def __add__(self, other: Work) -> Work:
         return Work(**{name: getattr(self, name) + getattr(other, name) for name in WORK_CLASSES})
@@ -273,10 +275,19 @@ class Schedule:
 
     def _gathers(self, passes: int) -> Work:
         """FSDP2's all-gathers of ``passes`` passes over the layers (a layer at a time; the step's one gather of the
-        whole model at dp > 1 without HSDP is counted in ``replay``)."""
+        whole model at dp > 1 without HSDP is counted in ``replay``), each shard copied from the host first where
+        the shards are offloaded."""
         if self.ranks == 1 or not self.request.by_layer or not self.sharded:
             return Work()
-        return Work(comm=passes * self.model.weight_bytes * (self.ranks - 1) / self.ranks)
+        return Work(comm=passes * self.model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(passes)
+
+    def _host(self, copies: int) -> Work:
+        """``copies`` of the rank's shards (master dtype) between host and device: with ``offload`` (FSDP2's CPU
+        offload) each gather copies the shards in and each reduction copies the gradient shards out."""
+        if not (self.request.offload and self.sharded and self.ranks > 1):
+            return Work()
+        shard = self.model.weight_bytes / self.model.dtype.itemsize * self.request.master_itemsize / self.ranks
+        return Work(host=copies * shard)
 
     def _merges(self, tokens: int) -> Work:
         """The partial attention results of ``tokens`` replicated positions, all-gathered over the cp ranks."""
@@ -311,12 +322,12 @@ class Schedule:
         forwards = 2.0 if request.engine.activation_checkpointing else 1.0
         member = forward.scaled(forwards) + forward.backward() + self.model.head(request.completion).scaled(4.0)
         member = member + self._merges(request.completion).scaled(2.0)  # the queries' gradient, all-reduced
-        gradients = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks)  # reduce-scattered
+        gradients = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(1)  # reduced
         per_member_gathers = self._gathers(2)
         step = Work()
         if self.sharded and self.ranks > 1:
             if not self.request.by_layer:  # the whole model gathered once, its gradient reduce-scattered once
-                step = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + gradients
+                step = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(1) + gradients
             else:
                 per_member_gathers = per_member_gathers + gradients
         if self.sharded and self.request.hsdp and request.data_parallel > 1:  # the replicas' gradient shards summed
@@ -339,6 +350,7 @@ class Schedule:
         if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
             share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
             parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
+            parameters = parameters + self._host(1 if self.sharded else 0)
         return recompute + backward + state_gradient + parameters + self._gathers(2)
 
     def _recurrent_segments(self) -> Work:
@@ -354,16 +366,17 @@ class Schedule:
         return segments + total(self.model.forward(chunk, m * chunk, entries_only=True) for m in kept).scaled(-1.0)
 
     def rollout(self) -> Work:
-        """Decoding ``completion`` tokens for every member in one batch, on one GPU (in process, its engine holding
-        the whole context), with FSDP2's gathers: each decode step's layers where the step gathers a layer at a time,
-        else the whole model once."""
+        """Decoding ``completion`` tokens for every member in one batch, the cp ranks together (``parallel.sampling``):
+        each rank reads the prompt's and the members' positions it holds (1/cp of them), every decode step's attention
+        partials merged over the ranks; with FSDP2's gathers: each decode step's layers where the step gathers a layer
+        at a time, else the whole model once (each copied from the host first where the shards are offloaded)."""
         request, model = self.request, self.model
-        group, prompt = request.group, self.captured
+        group, prompt, cp = request.group, self.captured, self.cp
         weights = min(model.weight_bytes, model.active_weight_bytes * group)  # the experts the batch chose, at most all
-        shared, head = model.state_bytes(prompt), model.head(1).matmul
+        shared, head = model.state_bytes(prompt) / cp, model.head(1).matmul
         steps = []
         for t in range(request.completion):
-            token = model.forward(1, prompt + t)
+            token = model.forward(1, -(-prompt // cp) + t)
             steps.append(
                 Work(
                     matmul=(token.matmul + head) * group,
@@ -371,16 +384,17 @@ class Schedule:
                     recurrent=token.recurrent * group,
                     selection=token.selection * group,
                     elementwise=token.elementwise * group,
-                    memory=weights + shared + group * model.state_bytes(t),
+                    memory=weights + shared + group * model.state_bytes(t) / cp,
                     gathered=token.gathered * group,
                     decode_calls=token.launches,
                 )
             )
+        merges = self._merges(group).scaled(request.completion)
         gathers = Work()
         if self.sharded and self.ranks > 1:
             passes = request.completion if request.by_layer else 1
-            gathers = Work(comm=passes * model.weight_bytes * (self.ranks - 1) / self.ranks)
-        return total(steps) + gathers
+            gathers = Work(comm=passes * model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(passes)
+        return total(steps) + merges + gathers
 
 
 # --- hardware -----------------------------------------------------------------------------------------------
@@ -408,6 +422,8 @@ class HardwareProfile(BaseModel):
     peak_flops: float = Field(gt=0)  # dense bf16 FLOP/s
     memory_bandwidth: float = Field(gt=0)  # bytes/s
     link_bandwidth: float = Field(gt=0)  # bytes/s per GPU and direction (NVLink, or the host's for a CPU)
+    # bytes/s per GPU and direction between host and device: PCIe Gen5 x16 (64 GB/s), as pinned copies reach it
+    host_bandwidth: float = Field(default=55e9, gt=0)
     launch_s: float = Field(ge=0)  # seconds per layer call or sequential step of a chunk (host-side)
     branch_call_s: float = Field(ge=0)  # ... of a branch's extend
     decode_call_s: float = Field(ge=0)  # ... of a batched decoding step
@@ -425,7 +441,7 @@ class HardwareProfile(BaseModel):
     def rates(self) -> dict[str, float]:
         """Units of each class per second."""
         rates = {name: peak * getattr(self.efficiency, name) for name, peak in self.peaks().items()}
-        return {**rates, "comm": self.link_bandwidth * self.efficiency.link}
+        return {**rates, "comm": self.link_bandwidth * self.efficiency.link, "host": self.host_bandwidth}
 
     def seconds(self, work: Work) -> dict[str, float]:
         """Seconds of each class of ``work`` (their sum is the phase's time)."""
@@ -567,29 +583,34 @@ class StepTime:
         """The step without rollouts (what a served policy leaves to the trainer's GPUs)."""
         return sum(s for name, s in self.phase_seconds().items() if name != "rollout")
 
-    def comm_share(self) -> float:
+    def comm_share(self, kind: str = "comm") -> float:
+        """The step's (without rollouts) share of ``kind``: "comm" (the interconnect's collectives and messages) or
+        "host" (offload's copies between host and device)."""
         train = [w for name, w in self.work.phases.items() if name != "rollout"]
-        comm = sum(self.profile.seconds(w)["comm"] for w in train)
-        return comm / max(self.training_seconds(), 1e-30)
+        spent = sum(self.profile.seconds(w)[kind] for w in train)
+        return spent / max(self.training_seconds(), 1e-30)
 
     def table(self) -> str:
         request = self.work.request
         lines = [
             f"Time model ({self.profile.name}; efficiencies: {self.profile.measured_on}) — a model output, "
             "not a measurement",
-            f"{'phase':<10} {'seconds':>10} {'compute':>9} {'comm':>9} {'memory':>9} {'launches':>9}  TFLOP",
+            f"{'phase':<10} {'seconds':>10} {'compute':>9} {'comm':>9} {'host':>9} {'memory':>9} {'launches':>9}"
+            "  TFLOP",
         ]
         for name, work in self.work.phases.items():
             spent = self.profile.seconds(work)
             compute = sum(spent[c] for c in COMPUTE_CLASSES)
             lines.append(
-                f"{name:<10} {sum(spent.values()):>10.2f} {compute:>9.2f} {spent['comm']:>9.2f} "
+                f"{name:<10} {sum(spent.values()):>10.2f} {compute:>9.2f} {spent['comm']:>9.2f} {spent['host']:>9.2f} "
                 f"{spent['memory']:>9.2f} {spent['launches']:>9.2f}  {work.flops / 1e12:.1f}"
             )
         gpus = f"each of {request.gpus} GPUs" if request.gpus > 1 else "one GPU"
         lines.append(
             f"step (without rollouts): {self.training_seconds():.1f} s on {gpus}, "
-            f"communication {100 * self.comm_share():.0f} % of it (not overlapped: an upper estimate)"
+            f"communication {100 * self.comm_share():.0f} % of it"
+            + (f", host copies {100 * self.comm_share('host'):.0f} %" if request.offload else "")
+            + " (not overlapped: an upper estimate)"
         )
         return "\n".join(lines)
 
