@@ -350,7 +350,7 @@ class Schedule:
         if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
             share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
             parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
-            parameters = parameters + self._host(1 if self.sharded else 0)
+            parameters = parameters + self._host(1 if self.request.by_layer else 0)  # (else: the step's reduction)
         return recompute + backward + state_gradient + parameters + self._gathers(2)
 
     def _recurrent_segments(self) -> Work:
@@ -376,7 +376,7 @@ class Schedule:
         shared, head = model.state_bytes(prompt) / cp, model.head(1).matmul
         steps = []
         for t in range(request.completion):
-            token = model.forward(1, -(-prompt // cp) + t)
+            token = model.forward(1, -(-(prompt + t) // cp))  # (decoded tokens spread over the ranks too)
             steps.append(
                 Work(
                     matmul=(token.matmul + head) * group,

@@ -93,6 +93,8 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
     for rank, measured in enumerate(_measure(tmp_path, spec)):
         plan = plans[measured["cp_rank"]]  # a later cp rank receives more of the earlier ranks' rows
         assert abs(measured["peak"] - plan.subtotal) <= 0.10 * measured["peak"], (rank, measured, plan.table())
+        policy_buffers, reference_buffers = measured["buffer_dtypes"]
+        assert reference_buffers == policy_buffers  # (the reference's RoPE tables stay fp32 when its shards are bf16)
         held = measured["role_peaks"]
         for role in PER_CATEGORY:
             planned = plan.categories[role]

@@ -444,7 +444,8 @@ def _reference_sharding(
     if not is_sharded(module):
         dtype = compute_dtype(policy)
         if dtype is not None:  # frozen: its shards need not be master weights (a gather casts to the same values)
-            module.to(dtype)
+            for param in module.parameters():  # (not its buffers: RoPE's inv_freq stays fp32, as the policy's)
+                param.data = param.data.to(dtype)
         mesh.fully_shard(module, None, offloaded(policy))
         module.requires_grad_(False)
     return mesh.sharding(module)

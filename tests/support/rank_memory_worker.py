@@ -114,6 +114,8 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             tracker.snapshot()  # every gradient shard reduced: the most the step holds of them
             measured = {"cp_rank": mesh.cp_rank, "peak": tracker.peak_bytes, "roles": tracker.peak_roles}
             measured["host_peak"] = tracker.host_peak_bytes
+            reference = trainer.ref_engine.model if trainer.ref_engine is not None else model
+            measured["buffer_dtypes"] = [[str(b.dtype) for b in m.buffers()] for m in (model, reference)]
             measured["role_peaks"] = tracker.role_peaks
             tracker.reset_peak()
             if not spec.get("history"):  # (an agent's rollout is a run's, turn by turn: not simulated here)
