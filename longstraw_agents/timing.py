@@ -131,6 +131,7 @@ class ModelWork:
     # them (norms, rotations, activations, residuals, merges) go over
     weight_bytes: float  # every parameter, in ``dtype``
     active_weight_bytes: float  # the weights one token reads (a mixture of experts: its routed share)
+    root_bytes: float = 0.0  # of ``weight_bytes``, the root unit's: embeddings, final norm, LM head (FSDP2's root)
 
     @classmethod
     def of(cls, config: PretrainedConfig, dtype: torch.dtype) -> ModelWork:
@@ -138,10 +139,11 @@ class ModelWork:
         itemsize = torch.empty((), dtype=dtype).element_size()
         last = f".layers.{config.num_hidden_layers - 1}."
         state = adapter.state_parameters(config)
-        linear = skipped = outputs = weights = active = 0.0
+        linear = skipped = outputs = weights = active = root = 0.0
         for name, p in meta_model(config, dtype).named_parameters():
             share = adapter.active_fraction(config, name)
             weights += p.numel() * itemsize
+            root += 0.0 if ".layers." in name else p.numel() * itemsize
             active += p.numel() * itemsize * share
             if ".layers." in name and p.dim() >= 2:  # matrices (and the depthwise convolution's kernel)
                 linear += 2.0 * p.numel() * share
@@ -149,11 +151,16 @@ class ModelWork:
                 outputs += p.shape[1 if packed_experts else 0] * share
                 if last in name and not name.endswith(state):
                     skipped += 2.0 * p.numel() * share
-        return cls(config, dtype, linear, skipped, outputs, weights, active)
+        return cls(config, dtype, linear, skipped, outputs, weights, active, root)
 
     @property
     def layers(self) -> int:
         return int(self.config.num_hidden_layers)
+
+    @property
+    def layer_bytes(self) -> float:
+        """The decoder layers' weights (``weight_bytes`` without the root unit's)."""
+        return self.weight_bytes - self.root_bytes
 
     def _skipped_share(self) -> float:
         return self.skipped_per_token / self.linear_per_token if self.linear_per_token else 0.0
@@ -200,8 +207,11 @@ class ModelWork:
         """The LM head's log-probs of ``tokens`` positions."""
         return Work(matmul=2.0 * self.config.hidden_size * self.config.vocab_size * tokens)
 
-    def state_bytes(self, positions: int) -> float:
-        return float(state_size(self.config, self.dtype).total(positions))
+    def state_bytes(self, positions: int, ranks: int = 1) -> float:
+        """A state of ``positions`` positions, as one of ``ranks`` context-parallel ranks holds it: its share of the
+        positions' entries, and the recurrent states whole (every rank steps them)."""
+        size = state_size(self.config, self.dtype)
+        return size.bytes_per_token * positions / ranks + (size.fixed_bytes if positions else 0)
 
     def attention_layers(self) -> int:
         return sum(1 for w in adapter_class(self.config).layer_work(self.config, 1, 0, self.itemsize) if w.attention)
@@ -273,21 +283,27 @@ class Schedule:
         """The first captured position of the last cp rank."""
         return min((self.cp - 1) * self.shard, self.captured)
 
-    def _gathers(self, passes: int) -> Work:
-        """FSDP2's all-gathers of ``passes`` passes over the layers (a layer at a time; the step's one gather of the
-        whole model at dp > 1 without HSDP is counted in ``replay``), each shard copied from the host first where
-        the shards are offloaded."""
+    def _gathers(self, passes: int, root: bool = False) -> Work:
+        """FSDP2's all-gathers of ``passes`` passes over the decoder layers, a layer at a time, and with ``root`` the
+        root unit's once (whole for a block: the step, a rollout); the step's one gather of the whole model at
+        dp > 1 without HSDP is counted in ``replay``."""
         if self.ranks == 1 or not self.request.by_layer or not self.sharded:
             return Work()
-        return Work(comm=passes * self.model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(passes)
+        return self._moved(passes * self.model.layer_bytes + (self.model.root_bytes if root else 0.0))
 
-    def _host(self, copies: int) -> Work:
-        """``copies`` of the rank's shards (master dtype) between host and device: with ``offload`` (FSDP2's CPU
-        offload) each gather copies the shards in and each reduction copies the gradient shards out."""
+    def _moved(self, nbytes: float) -> Work:
+        """An all-gather or a reduce-scatter of ``nbytes`` of weights (in the compute dtype) over the shard ranks,
+        and where the shards are offloaded (FSDP2's CPU offload) the rank's shard of them copied between host and
+        device (``_host_copy``: a gather copies it in, a reduction its gradient out)."""
+        if not self.sharded or self.ranks == 1:
+            return Work()
+        return Work(comm=nbytes * (self.ranks - 1) / self.ranks) + self._host_copy(nbytes)
+
+    def _host_copy(self, nbytes: float) -> Work:
+        """With ``offload``, the rank's shard of ``nbytes`` of weights, in the master dtype, over the host link."""
         if not (self.request.offload and self.sharded and self.ranks > 1):
             return Work()
-        shard = self.model.weight_bytes / self.model.dtype.itemsize * self.request.master_itemsize / self.ranks
-        return Work(host=copies * shard)
+        return Work(host=nbytes / self.model.dtype.itemsize * self.request.master_itemsize / self.ranks)
 
     def _merges(self, tokens: int) -> Work:
         """The partial attention results of ``tokens`` replicated positions, all-gathered over the cp ranks."""
@@ -307,7 +323,7 @@ class Schedule:
         request = self.request
         rows = Work(comm=self.model.state_bytes(self.first))  # the earlier ranks' rows, every layer
         chunks = self.model.chunked(self.first, self.captured, request.engine.chunk_size, entries_only=True)
-        return chunks + rows + self._gathers(1)
+        return chunks + rows + self._gathers(1, root=True)
 
     def scoring(self) -> Work:
         completion = self.request.completion
@@ -322,14 +338,14 @@ class Schedule:
         forwards = 2.0 if request.engine.activation_checkpointing else 1.0
         member = forward.scaled(forwards) + forward.backward() + self.model.head(request.completion).scaled(4.0)
         member = member + self._merges(request.completion).scaled(2.0)  # the queries' gradient, all-reduced
-        gradients = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(1)  # reduced
         per_member_gathers = self._gathers(2)
         step = Work()
         if self.sharded and self.ranks > 1:
             if not self.request.by_layer:  # the whole model gathered once, its gradient reduce-scattered once
-                step = Work(comm=self.model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(1) + gradients
-            else:
-                per_member_gathers = per_member_gathers + gradients
+                step = self._moved(self.model.weight_bytes).scaled(2.0)
+            else:  # each layer's gradient reduced as its backward ends; the root's (whole for the step) at the end
+                per_member_gathers = per_member_gathers + self._moved(self.model.layer_bytes)
+                step = self._moved(self.model.root_bytes)
         if self.sharded and self.request.hsdp and request.data_parallel > 1:  # the replicas' gradient shards summed
             dp = request.data_parallel
             step = step + Work(comm=2 * (dp - 1) / dp * self.model.weight_bytes / self.ranks)
@@ -350,7 +366,8 @@ class Schedule:
         if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
             share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
             parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
-            parameters = parameters + self._host(1 if self.request.by_layer else 0)  # (else: the step's reduction)
+            if self.request.by_layer:  # (else the step's one reduction copies it out)
+                parameters = parameters + self._host_copy(self.model.layer_bytes)
         return recompute + backward + state_gradient + parameters + self._gathers(2)
 
     def _recurrent_segments(self) -> Work:
@@ -373,7 +390,7 @@ class Schedule:
         request, model = self.request, self.model
         group, prompt, cp = request.group, self.captured, self.cp
         weights = min(model.weight_bytes, model.active_weight_bytes * group)  # the experts the batch chose, at most all
-        shared, head = model.state_bytes(prompt) / cp, model.head(1).matmul
+        shared, head = model.state_bytes(prompt, cp), model.head(1).matmul
         steps = []
         for t in range(request.completion):
             token = model.forward(1, -(-(prompt + t) // cp))  # (decoded tokens spread over the ranks too)
@@ -384,16 +401,13 @@ class Schedule:
                     recurrent=token.recurrent * group,
                     selection=token.selection * group,
                     elementwise=token.elementwise * group,
-                    memory=weights + shared + group * model.state_bytes(t) / cp,
+                    memory=weights + shared + group * model.state_bytes(t, cp),
                     gathered=token.gathered * group,
                     decode_calls=token.launches,
                 )
             )
         merges = self._merges(group).scaled(request.completion)
-        gathers = Work()
-        if self.sharded and self.ranks > 1:
-            passes = request.completion if request.by_layer else 1
-            gathers = Work(comm=passes * model.weight_bytes * (self.ranks - 1) / self.ranks) + self._host(passes)
+        gathers = self._gathers(request.completion, root=True) if request.by_layer else self._moved(model.weight_bytes)
         return total(steps) + merges + gathers
 
 

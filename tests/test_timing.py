@@ -212,8 +212,9 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
     dp1 = phases(gpus=2, cp=2)
     plain = phases(sharded=False, gpus=2, cp=2)
     assert dp1["capture"].comm - plain["capture"].comm == pytest.approx(weights / 2)  # one gather of every layer
-    per_branch = 2 * weights / 2 + weights / 2  # forward and backward gathers, the gradient reduce-scattered
-    assert dp1["replay"].comm - plain["replay"].comm == pytest.approx(GROUP * per_branch)
+    layers, root = model.layer_bytes, model.root_bytes  # the root unit: whole for the step, its gradient reduced once
+    per_branch = 2 * layers / 2 + layers / 2  # forward and backward gathers, the gradient reduce-scattered
+    assert dp1["replay"].comm - plain["replay"].comm == pytest.approx(GROUP * per_branch + root / 2)
     dp2 = phases(gpus=2, dp=2, cp=1)
     assert dp2["capture"].comm == 0  # no cp messages; the whole model is gathered once for the step
     assert dp2["replay"].comm == pytest.approx(weights / 2 + weights / 2)
@@ -221,7 +222,7 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
     # attention layer), and its layers gathered where the step gathers a layer at a time, else the model once
     merges = base["completion"] * GROUP * config.hidden_size * 4 * model.attention_layers() * (2 - 1)
     assert plain["rollout"].comm == pytest.approx(merges)
-    assert dp1["rollout"].comm == pytest.approx(merges + base["completion"] * weights / 2)
+    assert dp1["rollout"].comm == pytest.approx(merges + base["completion"] * layers / 2 + root / 2)
     assert dp2["rollout"].comm == pytest.approx(weights / 2)
     # HSDP over dp 2 x cp 2: a layer at a time over the 2 cp ranks, the replicas' gradient shards all-reduced once
     hsdp, flat = phases(gpus=4, dp=2, cp=2, hsdp=True), phases(gpus=4, dp=2, cp=2)
@@ -238,24 +239,33 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
 def test_offload_copies_the_shards_in_for_each_gather_and_their_gradients_out():
     """With ``offload`` (FSDP2's CPU offload) every gather first copies the rank's fp32 master shards to the device
     and every reduction copies the gradient shards back: the capture's one pass, a branch's two gathers and its
-    reduction, the walk's two passes and its reduction, a decode step's pass — over the host link, at its own rate;
-    the collectives themselves are unchanged."""
+    reduction, the walk's two passes and its reduction, a decode step's pass — of the decoder layers; the root unit
+    once per block — over the host link, at its own rate; the collectives themselves are unchanged."""
     config = TINY_PRESETS["llama"]()
     model = ModelWork.of(config, torch.bfloat16)
     base = {**_request("llama").__dict__, "dtype": torch.bfloat16, "gpus": 2, "cp": 2}
-    shard = model.weight_bytes / 2 * 4 / 2  # the rank's half, in fp32 masters (bf16 compute)
+
+    def shard(nbytes: float) -> float:  # the rank's half, in fp32 masters (bf16 compute)
+        return nbytes / 2 * 4 / 2
+
+    layers, root = shard(model.layer_bytes), shard(model.root_bytes)
 
     def phases(**options: bool) -> dict[str, Work]:
         schedule = Schedule(PlanRequest(**{**base, **options}), model)
         return {name: getattr(schedule, name)() for name in ("capture", "replay", "walk", "rollout")}
 
     kept, moved = phases(), phases(offload=True)
-    expected = {"capture": shard, "replay": GROUP * 3 * shard, "walk": 3 * shard, "rollout": COMPLETION * shard}
+    expected = {  # (the root unit whole for a block: gathered once, its gradient reduced once)
+        "capture": layers + root,
+        "replay": GROUP * 3 * layers + root,
+        "walk": 3 * layers,
+        "rollout": COMPLETION * layers + root,
+    }
     for name, host in expected.items():
         assert kept[name].host == 0 and moved[name].host == pytest.approx(host), name
         assert moved[name].comm == kept[name].comm, name
     profile = PROFILES["h200"]
-    assert profile.seconds(moved["replay"])["host"] == pytest.approx(GROUP * 3 * shard / profile.host_bandwidth)
+    assert profile.seconds(moved["replay"])["host"] == pytest.approx(expected["replay"] / profile.host_bandwidth)
 
 
 def test_the_walk_recomputes_the_recurrent_states_between_checkpoints():
