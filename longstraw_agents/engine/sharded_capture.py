@@ -12,7 +12,7 @@ from torch import Tensor
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, ChunkRecord, RecurrentState, State
 
-from .shards import ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
+from .shards import RUNS_HEADER, ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
 from .wavefront import LayerInputs
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class ShardedCapture:
         rank, past = self.ownership.rank, []
         for src in sorted(self.holders - {rank}):
             if src < rank or src in self.parent_holders:
-                message = self.transport.recv(src, i, self.engine.adapter.device)
+                message = self.transport.recv(src, i, self.engine.adapter.device, on_host=RUNS_HEADER)
                 past += [PastBlock(rows, None, start) for start, rows in incoming_runs(message)]
         past += self.engine.past_blocks(self.state.positioned_blocks(i), None)  # this rank's own, earlier
         return in_position_order(past)

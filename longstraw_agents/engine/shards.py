@@ -50,8 +50,9 @@ class Transport(Shards, Protocol):
         """Start sending ``tensors`` to rank ``dst`` (``flush`` waits for the sends); ``kind`` names the payload."""
         ...
 
-    def recv(self, src: int, tag: int, device: torch.device) -> tuple[Tensor, ...]:
-        """What rank ``src`` sent with ``tag``."""
+    def recv(self, src: int, tag: int, device: torch.device, on_host: int = 0) -> tuple[Tensor, ...]:
+        """What rank ``src`` sent with ``tag``, on ``device`` but its first ``on_host`` tensors (metadata read on
+        the host, e.g. ``outgoing_runs``' header: read from a device it would wait for the device)."""
         ...
 
     def flush(self, kind: str | None = None, keep: int = 0) -> None:
@@ -97,6 +98,9 @@ def in_position_order(blocks: list[PastBlock]) -> list[PastBlock]:
     return sorted(blocks, key=lambda block: block.start)
 
 
+RUNS_HEADER = 1  # a runs message's tensors read on the host: its header
+
+
 def outgoing_runs(blocks: Sequence[tuple[int, Block]]) -> list[Tensor]:
     """Positioned ``blocks`` as a message: an int64 ``[runs, 2]`` tensor of the (first position, length) of each run
     of consecutive positions in one arena, then each run's tensors — views of the arena on the CPU (no copy), in
@@ -114,7 +118,7 @@ def outgoing_runs(blocks: Sequence[tuple[int, Block]]) -> list[Tensor]:
 
 
 def incoming_runs(message: Sequence[Tensor]) -> list[tuple[int, tuple[Tensor, ...]]]:
-    """What ``outgoing_runs`` sent: ``(first position, rows)`` per run."""
+    """What ``outgoing_runs`` sent: ``(first position, rows)`` per run (received with ``on_host=RUNS_HEADER``)."""
     runs = message[0].tolist()
     per = (len(message) - 1) // max(len(runs), 1)  # the state's tensors
     return [(position, tuple(message[1 + k * per : 1 + (k + 1) * per])) for k, (position, _) in enumerate(runs)]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, State, StateGrad
 
-from .shards import ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
+from .shards import RUNS_HEADER, ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
 
 # The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat
 # copy of a whole model's gradient would hold a second gradient at once.
@@ -268,7 +268,7 @@ class WavefrontWalk:
         that sent it."""
         received = []
         for src in self.posted_by + self.walked_by:
-            message = self.transport.recv(src, tag + i, self.engine.adapter.device)
+            message = self.transport.recv(src, tag + i, self.engine.adapter.device, on_host=RUNS_HEADER)
             received += [(src, block) for block in self._past(message, sinks)]
         return received
 

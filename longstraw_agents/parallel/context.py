@@ -229,8 +229,9 @@ class GroupTransport:
         self._pending.setdefault(kind, []).append((works, message))
         self.sent_bytes[kind] += sum(_nbytes(t) for t in payload)
 
-    def recv(self, src: int, tag: int, device: torch.device) -> tuple[Tensor, ...]:
-        """What rank ``src`` sent with ``tag`` (blocks until it arrives), on ``device``."""
+    def recv(self, src: int, tag: int, device: torch.device, on_host: int = 0) -> tuple[Tensor, ...]:
+        """What rank ``src`` sent with ``tag`` (blocks until it arrives), on ``device`` but its first ``on_host``
+        tensors."""
         peer = dist.get_global_rank(self.group, src)
         channel = self.channels.channel(peer, self._me)
         began = time.perf_counter()
@@ -239,10 +240,10 @@ class GroupTransport:
         header = torch.empty(int(length), dtype=torch.int64)
         dist.recv(header, peer, group=channel, tag=tag)
         out = []
-        for dtype, shape in _parse(header):
+        for k, (dtype, shape) in enumerate(_parse(header)):
             t = torch.empty(shape, dtype=dtype)
             dist.recv(t, peer, group=channel, tag=tag)
-            out.append(t.to(device))
+            out.append(t if k < on_host else t.to(device))
         self.waited_s += time.perf_counter() - began
         return tuple(out)
 
