@@ -69,7 +69,6 @@ CASES = [
     pytest.param(STATE, 2, 2, "detached", "hsdp", id="state-dp2xcp2-detached-hsdp"),
     pytest.param(STATE, 1, 2, "detached", "offload", id="state-dp1xcp2-detached-offload"),
     pytest.param(STATE, 1, 2, "exact", "offload-replicated-walk", id="state-dp1xcp2-exact-offload-replicated-walk"),
-    pytest.param(WEIGHTS, 1, 2, "detached", "kl", id="weights-dp1xcp2-detached-kl"),
     pytest.param(WEIGHTS, 1, 2, "detached", "kl-bfloat16", id="weights-dp1xcp2-detached-kl-mixed"),
     pytest.param(STATE, 1, 2, "exact", "kl", id="state-dp1xcp2-exact-kl"),
 ]  # fmt: skip

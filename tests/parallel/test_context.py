@@ -26,7 +26,6 @@ EQUAL_TO_ONE_PROCESS = (
     "exact",  # GRPO gradients, wavefront walk
     "detached",
     "kl_exact",  # with a KL term: the reference's state spread over the ranks too
-    "kl_detached",
     "short_exact",  # a prompt that leaves ranks without chunks
     "replicated_exact",  # EngineConfig.wavefront_walk=False
     "shared_turn_exact",  # a loss-bearing fused root: its loss walked sharded
