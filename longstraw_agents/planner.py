@@ -564,11 +564,11 @@ def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
     """The KL reference's weights on a GPU during a step (beta > 0): its shards (``_reference_shards``) and, sharded,
     what the step holds whole in the compute dtype — the root unit where the step gathers a layer at a time (its
     layers are whole only while it scores, never at the policy's peak), else the whole model."""
+    shards = _reference_shards(probed, request)
     if request.beta == 0 or request.gpus == 1:
-        return _reference_shards(probed, request)
-    return _reference_shards(probed, request) + (probed.root if request.by_layer else probed.parameters) * _itemsize(
-        request.dtype
-    )
+        return shards
+    whole = probed.root if request.by_layer else probed.parameters
+    return shards + whole * _itemsize(request.dtype)
 
 
 def _reference_shards(probed: _Probe, request: PlanRequest) -> int:
@@ -731,10 +731,10 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     the prompt (cut evenly) and of the members' own tokens (each turn on the rank holding the least of the path,
     ties spread over the ranks), each member's turn while it is decoded (every rank computes it), and the largest
     sharded capture's rows (``capture_rows_bytes``; a decode step reads only the rows a rank holds) and working
-    set. On one GPU the whole prompt and every member's tokens, and
-    one layer's rows of the whole context gathered for attention (a chunk attends to all earlier rows at once). A
-    gather's buffer and the rows are never held at once (a layer is gathered before it computes): the larger
-    counts, the gather's beyond the rows under gathered weights."""
+    set. On one GPU the whole prompt and every member's tokens, and one layer's rows of the whole context gathered
+    for attention (a chunk attends to all earlier rows at once). A gather's buffer and the rows are never held at
+    once (a layer is gathered before it computes): the larger counts, the gather's beyond the rows under gathered
+    weights."""
     compute = _itemsize(request.dtype)
     parameters = measured.parameters[BACKWARD]
     whole, buffer = (n * compute for n in measured.rollout_whole)

@@ -90,14 +90,13 @@ def save_weight_parts(model: torch.nn.Module, parts: Iterable[dict[str, torch.Te
     def write(tmp: Path) -> None:
         model.config.save_pretrained(tmp)  # type: ignore[union-attr,operator]  # a transformers model's config
         weight_map: dict[str, str] = {}
-        names, total = [], 0
+        total = 0
         for index, part in enumerate(pending):
             name = f"part-{index:05d}.safetensors"
             if repeated := sorted(weight_map.keys() & part.keys()):
                 raise ValueError(f"tensors {repeated} are in two parts of the weights")
             save_file({k: t.contiguous() for k, t in part.items()}, tmp / name, metadata={"format": "pt"})
             weight_map |= dict.fromkeys(part, name)
-            names.append(name)
             total += sum(t.numel() * t.element_size() for t in part.values())
         index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2, sort_keys=True))

@@ -109,8 +109,8 @@ def write_session(inp: DecodeInput, new: tuple[Tensor, ...]) -> tuple[Tensor, ..
 def own_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Each member's query over its own (few, ragged) positions: matmul math in softmax precision.
 
-    q ``[B, H, D]``; keys ``[B, L, H_kv, D]``, values ``[B, L, H_kv, Dv]``, mask ``[B, L]``. Returns
-    ``(out [B, H, Dv], lse [B, H])``; a row that sees no key has out 0 and lse -inf (a partial that weighs nothing)."""
+    q ``[B, H, D]``; keys ``[B, L, H_kv, D]``, values ``[B, L, H_kv, Dv]``, mask ``[B, L]`` (every row sees at least
+    one key: its new position). Returns ``(out [B, H, Dv], lse [B, H])``."""
     batch, heads, _ = q.shape
     kv_heads = keys.shape[2]
     sdt = softmax_dtype(q.dtype)
@@ -118,8 +118,7 @@ def own_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: 
     scores = torch.matmul(qg, keys.to(sdt).permute(0, 2, 3, 1)) * scale  # [B, H_kv, G, L]
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
-    out = torch.matmul(weights, values.to(sdt).transpose(1, 2))  # [B, H_kv, G, Dv]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.to(sdt).transpose(1, 2))  # [B, H_kv, G, Dv]
     return out.reshape(batch, heads, -1), lse.reshape(batch, heads)
 
 

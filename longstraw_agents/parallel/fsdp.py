@@ -431,13 +431,6 @@ def _whole(tensor: Tensor) -> Tensor:
     return whole.detach().to("cpu", copy=True)
 
 
-def _shard_group(model: nn.Module) -> dist.ProcessGroup:
-    """The process group a sharded ``model``'s gathers run over: its mesh's sharded dimension."""
-    param = next(p for p in model.parameters() if isinstance(p, DTensor))
-    dim = next(d for d, placement in enumerate(param.placements) if placement.is_shard())
-    return param.device_mesh.get_group(dim)
-
-
 class _AfterBackward(torch.autograd.Function):
     """Identity on a layer's input; its backward runs once the layer's own backward has produced the input's
     gradient: then the layer's gradient is reduced into its shards."""

@@ -35,7 +35,6 @@ class SamplerCalls:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device | str = "cpu"):
         self.group, self.device = group, torch.device(device)
-        self.posted = 0  # calls posted or received
 
     @property
     def leads(self) -> bool:
@@ -62,7 +61,6 @@ class SamplerCalls:
     def _broadcast(self, call: tuple[str, tuple[Any, ...]] | None) -> tuple[str, tuple[Any, ...]] | None:
         box: list[Any] = [call]
         dist.broadcast_object_list(box, group=self.group, group_src=LEADER, device=self.device)
-        self.posted += 1
         return box[0]
 
 
