@@ -64,18 +64,26 @@ class Decoder:
         self.device = engine.adapter.device
         self._prefixes, self._group_of = _groups(members)
         starts = [0 if self._group_of[k] < 0 else self._prefixes[self._group_of[k]].num_tokens for k in self.live]
-        # what each growing layer reads of the state, per source: the prefixes' blocks, then each member's own
-        # blocks from before the session (after its prefix); with context parallelism, those held here
+        # what each growing layer reads of the state, per source: the prefixes' blocks, then (context parallelism)
+        # each member's own blocks from before the session, those held here. In one process a member's own
+        # positions are contiguous: they are loaded into its session buffers instead (one batched read per step,
+        # not a kernel call per member)
         sources = [(prefix.positioned_blocks, 0) for prefix in self._prefixes]
-        sources += [(m.state.positioned_blocks, start) for m, start in zip(members, starts, strict=True)]
+        if engine.shards is not None:
+            sources += [(m.state.positioned_blocks, start) for m, start in zip(members, starts, strict=True)]
         self._blocks = [
             [_views_after(blocks(i), start) for blocks, start in sources] if grows else []
             for i, grows in enumerate(self._grows())
         ]
         self._positions = torch.tensor([m.state.num_tokens for m in members], dtype=torch.long, device=self.device)
-        self._session_start = self._positions.clone()
+        loaded = [m.state.num_tokens - start for m, start in zip(members, starts, strict=True)]
+        self._loaded = loaded if engine.shards is None else [0] * len(members)  # own positions in the buffers
+        self._session_start = self._positions - torch.tensor(self._loaded, dtype=torch.long, device=self.device)
         self._stepped = [0] * len(members)  # tokens given to each member in this session
-        self._session = [self._new_session(i, 1 + reserve) if grows else () for i, grows in enumerate(self._grows())]
+        capacity = max(self._loaded) + 1 + reserve
+        self._session = [
+            self._load_session(i, capacity, starts) if grows else () for i, grows in enumerate(self._grows())
+        ]
         self._groups: tuple[list[int], tuple[DecodeGroup, ...]] | None = None
         self._recurrent = [() if grows else self._load_recurrent(i) for i, grows in enumerate(self._grows())]
 
@@ -88,7 +96,7 @@ class Decoder:
         ids = as_token_ids(tokens, vocab_size=adapter.vocab_size).to(self.device)
         if ids.shape[0] != len(self.live):
             raise ValueError(f"{len(self.live)} members in the batch but {ids.shape[0]} tokens")
-        lengths = [self._stepped[k] for k in self.live]
+        lengths = [self._loaded[k] + self._stepped[k] for k in self.live]
         self._reserve_session(max(lengths) + 1)
         session_lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
         slots = torch.arange(max(lengths) + 1, device=self.device)
@@ -134,18 +142,27 @@ class Decoder:
         first_own = len(self._prefixes)
         holds = self._blocks[self._grows().index(True)] if any(self._grows()) else []
         for row, k in enumerate(self.live):
-            if holds and holds[first_own + k]:
+            if len(holds) > first_own + k and holds[first_own + k]:
                 rows[first_own + k] = [row]
         present = sorted(rows)
         return present, tuple(DecodeGroup(torch.tensor(rows[j], device=self.device)) for j in present)
 
-    def _new_session(self, layer: int, capacity: int) -> tuple[Tensor, ...]:
-        """Empty session buffers ``[B, capacity, *shape]`` of ``layer``."""
+    def _load_session(self, layer: int, capacity: int, starts: list[int]) -> tuple[Tensor, ...]:
+        """Session buffers ``[B, capacity, *shape]`` of ``layer``, each member's first ``_loaded`` slots holding its
+        own positions after its prefix (``starts``)."""
         adapter = self.engine.adapter
-        return tuple(
+        buffers = tuple(
             torch.zeros((len(self.members), capacity, *shape), dtype=adapter.dtype, device=self.device)
             for shape in adapter.layers[layer].mixer.state_shapes()
         )
+        for row, (member, start) in enumerate(zip(self.members, starts, strict=True)):
+            if self._loaded[row]:
+                at = 0
+                for _, views in _views_after(member.state.positioned_blocks(layer), start):
+                    for buffer, view in zip(buffers, views, strict=True):
+                        buffer[row, at : at + view.shape[0]] = view
+                    at += views[0].shape[0]
+        return buffers
 
     def _load_recurrent(self, layer: int) -> tuple[Tensor, ...]:
         """The members' recurrent states of ``layer`` stacked ``[B, ...]``."""
@@ -171,8 +188,9 @@ class Decoder:
         engine = self.engine
         [(_, _, owner)] = engine.pieces(state, n, n)
         arenas = engine.arenas_for(state, n if engine.owns(owner) else 0, engine.reserve_share(self.reserve))
+        lo = self._loaded[k]
         entries = [  # (``record`` copies a recurrent state out of the batch's tensor)
-            tuple(b[row, :n] for b in session) if session else tuple(t[row] for t in stacked)
+            tuple(b[row, lo : lo + n] for b in session) if session else tuple(t[row] for t in stacked)
             for session, stacked in zip(self._session, self._recurrent, strict=True)
         ]
         return state.append(engine.record(state.num_tokens, n, entries, arenas, owner))
