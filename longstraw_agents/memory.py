@@ -18,7 +18,8 @@ peak (looked up whenever the peak has risen by ``resolution`` of itself since th
 true peak), the rest under ``"other"``, and ``role_peaks`` the most each held at those looks and at each
 ``snapshot()`` (call it where a role is at its most between peaks, e.g. after an optimizer step). A tensor that
 joins a role by assignment (``p.grad = t``) counts under it from the next look on. For tests and benchmarks on
-small models (each look walks every role's tensors); one thread at a time (the counts are not locked).
+small models (each look walks every role's tensors). A dispatch mode is a thread's own: a thread working for the
+watched code (``parallel.lanes``' serving threads) enters it too, and the counts are locked.
 
 Placement: the counts above are the device's. A storage allocated inside ``host_placement()`` — where offloading
 code puts what it keeps on the host (FSDP2's offloaded shards, their gradients, the optimizer's step) — counts in
@@ -36,6 +37,7 @@ machine, where host and device are one memory, the tag is what tells them apart.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -92,6 +94,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_roles: dict[str, int] = {}
         self.role_peaks: dict[str, int] = {}
         self._looked_at = 0  # current_bytes at the last look at the roles at a peak
+        self._lock = threading.RLock()  # (reentrant: a storage's finalizer may run inside a count, on its thread)
 
     def __enter__(self) -> MemoryTracker:
         _STORAGE_RESIZES.watch(self)
@@ -105,6 +108,11 @@ class MemoryTracker(TorchDispatchMode):
         before = {id(t): _storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         inputs = set(before.values())
         out = func(*args, **(kwargs or {}))
+        with self._lock:
+            self._count_outputs(out, before, inputs)
+        return out
+
+    def _count_outputs(self, out: Any, before: dict[int, int], inputs: set[int]) -> None:
         for item in tree_flatten(out)[0]:
             if not isinstance(item, torch.Tensor):
                 continue
@@ -119,7 +127,6 @@ class MemoryTracker(TorchDispatchMode):
             # .grad buffers stay uncounted however they are viewed or updated. Only fresh storages start counting.
             if entry is not None or key not in inputs:
                 self._track(item, key)
-        return out
 
     def _track(self, tensor: torch.Tensor, key: int) -> None:
         if key not in self._live:
@@ -150,11 +157,12 @@ class MemoryTracker(TorchDispatchMode):
         """A storage was resized in place (``UntypedStorage.resize_``): a counted one changes size; one that grows
         from nothing (FSDP2 gathering into the storage it freed before this tracker opened) starts to count."""
         key = storage._cdata
-        entry = self._live.get(key)
-        if entry is not None:
-            self._resize(entry, storage.nbytes())
-        elif storage.nbytes():
-            self._count(storage, key)
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None:
+                self._resize(entry, storage.nbytes())
+            elif storage.nbytes():
+                self._count(storage, key)
 
     def snapshot(self) -> dict[str, int]:
         """Each role's bytes on the device now (storages this tracker counts, or that existed before it:
@@ -180,9 +188,10 @@ class MemoryTracker(TorchDispatchMode):
         return by_role
 
     def _release(self, key: int) -> None:
-        entry = self._live.pop(key, None)
-        if entry is not None:
-            self._resize(entry, 0)
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._resize(entry, 0)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self._looked_at = self.current_bytes

@@ -448,4 +448,4 @@ def _reference_sharding(
                 param.data = param.data.to(dtype)
         mesh.fully_shard(module, None, offloaded(policy))
         module.requires_grad_(False)
-    return mesh.sharding(module)
+    return mesh.sharding(module, role="reference")

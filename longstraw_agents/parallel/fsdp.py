@@ -337,12 +337,16 @@ class LayerGather:
 
     def _release(self, layer: int | None, partial: bool) -> None:
         self._free(layer)
-        whole, shards = self._whole[layer], self._registered(layer)
+        self._reduce(layer, self._whole[layer], partial)
+        self._start_ahead()
+
+    def _reduce(self, layer: int | None, whole: dict[str, nn.Parameter], partial: bool) -> None:
+        """The gradient layer ``layer``'s whole copy accumulated, summed into its shards."""
+        shards = self._registered(layer)
         if partial:
             self._reduce_partial(whole, shards)
         else:
             _reduce_into_shards(whole, shards, self.replicas, self.host)
-        self._start_ahead()
 
     def _reduce_partial(self, whole: dict[str, nn.Parameter], shards: dict[str, Any]) -> None:
         """Each rank's share summed into the shards, asynchronously; a rank without a share gives zeros (it must
@@ -449,7 +453,7 @@ class _AfterBackward(torch.autograd.Function):
 def _settle(flight: list[tuple[DTensor, DTensor]], host: bool) -> None:
     """Wait for the reductions of one release and add them into their shards' gradients."""
     for shard, reduced in flight:
-        _add_into(shard, reduced.to_local(), host)
+        add_into_shard(shard, reduced.to_local(), host)
 
 
 def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], replicas: int, host: bool) -> None:
@@ -464,10 +468,10 @@ def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], 
         grad = grad.to(shard.dtype)
         if replicas > 1:
             grad.div_(replicas)
-        _add_into(shard, _reduce_scatter(grad, shard).to_local(), host)
+        add_into_shard(shard, _reduce_scatter(grad, shard).to_local(), host)
 
 
-def _add_into(shard: DTensor, local: Tensor, host: bool) -> None:
+def add_into_shard(shard: DTensor, local: Tensor, host: bool) -> None:
     """This rank's part of a reduced gradient added into ``shard``'s gradient; with ``host`` (an offloaded shard)
     copied to the host first, as soon as it is complete, so that the device keeps no gradient shard."""
     if isinstance(local, AsyncCollectiveTensor):  # (a reduction started asynchronously: waited for here)

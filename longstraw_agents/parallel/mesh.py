@@ -25,10 +25,10 @@ from longstraw_agents.parallel.fsdp import (
     LayerGather,
     WeightSharding,
     gathered,
-    gathers_by_layer,
     is_sharded,
     shard_model,
 )
+from longstraw_agents.parallel.lanes import LaneGather, LaneGroups
 
 AcrossNodes = Literal["dp", "cp"]
 
@@ -121,13 +121,18 @@ class ParallelMesh:
         with gathered(model, replicas=self.mesh["cp"].size()):
             yield
 
-    def sharding(self, model: nn.Module) -> WeightSharding:
-        """How a step reaches ``model``'s weights on this mesh. Sharded, with dp = 1 — every rank of the shard mesh a
-        cp rank, computing in lockstep — the engine gathers a layer at a time (``LayerGather``); with dp > 1 the dp
-        ranks' groups differ in shape (their trees, so their numbers of layer passes), and a gather is a collective
-        over all of them: the step gathers the whole model once — unless ``hsdp``, where a gather spans one dp
-        rank's cp ranks only."""
+    def sharding(self, model: nn.Module, role: str = "policy") -> WeightSharding:
+        """How a step reaches ``model``'s weights on this mesh: sharded, the engine gathers a decoder layer at a time.
+        At dp = 1 every rank of the shard mesh is a cp rank, computing in lockstep (``LayerGather``); so are each
+        dp rank's with ``hsdp`` (a gather spans them only). Sharded over dp > 1 ranks, whose groups differ in shape
+        (their trees, so their numbers of layer passes), each dp rank gathers on a communicator of its own, served
+        by the others (``LaneGather``; ``role`` names the model's: the policy's and the reference's serve at
+        once)."""
         replicas = self.mesh["cp"].size()
-        if is_sharded(model) and gathers_by_layer(self.mesh["dp"].size(), self.hsdp):
+        if not is_sharded(model):
+            return WeightSharding(model, None, replicas)
+        dp = self.mesh["dp"].size()
+        if dp == 1 or self.hsdp:
             return WeightSharding(model, LayerGather(model, replicas), replicas, replicated=self.hsdp)
-        return WeightSharding(model, None, replicas)
+        lanes = LaneGroups.over(self.shard_mesh, self.mesh.mesh.tolist(), role)
+        return WeightSharding(model, LaneGather(model, replicas, lanes), replicas)

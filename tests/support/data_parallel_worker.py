@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
 from longstraw_agents.parallel.fsdp import offloaded
+from longstraw_agents.parallel.lanes import LaneGather
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
 from longstraw_agents.trainer.group import Group
 
@@ -91,12 +92,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "re
 
 
 @contextlib.contextmanager
-def stray_collectives(mesh: ParallelMesh) -> Iterator[list[str]]:
+def stray_collectives(mesh: ParallelMesh, lanes: Sequence[dist.ProcessGroup] = ()) -> Iterator[list[str]]:
     """The names of the collectives called while the block runs on a group other than the mesh's dp and cp groups
-    (no ``group`` means the default world group, which a dimension spanning every process may be)."""
+    and the shard mesh's lanes (``lanes``; no ``group`` means the default world group, which a dimension spanning
+    every process may be)."""
     calls: list[str] = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
-    allowed = {mesh.dp_group, mesh.cp_group} | ({mesh.shard_mesh.get_group()} if mesh.shard_mesh.ndim == 1 else set())
+    allowed = {mesh.dp_group, mesh.cp_group, *lanes}
+    allowed |= {mesh.shard_mesh.get_group()} if mesh.shard_mesh.ndim == 1 else set()
 
     def recording(name: str, fn):
         def call(*args, group=None, **kwargs):
@@ -162,7 +165,8 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])
-    with stray_collectives(mesh) as stray:
+    weights = trainer.sharding.weights
+    with stray_collectives(mesh, weights.lanes.groups if isinstance(weights, LaneGather) else ()) as stray:
         metrics = trainer.train_step(share(step_groups(trainer), mesh))
     if "save" in spec:
         trainer.save_checkpoint(spec["save"])

@@ -140,10 +140,9 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
         assert result["stray_collectives"] == [], rank
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
         assert result["offloaded"] == offload, rank
-        if dp == 1 or hsdp:  # (what the planner counts: longstraw_agents/planner.py, _whole_at_once)
-            assert 1 <= result["most_gathered"] <= prefetch_window(cp) + 1 < 4, rank
-        else:  # (dp ranks' trees differ: the step gathers the whole model once)
-            assert result["most_gathered"] is None, rank
+        # a layer at a time (what the planner counts: longstraw_agents/planner.py, _whole_at_once); at dp 2 without
+        # HSDP each dp rank on a communicator of its own (``parallel.lanes``)
+        assert 1 <= result["most_gathered"] <= prefetch_window(cp) + 1 < 4, rank
     shards = cp if hsdp else dp * cp  # (ranks are numbered cp-major: rank = dp_rank * cp + cp_rank)
     for name, (_, shape) in ranks[0]["sizes"].items():
         held = [r["sizes"][name][0] for r in ranks]

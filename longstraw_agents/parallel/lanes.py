@@ -1,0 +1,329 @@
+"""FSDP2 over every rank of a (dp, cp) mesh with dp > 1, a decoder layer at a time: the dp ranks as lanes.
+
+Each dp rank — a lane: its cp ranks, which compute in lockstep — trains its own groups, whose trees differ in shape,
+so one lane gathers and reduces its layers a different number of times, in a different order, than another. A
+gather or a reduction over the whole shard mesh is a collective, which every rank must post in the same order:
+posted by each lane from its own schedule, they would not match. ``LaneGather`` gives every lane a communicator of
+its own over the whole shard mesh (``LaneGroups``). A lane's ranks post its gathers and reductions there as its
+schedule reaches them, as ``LayerGather`` does at dp = 1; every other rank serves them, from a thread per lane, in
+the order the lane posts them — each announced by a control message (what comes: a gather or a reduction of which
+unit, and which parameters had a gradient on the lane's ranks).
+
+The data moves by all-to-all, not all-gather and reduce-scatter: a serving rank sends its shard of a gathered layer
+to the lane's ranks and receives none of it, and receives only its own rows of a reduced gradient (summed over the
+lane's ranks where it adds them into its shard). A lane's gather moves what a gather over the shard mesh moves into
+its ranks, and nothing into the others'. What a served lane costs a rank: its shard of the layer, copied once per
+lane rank for the send (1/dp of the layer), and its rows of a gradient.
+
+Every rank adds what it received into its shards' gradients on its own thread (the step's), at the lane's next
+release, settle, or the block's end; a parameter no rank had a gradient for in any reduction of the block, and none
+before it, keeps none (an expert no token chose), as in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+from .fsdp import LayerGather, add_into_shard
+
+GATHER, REDUCE, PARTIAL, DONE = 1, 2, 3, 4  # what a control message announces
+_HEADER = 2  # a control message: [kind, unit + 1 (0: the root), had a gradient per parameter...]
+
+
+@dataclass(frozen=True)
+class LaneGroups:
+    """A communicator per lane (dp rank), each over every rank of the shard mesh, in the shard mesh's rank order:
+    ``groups[l]`` carries lane ``l``'s gathers and reductions, ``members[l]`` its ranks (as ranks of that
+    communicator), ``lane`` is this rank's."""
+
+    groups: list[dist.ProcessGroup]
+    members: list[list[int]]
+    lane: int
+    rank: int  # this rank's rank in every one of them (the shard mesh's)
+    size: int
+
+    _made: ClassVar[dict[tuple[Any, ...], LaneGroups]] = {}
+
+    @classmethod
+    def over(cls, shard_mesh: DeviceMesh, lanes: Sequence[Sequence[int]], role: str) -> LaneGroups:
+        """The lane groups of ``role`` (one set per model: the policy's and the reference's serve at once) for the
+        lanes ``lanes`` (global ranks, each lane's in its cp order) of ``shard_mesh`` (one dimension: dp x cp
+        flattened). Made by every process of the job, in the same order (``new_group`` is a collective call)."""
+        ranks = sorted(int(r) for r in shard_mesh.mesh.flatten().tolist())
+        key = (id(dist.group.WORLD), role, tuple(ranks), tuple(tuple(int(r) for r in lane) for lane in lanes))
+        if key not in cls._made:
+            groups = [dist.new_group(ranks) for _ in lanes]
+            me = dist.get_rank()
+            mine = next(lane for lane, members in enumerate(key[3]) if me in members)
+            shard_rank = shard_mesh.get_local_rank()
+            if ranks.index(me) != shard_rank:
+                raise ValueError(f"rank {me} is rank {shard_rank} of the shard mesh, not its rank-order place")
+            members = [[ranks.index(r) for r in lane] for lane in key[3]]
+            cls._made[key] = cls(groups, members, mine, shard_rank, len(ranks))
+        return cls._made[key]
+
+
+class _LaneAllGather(AllGather):
+    """FSDP2's all-gather of one unit (``FSDPModule.set_custom_all_gather``) for a rank of a lane: the control
+    message, then this rank's shard to each of the lane's ranks, and every rank's into ``output`` (the layout of an
+    all-gather over the shard mesh)."""
+
+    def __init__(self, gather: LaneGather, layer: int | None):
+        self.gather, self.layer = gather, layer
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        lanes = self.gather.lanes
+        self.gather._post_control(GATHER, self.layer)
+        return _send_shard(input_tensor, lanes, lanes.lane, output_tensor, async_op)
+
+
+class LaneGather(LayerGather):
+    """``LayerGather`` over a model sharded over every rank of a mesh with dp > 1 (``lanes``): this rank's lane
+    gathers and reduces on its own communicator, and this rank serves the other lanes' from threads while a block of
+    the root unit is open (``gathered(None)``: the step, a block of sampling) — every lane opens one, and leaves it
+    once its own work is done and every other lane's has been served."""
+
+    def __init__(self, model: nn.Module, replicas: int, lanes: LaneGroups, window: int | None = None):
+        super().__init__(model, replicas, window)
+        self.lanes = lanes
+        units = [None, *range(len(self.units))]
+        self._params = {layer: _fsdp_params(self._unit(layer)) for layer in units}
+        # each unit's shards by name, taken while every unit is sharded (the same objects however a unit is held
+        # later: the serving threads read them while the step may hold the unit whole)
+        self._shards = {layer: _sharded(self._registered(layer)) for layer in units}
+        self._width = _HEADER + max(len(shards) for shards in self._shards.values())
+        for layer in self._params:
+            unit: Any = self._unit(layer)  # an FSDPModule
+            unit.set_custom_all_gather(_LaneAllGather(self, layer))
+        self._controls: list[tuple[dist.Work, Tensor, list[DTensor]]] = []  # posted here this block
+        self._arrived: list[tuple[DTensor, Tensor]] = []  # served reductions' rows, for the step's thread to add
+        self._anyone: dict[int, list[Any]] = {}  # id(shard) -> [shard, had a gradient before the block, anyone had]
+        self._lock = threading.Lock()
+        self._servers: list[threading.Thread] = []
+        self._failures: list[BaseException] = []
+
+    @contextlib.contextmanager
+    def gathered(self, layer: int | None, partial: bool = False) -> Iterator[None]:
+        if layer is not None or None in self._blocks:
+            with super().gathered(layer, partial):
+                yield
+            return
+        self._serve_other_lanes()
+        with super().gathered(None):
+            yield
+        self._end_of_block()
+
+    # --- this lane's reductions -------------------------------------------------------------------------------
+    def _reduce(self, layer: int | None, whole: dict[str, nn.Parameter], partial: bool) -> None:
+        """Layer ``layer``'s gradient to the shards: each parameter's rows to the rank holding them (all of them
+        with ``partial``, zeros where this rank has none, asynchronously; else the ones with a gradient, every lane
+        rank holding the same, waited for here)."""
+        self._add_arrived()
+        shards = self._shards[layer]
+        had = [whole[name].grad is not None for name in shards]
+        if not (partial or any(had)):  # (a frozen model's, or no gradient reached it: the lane's ranks agree)
+            return
+        self._post_control(PARTIAL if partial else REDUCE, layer, had, list(shards.values()))
+        flight = []
+        for (name, shard), has in zip(shards.items(), had, strict=True):
+            param = whole[name]
+            if not (has or partial):
+                continue
+            grad = param.grad.to(shard.dtype) if has else torch.zeros_like(param, dtype=shard.dtype)  # type: ignore[union-attr]
+            param.grad = None
+            if not partial and self.replicas > 1:
+                grad = grad / self.replicas  # (the lane's cp ranks each hold the whole gradient)
+            flight.append(_send_rows(grad, shard, self.lanes, self.lanes.lane, async_op=True))
+        if partial:
+            self._reducing.append(flight)  # type: ignore[arg-type]
+            while len(self._reducing) > self.window:
+                self._add_rows(self._reducing.popleft())  # type: ignore[arg-type]
+        else:
+            self._add_rows(flight)
+
+    def settle(self) -> None:
+        """Wait for this lane's reductions in flight (which parameters keep no gradient is settled at the block's
+        end, once every lane's reductions are in)."""
+        while self._reducing:
+            self._add_rows(self._reducing.popleft())  # type: ignore[arg-type]
+        self._add_arrived()
+
+    def _add_rows(self, flight: list[tuple[DTensor, Tensor, dist.Work]]) -> None:
+        for shard, received, work in flight:
+            work.wait()
+            self._add(shard, _summed_rows(received, shard, len(self.lanes.members[self.lanes.lane])))
+
+    def _add(self, shard: DTensor, rows: Tensor) -> None:
+        self._anyone.setdefault(id(shard), [shard, shard.grad is not None, False])  # (before the first add)
+        add_into_shard(shard, rows, self.host)
+
+    def _add_arrived(self) -> None:
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+        for shard, rows in arrived:
+            self._add(shard, rows)
+
+    # --- control ----------------------------------------------------------------------------------------------
+    def _post_control(
+        self, kind: int, layer: int | None, had: Sequence[bool] = (), shards: Sequence[DTensor] = ()
+    ) -> None:
+        """Announce this lane's next operation on its communicator (every lane rank posts the same; the others'
+        threads read it). With a reduction, which parameters had a gradient here: the maximum over the lane's ranks
+        is which had one anywhere."""
+        message = torch.zeros(self._width, dtype=torch.int64)
+        message[0], message[1] = kind, 0 if layer is None else layer + 1
+        message[_HEADER : _HEADER + len(had)] = torch.tensor(list(had), dtype=torch.int64)
+        group = self.lanes.groups[self.lanes.lane]
+        work = dist.all_reduce(message, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self._controls.append((work, message, list(shards)))
+
+    def _end_of_block(self) -> None:
+        """This lane is done: tell the others' threads, wait for this rank's to finish serving theirs, add what
+        they received, and settle which parameters keep no gradient."""
+        self._post_control(DONE, None)
+        for server in self._servers:
+            server.join()
+        self._servers.clear()
+        if self._failures:
+            failure, self._failures = self._failures[0], []
+            raise RuntimeError("serving another lane's gathers and reductions failed") from failure
+        self.settle()
+        for work, message, shards in self._controls:
+            work.wait()
+            for shard, had in zip(shards, message[_HEADER:].tolist(), strict=False):
+                self._anyone.setdefault(id(shard), [shard, shard.grad is not None, False])[2] |= bool(had)
+        self._controls.clear()
+        for shard, before, anyone in self._anyone.values():
+            if not before and not anyone:
+                shard.grad = None
+        self._anyone.clear()
+
+    # --- serving the other lanes ------------------------------------------------------------------------------
+    def _serve_other_lanes(self) -> None:
+        state: Any = self.model._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule
+        state._lazy_init()  # what the root's first gather does: a thread may serve a unit before this rank gathers it
+        modes = _get_current_dispatch_mode_stack()  # what watches the step's ops (a memory tracker) watches these
+        for lane in range(len(self.lanes.members)):
+            if lane != self.lanes.lane:
+                server = threading.Thread(target=self._serve, args=(lane, modes), daemon=True, name=f"lane{lane}")
+                server.start()
+                self._servers.append(server)
+
+    def _serve(self, lane: int, modes: Sequence[Any]) -> None:
+        group = self.lanes.groups[lane]
+        for mode in modes:
+            _push_mode(mode)
+        try:
+            with torch.no_grad():
+                while True:
+                    message = torch.zeros(self._width, dtype=torch.int64)
+                    dist.all_reduce(message, op=dist.ReduceOp.MAX, group=group)
+                    kind, unit, *had = message.tolist()
+                    layer = None if unit == 0 else unit - 1
+                    if kind == DONE:
+                        return
+                    if kind == GATHER:
+                        _send_shard(_packed_shard(self._params[layer]), self.lanes, lane, None, False)
+                    else:
+                        self._serve_reduction(lane, layer, had, partial=kind == PARTIAL)
+        except BaseException as failure:  # (raised on the step's thread at the block's end)
+            import traceback; traceback.print_exc()
+            self._failures.append(failure)
+        finally:
+            for _ in modes:
+                _pop_mode()
+
+    def _serve_reduction(self, lane: int, layer: int | None, had: Sequence[int], partial: bool) -> None:
+        for (_, shard), has in zip(self._shards[layer].items(), had, strict=False):
+            if not (has or partial):
+                continue
+            empty = torch.empty(0, dtype=shard.dtype, device=shard.to_local().device)
+            _, received, work = _send_rows(empty, shard, self.lanes, lane, async_op=False)
+            rows = _summed_rows(received, shard, len(self.lanes.members[lane]))
+            with self._lock:
+                self._arrived.append((shard, rows))
+                self._anyone.setdefault(id(shard), [shard, shard.grad is not None, False])[2] |= bool(has)
+            del work
+
+
+
+def _sharded(parameters: dict[str, nn.Parameter]) -> dict[str, DTensor]:
+    return {name: p for name, p in parameters.items() if isinstance(p, DTensor)}
+
+
+def _fsdp_params(unit: nn.Module) -> list[Any]:
+    """FSDP2's parameters of one unit (its param group's), whose packed shards its all-gather sends."""
+    state: Any = unit._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule
+    return state._fsdp_param_group.fsdp_params
+
+
+def _packed_shard(fsdp_params: list[Any]) -> Tensor:
+    """This rank's input to the unit's all-gather as FSDP2 packs it (each parameter's padded shard, in the compute
+    dtype, flat and back to back; bytes where the dtypes differ) — read from the shards whatever the unit's state
+    here (FSDP2's own accessor asserts that the unit is sharded: this rank may be computing with it whole)."""
+    parts = []
+    for param in fsdp_params:
+        data = param._sharded_param_data
+        parts.append(data.to(device=param.device, dtype=param.param_dtype or data.dtype).reshape(-1))
+    if len({t.dtype for t in parts}) > 1:
+        parts = [t.view(torch.uint8) for t in parts]
+    return torch.cat(parts)
+
+
+def _send_shard(shard: Tensor, lanes: LaneGroups, lane: int, output: Tensor | None, async_op: bool) -> Any:
+    """This rank's packed ``shard`` to each rank of ``lane``, on that lane's communicator; a rank of the lane gets
+    every rank's into ``output`` (rank order), another passes None and gets nothing."""
+    members = lanes.members[lane]
+    sends = [shard.numel() if r in members else 0 for r in range(lanes.size)]
+    receives = [shard.numel()] * lanes.size if output is not None else [0] * lanes.size
+    into = output if output is not None else shard.new_empty(0)
+    data = shard.repeat(len(members))  # (a copy: ``shard`` may be a view of ``output``)
+    return dist.all_to_all_single(into, data, receives, sends, group=lanes.groups[lane], async_op=async_op)
+
+
+def _row_counts(shard: DTensor, size: int) -> list[int]:
+    """Elements of each rank's rows of ``shard``'s parameter (dim 0 cut as ``torch.chunk`` cuts it)."""
+    rows, per_row = shard.shape[0], max(1, int(torch.tensor(shard.shape[1:]).prod().item()))
+    step = -(-rows // size)
+    return [max(0, min(step, rows - r * step)) * per_row for r in range(size)]
+
+
+def _send_rows(
+    grad: Tensor, shard: DTensor, lanes: LaneGroups, lane: int, async_op: bool
+) -> tuple[DTensor, Tensor, Any]:
+    """A lane rank's gradient of ``shard``'s parameter, each rank's rows to it, on lane ``lane``'s communicator;
+    every rank receives its rows from each of the lane's ranks (``grad`` empty on a rank of another lane)."""
+    counts = _row_counts(shard, lanes.size)
+    members = lanes.members[lane]
+    mine = counts[lanes.rank]
+    received = torch.empty(mine * len(members), dtype=shard.dtype, device=shard.to_local().device)
+    sends = counts if grad.numel() else [0] * lanes.size
+    receives = [mine if r in members else 0 for r in range(lanes.size)]
+    data = grad.contiguous().reshape(-1)
+    work = dist.all_to_all_single(received, data, receives, sends, group=lanes.groups[lane], async_op=async_op)
+    return shard, received, work
+
+
+def _summed_rows(received: Tensor, shard: DTensor, senders: int) -> Tensor:
+    """This rank's rows of a gradient as received from ``senders`` lane ranks, summed, in the shard's shape."""
+    local = shard.to_local()
+    parts = received.reshape(senders, -1) if senders else received.reshape(0, -1)
+    total = parts[0].clone() if senders == 1 else parts.sum(0)
+    return total.reshape(local.shape)
