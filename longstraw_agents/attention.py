@@ -10,8 +10,9 @@ online by log-sum-exp (flash-decoding); it saves only the queries, the queries' 
 Backward recomputes each block with the *global* normaliser (``P_b = exp(S_b - lse)``, ``D = rowsum(dO ∘ out)``:
 the ring-attention identity), which gives that block's ``dq, dk, dv`` exactly; ``dq`` sums over blocks. A block of
 the captured state carries gradient *sinks*: its ``dk``/``dv`` are added in place into those buffers (slices of the
-state's gradient) as backward reaches it, in pieces of at most ``max_piece`` positions, so no layer-sized gradient
-is ever returned through autograd. A block without sinks gets no key/value gradient at all (detached mode).
+state's gradient) as backward reaches it, so no layer-sized gradient is ever returned through autograd. A block
+without sinks gets no key/value gradient at all (detached mode), though the fused kernels compute one: every block
+is taken in pieces of at most ``max_piece`` positions, so that their transient stays piece-sized.
 
 Layouts: queries ``[n, H, D]``; keys ``[M, H_kv, D]`` and values ``[M, H_kv, Dv]`` (position first, as the state
 stores them); ``H`` is a multiple of ``H_kv`` (grouped-query attention: query head ``h`` reads KV head
@@ -345,8 +346,8 @@ BACKEND_NAMES = ("auto", *BACKENDS)
 @dataclass(frozen=True)
 class Attention:
     """How the engine runs attention: the backend (a name of ``BACKENDS``, or ``"auto"``), the eager backend's score
-    budget, and the most positions of a block with gradient sinks whose key/value gradient is computed at once in
-    backward (the engine uses its chunk size: the transient is then smaller than the chunk's own graph)."""
+    budget, and the most positions of a block whose key/value gradient is computed at once in backward (the engine
+    uses its chunk size: the transient is then smaller than the chunk's own graph)."""
 
     backend: str = "auto"
     max_score_elements: int = DEFAULT_SCORE_ELEMENTS
@@ -426,10 +427,10 @@ class _BlockAttention(torch.autograd.Function):
         q4, d_out4 = as_heads(q), as_heads(d_out).contiguous()
         dq = torch.zeros(q4.shape, dtype=lse.dtype, device=q.device)
         for block in ctx.blocks:
-            # a block with sinks in pieces (its dK/dV transient stays piece-sized); one without, whole (no dK/dV kept)
-            step = attention.max_piece if block.wants_grad else max(block.length, 1)
-            for lo in range(0, block.length, step):
-                piece = block.piece(lo, lo + step)
+            # in pieces, with sinks or not: the fused kernel returns a piece's dK/dV whether it is kept or not, and
+            # a whole block's (a long prompt's share) would be a transient the size of its state's layer
+            for lo in range(0, block.length, attention.max_piece):
+                piece = block.piece(lo, lo + attention.max_piece)
                 k4, v4 = as_heads(piece.k), as_heads(piece.v)
                 dq_b, dk, dv = attention.kernel(q4, k4, v4).backward(d_out4, q4, k4, v4, out, lse, False, ctx.scale)
                 dq += dq_b

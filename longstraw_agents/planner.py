@@ -45,12 +45,11 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from longstraw_agents.engine import Engine, EngineConfig, LayerInputs, checkpoint_spacing, layer_inputs_spacing
-from longstraw_agents.engine.wavefront import GRADIENT_BUCKET_BYTES
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
-from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, gathers_by_layer, prefetch_window
+from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, prefetch_window
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
 from longstraw_agents.trainer.loss import LossConfig
@@ -172,11 +171,6 @@ class PlanRequest:
     def shard_ranks(self) -> int:
         """The GPUs one parameter is sharded over: all of them, or with ``hsdp`` one dp rank's cp ranks."""
         return self.context_parallel if self.hsdp else self.gpus
-
-    @property
-    def by_layer(self) -> bool:
-        """Whether the step gathers a decoder layer at a time (``parallel.fsdp.gathers_by_layer``)."""
-        return gathers_by_layer(self.data_parallel, self.hsdp)
 
     @model_validator(mode="after")
     def _gpus_split_into_dp_and_cp(self) -> PlanRequest:
@@ -556,19 +550,38 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
             "gathered gradients": whole_gradients,
             "optimizer state": 2 * master * shard * on_gpu if adam else 0,
             "reference weights": _reference_weights(probed, request),
+            "lane buffers (dp > 1)": _lane_buffers(probed, request, phase),
         }
     return phases
 
 
+def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
+    """Sharded over every rank at dp > 1, each dp rank gathers and reduces for itself (``parallel.lanes``): a gather
+    started ahead holds its send buffer (the rank's shard copied once per cp rank of its dp rank: 1/dp of a layer,
+    in the compute dtype) until it completes — ``prefetch_window(cp)`` of them — and in exact mode's wavefront walk
+    each asynchronous reduction in flight (as many) holds the rows it receives from the cp ranks (1/dp of a layer,
+    in the master dtype). What a rank holds serving another dp rank (its shard packed for a gather, its rows of a
+    reduced gradient: 1/(dp·cp) to (cp + 1)/(dp·cp) of a layer while it lasts) comes and goes with the other dp
+    ranks' progress, and is not planned."""
+    dp = request.data_parallel
+    if request.hsdp or dp == 1 or request.gpus == 1:
+        return 0
+    window = prefetch_window(request.context_parallel)
+    share = -(-probed.largest_layer // dp)
+    ahead = window * share * _itemsize(request.dtype)
+    walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
+    in_flight = window * share * request.master_itemsize if walk and phase == BACKWARD else 0
+    return ahead + in_flight
+
+
 def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
     """The KL reference's weights on a GPU during a step (beta > 0): its shards (``_reference_shards``) and, sharded,
-    what the step holds whole in the compute dtype — the root unit where the step gathers a layer at a time (its
-    layers are whole only while it scores, never at the policy's peak), else the whole model."""
+    what the step holds whole in the compute dtype — the root unit (the step gathers a layer at a time: its layers are
+    whole only while it scores, never at the policy's peak)."""
     shards = _reference_shards(probed, request)
     if request.beta == 0 or request.gpus == 1:
         return shards
-    whole = probed.root if request.by_layer else probed.parameters
-    return shards + whole * _itemsize(request.dtype)
+    return shards + probed.root * _itemsize(request.dtype)
 
 
 def _reference_shards(probed: _Probe, request: PlanRequest) -> int:
@@ -600,26 +613,20 @@ def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
 def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:
     """Per phase of the step, by the trainer's schedule: the weights and gradients whole at once, and how many
     parameters' gradient shards are held beside them. One GPU: with mixed precision the compute copy (its gradients
-    handed to the masters as they accumulate). Sharded with a layer at a time (``gathers_by_layer``): the root unit
-    (embeddings, final norm, LM head) for the step, its gradient whole until the step ends (so only the decoder
-    layers' gradient shards exist beside it); in a capture over the cp ranks ``prefetch_window(cp)`` + 1 decoder
-    layers whole (gathers started ahead); in the backward passes one layer and its gradient (branch replays; copied
-    to the master dtype before its reduction under mixed precision), or in exact mode's wavefront walk the window's
-    layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype), each with
-    the root's gradient. Otherwise the whole model and its gradient for the step, with no gradient shards yet (they
-    are made as the whole gradients are reduced, after the step's weights are freed); exact mode's walk over cp
-    ranks sums the parameter gradient in flat buckets (``GRADIENT_BUCKET_BYTES``). A step starts with no gradient:
-    a capture holds one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
+    handed to the masters as they accumulate). Sharded, a layer at a time (``parallel.fsdp``; at dp > 1 without HSDP
+    each dp rank for itself, ``parallel.lanes``): the root unit (embeddings, final norm, LM head) for the step, its
+    gradient whole until the step ends (so only the decoder layers' gradient shards exist beside it); in a capture
+    over the cp ranks ``prefetch_window(cp)`` + 1 decoder layers whole (gathers started ahead); in the backward
+    passes one layer and its gradient (branch replays; copied to the master dtype before its reduction under mixed
+    precision), or in exact mode's wavefront walk the window's layers and their gradients on their way to the shards
+    (reduced asynchronously, in the master dtype), each with the root's gradient. A step starts with no gradient: a
+    capture holds one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
     compute, master, layer = _itemsize(request.dtype), request.master_itemsize, probed.largest_layer
     later = request.groups_per_rank > 1  # a capture after another group's backward, in the same step
     if request.gpus == 1:
         copy = probed.parameters * compute if request.mixed else 0
         return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, 0, probed.parameters)}
     walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
-    if not request.by_layer:
-        whole = probed.parameters * compute
-        bucket = min(GRADIENT_BUCKET_BYTES, whole) if walk else 0
-        return {CAPTURE: (whole, whole if later else 0, 0), BACKWARD: (whole, whole + bucket, 0)}
     window = prefetch_window(request.context_parallel)
     capture = (min(window + 1, probed.layers) * layer + probed.root) * compute  # (no more layers than the model's)
     if walk:
@@ -678,7 +685,7 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
     before they join the root's gradient: part of the measured graph term) and a decoder layer with its gradient
     are never whole at once — the head's backward ends before any layer's begins — so the backward phase holds the
     larger of the two, not both: the smaller comes off its graph term."""
-    if request.gpus == 1 or not request.by_layer:
+    if request.gpus == 1:
         return 0
     head = config.vocab_size * config.hidden_size * (4 + _itemsize(request.dtype))
     return min(head, 2 * probed.largest_layer * _itemsize(request.dtype))
@@ -686,18 +693,15 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
 
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     """The parameters whole while a rank samples (``Run.sampling_weights``) — on one GPU none (mixed precision: the
-    compute copy); sharded a layer at a time, the root unit and the layers a sharded capture gathers ahead
-    (``prefetch_window``; one over one cp rank); else the whole model — and the
+    compute copy); sharded, the root unit and the layers a sharded capture gathers ahead (``prefetch_window``; one
+    over one cp rank) — and the
     parameters of the buffer a gather adds for its moment (FSDP2's all-gather output beside the layer's weights it
     is copied into: a layer, a layer at a time)."""
     if request.gpus == 1:
         return (probed.parameters if request.mixed else 0), 0
-    if request.by_layer:  # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
-        layers = (
-            min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.context_parallel > 1 else 1
-        )
-        return probed.root + layers * probed.largest_layer, probed.largest_layer
-    return probed.parameters, 0
+    # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
+    layers = min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.context_parallel > 1 else 1
+    return probed.root + layers * probed.largest_layer, probed.largest_layer
 
 
 def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
@@ -798,12 +802,8 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
-    if request.by_layer:
-        layers = min(prefetch_window(request.context_parallel) + 1, layers_in_model)
-        why = "HSDP" if request.data_parallel > 1 else "dp = 1"
-        whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time, {why})"
-    else:
-        whole = "the whole model and its gradient whole for the step (dp > 1)"
+    layers = min(prefetch_window(request.context_parallel) + 1, layers_in_model)
+    whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time)"
     over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
     where = " on the host (CPU offload; AdamW steps there)" if request.offload else ""
     return f"FSDP2 shards {master}, their gradients and {adam} over {over}{where}; {whole}"

@@ -285,9 +285,10 @@ class Schedule:
 
     def _gathers(self, passes: int, root: bool = False) -> Work:
         """FSDP2's all-gathers of ``passes`` passes over the decoder layers, a layer at a time, and with ``root`` the
-        root unit's once (whole for a block: the step, a rollout); the step's one gather of the whole model at
-        dp > 1 without HSDP is counted in ``replay``."""
-        if self.ranks == 1 or not self.request.by_layer or not self.sharded:
+        root unit's once (whole for a block: the step, a rollout). At dp > 1 without HSDP each dp rank gathers for
+        itself (``parallel.lanes``): a rank receives its own dp rank's gathers and sends its shard to every dp rank's,
+        the bytes of one gather over every rank when the dp ranks gather alike."""
+        if self.ranks == 1 or not self.sharded:
             return Work()
         return self._moved(passes * self.model.layer_bytes + (self.model.root_bytes if root else 0.0))
 
@@ -341,11 +342,9 @@ class Schedule:
         per_member_gathers = self._gathers(2)
         step = Work()
         if self.sharded and self.ranks > 1:
-            if not self.request.by_layer:  # the whole model gathered once, its gradient reduce-scattered once
-                step = self._moved(self.model.weight_bytes).scaled(2.0)
-            else:  # each layer's gradient reduced as its backward ends; the root's (whole for the step) at the end
-                per_member_gathers = per_member_gathers + self._moved(self.model.layer_bytes)
-                step = self._moved(self.model.root_bytes)
+            # each layer's gradient reduced as its backward ends; the root's (whole for the step) at the end
+            per_member_gathers = per_member_gathers + self._moved(self.model.layer_bytes)
+            step = self._moved(self.model.root_bytes)
         if self.sharded and self.request.hsdp and request.data_parallel > 1:  # the replicas' gradient shards summed
             dp = request.data_parallel
             step = step + Work(comm=2 * (dp - 1) / dp * self.model.weight_bytes / self.ranks)
@@ -366,8 +365,7 @@ class Schedule:
         if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
             share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
             parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
-            if self.request.by_layer:  # (else the step's one reduction copies it out)
-                parameters = parameters + self._host_copy(self.model.layer_bytes)
+            parameters = parameters + self._host_copy(self.model.layer_bytes)
         return recompute + backward + state_gradient + parameters + self._gathers(2)
 
     def _recurrent_segments(self) -> Work:
@@ -407,7 +405,7 @@ class Schedule:
                 )
             )
         merges = self._merges(group).scaled(request.completion)
-        gathers = self._gathers(request.completion, root=True) if request.by_layer else self._moved(model.weight_bytes)
+        gathers = self._gathers(request.completion, root=True)
         return total(steps) + merges + gathers
 
 

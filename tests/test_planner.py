@@ -211,7 +211,8 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
 # parameters, the largest decoder layer's and the root unit's (embeddings, final norm, LM head), 10 layers
 PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000, layers=10)
 # what is whole (weights, gradients) and the gradient shards, per phase; bf16 compute with fp32 masters unless said
-BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0}
+NO_LANES = {"lane buffers (dp > 1)": 0}
+BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, **NO_LANES}
 
 
 @pytest.mark.parametrize(
@@ -244,38 +245,44 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0}
         # at cp = 2, a root larger than the layers
         (
             {"gpus": 2, "mode": "detached", "_root": 20_000},
-            {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0,
+            {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0, **NO_LANES,
              "gathered weights": (3 * 700 + 20_000) * 2, "gathered gradients": 0, "gradients": 0},
-            {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0,
+            {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0, **NO_LANES,
              "gathered weights": (700 + 20_000) * 2, "gathered gradients": 700 * 4 + (700 + 20_000) * 2,
              "gradients": 7_000 // 2 * 4},
         ),
-        # dp = 2: the whole model and its gradient for the step, no gradient shard until its end
+        # dp = 2 x cp = 4: a layer at a time too, each dp rank for itself (parallel.lanes): the cp (4) gathers started
+        # ahead each hold their send buffer (1/dp of a layer, bf16) ...
         (
             {"gpus": 8, "dp": 2, "mode": "detached"},
-            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 0, "gradients": 0},
-            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 16_000, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
+             "lane buffers (dp > 1)": 4 * 350 * 2},
+            {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
+             "gradients": 7_000 // 8 * 4, "lane buffers (dp > 1)": 4 * 350 * 2},
         ),
-        # ... and exact mode's walk over cp ranks sums the gradient over them in a flat bucket
+        # ... and in exact mode's wavefront walk each reduction in flight the rows it receives (1/dp of a layer, fp32)
         (
             {"gpus": 8, "dp": 2, "mode": "exact"},
-            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 0, "gradients": 0},
-            {**BF16_CP8, "gathered weights": 16_000, "gathered gradients": 32_000, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
+             "lane buffers (dp > 1)": 4 * 350 * 2},
+            {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2,
+             "gathered gradients": 4 * 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4,
+             "lane buffers (dp > 1)": 4 * 350 * 2 + 4 * 350 * 4},
         ),
         # one GPU: the fp32 masters, their moments and the bf16 compute copy; gradients in the backward
         (
             {"gpus": 1},
             {"weights": 32_000, "optimizer state": 64_000, "reference weights": 0, "gathered weights": 16_000,
-             "gathered gradients": 0, "gradients": 0},
+             "gathered gradients": 0, "gradients": 0, **NO_LANES},
             {"weights": 32_000, "optimizer state": 64_000, "reference weights": 0, "gathered weights": 16_000,
-             "gathered gradients": 0, "gradients": 32_000},
+             "gathered gradients": 0, "gradients": 32_000, **NO_LANES},
         ),
         # no mixed precision: AdamW steps bf16 shards with bf16 moments; a replay's gradient is reduced as it is
         (
             {"gpus": 8, "mode": "detached", "mixed_precision": False},
-            {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0,
+            {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0, **NO_LANES,
              "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
-            {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0,
+            {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0, **NO_LANES,
              "gathered weights": (700 + 1_000) * 2, "gathered gradients": (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 2},
         ),
@@ -292,9 +299,8 @@ def test_parameter_phases_follow_the_trainers_schedule(request_args: dict, captu
     # the KL reference sharded as the policy: its shards, and what the step holds whole (one GPU: the whole copy)
     expected = probe.parameters * request.master_itemsize
     if request.gpus > 1:
-        whole = probe.root if request.by_layer else probe.parameters
         shard = -(-probe.parameters // request.shard_ranks) * request_itemsize(request)  # (frozen: compute dtype)
-        expected = shard * (not request.offload) + whole * request_itemsize(request)
+        expected = shard * (not request.offload) + probe.root * request_itemsize(request)
     assert with_reference["capture"]["reference weights"] == with_reference["backward"]["reference weights"]
     assert with_reference["capture"]["reference weights"] == expected
 

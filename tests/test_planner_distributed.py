@@ -101,13 +101,10 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
                 planned += plan.categories["reference state"]
             assert abs(held[role] - planned) <= 0.15 * planned, (rank, role, held[role], planned)
         # gradient shards: one per parameter once the step has reduced them all (the size of the weight shards);
-        # at the peak the plan holds only the decoder layers' (the root's gradient is whole until the step ends),
-        # and none when the whole model is gathered (its gradient is reduced after the step's weights are freed)
+        # at the peak the plan holds only the decoder layers' (the root's gradient is whole until the step ends)
         assert abs(held["gradients"] - plan.categories["weights"]) <= 0.15 * plan.categories["weights"], rank
         host = sum(plan.host.values())  # (offloaded: what the host holds, not the device)
         assert abs(measured["host_peak"] - host) <= 0.15 * max(host, measured["host_peak"]), (rank, measured, host)
-        if not plan.request.by_layer:
-            assert plan.categories["gradients"] == 0 == measured["roles"]["gradients"], rank
         # the rollout between steps: the cp ranks sample together, each holding its share of the state
         rollout = plan.rollout_subtotal
         assert abs(measured["rollout_peak"] - rollout) <= 0.10 * measured["rollout_peak"], (rank, measured, rollout)

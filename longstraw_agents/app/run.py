@@ -50,7 +50,6 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
-from longstraw_agents.parallel.fsdp import gathered
 from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.rollout import make_env_factory, reset_prompt
 from longstraw_agents.sampler import Sampler
@@ -264,13 +263,12 @@ class Run:
 
     def sampling_weights(self) -> contextlib.AbstractContextManager[Any]:
         """The policy's weights for a block of sampling, entered by every rank together (FSDP2's gathers are
-        collectives). Where the step gathers a layer at a time, so does sampling — the cp ranks of a shard group
-        sample together, so each joins every gather; a sharded capture gathers ahead, as the step's — and the root
-        unit is gathered for the block: no rank holds the whole model. Otherwise the whole model, for the block."""
+        collectives). Sharded, sampling gathers a layer at a time as the step does — the cp ranks of a dp rank
+        sample together, so each joins every gather; a sharded capture gathers ahead, as the step's; at dp > 1 each
+        dp rank gathers for itself, served by the others (``parallel.lanes``) — and the root unit is gathered for
+        the block: no rank holds the whole model. Not sharded: nothing to gather."""
         weights = self.trainer.sharding.weights
-        if weights is not None:
-            return _no_grad_around(weights.gathered(None))
-        return gathered(self.trainer.model)
+        return _no_grad_around(weights.gathered(None)) if weights is not None else contextlib.nullcontext()
 
     def push_weights(self) -> None:
         """With a served policy (``policy.served``), have the server load the weights of the step just taken, so that

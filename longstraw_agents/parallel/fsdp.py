@@ -7,21 +7,21 @@ data and context ranks together): a rank stores 1/(dp·cp) of every parameter, a
 FSDP2 all-gathers a unit's parameters in the unit's forward pre-hook and reduce-scatters its gradients in a
 post-backward hook set up by that forward. The engine never calls a module's forward — it calls a layer's
 projections, norms and MLP directly (capture, branch replay, the reverse chunk walk) — so none of those hooks fire.
-``gathered`` does their work explicitly: it unshards every unit for a block (``FSDPModule.unshard``), and on leaving
-it reshards them and reduce-scatters the gradients the block accumulated on the unsharded parameters into the
-sharded ones (a ``Partial`` DTensor redistributed to the parameter's ``Shard(0)``: a sum over dp, each rank keeping
-its shard). The cp ranks of one dp rank compute the same gradient (every one holds the group's whole gradient after
-its backward), so a gradient is divided by its number of copies (``replicas``) before the sum. The schedule uses
-public APIs only (``unshard`` / ``reshard``, DTensor), so FSDP's internal hook state is never entered; two lookups
-read FSDP2's per-unit state, which has no public accessor: the mixed-precision policy (``compute_dtype``) and what
-is whole now, for memory attribution (``whole_now``).
+``LayerGather`` does their work explicitly, a decoder layer at a time inside the engine's schedule: it unshards a
+unit (``FSDPModule.unshard``) while the engine computes with it, and reshards it and reduce-scatters the gradient
+it accumulated on the unsharded parameters into the sharded ones (a ``Partial`` DTensor redistributed to the
+parameter's ``Shard(0)``, each rank keeping its shard). The cp ranks of one dp rank compute the same gradient
+(every one holds the group's whole gradient after its backward), so a gradient is divided by its number of copies
+(``replicas``) before the sum. The schedule uses public APIs (``unshard`` / ``reshard``, DTensor), so FSDP's
+internal hook state is never entered; lookups read FSDP2's per-unit state where it has no public accessor: the
+mixed-precision policy (``compute_dtype``) and what is whole now, for memory attribution (``whole_now``).
 
-Schedule: at dp = 1, or with HSDP (sharded over each dp rank's cp ranks, replicated over dp: ``reduce_replicas``
-sums the replicas' gradient shards at the step's end), the engine gathers a decoder layer at a time
-(``LayerGather``: its weights whole only while it computes, its gradient reduce-scattered when its backward is
-done), and so does sampling (the cp ranks sample together, ``parallel.sampling``: each joins every gather);
-sharded over dp > 1 ranks, whose groups differ in shape, ``gathered`` gathers the whole model once per block (an
-optimizer step, a rollout) and reduce-scatters each parameter's gradient at its end. With CPU offload
+Schedule: a gather is a collective over the shard mesh. At dp = 1, or with HSDP (sharded over each dp rank's cp
+ranks, replicated over dp: ``reduce_replicas`` sums the replicas' gradient shards at the step's end), every rank of
+a gather's group is a cp rank of one group, computing in lockstep: ``LayerGather`` as it is, and sampling too (the
+cp ranks sample together, ``parallel.sampling``: each joins every gather). Sharded over dp > 1 ranks, whose groups
+differ in shape, each dp rank gathers and reduces on a communicator of its own, which the other ranks serve
+(``parallel.lanes``). No rank ever holds the whole model or its whole gradient. With CPU offload
 (``shard_model(offload=True)``) the shards, their gradients and the optimizer's state live on the host. A served
 policy gets the weights assembled a part at a time (``whole_parts``).
 """
@@ -118,39 +118,6 @@ def whole_now(groups: Sequence[Any]) -> tuple[list[Tensor], list[Tensor]]:
     return weights, gradients
 
 
-@contextlib.contextmanager
-def gathered(model: nn.Module, replicas: int = 1) -> Iterator[None]:
-    """Every FSDP unit of ``model`` unsharded for the block; on leaving, resharded, with the gradients the block
-    accumulated summed over the shard mesh into each parameter's shard — divided by ``replicas``, the number of
-    ranks of that mesh holding the same gradient (cp). A no-op for a model that is not sharded.
-
-    Every dp rank must enter and leave together (the all-gathers and reduce-scatters are collectives), and must
-    have a gradient for the same parameters (give zeros where a rank has none)."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.unshard()
-    full = dict(model.named_parameters())
-    try:
-        yield
-    except BaseException:
-        for param in full.values():  # the unsharded parameters persist: a failed step must not feed the next one
-            param.grad = None
-        raise
-    finally:
-        for unit in units:
-            unit.reshard()
-    _reduce_into_shards(full, dict(model.named_parameters()), replicas, offloaded(model))
-
-
-def gathers_by_layer(dp: int, hsdp: bool = False) -> bool:
-    """Whether a sharded step gathers a decoder layer at a time (``LayerGather``) or the whole model (``gathered``):
-    by layer when every rank of the shard mesh is a cp rank of one group, computing in lockstep — at dp = 1, or with
-    ``hsdp`` (each dp rank's cp ranks shard the model among themselves). Sharded over dp > 1 ranks, whose groups
-    differ in shape (their trees, so how many times each layer runs), a gather would be a collective over ranks
-    making different numbers of them."""
-    return dp == 1 or hsdp
-
-
 HSDP_WITHOUT_CP = (
     "hsdp shards over each dp rank's cp ranks: with cp = 1 it shards nothing, every GPU holding the whole model, its "
     "gradient and optimizer state (plain data parallelism); shard over every rank instead (fsdp without hsdp)"
@@ -166,9 +133,9 @@ def prefetch_window(cp: int) -> int:
 
 @dataclass
 class WeightSharding:
-    """How a step reaches a model's weights: ``weights`` (per-layer gathers inside the engine, or None) and the
-    block the step runs in (``step``): the root unit gathered when the engine gathers the layers, else the whole
-    model (a no-op for a model that is not sharded). ``replicated``: HSDP, the model copied over the dp ranks."""
+    """How a step reaches a model's weights: ``weights`` (per-layer gathers inside the engine; None for a model
+    that is not sharded) and the block the step runs in (``step``): the root unit gathered for it. ``replicated``:
+    HSDP, the model copied over the dp ranks."""
 
     model: nn.Module
     weights: LayerGather | None = None
@@ -180,7 +147,7 @@ class WeightSharding:
         """The block of an optimizer step's forwards and backwards; on leaving it every gradient is in its shard,
         summed over every rank (HSDP: over the dp replicas too, once, at the end: their groups differ in shape, so
         their per-layer reductions cannot be collectives over all of them)."""
-        with self.weights.gathered(None) if self.weights is not None else gathered(self.model, self.replicas):
+        with self.weights.gathered(None) if self.weights is not None else contextlib.nullcontext():
             yield
         if self.replicated:
             reduce_replicas(self.model)

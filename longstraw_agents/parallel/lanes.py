@@ -83,7 +83,7 @@ class _LaneAllGather(AllGather):
     def __init__(self, gather: LaneGather, layer: int | None):
         self.gather, self.layer = gather, layer
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
@@ -147,9 +147,9 @@ class LaneGather(LayerGather):
             if not (has or partial):
                 continue
             grad = param.grad.to(shard.dtype) if has else torch.zeros_like(param, dtype=shard.dtype)  # type: ignore[union-attr]
-            param.grad = None
+            param.grad = None  # (``grad`` may be it: divided in place)
             if not partial and self.replicas > 1:
-                grad = grad / self.replicas  # (the lane's cp ranks each hold the whole gradient)
+                grad.div_(self.replicas)  # the lane's cp ranks each hold the whole gradient
             flight.append(_send_rows(grad, shard, self.lanes, self.lanes.lane, async_op=True))
         if partial:
             self._reducing.append(flight)  # type: ignore[arg-type]
@@ -244,7 +244,6 @@ class LaneGather(LayerGather):
                     else:
                         self._serve_reduction(lane, layer, had, partial=kind == PARTIAL)
         except BaseException as failure:  # (raised on the step's thread at the block's end)
-            import traceback; traceback.print_exc()
             self._failures.append(failure)
         finally:
             for _ in modes:
@@ -254,14 +253,12 @@ class LaneGather(LayerGather):
         for (_, shard), has in zip(self._shards[layer].items(), had, strict=False):
             if not (has or partial):
                 continue
-            empty = torch.empty(0, dtype=shard.dtype, device=shard.to_local().device)
-            _, received, work = _send_rows(empty, shard, self.lanes, lane, async_op=False)
+            _, received, work = _send_rows(None, shard, self.lanes, lane, async_op=False)
             rows = _summed_rows(received, shard, len(self.lanes.members[lane]))
             with self._lock:
                 self._arrived.append((shard, rows))
                 self._anyone.setdefault(id(shard), [shard, shard.grad is not None, False])[2] |= bool(has)
             del work
-
 
 
 def _sharded(parameters: dict[str, nn.Parameter]) -> dict[str, DTensor]:
@@ -289,12 +286,13 @@ def _packed_shard(fsdp_params: list[Any]) -> Tensor:
 
 def _send_shard(shard: Tensor, lanes: LaneGroups, lane: int, output: Tensor | None, async_op: bool) -> Any:
     """This rank's packed ``shard`` to each rank of ``lane``, on that lane's communicator; a rank of the lane gets
-    every rank's into ``output`` (rank order), another passes None and gets nothing."""
-    members = lanes.members[lane]
-    sends = [shard.numel() if r in members else 0 for r in range(lanes.size)]
-    receives = [shard.numel()] * lanes.size if output is not None else [0] * lanes.size
+    every rank's into ``output`` (rank order; ``shard`` is its own slot there, so it is copied to be sent),
+    another passes None and gets nothing."""
+    members, n = lanes.members[lane], shard.numel()
+    sends = [n if r in members else 0 for r in range(lanes.size)]
+    receives = [n if output is not None else 0] * lanes.size
     into = output if output is not None else shard.new_empty(0)
-    data = shard.repeat(len(members))  # (a copy: ``shard`` may be a view of ``output``)
+    data = shard if output is None and len(members) == 1 else shard.repeat(len(members))
     return dist.all_to_all_single(into, data, receives, sends, group=lanes.groups[lane], async_op=async_op)
 
 
@@ -306,24 +304,23 @@ def _row_counts(shard: DTensor, size: int) -> list[int]:
 
 
 def _send_rows(
-    grad: Tensor, shard: DTensor, lanes: LaneGroups, lane: int, async_op: bool
+    grad: Tensor | None, shard: DTensor, lanes: LaneGroups, lane: int, async_op: bool
 ) -> tuple[DTensor, Tensor, Any]:
-    """A lane rank's gradient of ``shard``'s parameter, each rank's rows to it, on lane ``lane``'s communicator;
-    every rank receives its rows from each of the lane's ranks (``grad`` empty on a rank of another lane)."""
+    """A lane rank's gradient of ``shard``'s parameter, each rank's rows to it (dim 0 in rank order: the gradient
+    as it lies), on lane ``lane``'s communicator; every rank receives its rows from each of the lane's ranks
+    (``grad`` None on a rank of another lane)."""
     counts = _row_counts(shard, lanes.size)
     members = lanes.members[lane]
     mine = counts[lanes.rank]
     received = torch.empty(mine * len(members), dtype=shard.dtype, device=shard.to_local().device)
-    sends = counts if grad.numel() else [0] * lanes.size
+    sends = counts if grad is not None else [0] * lanes.size
     receives = [mine if r in members else 0 for r in range(lanes.size)]
-    data = grad.contiguous().reshape(-1)
+    data = grad.contiguous().reshape(-1) if grad is not None else received.new_empty(0)
     work = dist.all_to_all_single(received, data, receives, sends, group=lanes.groups[lane], async_op=async_op)
     return shard, received, work
 
 
 def _summed_rows(received: Tensor, shard: DTensor, senders: int) -> Tensor:
     """This rank's rows of a gradient as received from ``senders`` lane ranks, summed, in the shard's shape."""
-    local = shard.to_local()
-    parts = received.reshape(senders, -1) if senders else received.reshape(0, -1)
-    total = parts[0].clone() if senders == 1 else parts.sum(0)
-    return total.reshape(local.shape)
+    parts = received.reshape(senders, -1)
+    return (parts[0] if senders == 1 else parts.sum(0)).reshape(shard.to_local().shape)

@@ -8,8 +8,6 @@ while dp ranks reduce gradients once a step (the network's)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -24,7 +22,6 @@ from longstraw_agents.parallel.fsdp import (
     HSDP_WITHOUT_CP,
     LayerGather,
     WeightSharding,
-    gathered,
     is_sharded,
     shard_model,
 )
@@ -114,12 +111,6 @@ class ParallelMesh:
         ``compute_dtype``: mixed precision (the shards stay the master weights; gathers cast them). ``offload``
         (``parallel.offload``): the shards, their gradients and the optimizer's state on the host."""
         shard_model(model, self.shard_mesh, compute_dtype, offload)
-
-    @contextlib.contextmanager
-    def gathered(self, model: nn.Module) -> Iterator[None]:
-        """``parallel.fsdp.gathered`` over this mesh: the cp ranks of a dp rank hold one gradient cp times."""
-        with gathered(model, replicas=self.mesh["cp"].size()):
-            yield
 
     def sharding(self, model: nn.Module, role: str = "policy") -> WeightSharding:
         """How a step reaches ``model``'s weights on this mesh: sharded, the engine gathers a decoder layer at a time.

@@ -8,6 +8,7 @@ gets the peaks and the step's bytes by role."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,6 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
-from longstraw_agents.parallel.fsdp import gathered
 from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.sampler import SamplingConfig
@@ -78,12 +78,11 @@ def agent_group(trainer: GRPOTrainer, spec: dict[str, Any], prompt: torch.Tensor
 def roll_out(trainer: GRPOTrainer, spec: dict[str, Any], mesh: ParallelMesh) -> None:
     """A group's rollout as ``longstraw train`` samples in process (``app.training``, ``Run.sampling``): the cp
     ranks sample together with the trainer's engine (each holding its share of every member's state), the first
-    leading and the others following its calls; its layers gathered one at a time where the step gathers so, else
-    the whole model gathered on every rank; the members decoded together; the stop token is outside the
-    vocabulary, so every member decodes to its limit."""
+    leading and the others following its calls; its layers gathered one at a time, as the step gathers them; the
+    members decoded together; the stop token is outside the vocabulary, so every member decodes to its limit."""
     vocab = spec["model"].get("vocab_size", 256)
     weights = trainer.sharding.weights
-    block = gathered(trainer.model) if weights is None else weights.gathered(None)
+    block = contextlib.nullcontext() if weights is None else weights.gathered(None)
     sampling = SamplingConfig(max_new_tokens=spec["completion"], seed=0)
     with torch.no_grad(), block:
         if mesh.cp_group.size() == 1:
