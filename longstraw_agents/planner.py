@@ -207,7 +207,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # what a rank holds while the run samples in process (``rollout_terms``): a phase of its own, between steps
     rollout: dict[str, int] = field(default_factory=dict)
-    # what each GPU's process keeps on the host (``PlanRequest.offload``): not in the GPU's figures
+    # what each GPU's process keeps on the host (``host_terms``: offloaded, other dp ranks' rows): not in the GPU's
     host: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -262,7 +262,7 @@ class Plan:
             total = self.rollout_total / GIB
             lines.append(f"  {'total (with the margin)':<{CATEGORY_WIDTH}} {total:>9.2f}  {of}: {verdict}")
         if self.host:
-            lines.append("on the host, per GPU's process (offloaded; not in the figures above)")
+            lines.append("on the host, per GPU's process (not in the figures above)")
             lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.host.items()]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -601,12 +601,16 @@ def _reference_shard(probed: _Probe, request: PlanRequest) -> int:
 
 
 def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
-    """What a GPU's process keeps on the host with ``offload`` (FSDP2's CPU offload policy): its master shards,
-    their gradients once the step has reduced them all, AdamW's two moments, and the KL reference's shards."""
-    if not request.offload:
-        return {}
+    """What a GPU's process keeps on the host: with ``offload`` (FSDP2's CPU offload policy) its master shards,
+    their gradients once the step has reduced them all, AdamW's two moments, and the KL reference's shards; sharded
+    over every rank at dp > 1 (``parallel.lanes``), the rows of the gradient each other dp rank reduced to it, summed
+    there until the step's end (in one order, whatever the timing)."""
     shard = -(-probed.parameters // request.shard_ranks) * request.master_itemsize
-    host = {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
+    lanes = 0 if request.hsdp or request.gpus == 1 else (request.data_parallel - 1) * shard
+    host = {"other dp ranks' gradient rows": lanes} if lanes else {}
+    if not request.offload:
+        return host
+    host |= {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
     return host | {"reference weights": _reference_shard(probed, request) if request.beta > 0 else 0}
 
 

@@ -36,6 +36,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
+from ..memory import host_placement
 from .fsdp import LayerGather, add_into_shard
 
 GATHER, REDUCE, PARTIAL, DONE = 1, 2, 3, 4  # what a control message announces
@@ -113,8 +114,10 @@ class LaneGather(LayerGather):
             unit: Any = self._unit(layer)  # an FSDPModule
             unit.set_custom_all_gather(_LaneAllGather(self, layer))
         self._controls: list[tuple[dist.Work, Tensor, list[DTensor]]] = []  # posted here this block
-        self._arrived: list[tuple[DTensor, Tensor]] = []  # served reductions' rows, for the step's thread to add
-        self._anyone: dict[int, list[Any]] = {}  # id(shard) -> [shard, had a gradient before the block, anyone had]
+        self._arrived: list[tuple[int, DTensor, Tensor]] = []  # (lane, shard, rows) served, for the step's thread
+        self._served: dict[int, dict[int, tuple[DTensor, Tensor]]] = {}  # lane -> id(shard) -> its rows summed
+        self._before: dict[int, bool] = {}  # id(shard) -> whether it had a gradient when the block began
+        self._anyone: dict[int, DTensor] = {}  # id(shard) -> shard, for those some rank had a gradient for
         self._lock = threading.Lock()
         self._servers: list[threading.Thread] = []
         self._failures: list[BaseException] = []
@@ -171,14 +174,22 @@ class LaneGather(LayerGather):
             self._add(shard, _summed_rows(received, shard, len(self.lanes.members[self.lanes.lane])))
 
     def _add(self, shard: DTensor, rows: Tensor) -> None:
-        self._anyone.setdefault(id(shard), [shard, shard.grad is not None, False])  # (before the first add)
         add_into_shard(shard, rows, self.host)
 
     def _add_arrived(self) -> None:
+        """The rows the serving threads received, summed per lane in the order that lane reduced them, on the host:
+        added to the shards at the block's end, lane after lane, so that every sum is taken in one order whatever
+        the timing (a resumed run gives the same bits), and the device holds none of them meanwhile."""
         with self._lock:
             arrived, self._arrived = self._arrived, []
-        for shard, rows in arrived:
-            self._add(shard, rows)
+        for lane, shard, rows in arrived:
+            sums = self._served.setdefault(lane, {})
+            with host_placement():
+                on_host = rows.to("cpu", copy=True)
+                if id(shard) in sums:
+                    sums[id(shard)][1].add_(on_host)
+                else:
+                    sums[id(shard)] = (shard, on_host)
 
     # --- control ----------------------------------------------------------------------------------------------
     def _post_control(
@@ -205,20 +216,27 @@ class LaneGather(LayerGather):
             failure, self._failures = self._failures[0], []
             raise RuntimeError("serving another lane's gathers and reductions failed") from failure
         self.settle()
+        for lane in sorted(self._served):
+            for shard, rows in self._served[lane].values():
+                self._add(shard, rows if self.host else rows.to(shard.to_local().device))
+        self._served.clear()
         for work, message, shards in self._controls:
             work.wait()
             for shard, had in zip(shards, message[_HEADER:].tolist(), strict=False):
-                self._anyone.setdefault(id(shard), [shard, shard.grad is not None, False])[2] |= bool(had)
+                if had:
+                    self._anyone[id(shard)] = shard
         self._controls.clear()
-        for shard, before, anyone in self._anyone.values():
-            if not before and not anyone:
-                shard.grad = None
+        for layer_shards in self._shards.values():
+            for shard in layer_shards.values():  # (zeros added for a partial reduction nobody had a gradient for)
+                if not self._before[id(shard)] and id(shard) not in self._anyone:
+                    shard.grad = None
         self._anyone.clear()
 
     # --- serving the other lanes ------------------------------------------------------------------------------
     def _serve_other_lanes(self) -> None:
         state: Any = self.model._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule
         state._lazy_init()  # what the root's first gather does: a thread may serve a unit before this rank gathers it
+        self._before = {id(s): s.grad is not None for shards in self._shards.values() for s in shards.values()}
         modes = _get_current_dispatch_mode_stack()  # what watches the step's ops (a memory tracker) watches these
         for lane in range(len(self.lanes.members)):
             if lane != self.lanes.lane:
@@ -256,8 +274,9 @@ class LaneGather(LayerGather):
             _, received, work = _send_rows(None, shard, self.lanes, lane, async_op=False)
             rows = _summed_rows(received, shard, len(self.lanes.members[lane]))
             with self._lock:
-                self._arrived.append((shard, rows))
-                self._anyone.setdefault(id(shard), [shard, shard.grad is not None, False])[2] |= bool(has)
+                self._arrived.append((lane, shard, rows))
+                if has:
+                    self._anyone[id(shard)] = shard
             del work
 
 
