@@ -57,21 +57,25 @@ class _Live:
     host: bool = False  # allocated inside ``host_placement``
 
 
-class _Placement:
-    """How deep inside ``host_placement`` blocks the code is now."""
+class _Placement(threading.local):
+    """How deep inside ``host_placement`` blocks this thread is now (a thread's own: another's allocations meanwhile
+    are not the host's)."""
 
     depth = 0
+
+
+_PLACEMENT = _Placement()
 
 
 @contextlib.contextmanager
 def host_placement(on: bool = True) -> Iterator[None]:
     """Allocations in the block are the host's (offloaded), not the device's, for open ``MemoryTracker``s (with
     ``on`` False the block changes nothing: for code that offloads or not)."""
-    _Placement.depth += on
+    _PLACEMENT.depth += on
     try:
         yield
     finally:
-        _Placement.depth -= on
+        _PLACEMENT.depth -= on
 
 
 Roles = Mapping[str, Callable[[], Iterable[torch.Tensor]]]
@@ -134,7 +138,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _count(self, storage: torch.UntypedStorage, key: int) -> None:
         """Start counting ``storage`` (not counted yet) until it dies."""
-        self._live[key] = entry = _Live(host=_Placement.depth > 0)
+        self._live[key] = entry = _Live(host=_PLACEMENT.depth > 0)
         self._resize(entry, storage.nbytes())
         # torch keeps one Python object per live storage: it dies with the storage, whatever tensors held it
         weakref.finalize(storage, self._release, key)

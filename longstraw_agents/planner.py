@@ -556,22 +556,23 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
 
 
 def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
-    """Sharded over every rank at dp > 1, each dp rank gathers and reduces for itself (``parallel.lanes``): a gather
-    started ahead holds its send buffer (the rank's shard copied once per cp rank of its dp rank: 1/dp of a layer,
-    in the compute dtype) until it completes — ``prefetch_window(cp)`` of them — and in exact mode's wavefront walk
-    each asynchronous reduction in flight (as many) holds the rows it receives from the cp ranks (1/dp of a layer,
-    in the master dtype). What a rank holds serving another dp rank (its shard packed for a gather, its rows of a
-    reduced gradient: 1/(dp·cp) to (cp + 1)/(dp·cp) of a layer while it lasts) comes and goes with the other dp
-    ranks' progress, and is not planned."""
+    """Sharded over every rank at dp > 1, each dp rank gathers and reduces for itself (``parallel.lanes``): where
+    gathers are started ahead — a sharded capture, exact mode's wavefront walk: ``prefetch_window(cp)`` of them —
+    each holds its send buffer (the rank's shard copied once per cp rank of its dp rank: 1/dp of a layer, in the
+    compute dtype) until it completes, and in the walk each asynchronous reduction in flight (as many) the rows it
+    receives from the cp ranks (1/dp of a layer, in the master dtype); a branch replay gathers when it computes, and
+    nothing of this outlives the gather. What a rank holds serving another dp rank (its shard packed for a gather,
+    one parameter's rows of a reduced gradient: up to (cp + 1)/(dp·cp) of a layer while it lasts) comes and goes
+    with the other dp ranks' progress, and is not planned; the rows they reduce to it wait on the host
+    (``host_terms``)."""
     dp = request.data_parallel
-    if request.hsdp or dp == 1 or request.gpus == 1:
+    walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
+    if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not walk):
         return 0
     window = prefetch_window(request.context_parallel)
     share = -(-probed.largest_layer // dp)
     ahead = window * share * _itemsize(request.dtype)
-    walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
-    in_flight = window * share * request.master_itemsize if walk and phase == BACKWARD else 0
-    return ahead + in_flight
+    return ahead + (window * share * request.master_itemsize if phase == BACKWARD else 0)
 
 
 def _reference_weights(probed: _Probe, request: PlanRequest) -> int:

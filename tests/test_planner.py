@@ -251,14 +251,14 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
              "gathered weights": (700 + 20_000) * 2, "gathered gradients": 700 * 4 + (700 + 20_000) * 2,
              "gradients": 7_000 // 2 * 4},
         ),
-        # dp = 2 x cp = 4: a layer at a time too, each dp rank for itself (parallel.lanes): the cp (4) gathers started
-        # ahead each hold their send buffer (1/dp of a layer, bf16) ...
+        # dp = 2 x cp = 4: a layer at a time too, each dp rank for itself (parallel.lanes): in a capture the cp (4)
+        # gathers started ahead each hold their send buffer (1/dp of a layer, bf16) ...
         (
             {"gpus": 8, "dp": 2, "mode": "detached"},
             {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
              "lane buffers (dp > 1)": 4 * 350 * 2},
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
-             "gradients": 7_000 // 8 * 4, "lane buffers (dp > 1)": 4 * 350 * 2},
+             "gradients": 7_000 // 8 * 4},  # (a replay gathers as it computes: nothing in flight)
         ),
         # ... and in exact mode's wavefront walk each reduction in flight the rows it receives (1/dp of a layer, fp32)
         (

@@ -15,9 +15,11 @@ lane's ranks where it adds them into its shard). A lane's gather moves what a ga
 its ranks, and nothing into the others'. What a served lane costs a rank: its shard of the layer, copied once per
 lane rank for the send (1/dp of the layer), and its rows of a gradient.
 
-Every rank adds what it received into its shards' gradients on its own thread (the step's), at the lane's next
-release, settle, or the block's end; a parameter no rank had a gradient for in any reduction of the block, and none
-before it, keeps none (an expert no token chose), as in one process.
+A rank adds its own lane's reductions into its shards' gradients as they complete; the rows another lane reduced
+to it are summed on the host by the thread serving that lane, in that lane's order, and added at the block's end,
+lane after lane — every sum is taken in one order whatever the threads' timing (a resumed run gives the same
+bits), and the device holds none of them meanwhile. A parameter no rank had a gradient for in any reduction of the
+block, and none before it, keeps none (an expert no token chose), as in one process.
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ class LaneGather(LayerGather):
             unit: Any = self._unit(layer)  # an FSDPModule
             unit.set_custom_all_gather(_LaneAllGather(self, layer))
         self._controls: list[tuple[dist.Work, Tensor, list[DTensor]]] = []  # posted here this block
-        self._arrived: list[tuple[int, DTensor, Tensor]] = []  # (lane, shard, rows) served, for the step's thread
-        self._served: dict[int, dict[int, tuple[DTensor, Tensor]]] = {}  # lane -> id(shard) -> its rows summed
+        # lane -> id(shard) -> (shard, the rows that lane reduced to this rank, summed on the host: its thread's own)
+        self._served: dict[int, dict[int, tuple[DTensor, Tensor]]] = {}
         self._before: dict[int, bool] = {}  # id(shard) -> whether it had a gradient when the block began
         self._anyone: dict[int, DTensor] = {}  # id(shard) -> shard, for those some rank had a gradient for
         self._lock = threading.Lock()
@@ -138,7 +140,6 @@ class LaneGather(LayerGather):
         """Layer ``layer``'s gradient to the shards: each parameter's rows to the rank holding them (all of them
         with ``partial``, zeros where this rank has none, asynchronously; else the ones with a gradient, every lane
         rank holding the same, waited for here)."""
-        self._add_arrived()
         shards = self._shards[layer]
         had = [whole[name].grad is not None for name in shards]
         if not (partial or any(had)):  # (a frozen model's, or no gradient reached it: the lane's ranks agree)
@@ -166,7 +167,6 @@ class LaneGather(LayerGather):
         end, once every lane's reductions are in)."""
         while self._reducing:
             self._add_rows(self._reducing.popleft())  # type: ignore[arg-type]
-        self._add_arrived()
 
     def _add_rows(self, flight: list[tuple[DTensor, Tensor, dist.Work]]) -> None:
         for shard, received, work in flight:
@@ -175,21 +175,6 @@ class LaneGather(LayerGather):
 
     def _add(self, shard: DTensor, rows: Tensor) -> None:
         add_into_shard(shard, rows, self.host)
-
-    def _add_arrived(self) -> None:
-        """The rows the serving threads received, summed per lane in the order that lane reduced them, on the host:
-        added to the shards at the block's end, lane after lane, so that every sum is taken in one order whatever
-        the timing (a resumed run gives the same bits), and the device holds none of them meanwhile."""
-        with self._lock:
-            arrived, self._arrived = self._arrived, []
-        for lane, shard, rows in arrived:
-            sums = self._served.setdefault(lane, {})
-            with host_placement():
-                on_host = rows.to("cpu", copy=True)
-                if id(shard) in sums:
-                    sums[id(shard)][1].add_(on_host)
-                else:
-                    sums[id(shard)] = (shard, on_host)
 
     # --- control ----------------------------------------------------------------------------------------------
     def _post_control(
@@ -216,6 +201,8 @@ class LaneGather(LayerGather):
             failure, self._failures = self._failures[0], []
             raise RuntimeError("serving another lane's gathers and reductions failed") from failure
         self.settle()
+        # the other lanes' rows last, lane after lane: every sum in one order whatever the timing (a resumed run
+        # gives the same bits)
         for lane in sorted(self._served):
             for shard, rows in self._served[lane].values():
                 self._add(shard, rows if self.host else rows.to(shard.to_local().device))
@@ -268,16 +255,22 @@ class LaneGather(LayerGather):
                 _pop_mode()
 
     def _serve_reduction(self, lane: int, layer: int | None, had: Sequence[int], partial: bool) -> None:
+        """Receive this rank's rows of lane ``lane``'s reduction and sum them on the host, per shard."""
+        sums = self._served.setdefault(lane, {})
         for (_, shard), has in zip(self._shards[layer].items(), had, strict=False):
             if not (has or partial):
                 continue
-            _, received, work = _send_rows(None, shard, self.lanes, lane, async_op=False)
+            _, received, _ = _send_rows(None, shard, self.lanes, lane, async_op=False)
             rows = _summed_rows(received, shard, len(self.lanes.members[lane]))
-            with self._lock:
-                self._arrived.append((lane, shard, rows))
-                if has:
+            with host_placement():  # (summed in the order the lane reduced them; the device keeps none)
+                on_host = rows.to("cpu", copy=True)
+                if id(shard) in sums:
+                    sums[id(shard)][1].add_(on_host)
+                else:
+                    sums[id(shard)] = (shard, on_host)
+            if has:
+                with self._lock:
                     self._anyone[id(shard)] = shard
-            del work
 
 
 def _sharded(parameters: dict[str, nn.Parameter]) -> dict[str, DTensor]:
