@@ -190,17 +190,20 @@ def step_model_config(args: dict) -> PretrainedConfig:
 
 
 def sharded_worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
-    """One rank: a trainer whose model FSDP2 shards over dp = 1 x cp = world, two steps on one group; the second is
-    measured (its collectives recorded, its peak tracked from the model's construction on)."""
+    """One rank: a trainer whose model FSDP2 shards over a ``(dp, cp)`` mesh (``args["mesh"]``; dp = 1 x cp = world
+    by default), two steps on one group per dp rank (each its own prompt); the second is measured (its collectives
+    recorded, its peak tracked from the model's construction on)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    mesh = ParallelMesh.build(dp=1, cp=world)
+    dp, cp, hsdp = args.get("mesh", (1, world, False))
+    mesh = ParallelMesh.build(dp=dp, cp=cp, hsdp=hsdp)
     with MemoryTracker() as tracker:
         model = build_model(step_model_config(args), dtype=torch.float32, seed=0)
         mesh.fully_shard(model)
-        engine = Engine(model, EngineConfig(chunk_size=args["chunk"]), shards=mesh.context_parallel())
+        shards = mesh.context_parallel() if cp > 1 else None
+        engine = Engine(model, EngineConfig(chunk_size=args["chunk"]), shards=shards)
         trainer = GRPOTrainer(engine, GRPOConfig(G=args["group"], chunk_size=args["chunk"], mode=MODE), mesh=mesh)
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator().manual_seed(mesh.dp_rank)
         prompt = torch.randint(0, VOCAB_SIZE, (args["prompt"],), generator=gen)
         completions = [torch.randint(0, VOCAB_SIZE, (16,), generator=gen) for _ in range(args["group"])]
         group = trainer.group_from_completions(prompt, completions, torch.rand(args["group"], generator=gen).tolist())
@@ -244,25 +247,58 @@ def collective_bytes(log_dir: Path) -> dict[int, dict[str, float]]:
 
 
 def sharded_step(world: int, args: dict) -> dict:
-    """The measured step on ``world`` ranks beside the analytic minimum and the plan."""
+    """The measured step on ``world`` ranks (``args["mesh"]``: its ``(dp, cp, hsdp)``; dp = 1 x cp = world by
+    default) beside the analytic minimum and the plan."""
+    dp, cp, hsdp = args.get("mesh", (1, world, False))
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(sharded_worker, args=(world, f"{tmp}/store", tmp, args), nprocs=world, start_method=START)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
         sent = collective_bytes(Path(tmp) / "collectives")
     parameters = sum(p.numel() for p in build_model(step_model_config(args)).parameters()) * 4  # fp32
-    share = (world - 1) / world
+    shard_ranks = cp if hsdp else world
+    share = (shard_ranks - 1) / shard_ranks
     planner.NAMED_MODELS["bench-step"] = lambda: step_model_config(args)
     rows = []
     for rank, measured in enumerate(ranks):
         request = planner.PlanRequest(
-            model="bench-step", context=args["prompt"], group=args["group"], completion=16, gpus=world, cp=world,
-            mode=MODE, dtype=torch.float32, engine=EngineConfig(chunk_size=args["chunk"]), cp_rank=measured["cp_rank"],
+            model="bench-step", context=args["prompt"], group=args["group"], completion=16, gpus=world, dp=dp, cp=cp,
+            hsdp=hsdp, mode=MODE, dtype=torch.float32, engine=EngineConfig(chunk_size=args["chunk"]),
+            cp_rank=measured["cp_rank"],
         )  # fmt: skip
         plan = planner.plan_memory(request)
         rows.append({"rank": rank, "sent": sent[rank], "peak": measured["peak"], "roles": measured["roles"],
                      "planned": plan.subtotal, "planned_categories": plan.categories})  # fmt: skip
     minimum = {"allgather": 2 * parameters * share, "reduce_scatter": parameters * share}
-    return {"cp": world, "parameter_bytes": parameters, "minimum": minimum, "ranks": rows}
+    if hsdp:  # the replicas' gradient shards, all-reduced once
+        minimum["allreduce"] = 2 * parameters / shard_ranks * (dp - 1) / dp
+    return {"cp": cp, "dp": dp, "hsdp": hsdp, "parameter_bytes": parameters, "minimum": minimum, "ranks": rows}
+
+
+# dp > 1 on 4 ranks: each dp rank gathering for itself (parallel.lanes), and HSDP
+MESHES = [(2, 2, False), (2, 2, True)]
+
+
+def print_mesh(result: dict) -> None:
+    """A dp > 1 row: the bytes of the gathers and reductions together (all-to-alls where each dp rank gathers for
+    itself; FSDP2's all-gathers and reduce-scatters, and the replicas' all-reduce, with HSDP) beside FSDP's
+    minimum, the control messages and the other messages apart."""
+    minimum = sum(result["minimum"].values())
+    for row in result["ranks"]:
+        sent = row["sent"]
+        weights = sum(sent.get(k, 0.0) for k in ("allgather", "reduce_scatter", "alltoall"))
+        weights += sent.get("allreduce", 0.0) if result["hsdp"] else 0.0
+        other = sum(v for k, v in sent.items() if k not in ("allgather", "reduce_scatter", "alltoall", "allreduce"))
+        other += 0.0 if result["hsdp"] else sent.get("allreduce", 0.0)  # (lanes: control messages, merges)
+        mesh = f"{result['dp']}x{result['cp']}{' hsdp' if result['hsdp'] else ' lanes'}"
+        cells = (
+            mesh, row["rank"], f"{weights / 2**20:.2f} ({weights / minimum:.1f}x)", f"{other / 2**20:.2f}",
+            f"{row['peak'] / 2**20:.2f}", f"{row['planned'] / 2**20:.2f}", f"{row['peak'] / row['planned']:.3f}",
+        )  # fmt: skip
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, MESH_WIDTHS, strict=True)))
+
+
+MESH_HEADER = ("mesh", "rank", "weights+grads MiB (x min)", "other MiB", "peak MiB", "plan MiB", "peak/plan")
+MESH_WIDTHS = (12, 4, 25, 9, 9, 9, 9)
 
 
 def print_sharded(result: dict) -> None:
@@ -334,8 +370,15 @@ def main() -> None:
     for world in (w for w in args.ranks if w > 1):
         sharded.append(sharded_step(world, settings))
         print_sharded(sharded[-1])
+    meshes = []
+    if 4 in args.ranks:
+        print("\nthe same step at dp > 1 (each dp rank its own group), per rank:")
+        print(" ".join(f"{h:>{w}}" for h, w in zip(MESH_HEADER, MESH_WIDTHS, strict=True)))
+        for dp, cp, hsdp in MESHES:
+            meshes.append(sharded_step(dp * cp, settings | {"mesh": (dp, cp, hsdp)}))
+            print_mesh(meshes[-1])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": settings, "rows": rows, "sharded": sharded}, indent=1))
+    args.out.write_text(json.dumps({"args": settings, "rows": rows, "sharded": sharded, "meshes": meshes}, indent=1))
     print(f"wrote {args.out}")
 
 

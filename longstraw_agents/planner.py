@@ -561,10 +561,10 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     each holds its send buffer (the rank's shard copied once per cp rank of its dp rank: 1/dp of a layer, in the
     compute dtype) until it completes, and in the walk each asynchronous reduction in flight (as many) the rows it
     receives from the cp ranks (1/dp of a layer, in the master dtype); a branch replay gathers when it computes, and
-    nothing of this outlives the gather. What a rank holds serving another dp rank (its shard packed for a gather,
-    one parameter's rows of a reduced gradient: up to (cp + 1)/(dp·cp) of a layer while it lasts) comes and goes
-    with the other dp ranks' progress, and is not planned; the rows they reduce to it wait on the host
-    (``host_terms``)."""
+    nothing of this outlives the gather. What a rank holds serving the other dp ranks (per dp rank, its shard packed
+    for a gather and copied once per cp rank, or one parameter's rows of a reduced gradient: up to (cp + 1)/(dp·cp)
+    of a layer while it lasts, (dp - 1) times at once at worst) comes and goes with the other dp ranks' progress,
+    and is not planned; the rows they reduce to it wait on the host (``host_terms``)."""
     dp = request.data_parallel
     walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
     if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not walk):

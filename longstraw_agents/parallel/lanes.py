@@ -25,6 +25,7 @@ block, and none before it, keeps none (an expert no token chose), as in one proc
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_
 from ..memory import host_placement
 from .fsdp import LayerGather, add_into_shard
 
+_log = logging.getLogger(__name__)
 GATHER, REDUCE, PARTIAL, DONE = 1, 2, 3, 4  # what a control message announces
 _HEADER = 2  # a control message: [kind, unit + 1 (0: the root), had a gradient per parameter...]
 
@@ -70,10 +72,15 @@ class LaneGroups:
             groups = [dist.new_group(ranks) for _ in lanes]
             me = dist.get_rank()
             mine = next(lane for lane, members in enumerate(key[3]) if me in members)
-            shard_rank = shard_mesh.get_local_rank()
+            # a communicator ranks its members in global rank order, and so does FSDP2's shard group, whose rank is a
+            # shard's index (whatever the mesh's layout): the all-to-alls' splits follow it
+            shard_rank = shard_mesh.get_group().rank()
             if ranks.index(me) != shard_rank:
-                raise ValueError(f"rank {me} is rank {shard_rank} of the shard mesh, not its rank-order place")
+                raise ValueError(f"rank {me} is rank {shard_rank} of FSDP2's shard group, not its rank-order place")
             members = [[ranks.index(r) for r in lane] for lane in key[3]]
+            for group in groups:  # set up now, in one order on every process (NCCL's are made at a first use, and
+                # the serving threads' first uses would come in any order)
+                dist.all_reduce(torch.zeros(1, device=shard_mesh.device_type), group=group)
             cls._made[key] = cls(groups, members, mine, shard_rank, len(ranks))
         return cls._made[key]
 
@@ -123,6 +130,8 @@ class LaneGather(LayerGather):
         self._lock = threading.Lock()
         self._servers: list[threading.Thread] = []
         self._failures: list[BaseException] = []
+        self._failed: BaseException | None = None  # a block that raised: the communicators are out of step
+        self._device = self._params[None][0].device  # where gathers and reductions compute (shards may be offloaded)
 
     @contextlib.contextmanager
     def gathered(self, layer: int | None, partial: bool = False) -> Iterator[None]:
@@ -130,9 +139,17 @@ class LaneGather(LayerGather):
             with super().gathered(layer, partial):
                 yield
             return
+        if self._failed is not None:
+            raise RuntimeError(
+                "a block of this model's weights failed earlier; its dp ranks' communicators are out of step"
+            ) from self._failed
         self._serve_other_lanes()
-        with super().gathered(None):
-            yield
+        try:
+            with super().gathered(None):
+                yield
+        except BaseException as failure:  # (the other lanes stop at parallel.timeout_s, as for any failed rank)
+            self._failed = failure
+            raise
         self._end_of_block()
 
     # --- this lane's reductions -------------------------------------------------------------------------------
@@ -154,7 +171,7 @@ class LaneGather(LayerGather):
             param.grad = None  # (``grad`` may be it: divided in place)
             if not partial and self.replicas > 1:
                 grad.div_(self.replicas)  # the lane's cp ranks each hold the whole gradient
-            flight.append(_send_rows(grad, shard, self.lanes, self.lanes.lane, async_op=True))
+            flight.append(_send_rows(grad, shard, self.lanes, self.lanes.lane, self._device, async_op=True))
         if partial:
             self._reducing.append(flight)  # type: ignore[arg-type]
             while len(self._reducing) > self.window:
@@ -179,7 +196,7 @@ class LaneGather(LayerGather):
     # --- control ----------------------------------------------------------------------------------------------
     def _post_control(
         self, kind: int, layer: int | None, had: Sequence[bool] = (), shards: Sequence[DTensor] = ()
-    ) -> None:
+    ) -> dist.Work:
         """Announce this lane's next operation on its communicator (every lane rank posts the same; the others'
         threads read it). With a reduction, which parameters had a gradient here: the maximum over the lane's ranks
         is which had one anywhere."""
@@ -188,12 +205,14 @@ class LaneGather(LayerGather):
         message[_HEADER : _HEADER + len(had)] = torch.tensor(list(had), dtype=torch.int64)
         group = self.lanes.groups[self.lanes.lane]
         work = dist.all_reduce(message, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self._controls.append((work, message, list(shards)))
+        if shards:  # (a reduction's: which parameters someone had a gradient for, read at the block's end)
+            self._controls.append((work, message, list(shards)))
+        return work
 
     def _end_of_block(self) -> None:
         """This lane is done: tell the others' threads, wait for this rank's to finish serving theirs, add what
         they received, and settle which parameters keep no gradient."""
-        self._post_control(DONE, None)
+        self._post_control(DONE, None).wait()  # (every rank has read it before this one may leave the job)
         for server in self._servers:
             server.join()
         self._servers.clear()
@@ -225,13 +244,28 @@ class LaneGather(LayerGather):
         state._lazy_init()  # what the root's first gather does: a thread may serve a unit before this rank gathers it
         self._before = {id(s): s.grad is not None for shards in self._shards.values() for s in shards.values()}
         modes = _get_current_dispatch_mode_stack()  # what watches the step's ops (a memory tracker) watches these
+        ready = torch.cuda.Event() if self._device.type == "cuda" else None
+        if ready is not None:
+            ready.record()  # (the step's stream: what it wrote before the block, the threads' streams wait for)
         for lane in range(len(self.lanes.members)):
             if lane != self.lanes.lane:
-                server = threading.Thread(target=self._serve, args=(lane, modes), daemon=True, name=f"lane{lane}")
+                args = (lane, modes, ready)
+                server = threading.Thread(target=self._serve, args=args, daemon=True, name=f"lane{lane}")
                 server.start()
                 self._servers.append(server)
 
-    def _serve(self, lane: int, modes: Sequence[Any]) -> None:
+    def _serve(self, lane: int, modes: Sequence[Any], ready: Any) -> None:
+        """Serve lane ``lane`` until it is done. On a GPU on a stream of its own: on the step's, its work would
+        queue behind the step's waits for its own lane's collectives, which may wait for this thread."""
+        with contextlib.ExitStack() as stack:
+            if ready is not None:
+                torch.cuda.set_device(self._device)
+                stream = torch.cuda.Stream(self._device)
+                stream.wait_event(ready)
+                stack.enter_context(torch.cuda.stream(stream))
+            self._serving(lane, modes)
+
+    def _serving(self, lane: int, modes: Sequence[Any]) -> None:
         group = self.lanes.groups[lane]
         for mode in modes:
             _push_mode(mode)
@@ -248,7 +282,9 @@ class LaneGather(LayerGather):
                         _send_shard(_packed_shard(self._params[layer]), self.lanes, lane, None, False)
                     else:
                         self._serve_reduction(lane, layer, had, partial=kind == PARTIAL)
-        except BaseException as failure:  # (raised on the step's thread at the block's end)
+        except BaseException as failure:  # (raised on the step's thread at the block's end; logged now, since the
+            # lane it served waits for it until the process group's timeout)
+            _log.exception("serving lane %d failed", lane)
             self._failures.append(failure)
         finally:
             for _ in modes:
@@ -260,7 +296,7 @@ class LaneGather(LayerGather):
         for (_, shard), has in zip(self._shards[layer].items(), had, strict=False):
             if not (has or partial):
                 continue
-            _, received, _ = _send_rows(None, shard, self.lanes, lane, async_op=False)
+            _, received, _ = _send_rows(None, shard, self.lanes, lane, self._device, async_op=False)
             rows = _summed_rows(received, shard, len(self.lanes.members[lane]))
             with host_placement():  # (summed in the order the lane reduced them; the device keeps none)
                 on_host = rows.to("cpu", copy=True)
@@ -316,7 +352,7 @@ def _row_counts(shard: DTensor, size: int) -> list[int]:
 
 
 def _send_rows(
-    grad: Tensor | None, shard: DTensor, lanes: LaneGroups, lane: int, async_op: bool
+    grad: Tensor | None, shard: DTensor, lanes: LaneGroups, lane: int, device: torch.device, async_op: bool
 ) -> tuple[DTensor, Tensor, Any]:
     """A lane rank's gradient of ``shard``'s parameter, each rank's rows to it (dim 0 in rank order: the gradient
     as it lies), on lane ``lane``'s communicator; every rank receives its rows from each of the lane's ranks
@@ -324,7 +360,7 @@ def _send_rows(
     counts = _row_counts(shard, lanes.size)
     members = lanes.members[lane]
     mine = counts[lanes.rank]
-    received = torch.empty(mine * len(members), dtype=shard.dtype, device=shard.to_local().device)
+    received = torch.empty(mine * len(members), dtype=shard.dtype, device=device)  # (offloaded shards: not theirs)
     sends = counts if grad is not None else [0] * lanes.size
     receives = [mine if r in members else 0 for r in range(lanes.size)]
     data = grad.contiguous().reshape(-1) if grad is not None else received.new_empty(0)

@@ -5,6 +5,7 @@ them are written to ``out_dir/rank{r}.pt`` for the test process to compare with 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,22 +36,31 @@ def make_trainer(
     family: str = "llama",
     compute_dtype: str | None = None,
     offload: bool = False,
+    beta: float = 0.0,
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
     ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
-    fp64 parameters are the master weights)."""
+    fp64 parameters are the master weights); with ``beta``, a KL term against a copy of the initial weights (taken
+    before sharding, as ``Run`` takes it; the trainer shards it as the policy)."""
     model = tiny_model(family, dtype=torch.float64, seed=0)
+    reference = copy.deepcopy(model) if beta else None
     if fsdp:
         assert mesh is not None
         mesh.fully_shard(model, None if compute_dtype is None else getattr(torch, compute_dtype), offload)
     precision = None if compute_dtype is None else {"compute_dtype": compute_dtype}
     config = GRPOConfig(
-        G=G, chunk_size=CHUNK, lr=1e-2, max_grad_norm=1.0, normalization=normalization, mixed_precision=precision
+        G=G,
+        chunk_size=CHUNK,
+        lr=1e-2,
+        max_grad_norm=1.0,
+        normalization=normalization,
+        mixed_precision=precision,
+        beta=beta,
     )
     policy: torch.nn.Module | Engine = model
     if mesh is not None and mesh.mesh["cp"].size() > 1:
         policy = Engine(model, EngineConfig(chunk_size=CHUNK), shards=ContextParallel(mesh.cp_group, mesh.cp_channels))
-    return GRPOTrainer(policy, config, accelerator=accelerator, mesh=mesh)
+    return GRPOTrainer(policy, config, ref_model=reference, accelerator=accelerator, mesh=mesh)
 
 
 def step_groups(trainer: GRPOTrainer) -> list[Group]:
@@ -118,6 +128,12 @@ def stray_collectives(mesh: ParallelMesh, lanes: Sequence[dist.ProcessGroup] = (
             setattr(dist, name, fn)
 
 
+def _gathers(trainer: GRPOTrainer) -> list[Any]:
+    """How the step reaches the policy's weights and the KL reference's (``WeightSharding.weights``)."""
+    shardings = [trainer.sharding, trainer.ref_sharding]
+    return [s.weights for s in shardings if s is not None and s.weights is not None]
+
+
 def _resumed_step(trainer: GRPOTrainer, mesh: ParallelMesh, spec: dict[str, Any], directory: Path) -> dict:
     """Save a checkpoint (``saved``: the parameters it holds), load it into a fresh trainer, and take one more step
     with both: the parameters must be bit-identical (``equal``, per parameter), and the fresh trainer's counters
@@ -162,11 +178,12 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
         spec.get("family", "llama"),
         spec.get("compute_dtype"),
         spec.get("offload", False),
+        spec.get("beta", 0.0),
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])
-    weights = trainer.sharding.weights
-    with stray_collectives(mesh, weights.lanes.groups if isinstance(weights, LaneGather) else ()) as stray:
+    lanes = [w.lanes.groups for w in _gathers(trainer) if isinstance(w, LaneGather)]
+    with stray_collectives(mesh, [group for groups in lanes for group in groups]) as stray:
         metrics = trainer.train_step(share(step_groups(trainer), mesh))
     if "save" in spec:
         trainer.save_checkpoint(spec["save"])

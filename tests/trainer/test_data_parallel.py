@@ -36,9 +36,9 @@ def _spawn(tmp_path: Path, world: int, **spec) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-def _one_process(normalization: str, family: str = "llama") -> tuple[dict[str, torch.Tensor], float]:
+def _one_process(normalization: str, family: str = "llama", beta: float = 0.0) -> tuple[dict[str, torch.Tensor], float]:
     """Parameters after the step and the gradient norm it reported (before clipping to 1)."""
-    trainer = make_trainer(normalization, family=family)
+    trainer = make_trainer(normalization, family=family, beta=beta)
     metrics = trainer.train_step(step_groups(trainer))
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, metrics.grad_norm
 
@@ -147,6 +147,19 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
     for name, (_, shape) in ranks[0]["sizes"].items():
         held = [r["sizes"][name][0] for r in ranks]
         assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, shards)] * (dp * cp // shards), name
+
+
+def test_a_kl_term_at_dp2xcp2_equals_one_process(tmp_path):
+    """beta 0.1: the KL reference is sharded as the policy (over all four ranks) and each dp rank scores it on its
+    own schedule (``parallel.lanes``: the reference's communicators apart from the policy's, both served during the
+    step); the step equals one process's with the same reference."""
+    spec = {"normalization": "group", "fsdp": True, "beta": 0.1}
+    ranks = _spawn(tmp_path, 4, dp=2, cp=2, **spec)
+    expected, grad_norm = _one_process("group", beta=0.1)
+    for rank, result in enumerate(ranks):
+        assert relative_l2(result["params"], expected) <= 1e-10, rank
+        assert result["stray_collectives"] == [], rank
+        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
 
 
 @pytest.mark.parametrize(("dp", "cp"), [(2, 1), (1, 2)], ids=["dp2", "dp1xcp2"])
