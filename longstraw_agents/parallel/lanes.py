@@ -217,8 +217,8 @@ class LaneGather(LayerGather):
             server.join()
         self._servers.clear()
         if self._failures:
-            failure, self._failures = self._failures[0], []
-            raise RuntimeError("serving another lane's gathers and reductions failed") from failure
+            self._failed, self._failures = self._failures[0], []
+            raise RuntimeError("serving another lane's gathers and reductions failed") from self._failed
         self.settle()
         # the other lanes' rows last, lane after lane: every sum in one order whatever the timing (a resumed run
         # gives the same bits)
