@@ -109,13 +109,13 @@ def held_rows(shape: tuple[int, ...], ranks: int) -> list[int]:
 @pytest.mark.parametrize(
     ("dp", "cp", "bucket", "hsdp", "offload"),
     [
-        (2, 2, 4096, False, False),
+        (2, 2, 4096, False, False),  # (with a KL term)
         (1, 2, None, False, False),
         (2, 2, None, True, False),
         (1, 2, None, False, True),
         (2, 2, None, True, True),
     ],
-    ids=["dp2xcp2-4KiB-buckets", "dp1xcp2", "dp2xcp2-hsdp", "dp1xcp2-offload", "dp2xcp2-hsdp-offload"],
+    ids=["dp2xcp2-4KiB-buckets-kl", "dp1xcp2", "dp2xcp2-hsdp", "dp1xcp2-offload", "dp2xcp2-hsdp-offload"],
 )
 def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
     tmp_path, monkeypatch, dp, cp, bucket, hsdp, offload
@@ -129,12 +129,16 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
     bucketing, whose default 25 MiB holds a tiny model in one (the forked ranks inherit the setting). With HSDP the
     dp ranks (2 groups and 1) replicate the model, each sharded over its cp ranks, which gather a layer at a time
     too; the replicas' gradients are summed once at the step's end. With offload (FSDP2's CPU offload policy) the
-    shards, their gradients and AdamW's state are the host's and AdamW steps there: the same step."""
+    shards, their gradients and AdamW's state are the host's and AdamW steps there: the same step. At dp 2 sharded
+    over all four, with a KL term (beta 0.1): the reference is sharded as the policy and each dp rank scores it on
+    its own schedule (``parallel.lanes``: the reference's communicators apart from the policy's, both served during
+    the step)."""
     if bucket is not None:
         monkeypatch.setattr(wavefront, "GRADIENT_BUCKET_BYTES", bucket)
+    beta = 0.1 if dp > 1 and not hsdp else 0.0
     spec = {"normalization": "group", "fsdp": True, "family": "qwen3_5", "hsdp": hsdp, "offload": offload}
-    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, **spec)
-    expected, grad_norm = _one_process("group", "qwen3_5")
+    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, beta=beta, **spec)
+    expected, grad_norm = _one_process("group", "qwen3_5", beta)
     for rank, result in enumerate(ranks):
         assert relative_l2(result["params"], expected) <= 1e-10, rank
         assert result["stray_collectives"] == [], rank
@@ -147,19 +151,6 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
     for name, (_, shape) in ranks[0]["sizes"].items():
         held = [r["sizes"][name][0] for r in ranks]
         assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, shards)] * (dp * cp // shards), name
-
-
-def test_a_kl_term_at_dp2xcp2_equals_one_process(tmp_path):
-    """beta 0.1: the KL reference is sharded as the policy (over all four ranks) and each dp rank scores it on its
-    own schedule (``parallel.lanes``: the reference's communicators apart from the policy's, both served during the
-    step); the step equals one process's with the same reference."""
-    spec = {"normalization": "group", "fsdp": True, "beta": 0.1}
-    ranks = _spawn(tmp_path, 4, dp=2, cp=2, **spec)
-    expected, grad_norm = _one_process("group", beta=0.1)
-    for rank, result in enumerate(ranks):
-        assert relative_l2(result["params"], expected) <= 1e-10, rank
-        assert result["stray_collectives"] == [], rank
-        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
 
 
 @pytest.mark.parametrize(("dp", "cp"), [(2, 1), (1, 2)], ids=["dp2", "dp1xcp2"])
