@@ -252,8 +252,8 @@ class Schedule:
     extends are replicated (every rank computes each member's tokens, attending to the positions it holds, the
     partial results merged; the member's own positions spread over the ranks — counted here with the last rank's
     shard, a completion being short next to the prompt; an agent's long ``history`` is not modelled);
-    FSDP2 gathers a layer per pass at dp = 1 or with HSDP, and otherwise the whole model once per step (``sharded``;
-    False: every rank holds the whole model, and exact mode sums the parameter gradient over cp)."""
+    FSDP2 gathers a layer per pass (at dp > 1 each dp rank for itself) and reduces its gradient in the master dtype
+    (``sharded``; False: every rank holds the whole model, and exact mode sums the parameter gradient over cp)."""
 
     request: PlanRequest
     model: ModelWork
@@ -283,28 +283,39 @@ class Schedule:
         """The first captured position of the last cp rank."""
         return min((self.cp - 1) * self.shard, self.captured)
 
-    def _gathers(self, passes: int, root: bool = False) -> Work:
+    def _gathers(self, passes: int, root: bool = False, frozen: bool = False) -> Work:
         """FSDP2's all-gathers of ``passes`` passes over the decoder layers, a layer at a time, and with ``root`` the
         root unit's once (whole for a block: the step, a rollout). At dp > 1 without HSDP each dp rank gathers for
         itself (``parallel.lanes``): a rank receives its own dp rank's gathers and sends its shard to every dp rank's,
-        the bytes of one gather over every rank when the dp ranks gather alike."""
+        the bytes of one gather over every rank when the dp ranks gather alike. ``frozen``: the KL reference's, whose
+        shards are kept in the compute dtype (no master weights: an offloaded gather copies those in)."""
         if self.ranks == 1 or not self.sharded:
             return Work()
-        return self._moved(passes * self.model.layer_bytes + (self.model.root_bytes if root else 0.0))
+        nbytes = passes * self.model.layer_bytes + (self.model.root_bytes if root else 0.0)
+        return self._moved(nbytes, self.model.dtype.itemsize if frozen else self.request.master_itemsize)
 
-    def _moved(self, nbytes: float) -> Work:
-        """An all-gather or a reduce-scatter of ``nbytes`` of weights (in the compute dtype) over the shard ranks,
-        and where the shards are offloaded (FSDP2's CPU offload) the rank's shard of them copied between host and
-        device (``_host_copy``: a gather copies it in, a reduction its gradient out)."""
+    def _reduced(self, nbytes: float) -> Work:
+        """A reduce-scatter of the gradient of ``nbytes`` of weights: in the master dtype (FSDP2's ``reduce_dtype``
+        under mixed precision), its shard copied out where the shards are offloaded."""
         if not self.sharded or self.ranks == 1:
             return Work()
-        return Work(comm=nbytes * (self.ranks - 1) / self.ranks) + self._host_copy(nbytes)
+        master = nbytes / self.model.dtype.itemsize * self.request.master_itemsize
+        return Work(comm=master * (self.ranks - 1) / self.ranks) + self._host_copy(master)
+
+    def _moved(self, nbytes: float, shard_itemsize: int) -> Work:
+        """An all-gather of ``nbytes`` of weights (in the compute dtype) over the shard ranks, and where the shards
+        are offloaded (FSDP2's CPU offload) the rank's shard of them — ``shard_itemsize`` bytes per parameter —
+        copied in first."""
+        if not self.sharded or self.ranks == 1:
+            return Work()
+        shards = nbytes / self.model.dtype.itemsize * shard_itemsize
+        return Work(comm=nbytes * (self.ranks - 1) / self.ranks) + self._host_copy(shards)
 
     def _host_copy(self, nbytes: float) -> Work:
-        """With ``offload``, the rank's shard of ``nbytes`` of weights, in the master dtype, over the host link."""
+        """With ``offload``, the rank's shard of ``nbytes`` (as the shards hold them) over the host link."""
         if not (self.request.offload and self.sharded and self.ranks > 1):
             return Work()
-        return Work(host=nbytes / self.model.dtype.itemsize * self.request.master_itemsize / self.ranks)
+        return Work(host=nbytes / self.ranks)
 
     def _merges(self, tokens: int) -> Work:
         """The partial attention results of ``tokens`` replicated positions, all-gathered over the cp ranks."""
@@ -329,7 +340,7 @@ class Schedule:
     def scoring(self) -> Work:
         completion = self.request.completion
         member = self._extend(completion) + self.model.head(completion)
-        return member.scaled(self.request.group) + self._gathers(self.request.group)
+        return member.scaled(self.request.group) + self._gathers(self.request.group, frozen=True)
 
     def replay(self) -> Work:
         """Each member's branch forward and backward (its layers once more with activation checkpointing); the
@@ -343,8 +354,8 @@ class Schedule:
         step = Work()
         if self.sharded and self.ranks > 1:
             # each layer's gradient reduced as its backward ends; the root's (whole for the step) at the end
-            per_member_gathers = per_member_gathers + self._moved(self.model.layer_bytes)
-            step = self._moved(self.model.root_bytes)
+            per_member_gathers = per_member_gathers + self._reduced(self.model.layer_bytes)
+            step = self._reduced(self.model.root_bytes)
         if self.sharded and self.request.hsdp and request.data_parallel > 1:  # the replicas' gradient shards summed
             dp = request.data_parallel
             step = step + Work(comm=2 * (dp - 1) / dp * self.model.weight_bytes / self.ranks)
@@ -365,7 +376,9 @@ class Schedule:
         if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
             share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
             parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
-            parameters = parameters + self._host_copy(self.model.layer_bytes)
+            parameters = parameters + self._host_copy(
+                self.model.layer_bytes / self.model.dtype.itemsize * request.master_itemsize
+            )
         return recompute + backward + state_gradient + parameters + self._gathers(2)
 
     def _recurrent_segments(self) -> Work:

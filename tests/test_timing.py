@@ -268,6 +268,24 @@ def test_offload_copies_the_shards_in_for_each_gather_and_their_gradients_out():
     assert profile.seconds(moved["replay"])["host"] == pytest.approx(expected["replay"] / profile.host_bandwidth)
 
 
+def test_reductions_run_in_the_master_dtype_and_the_reference_copies_its_compute_dtype_shards():
+    """bf16 compute over fp32 masters: every gradient reduction (a branch's layers, the root's at the step's end)
+    moves fp32, twice the bytes of bf16 masters; with offload the KL reference's scoring copies in its own shards,
+    kept in the compute dtype (frozen: no master weights), half the bytes of the policy's gathers."""
+    model = ModelWork.of(TINY_PRESETS["llama"](), torch.bfloat16)
+    base = {**_request("llama", mode="detached").__dict__, "dtype": torch.bfloat16, "gpus": 2, "cp": 2}
+
+    def schedule(**options: object) -> Schedule:
+        return Schedule(PlanRequest(**{**base, **options}), model)
+
+    fp32, bf16 = schedule(), schedule(mixed_precision=False)
+    reduced = GROUP * model.layer_bytes + model.root_bytes  # in bf16; over 2 ranks a reduce-scatter moves half
+    assert fp32.replay().comm - bf16.replay().comm == pytest.approx(reduced / 2)
+    offloaded = schedule(offload=True, beta=0.1)
+    assert offloaded.scoring().host == pytest.approx(GROUP * model.layer_bytes / 2)  # its bf16 shard, per member
+    assert offloaded.capture().host == pytest.approx((model.layer_bytes + model.root_bytes) * 2 / 2)  # fp32 masters
+
+
 def test_the_walk_recomputes_the_recurrent_states_between_checkpoints():
     """A hybrid whose recurrent states are kept every third chunk: exact mode's walk recomputes the others' state
     entries once each, as torch counts on the real run (a detached step subtracted)."""
