@@ -174,7 +174,7 @@ def test_a_node_whose_processes_never_join_stops_the_others(tmp_path: Path) -> N
 
 def test_a_node_that_sees_another_run_directory_stops_every_node(tmp_path: Path) -> None:
     """A relative output_dir, and each node's launcher in a directory of its own: the same path names two
-    directories, as a node-local disk would. Every process stops before any step, naming node 1's ranks; rank 0's
+    directories, as a node-local disk would. Every node stops before any step, naming node 1's ranks; rank 0's
     directory, made for the run, is removed again and node 1's is left as it was."""
     config_path = tmp_path / "train.yaml"
     config_path.write_text(yaml.safe_dump(tiny_config_dict("run", parallel={"dp": 2, "cp": 2})))
@@ -186,7 +186,8 @@ def test_a_node_that_sees_another_run_directory_stops_every_node(tmp_path: Path)
     for code, _, err in nodes:
         assert code != 0
         errors = _errors(err)
-        assert len(errors) == PER_NODE, err[-3000:]
+        # (torchrun stops a node's other workers as soon as one exits: on busy cores one may go before it prints)
+        assert 1 <= len(errors) <= PER_NODE, err[-3000:]
         for error in errors:
             assert "output_dir run must be one directory that every node sees" in error
             assert f"do not see rank 0's {cwds[0] / 'run'}: ranks 2, 3 (node 1, host {HOST}): " in error
