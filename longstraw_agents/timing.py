@@ -396,8 +396,8 @@ class Schedule:
     def rollout(self) -> Work:
         """Decoding ``completion`` tokens for every member in one batch, the cp ranks together (``parallel.sampling``):
         each rank reads the prompt's and the members' positions it holds (1/cp of them), every decode step's attention
-        partials merged over the ranks; with FSDP2's gathers: each decode step's layers where the step gathers a layer
-        at a time, else the whole model once (each copied from the host first where the shards are offloaded)."""
+        partials merged over the ranks; with FSDP2's gathers: each decode step's layers, a layer at a time, and the root
+        unit once (each copied from the host first where the shards are offloaded)."""
         request, model = self.request, self.model
         group, prompt, cp = request.group, self.captured, self.cp
         weights = min(model.weight_bytes, model.active_weight_bytes * group)  # the experts the batch chose, at most all

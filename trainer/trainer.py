@@ -302,7 +302,7 @@ class GRPOTrainer:
         for p, present in zip(params, flags[1:].tolist(), strict=True):  # counts of processes with a gradient
             if present and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if is_sharded(self.model):  # leaving ``gathered`` reduce-scatters them
+        if is_sharded(self.model):  # (sharded, each layer's gradient is in its shards by the step block's end)
             return int(flags[0])
         handles = [dist.all_reduce(p.grad, group=self.dp_group, async_op=True) for p in params if p.grad is not None]
         for handle in handles:

@@ -68,9 +68,10 @@ def test_a_step_on_the_mesh_equals_one_process_holding_every_group(tmp_path, dp,
     ("family", "normalization"), [("llama", "group"), ("qwen3_5", "batch"), ("glm_moe_dsa", "group")]
 )
 def test_fsdp2_step_equals_one_process_and_each_rank_holds_half_of_each_parameter(tmp_path, family, normalization):
-    """FSDP2 over dp=2: the engine bypasses FSDP's hooks, so the trainer gathers the units for the step and
-    reduce-scatters the gradients itself (parallel.fsdp.gathered); AdamW steps each rank's shard. After the step
-    the full parameters equal one process's (fp64), and each rank stores half of every parameter (dim 0 split)."""
+    """FSDP2 over dp=2: the engine bypasses FSDP's hooks, so each dp rank gathers a layer at a time and reduces its
+    gradients itself, served by the other (parallel.lanes; the two dp ranks' groups differ: 2 and 1); AdamW steps
+    each rank's shard. After the step the full parameters equal one process's (fp64), and each rank stores half of
+    every parameter (dim 0 split)."""
     ranks = _spawn(tmp_path, 2, dp=2, cp=1, normalization=normalization, fsdp=True, family=family)
     expected, grad_norm = _one_process(normalization, family)
     assert grad_norm > 1.0  # clipping is part of what is compared
