@@ -204,8 +204,7 @@ class LayerGather:
     def settle(self) -> None:
         """Wait for the partial reductions in flight; a parameter no rank had a gradient for in them (and none
         before: an expert no token chose) keeps none, as in one process (one collective over the shard mesh)."""
-        while self._reducing:
-            _settle(self._reducing.popleft(), self.host)
+        self._land_all()
         if not self._touched:
             return
         entries = list(self._touched.values())
@@ -330,12 +329,22 @@ class LayerGather:
                 had or (earlier is not None and earlier[1]),
                 shard.grad is not None if earlier is None else earlier[2],
             )
-            grad = param.grad.to(shard.dtype) if param.grad is not None else torch.zeros_like(param, dtype=shard.dtype)
-            param.grad = None
-            flight.append((shard, _reduce_scatter(grad, shard, async_op=True)))
+            flight.append((shard, _reduce_scatter(taken_gradient(param, shard.dtype), shard, async_op=True)))
+        self._in_flight(flight)
+
+    def _in_flight(self, flight: Any) -> None:
+        """One release's asynchronous reductions, waited for ``window`` releases later."""
         self._reducing.append(flight)
         while len(self._reducing) > self.window:
-            _settle(self._reducing.popleft(), self.host)
+            self._land(self._reducing.popleft())
+
+    def _land_all(self) -> None:
+        while self._reducing:
+            self._land(self._reducing.popleft())
+
+    def _land(self, flight: Any) -> None:
+        """Wait for one release's reductions and add them into their shards' gradients."""
+        _settle(flight, self.host)
 
     def _registered(self, layer: int | None) -> dict[str, nn.Parameter]:
         """The unit's own parameters as registered now (whole while gathered, else its shards), by name."""
@@ -428,14 +437,21 @@ def _reduce_into_shards(whole: dict[str, nn.Parameter], shards: dict[str, Any], 
     ``replicas``), the whole one dropped; in the shard's dtype (mixed precision: the master's, not the compute
     dtype); on the host where the shards are offloaded. Every rank must have a gradient for the same parameters."""
     for name, shard in shards.items():
-        grad = whole[name].grad
-        if grad is None or not isinstance(shard, DTensor):
+        if whole[name].grad is None or not isinstance(shard, DTensor):
             continue
-        whole[name].grad = None
-        grad = grad.to(shard.dtype)
-        if replicas > 1:
-            grad.div_(replicas)
+        grad = taken_gradient(whole[name], shard.dtype, replicas)
         add_into_shard(shard, _reduce_scatter(grad, shard).to_local(), host)
+
+
+def taken_gradient(param: nn.Parameter, dtype: torch.dtype, replicas: int = 1) -> Tensor:
+    """``param``'s gradient taken from it for a reduction (the parameter keeps none): in ``dtype`` (the shard's: the
+    master's under mixed precision), zeros where it has none (a rank must meet the others' collective), divided by
+    ``replicas`` (the ranks holding the same one)."""
+    grad = param.grad.to(dtype) if param.grad is not None else torch.zeros_like(param, dtype=dtype)
+    param.grad = None  # (``grad`` may be it: divided in place)
+    if replicas > 1:
+        grad.div_(replicas)
+    return grad
 
 
 def add_into_shard(shard: DTensor, local: Tensor, host: bool) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from ..memory import host_placement
-from .fsdp import LayerGather, add_into_shard
+from .fsdp import LayerGather, add_into_shard, taken_gradient
 
 _log = logging.getLogger(__name__)
 GATHER, REDUCE, PARTIAL, DONE = 1, 2, 3, 4  # what a control message announces
@@ -167,25 +168,20 @@ class LaneGather(LayerGather):
             param = whole[name]
             if not (has or partial):
                 continue
-            grad = param.grad.to(shard.dtype) if has else torch.zeros_like(param, dtype=shard.dtype)  # type: ignore[union-attr]
-            param.grad = None  # (``grad`` may be it: divided in place)
-            if not partial and self.replicas > 1:
-                grad.div_(self.replicas)  # the lane's cp ranks each hold the whole gradient
+            # (replicated: the lane's cp ranks each hold the whole gradient; partial: each its share)
+            grad = taken_gradient(param, shard.dtype, 1 if partial else self.replicas)
             flight.append(_send_rows(grad, shard, self.lanes, self.lanes.lane, self._device, async_op=True))
         if partial:
-            self._reducing.append(flight)  # type: ignore[arg-type]
-            while len(self._reducing) > self.window:
-                self._add_rows(self._reducing.popleft())  # type: ignore[arg-type]
+            self._in_flight(flight)
         else:
-            self._add_rows(flight)
+            self._land(flight)
 
     def settle(self) -> None:
         """Wait for this lane's reductions in flight (which parameters keep no gradient is settled at the block's
         end, once every lane's reductions are in)."""
-        while self._reducing:
-            self._add_rows(self._reducing.popleft())  # type: ignore[arg-type]
+        self._land_all()
 
-    def _add_rows(self, flight: list[tuple[DTensor, Tensor, dist.Work]]) -> None:
+    def _land(self, flight: list[tuple[DTensor, Tensor, dist.Work]]) -> None:
         for shard, received, work in flight:
             work.wait()
             self._add(shard, _summed_rows(received, shard, len(self.lanes.members[self.lanes.lane])))
@@ -346,7 +342,7 @@ def _send_shard(shard: Tensor, lanes: LaneGroups, lane: int, output: Tensor | No
 
 def _row_counts(shard: DTensor, size: int) -> list[int]:
     """Elements of each rank's rows of ``shard``'s parameter (dim 0 cut as ``torch.chunk`` cuts it)."""
-    rows, per_row = shard.shape[0], max(1, int(torch.tensor(shard.shape[1:]).prod().item()))
+    rows, per_row = shard.shape[0], math.prod(shard.shape[1:])
     step = -(-rows // size)
     return [max(0, min(step, rows - r * step)) * per_row for r in range(size)]
 
