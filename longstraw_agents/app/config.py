@@ -153,9 +153,9 @@ class ParallelSpec(BaseModel):
     hsdp: bool = Field(
         False,
         description="with fsdp: shard over each dp rank's cp ranks and replicate over dp (FSDP2's hybrid sharding). "
-        "Each GPU holds 1/cp of the model, gradients and optimizer state instead of 1/(dp x cp), and in exchange the "
-        "engine gathers a layer at a time at dp > 1 too (without it a dp > 1 step gathers the whole model: the dp "
-        "ranks' groups differ in shape); see `longstraw plan --hsdp`",
+        "Each GPU holds 1/cp of the model, gradients and optimizer state instead of 1/(dp x cp), and in exchange a "
+        "gather spans a dp rank's cp ranks only (without it each dp rank gathers a layer at a time on a communicator "
+        "of its own over every rank, which the other dp ranks serve: parallel.lanes); see `longstraw plan --hsdp`",
     )
     offload: bool = Field(
         False,
@@ -174,6 +174,12 @@ class ParallelSpec(BaseModel):
         description="cp > 1: an extend of at least this many tokens (a long tool output, a member's long history) "
         "is computed sharded like a capture even when shorter than the context before it "
         "(EngineConfig.sharded_extend_tokens; None: only extends at least as long as their context)",
+    )
+    host_staged_messages: bool = Field(
+        False,
+        description="cp > 1 on GPUs: stage the wavefront's point-to-point messages through host memory and send them "
+        "over gloo (matched by tag), instead of device to device over NCCL (matched in posting order, which the "
+        "schedule keeps: parallel.discipline checks it on CPU). On CPUs both are the same messages",
     )
     timeout_s: float = Field(
         600.0,

@@ -332,7 +332,8 @@ class Run:
         policy: torch.nn.Module | Engine = self.model
         if mesh is not None and spec.cp > 1:
             chunk = self.config.trainer.chunk_size
-            policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=mesh.context_parallel())
+            shards = mesh.context_parallel(host_staged=spec.host_staged_messages)
+            policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=shards)
         return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
 
     def _warm_start(self) -> None:

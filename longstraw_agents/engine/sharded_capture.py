@@ -128,14 +128,15 @@ class ShardedCapture:
 
     def _post_parent_rows(self) -> None:
         """Start sending this rank's rows of the parent, every growing layer in order, to the earlier ranks that
-        compute here (views of its arenas; on a GPU a host copy of the rank's share of the state)."""
+        compute here (views of its arenas; staged through the host, a host copy of the rank's share of the
+        state)."""
         rank = self.ownership.rank
         earlier = [dst for dst in self.computing if dst < rank]
         if rank not in self.parent_holders or not earlier:
             return
         for i, layer in enumerate(self.engine.adapter.layers):
             if layer.mixer.grows:
-                rows = outgoing_runs(self.state.positioned_blocks(i))
+                rows = self.transport.stage(outgoing_runs(self.state.positioned_blocks(i)))
                 for dst in earlier:
                     self.transport.send(rows, dst, i, "parent_rows")
 
@@ -158,7 +159,7 @@ class ShardedCapture:
             own = self.state.positioned_blocks(i)
             starts = [self.pieces[j][0] for j in self.mine]
             own += [(a, row[i]) for a, row in zip(starts, blocks, strict=True) if row[i] is not None]  # type: ignore[misc]
-            rows = outgoing_runs(own)  # one host copy for every destination
+            rows = self.transport.stage(outgoing_runs(own))  # staged once for every destination
             for dst in self.computing:
                 if dst > rank:
                     self.transport.send(rows, dst, i, "rows")

@@ -46,8 +46,14 @@ class Transport(Shards, Protocol):
     """Messages between the ranks of the group: ``Shards``' collectives plus point-to-point messages and broadcasts
     of tensors of any number, shapes and dtypes. Every collective is called by every rank in the same order."""
 
+    def stage(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """``tensors`` as ``send`` would send them (host copies, where the transport stages messages through host
+        memory): a message for several ranks, staged once."""
+        ...
+
     def send(self, tensors: Sequence[Tensor], dst: int, tag: int, kind: str) -> None:
-        """Start sending ``tensors`` to rank ``dst`` (``flush`` waits for the sends); ``kind`` names the payload."""
+        """Start sending ``tensors`` to rank ``dst`` (``flush`` waits for the sends); ``kind`` names the payload.
+        The tensors must not change until then."""
         ...
 
     def recv(self, src: int, tag: int, device: torch.device, on_host: int = 0) -> tuple[Tensor, ...]:
@@ -102,10 +108,11 @@ RUNS_HEADER = 1  # a runs message's tensors read on the host: its header
 
 
 def outgoing_runs(blocks: Sequence[tuple[int, Block]]) -> list[Tensor]:
-    """Positioned ``blocks`` as a message: an int64 ``[runs, 2]`` tensor of the (first position, length) of each run
-    of consecutive positions in one arena, then each run's tensors — views of the arena on the CPU (no copy), in
-    host memory (``.to("cpu")``) elsewhere. A rank's rows need not be contiguous in positions (its share of a
-    capture and of later extends) and DSA selects keys by position; ``incoming_runs`` reads it."""
+    """Positioned ``blocks`` as a message: an int64 ``[runs, 2]`` tensor on the host of the (first position,
+    length) of each run of consecutive positions in one arena, then each run's tensors — views of the arena (no
+    copy; ``Transport.stage`` copies them to the host where messages travel through it). A rank's rows need not be
+    contiguous in positions (its share of a capture and of later extends) and DSA selects keys by position;
+    ``incoming_runs`` reads it."""
     runs: list[tuple[int, Block]] = []
     for position, block in blocks:
         if runs and runs[-1][0] + runs[-1][1].length == position and block.follows(runs[-1][1]):
@@ -114,7 +121,7 @@ def outgoing_runs(blocks: Sequence[tuple[int, Block]]) -> list[Tensor]:
         else:
             runs.append((position, block))
     header = torch.tensor([[position, block.length] for position, block in runs], dtype=torch.int64).reshape(-1, 2)
-    return [header, *(t.detach().to("cpu") for _, block in runs for t in block.views())]
+    return [header, *(t.detach() for _, block in runs for t in block.views())]
 
 
 def incoming_runs(message: Sequence[Tensor]) -> list[tuple[int, tuple[Tensor, ...]]]:

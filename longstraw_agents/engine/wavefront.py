@@ -85,11 +85,11 @@ class WavefrontWalk:
     each rank walking all its layers after the later ranks finished all theirs, is their product). The messages:
 
     - before the walk, each rank posts its rows of every growing layer to the later computing ranks (views of its
-      arenas; on a GPU one host copy per layer), in the order they are taken: a receiver takes layer i's when it
-      recomputes or backpropagates the layer and drops them after (one layer's at a time; a recomputed layer's rows
-      travel twice); it attends to them with gradient sinks of their own, and sends those sinks (the gradient for
-      the earlier rank's K/V) back to their owner once its layer i is done, where they are added into the state's
-      gradient;
+      arenas, sent device to device; staged through the host, one host copy per layer), in the order they are
+      taken: a receiver takes layer i's when it recomputes or backpropagates the layer and drops them after (one
+      layer's at a time; a recomputed layer's rows travel twice); it attends to them with gradient sinks of their
+      own, and sends those sinks (the gradient for the earlier rank's K/V) back to their owner once its layer i is
+      done, where they are added into the state's gradient;
     - after ``since``, the earlier ranks' queries read the context rows the later ranks hold too: a later rank posts
       those of layer i as its own step i ends (after the gradient it sends the same rank), and the gradient the
       earlier ranks' queries give them (``into_since``) goes back once their walk is done (until then each rank
@@ -234,7 +234,7 @@ class WavefrontWalk:
         if not later or not (self.mine or rank in self.context_holders):
             return
         every, layers = self.inputs.every, self.engine.num_layers
-        staged: dict[int, list[Tensor]] = {}  # one host copy per layer, for every destination and both tags
+        staged: dict[int, list[Tensor]] = {}  # a layer's message, for every destination and both tags
         for first in reversed(range(0, layers, every)):
             top = min(first + every, layers) - 1
             order = [(i, _RECOMPUTE_ROWS_TAG) for i in range(first, top)]
@@ -243,14 +243,14 @@ class WavefrontWalk:
                 if not self.engine.adapter.layers[i].mixer.grows:
                     continue
                 if i not in staged:
-                    staged[i] = outgoing_runs(self._own_rows(i))
+                    staged[i] = self.transport.stage(outgoing_runs(self._own_rows(i)))
                 for dst in later:
                     self.transport.send(staged[i], dst, tag + i, "rows")
 
     def _post_context_rows(self, layers: Sequence[int], tag: int) -> None:
         """Send this rank's context rows of ``layers`` to the earlier computing ranks, which take them in this order
-        (a segment's recomputation as it is entered, a layer's backward after its gradient from this rank). One host
-        copy per layer serves both (dropped after the backward's); the sends are flushed in a window each step."""
+        (a segment's recomputation as it is entered, a layer's backward after its gradient from this rank). One message
+        per layer serves both (dropped after the backward's); the sends are flushed in a window each step."""
         rank = self.ownership.rank
         earlier = [dst for dst in self.computing if dst < rank]
         if not earlier or rank not in self.context_holders:
@@ -258,7 +258,7 @@ class WavefrontWalk:
         for i in layers:
             if self.engine.adapter.layers[i].mixer.grows:
                 if i not in self.context_rows:
-                    self.context_rows[i] = outgoing_runs(self._own_rows(i, context_only=True))
+                    self.context_rows[i] = self.transport.stage(outgoing_runs(self._own_rows(i, context_only=True)))
                 rows = self.context_rows[i] if tag == _RECOMPUTE_ROWS_TAG else self.context_rows.pop(i)
                 for dst in earlier:
                     self.transport.send(rows, dst, tag + i, "context_rows")

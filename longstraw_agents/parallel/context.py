@@ -137,23 +137,32 @@ class PairChannels:
 class ContextParallel:
     """The engine's ``StateShards`` over ``group`` (the ``cp`` dimension of a ``ParallelMesh``): who stores which
     positions (``ownership``) and the messages between the ranks (``transport``: collectives on ``group``,
-    point-to-point messages on ``channels``, by default ``PairChannels.of(group)``)."""
+    point-to-point messages on ``channels``, by default ``PairChannels.of(group)``; ``host_staged``: see
+    ``GroupTransport``)."""
 
-    def __init__(self, group: dist.ProcessGroup, channels: PairChannels | None = None):
-        self.transport = GroupTransport(group, channels)
+    def __init__(self, group: dist.ProcessGroup, channels: PairChannels | None = None, host_staged: bool = False):
+        self.transport = GroupTransport(group, channels, host_staged)
         self.ownership = BalancedOwnership(self.transport.rank, self.transport.size)
 
 
 class GroupTransport:
     """The engine's ``Transport`` over a process group: collectives, point-to-point messages and broadcasts, with
     the bytes this rank sent by kind (``sent_bytes``) and the time it waited for others (``waited_s``). The
-    point-to-point messages travel on ``channels`` (a communicator per ordered pair: ``PairChannels``)."""
+    point-to-point messages travel on ``channels`` (a communicator per ordered pair: ``PairChannels``).
 
-    def __init__(self, group: dist.ProcessGroup, channels: PairChannels | None = None):
+    A message's payload travels where its tensors are: device tensors device to device (NCCL under
+    ``parallel.launch``'s ``cpu:gloo,cuda:nccl``), host tensors over gloo; its length and header always on the host
+    (the receiver allocates from them without waiting for its device). NCCL matches a pair's messages in posting
+    order, which a pair channel's single sender keeps (``PairChannels``; every distributed test checks it with
+    ``parallel.discipline``). ``host_staged``: copy every payload to host memory first and send it over gloo, which
+    matches by tag (the schedule as it was built on CPUs; a fallback where device messages misbehave)."""
+
+    def __init__(self, group: dist.ProcessGroup, channels: PairChannels | None = None, host_staged: bool = False):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.channels = channels if channels is not None else PairChannels.of(group)
+        self.host_staged = host_staged
         self._me = dist.get_global_rank(group, self.rank)
         # this rank's sends, by what they carry
         kinds = ["partials", "dq", "topk", "state_grad", "rows", "parent_rows", "context_rows", "recurrent"]
@@ -213,16 +222,21 @@ class GroupTransport:
         return cat_scores.gather(1, order), cat_positions.gather(1, order)
 
     # --- point to point (the wavefront) and broadcasts of tensors of any shape ---------------------------------
-    # A message is its header's length (one int64), the header (count, then per tensor dtype code, ndim, dims) and
-    # the tensors. Point-to-point payloads travel through host memory: with the "cpu:gloo,cuda:nccl" backend that
-    # keeps them on gloo, which matches messages by tag — NCCL ignores tags and matches in posting order, and queues
-    # a pair's sends and receives on one stream, which the wavefront's out-of-order traffic would serialise.
+    # A message is its header's length (one int64), the header (count, then per tensor dtype code, whether it is on
+    # the device, ndim, dims) and the tensors.
+    def stage(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """``tensors`` as ``send`` sends them: host copies where messages are staged through host memory, else the
+        tensors themselves. A message for several ranks is staged once (``send`` leaves host tensors as they
+        are)."""
+        return [t.detach().to("cpu") if self.host_staged else t.detach() for t in tensors]
+
     def send(self, tensors: Sequence[Tensor], dst: int, tag: int, kind: str) -> None:
         """Start sending ``tensors`` (any dtypes and shapes) to rank ``dst`` of the group; ``flush`` waits for it.
-        ``kind``: what they carry, for ``sent_bytes``."""
+        ``kind``: what they carry, for ``sent_bytes``. Until then the tensors must not change (device payloads are
+        read in place: views of the state's arenas, whose rows a schedule never rewrites)."""
         peer = dist.get_global_rank(self.group, dst)
         channel = self.channels.channel(self._me, peer)
-        payload = [t.detach().to("cpu").contiguous() for t in tensors]
+        payload = [t.contiguous() for t in self.stage(tensors)]
         header = _header(payload)
         message = [torch.tensor([header.numel()]), header, *payload]
         works = [dist.isend(t, peer, group=channel, tag=tag) for t in message]
@@ -240,10 +254,10 @@ class GroupTransport:
         header = torch.empty(int(length), dtype=torch.int64)
         dist.recv(header, peer, group=channel, tag=tag)
         out = []
-        for k, (dtype, shape) in enumerate(_parse(header)):
-            t = torch.empty(shape, dtype=dtype)
+        for k, (dtype, on_device, shape) in enumerate(_parse(header)):
+            t = torch.empty(shape, dtype=dtype, device=device if on_device else "cpu")
             dist.recv(t, peer, group=channel, tag=tag)
-            out.append(t if k < on_host else t.to(device))
+            out.append(t if k < on_host or on_device else t.to(device))
         self.waited_s += time.perf_counter() - began
         return tuple(out)
 
@@ -274,7 +288,7 @@ class GroupTransport:
             out = tuple(t.contiguous() for t in tensors)
             self.sent_bytes["recurrent"] += sum(_nbytes(t) for t in out)
         else:
-            out = tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, shape in _parse(header))
+            out = tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, _, shape in _parse(header))
         for t in out:
             dist.broadcast(t, src=peer, group=self.group)
         self.waited_s += time.perf_counter() - began
@@ -282,20 +296,22 @@ class GroupTransport:
 
 
 def _header(tensors: Sequence[Tensor]) -> Tensor:
-    """The int64 header that lets a receiver allocate ``tensors``: count, then (dtype code, ndim, *shape) each."""
+    """The int64 header that lets a receiver allocate ``tensors``: count, then (dtype code, on the device, ndim,
+    *shape) each."""
     slots = [len(tensors)]
     for t in tensors:
-        slots += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+        slots += [_DTYPES.index(t.dtype), int(t.device.type != "cpu"), t.dim(), *t.shape]
     return torch.tensor(slots, dtype=torch.int64)
 
 
-def _parse(header: Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+def _parse(header: Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
+    """``_header``'s tensors: (dtype, whether the sender's was on a device, shape) each."""
     slots = header.tolist()
     found, at = [], 1
     for _ in range(slots[0]):
-        dtype, ndim = _DTYPES[slots[at]], slots[at + 1]
-        found.append((dtype, tuple(slots[at + 2 : at + 2 + ndim])))
-        at += 2 + ndim
+        dtype, on_device, ndim = _DTYPES[slots[at]], bool(slots[at + 1]), slots[at + 2]
+        found.append((dtype, on_device, tuple(slots[at + 3 : at + 3 + ndim])))
+        at += 3 + ndim
     return found
 
 

@@ -90,9 +90,9 @@ class ParallelMesh:
     def cp_rank(self) -> int:
         return self.mesh.get_local_rank("cp")
 
-    def context_parallel(self) -> ContextParallel:
-        """The engine's state shards over this mesh's ``cp`` ranks."""
-        return ContextParallel(self.cp_group, self.cp_channels)
+    def context_parallel(self, host_staged: bool = False) -> ContextParallel:
+        """The engine's state shards over this mesh's ``cp`` ranks (``host_staged``: ``GroupTransport``'s)."""
+        return ContextParallel(self.cp_group, self.cp_channels, host_staged)
 
     @cached_property
     def cp_channels(self) -> PairChannels:

@@ -14,6 +14,8 @@ import torch
 import torch.multiprocessing as mp
 from context_parallel_worker import OVERRIDES, PROMPT, run
 
+from longstraw_agents.parallel.context import _header, _parse
+
 pytestmark = pytest.mark.distributed
 
 MESHES = [pytest.param(2, id="cp2"), pytest.param(4, id="cp4")]
@@ -54,6 +56,14 @@ def mesh_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
 def test_messages_of_many_tensors_arrive_whole(mesh_results: dict[str, Any]) -> None:
     assert all(r["many_tensors"] == 0.0 for r in mesh_results["ranks"])  # broadcast and point to point of 40 tensors
+    assert all(r["many_tensors_staged"] == 0.0 for r in mesh_results["ranks"])  # ... staged through host memory
+
+
+def test_a_message_header_says_which_tensors_travel_on_the_device() -> None:
+    """The receiver allocates a device tensor on its device and a host tensor on the host (a runs header, or a
+    message staged through host memory); the header carries each tensor's dtype, shape and side."""
+    tensors = [torch.zeros(3, 2, dtype=torch.int64), torch.empty(4, 5, 6, dtype=torch.bfloat16, device="meta")]
+    assert _parse(_header(tensors)) == [(torch.int64, False, (3, 2)), (torch.bfloat16, True, (4, 5, 6))]
 
 
 @pytest.mark.parametrize("what", EQUAL_TO_ONE_PROCESS)

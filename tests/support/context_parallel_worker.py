@@ -228,6 +228,12 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
         got = shards.transport.recv(0, 7, torch.device("cpu"))
     shards.transport.flush()
     results["many_tensors"] = float(max((a - b).abs().max() for a, b in zip(got, many, strict=True)))
+    staged = ContextParallel(mesh.cp_group, mesh.cp_channels, host_staged=True).transport  # the same channels
+    if rank == 0:
+        staged.send(staged.stage(many), world - 1, 8, "recurrent")
+    got = staged.recv(0, 8, torch.device("cpu"), on_host=1) if rank == world - 1 else many
+    staged.flush()
+    results["many_tensors_staged"] = float(max((a - b).abs().max() for a, b in zip(got, many, strict=True)))
     for family, overrides in OVERRIDES.items():
         model = tiny_model(family, dtype=torch.float64, **overrides)
         single = Engine(model, EngineConfig(chunk_size=CHUNK))
