@@ -19,7 +19,10 @@ The work of each phase is counted for one rank from the model's config and the s
   host-side cost no FLOP count shows, different on each path;
 - ``comm``: bytes the rank sends and receives: the capture's rows from earlier cp ranks, the partial attention
   merged over cp ranks in replicated extends, exact mode's state gradient going back, FSDP's gathers and
-  reduce-scatters.
+  reduce-scatters;
+- ``host``: bytes between host and device where the shards are offloaded (each gather's shards in, each
+  reduction's gradient shard out), and ``host_step``: the bytes AdamW's step goes over there (on the device its
+  step is ``memory``): the ``optimizer`` phase, once per optimizer step.
 
 A backward pass costs twice its forward in matmuls, recurrent and elementwise work and 2.5 times in attention (the
 fused backward recomputes the scores: five products to the forward's two); activation checkpointing adds one
@@ -67,6 +70,7 @@ BACKWARD = {
     "decode_calls": 0.0,
     "comm": 0.0,
     "host": 0.0,
+    "host_step": 0.0,
 }
 COMPUTE_CLASSES = ("matmul", "attention", "attention_backward", "recurrent", "selection", "elementwise")
 EXACT_CHUNKS = 2048  # chunks counted one by one (beyond: runs summed from their ends)
@@ -89,6 +93,7 @@ class Work:
     decode_calls: float = 0.0
     comm: float = 0.0
     host: float = 0.0  # bytes between host and device (offload: the shards in, their gradients out)
+    host_step: float = 0.0  # bytes the optimizer's step reads and writes in host memory (offload: AdamW there)
 
     def __add__(self, other: Work) -> Work:
         return Work(**{name: getattr(self, name) + getattr(other, name) for name in WORK_CLASSES})
@@ -232,7 +237,8 @@ class StepWork:
 def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: bool = True) -> StepWork:
     """Phases of one group's step (``request``): ``rollout`` (decoding in process, when asked), ``scoring`` (the
     reference model's log-probs when ``beta > 0``), ``capture``, ``replay`` (each member's branch forward and
-    backward) and, in exact mode, ``walk`` (the reverse walk over the prefix)."""
+    backward), in exact mode ``walk`` (the reverse walk over the prefix), and with an optimizer ``optimizer`` (its
+    step over the rank's shard, once per optimizer step)."""
     model = model or ModelWork.of(load_config(request.model), request.dtype)
     schedule = Schedule(request, model)
     phases = {"rollout": schedule.rollout()} if rollout else {}
@@ -242,6 +248,8 @@ def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: boo
     phases["replay"] = schedule.replay()
     if request.mode == "exact":
         phases["walk"] = schedule.walk()
+    if request.optimizer != "none":
+        phases["optimizer"] = schedule.optimizer()
     return StepWork(request, phases)
 
 
@@ -363,23 +371,36 @@ class Schedule:
 
     def walk(self) -> Work:
         """Exact mode's reverse walk: the rank's chunks recomputed under autograd and backpropagated (the wavefront
-        walk), or every chunk of the prompt on every rank (the replicated walk)."""
+        walk, a layer at a time: each layer gathered for its recomputation and its backward, its gradient reduced
+        once), or chunk by chunk (one rank, or the replicated walk: every chunk of the prompt on every rank), where
+        every chunk's forward gathers each layer, its backward gathers it again and reduces its gradient
+        (``LayerGather.run``, as a branch does)."""
         request = self.request
-        start = self.first if request.engine.wavefront_walk else 0
         chunk = request.engine.chunk_size
+        wavefront = self.cp > 1 and request.engine.wavefront_walk
+        start = self.first if wavefront else 0
         recompute = self.model.chunked(start, self.captured, chunk)  # every layer whole (its hidden states too)
         backward = self.model.chunked(start, self.captured, chunk, entries_only=True).backward()  # what feeds the state
         state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
-        if self.cp == 1 or not request.engine.wavefront_walk:
+        if not wavefront:
             recompute = recompute + self._recurrent_segments()
-        parameters = Work()
-        if self.cp > 1:  # the walk's parameter gradient: reduce-scattered (FSDP2) or all-reduced over cp, in fp32
-            share = (self.cp - 1) / self.cp * (1.0 if self.sharded else 2.0)
-            parameters = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * share)
-            parameters = parameters + self._host_copy(
-                self.model.layer_bytes / self.model.dtype.itemsize * request.master_itemsize
-            )
-        return recompute + backward + state_gradient + parameters + self._gathers(2)
+        passes = 1 if wavefront else -(-self.captured // chunk)  # the layers' gathers and reductions, per pass
+        weights = (self._gathers(2) + self._reduced(self.model.layer_bytes)).scaled(passes)
+        if self.cp > 1 and not (self.sharded and self.ranks > 1):  # the walk's gradient all-reduced over cp, fp32
+            weights = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * 2 * (self.cp - 1) / self.cp)
+        return recompute + backward + state_gradient + weights
+
+    def optimizer(self) -> Work:
+        """AdamW's step over the rank's shard of the parameters (all of them unsharded): each parameter, its
+        gradient and its two moments read and three of them written, in the master dtype — device memory, or with
+        ``offload`` host memory (FSDP2's CPU offload steps there)."""
+        parameters = self.model.weight_bytes / self.model.dtype.itemsize
+        if self.sharded:
+            parameters /= self.ranks
+        nbytes = 7 * parameters * self.request.master_itemsize
+        return (
+            Work(host_step=nbytes) if self.request.offload and self.sharded and self.ranks > 1 else Work(memory=nbytes)
+        )
 
     def _recurrent_segments(self) -> Work:
         """The recurrent states the walk needs between checkpoints (kept after every k-th chunk and the last one),
@@ -449,6 +470,9 @@ class HardwareProfile(BaseModel):
     link_bandwidth: float = Field(gt=0)  # bytes/s per GPU and direction (NVLink, or the host's for a CPU)
     # bytes/s per GPU and direction between host and device: PCIe Gen5 x16 (64 GB/s), as pinned copies reach it
     host_bandwidth: float = Field(default=55e9, gt=0)
+    # bytes/s of host memory one GPU's process gets for an offloaded optimizer step (torch's AdamW, a tensor at a
+    # time): 2 cores reach 6.7 GB/s here (bench/ceilings.py); a node's ~14 cores per GPU about 30
+    host_step_bandwidth: float = Field(default=30e9, gt=0)
     launch_s: float = Field(ge=0)  # seconds per layer call or sequential step of a chunk (host-side)
     branch_call_s: float = Field(ge=0)  # ... of a branch's extend
     decode_call_s: float = Field(ge=0)  # ... of a batched decoding step
@@ -466,7 +490,8 @@ class HardwareProfile(BaseModel):
     def rates(self) -> dict[str, float]:
         """Units of each class per second."""
         rates = {name: peak * getattr(self.efficiency, name) for name, peak in self.peaks().items()}
-        return {**rates, "comm": self.link_bandwidth * self.efficiency.link, "host": self.host_bandwidth}
+        links = {"comm": self.link_bandwidth * self.efficiency.link, "host": self.host_bandwidth}
+        return {**rates, **links, "host_step": self.host_step_bandwidth}
 
     def seconds(self, work: Work) -> dict[str, float]:
         """Seconds of each class of ``work`` (their sum is the phase's time)."""
@@ -626,8 +651,9 @@ class StepTime:
         for name, work in self.work.phases.items():
             spent = self.profile.seconds(work)
             compute = sum(spent[c] for c in COMPUTE_CLASSES)
+            host = spent["host"] + spent["host_step"]  # offload's copies and the optimizer's step there
             lines.append(
-                f"{name:<10} {sum(spent.values()):>10.2f} {compute:>9.2f} {spent['comm']:>9.2f} {spent['host']:>9.2f} "
+                f"{name:<10} {sum(spent.values()):>10.2f} {compute:>9.2f} {spent['comm']:>9.2f} {host:>9.2f} "
                 f"{spent['memory']:>9.2f} {spent['launches']:>9.2f}  {work.flops / 1e12:.1f}"
             )
         gpus = f"each of {request.gpus} GPUs" if request.gpus > 1 else "one GPU"

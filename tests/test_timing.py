@@ -286,6 +286,51 @@ def test_reductions_run_in_the_master_dtype_and_the_reference_copies_its_compute
     assert offloaded.capture().host == pytest.approx((model.layer_bytes + model.root_bytes) * 2 / 2)  # fp32 masters
 
 
+def test_a_walk_chunk_by_chunk_gathers_and_reduces_every_layer_for_each_chunk():
+    """One cp rank's walk, and every rank's replicated walk, recompute the prompt a chunk at a time, each chunk's
+    layers gathered for its forward and again for its backward, their gradient reduced as its backward ends
+    (``LayerGather.run``); the wavefront walk does that once per layer. The capture's rows aside (state gradient),
+    the walks' FSDP traffic is per chunk and per walk."""
+    model = ModelWork.of(TINY_PRESETS["llama"](), torch.float32)
+    base = _request("llama").__dict__
+    chunks = -(-(PROMPT - 1) // CHUNK)
+    per_pass = 2 * model.layer_bytes / 2 + model.layer_bytes / 2  # two gathers and a reduce-scatter over 2 ranks
+
+    def walk(**options: object) -> Work:
+        return Schedule(PlanRequest(**{**base, "gpus": 2, **options}), model).walk()
+
+    def unsharded(**options: object) -> Work:
+        return Schedule(PlanRequest(**{**base, "gpus": 2, **options}), model, sharded=False).walk()
+
+    assert walk(dp=2, cp=1).comm == pytest.approx(chunks * per_pass)
+    replicated = EngineConfig(chunk_size=CHUNK, wavefront_walk=False)
+    assert walk(cp=2, engine=replicated).comm - unsharded(cp=2, engine=replicated).comm == pytest.approx(
+        chunks * per_pass - model.weight_bytes * 2 * (2 - 1) / 2  # (the engine alone all-reduces the gradient once)
+    )
+    assert walk(cp=2).comm - unsharded(cp=2).comm == pytest.approx(per_pass - model.weight_bytes * 2 * (2 - 1) / 2)
+    offloaded = walk(dp=2, cp=1, offload=True)
+    assert offloaded.host == pytest.approx(chunks * 3 * model.layer_bytes / 2)  # each shard in twice, out once
+
+
+def test_the_optimizer_steps_the_ranks_shard_in_device_memory_or_on_the_host():
+    """AdamW's step reads each master parameter, its gradient and two moments and writes three of them: on the
+    device (``memory``), or with offload in host memory at the process's own rate; no optimizer, no phase."""
+    model = ModelWork.of(TINY_PRESETS["llama"](), torch.bfloat16)
+    base = {**_request("llama", mode="detached").__dict__, "dtype": torch.bfloat16, "gpus": 2, "cp": 2}
+    parameters = model.weight_bytes / 2 / 2  # bf16 weights, the rank's half
+
+    def phases(**options: object) -> dict[str, Work]:
+        return step_work(PlanRequest(**{**base, **options}), model, rollout=False).phases
+
+    assert phases()["optimizer"] == Work(memory=7 * parameters * 4)  # fp32 masters
+    assert phases(mixed_precision=False)["optimizer"] == Work(memory=7 * parameters * 2)
+    host = phases(offload=True)["optimizer"]
+    assert host == Work(host_step=7 * parameters * 4)
+    profile = PROFILES["h200"]
+    assert profile.time(host) == pytest.approx(7 * parameters * 4 / profile.host_step_bandwidth)
+    assert "optimizer" not in phases(optimizer="none")
+
+
 def test_the_walk_recomputes_the_recurrent_states_between_checkpoints():
     """A hybrid whose recurrent states are kept every third chunk: exact mode's walk recomputes the others' state
     entries once each, as torch counts on the real run (a detached step subtracted)."""
