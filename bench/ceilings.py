@@ -122,6 +122,18 @@ def gather_seconds(dtype: torch.dtype, device: torch.device, rows: int = 1 << 16
     return seconds(gather_and_scatter, device) / (2 * rows * width * table.element_size())
 
 
+def host_step_rate(parameters: int = 1 << 23) -> float:
+    """Bytes/s of host memory torch's AdamW steps over (7 fp32 values per parameter: the parameter, its gradient
+    and two moments read, three written), on fp32 host tensors as FSDP2's CPU offload keeps them (four of
+    ``parameters / 4``: 128 MiB of state, past the caches)."""
+    params = [torch.nn.Parameter(torch.randn(parameters // 4)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer.step()  # its state allocated
+    return 7 * 4 * sum(p.numel() for p in params) / seconds(optimizer.step, torch.device("cpu"), repeats=3)
+
+
 def schedules(
     counted: ModelWork, positions: int, args: argparse.Namespace, engine: EngineConfig, **mesh: int
 ) -> tuple[Schedule, Schedule]:
@@ -192,7 +204,8 @@ def measure_profile(family: str, args: argparse.Namespace, device: torch.device,
         profile = profile.model_copy(update={"gather_s": gather_seconds(dtype, device)})
     capture, branch, decoding = host_latencies(family, args, device, profile)
     profile = profile.model_copy(update={"launch_s": capture, "branch_call_s": branch, "decode_call_s": decoding})
-    return profile.model_copy(update={"elementwise_s": elementwise_seconds(family, args, device, profile)})
+    elementwise = elementwise_seconds(family, args, device, profile)
+    return profile.model_copy(update={"elementwise_s": elementwise, "host_step_bandwidth": host_step_rate()})
 
 
 def elementwise_seconds(family: str, args: argparse.Namespace, device: torch.device, profile: HardwareProfile) -> float:

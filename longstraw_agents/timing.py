@@ -471,7 +471,8 @@ class HardwareProfile(BaseModel):
     # bytes/s per GPU and direction between host and device: PCIe Gen5 x16 (64 GB/s), as pinned copies reach it
     host_bandwidth: float = Field(default=55e9, gt=0)
     # bytes/s of host memory one GPU's process gets for an offloaded optimizer step (torch's AdamW, a tensor at a
-    # time): 2 cores reach 6.7 GB/s here (bench/ceilings.py); a node's ~14 cores per GPU about 30
+    # time): this machine's 2 cores reach 7-10 GB/s (bench/ceilings.py's host_step_rate); a prior of about 30 for a
+    # GPU node's ~14 cores per GPU, not measured
     host_step_bandwidth: float = Field(default=30e9, gt=0)
     launch_s: float = Field(ge=0)  # seconds per layer call or sequential step of a chunk (host-side)
     branch_call_s: float = Field(ge=0)  # ... of a branch's extend
