@@ -34,6 +34,7 @@ from longstraw_agents.engine import Engine, EngineConfig, LayerWeights, StateSha
 from longstraw_agents.memory import host_placement
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
+from longstraw_agents.parallel.experts import experts_sharded
 from longstraw_agents.parallel.fsdp import WeightSharding, compute_dtype, is_sharded, offloaded
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
@@ -431,9 +432,9 @@ def _reference_sharding(
     ref_model: nn.Module | Engine | None, policy: nn.Module, mesh: ParallelMesh | None
 ) -> WeightSharding | None:
     """A policy FSDP2 shards gets its KL reference sharded the same way (its shards in the policy's compute dtype,
-    offloaded where the policy's are), reached as the policy's weights are: a layer at a time where the step gathers
-    so, else the whole model for the step. A frozen copy whole on every GPU would cost the whole model in the
-    master dtype."""
+    offloaded where the policy's are, its experts held by the cp ranks where the policy's are), reached as the
+    policy's weights are: a layer at a time where the step gathers so, else the whole model for the step. A frozen
+    copy whole on every GPU would cost the whole model in the master dtype."""
     if ref_model is None:
         return None
     module = ref_model.model if isinstance(ref_model, Engine) else ref_model
@@ -446,6 +447,6 @@ def _reference_sharding(
         if dtype is not None:  # frozen: its shards need not be master weights (a gather casts to the same values)
             for param in module.parameters():  # (not its buffers: RoPE's inv_freq stays fp32, as the policy's)
                 param.data = param.data.to(dtype)
-        mesh.fully_shard(module, None, offloaded(policy))
+        mesh.fully_shard(module, None, offloaded(policy), expert_parallel=experts_sharded(policy))
         module.requires_grad_(False)
     return mesh.sharding(module, role="reference")

@@ -163,6 +163,13 @@ class ParallelSpec(BaseModel):
         "the host and AdamW steps there; each layer's gradient shard is copied to the host as its reduction "
         "completes, and a gather copies the shards to the GPU first (see `longstraw plan --offload`)",
     )
+    expert_parallel: bool = Field(
+        False,
+        description="with fsdp and cp > 1 (dp = 1, or hsdp): each cp rank holds whole experts of every MoE layer "
+        "(glm_moe_dsa; the expert count a multiple of cp), computes them and never gathers the others'; every "
+        "extend is then computed replicated (each rank's experts' share of each token, added over the ranks), and "
+        "exact mode walks replicated (parallel.experts)",
+    )
     wavefront_walk: bool = Field(
         True,
         description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
@@ -271,6 +278,20 @@ class TrainConfig(BaseModel):
             raise ValueError(f"parallel.{HSDP_WITHOUT_CP}")
         if self.parallel.offload and not self.parallel.fsdp:
             raise ValueError("parallel.offload is FSDP2's CPU offload of the shards: it needs parallel.fsdp: true")
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel_over_lockstep_cp_ranks(self) -> TrainConfig:
+        parallel = self.parallel
+        if not parallel.expert_parallel:
+            return self
+        if not parallel.fsdp or parallel.cp == 1:
+            raise ValueError("parallel.expert_parallel cuts the experts over the cp ranks: it needs fsdp: true, cp > 1")
+        if parallel.dp > 1 and not parallel.hsdp:
+            raise ValueError(
+                "parallel.expert_parallel at dp > 1 needs hsdp: true (each dp rank's groups differ in shape, so its "
+                "MoE calls cannot meet the other dp ranks')"
+            )
         return self
 
 

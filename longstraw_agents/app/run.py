@@ -328,7 +328,8 @@ class Run:
         mesh, spec = self.ranks.mesh, self.config.parallel
         if mesh is not None and spec.fsdp:
             precision = self.config.trainer.mixed_precision
-            mesh.fully_shard(self.model, None if precision is None else precision.dtype, spec.offload)
+            dtype = None if precision is None else precision.dtype
+            mesh.fully_shard(self.model, dtype, spec.offload, expert_parallel=spec.expert_parallel)
         policy: torch.nn.Module | Engine = self.model
         if mesh is not None and spec.cp > 1:
             chunk = self.config.trainer.chunk_size
@@ -377,9 +378,12 @@ class Run:
 
 def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConfig:
     """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk;
-    ``parallel.sharded_extend_tokens``: which extends are computed sharded)."""
+    ``parallel.sharded_extend_tokens``: which extends are computed sharded; none under ``expert_parallel``)."""
     return EngineConfig(
-        chunk_size=chunk, wavefront_walk=spec.wavefront_walk, sharded_extend_tokens=spec.sharded_extend_tokens
+        chunk_size=chunk,
+        wavefront_walk=spec.wavefront_walk,
+        sharded_extend_tokens=spec.sharded_extend_tokens,
+        sharded_extends=not spec.expert_parallel,
     )
 
 
@@ -388,6 +392,7 @@ def _layout(config: TrainConfig) -> str:
     model = config.model.path or f"preset {config.model.preset} {config.model.overrides or ''}".rstrip()
     parallel = config.parallel
     sharding = f"fsdp={parallel.fsdp} hsdp={parallel.hsdp} offload={parallel.offload}"
+    sharding += " expert_parallel=True" if parallel.expert_parallel else ""
     return f"model {model}, parallel dp={parallel.dp} cp={parallel.cp} {sharding}"
 
 

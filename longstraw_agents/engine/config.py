@@ -81,6 +81,13 @@ class EngineConfig(BaseModel):
         "(every rank computes them, attention partials merged). None: only extends at least as long as their "
         "context are sharded. Either way the new positions' state is spread over the ranks",
     )
+    sharded_extends: bool = Field(
+        True,
+        description="with context parallelism, compute long extends (a capture) sharded; False: every extend "
+        "replicated — every rank computes every chunk, attention partials merged, each position's state still "
+        "stored by one rank — so that every rank makes the same layer calls in the same order, which expert "
+        "parallelism's per-call collectives need (parallel.experts); exact mode then walks replicated too",
+    )
     layer_inputs_every: int | None = Field(
         None,
         ge=1,

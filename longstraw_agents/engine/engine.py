@@ -76,6 +76,11 @@ class Engine:
         self.config = config
         self.shards = shards
         self.weights = weights
+        if weights is not None and weights.bind(self.adapter.layers) and shards is not None and config.sharded_extends:
+            raise ValueError(
+                "the weights' sharding needs every rank to make the same layer calls (expert parallelism: each MoE "
+                "call is a collective), so no extend may be sharded: EngineConfig(sharded_extends=False)"
+            )
         transport = shards.transport if shards is not None else None
         # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
         self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size, transport)
@@ -324,9 +329,12 @@ class Engine:
     def sharded(self, state: State, n: int) -> bool:
         """Whether an extend of ``n`` tokens after ``state`` runs sharded (``ShardedCapture``): with context
         parallelism, when it is at least as long as the state (a capture: moving the earlier rows costs no more than
-        computing the new ones replicated) or than ``EngineConfig.sharded_extend_tokens``."""
+        computing the new ones replicated) or than ``EngineConfig.sharded_extend_tokens``; never without
+        ``EngineConfig.sharded_extends``."""
         least = self.config.sharded_extend_tokens
-        return self.shards is not None and n > 0 and (n >= state.num_tokens or (least is not None and n >= least))
+        if self.shards is None or not self.config.sharded_extends or n == 0:
+            return False
+        return n >= state.num_tokens or (least is not None and n >= least)
 
     def owns(self, owner: int) -> bool:
         """Whether this rank stores the state of chunks of ``owner`` (always, without context parallelism)."""

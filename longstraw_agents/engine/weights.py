@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from longstraw_agents.models.base import DecoderLayer
+
 
 class LayerWeights(Protocol):
     """A decoder layer's weights whole only while used; its gradient reduced into the shards when its backward is
@@ -34,6 +36,12 @@ class LayerWeights(Protocol):
 
     def settle(self) -> None:
         """End a stretch of ``partial`` blocks: their reductions done (every rank calls it)."""
+        ...
+
+    def bind(self, layers: Sequence[DecoderLayer]) -> bool:
+        """Called once by the engine with its adapter's layers: the sharding may take over parts of them (expert
+        parallelism: each MoE's routed experts, ``MoE.routed``). True: every rank must then make the same layer
+        calls in the same order (``EngineConfig.sharded_extends=False``)."""
         ...
 
     def root_parameters(self) -> list[nn.Parameter]:

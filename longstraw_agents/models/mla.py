@@ -17,6 +17,7 @@ tested only where ``index_topk`` >= context, and causal consistency everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -409,12 +410,20 @@ class MoE:
     """GLM/DeepSeek-V3 MoE: sigmoid router with group-limited top-k + routed experts + shared experts.
 
     The router runs in compute precision (transformers forces fp32, which would cap fp64 gradient checks); the
-    experts loop over the selected experts in id order, as transformers' eager experts do.
+    experts loop over the selected experts in id order, as transformers' eager experts do. ``routed`` computes the
+    routed experts' sum for the tokens: ``local`` (every expert here), or what parallel code puts in its place
+    (``parallel.experts``: each rank its own experts, the sums combined over the ranks) — the model holds no
+    parallelism of its own.
     """
 
     def __init__(self, moe: HFModule):
         self.moe = moe
         self.gate, self.experts = moe.gate, moe.experts
+        self.routed: Callable[[Tensor, Tensor, Tensor], Tensor] = self.local
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate.num_experts)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         gate = self.gate
@@ -435,26 +444,39 @@ class MoE:
 
     def __call__(self, x: Tensor) -> Tensor:
         top_idx, weights = self.route(x)
-        out = torch.zeros_like(x)
-        for expert, token, slot in self._assignments(top_idx):
-            gate_up = F.linear(x[token], self.experts.gate_up_proj[expert])
-            g, u = gate_up.chunk(2, dim=-1)
-            h = F.linear(self.experts.act_fn(g) * u, self.experts.down_proj[expert])
-            out = out.index_add(0, token, (h * weights[token, slot, None]).to(out.dtype))
-        return out + self.moe.shared_experts(x)
+        return self.routed(x, top_idx, weights) + self.moe.shared_experts(x)
 
-    def _assignments(self, top_idx: Tensor) -> list[tuple[int, Tensor, Tensor]]:
-        """(expert, its tokens, their top-k slots) for every expert some token chose, in id order. On the meta device
-        (the memory planner) there is no routing to read: the ``n x top_k`` slots are spread evenly over the experts,
-        so the loop makes tensors of the sizes a balanced routing would."""
+    def local(self, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
+        """Every routed expert, from the model's own weights."""
+        return self.experts_of(x, top_idx, weights, self.experts.gate_up_proj, self.experts.down_proj)
+
+    def experts_of(
+        self, x: Tensor, top_idx: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, first: int = 0
+    ) -> Tensor:
+        """The sum over each token's chosen experts among ``first .. first + len(gate_up)`` (whose weights are
+        ``gate_up`` and ``down``, stacked by expert) of its routing weight times the expert's output; zeros for a
+        token that chose none of them."""
+        out = torch.zeros_like(x)
+        for expert, token, slot in self._assignments(top_idx, range(first, first + gate_up.shape[0])):
+            hidden = F.linear(x[token], gate_up[expert - first])
+            g, u = hidden.chunk(2, dim=-1)
+            h = F.linear(self.experts.act_fn(g) * u, down[expert - first])
+            out = out.index_add(0, token, (h * weights[token, slot, None]).to(out.dtype))
+        return out
+
+    def _assignments(self, top_idx: Tensor, experts: range) -> list[tuple[int, Tensor, Tensor]]:
+        """(expert, its tokens, their top-k slots) for every expert of ``experts`` some token chose, in id order. On
+        the meta device (the memory planner) there is no routing to read: the ``n x top_k`` slots are spread evenly
+        over the experts, so the loop makes tensors of the sizes a balanced routing would."""
         if top_idx.device.type != "meta":
-            return [(e, *torch.where(top_idx == e)) for e in torch.unique(top_idx).tolist()]
+            chosen = [e for e in torch.unique(top_idx).tolist() if e in experts]
+            return [(e, *torch.where(top_idx == e)) for e in chosen]
         # the activations a backward keeps are the same whether 256 experts take 1/256 of the slots each or 8 take
         # 1/8 each; 8 keep the planner's Python loop short (the weights, by slice, allocate nothing)
-        groups = min(self.experts.gate_up_proj.shape[0], MAX_PLANNED_EXPERT_GROUPS, top_idx.numel())
+        groups = min(len(experts), MAX_PLANNED_EXPERT_GROUPS, top_idx.numel())
         slots = top_idx.numel()
         counts = [slots // groups + (1 if e < slots % groups else 0) for e in range(groups)]
-        return [(e, top_idx.new_empty(c), top_idx.new_empty(c)) for e, c in enumerate(counts)]
+        return [(experts[e], top_idx.new_empty(c), top_idx.new_empty(c)) for e, c in enumerate(counts)]
 
 
 class MLAAdapter(FamilyAdapter):

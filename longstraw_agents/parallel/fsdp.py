@@ -23,7 +23,10 @@ cp ranks sample together, ``parallel.sampling``: each joins every gather). Shard
 differ in shape, each dp rank gathers and reduces on a communicator of its own, which the other ranks serve
 (``parallel.lanes``). No rank ever holds the whole model or its whole gradient. With CPU offload
 (``shard_model(offload=True)``) the shards, their gradients and the optimizer's state live on the host. A served
-policy gets the weights assembled a part at a time (``whole_parts``).
+policy gets the weights assembled a part at a time (``whole_parts``). Under expert parallelism
+(``shard_model(experts=True)``) each MoE layer's experts are units of their own nested in the layer's, cut over the
+cp ranks and never gathered: ``LayerGather`` gathers a layer without them and ``bind``s the engine's MoE layers to
+compute each rank's own (``parallel.experts``).
 """
 
 from __future__ import annotations
@@ -44,12 +47,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Partial, Placement
 
 from longstraw_agents.memory import host_placement
+from longstraw_agents.parallel.experts import expert_units, shard_expert_compute
 
 
 def shard_model(
-    model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None, offload: bool = False
+    model: nn.Module,
+    mesh: DeviceMesh,
+    compute_dtype: torch.dtype | None = None,
+    offload: bool = False,
+    experts: bool = False,
 ) -> None:
     """``fully_shard`` each decoder layer of a transformers CausalLM (``model.model.layers``), then the model.
+    ``experts``: each MoE layer's routed experts first, as units of their own that are never gathered
+    (``parallel.experts``: each rank computes its own).
 
     Call before building the optimizer: FSDP2 replaces the parameters by DTensor shards. ``compute_dtype``: mixed
     precision (FSDP2's ``MixedPrecisionPolicy``): the shards stay in the model's dtype (the master weights AdamW
@@ -65,6 +75,8 @@ def shard_model(
     placement: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
     with host_placement(offload):
+        for unit in expert_units(model) if experts else []:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=placement)
         for layer in backbone.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=placement)
         fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
@@ -168,16 +180,25 @@ class LayerGather:
     unreduced (a gradient that reaches none of its inputs) has it reduced at its end.
 
     ``replicas``: how many ranks compute the same gradient in replicated work (cp); ``partial=True`` blocks hold
-    each rank's share of a sum instead (the wavefront walk). The gathers and reductions are collectives over the
-    shard mesh: every rank must make the same calls in the same order, computing or not.
+    each rank's share of a sum instead (the wavefront walk). ``experts``: the group expert parallelism runs over
+    (the cp ranks; a layer's nested expert units are never gathered, ``bind`` computes them where they are held).
+    The gathers and reductions are collectives over the shard mesh: every rank must make the same calls in the same
+    order, computing or not.
 
     In a wavefront the ranks reach a layer at different times, and a gather waits for all of them: ``announce``
     the order of the coming gathers and up to ``window`` of them are started ahead (asynchronously), so that a rank
     finds the layer it reaches already whole; ``partial`` reductions run asynchronously too, each waited for
     ``window`` releases later. ``settle`` ends such a stretch. The most layers whole at once is then ``window + 1``."""
 
-    def __init__(self, model: nn.Module, replicas: int, window: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        replicas: int,
+        window: int | None = None,
+        experts: dist.ProcessGroup | None = None,
+    ):
         self.model, self.replicas = model, replicas
+        self.experts = experts  # expert parallelism over these ranks (the cp ranks): ``bind`` sets it up
         self.host = offloaded(model)  # the shards' gradients live on the host
         self.window = prefetch_window(replicas) if window is None else window
         backbone: Any = model.model
@@ -246,6 +267,14 @@ class LayerGather:
         self._free(layer)
         for param in self._whole[layer].values():
             param.grad = None
+
+    def bind(self, layers: Sequence[Any]) -> bool:
+        """With ``experts``: each MoE layer's routed experts computed where they are held (``parallel.experts``),
+        which needs every rank to make the same layer calls."""
+        if self.experts is None:
+            return False
+        shard_expert_compute(layers, self.experts, compute_dtype(self.model))
+        return True
 
     def root_parameters(self) -> list[nn.Parameter]:
         """The parameters outside the decoder layers, as registered now (whole while the root is gathered)."""
@@ -347,11 +376,14 @@ class LayerGather:
         _settle(flight, self.host)
 
     def _registered(self, layer: int | None) -> dict[str, nn.Parameter]:
-        """The unit's own parameters as registered now (whole while gathered, else its shards), by name."""
-        if layer is not None:
-            return dict(self.units[layer].named_parameters())
-        nested = {id(p) for unit in self.units for p in unit.parameters()}
-        return {name: p for name, p in self.model.named_parameters() if id(p) not in nested}
+        """The unit's own parameters as registered now (whole while gathered, else its shards), by name: not those
+        of the units nested in it (the decoder layers in the root; a layer's experts under expert parallelism,
+        never gathered)."""
+        unit = self._unit(layer)
+        nested = {
+            id(p) for inner in unit.modules() if inner is not unit and is_sharded(inner) for p in inner.parameters()
+        }
+        return {name: p for name, p in unit.named_parameters() if id(p) not in nested}
 
     # --- autograd's side --------------------------------------------------------------------------------------
     def _before_backward(self, layer: int) -> None:

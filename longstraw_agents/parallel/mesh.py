@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_agents.parallel.context import ContextParallel, PairChannels
+from longstraw_agents.parallel.experts import check_experts_divide, experts_sharded
 from longstraw_agents.parallel.fsdp import (
     HSDP_WITHOUT_CP,
     LayerGather,
@@ -105,12 +106,30 @@ class ParallelMesh:
         with ``hsdp`` the (dp, cp) mesh itself, which FSDP2 reads as replicate over dp, shard over cp."""
         return self.mesh if self.hsdp else self.mesh["dp", "cp"]._flatten("dp_cp")
 
-    def fully_shard(self, model: nn.Module, compute_dtype: torch.dtype | None = None, offload: bool = False) -> None:
+    def fully_shard(
+        self,
+        model: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        offload: bool = False,
+        expert_parallel: bool = False,
+    ) -> None:
         """Shard ``model``'s parameters with FSDP2 (``parallel.fsdp``) over ``shard_mesh``: each rank holds
         1/(dp·cp) of every parameter, of its gradient and of its optimizer state (1/cp with ``hsdp``).
         ``compute_dtype``: mixed precision (the shards stay the master weights; gathers cast them). ``offload``
-        (``parallel.offload``): the shards, their gradients and the optimizer's state on the host."""
-        shard_model(model, self.shard_mesh, compute_dtype, offload)
+        (``parallel.offload``): the shards, their gradients and the optimizer's state on the host.
+        ``expert_parallel`` (``parallel.experts``): each cp rank holds whole experts of every MoE layer, never
+        gathered (dp = 1, or with ``hsdp``: the experts are cut over the cp ranks)."""
+        if expert_parallel:
+            self._check_expert_parallel()
+            check_experts_divide(model, self.mesh["cp"].size())
+        shard_model(model, self.shard_mesh, compute_dtype, offload, experts=expert_parallel)
+
+    def _check_expert_parallel(self) -> None:
+        if self.mesh["dp"].size() > 1 and not self.hsdp:
+            raise ValueError(
+                "expert parallelism runs over a dp rank's cp ranks, which compute in lockstep: at dp > 1 it needs "
+                "hsdp (sharded over dp x cp, each dp rank's MoE calls would not line up with the others')"
+            )
 
     def sharding(self, model: nn.Module, role: str = "policy") -> WeightSharding:
         """How a step reaches ``model``'s weights on this mesh: sharded, the engine gathers a decoder layer at a time.
@@ -123,7 +142,11 @@ class ParallelMesh:
         if not is_sharded(model):
             return WeightSharding(model, None, replicas)
         dp = self.mesh["dp"].size()
+        experts = self.cp_group if experts_sharded(model) else None
+        if experts is not None:
+            self._check_expert_parallel()
         if dp == 1 or self.hsdp:
-            return WeightSharding(model, LayerGather(model, replicas), replicas, replicated=self.hsdp)
+            gather = LayerGather(model, replicas, experts=experts)
+            return WeightSharding(model, gather, replicas, replicated=self.hsdp)
         lanes = LaneGroups.over(self.shard_mesh, self.mesh.mesh.tolist(), role)
         return WeightSharding(model, LaneGather(model, replicas, lanes), replicas)

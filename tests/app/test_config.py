@@ -325,3 +325,17 @@ def test_hsdp_and_offload_need_fsdp() -> None:
         tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "fsdp": True, "hsdp": True})
     )
     assert config.parallel.hsdp
+
+
+def test_expert_parallel_needs_fsdp_over_lockstep_cp_ranks() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"expert_parallel .* needs fsdp: true, cp > 1"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"cp": 2, "expert_parallel": True}))
+    with pytest.raises(pydantic.ValidationError, match=r"expert_parallel .* needs fsdp: true, cp > 1"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"fsdp": True, "expert_parallel": True}))
+    with pytest.raises(pydantic.ValidationError, match=r"expert_parallel at dp > 1 needs hsdp"):
+        flat = {"dp": 2, "cp": 2, "fsdp": True, "expert_parallel": True}
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=flat))
+    config = TrainConfig.model_validate(
+        tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "fsdp": True, "hsdp": True, "expert_parallel": True})
+    )
+    assert config.parallel.expert_parallel

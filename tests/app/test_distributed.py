@@ -104,9 +104,11 @@ NEEDLE = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("offload", "agents"), [(False, True), (True, False)], ids=["on-the-device-agents", "offloaded"]
+    ("offload", "agents", "experts"),
+    [(False, True, False), (True, False, True)],
+    ids=["on-the-device-agents", "offloaded-experts"],
 )
-def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: bool, agents: bool) -> None:
+def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: bool, agents: bool, experts: bool) -> None:
     """``longstraw train`` with ``parallel: {dp: 1, cp: 2, fsdp: true}`` (the published run's shape, fp64), and with
     ``offload: true`` (the shards, their gradients and AdamW on the host): both cp ranks sample together (the first
     running the environments), the sharded model gathered a layer at a time; both ranks train on the group with its
@@ -115,14 +117,19 @@ def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: boo
     second iteration has a gradient: the first one's weight decay moved the policy from the KL reference.
     ``agents``: NeedleSearch episodes whose members part at once and grow several times the shared part, turn by
     turn, in exact mode over 64-token chunks (each member's history spread over both ranks, turns of 64 tokens or
-    more computed sharded)."""
+    more computed sharded). ``experts``: the MoE family (a dense layer, then one of 8 experts) with
+    ``expert_parallel: true``, each cp rank holding and computing 4 of them, sampling and training replicated."""
     runs = {}
     for name, parallel in (("cp2", {"dp": 1, "cp": 2, "fsdp": True, "offload": offload}), ("one", {})):
         env = {"env": NEEDLE} if agents else {}
         if agents and parallel:
             parallel = {**parallel, "sharded_extend_tokens": 64}
+        if experts and parallel:
+            parallel = {**parallel, "expert_parallel": True}
         settings = tiny_config_dict(tmp_path / name, parallel=parallel, steps=1, groups_per_step=1, **env)
         settings["model"] = {**settings["model"], "max_context": 8192 if agents else 1024, "dtype": "float64"}
+        if experts:
+            settings["model"] |= {"preset": "glm_moe_dsa", "overrides": {"hidden": 32, "layers": 2}}
         trainer = {"weight_decay": 0.1, "beta": 0.1, "num_iterations": 2} | ({"chunk_size": 64} if agents else {})
         settings["trainer"] = {**settings["trainer"], **trainer}
         config = tmp_path / f"{name}.yaml"
@@ -243,3 +250,9 @@ def test_parallel_sharded_extend_tokens_reaches_the_engine() -> None:
     assert (
         context_parallel_engine_config(ParallelSpec(cp=2, sharded_extend_tokens=4096), 64).sharded_extend_tokens == 4096
     )
+
+
+def test_parallel_expert_parallel_makes_every_extend_replicated() -> None:
+    """Under ``parallel.expert_parallel`` every rank makes the same MoE calls: no extend is computed sharded."""
+    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).sharded_extends
+    assert not context_parallel_engine_config(ParallelSpec(cp=2, fsdp=True, expert_parallel=True), 64).sharded_extends

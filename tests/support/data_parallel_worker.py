@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.parallel.experts import expert_units
 from longstraw_agents.parallel.fsdp import offloaded
 from longstraw_agents.parallel.lanes import LaneGather
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
@@ -37,16 +39,21 @@ def make_trainer(
     compute_dtype: str | None = None,
     offload: bool = False,
     beta: float = 0.0,
+    expert_parallel: bool = False,
+    mode: str | None = None,
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
     ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
     fp64 parameters are the master weights); with ``beta``, a KL term against a copy of the initial weights (taken
-    before sharding, as ``Run`` takes it; the trainer shards it as the policy)."""
+    before sharding, as ``Run`` takes it; the trainer shards it as the policy); with ``expert_parallel``, each cp
+    rank holds and computes its own experts (every extend replicated); ``mode``: the trainer's (None: its
+    default)."""
     model = tiny_model(family, dtype=torch.float64, seed=0)
     reference = copy.deepcopy(model) if beta else None
     if fsdp:
         assert mesh is not None
-        mesh.fully_shard(model, None if compute_dtype is None else getattr(torch, compute_dtype), offload)
+        dtype = None if compute_dtype is None else getattr(torch, compute_dtype)
+        mesh.fully_shard(model, dtype, offload, expert_parallel=expert_parallel)
     precision = None if compute_dtype is None else {"compute_dtype": compute_dtype}
     config = GRPOConfig(
         G=G,
@@ -56,10 +63,12 @@ def make_trainer(
         normalization=normalization,
         mixed_precision=precision,
         beta=beta,
+        **({} if mode is None else {"mode": mode}),
     )
     policy: torch.nn.Module | Engine = model
     if mesh is not None and mesh.mesh["cp"].size() > 1:
-        policy = Engine(model, EngineConfig(chunk_size=CHUNK), shards=ContextParallel(mesh.cp_group, mesh.cp_channels))
+        engine = EngineConfig(chunk_size=CHUNK, sharded_extends=not expert_parallel)
+        policy = Engine(model, engine, shards=ContextParallel(mesh.cp_group, mesh.cp_channels))
     return GRPOTrainer(policy, config, ref_model=reference, accelerator=accelerator, mesh=mesh)
 
 
@@ -150,6 +159,25 @@ def _resumed_step(trainer: GRPOTrainer, mesh: ParallelMesh, spec: dict[str, Any]
     return {"equal": equal, "counters": counters, "files": _listing(directory), "saved": saved}
 
 
+def _counted_expert_unshards(model: torch.nn.Module) -> list[int]:
+    """A counter (one cell) of the gathers of ``model``'s expert units from now on."""
+    count = [0]
+    for unit in expert_units(model):
+        if isinstance(unit, FSDPModule):
+            unshard = unit.unshard
+
+            def counted(*args: Any, _unshard: Any = unshard, **kwargs: Any) -> Any:
+                count[0] += 1
+                return _unshard(*args, **kwargs)
+
+            unit.unshard = counted  # type: ignore[method-assign]
+    return count
+
+
+def _moe_layers(trainer: GRPOTrainer) -> list[Any]:
+    return [layer for layer in trainer.engine.adapter.layers if hasattr(layer.mlp, "routed")]
+
+
 def _listing(directory: Path) -> list[str]:
     return sorted(str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file())
 
@@ -179,10 +207,13 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
         spec.get("compute_dtype"),
         spec.get("offload", False),
         spec.get("beta", 0.0),
+        spec.get("expert_parallel", False),
+        spec.get("mode"),
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])
     lanes = [w.lanes.groups for w in _gathers(trainer) if isinstance(w, LaneGather)]
+    unshards = _counted_expert_unshards(accelerator.unwrap_model(trainer.model))
     with stray_collectives(mesh, [group for groups in lanes for group in groups]) as stray:
         metrics = trainer.train_step(share(step_groups(trainer), mesh))
     if "save" in spec:
@@ -200,6 +231,10 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             # (per-layer gathers: the most decoder layers whole at once on this rank; None: the step gathers all)
             "most_gathered": None if trainer.sharding.weights is None else trainer.sharding.weights.most_gathered,
             "offloaded": offloaded(model),
+            # expert parallelism: the experts' own units, how often one was gathered, and who computes the experts
+            "expert_units": sum(isinstance(unit, FSDPModule) for unit in expert_units(model)),
+            "experts_unsharded": unshards[0],
+            "routed": sorted({type(layer.mlp.routed).__name__ for layer in _moe_layers(trainer)}),
             "resumed": resumed,
             # (the dtypes AdamW steps in: the parameters it holds and its moments)
             "stepped_dtypes": sorted(

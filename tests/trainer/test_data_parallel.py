@@ -154,6 +154,37 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
         assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, shards)] * (dp * cp // shards), name
 
 
+@pytest.mark.parametrize(
+    ("dp", "cp", "hsdp", "mode", "beta"),
+    [(1, 2, False, "exact", 0.1), (2, 2, True, "detached", 0.0)],
+    ids=["dp1xcp2-exact-kl", "dp2xcp2-hsdp-detached"],
+)
+def test_expert_parallel_equals_one_process_and_each_cp_rank_holds_its_experts(tmp_path, dp, cp, hsdp, mode, beta):
+    """Expert parallelism (parallel.experts) on the MoE family: each cp rank holds 4 of each MoE layer's 8 experts
+    whole (its master weights, gradient and AdamW state), computes them on every token (each extend replicated)
+    and never gathers the others'; the shares are added over the cp ranks. Capture, branch replays, exact mode's
+    walk (replicated) and the KL reference's scoring (its experts held the same way) give one process's step, and a
+    layer is still gathered at a time for the rest of its weights. With HSDP the dp replicas sum their experts'
+    gradients as every other shard's."""
+    spec = {"normalization": "group", "fsdp": True, "family": "glm_moe_dsa", "hsdp": hsdp, "mode": mode}
+    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, beta=beta, expert_parallel=True, **spec)
+    one = make_trainer("group", family="glm_moe_dsa", beta=beta, mode=mode)
+    grad_norm = one.train_step(step_groups(one)).grad_norm
+    expected = {name: p.detach().clone() for name, p in one.model.named_parameters()}
+    for rank, result in enumerate(ranks):
+        assert relative_l2(result["params"], expected) <= 1e-10, rank
+        assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
+        assert result["stray_collectives"] == [], rank
+        assert 1 <= result["most_gathered"] <= prefetch_window(cp) + 1, rank
+        assert (result["expert_units"], result["experts_unsharded"]) == (2, 0), rank  # never gathered
+        assert result["routed"] == ["ExpertShard"], rank
+    experts = {name: shape for name, (_, shape) in ranks[0]["sizes"].items() if ".mlp.experts." in name}
+    assert len(experts) == 4  # two MoE layers' stacked gate/up and down projections
+    for name, shape in experts.items():
+        held = [r["sizes"][name][0] for r in ranks]
+        assert held == [shape[0] // cp * math.prod(shape[1:])] * (dp * cp), name  # whole experts, 8 / cp each
+
+
 @pytest.mark.parametrize(("dp", "cp"), [(2, 1), (1, 2)], ids=["dp2", "dp1xcp2"])
 def test_fsdp2_mixed_precision_equals_one_process_with_the_same_policy(tmp_path, dp, cp):
     """FSDP2's mixed precision (fp64 master shards, gathered in fp32 for compute, gradients reduced in fp64) against

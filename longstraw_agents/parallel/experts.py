@@ -1,0 +1,160 @@
+"""Expert parallelism for a mixture of experts (the ``glm_moe_dsa`` family): each cp rank holds its own experts
+whole, computes them, and never gathers the others'.
+
+- **Sharding** (``expert_units``, which ``fsdp.shard_model(experts=True)`` shards first): each MoE layer's routed
+  experts (``mlp.experts``: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, stacked by expert) are an
+  FSDP2 unit of their own, nested in their decoder layer's, cut along the expert dimension over the shard mesh —
+  the cp ranks (dp = 1, or HSDP's shard dimension: replicated over dp) — so rank r holds experts
+  ``r·E/cp .. (r+1)·E/cp - 1`` whole, with their master weights, gradients and optimizer state. ``LayerGather``
+  gathers a layer without its nested units: what a gather moves and holds shrinks by the experts' share of the
+  layer (most of a GLM-5.2 layer).
+- **Compute** (``ExpertShard``, each MoE's ``routed``): the engine computes every extend replicated
+  (``EngineConfig.sharded_extends=False``), so every cp rank holds the same tokens and routing and makes the same
+  MoE calls in the same order. Each rank computes its own experts' share of each token's sum (``MoE.experts_of``)
+  and one all-reduce over the cp ranks adds the shares (tokens are not dispatched: every rank has them all). In
+  backward the shares' inputs (the tokens and their routing weights) get gradients summed over the ranks (each
+  rank's experts give part of them); an expert's weights get theirs on the rank that holds it, complete — no
+  reduction, no division by the replicas replicated work is divided by. A rank whose experts no token chose gives
+  them zeros in that call's backward, as one process's stacked weights get a gradient whenever any expert of the
+  layer is chosen.
+- **Not built**: dispatching tokens by all-to-all, which sharded compute needs (each rank a different shard of
+  the tokens: a capture's, exact mode's wavefront walk); expert parallelism over dp ranks without HSDP (their
+  groups differ in shape, so their MoE calls do not line up: ``parallel.lanes`` serves gathers, not experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from longstraw_agents.models.mla import MoE
+
+
+def expert_units(model: nn.Module) -> list[Any]:
+    """The routed experts of each MoE layer of a transformers CausalLM (``layer.mlp.experts``), in layer order."""
+    backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
+    return [layer.mlp.experts for layer in backbone.layers if hasattr(layer.mlp, "experts")]
+
+
+def experts_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s experts are units of their own (``fsdp.shard_model(experts=True)``): expert parallelism."""
+    return any(isinstance(unit, FSDPModule) for unit in expert_units(model))
+
+
+def check_experts_divide(model: nn.Module, ranks: int) -> None:
+    """Expert parallelism over ``ranks`` needs whole experts on every rank: the expert count a multiple of it."""
+    for unit in expert_units(model):
+        experts = int(unit.gate_up_proj.shape[0])
+        if experts % ranks:
+            raise ValueError(
+                f"expert parallelism over {ranks} cp ranks needs a multiple of {ranks} routed experts per layer, "
+                f"the model has {experts}"
+            )
+        return
+    raise ValueError("expert parallelism needs a mixture of experts; the model has no MoE layer (mlp.experts)")
+
+
+class ExpertShard:
+    """A MoE's ``routed`` under expert parallelism over ``group`` (the cp ranks): this rank's experts' share of
+    each token's sum, added over the ranks (see the module's docstring)."""
+
+    def __init__(self, moe: MoE, group: dist.ProcessGroup, compute_dtype: torch.dtype | None):
+        self.moe, self.group, self.compute_dtype = moe, group, compute_dtype
+        gate_up = moe.experts.gate_up_proj
+        if not isinstance(gate_up, DTensor):
+            raise ValueError("expert parallelism needs the experts sharded (fsdp.shard_model(experts=True))")
+        size = gate_up.device_mesh.size(_expert_dim(gate_up))
+        self.per_rank = moe.num_experts // size
+        self.first = gate_up.device_mesh.get_local_rank(_expert_dim(gate_up)) * self.per_rank
+
+    def __call__(self, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
+        experts = self.moe.experts
+        gate_up, down = (self._local(p, x) for p in (experts.gate_up_proj, experts.down_proj))
+        if gate_up.shape[0] != self.per_rank:
+            raise RuntimeError(f"this rank holds {gate_up.shape[0]} experts, expected {self.per_rank}")
+        inputs = (x, weights, gate_up, down)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return _SharedExperts.apply(self, top_idx, *inputs)
+        total = self.share(top_idx, *inputs)
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def share(self, top_idx: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+        """This rank's experts' part of each token's sum."""
+        return self.moe.experts_of(x, top_idx, weights, gate_up, down, self.first)
+
+    def _local(self, param: Tensor, like: Tensor) -> Tensor:
+        """This rank's experts of ``param`` on ``like``'s device, in the compute dtype (its master shard may be on
+        the host, in fp32): the gradient flows back into the shard."""
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return local.to(device=like.device, dtype=self.compute_dtype or local.dtype)
+
+
+def shard_expert_compute(
+    adapter_layers: Sequence[Any], group: dist.ProcessGroup, compute_dtype: torch.dtype | None
+) -> int:
+    """Put an ``ExpertShard`` over ``group`` in place of each MoE layer's ``routed`` (an engine's
+    ``adapter.layers``); returns how many."""
+    count = 0
+    for layer in adapter_layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.routed = ExpertShard(layer.mlp, group, compute_dtype)
+            count += 1
+    return count
+
+
+def _expert_dim(param: DTensor) -> int:
+    """The mesh dimension ``param`` is cut over (FSDP2's ``Shard(0)``: the expert dimension)."""
+    dims = [d for d, placement in enumerate(param.placements) if placement.is_shard()]
+    if len(dims) != 1:
+        raise ValueError(f"experts sharded over one mesh dimension expected, got placements {param.placements}")
+    return dims[0]
+
+
+class _SharedExperts(torch.autograd.Function):
+    """The ranks' shares of the routed experts' sum, added (one all-reduce). Its backward runs on every rank, in
+    the same place of every rank's graph, whichever experts each rank's tokens chose (autograd runs only the nodes
+    a gradient reaches, and a rank's own experts' graph differs from its peers'): the share is computed on a graph
+    of its own inside, backpropagated here, and the gradients of the tokens and their routing weights — each rank's
+    experts gave part of them — summed over the ranks, in that order. Every rank computes the same thing after the
+    sum, so the share's gradient is the sum's. The rank's experts' weights get theirs whole (zeros where no token
+    chose one: its peers' shards have a gradient, and the shards' gradients must agree in which exist)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, shard: ExpertShard, top_idx: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
+    ) -> Tensor:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, weights, gate_up, down)]
+            share = shard.share(top_idx, *leaves)
+        ctx.share, ctx.leaves, ctx.group = share, leaves, shard.group
+        total = share.detach().clone()
+        dist.all_reduce(total, group=shard.group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        leaves: list[Tensor] = ctx.leaves
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        found: Sequence[Tensor | None] = [None] * len(wanted)
+        if ctx.share.requires_grad:  # (False: no token chose one of this rank's experts)
+            found = torch.autograd.grad(ctx.share, wanted, grad, allow_unused=True)
+        by_leaf = dict(zip(map(id, wanted), found, strict=True))
+        grads: list[Tensor | None] = []
+        for k, leaf in enumerate(leaves):
+            if not leaf.requires_grad:
+                grads.append(None)
+                continue
+            g = by_leaf[id(leaf)]
+            g = torch.zeros_like(leaf) if g is None else g.contiguous()
+            if k < 2:  # the tokens and their routing weights: every rank's experts gave part of it
+                dist.all_reduce(g, group=ctx.group)
+            grads.append(g)
+        ctx.share = ctx.leaves = None
+        return (None, None, *grads)
