@@ -74,10 +74,7 @@ class ExpertShard:
         self.first = gate_up.device_mesh.get_local_rank(_expert_dim(gate_up)) * self.per_rank
 
     def __call__(self, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
-        experts = self.moe.experts
-        gate_up, down = (self._local(p, x) for p in (experts.gate_up_proj, experts.down_proj))
-        if gate_up.shape[0] != self.per_rank:
-            raise RuntimeError(f"this rank holds {gate_up.shape[0]} experts, expected {self.per_rank}")
+        gate_up, down = self.local_weights(x)
         inputs = (x, weights, gate_up, down)
         if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
             return _SharedExperts.apply(self, top_idx, *inputs)
@@ -89,9 +86,16 @@ class ExpertShard:
         """This rank's experts' part of each token's sum."""
         return self.moe.experts_of(x, top_idx, weights, gate_up, down, self.first)
 
+    def local_weights(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's experts' stacked weights (``gate_up_proj``, ``down_proj``) on ``like``'s device, in the
+        compute dtype (the master shards may be on the host, in fp32): their gradient flows back into the shards."""
+        experts = self.moe.experts
+        gate_up, down = (self._local(p, like) for p in (experts.gate_up_proj, experts.down_proj))
+        if gate_up.shape[0] != self.per_rank:
+            raise RuntimeError(f"this rank holds {gate_up.shape[0]} experts, expected {self.per_rank}")
+        return gate_up, down
+
     def _local(self, param: Tensor, like: Tensor) -> Tensor:
-        """This rank's experts of ``param`` on ``like``'s device, in the compute dtype (its master shard may be on
-        the host, in fp32): the gradient flows back into the shard."""
         local = param.to_local() if isinstance(param, DTensor) else param
         return local.to(device=like.device, dtype=self.compute_dtype or local.dtype)
 
@@ -120,41 +124,46 @@ def _expert_dim(param: DTensor) -> int:
 class _SharedExperts(torch.autograd.Function):
     """The ranks' shares of the routed experts' sum, added (one all-reduce). Its backward runs on every rank, in
     the same place of every rank's graph, whichever experts each rank's tokens chose (autograd runs only the nodes
-    a gradient reaches, and a rank's own experts' graph differs from its peers'): the share is computed on a graph
-    of its own inside, backpropagated here, and the gradients of the tokens and their routing weights — each rank's
-    experts gave part of them — summed over the ranks, in that order. Every rank computes the same thing after the
-    sum, so the share's gradient is the sum's. The rank's experts' weights get theirs whole (zeros where no token
-    chose one: its peers' shards have a gradient, and the shards' gradients must agree in which exist)."""
+    a gradient reaches, and a rank's own experts' graph differs from its peers'). Nothing of the share's graph is
+    kept between forward and backward: the backward casts the rank's experts again and recomputes the share under
+    autograd (as FSDP2 gathers a layer again for its backward; kept, every MoE call of a branch would hold its own
+    compute copy of the rank's experts until the backward). The gradients of the tokens and their routing weights —
+    each rank's experts gave part of them — are summed over the ranks, in that order; every rank computes the same
+    thing after the sum, so the share's gradient is the sum's. The rank's experts' weights get theirs whole (zeros
+    where no token chose one: its peers' shards have a gradient, and the shards' gradients must agree in which
+    exist)."""
 
     @staticmethod
     def forward(
         ctx: Any, shard: ExpertShard, top_idx: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
     ) -> Tensor:
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (x, weights, gate_up, down)]
-            share = shard.share(top_idx, *leaves)
-        ctx.share, ctx.leaves, ctx.group = share, leaves, shard.group
-        total = share.detach().clone()
+        ctx.shard = shard
+        ctx.save_for_backward(top_idx, x, weights)
+        total = shard.share(top_idx, x, weights, gate_up, down)
         dist.all_reduce(total, group=shard.group)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        leaves: list[Tensor] = ctx.leaves
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        found: Sequence[Tensor | None] = [None] * len(wanted)
-        if ctx.share.requires_grad:  # (False: no token chose one of this rank's experts)
-            found = torch.autograd.grad(ctx.share, wanted, grad, allow_unused=True)
-        by_leaf = dict(zip(map(id, wanted), found, strict=True))
+        shard: ExpertShard = ctx.shard
+        top_idx, x, weights = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            tensors = (x, weights, *shard.local_weights(x))
+            leaves = [t.detach().requires_grad_(w) for t, w in zip(tensors, wanted, strict=True)]
+            share = shard.share(top_idx, *leaves)
+        found: Sequence[Tensor | None] = [None] * len(leaves)
+        if share.requires_grad:  # (False: no token chose one of this rank's experts)
+            inputs = [leaf for leaf in leaves if leaf.requires_grad]
+            computed = iter(torch.autograd.grad(share, inputs, grad, allow_unused=True))
+            found = [next(computed) if leaf.requires_grad else None for leaf in leaves]
         grads: list[Tensor | None] = []
-        for k, leaf in enumerate(leaves):
+        for k, (leaf, g) in enumerate(zip(leaves, found, strict=True)):
             if not leaf.requires_grad:
                 grads.append(None)
                 continue
-            g = by_leaf[id(leaf)]
             g = torch.zeros_like(leaf) if g is None else g.contiguous()
             if k < 2:  # the tokens and their routing weights: every rank's experts gave part of it
-                dist.all_reduce(g, group=ctx.group)
+                dist.all_reduce(g, group=shard.group)
             grads.append(g)
-        ctx.share = ctx.leaves = None
         return (None, None, *grads)
