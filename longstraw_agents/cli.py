@@ -292,6 +292,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         engine = PLAN_ENGINE.updated(
             chunk_size=args.chunk, checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
             activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
+            sharded_extends=not args.expert_parallel,
         )  # fmt: skip
         request = PlanRequest(
             model=args.model, context=args.context, group=args.group, completion=args.completion,
@@ -299,7 +300,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
             optimizer=args.optimizer, offload=args.offload, beta=args.beta, engine=engine,
             mixed_precision=False if args.no_mixed_precision else None, cp_rank=args.cp_rank,
-            groups_per_rank=args.groups_per_rank, hsdp=args.hsdp,
+            groups_per_rank=args.groups_per_rank, hsdp=args.hsdp, expert_parallel=args.expert_parallel,
         )  # fmt: skip
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
@@ -315,8 +316,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.time:
         from longstraw_agents.timing import PROFILES, step_time
 
+        try:
+            timed = step_time(request, PROFILES[args.hardware])
+        except ValueError as err:
+            return _fail(str(err))
         print()
-        print(step_time(request, PROFILES[args.hardware]).table())
+        print(timed.table())
     return 0
 
 
@@ -466,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hsdp", action="store_true",
         help="shard over each dp rank's cp GPUs, replicated over dp (parallel.hsdp): a layer at a time at dp > 1 too",
+    )  # fmt: skip
+    p.add_argument(
+        "--expert-parallel", action="store_true",
+        help="each cp rank holds whole experts, never gathered, and computes every extend replicated "
+        "(parallel.expert_parallel; a mixture of experts, dp = 1 or --hsdp)",
     )  # fmt: skip
     p.add_argument(
         "--cp-rank", type=int, default=None,

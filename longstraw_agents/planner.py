@@ -18,7 +18,9 @@ of their layer pattern, and extrapolates:
   the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit, up to cp + 1 decoder layers in a
   capture (gathers started ahead) and one in a branch replay, with the gradients on their way to the shards; at
   dp > 1 the whole model for the step; the frozen reference model (sharded as the policy: its shards, and its root
-  unit or the whole model for the step) and its captured state when ``beta > 0``;
+  unit or the whole model for the step) and its captured state when ``beta > 0``; under expert parallelism
+  (``expert_parallel``) a gather without the routed experts, each rank's own experts (cast, and their gradient on
+  its way into the shard), every extend replicated (the probe runs a rank's experts: ``ExpertShard.planned``);
 - a step has two phases, and the plan is the larger: the capture (its gathered layers, the earlier cp ranks' rows
   it receives, for the cp rank ``cp_rank``: the last by default) and the backward passes (a layer and its gradient,
   the state gradient, the walk's recomputed segment); both hold the state and a graph;
@@ -48,7 +50,9 @@ from longstraw_agents.engine import Engine, EngineConfig, LayerInputs, checkpoin
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
+from longstraw_agents.models.mla import MoE
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
+from longstraw_agents.parallel.experts import ExpertShard
 from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, prefetch_window
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
@@ -99,6 +103,9 @@ class PlanRequest:
     # FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW's state on the host
     offload: bool = False
     hsdp: bool = False  # FSDP2 over each dp rank's cp ranks, replicated over dp (parallel.hsdp)
+    # each cp rank holds whole experts, never gathered (parallel.experts; every extend replicated: the engine needs
+    # sharded_extends=False)
+    expert_parallel: bool = False
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
     beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
@@ -127,13 +134,24 @@ class PlanRequest:
         ``sharded_extend_tokens``), 0 for none. Each turn is a tool output and a ``completion``-token answer. Exact
         mode fuses runs of turns whose tool outputs fit a chunk (``fuse_chains``): all but the last answer, one
         extend; longer tool outputs stay apart, the first extended after the root. Detached mode extends each tool
-        output apart. A kept-graph budget computes every extend replicated."""
-        if not self.history or self.context_parallel == 1 or self.engine.graph_budget_bytes > 0:
+        output apart. A kept-graph budget, or ``sharded_extends=False``, computes every extend replicated."""
+        if not self.history or self.context_parallel == 1 or not self.sharded_extends:
             return 0
         output = math.ceil(self.history / self.turns) - self.completion
         fused = self.mode == "exact" and output <= self.engine.chunk_size
         n = self.history - self.completion if fused else output
         return n if n >= self.context - 1 or self.shards_by_threshold(n) else 0
+
+    @property
+    def sharded_extends(self) -> bool:
+        """Whether a long extend (a capture) runs sharded over the cp ranks: not with a kept-graph budget (its graphs
+        need every chunk on every rank), nor with ``EngineConfig.sharded_extends=False`` (expert parallelism)."""
+        return self.context_parallel > 1 and self.engine.sharded_extends and self.engine.graph_budget_bytes == 0
+
+    @property
+    def wavefront(self) -> bool:
+        """Whether exact mode's walk runs as a wavefront over the cp ranks (their captures kept layer inputs)."""
+        return self.mode == "exact" and self.engine.wavefront_walk and self.sharded_extends
 
     def shards_by_threshold(self, n: int) -> bool:
         least = self.engine.sharded_extend_tokens
@@ -144,7 +162,7 @@ class PlanRequest:
         """Exact mode: whether a member's history is walked back to the context sharded (its capture kept layer
         inputs), so that an earlier rank holds the gradient of the later ranks' context rows until its walk is
         done."""
-        return self.mode == "exact" and self.engine.wavefront_walk and self.sharded_history > 0
+        return self.wavefront and self.sharded_history > 0
 
     @property
     def earlier_ranks(self) -> int:
@@ -195,7 +213,20 @@ class PlanRequest:
             )
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
+        if self.expert_parallel:
+            self._check_expert_parallel()
         return self
+
+    def _check_expert_parallel(self) -> None:
+        if self.context_parallel == 1:
+            raise ValueError("expert parallelism cuts the experts over the cp ranks: it needs cp > 1")
+        if self.data_parallel > 1 and not self.hsdp:
+            raise ValueError("expert parallelism at dp > 1 needs hsdp (each dp rank's MoE calls are its own)")
+        if self.engine.sharded_extends:
+            raise ValueError(
+                "expert parallelism computes every extend replicated: plan it with "
+                "engine=EngineConfig(..., sharded_extends=False)"
+            )
 
 
 @dataclass
@@ -333,8 +364,8 @@ def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> 
     """Peak bytes of one GRPO step of ``request.mode`` (parameter gradients allocated beforehand, not counted)."""
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    engine = Engine(model, request.engine)
-    ref_engine = Engine(model, request.engine) if request.beta > 0 else None  # same shapes as the policy
+    engine = _engine(model, request)
+    ref_engine = _engine(model, request) if request.beta > 0 else None  # same shapes as the policy
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, prompt_len)
@@ -347,9 +378,21 @@ def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> 
     return tracker.peak_bytes
 
 
+def _engine(model: Any, request: PlanRequest) -> Engine:
+    """An engine over the meta ``model`` as a rank runs it: under expert parallelism each MoE layer computes one
+    rank's experts (``ExpertShard.planned``: what their computation holds, and a backward that recomputes it; their
+    cast and gradient are counted from the parameters, ``_whole_at_once``)."""
+    engine = Engine(model, request.engine)
+    if request.expert_parallel:
+        for layer in engine.adapter.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.routed = ExpertShard.planned(layer.mlp, request.context_parallel)
+    return engine
+
+
 def capture_working_set(model: Any, request: PlanRequest, prompt_len: int) -> int:
     """What a capture holds beyond the state it keeps: one chunk's no-grad working set (at its peak)."""
-    engine = Engine(model, request.engine)
+    engine = _engine(model, request)
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len)
     with MemoryTracker() as tracker:
         state = engine.capture(prompt.tolist())
@@ -421,7 +464,7 @@ def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
     rank's chunks, holding the hidden states of all its positions between layers, and receives one layer's rows at a
     time to attend to, dropped after the layer: the earlier ranks' new rows (``PlanRequest.earlier_ranks`` shards)
     and the other ranks' rows of the context before it."""
-    if request.context_parallel == 1:
+    if not request.sharded_extends:
         return 0
     captures = [(0, request.context)]  # (the context before it, its positions)
     if request.sharded_history:
@@ -442,8 +485,7 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
     the inputs it recomputes (k - 1: the first is kept), and one layer's rows of the earlier ranks
     (``PlanRequest.earlier_ranks`` shards: the last rank's N - 1) with their fp32 gradient sinks. None with a
     kept-graph budget: the capture then runs replicated (docs/distributed.md)."""
-    wavefront = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
-    if not wavefront or request.engine.graph_budget_bytes > 0:
+    if not request.wavefront:
         return 0, 0
     layers = config.num_hidden_layers
     every = layer_inputs_spacing(layers, request.engine)
@@ -477,16 +519,39 @@ class _Probe:
     root: int  # parameters outside the decoder layers: embeddings, final norm, LM head
     layers: int  # decoder layers
     capture: int = 0  # a capture's working set beyond its state (``capture_working_set``)
+    routed: tuple[int, ...] = ()  # per decoder layer, its routed experts' parameters (a mixture of experts')
+    in_layers: tuple[int, ...] = ()  # per decoder layer, its parameters
+
+    def whole_layer(self, request: PlanRequest) -> tuple[int, int]:
+        """The layer whose parameters are the most at once while it computes, as (what its gather makes whole,
+        what its MoE computes of the rank's own experts): the largest layer whole; under expert parallelism a
+        layer's gather leaves its routed experts out (each rank's are whole already, the others' never gathered)
+        and its MoE holds the rank's share of them — a dense layer may gather more, a MoE layer hold more."""
+        if not request.expert_parallel:
+            return self.largest_layer, 0
+        cp = request.context_parallel
+        parts = [(n - r, -(-r // cp)) for n, r in zip(self.in_layers, self.routed, strict=True)]
+        return max(parts, key=sum)
 
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     """Simulate a step of ``group`` members on ``config`` over two chunks of context, and a capture of them."""
     model = meta_model(config, request.dtype)
+    routed = [_routed_experts(layer) for layer in model.model.layers]
+    if request.expert_parallel and not any(routed):
+        raise ValueError("expert parallelism needs a mixture of experts; the model has no MoE layer (mlp.experts)")
     graphs = _graphs(model, request, group)
     parameters = sum(p.numel() for p in model.parameters())
     in_layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     capture = capture_working_set(model, request, _probe_prompt(request))
-    return _Probe(graphs, parameters, max(in_layers), parameters - sum(in_layers), len(in_layers), capture)
+    root = parameters - sum(in_layers)
+    layers = len(in_layers)
+    return _Probe(graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers))
+
+
+def _routed_experts(layer: Any) -> int:
+    """A decoder layer's routed experts' parameters (``mlp.experts``: 0 for a dense MLP)."""
+    return sum(p.numel() for name, p in layer.named_parameters() if name.startswith("mlp.experts."))
 
 
 def _probe_prompt(request: PlanRequest) -> int:
@@ -524,7 +589,7 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
     capture = int(t1.capture + (t2.capture - t1.capture) * scale)
-    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full, capture)
+    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full, capture, t2.routed, t2.in_layers)
     return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
 
 
@@ -566,8 +631,7 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     of a layer while it lasts, (dp - 1) times at once at worst) comes and goes with the other dp ranks' progress,
     and is not planned; the rows they reduce to it wait on the host (``host_terms``)."""
     dp = request.data_parallel
-    walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
-    if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not walk):
+    if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not request.wavefront):
         return 0
     window = prefetch_window(request.context_parallel)
     share = -(-probed.largest_layer // dp)
@@ -620,27 +684,39 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     parameters' gradient shards are held beside them. One GPU: with mixed precision the compute copy (its gradients
     handed to the masters as they accumulate). Sharded, a layer at a time (``parallel.fsdp``; at dp > 1 without HSDP
     each dp rank for itself, ``parallel.lanes``): the root unit (embeddings, final norm, LM head) for the step, its
-    gradient whole until the step ends (so only the decoder layers' gradient shards exist beside it); in a capture
-    over the cp ranks ``prefetch_window(cp)`` + 1 decoder layers whole (gathers started ahead); in the backward
-    passes one layer and its gradient (branch replays; copied to the master dtype before its reduction under mixed
-    precision), or in exact mode's wavefront walk the window's layers and their gradients on their way to the shards
-    (reduced asynchronously, in the master dtype), each with the root's gradient. A step starts with no gradient: a
-    capture holds one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
-    compute, master, layer = _itemsize(request.dtype), request.master_itemsize, probed.largest_layer
+    gradient whole until the step ends (so only the decoder layers' gradient shards exist beside it); in a sharded
+    capture over the cp ranks ``prefetch_window(cp)`` + 1 decoder layers whole (gathers started ahead; a replicated
+    one gathers each layer as it computes); in the backward passes one layer and its gradient (branch replays;
+    copied to the master dtype before its reduction under mixed precision), or in exact mode's wavefront walk the
+    window's layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype),
+    each with the root's gradient. Under expert parallelism a gather leaves out the routed experts, and a MoE call
+    holds the rank's own experts of the layer in the compute dtype where they are cast (mixed precision, offload),
+    and its backward the copy again, then the gradient's master copy, and the shard's gradient plus it (counted as
+    gradients; the gradient itself is part of the measured graph). A step
+    starts with no gradient: a capture holds one only after another group's backward in the same step
+    (``groups_per_rank`` > 1)."""
+    compute, master = _itemsize(request.dtype), request.master_itemsize
     later = request.groups_per_rank > 1  # a capture after another group's backward, in the same step
     if request.gpus == 1:
         copy = probed.parameters * compute if request.mixed else 0
         return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, 0, probed.parameters)}
-    walk = request.mode == "exact" and request.context_parallel > 1 and request.engine.wavefront_walk
-    window = prefetch_window(request.context_parallel)
-    capture = (min(window + 1, probed.layers) * layer + probed.root) * compute  # (no more layers than the model's)
-    if walk:
+    layer, experts = probed.whole_layer(request)
+    # expert parallelism: what a MoE call holds of the rank's own experts beyond what the probe measures (their
+    # gradient as autograd computes it, a stacked tensor per expert summed into one): their compute copy where
+    # they are cast (mixed precision, offload), in forward and again in backward, and the shard's gradient plus
+    # theirs before the old one is freed (the host's when offloaded). The gradient's master-dtype copy comes after
+    # the cast is freed, beside less than autograd held
+    cast = experts * compute if request.mixed or request.offload else 0  # (else a view of the shard)
+    expert_gradient = cast + (0 if request.offload else experts * master)
+    ahead = min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.sharded_extends else 1
+    capture = (ahead * layer + probed.root) * compute + cast  # (no more layers than the model's)
+    if request.wavefront:
         weights = capture
-        in_flight = min(window, probed.layers - 1) * layer * master  # besides the layer under backward
+        in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
     else:
         weights = (layer + probed.root) * compute
         in_flight = layer * master if request.mixed else 0
-    gradients = in_flight + (layer + probed.root) * compute
+    gradients = in_flight + (layer + probed.root) * compute + expert_gradient
     layers_only = probed.parameters - probed.root
     earlier = (probed.root * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
     return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
@@ -693,7 +769,7 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
     if request.gpus == 1:
         return 0
     head = config.vocab_size * config.hidden_size * (4 + _itemsize(request.dtype))
-    return min(head, 2 * probed.largest_layer * _itemsize(request.dtype))
+    return min(head, 2 * probed.whole_layer(request)[0] * _itemsize(request.dtype))
 
 
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
@@ -705,8 +781,9 @@ def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     if request.gpus == 1:
         return (probed.parameters if request.mixed else 0), 0
     # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
-    layers = min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.context_parallel > 1 else 1
-    return probed.root + layers * probed.largest_layer, probed.largest_layer
+    layers = min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.sharded_extends else 1
+    layer, experts = probed.whole_layer(request)
+    return probed.root + layers * layer + experts * (request.mixed or request.offload), layer
 
 
 def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
@@ -796,7 +873,7 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
         spacing = checkpoint_spacing(measured.config, request.dtype, request.engine)
         notes.append(f"recurrent checkpoints every {spacing} chunks; the state gradient in fp32")
         if request.context_parallel > 1:
-            walk = "wavefront (layer inputs kept)" if request.engine.wavefront_walk else "replicated (no layer inputs)"
+            walk = "wavefront (layer inputs kept)" if request.wavefront else "replicated (no layer inputs)"
             notes.append(f"the reverse walk over the cp ranks: {walk}")
     return Plan(request, categories, notes, rollout_terms(measured, request), measured.host)
 
@@ -807,11 +884,16 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
-    layers = min(prefetch_window(request.context_parallel) + 1, layers_in_model)
+    layers = min(prefetch_window(request.context_parallel) + 1, layers_in_model) if request.sharded_extends else 1
     whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time)"
     over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
     where = " on the host (CPU offload; AdamW steps there)" if request.offload else ""
-    return f"FSDP2 shards {master}, their gradients and {adam} over {over}{where}; {whole}"
+    experts = (
+        "; expert parallelism: each cp rank holds whole experts, never gathered, and computes every extend replicated"
+        if request.expert_parallel
+        else ""
+    )
+    return f"FSDP2 shards {master}, their gradients and {adam} over {over}{where}; {whole}{experts}"
 
 
 def plan_memory(request: PlanRequest) -> Plan:

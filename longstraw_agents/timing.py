@@ -239,6 +239,11 @@ def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: boo
     reference model's log-probs when ``beta > 0``), ``capture``, ``replay`` (each member's branch forward and
     backward), in exact mode ``walk`` (the reverse walk over the prefix), and with an optimizer ``optimizer`` (its
     step over the rank's shard, once per optimizer step)."""
+    if request.expert_parallel:
+        raise ValueError(
+            "the time model counts the sharded schedule; expert parallelism's (every extend replicated, each rank "
+            "its own experts) is not modelled yet: plan its memory without --time"
+        )
     model = model or ModelWork.of(load_config(request.model), request.dtype)
     schedule = Schedule(request, model)
     phases = {"rollout": schedule.rollout()} if rollout else {}

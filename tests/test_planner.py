@@ -386,3 +386,40 @@ def test_the_history_is_planned_sharded_where_the_engine_shards_it(shape: dict, 
     assert threshold.sharded_history > 0  # every extend of 8 tokens or more
     budget = EngineConfig(chunk_size=128, graph_budget_bytes=1 << 20)
     assert PlanRequest(gpus=2, cp=2, engine=budget, **shape).sharded_history == 0  # kept graphs: replicated
+
+
+def test_expert_parallelism_gathers_a_layer_without_its_experts() -> None:
+    """Under expert parallelism (``parallel.experts``) a gather leaves a layer's routed experts out and every extend
+    is replicated (one layer whole in a capture, not cp + 1); the MoE layer whose gathered part plus the rank's share
+    of its experts is the most sets what is whole; a cast copy of those experts (mixed precision) and their
+    gradient on its way into the shard are held beside it. The distributed test measures it per rank."""
+    # two layers: a dense one of 500 parameters, a MoE one of 400 beside 800 routed experts (200 per rank of 4)
+    probe = dataclasses.replace(PROBE, largest_layer=1_200, layers=2, routed=(0, 800), in_layers=(500, 1_200))
+    engine = PLAN_ENGINE.updated(sharded_extends=False)
+    request = PlanRequest(dtype=torch.bfloat16, gpus=4, expert_parallel=True, engine=engine)
+    assert probe.whole_layer(request) == (400, 200)  # (the dense layer's 500 are fewer)
+    phases = parameter_phases(probe, request)
+    root = PROBE.root
+    assert phases["capture"]["gathered weights"] == (400 + root) * 2 + 200 * 2  # one layer, its experts cast
+    assert phases["backward"]["gathered weights"] == (400 + root) * 2
+    # the layer's mixed-precision gradient in fp32 on its way to the shard, the whole gradients, the experts' cast
+    # again and the shard's gradient plus theirs
+    assert phases["backward"]["gathered gradients"] == 400 * 4 + (400 + root) * 2 + 200 * 2 + 200 * 4
+    plain = parameter_phases(probe, dataclasses.replace(request, expert_parallel=False, engine=PLAN_ENGINE))
+    assert plain["capture"]["gathered weights"] == (2 * 1_200 + root) * 2  # cp + 1 = 2 layers whole, experts too
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"gpus": 4, "cp": 1}, "needs cp > 1"),
+        ({"gpus": 4, "dp": 2, "cp": 2}, "at dp > 1 needs hsdp"),
+        ({"gpus": 4, "engine": PLAN_ENGINE}, r"sharded_extends=False"),
+    ],
+)
+def test_expert_parallelism_is_validated(given: dict, message: str) -> None:
+    engine = PLAN_ENGINE.updated(sharded_extends=False)
+    with pytest.raises(pydantic.ValidationError, match=message):
+        PlanRequest(**({"expert_parallel": True, "engine": engine} | given))
+    with pytest.raises(ValueError, match="needs a mixture of experts"):
+        plan_memory(PlanRequest(model="tiny-llama", context=64, gpus=2, expert_parallel=True, engine=engine))

@@ -353,3 +353,11 @@ def test_the_walk_recomputes_the_recurrent_states_between_checkpoints():
     segments = Schedule(request, ModelWork.of(config, torch.float32))._recurrent_segments()
     assert segments.flops > 0
     assert counted["exact"] - counted["detached"] == pytest.approx(walk.flops, rel=0.02)
+
+
+def test_expert_parallelism_is_not_timed_as_the_sharded_schedule() -> None:
+    """Expert parallelism computes every extend replicated, which the time model does not count: it says so."""
+    engine = EngineConfig(chunk_size=CHUNK, sharded_extends=False)
+    request = PlanRequest(model="tiny-glm_moe_dsa", context=PROMPT, gpus=2, expert_parallel=True, engine=engine)
+    with pytest.raises(ValueError, match="expert parallelism's .* is not modelled yet"):
+        step_work(request)

@@ -24,7 +24,7 @@ whole, computes them, and never gathers the others'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,12 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from longstraw_agents.models.mla import MoE
-
-
-def expert_units(model: nn.Module) -> list[Any]:
-    """The routed experts of each MoE layer of a transformers CausalLM (``layer.mlp.experts``), in layer order."""
-    backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
-    return [layer.mlp.experts for layer in backbone.layers if hasattr(layer.mlp, "experts")]
+from longstraw_agents.parallel.fsdp import add_into_shard, compute_dtype, expert_units, offloaded
 
 
 def experts_sharded(model: nn.Module) -> bool:
@@ -61,56 +56,111 @@ def check_experts_divide(model: nn.Module, ranks: int) -> None:
 
 
 class ExpertShard:
-    """A MoE's ``routed`` under expert parallelism over ``group`` (the cp ranks): this rank's experts' share of
-    each token's sum, added over the ranks (see the module's docstring)."""
+    """A MoE's ``routed`` under expert parallelism over ``group`` (the cp ranks): this rank's experts (``per_rank``
+    of them from ``first``) computed on every token, their shares added over the ranks (see the module's
+    docstring); their gradient goes straight into the rank's shards (the host's where they are offloaded).
+    ``over`` reads them from the sharded experts; ``planned`` makes one for the memory planner, whose model is
+    whole on the meta device: the experts a rank holds sliced from it, nothing added (no process group), their
+    gradient computed and dropped (no shards: the planner counts their cast and accumulation from the
+    parameters)."""
 
-    def __init__(self, moe: MoE, group: dist.ProcessGroup, compute_dtype: torch.dtype | None):
+    def __init__(
+        self,
+        moe: MoE,
+        group: dist.ProcessGroup | None,
+        compute_dtype: torch.dtype | None,
+        first: int,
+        per_rank: int,
+        offloaded: bool = False,
+    ):
         self.moe, self.group, self.compute_dtype = moe, group, compute_dtype
+        self.first, self.per_rank = first, per_rank
+        self.offloaded = offloaded  # the shards on the host: each use copies them in (also where host is device)
+
+    @classmethod
+    def over(
+        cls, moe: MoE, group: dist.ProcessGroup, compute_dtype: torch.dtype | None, offloaded: bool
+    ) -> ExpertShard:
         gate_up = moe.experts.gate_up_proj
         if not isinstance(gate_up, DTensor):
             raise ValueError("expert parallelism needs the experts sharded (fsdp.shard_model(experts=True))")
-        size = gate_up.device_mesh.size(_expert_dim(gate_up))
-        self.per_rank = moe.num_experts // size
-        self.first = gate_up.device_mesh.get_local_rank(_expert_dim(gate_up)) * self.per_rank
+        dim = _expert_dim(gate_up)
+        per_rank = moe.num_experts // gate_up.device_mesh.size(dim)
+        first = gate_up.device_mesh.get_local_rank(dim) * per_rank
+        return cls(moe, group, compute_dtype, first, per_rank, offloaded)
+
+    @classmethod
+    def planned(cls, moe: MoE, ranks: int) -> ExpertShard:
+        """The first of ``ranks`` cp ranks' share (every rank's is alike), for the planner's meta model."""
+        return cls(moe, None, None, 0, moe.num_experts // ranks)
+
+    @property
+    def params(self) -> tuple[Tensor, Tensor]:
+        return self.moe.experts.gate_up_proj, self.moe.experts.down_proj
+
+    @property
+    def trains(self) -> bool:
+        """Whether the rank's experts take a gradient (a policy's; not a frozen reference's)."""
+        return any(p.requires_grad for p in self.params)
 
     def __call__(self, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
-        gate_up, down = self.local_weights(x)
-        inputs = (x, weights, gate_up, down)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            return _SharedExperts.apply(self, top_idx, *inputs)
-        total = self.share(top_idx, *inputs)
-        dist.all_reduce(total, group=self.group)
-        return total
+        if torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad or self.trains):
+            if not (x.requires_grad or weights.requires_grad):  # (so that the node's backward runs: the experts')
+                x = x.detach().requires_grad_()
+            return _SharedExperts.apply(self, top_idx, x, weights)
+        return self.summed(self.share(top_idx, x, weights, *self.local_weights(x)))
 
     def share(self, top_idx: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
         """This rank's experts' part of each token's sum."""
         return self.moe.experts_of(x, top_idx, weights, gate_up, down, self.first)
 
+    def summed(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the ranks, in place."""
+        if self.group is not None:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
     def local_weights(self, like: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's experts' stacked weights (``gate_up_proj``, ``down_proj``) on ``like``'s device, in the
-        compute dtype (the master shards may be on the host, in fp32): their gradient flows back into the shards."""
-        experts = self.moe.experts
-        gate_up, down = (self._local(p, like) for p in (experts.gate_up_proj, experts.down_proj))
+        compute dtype (the master shards may be on the host, in fp32), without a graph."""
+        gate_up, down = (self._local(p, like) for p in self.params)
         if gate_up.shape[0] != self.per_rank:
             raise RuntimeError(f"this rank holds {gate_up.shape[0]} experts, expected {self.per_rank}")
         return gate_up, down
 
+    def add_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """The rank's experts' gradient (``gate_up_proj``'s, ``down_proj``'s; None: no token chose one of them)
+        added into their shards' — zeros where none, as one process's stacked weights get a gradient whenever any
+        expert of the layer is chosen, and the shards' gradients must agree in which exist."""
+        for param, grad in zip(self.params, grads, strict=True):
+            assert isinstance(param, DTensor)  # (``trains``: sharded)
+            local = param.to_local()
+            if grad is None:
+                if param.grad is not None:
+                    continue
+                grad = torch.zeros_like(local)
+            add_into_shard(param, grad.to(local.dtype), self.offloaded)
+
     def _local(self, param: Tensor, like: Tensor) -> Tensor:
-        local = param.to_local() if isinstance(param, DTensor) else param
-        return local.to(device=like.device, dtype=self.compute_dtype or local.dtype)
+        if isinstance(param, DTensor):
+            local = param.to_local()
+        else:  # (the planner's whole model: the slice a rank holds)
+            local = param[self.first : self.first + self.per_rank]
+        return local.detach().to(device=like.device, dtype=self.compute_dtype or local.dtype, copy=self.offloaded)
 
 
-def shard_expert_compute(
-    adapter_layers: Sequence[Any], group: dist.ProcessGroup, compute_dtype: torch.dtype | None
-) -> int:
-    """Put an ``ExpertShard`` over ``group`` in place of each MoE layer's ``routed`` (an engine's
-    ``adapter.layers``); returns how many."""
-    count = 0
-    for layer in adapter_layers:
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.routed = ExpertShard(layer.mlp, group, compute_dtype)
-            count += 1
-    return count
+def expert_binding(model: nn.Module, group: dist.ProcessGroup) -> Callable[[Sequence[Any]], None]:
+    """What ``LayerGather.bind`` does under expert parallelism: an ``ExpertShard`` over ``group`` (the cp ranks) in
+    place of each MoE layer's ``routed`` (an engine's ``adapter.layers``), computing in ``model``'s compute dtype
+    from its shards (offloaded or not)."""
+    dtype, host = compute_dtype(model), offloaded(model)
+
+    def bind(layers: Sequence[Any]) -> None:
+        for layer in layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.routed = ExpertShard.over(layer.mlp, group, dtype, host)
+
+    return bind
 
 
 def _expert_dim(param: DTensor) -> int:
@@ -129,41 +179,37 @@ class _SharedExperts(torch.autograd.Function):
     autograd (as FSDP2 gathers a layer again for its backward; kept, every MoE call of a branch would hold its own
     compute copy of the rank's experts until the backward). The gradients of the tokens and their routing weights —
     each rank's experts gave part of them — are summed over the ranks, in that order; every rank computes the same
-    thing after the sum, so the share's gradient is the sum's. The rank's experts' weights get theirs whole (zeros
-    where no token chose one: its peers' shards have a gradient, and the shards' gradients must agree in which
-    exist)."""
+    thing after the sum, so the share's gradient is the sum's. The rank's experts' gradient goes into their shards
+    (``ExpertShard.add_gradients``), whole: no reduction."""
 
     @staticmethod
-    def forward(
-        ctx: Any, shard: ExpertShard, top_idx: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor
-    ) -> Tensor:
+    def forward(ctx: Any, shard: ExpertShard, top_idx: Tensor, x: Tensor, weights: Tensor) -> Tensor:
         ctx.shard = shard
         ctx.save_for_backward(top_idx, x, weights)
-        total = shard.share(top_idx, x, weights, gate_up, down)
-        dist.all_reduce(total, group=shard.group)
-        return total
+        return shard.summed(shard.share(top_idx, x, weights, *shard.local_weights(x)))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         shard: ExpertShard = ctx.shard
         top_idx, x, weights = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[2:]
+        wanted = [*ctx.needs_input_grad[2:4], shard.trains, shard.trains]
         with torch.enable_grad():
             tensors = (x, weights, *shard.local_weights(x))
             leaves = [t.detach().requires_grad_(w) for t, w in zip(tensors, wanted, strict=True)]
             share = shard.share(top_idx, *leaves)
-        found: Sequence[Tensor | None] = [None] * len(leaves)
+        found: list[Tensor | None] = [None] * len(leaves)
         if share.requires_grad:  # (False: no token chose one of this rank's experts)
             inputs = [leaf for leaf in leaves if leaf.requires_grad]
             computed = iter(torch.autograd.grad(share, inputs, grad, allow_unused=True))
             found = [next(computed) if leaf.requires_grad else None for leaf in leaves]
+        del share, leaves, tensors  # (the experts' compute copies: freed before their gradient's master copy)
+        if shard.trains and shard.group is not None:  # (the planner's: no shards)
+            shard.add_gradients(found[2:])
         grads: list[Tensor | None] = []
-        for k, (leaf, g) in enumerate(zip(leaves, found, strict=True)):
-            if not leaf.requires_grad:
+        for k, (like, g) in enumerate(zip((x, weights), found[:2], strict=True)):
+            if not ctx.needs_input_grad[2 + k]:
                 grads.append(None)
                 continue
-            g = torch.zeros_like(leaf) if g is None else g.contiguous()
-            if k < 2:  # the tokens and their routing weights: every rank's experts gave part of it
-                dist.all_reduce(g, group=shard.group)
-            grads.append(g)
+            # (every rank's experts gave part of the tokens' and routing weights' gradient)
+            grads.append(shard.summed(torch.zeros_like(like) if g is None else g.contiguous()))
         return (None, None, *grads)

@@ -26,7 +26,7 @@ differ in shape, each dp rank gathers and reduces on a communicator of its own, 
 policy gets the weights assembled a part at a time (``whole_parts``). Under expert parallelism
 (``shard_model(experts=True)``) each MoE layer's experts are units of their own nested in the layer's, cut over the
 cp ranks and never gathered: ``LayerGather`` gathers a layer without them and ``bind``s the engine's MoE layers to
-compute each rank's own (``parallel.experts``).
+compute each rank's own (``parallel.experts``, which ``ParallelMesh.sharding`` binds).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Partial, Placement
 
 from longstraw_agents.memory import host_placement
-from longstraw_agents.parallel.experts import expert_units, shard_expert_compute
 
 
 def shard_model(
@@ -80,6 +79,13 @@ def shard_model(
         for layer in backbone.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=placement)
         fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=placement)
+
+
+def expert_units(model: nn.Module) -> list[Any]:
+    """The routed experts of each MoE layer of a transformers CausalLM (``layer.mlp.experts``), in layer order:
+    units of their own under expert parallelism (``shard_model(experts=True)``)."""
+    backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
+    return [layer.mlp.experts for layer in backbone.layers if hasattr(layer.mlp, "experts")]
 
 
 def offloaded(model: nn.Module) -> bool:
@@ -180,8 +186,8 @@ class LayerGather:
     unreduced (a gradient that reaches none of its inputs) has it reduced at its end.
 
     ``replicas``: how many ranks compute the same gradient in replicated work (cp); ``partial=True`` blocks hold
-    each rank's share of a sum instead (the wavefront walk). ``experts``: the group expert parallelism runs over
-    (the cp ranks; a layer's nested expert units are never gathered, ``bind`` computes them where they are held).
+    each rank's share of a sum instead (the wavefront walk). ``binding``: what ``bind`` does to the engine's layers
+    (expert parallelism: a layer's nested expert units are never gathered, each rank computes its own).
     The gathers and reductions are collectives over the shard mesh: every rank must make the same calls in the same
     order, computing or not.
 
@@ -195,10 +201,10 @@ class LayerGather:
         model: nn.Module,
         replicas: int,
         window: int | None = None,
-        experts: dist.ProcessGroup | None = None,
+        binding: Callable[[Sequence[Any]], None] | None = None,
     ):
         self.model, self.replicas = model, replicas
-        self.experts = experts  # expert parallelism over these ranks (the cp ranks): ``bind`` sets it up
+        self.binding = binding  # what ``bind`` does to the engine's layers (expert parallelism: ``parallel.experts``)
         self.host = offloaded(model)  # the shards' gradients live on the host
         self.window = prefetch_window(replicas) if window is None else window
         backbone: Any = model.model
@@ -269,11 +275,11 @@ class LayerGather:
             param.grad = None
 
     def bind(self, layers: Sequence[Any]) -> bool:
-        """With ``experts``: each MoE layer's routed experts computed where they are held (``parallel.experts``),
-        which needs every rank to make the same layer calls."""
-        if self.experts is None:
+        """With a ``binding`` (expert parallelism: each MoE layer's routed experts computed where they are held,
+        ``parallel.experts``), which needs every rank to make the same layer calls."""
+        if self.binding is None:
             return False
-        shard_expert_compute(layers, self.experts, compute_dtype(self.model))
+        self.binding(layers)
         return True
 
     def root_parameters(self) -> list[nn.Parameter]:

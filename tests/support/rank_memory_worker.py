@@ -37,7 +37,8 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
     model = build_model(config, dtype=torch.float32, seed=0)
     reference = copy.deepcopy(model) if spec.get("beta") else None  # (as Run copies it: before sharding)
     compute = getattr(torch, spec["compute_dtype"]) if spec["compute_dtype"] else None
-    mesh.fully_shard(model, compute, spec.get("offload", False))
+    experts = spec.get("expert_parallel", False)
+    mesh.fully_shard(model, compute, spec.get("offload", False), expert_parallel=experts)
     grpo = GRPOConfig(
         G=spec["group"],
         chunk_size=spec["chunk"],
@@ -49,9 +50,10 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
     policy: nn.Module | Engine = model
     if mesh.mesh["cp"].size() > 1:
         shards = ContextParallel(mesh.cp_group, mesh.cp_channels)
-        policy = Engine(
-            model, EngineConfig(chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"]), shards=shards
+        engine = EngineConfig(
+            chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"], sharded_extends=not experts
         )
+        policy = Engine(model, engine, shards=shards)
     return GRPOTrainer(policy, grpo, ref_model=reference, accelerator=accelerator, mesh=mesh)
 
 
