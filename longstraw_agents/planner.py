@@ -458,13 +458,14 @@ def _rows_per_layer(config: PretrainedConfig, request: PlanRequest, positions: i
     return max(per_token for per_token, _ in per_layer) * positions
 
 
-def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
+def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, rollout: bool = False) -> int:
     """The largest sharded capture over cp ranks (``ShardedCapture``), per rank — the shared context's, or a
     member's history captured sharded after it (``PlanRequest.sharded_history``): it runs layer-major across the
     rank's chunks, holding the hidden states of all its positions between layers, and receives one layer's rows at a
     time to attend to, dropped after the layer: the earlier ranks' new rows (``PlanRequest.earlier_ranks`` shards)
-    and the other ranks' rows of the context before it."""
-    if not request.sharded_extends:
+    and the other ranks' rows of the context before it. ``rollout``: a sampler's, which keeps no graphs (a
+    kept-graph budget leaves its captures sharded)."""
+    if not (request.sharded_extends or rollout and request.context_parallel > 1 and request.engine.sharded_extends):
         return 0
     captures = [(0, request.context)]  # (the context before it, its positions)
     if request.sharded_history:
@@ -529,9 +530,20 @@ class _Probe:
         and its MoE holds the rank's share of them — a dense layer may gather more, a MoE layer hold more."""
         if not request.expert_parallel:
             return self.largest_layer, 0
+        return max(self._parts(request), key=sum)
+
+    def _parts(self, request: PlanRequest) -> list[tuple[int, int]]:
         cp = request.context_parallel
-        parts = [(n - r, -(-r // cp)) for n, r in zip(self.in_layers, self.routed, strict=True)]
-        return max(parts, key=sum)
+        return [(n - r, -(-r // cp)) for n, r in zip(self.in_layers, self.routed, strict=True)]
+
+    def layer_moment(self, request: PlanRequest, copies: float) -> tuple[int, int]:
+        """(The most a gather makes whole, the most a layer holds at its moment): where a layer's gather holds its
+        buffer beside its weights, or under expert parallelism a MoE layer holds ``copies`` of the rank's experts
+        beside its gathered part. Without expert parallelism, the largest layer and twice it."""
+        if not request.expert_parallel:
+            return self.largest_layer, 2 * self.largest_layer
+        parts = self._parts(request)
+        return max(g for g, _ in parts), max(max(2 * g, g + int(copies * e)) for g, e in parts)
 
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
@@ -706,7 +718,7 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     # they are cast (mixed precision, offload), in forward and again in backward, and the shard's gradient plus
     # theirs before the old one is freed (the host's when offloaded). The gradient's master-dtype copy comes after
     # the cast is freed, beside less than autograd held
-    cast = experts * compute if request.mixed or request.offload else 0  # (else a view of the shard)
+    cast = int(_expert_copies(request) * experts * compute)
     expert_gradient = cast + (0 if request.offload else experts * master)
     ahead = min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.sharded_extends else 1
     capture = (ahead * layer + probed.root) * compute + cast  # (no more layers than the model's)
@@ -720,6 +732,19 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     layers_only = probed.parameters - probed.root
     earlier = (probed.root * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
     return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
+
+
+def _expert_copies(request: PlanRequest, sampling: bool = False) -> float:
+    """Under expert parallelism, a MoE call's copy of the rank's experts, in units of their compute-dtype bytes: none
+    where they are used in place, one cast (mixed precision) or copy in (offload). Offloaded masters in a wider
+    dtype are copied in, then cast on the device, one stacked weight at a time: ``gate_up_proj`` (2/3 of an
+    expert's parameters) in both dtypes for a moment, then ``down_proj``'s copy beside both casts — the most a MoE
+    call holds while sampling (no gradient); a step's backward holds more later (its gradient, beside the cast
+    alone)."""
+    if request.offload and request.mixed and sampling:
+        wider = request.master_itemsize / _itemsize(request.dtype)
+        return max(2 / 3 * (1 + wider), 1 + wider / 3)
+    return 1.0 if request.offload or request.mixed else 0.0
 
 
 def logits_bytes(config: PretrainedConfig, request: PlanRequest) -> int:
@@ -737,7 +762,7 @@ class _Measured:
     parameters: dict[str, dict[str, int]]  # per phase
     graphs: int
     how: str
-    rollout_whole: tuple[int, int]  # parameters whole while sampling, and a gather's buffer (``_whole_in_rollouts``)
+    rollout_whole: tuple[int, int]  # parameters whole while sampling, and a layer's moment (``_whole_in_rollouts``)
     host: dict[str, int]  # offloaded (``host_terms``)
     apart: int = 0  # of the graph term, what a backward never holds beside a whole layer (``_never_beside_a_layer``)
     capture: int = 0  # a capture's working set (``capture_working_set``)
@@ -775,15 +800,16 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     """The parameters whole while a rank samples (``Run.sampling_weights``) — on one GPU none (mixed precision: the
     compute copy); sharded, the root unit and the layers a sharded capture gathers ahead (``prefetch_window``; one
-    over one cp rank) — and the
-    parameters of the buffer a gather adds for its moment (FSDP2's all-gather output beside the layer's weights it
-    is copied into: a layer, a layer at a time)."""
+    over one cp rank) — and, in compute-dtype parameters, what the layer computing adds for a moment: the buffer of
+    its gather (FSDP2's all-gather output its weights are copied from) or, after it, under expert parallelism the
+    MoE's copy of the rank's experts (``_expert_copies``; the layer with the most of either)."""
     if request.gpus == 1:
         return (probed.parameters if request.mixed else 0), 0
     # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
-    layers = min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.sharded_extends else 1
-    layer, experts = probed.whole_layer(request)
-    return probed.root + layers * layer + experts * (request.mixed or request.offload), layer
+    sharded = request.context_parallel > 1 and request.engine.sharded_extends  # (no graphs kept while sampling)
+    layers = min(prefetch_window(request.context_parallel) + 1, probed.layers) if sharded else 1
+    layer, moment = probed.layer_moment(request, _expert_copies(request, sampling=True))
+    return probed.root + layers * layer, moment - layer
 
 
 def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str, int]]:
@@ -828,7 +854,7 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     if cp == 1:
         rows, working = _rows_per_layer(config, request, request.context + request.history), 0  # the last turn's
     else:
-        rows, working = capture_rows_bytes(config, request), measured.capture
+        rows, working = capture_rows_bytes(config, request, rollout=True), measured.capture
     size = state_size(config, request.dtype)
     held = math.ceil(request.context / cp) + math.ceil(request.group * request.own_tokens / cp)
     return {

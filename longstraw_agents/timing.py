@@ -345,10 +345,22 @@ class Schedule:
         return work + self._merges(tokens)
 
     def capture(self) -> Work:
+        """The prompt's capture (no gradient): sharded over the cp ranks — each its own chunks, a layer at a time
+        across them, every layer gathered once and the earlier ranks' rows received — or chunk by chunk (one cp
+        rank; replicated under a kept-graph budget), each chunk gathering every layer (``LayerGather.run``)."""
         request = self.request
+        chunk = request.engine.chunk_size
+        if not request.sharded_extends:
+            chunks = self.model.chunked(0, self.captured, chunk, entries_only=True)
+            return chunks + self._gathers(self._chunks, root=True)
         rows = Work(comm=self.model.state_bytes(self.first))  # the earlier ranks' rows, every layer
-        chunks = self.model.chunked(self.first, self.captured, request.engine.chunk_size, entries_only=True)
+        chunks = self.model.chunked(self.first, self.captured, chunk, entries_only=True)
         return chunks + rows + self._gathers(1, root=True)
+
+    @property
+    def _chunks(self) -> int:
+        """The prompt's chunks."""
+        return -(-self.captured // self.request.engine.chunk_size)
 
     def scoring(self) -> Work:
         completion = self.request.completion
@@ -382,15 +394,16 @@ class Schedule:
         (``LayerGather.run``, as a branch does)."""
         request = self.request
         chunk = request.engine.chunk_size
-        wavefront = self.cp > 1 and request.engine.wavefront_walk
+        wavefront = request.wavefront
         start = self.first if wavefront else 0
         recompute = self.model.chunked(start, self.captured, chunk)  # every layer whole (its hidden states too)
         backward = self.model.chunked(start, self.captured, chunk, entries_only=True).backward()  # what feeds the state
         state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
-        if not wavefront:
-            recompute = recompute + self._recurrent_segments()
-        passes = 1 if wavefront else -(-self.captured // chunk)  # the layers' gathers and reductions, per pass
+        passes = 1 if wavefront else self._chunks  # the layers' gathers and reductions, per pass
         weights = (self._gathers(2) + self._reduced(self.model.layer_bytes)).scaled(passes)
+        if not wavefront:  # (the recurrent states between checkpoints: each recomputed chunk gathers every layer)
+            recompute = recompute + self._recurrent_segments()
+            weights = weights + self._gathers(self._recomputed_chunks())
         if self.cp > 1 and not (self.sharded and self.ranks > 1):  # the walk's gradient all-reduced over cp, fp32
             weights = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * 2 * (self.cp - 1) / self.cp)
         return recompute + backward + state_gradient + weights
@@ -411,13 +424,23 @@ class Schedule:
         """The recurrent states the walk needs between checkpoints (kept after every k-th chunk and the last one),
         recomputed forward without a graph, each chunk once: the chunks' state entries, but the kept ones'."""
         chunk = self.request.engine.chunk_size
-        every = checkpoint_spacing(self.model.config, self.model.dtype, self.request.engine)
-        chunks = -(-self.captured // chunk)
-        if every == 1 or chunks < 2:
+        kept = self._kept_checkpoints()
+        if kept is None:
             return Work()
-        kept = [m for m in range(chunks - 1) if (m + 1) % every == 0]
-        segments = self.model.chunked(0, (chunks - 1) * chunk, chunk, entries_only=True)
+        segments = self.model.chunked(0, (self._chunks - 1) * chunk, chunk, entries_only=True)
         return segments + total(self.model.forward(chunk, m * chunk, entries_only=True) for m in kept).scaled(-1.0)
+
+    def _recomputed_chunks(self) -> int:
+        """How many chunks ``_recurrent_segments`` recomputes."""
+        kept = self._kept_checkpoints()
+        return 0 if kept is None else self._chunks - 1 - len(kept)
+
+    def _kept_checkpoints(self) -> list[int] | None:
+        """The chunks after which the capture kept the recurrent states (None: after every one, or one chunk)."""
+        every = checkpoint_spacing(self.model.config, self.model.dtype, self.request.engine)
+        if every == 1 or self._chunks < 2:
+            return None
+        return [m for m in range(self._chunks - 1) if (m + 1) % every == 0]
 
     def rollout(self) -> Work:
         """Decoding ``completion`` tokens for every member in one batch, the cp ranks together (``parallel.sampling``):
@@ -640,8 +663,8 @@ class StepTime:
         return sum(s for name, s in self.phase_seconds().items() if name != "rollout")
 
     def comm_share(self, kind: str = "comm") -> float:
-        """The step's (without rollouts) share of ``kind``: "comm" (the interconnect's collectives and messages) or
-        "host" (offload's copies between host and device)."""
+        """The step's (without rollouts) share of ``kind``: "comm" (the interconnect's collectives and messages),
+        "host" (offload's copies between host and device) or "host_step" (AdamW's step in host memory)."""
         train = [w for name, w in self.work.phases.items() if name != "rollout"]
         spent = sum(self.profile.seconds(w)[kind] for w in train)
         return spent / max(self.training_seconds(), 1e-30)
@@ -667,6 +690,7 @@ class StepTime:
             f"step (without rollouts): {self.training_seconds():.1f} s on {gpus}, "
             f"communication {100 * self.comm_share():.0f} % of it"
             + (f", host copies {100 * self.comm_share('host'):.0f} %" if request.offload else "")
+            + (f", the host's AdamW step {100 * self.comm_share('host_step'):.0f} %" if request.offload else "")
             + " (not overlapped: an upper estimate)"
         )
         return "\n".join(lines)

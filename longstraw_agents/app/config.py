@@ -184,7 +184,8 @@ class ParallelSpec(BaseModel):
     )
     host_staged_messages: bool = Field(
         False,
-        description="cp > 1 on GPUs: stage the wavefront's point-to-point messages through host memory and send them "
+        description="cp > 1 on GPUs: stage the point-to-point messages of a sharded capture and of exact mode's "
+        "wavefront walk through host memory and send them "
         "over gloo (matched by tag), instead of device to device over NCCL (matched in posting order, which the "
         "schedule keeps: parallel.discipline checks it on CPU). On CPUs both are the same messages",
     )
@@ -291,6 +292,11 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "parallel.expert_parallel at dp > 1 needs hsdp: true (each dp rank's groups differ in shape, so its "
                 "MoE calls cannot meet the other dp ranks')"
+            )
+        if parallel.sharded_extend_tokens is not None:
+            raise ValueError(
+                "parallel.expert_parallel computes every extend replicated: parallel.sharded_extend_tokens would "
+                "shard none, leave it out"
             )
         return self
 

@@ -79,7 +79,8 @@ class EngineConfig(BaseModel):
         "member's long first turn) is computed sharded like a capture — each rank evaluates its even share, the "
         "earlier rows sent to it — even when shorter than the context before it; shorter extends run replicated "
         "(every rank computes them, attention partials merged). None: only extends at least as long as their "
-        "context are sharded. Either way the new positions' state is spread over the ranks",
+        "context are sharded. Either way the new positions' state is spread over the ranks; with sharded_extends "
+        "off, none is",
     )
     sharded_extends: bool = Field(
         True,

@@ -54,10 +54,12 @@ class Engine:
     path's positions only (``Ownership``; every chunk records its owner), and every rank of the group must make the
     same calls in the same order.
     weights: parameters sharded over the ranks (``LayerWeights``, FSDP2): each layer's weights are gathered only
-    around the work that uses them. A capture (an extend at least as long as its parent, or than
-    ``EngineConfig.sharded_extend_tokens``) and exact mode's walk back over it are computed shard by shard, layer by
-    layer, in a wavefront across the ranks (``ShardedCapture``, ``WavefrontWalk``); shorter extends and branch
-    replays are replicated, attention combining the ranks' partial results. Results equal one process's."""
+    around the work that uses them (and ``bind`` may take over parts of the layers: expert parallelism's MoE). A
+    capture (an extend at least as long as its parent, or than ``EngineConfig.sharded_extend_tokens``) and exact
+    mode's walk back over it are computed shard by shard, layer by layer, in a wavefront across the ranks
+    (``ShardedCapture``, ``WavefrontWalk``) — unless ``EngineConfig.sharded_extends`` is off (expert parallelism
+    needs it off); shorter extends and branch replays are replicated, attention combining the ranks' partial
+    results. Results equal one process's."""
 
     def __init__(
         self,
@@ -76,11 +78,13 @@ class Engine:
         self.config = config
         self.shards = shards
         self.weights = weights
-        if weights is not None and weights.bind(self.adapter.layers) and shards is not None and config.sharded_extends:
-            raise ValueError(
-                "the weights' sharding needs every rank to make the same layer calls (expert parallelism: each MoE "
-                "call is a collective), so no extend may be sharded: EngineConfig(sharded_extends=False)"
-            )
+        if weights is not None:
+            if weights.lockstep and shards is not None and config.sharded_extends:
+                raise ValueError(
+                    "the weights' sharding needs every rank to make the same layer calls (expert parallelism: each "
+                    "MoE call is a collective), so no extend may be sharded: EngineConfig(sharded_extends=False)"
+                )
+            weights.bind(self.adapter.layers)
         transport = shards.transport if shards is not None else None
         # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
         self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size, transport)

@@ -38,10 +38,15 @@ class LayerWeights(Protocol):
         """End a stretch of ``partial`` blocks: their reductions done (every rank calls it)."""
         ...
 
-    def bind(self, layers: Sequence[DecoderLayer]) -> bool:
+    @property
+    def lockstep(self) -> bool:
+        """Whether every rank must make the same layer calls in the same order (expert parallelism: each MoE call
+        is a collective), so that no extend may be sharded (``EngineConfig.sharded_extends=False``)."""
+        ...
+
+    def bind(self, layers: Sequence[DecoderLayer]) -> None:
         """Called once by the engine with its adapter's layers: the sharding may take over parts of them (expert
-        parallelism: each MoE's routed experts, ``MoE.routed``). True: every rank must then make the same layer
-        calls in the same order (``EngineConfig.sharded_extends=False``)."""
+        parallelism: each MoE's routed experts, ``MoE.routed``)."""
         ...
 
     def root_parameters(self) -> list[nn.Parameter]:

@@ -472,9 +472,12 @@ class MoE:
             chosen = [e for e in torch.unique(top_idx).tolist() if e in experts]
             return [(e, *torch.where(top_idx == e)) for e in chosen]
         # the activations a backward keeps are the same whether 256 experts take 1/256 of the slots each or 8 take
-        # 1/8 each; 8 keep the planner's Python loop short (the weights, by slice, allocate nothing)
-        groups = min(len(experts), MAX_PLANNED_EXPERT_GROUPS, top_idx.numel())
-        slots = top_idx.numel()
+        # 1/8 each; 8 keep the planner's Python loop short (the weights, by slice, allocate nothing). ``experts``
+        # take their share of the slots (a rank's, under expert parallelism)
+        slots = top_idx.numel() * len(experts) // self.num_experts
+        if slots == 0:
+            return []
+        groups = min(len(experts), MAX_PLANNED_EXPERT_GROUPS, slots)
         counts = [slots // groups + (1 if e < slots % groups else 0) for e in range(groups)]
         return [(experts[e], top_idx.new_empty(c), top_idx.new_empty(c)) for e, c in enumerate(counts)]
 

@@ -244,8 +244,8 @@ class GroupTransport:
         self.sent_bytes[kind] += sum(_nbytes(t) for t in payload)
 
     def recv(self, src: int, tag: int, device: torch.device, on_host: int = 0) -> tuple[Tensor, ...]:
-        """What rank ``src`` sent with ``tag`` (blocks until it arrives), on ``device`` but its first ``on_host``
-        tensors."""
+        """What rank ``src`` sent with ``tag`` (blocks until its host part arrives; a device payload's receive is
+        queued on the device, which ``waited_s`` does not see), on ``device`` but its first ``on_host`` tensors."""
         peer = dist.get_global_rank(self.group, src)
         channel = self.channels.channel(peer, self._me)
         began = time.perf_counter()
@@ -275,7 +275,9 @@ class GroupTransport:
         self.waited_s += time.perf_counter() - began
 
     def broadcast_tensors(self, tensors: Sequence[Tensor] | None, src: int, device: torch.device) -> tuple[Tensor, ...]:
-        """Rank ``src``'s ``tensors`` (any dtypes and shapes; None on the other ranks) on every rank."""
+        """Rank ``src``'s ``tensors`` (any dtypes and shapes; None on the other ranks) on every rank: on ``device``
+        where the sender's are on a device, on the host where its are (the collective then runs over gloo on every
+        rank alike)."""
         peer = dist.get_global_rank(self.group, src)
         began = time.perf_counter()
         header = _header(list(tensors)) if tensors is not None else None
@@ -288,7 +290,8 @@ class GroupTransport:
             out = tuple(t.contiguous() for t in tensors)
             self.sent_bytes["recurrent"] += sum(_nbytes(t) for t in out)
         else:
-            out = tuple(torch.empty(shape, dtype=dtype, device=device) for dtype, _, shape in _parse(header))
+            parsed = _parse(header)  # (each where the sender's is: host tensors stay on the host, over gloo)
+            out = tuple(torch.empty(shape, dtype=dtype, device=device if on else "cpu") for dtype, on, shape in parsed)
         for t in out:
             dist.broadcast(t, src=peer, group=self.group)
         self.waited_s += time.perf_counter() - began

@@ -44,15 +44,16 @@ def experts_sharded(model: nn.Module) -> bool:
 
 def check_experts_divide(model: nn.Module, ranks: int) -> None:
     """Expert parallelism over ``ranks`` needs whole experts on every rank: the expert count a multiple of it."""
-    for unit in expert_units(model):
+    units = expert_units(model)
+    if not units:
+        raise ValueError("expert parallelism needs a mixture of experts; the model has no MoE layer (mlp.experts)")
+    for unit in units:
         experts = int(unit.gate_up_proj.shape[0])
         if experts % ranks:
             raise ValueError(
                 f"expert parallelism over {ranks} cp ranks needs a multiple of {ranks} routed experts per layer, "
                 f"the model has {experts}"
             )
-        return
-    raise ValueError("expert parallelism needs a mixture of experts; the model has no MoE layer (mlp.experts)")
 
 
 class ExpertShard:
@@ -128,25 +129,30 @@ class ExpertShard:
             raise RuntimeError(f"this rank holds {gate_up.shape[0]} experts, expected {self.per_rank}")
         return gate_up, down
 
-    def add_gradients(self, grads: Sequence[Tensor | None]) -> None:
+    def add_gradients(self, grads: list[Tensor | None]) -> None:
         """The rank's experts' gradient (``gate_up_proj``'s, ``down_proj``'s; None: no token chose one of them)
         added into their shards' — zeros where none, as one process's stacked weights get a gradient whenever any
-        expert of the layer is chosen, and the shards' gradients must agree in which exist."""
-        for param, grad in zip(self.params, grads, strict=True):
+        expert of the layer is chosen, and the shards' gradients must agree in which exist. Taken from ``grads``
+        one at a time, each freed once it is in its shard's dtype."""
+        for k, param in enumerate(self.params):
             assert isinstance(param, DTensor)  # (``trains``: sharded)
+            grad, grads[k] = grads[k], None
             local = param.to_local()
             if grad is None:
                 if param.grad is not None:
                     continue
                 grad = torch.zeros_like(local)
-            add_into_shard(param, grad.to(local.dtype), self.offloaded)
+            grad = grad.to(local.dtype)  # (the compute dtype's freed here)
+            add_into_shard(param, grad, self.offloaded)
 
     def _local(self, param: Tensor, like: Tensor) -> Tensor:
         if isinstance(param, DTensor):
             local = param.to_local()
         else:  # (the planner's whole model: the slice a rank holds)
             local = param[self.first : self.first + self.per_rank]
-        return local.detach().to(device=like.device, dtype=self.compute_dtype or local.dtype, copy=self.offloaded)
+        # offloaded: copied in first, then cast on the device (a blocking copy that casts would cast on the host)
+        moved = local.detach().to(device=like.device, copy=self.offloaded, non_blocking=self.offloaded)
+        return moved.to(dtype=self.compute_dtype or local.dtype)
 
 
 def expert_binding(model: nn.Module, group: dist.ProcessGroup) -> Callable[[Sequence[Any]], None]:
@@ -204,7 +210,9 @@ class _SharedExperts(torch.autograd.Function):
             found = [next(computed) if leaf.requires_grad else None for leaf in leaves]
         del share, leaves, tensors  # (the experts' compute copies: freed before their gradient's master copy)
         if shard.trains and shard.group is not None:  # (the planner's: no shards)
-            shard.add_gradients(found[2:])
+            experts = found[2:]
+            del found[2:]
+            shard.add_gradients(experts)
         grads: list[Tensor | None] = []
         for k, (like, g) in enumerate(zip((x, weights), found[:2], strict=True)):
             if not ctx.needs_input_grad[2 + k]:

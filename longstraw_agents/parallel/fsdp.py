@@ -274,13 +274,15 @@ class LayerGather:
         for param in self._whole[layer].values():
             param.grad = None
 
-    def bind(self, layers: Sequence[Any]) -> bool:
-        """With a ``binding`` (expert parallelism: each MoE layer's routed experts computed where they are held,
-        ``parallel.experts``), which needs every rank to make the same layer calls."""
-        if self.binding is None:
-            return False
-        self.binding(layers)
-        return True
+    @property
+    def lockstep(self) -> bool:
+        """With a ``binding`` (expert parallelism) every rank must make the same layer calls."""
+        return self.binding is not None
+
+    def bind(self, layers: Sequence[Any]) -> None:
+        """With a ``binding``: each MoE layer's routed experts computed where they are held (``parallel.experts``)."""
+        if self.binding is not None:
+            self.binding(layers)
 
     def root_parameters(self) -> list[nn.Parameter]:
         """The parameters outside the decoder layers, as registered now (whole while the root is gathered)."""

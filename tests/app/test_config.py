@@ -335,6 +335,9 @@ def test_expert_parallel_needs_fsdp_over_lockstep_cp_ranks() -> None:
     with pytest.raises(pydantic.ValidationError, match=r"expert_parallel at dp > 1 needs hsdp"):
         flat = {"dp": 2, "cp": 2, "fsdp": True, "expert_parallel": True}
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=flat))
+    with pytest.raises(pydantic.ValidationError, match=r"sharded_extend_tokens would shard none"):
+        threshold = {"cp": 2, "fsdp": True, "expert_parallel": True, "sharded_extend_tokens": 64}
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=threshold))
     config = TrainConfig.model_validate(
         tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "fsdp": True, "hsdp": True, "expert_parallel": True})
     )

@@ -45,17 +45,27 @@ def test_experts_must_divide_over_the_ranks_and_exist() -> None:
 
 
 class _BindingWeights:
-    """Weights whose sharding takes over the experts (as ``LayerGather(experts=...)`` does)."""
+    """Weights whose sharding takes over the experts (as ``LayerGather(binding=...)`` does)."""
 
-    def bind(self, layers: object) -> bool:
-        return True
+    lockstep = True
+
+    def __init__(self) -> None:
+        self.bound = False
+
+    def bind(self, layers: object) -> None:
+        self.bound = True
 
 
 def test_an_engine_under_expert_parallelism_refuses_sharded_extends() -> None:
     """Each MoE call is a collective of the cp ranks: an extend computed sharded (each rank its own tokens, at its
-    own time) would break it, so the engine refuses a config that would shard one."""
+    own time) would break it, so the engine refuses a config that would shard one — before the weights take over
+    any layer."""
     model = tiny_model("glm_moe_dsa", dtype=torch.float64, seed=0)
     shards = SimpleNamespace(transport=None)
+    refused = _BindingWeights()
     with pytest.raises(ValueError, match=r"EngineConfig\(sharded_extends=False\)"):
-        Engine(model, EngineConfig(), shards=shards, weights=_BindingWeights())  # type: ignore[arg-type]
-    Engine(model, EngineConfig(sharded_extends=False), shards=shards, weights=_BindingWeights())  # type: ignore[arg-type]
+        Engine(model, EngineConfig(), shards=shards, weights=refused)  # type: ignore[arg-type]
+    assert not refused.bound
+    taken = _BindingWeights()
+    Engine(model, EngineConfig(sharded_extends=False), shards=shards, weights=taken)  # type: ignore[arg-type]
+    assert taken.bound

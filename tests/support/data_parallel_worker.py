@@ -41,14 +41,21 @@ def make_trainer(
     beta: float = 0.0,
     expert_parallel: bool = False,
     mode: str | None = None,
+    routed_to_first_half: bool = False,
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
     ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
     fp64 parameters are the master weights); with ``beta``, a KL term against a copy of the initial weights (taken
     before sharding, as ``Run`` takes it; the trainer shards it as the policy); with ``expert_parallel``, each cp
     rank holds and computes its own experts (every extend replicated); ``mode``: the trainer's (None: its
-    default)."""
+    default); ``routed_to_first_half``: every token's experts among the first half of each MoE layer's (a router
+    bias: the first of two cp ranks' under expert parallelism, the other's never chosen)."""
     model = tiny_model(family, dtype=torch.float64, seed=0)
+    if routed_to_first_half:
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias[: bias.shape[0] // 2] += 10.0
     reference = copy.deepcopy(model) if beta else None
     if fsdp:
         assert mesh is not None
@@ -209,6 +216,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
         spec.get("beta", 0.0),
         spec.get("expert_parallel", False),
         spec.get("mode"),
+        spec.get("routed_to_first_half", False),
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])

@@ -155,20 +155,25 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
 
 
 @pytest.mark.parametrize(
-    ("dp", "cp", "hsdp", "mode", "beta"),
-    [(1, 2, False, "exact", 0.1), (2, 2, True, "detached", 0.0)],
-    ids=["dp1xcp2-exact-kl", "dp2xcp2-hsdp-detached"],
+    ("dp", "cp", "hsdp", "mode", "beta", "first_half"),
+    [(1, 2, False, "exact", 0.1, False), (2, 2, True, "detached", 0.0, False), (1, 2, False, "detached", 0.0, True)],
+    ids=["dp1xcp2-exact-kl", "dp2xcp2-hsdp-detached", "dp1xcp2-detached-one-ranks-experts-only"],
 )
-def test_expert_parallel_equals_one_process_and_each_cp_rank_holds_its_experts(tmp_path, dp, cp, hsdp, mode, beta):
+def test_expert_parallel_equals_one_process_and_each_cp_rank_holds_its_experts(
+    tmp_path, dp, cp, hsdp, mode, beta, first_half
+):
     """Expert parallelism (parallel.experts) on the MoE family: each cp rank holds 4 of each MoE layer's 8 experts
     whole (its master weights, gradient and AdamW state), computes them on every token (each extend replicated)
     and never gathers the others'; the shares are added over the cp ranks. Capture, branch replays, exact mode's
     walk (replicated) and the KL reference's scoring (its experts held the same way) give one process's step, and a
     layer is still gathered at a time for the rest of its weights. With HSDP the dp replicas sum their experts'
-    gradients as every other shard's."""
+    gradients as every other shard's. ``first_half``: a router bias sends every token to the first cp rank's
+    experts, so the other's share is zeros and its experts get a zero gradient (as one process's stacked weights
+    do: AdamW's weight decay still moves them)."""
     spec = {"normalization": "group", "fsdp": True, "family": "glm_moe_dsa", "hsdp": hsdp, "mode": mode}
+    spec |= {"routed_to_first_half": first_half}
     ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, beta=beta, expert_parallel=True, **spec)
-    one = make_trainer("group", family="glm_moe_dsa", beta=beta, mode=mode)
+    one = make_trainer("group", family="glm_moe_dsa", beta=beta, mode=mode, routed_to_first_half=first_half)
     grad_norm = one.train_step(step_groups(one)).grad_norm
     expected = {name: p.detach().clone() for name, p in one.model.named_parameters()}
     for rank, result in enumerate(ranks):
@@ -185,18 +190,25 @@ def test_expert_parallel_equals_one_process_and_each_cp_rank_holds_its_experts(t
         assert held == [shape[0] // cp * math.prod(shape[1:])] * (dp * cp), name  # whole experts, 8 / cp each
 
 
-@pytest.mark.parametrize(("dp", "cp"), [(2, 1), (1, 2)], ids=["dp2", "dp1xcp2"])
-def test_fsdp2_mixed_precision_equals_one_process_with_the_same_policy(tmp_path, dp, cp):
+@pytest.mark.parametrize(
+    ("dp", "cp", "experts"), [(2, 1, False), (1, 2, False), (1, 2, True)], ids=["dp2", "dp1xcp2", "dp1xcp2-experts"]
+)
+def test_fsdp2_mixed_precision_equals_one_process_with_the_same_policy(tmp_path, dp, cp, experts):
     """FSDP2's mixed precision (fp64 master shards, gathered in fp32 for compute, gradients reduced in fp64) against
     one process with a compute copy: the same per-group fp32 arithmetic, gradients summed in fp64 on both sides, so
     they agree to fp32's rounding (cp merges attention across ranks in another order; AdamW's first step divides
     each gradient by its own size, so the gradient norm is what shows a scale), and differ from fp64 compute by more.
-    AdamW steps fp64 shards with fp64 moments on every rank."""
-    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, normalization="group", fsdp=True, compute_dtype="float32")
-    one = make_trainer("group", compute_dtype="float32")
+    AdamW steps fp64 shards with fp64 moments on every rank. ``experts``: the MoE family under expert parallelism,
+    each rank's experts cast to fp32 for its MoE calls and their gradient added into the fp64 shards."""
+    family = "glm_moe_dsa" if experts else "llama"
+    ranks = _spawn(
+        tmp_path, dp * cp, dp=dp, cp=cp, normalization="group", fsdp=True, compute_dtype="float32", family=family,
+        expert_parallel=experts,
+    )  # fmt: skip
+    one = make_trainer("group", compute_dtype="float32", family=family)
     grad_norm = one.train_step(step_groups(one)).grad_norm
     expected = {name: p.detach() for name, p in one.model.named_parameters()}
-    in_fp64, _ = _one_process("group")
+    in_fp64, _ = _one_process("group", family)
     for rank, result in enumerate(ranks):
         assert relative_l2(result["params"], expected) <= 1e-5, rank
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-5), rank
