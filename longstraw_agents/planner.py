@@ -600,9 +600,24 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
     )
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
-    capture = int(t1.capture + (t2.capture - t1.capture) * scale)
+    capture = _capture_extrapolated(config, request, t2.capture, n2, period)
     probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full, capture, t2.routed, t2.in_layers)
     return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
+
+
+def _capture_extrapolated(config: PretrainedConfig, request: PlanRequest, at_n2: int, n2: int, period: int) -> int:
+    """A capture's working set on the full model from the one cut to ``n2`` layers (two periods). A sharded capture
+    writes each layer's new entries as it goes: one layer's working set at a time, whatever the depth. A capture
+    chunk by chunk (one rank, or replicated) holds a chunk's new entries of every layer until the chunk is
+    recorded: it grows by a period's entries per period, measured between ``n2`` and ``n2 + period`` layers (not
+    from one period: there the only layer is the last, which computes its entries alone)."""
+    full = config.num_hidden_layers
+    if full <= n2 or request.sharded_extends:
+        return at_n2
+    at_n3 = capture_working_set(
+        meta_model(with_layers(config, n2 + period), request.dtype), request, _probe_prompt(request)
+    )
+    return int(at_n2 + (at_n3 - at_n2) * (full - n2) / period)
 
 
 CAPTURE, BACKWARD = "capture", "backward"  # the step's two phases (``parameter_phases``)
