@@ -149,6 +149,12 @@ class PlanRequest:
         return self.context_parallel > 1 and self.engine.sharded_extends and self.engine.graph_budget_bytes == 0
 
     @property
+    def sampler_shards(self) -> bool:
+        """Whether a sampler's long extends run sharded: as ``sharded_extends``, but a kept-graph budget is the
+        step's (a sampler keeps no graphs)."""
+        return self.context_parallel > 1 and self.engine.sharded_extends
+
+    @property
     def wavefront(self) -> bool:
         """Whether exact mode's walk runs as a wavefront over the cp ranks (their captures kept layer inputs)."""
         return self.mode == "exact" and self.engine.wavefront_walk and self.sharded_extends
@@ -465,7 +471,7 @@ def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, rollout: 
     time to attend to, dropped after the layer: the earlier ranks' new rows (``PlanRequest.earlier_ranks`` shards)
     and the other ranks' rows of the context before it. ``rollout``: a sampler's, which keeps no graphs (a
     kept-graph budget leaves its captures sharded)."""
-    if not (request.sharded_extends or rollout and request.context_parallel > 1 and request.engine.sharded_extends):
+    if not (request.sampler_shards if rollout else request.sharded_extends):
         return 0
     captures = [(0, request.context)]  # (the context before it, its positions)
     if request.sharded_history:
@@ -719,9 +725,8 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     each with the root's gradient. Under expert parallelism a gather leaves out the routed experts, and a MoE call
     holds the rank's own experts of the layer in the compute dtype where they are cast (mixed precision, offload),
     and its backward the copy again, then the gradient's master copy, and the shard's gradient plus it (counted as
-    gradients; the gradient itself is part of the measured graph). A step
-    starts with no gradient: a capture holds one only after another group's backward in the same step
-    (``groups_per_rank`` > 1)."""
+    gradients; the gradient itself is part of the measured graph). A step starts with no gradient: a capture holds
+    one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
     compute, master = _itemsize(request.dtype), request.master_itemsize
     later = request.groups_per_rank > 1  # a capture after another group's backward, in the same step
     if request.gpus == 1:
@@ -735,8 +740,8 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     # the cast is freed, beside less than autograd held
     cast = int(_expert_copies(request) * experts * compute)
     expert_gradient = cast + (0 if request.offload else experts * master)
-    ahead = min(prefetch_window(request.context_parallel) + 1, probed.layers) if request.sharded_extends else 1
-    capture = (ahead * layer + probed.root) * compute + cast  # (no more layers than the model's)
+    ahead = _layers_whole(request, probed.layers, request.sharded_extends)
+    capture = (ahead * layer + probed.root) * compute + cast
     if request.wavefront:
         weights = capture
         in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
@@ -747,6 +752,12 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     layers_only = probed.parameters - probed.root
     earlier = (probed.root * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
     return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
+
+
+def _layers_whole(request: PlanRequest, layers: int, sharded: bool) -> int:
+    """The decoder layers whole at once in a capture: a sharded one starts ``prefetch_window(cp)`` gathers ahead of
+    the layer it computes (no more than the model's layers), one that is not gathers each layer as it computes."""
+    return min(prefetch_window(request.context_parallel) + 1, layers) if sharded else 1
 
 
 def _expert_copies(request: PlanRequest, sampling: bool = False) -> float:
@@ -821,8 +832,7 @@ def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     if request.gpus == 1:
         return (probed.parameters if request.mixed else 0), 0
     # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
-    sharded = request.context_parallel > 1 and request.engine.sharded_extends  # (no graphs kept while sampling)
-    layers = min(prefetch_window(request.context_parallel) + 1, probed.layers) if sharded else 1
+    layers = _layers_whole(request, probed.layers, request.sampler_shards)
     layer, moment = probed.layer_moment(request, _expert_copies(request, sampling=True))
     return probed.root + layers * layer, moment - layer
 
@@ -925,7 +935,7 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
-    layers = min(prefetch_window(request.context_parallel) + 1, layers_in_model) if request.sharded_extends else 1
+    layers = _layers_whole(request, layers_in_model, request.sharded_extends)
     whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time)"
     over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
     where = " on the host (CPU offload; AdamW steps there)" if request.offload else ""

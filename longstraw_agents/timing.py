@@ -324,11 +324,14 @@ class Schedule:
         shards = nbytes / self.model.dtype.itemsize * shard_itemsize
         return Work(comm=nbytes * (self.ranks - 1) / self.ranks) + self._host_copy(shards)
 
+    @property
+    def _offloaded(self) -> bool:
+        """Whether the shards live on the host (FSDP2's CPU offload shards over 2 ranks or more)."""
+        return self.request.offload and self.sharded and self.ranks > 1
+
     def _host_copy(self, nbytes: float) -> Work:
         """With ``offload``, the rank's shard of ``nbytes`` (as the shards hold them) over the host link."""
-        if not (self.request.offload and self.sharded and self.ranks > 1):
-            return Work()
-        return Work(host=nbytes / self.ranks)
+        return Work(host=nbytes / self.ranks) if self._offloaded else Work()
 
     def _merges(self, tokens: int) -> Work:
         """The partial attention results of ``tokens`` replicated positions, all-gathered over the cp ranks."""
@@ -416,9 +419,7 @@ class Schedule:
         if self.sharded:
             parameters /= self.ranks
         nbytes = 7 * parameters * self.request.master_itemsize
-        return (
-            Work(host_step=nbytes) if self.request.offload and self.sharded and self.ranks > 1 else Work(memory=nbytes)
-        )
+        return Work(host_step=nbytes) if self._offloaded else Work(memory=nbytes)
 
     def _recurrent_segments(self) -> Work:
         """The recurrent states the walk needs between checkpoints (kept after every k-th chunk and the last one),

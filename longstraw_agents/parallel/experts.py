@@ -30,16 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from longstraw_agents.models.mla import MoE
-from longstraw_agents.parallel.fsdp import add_into_shard, compute_dtype, expert_units, offloaded
+from longstraw_agents.parallel.fsdp import add_into_shard, compute_dtype, expert_units, is_sharded, offloaded
 
 
 def experts_sharded(model: nn.Module) -> bool:
     """Whether ``model``'s experts are units of their own (``fsdp.shard_model(experts=True)``): expert parallelism."""
-    return any(isinstance(unit, FSDPModule) for unit in expert_units(model))
+    return any(is_sharded(unit) for unit in expert_units(model))
 
 
 def check_experts_divide(model: nn.Module, ranks: int) -> None:
