@@ -44,11 +44,12 @@ as such.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
 from transformers import PretrainedConfig
 
 from longstraw_agents.engine import checkpoint_spacing
@@ -125,6 +126,35 @@ def total(works: Iterable[Work]) -> Work:
 
 
 @dataclass(frozen=True)
+class RoutedWork:
+    """A mixture of experts' routed experts (their stacked ``[experts, out, in]`` weights), as ``ModelWork`` counts
+    them: per token at the routed share, and whole."""
+
+    per_token: float = 0.0  # FLOPs of their matmuls for one token
+    skipped_per_token: float = 0.0  # of those, the last layer's (a capture's last layer computes no MLP)
+    outputs_per_token: float = 0.0  # elements they write for one token
+    weight_bytes: float = 0.0  # every expert, in the compute dtype
+    layers: frozenset[int] = frozenset()  # the MoE layers
+    last_layer: bool = False  # whether the last layer is one
+
+    def adding(self, name: str, p: Tensor, share: float, itemsize: int, last: bool) -> RoutedWork:
+        """With the stacked experts' weight ``name`` (``p``: ``[experts, out, in]``) counted."""
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        return RoutedWork(
+            per_token=self.per_token + 2.0 * p.numel() * share,
+            skipped_per_token=self.skipped_per_token + (2.0 * p.numel() * share if last else 0.0),
+            outputs_per_token=self.outputs_per_token + p.shape[1] * share,
+            weight_bytes=self.weight_bytes + p.numel() * itemsize,
+            layers=self.layers | {layer},
+            last_layer=self.last_layer or last,
+        )
+
+    def calls(self, entries_only: bool = False) -> int:
+        """MoE calls in one pass over the layers (``entries_only``: the last layer's MLP skipped)."""
+        return len(self.layers) - (1 if entries_only and self.last_layer else 0)
+
+
+@dataclass(frozen=True)
 class ModelWork:
     """Per-token and per-pair work of one model: counted once from its config (the weights on the meta device)."""
 
@@ -137,6 +167,10 @@ class ModelWork:
     weight_bytes: float  # every parameter, in ``dtype``
     active_weight_bytes: float  # the weights one token reads (a mixture of experts: its routed share)
     root_bytes: float = 0.0  # of ``weight_bytes``, the root unit's: embeddings, final norm, LM head (FSDP2's root)
+    routed: RoutedWork = field(default_factory=RoutedWork)  # of the above, the routed experts'
+    # the share of the routed experts' work a rank does: 1, or 1 / cp under expert parallelism (each rank its own
+    # experts on every token; routing assumed even over the experts), whose backward recomputes that share's forward
+    experts: float = 1.0
 
     @classmethod
     def of(cls, config: PretrainedConfig, dtype: torch.dtype) -> ModelWork:
@@ -145,6 +179,7 @@ class ModelWork:
         last = f".layers.{config.num_hidden_layers - 1}."
         state = adapter.state_parameters(config)
         linear = skipped = outputs = weights = active = root = 0.0
+        routed = RoutedWork()
         for name, p in meta_model(config, dtype).named_parameters():
             share = adapter.active_fraction(config, name)
             weights += p.numel() * itemsize
@@ -154,9 +189,12 @@ class ModelWork:
                 linear += 2.0 * p.numel() * share
                 packed_experts = p.dim() == 3 and ".experts." in f".{name}"  # [experts, out, in]
                 outputs += p.shape[1 if packed_experts else 0] * share
-                if last in name and not name.endswith(state):
+                is_last = last in name and not name.endswith(state)
+                if is_last:
                     skipped += 2.0 * p.numel() * share
-        return cls(config, dtype, linear, skipped, outputs, weights, active, root)
+                if packed_experts:
+                    routed = routed.adding(name, p, share, itemsize, is_last)
+        return cls(config, dtype, linear, skipped, outputs, weights, active, root, routed)
 
     @property
     def layers(self) -> int:
@@ -172,14 +210,22 @@ class ModelWork:
 
     def forward(self, new: int, earlier: int, entries_only: bool = False) -> Work:
         """One call of every layer on ``new`` positions after ``earlier`` ones (no LM head); ``entries_only``: the
-        last layer computes its state entries alone (a capture's chunk: no attention, no MLP there)."""
+        last layer computes its state entries alone (a capture's chunk: no attention, no MLP there). The routed
+        experts' matmuls count at the rank's share (``experts``)."""
         layers = adapter_class(self.config).layer_work(self.config, new, earlier, self.itemsize)
         if entries_only:  # the last layer: its state entries alone (a recurrent layer still runs its recurrence)
             last = layers[-1]
             layers = [*layers[:-1], LayerWork(recurrent=last.recurrent, steps=last.steps if last.recurrent else 0)]
+        elsewhere = 1.0 - self.experts  # the routed work other ranks' experts do
+        routed, routed_outputs = self._routed(entries_only)
         return Work(
-            matmul=(self.linear_per_token - (self.skipped_per_token if entries_only else 0.0)) * new,
-            elementwise=self.outputs_per_token * new * (1.0 - self._skipped_share() if entries_only else 1.0),
+            matmul=(self.linear_per_token - (self.skipped_per_token if entries_only else 0.0) - elsewhere * routed)
+            * new,
+            elementwise=(
+                self.outputs_per_token * (1.0 - self._skipped_share() if entries_only else 1.0)
+                - elsewhere * routed_outputs
+            )
+            * new,
             attention=sum(w.attention for w in layers),
             recurrent=sum(w.recurrent for w in layers),
             selection=sum(w.selection for w in layers),
@@ -207,6 +253,29 @@ class ModelWork:
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    def _routed(self, entries_only: bool) -> tuple[float, float]:
+        """The routed experts' FLOPs and written elements per token, at full share."""
+        flops = self.routed.per_token - (self.routed.skipped_per_token if entries_only else 0.0)
+        outputs = self.routed.outputs_per_token * (flops / self.routed.per_token if flops else 0.0)
+        return flops, outputs
+
+    def routed_recompute(self, tokens: int, entries_only: bool = False) -> Work:
+        """What a backward pass over ``tokens`` adds under expert parallelism (a share below 1): the rank's experts'
+        forward again (``parallel.experts``' node keeps no graph, as FSDP2 gathers again); nothing otherwise."""
+        if self.experts == 1.0:
+            return Work()
+        flops, outputs = self._routed(entries_only)
+        return Work(matmul=flops * self.experts * tokens, elementwise=outputs * self.experts * tokens)
+
+    def decoded_weight_bytes(self, tokens: int) -> float:
+        """The weights a decoding step of ``tokens`` tokens reads on a rank: every weight but the routed experts'
+        once, and of those the experts the tokens chose (their active share each, at most all of them), the rank's
+        ``experts`` share."""
+        routed = self.routed.weight_bytes
+        dense = self.weight_bytes - routed
+        chosen = min(routed, (self.active_weight_bytes - dense) * tokens)
+        return dense + chosen * self.experts
 
     def head(self, tokens: int) -> Work:
         """The LM head's log-probs of ``tokens`` positions."""
@@ -239,11 +308,6 @@ def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: boo
     reference model's log-probs when ``beta > 0``), ``capture``, ``replay`` (each member's branch forward and
     backward), in exact mode ``walk`` (the reverse walk over the prefix), and with an optimizer ``optimizer`` (its
     step over the rank's shard, once per optimizer step)."""
-    if request.expert_parallel:
-        raise ValueError(
-            "the time model counts the sharded schedule; expert parallelism's (every extend replicated, each rank "
-            "its own experts) is not modelled yet: plan its memory without --time"
-        )
     model = model or ModelWork.of(load_config(request.model), request.dtype)
     schedule = Schedule(request, model)
     phases = {"rollout": schedule.rollout()} if rollout else {}
@@ -264,13 +328,20 @@ class Schedule:
     (each cp rank its contiguous shard of the prompt, the earlier ranks' rows received per layer), a member's short
     extends are replicated (every rank computes each member's tokens, attending to the positions it holds, the
     partial results merged; the member's own positions spread over the ranks — counted here with the last rank's
-    shard, a completion being short next to the prompt; an agent's long ``history`` is not modelled);
+    shard, a completion being short next to the prompt; an agent's long ``history`` is not modelled); under a
+    kept-graph budget or expert parallelism the capture and the walk are replicated too, chunk by chunk (each rank
+    attending to the positions it holds), and under expert parallelism each rank computes its own experts' share of
+    the routed work (``ModelWork.experts``) and all-reduces their outputs per MoE call;
     FSDP2 gathers a layer per pass (at dp > 1 each dp rank for itself) and reduces its gradient in the master dtype
     (``sharded``; False: every rank holds the whole model, and exact mode sums the parameter gradient over cp)."""
 
     request: PlanRequest
     model: ModelWork
     sharded: bool = True
+
+    def __post_init__(self) -> None:
+        if self.request.expert_parallel and self.model.experts == 1.0:  # each rank its own experts' share
+            object.__setattr__(self, "model", replace(self.model, experts=1.0 / self.cp))
 
     @property
     def cp(self) -> int:
@@ -304,8 +375,30 @@ class Schedule:
         shards are kept in the compute dtype (no master weights: an offloaded gather copies those in)."""
         if self.ranks == 1 or not self.sharded:
             return Work()
-        nbytes = passes * self.model.layer_bytes + (self.model.root_bytes if root else 0.0)
-        return self._moved(nbytes, self.model.dtype.itemsize if frozen else self.request.master_itemsize)
+        itemsize = self.model.dtype.itemsize if frozen else self.request.master_itemsize
+        nbytes = passes * self._gathered_layer_bytes + (self.model.root_bytes if root else 0.0)
+        return self._moved(nbytes, itemsize) + self._experts_in(passes, itemsize)
+
+    @property
+    def _gathered_layer_bytes(self) -> float:
+        """What a gather of a decoder layer moves: the whole layer, or without its routed experts (expert
+        parallelism: each rank computes its own, never gathered)."""
+        experts = self.model.routed.weight_bytes if self.request.expert_parallel else 0.0
+        return self.model.layer_bytes - experts
+
+    def _experts_in(self, passes: int, shard_itemsize: int) -> Work:
+        """Expert parallelism with offloaded shards: each pass copies the rank's experts in (each MoE call)."""
+        if not self.request.expert_parallel:
+            return Work()
+        return self._host_copy(passes * self.model.routed.weight_bytes / self.model.dtype.itemsize * shard_itemsize)
+
+    def _layer_reductions(self) -> Work:
+        """A backward pass's reductions of the decoder layers' gradient; under expert parallelism the routed
+        experts' gradient goes into the rank's shards where it is (to the host where they are offloaded)."""
+        if not self.request.expert_parallel:
+            return self._reduced(self.model.layer_bytes)
+        experts = self.model.routed.weight_bytes / self.model.dtype.itemsize * self.request.master_itemsize
+        return self._reduced(self._gathered_layer_bytes) + self._host_copy(experts)
 
     def _reduced(self, nbytes: float) -> Work:
         """A reduce-scatter of the gradient of ``nbytes`` of weights: in the master dtype (FSDP2's ``reduce_dtype``
@@ -333,6 +426,32 @@ class Schedule:
         """With ``offload``, the rank's shard of ``nbytes`` (as the shards hold them) over the host link."""
         return Work(host=nbytes / self.ranks) if self._offloaded else Work()
 
+    def _held(self, work: Work) -> Work:
+        """A replicated extend's ``work`` (every rank computing every token) on one rank: attention (and DSA's
+        scores and selected rows) to the positions the rank holds, 1/cp of them."""
+        share = 1.0 / self.cp
+        return replace(
+            work,
+            attention=work.attention * share,
+            attention_backward=work.attention_backward * share,
+            selection=work.selection * share,
+            gathered=work.gathered * share,
+        )
+
+    def _expert_sums(
+        self, tokens: int, forwards: float = 1.0, backwards: float = 0.0, entries_only: bool = False
+    ) -> Work:
+        """Expert parallelism's all-reduces over the cp ranks, per MoE call on ``tokens`` replicated tokens: the
+        experts' shares of the output in ``forwards``, the gradients of the tokens and of their routing weights
+        (at least fp32) in ``backwards`` (a ring all-reduce moves ``2 (cp - 1) / cp`` of the bytes each way)."""
+        if not self.request.expert_parallel:
+            return Work()
+        config, itemsize = self.model.config, self.model.dtype.itemsize
+        outputs = tokens * config.hidden_size * itemsize
+        weights = tokens * config.num_experts_per_tok * max(4, itemsize)
+        ring = 2 * (self.cp - 1) / self.cp * self.model.routed.calls(entries_only)
+        return Work(comm=ring * (forwards * outputs + backwards * (outputs + weights)))
+
     def _merges(self, tokens: int) -> Work:
         """The partial attention results of ``tokens`` replicated positions, all-gathered over the cp ranks."""
         if self.cp == 1:
@@ -345,17 +464,20 @@ class Schedule:
         the rank holds (counted as its shard and the member's own positions, which in fact spread over the ranks)."""
         work = self.model.forward(tokens, self.captured - self.first)
         work = replace(work, launches=0.0, branch_calls=work.launches)
-        return work + self._merges(tokens)
+        return work + self._merges(tokens) + self._expert_sums(tokens)
 
     def capture(self) -> Work:
         """The prompt's capture (no gradient): sharded over the cp ranks — each its own chunks, a layer at a time
         across them, every layer gathered once and the earlier ranks' rows received — or chunk by chunk (one cp
-        rank; replicated under a kept-graph budget), each chunk gathering every layer (``LayerGather.run``)."""
+        rank; replicated under a kept-graph budget or expert parallelism: every rank computes every chunk,
+        attending to the positions it holds, the partials merged), each chunk gathering every layer
+        (``LayerGather.run``)."""
         request = self.request
         chunk = request.engine.chunk_size
         if not request.sharded_extends:
-            chunks = self.model.chunked(0, self.captured, chunk, entries_only=True)
-            return chunks + self._gathers(self._chunks, root=True)
+            chunks = self._held(self.model.chunked(0, self.captured, chunk, entries_only=True))
+            replicated = self._merges(self.captured) + self._expert_sums(self.captured, entries_only=True)
+            return chunks + replicated + self._gathers(self._chunks, root=True)
         rows = Work(comm=self.model.state_bytes(self.first))  # the earlier ranks' rows, every layer
         chunks = self.model.chunked(self.first, self.captured, chunk, entries_only=True)
         return chunks + rows + self._gathers(1, root=True)
@@ -378,11 +500,13 @@ class Schedule:
         forwards = 2.0 if request.engine.activation_checkpointing else 1.0
         member = forward.scaled(forwards) + forward.backward() + self.model.head(request.completion).scaled(4.0)
         member = member + self._merges(request.completion).scaled(2.0)  # the queries' gradient, all-reduced
+        member = member + self._expert_sums(request.completion, forwards=0.0, backwards=1.0)
+        member = member + self.model.routed_recompute(request.completion)
         per_member_gathers = self._gathers(2)
         step = Work()
         if self.sharded and self.ranks > 1:
             # each layer's gradient reduced as its backward ends; the root's (whole for the step) at the end
-            per_member_gathers = per_member_gathers + self._reduced(self.model.layer_bytes)
+            per_member_gathers = per_member_gathers + self._layer_reductions()
             step = self._reduced(self.model.root_bytes)
         if self.sharded and self.request.hsdp and request.data_parallel > 1:  # the replicas' gradient shards summed
             dp = request.data_parallel
@@ -401,12 +525,21 @@ class Schedule:
         start = self.first if wavefront else 0
         recompute = self.model.chunked(start, self.captured, chunk)  # every layer whole (its hidden states too)
         backward = self.model.chunked(start, self.captured, chunk, entries_only=True).backward()  # what feeds the state
+        backward = backward + self.model.routed_recompute(self.captured - start, entries_only=True)
         state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
         passes = 1 if wavefront else self._chunks  # the layers' gathers and reductions, per pass
-        weights = (self._gathers(2) + self._reduced(self.model.layer_bytes)).scaled(passes)
+        weights = (self._gathers(2) + self._layer_reductions()).scaled(passes)
         if not wavefront:  # (the recurrent states between checkpoints: each recomputed chunk gathers every layer)
             recompute = recompute + self._recurrent_segments()
             weights = weights + self._gathers(self._recomputed_chunks())
+            if self.cp > 1:  # replicated: attention to the rank's positions, partials merged, queries' gradient summed
+                recompute, backward = self._held(recompute), self._held(backward)
+                recomputed = self._recomputed_chunks() * chunk
+                state_gradient = state_gradient + self._merges(self.captured).scaled(2.0)
+                state_gradient = state_gradient + self._expert_sums(self.captured + recomputed)
+                state_gradient = state_gradient + self._expert_sums(
+                    self.captured, forwards=0.0, backwards=1.0, entries_only=True
+                )
         if self.cp > 1 and not (self.sharded and self.ranks > 1):  # the walk's gradient all-reduced over cp, fp32
             weights = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * 2 * (self.cp - 1) / self.cp)
         return recompute + backward + state_gradient + weights
@@ -450,7 +583,7 @@ class Schedule:
         unit once (each copied from the host first where the shards are offloaded)."""
         request, model = self.request, self.model
         group, prompt, cp = request.group, self.captured, self.cp
-        weights = min(model.weight_bytes, model.active_weight_bytes * group)  # the experts the batch chose, at most all
+        weights = model.decoded_weight_bytes(group)
         shared, head = model.state_bytes(prompt, cp), model.head(1).matmul
         steps = []
         for t in range(request.completion):
@@ -467,7 +600,7 @@ class Schedule:
                     decode_calls=token.launches,
                 )
             )
-        merges = self._merges(group).scaled(request.completion)
+        merges = (self._merges(group) + self._expert_sums(group)).scaled(request.completion)
         gathers = self._gathers(request.completion, root=True)
         return total(steps) + merges + gathers
 

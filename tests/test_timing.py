@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.base import causal_pairs
+from longstraw_agents.models.mla import MoE
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
+from longstraw_agents.parallel.experts import ExpertShard
 from longstraw_agents.planner import PlanRequest
 from longstraw_agents.timing import (
     PROFILES,
@@ -364,9 +369,104 @@ def test_the_walk_recomputes_the_recurrent_states_between_checkpoints():
     assert counted["exact"] - counted["detached"] == pytest.approx(walk.flops, rel=0.02)
 
 
-def test_expert_parallelism_is_not_timed_as_the_sharded_schedule() -> None:
-    """Expert parallelism computes every extend replicated, which the time model does not count: it says so."""
+@pytest.fixture(scope="module")
+def each_ranks_experts():
+    """glm_moe_dsa in one process, torch's counts of a detached and an exact step with the routed experts as one
+    process computes them; as the 2 ranks of expert parallelism do, each rank's experts a node of its own
+    (``ExpertShard`` without a group: nothing all-reduced), their shares added; and with none (zeros that keep the
+    routing weights' graph); beside the model's phases at a rank's share of the experts and at all of them."""
+    config = TINY_PRESETS["glm_moe_dsa"]()
+    torch.manual_seed(0)
+    model = build_model(config, dtype=torch.float32)
+    engine = Engine(model, EngineConfig(chunk_size=CHUNK))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (PROMPT,), generator=gen)
+    completions = [torch.randint(0, config.vocab_size, (COMPLETION,), generator=gen) for _ in range(GROUP)]
+    for k, completion in enumerate(completions):
+        completion[0] = k
+    per_rank = config.n_routed_experts // 2
+
+    def ranks_added(moe: MoE) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        shards = [ExpertShard(moe, None, None, rank * per_rank, per_rank) for rank in range(2)]
+        return lambda x, top_idx, weights: sum(shard(x, top_idx, weights) for shard in shards)
+
+    def none(x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
+        return x * (weights.sum(dim=-1, keepdim=True) * 0)
+
+    counted: dict[str, dict[str, float]] = {"one process": {}, "ranks": {}, "none": {}}
+    for how, routed in counted.items():
+        for layer in engine.adapter.layers:
+            if isinstance(layer.mlp, MoE):
+                hooks = {"one process": layer.mlp.local, "ranks": ranks_added(layer.mlp), "none": none}
+                layer.mlp.routed = hooks[how]
+        for mode in ("detached", "exact"):
+            model.zero_grad(set_to_none=True)
+            routed[mode] = _counted(lambda mode=mode: grpo_backward(engine, prompt, completions, [0, 1, 0.5], mode))[0]
+    whole = ModelWork.of(config, torch.float32)
+    phases = {
+        experts: step_work(_request("glm_moe_dsa"), replace(whole, experts=experts), rollout=False).phases
+        for experts in (0.5, 1.0)
+    }
+    return counted, phases
+
+
+@pytest.mark.parametrize("step", ["detached", "exact"])
+def test_a_ranks_experts_are_its_share_of_the_routed_work(each_ranks_experts, step):
+    """Expert parallelism: a rank computes its own experts on every token, and their backward recomputes that
+    forward (the node keeps no graph). With both ranks' nodes in one process torch counts both ranks' expert work
+    beside the rest of the step (the count without experts: no other FLOPs depend on the routing); routing is not
+    even over the ranks, but a rank's mean is half of both, so a rank does what one process does less that half
+    — as the model counts at half the experts."""
+    counted, phases = each_ranks_experts
+    rest = counted["none"][step]
+    rank = rest + (counted["ranks"][step] - rest) / 2
+    less = _modelled(phases[1.0], STEPS[step]).flops - _modelled(phases[0.5], STEPS[step]).flops
+    assert counted["one process"][step] - rank == pytest.approx(less, rel=1e-3), step  # (FLOPs per slot alike)
+
+
+def test_expert_parallelism_replicates_every_extend_and_sums_the_experts_shares() -> None:
+    """Under expert parallelism every extend is replicated: each rank computes every chunk (attention to the
+    positions it holds, the partials merged), its own experts' share of the routed work, and all-reduces their
+    outputs per MoE call (their gradients in backward); a gather leaves the experts out, and offloaded experts are
+    copied in for every pass (each MoE call) and their gradient out per backward pass."""
+    model = ModelWork.of(TINY_PRESETS["glm_moe_dsa"](), torch.float32)
+    config, routed = model.config, model.routed
     engine = EngineConfig(chunk_size=CHUNK, sharded_extends=False)
-    request = PlanRequest(model="tiny-glm_moe_dsa", context=PROMPT, gpus=2, expert_parallel=True, engine=engine)
-    with pytest.raises(ValueError, match="expert parallelism's .* is not modelled yet"):
-        step_work(request)
+    base = dict(model="tiny-glm_moe_dsa", context=PROMPT, group=GROUP, completion=COMPLETION, gpus=2, cp=2)
+    base |= dict(dtype=torch.float32, engine=engine, mode="exact", mixed_precision=False)
+
+    def schedule(**options: object) -> Schedule:
+        return Schedule(PlanRequest(**{**base, **options}), model)
+
+    ep, replicated = schedule(expert_parallel=True), schedule()
+    assert ep.model.experts == 0.5 and replicated.model.experts == 1.0
+    captured, chunks = PROMPT - 1, -(-(PROMPT - 1) // CHUNK)
+    whole = model.chunked(0, captured, CHUNK, entries_only=True)
+    capture = ep.capture()
+    assert capture.attention == pytest.approx(whole.attention / 2)  # the rank's positions only
+    flops, _ = model._routed(entries_only=True)
+    assert replicated.capture().matmul - capture.matmul == pytest.approx(flops / 2 * captured)
+    # comm: the partials merged, the experts' outputs all-reduced per MoE call, every chunk gathering every layer
+    # without the experts
+    calls = len(routed.layers) - routed.last_layer
+    sums = 2 * (2 - 1) / 2 * calls * captured * config.hidden_size * 4
+    gathers = chunks * (model.layer_bytes - routed.weight_bytes) / 2 + model.root_bytes / 2
+    merges = captured * config.hidden_size * 4 * model.attention_layers()
+    assert capture.comm == pytest.approx(merges + sums + gathers)
+    assert replicated.capture().comm == pytest.approx(merges + chunks * model.layer_bytes / 2 + model.root_bytes / 2)
+    assert capture.host == 0
+    # offloaded: the rank's experts (fp32 shards) copied in for every chunk's pass; a branch's backward sends their
+    # gradient out once
+    offloaded = schedule(expert_parallel=True, offload=True)
+    experts_in = chunks * routed.weight_bytes / 2
+    assert offloaded.capture().host == pytest.approx(experts_in + gathers)
+    replay = offloaded.replay().host - schedule(expert_parallel=True).replay().host
+    layer_shards = (model.layer_bytes - routed.weight_bytes) / 2
+    per_member = 2 * (layer_shards + routed.weight_bytes / 2) + layer_shards + routed.weight_bytes / 2
+    assert replay == pytest.approx(GROUP * per_member + model.root_bytes / 2)
+    # decoding reads the weights but the experts once, and of the experts the rank's share of those chosen
+    dense = model.weight_bytes - routed.weight_bytes
+    chosen = min(routed.weight_bytes, (model.active_weight_bytes - dense) * GROUP)
+    assert model.decoded_weight_bytes(GROUP) == pytest.approx(dense + chosen)
+    assert ep.model.decoded_weight_bytes(GROUP) == pytest.approx(dense + chosen / 2)
+    assert step_time(PlanRequest(**{**base, "expert_parallel": True}), PROFILES["h200"]).training_seconds() > 0
