@@ -53,6 +53,7 @@ from longstraw_agents.trainer.modes import PrefixCache
 from longstraw_agents.trajectory import Trajectory
 
 TRAINER_STATE = "trainer_state.json"
+OWNERSHIP_STATE = "ownership_{}.json"  # per process: where its cp group places the next pieces (context parallelism)
 
 
 class _Counters:
@@ -333,6 +334,7 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp))
         save_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, tmp)
+        self._save_ownership(tmp)
         self.accelerator.wait_for_everyone()
         if main:
             (tmp / TRAINER_STATE).write_text(
@@ -352,8 +354,28 @@ class GRPOTrainer:
         path = self.resolve_checkpoint(directory)
         self.accelerator.load_state(str(path))
         load_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, path)
+        self._load_ownership(path)
         if self.compute is not None:
             self.compute.refresh()
+
+    def _save_ownership(self, directory: Path) -> None:
+        """With context parallelism, what this process's placements depend on of the earlier ones (each dp rank's
+        cp group makes calls of its own): a resumed run places turns as the uninterrupted run would have, so that
+        the ranks' partials merge in the same order and the run stays bit-exact."""
+        if self.engine.shards is not None:
+            state = self.engine.shards.ownership.state_dict()
+            (directory / OWNERSHIP_STATE.format(self.accelerator.process_index)).write_text(json.dumps(state))
+
+    def _load_ownership(self, directory: Path) -> None:
+        """What ``_save_ownership`` wrote for this process; a checkpoint of another cp size (or of no context
+        parallelism) leaves the placements to start afresh — only the rounding of the partials' merge depends on
+        them, and a run resumed on another mesh does not repeat the old one's rounding anyway."""
+        path = directory / OWNERSHIP_STATE.format(self.accelerator.process_index)
+        if self.engine.shards is None or not path.exists():
+            return
+        state = json.loads(path.read_text())
+        if state.get("size") == self.engine.shards.ownership.size:
+            self.engine.shards.ownership.load_state_dict(state)
 
     @staticmethod
     def resolve_checkpoint(directory: str | os.PathLike) -> Path:

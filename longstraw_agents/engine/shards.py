@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -40,6 +40,13 @@ class Ownership(Protocol):
         ``held`` positions each: the owner of each piece (every rank of the group gets the same answer to the same
         calls in the same order; an answer may depend on the earlier calls')."""
         ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the answers depend on of the earlier calls (a checkpoint's: a resumed run places as the
+        uninterrupted one did, so that its partials merge in the same order)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Transport(Shards, Protocol):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,14 @@ class BalancedOwnership:
             held[owner] += length
             self.given[owner] += length
         return owners
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "given": list(self.given)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != self.size:
+            raise ValueError(f"an ownership over {state['size']} ranks does not resume over {self.size}")
+        self.given = list(state["given"])
 
 
 class PairChannels:

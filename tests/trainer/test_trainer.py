@@ -26,6 +26,7 @@ from grpo_reference import flat, parameter_grads, relative_l2
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.parallel import BalancedOwnership
 from longstraw_agents.trainer import (
     MODES,
     GRPOConfig,
@@ -520,6 +521,39 @@ def test_save_then_load_in_process_restores_counters_and_parameters(tmp_path):
     trainer.load_checkpoint(tmp_path / "ckpt")
     assert trainer.step_count == trainer.policy_version == 1
     assert all(torch.equal(p, saved[name]) for name, p in parameters(trainer).items())
+
+
+@dataclass
+class _ContextShards:
+    """What an engine over cp ranks holds (``StateShards``); a checkpoint reads and writes only its ownership."""
+
+    ownership: BalancedOwnership
+    transport: typing.Any = None
+
+
+def test_a_checkpoint_keeps_where_the_cp_ranks_place_the_next_turns(tmp_path):
+    """At cp > 1 the ranks place a turn by what each holds of its path, ties by what each was given so far (G alike
+    members' turns spread over the ranks). Each process's ownership goes into the checkpoint: a resumed run places
+    turns as the uninterrupted one, so that its partials merge in the same order (a run of 3 steps resumed for a 4th
+    ended with weights 8e-8 apart at cp = 2 before). Another cp size starts afresh."""
+
+    def trainer_over(ranks: int) -> tuple[GRPOTrainer, BalancedOwnership]:
+        shards = _ContextShards(BalancedOwnership(0, ranks))
+        engine = Engine(tiny_model("llama", seed=0), EngineConfig(chunk_size=CHUNK), shards=shards)  # type: ignore[arg-type]
+        return GRPOTrainer(engine, GRPOConfig(G=G, chunk_size=CHUNK)), shards.ownership
+
+    trainer, ownership = trainer_over(2)
+    ownership.assign([10, 10], [7, 3])  # given [7, 3]: the next tie goes to rank 1 (a fresh ownership's to rank 0)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed, placed = trainer_over(2)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert placed.given == ownership.given == [7, 3]
+    assert placed.assign([20, 20], [4]) == ownership.assign([20, 20], [4]) == [1]
+    elsewhere, fresh = trainer_over(4)
+    elsewhere.load_checkpoint(tmp_path / "ckpt")
+    assert fresh.given == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="over 2 ranks does not resume over 4"):
+        fresh.load_state_dict(ownership.state_dict())
 
 
 def test_loading_a_folder_that_is_not_a_checkpoint_fails_clearly(tmp_path):
