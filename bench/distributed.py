@@ -2,7 +2,10 @@
 cp = 1, 2, 4 — printed as ratios to cp = 1 (the schedule is docs/distributed.md's).
 
 - state/rank: the attention state a rank holds after the capture (target <= 1.05 / N of one process's);
-- capture, detached step, exact step: wall seconds (the slowest rank), and the speed-up over cp = 1;
+- capture (cut balanced: rank r computes the r-th and the (2N - 1 - r)-th of 2N parts), the same capture cut in rank
+  order (as exact mode's, whose wavefront walk reads its layer inputs), detached step, exact step: wall seconds
+  (the slowest rank), and the speed-up over cp = 1; capture idle: the largest fraction of each capture a rank spent
+  waiting for messages (balanced | in rank order);
 - sent/rank per exact step, by kind — ``rows`` (a capture's and the walk's earlier rows to later ranks),
   ``state_grad`` (their K/V gradient back, GatedDeltaNet state gradients), ``recurrent`` (states broadcast after the
   capture), ``partials``/``dq`` (the replicated branch replays' merges), ``param_grads`` (the walk's parameter
@@ -115,11 +118,19 @@ def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
         dist.barrier()
         return time.perf_counter() - began
 
+    def idle(fn) -> tuple[float, float]:
+        """``fn``'s time, and the fraction of it this rank waited for messages (none on one rank)."""
+        waited = shards.transport.waited_s if shards is not None else 0.0
+        spent = timed(fn)
+        return spent, ((shards.transport.waited_s - waited) / spent if shards is not None else 0.0)
+
     state = engine.capture(prompt)  # warm-up, and the state's size
     recurrent = {id(r): r.nbytes for c in state.chunks for r in c.recurrent if r is not None}
     result["growing"] = state.nbytes - sum(recurrent.values())
     del state
-    result["capture"] = timed(lambda: engine.capture(prompt))
+    result["capture"], result["capture_idle"] = idle(lambda: engine.capture(prompt))
+    # the same capture cut in rank order, as exact mode's (whose wavefront walk reads its layer inputs)
+    result["capture_in_order"], result["capture_in_order_idle"] = idle(lambda: engine.capture(prompt, checkpoints=True))
     result["detached"] = timed(
         lambda: grpo_backward(engine, prompt, completions, rewards, "detached", track_memory=False)
     )
@@ -158,7 +169,9 @@ def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> 
     state = max(r["growing"] for r in ranks)
     sent = [r["sent"] for r in ranks]
     row = {"cp": world, "state_bytes_max": state, "sent": sent}
-    for what in ("capture", "detached", "exact"):
+    for what in ("capture", "capture_in_order", "detached", "exact"):
+        row[what] = max(r[what] for r in ranks)
+    for what in ("capture_idle", "capture_in_order_idle"):
         row[what] = max(r[what] for r in ranks)
     row["sent_bytes_max"] = max((sum(s.values()) for s in sent), default=0)
     row["rows_bytes_max"] = max((s.get("rows", 0) for s in sent), default=0)
@@ -166,7 +179,7 @@ def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> 
         row["state_ratio_to_share"] = state / (base["state_bytes_max"] / world)
         row["row_minimum_bytes"] = row_minimum(base["state_bytes_max"], world)
         row["row_schedule_bytes"] = row_schedule(base["state_bytes_max"], world, layers)
-        for what in ("capture", "detached", "exact"):
+        for what in ("capture", "capture_in_order", "detached", "exact"):
             row[f"{what}_speedup"] = base[what] / row[what]
     walk = max(r["walk_s"] for r in ranks)
     steps = [s for r in ranks for s in r["walk_step_s"]]
@@ -343,8 +356,9 @@ def main() -> None:
     print(
         f"{args.family} ({args.layers} layers), prompt {args.prompt}, chunk {args.chunk}, G={args.group}, gloo on CPU"
     )
-    header = ("cp", "state/rank x 1/N", "capture", "detached", "exact", "sent MiB", "rows/min", "path steps", "idle")
-    widths = (3, 17, 13, 13, 13, 9, 9, 18, 6)
+    header = ("cp", "state/rank x 1/N", "capture", "in rank order", "detached", "exact", "sent MiB", "rows/min")
+    header += ("path steps", "idle", "capture idle")
+    widths = (3, 17, 13, 13, 13, 13, 9, 9, 18, 6, 12)
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     rows: list[dict] = []
     for world in args.ranks:
@@ -352,7 +366,7 @@ def main() -> None:
         rows.append(row)
         speed = [
             f"{row[w]:.2f}s" + (f" {row[w + '_speedup']:.2f}x" if len(rows) > 1 else "")
-            for w in ("capture", "detached", "exact")
+            for w in ("capture", "capture_in_order", "detached", "exact")
         ]
         ratio = f"{row.get('state_ratio_to_share', 1.0):.3f}"
         rows_min = f"{row['rows_bytes_max'] / row['row_minimum_bytes']:.2f}" if row.get("row_minimum_bytes") else "-"
@@ -362,7 +376,8 @@ def main() -> None:
             else "-"
         )
         idle = f"{row['idle_max']:.2f}" if "idle_max" in row else "-"
-        cells = (world, ratio, *speed, f"{row['sent_bytes_max'] / 2**20:.2f}", rows_min, path, idle)
+        capture_idle = f"{row['capture_idle']:.2f} | {row['capture_in_order_idle']:.2f}"
+        cells = (world, ratio, *speed, f"{row['sent_bytes_max'] / 2**20:.2f}", rows_min, path, idle, capture_idle)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     print(f"\nthe training step (GRPOTrainer, FSDP2 over dp = 1 x cp, AdamW, {MODE}), per rank:")
     print(" ".join(f"{h:>{w}}" for h, w in zip(SHARDED_HEADER, SHARDED_WIDTHS, strict=True)))

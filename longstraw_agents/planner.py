@@ -172,8 +172,35 @@ class PlanRequest:
 
     @property
     def earlier_ranks(self) -> int:
-        """How many cp ranks before the planned one send it their rows."""
+        """How many cp ranks before the planned one send it their rows (a capture cut in rank order: one that keeps
+        layer inputs for the wavefront walk; the last rank by default)."""
         return self.context_parallel - 1 if self.cp_rank is None else self.cp_rank
+
+    def balanced_rank(self) -> int:
+        """The cp rank planned for a balanced capture's terms (rank 0 by default: the most rows received, the most
+        layers whole)."""
+        return 0 if self.cp_rank is None else self.cp_rank
+
+    def captured_shards(self, balanced: bool) -> float:
+        """Of a sharded capture, how many shards (``n / cp`` positions) of other ranks' rows the planned rank
+        attends to at once (a cell's, dropped after it): cut in rank order, the earlier ranks'; balanced (rank r
+        computes the r-th and the (2cp - 1 - r)-th of 2cp runs, the middle two together), those before its later
+        run but its own first: ``2cp - 2 - r`` runs of half a shard."""
+        if not balanced:
+            return self.earlier_ranks
+        return (2 * self.context_parallel - 2 - self.balanced_rank()) / 2
+
+    def capture_gathers_ahead(self, balanced: bool) -> int:
+        """How many gathers a sharded capture starts ahead on the planned rank: as many as the wavefront steps it
+        trails rank 0 (its first run's index: ``r``; ``LayerGather.announce``)."""
+        return self.balanced_rank() if balanced else self.earlier_ranks
+
+    def capture_layers_whole(self, balanced: bool) -> int:
+        """The decoder layers a sharded capture holds whole at once on the planned rank: from its first cell of a
+        layer to its last (balanced: ``2cp - 2 - 2r`` wavefront steps apart, rank r's runs r and 2cp - 2 - r of the
+        2cp - 1; one run in rank order: the same cell) and the gathers it starts ahead."""
+        lag = 2 * self.context_parallel - 2 - 2 * self.balanced_rank() if balanced else 0
+        return 1 + lag + self.capture_gathers_ahead(balanced)
 
     @property
     def mixed(self) -> bool:
@@ -468,21 +495,22 @@ def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, rollout: 
     """The largest sharded capture over cp ranks (``ShardedCapture``), per rank — the shared context's, or a
     member's history captured sharded after it (``PlanRequest.sharded_history``): it runs layer-major across the
     rank's chunks, holding the hidden states of all its positions between layers, and receives one layer's rows at a
-    time to attend to, dropped after the layer: the earlier ranks' new rows (``PlanRequest.earlier_ranks`` shards)
-    and the other ranks' rows of the context before it. ``rollout``: a sampler's, which keeps no graphs (a
-    kept-graph budget leaves its captures sharded)."""
+    time to attend to, dropped after the cell: the other ranks' new rows before the cell
+    (``PlanRequest.captured_shards``) and their rows of the context before it. ``rollout``: a sampler's, which
+    keeps no graphs (a kept-graph budget leaves its captures sharded) and no layer inputs (its cut balanced)."""
     if not (request.sampler_shards if rollout else request.sharded_extends):
         return 0
+    balanced = rollout or not request.wavefront  # (a capture keeping layer inputs is cut in rank order)
     captures = [(0, request.context)]  # (the context before it, its positions)
     if request.sharded_history:
         captures.append((_history_before(request), request.sharded_history))
-    return max(_capture_bytes(config, request, before, n) for before, n in captures)
+    return max(_capture_bytes(config, request, before, n, balanced) for before, n in captures)
 
 
-def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, n: int) -> int:
+def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, n: int, balanced: bool) -> int:
     cp = request.context_parallel
     own = math.ceil(n / cp)
-    received = own * request.earlier_ranks + math.ceil(before * (cp - 1) / cp)
+    received = math.ceil(own * request.captured_shards(balanced)) + math.ceil(before * (cp - 1) / cp)
     return own * config.hidden_size * _itemsize(request.dtype) + _rows_per_layer(config, request, received)
 
 
@@ -667,6 +695,8 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not request.wavefront):
         return 0
     window = prefetch_window(request.context_parallel)
+    if phase != BACKWARD:  # a capture starts as many as the wavefront steps the rank trails rank 0
+        window = request.capture_gathers_ahead(balanced=not request.wavefront)
     share = -(-probed.largest_layer // dp)
     ahead = window * share * _itemsize(request.dtype)
     return ahead + (window * share * request.master_itemsize if phase == BACKWARD else 0)
@@ -718,8 +748,9 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     handed to the masters as they accumulate). Sharded, a layer at a time (``parallel.fsdp``; at dp > 1 without HSDP
     each dp rank for itself, ``parallel.lanes``): the root unit (embeddings, final norm, LM head) for the step, its
     gradient whole until the step ends (so only the decoder layers' gradient shards exist beside it); in a sharded
-    capture over the cp ranks ``prefetch_window(cp)`` + 1 decoder layers whole (gathers started ahead; a replicated
-    one gathers each layer as it computes); in the backward passes one layer and its gradient (branch replays;
+    capture over the cp ranks the layers between the rank's first and last cell of a layer and the gathers it starts
+    ahead (``PlanRequest.capture_layers_whole``; a replicated one gathers each layer as it computes); in the
+    backward passes one layer and its gradient (branch replays;
     copied to the master dtype before its reduction under mixed precision), or in exact mode's wavefront walk the
     window's layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype),
     each with the root's gradient. Under expert parallelism a gather leaves out the routed experts, and a MoE call
@@ -740,10 +771,11 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     # the cast is freed, beside less than autograd held
     cast = int(_expert_copies(request) * experts * compute)
     expert_gradient = cast + (0 if request.offload else experts * master)
-    ahead = _layers_whole(request, probed.layers, request.sharded_extends)
+    ahead = _layers_whole(request, probed.layers, request.sharded_extends, balanced=not request.wavefront)
     capture = (ahead * layer + probed.root) * compute + cast
     if request.wavefront:
-        weights = capture
+        walked = min(prefetch_window(request.context_parallel) + 1, probed.layers)  # the walk's gathers ahead
+        weights = (walked * layer + probed.root) * compute + cast
         in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
     else:
         weights = (layer + probed.root) * compute
@@ -754,10 +786,10 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
 
 
-def _layers_whole(request: PlanRequest, layers: int, sharded: bool) -> int:
-    """The decoder layers whole at once in a capture: a sharded one starts ``prefetch_window(cp)`` gathers ahead of
-    the layer it computes (no more than the model's layers), one that is not gathers each layer as it computes."""
-    return min(prefetch_window(request.context_parallel) + 1, layers) if sharded else 1
+def _layers_whole(request: PlanRequest, layers: int, sharded: bool, balanced: bool) -> int:
+    """The decoder layers whole at once in a capture: a sharded one's (``PlanRequest.capture_layers_whole``, no more
+    than the model's layers); one that is not gathers each layer as it computes."""
+    return min(request.capture_layers_whole(balanced), layers) if sharded else 1
 
 
 def _expert_copies(request: PlanRequest, sampling: bool = False) -> float:
@@ -832,7 +864,7 @@ def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     if request.gpus == 1:
         return (probed.parameters if request.mixed else 0), 0
     # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
-    layers = _layers_whole(request, probed.layers, request.sampler_shards)
+    layers = _layers_whole(request, probed.layers, request.sampler_shards, balanced=True)
     layer, moment = probed.layer_moment(request, _expert_copies(request, sampling=True))
     return probed.root + layers * layer, moment - layer
 
@@ -935,7 +967,9 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
-    layers = _layers_whole(request, layers_in_model, request.sharded_extends)
+    layers = _layers_whole(request, layers_in_model, request.sharded_extends, balanced=not request.wavefront)
+    if request.wavefront:
+        layers = max(layers, min(prefetch_window(request.context_parallel) + 1, layers_in_model))
     whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time)"
     over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
     where = " on the host (CPU offload; AdamW steps there)" if request.offload else ""

@@ -55,6 +55,7 @@ from transformers import PretrainedConfig
 from longstraw_agents.engine import checkpoint_spacing
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.base import LayerWork
+from longstraw_agents.parallel.context import cut_runs
 from longstraw_agents.planner import PlanRequest, load_config, meta_model
 
 BACKWARD = {
@@ -281,6 +282,10 @@ class ModelWork:
         """The LM head's log-probs of ``tokens`` positions."""
         return Work(matmul=2.0 * self.config.hidden_size * self.config.vocab_size * tokens)
 
+    def entries_bytes(self, positions: int) -> float:
+        """The state entries of ``positions`` positions (attention K/V, MLA latents, DSA index keys: what grows)."""
+        return state_size(self.config, self.dtype).bytes_per_token * positions
+
     def state_bytes(self, positions: int, ranks: int = 1) -> float:
         """A state of ``positions`` positions, as one of ``ranks`` context-parallel ranks holds it: its share of the
         positions' entries, and the recurrent states whole (every rank steps them)."""
@@ -320,6 +325,17 @@ def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: boo
     if request.optimizer != "none":
         phases["optimizer"] = schedule.optimizer()
     return StepWork(request, phases)
+
+
+@dataclass(frozen=True)
+class CaptureShare:
+    """A cp rank's part of a sharded capture: the work of its chunks (every layer's matmuls on its positions,
+    attention to every position before them), its positions (the state it stores) and the other ranks' positions
+    before its runs (their rows, received at every growing layer)."""
+
+    work: Work = field(default_factory=Work)
+    positions: int = 0
+    received: int = 0
 
 
 @dataclass(frozen=True)
@@ -466,21 +482,41 @@ class Schedule:
         work = replace(work, launches=0.0, branch_calls=work.launches)
         return work + self._merges(tokens) + self._expert_sums(tokens)
 
+    def rank_captures(self, balanced: bool) -> list[CaptureShare]:
+        """Each cp rank's part of the prompt's sharded capture, cut as the engine cuts it (``cut_runs``: balanced,
+        or in rank order where the capture keeps layer inputs for the wavefront walk)."""
+        chunk, ranks = self.request.engine.chunk_size, [CaptureShare() for _ in range(self.cp)]
+        for lo, hi, owner in cut_runs(self.captured, self.cp, balanced):
+            mine = ranks[owner]
+            ranks[owner] = CaptureShare(
+                mine.work + self.model.chunked(lo, hi, chunk, entries_only=True),
+                mine.positions + hi - lo,
+                mine.received + lo - mine.positions,  # the others' positions before the run, received per layer
+            )
+        return ranks
+
+    def capture_balance(self, balanced: bool) -> tuple[float, float]:
+        """The sharded capture's max / mean over the cp ranks of their work (FLOPs) and of the state they store."""
+        ranks = self.rank_captures(balanced)
+        work = [r.work.flops for r in ranks]
+        state = [self.model.entries_bytes(r.positions) for r in ranks]
+        return max(work) / (sum(work) / len(work)), max(state) / (sum(state) / len(state))
+
     def capture(self) -> Work:
         """The prompt's capture (no gradient): sharded over the cp ranks — each its own chunks, a layer at a time
-        across them, every layer gathered once and the earlier ranks' rows received — or chunk by chunk (one cp
-        rank; replicated under a kept-graph budget or expert parallelism: every rank computes every chunk,
-        attending to the positions it holds, the partials merged), each chunk gathering every layer
-        (``LayerGather.run``)."""
+        across them, every layer gathered once and the others' rows before each of its runs received (the slowest
+        rank's: ``rank_captures``) — or chunk by chunk (one cp rank; replicated under a kept-graph budget or expert
+        parallelism: every rank computes every chunk, attending to the positions it holds, the partials merged),
+        each chunk gathering every layer (``LayerGather.run``)."""
         request = self.request
         chunk = request.engine.chunk_size
         if not request.sharded_extends:
             chunks = self._held(self.model.chunked(0, self.captured, chunk, entries_only=True))
             replicated = self._merges(self.captured) + self._expert_sums(self.captured, entries_only=True)
             return chunks + replicated + self._gathers(self._chunks, root=True)
-        rows = Work(comm=self.model.state_bytes(self.first))  # the earlier ranks' rows, every layer
-        chunks = self.model.chunked(self.first, self.captured, chunk, entries_only=True)
-        return chunks + rows + self._gathers(1, root=True)
+        slowest = max(self.rank_captures(balanced=not request.wavefront), key=lambda share: share.work.flops)
+        rows = Work(comm=self.model.entries_bytes(slowest.received))
+        return slowest.work + rows + self._gathers(1, root=True)
 
     @property
     def _chunks(self) -> int:

@@ -218,27 +218,29 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
 @pytest.mark.parametrize(
     ("request_args", "capture", "backward"),
     [
-        # dp = 1 x cp = 8: a capture holds the root and cp + 1 layers whole (gathers started ahead) and, as the
-        # step's first group, no gradient; a replay holds one layer and its gradient (bf16, then fp32 on its way to
+        # dp = 1 x cp = 8: a balanced capture's rank 0 holds the root and each layer from its first run's cell to its
+        # later run's, 14 wavefront steps on (here every one of the 10 layers) and, as the step's first group, no
+        # gradient; a replay holds one layer and its gradient (bf16, then fp32 on its way to
         # the shards) and the root's, beside the layers' gradient shards (the root's is whole until the step ends)
         (
             {"gpus": 8, "mode": "detached"},
-            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (10 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},
         ),
         # a later group's capture: the root's gradient whole and the layers' shards the earlier backward left
         (
             {"gpus": 8, "mode": "detached", "groups_per_rank": 2},
-            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 1_000 * 2,
+            {**BF16_CP8, "gathered weights": (10 * 700 + 1_000) * 2, "gathered gradients": 1_000 * 2,
              "gradients": 7_000 // 8 * 4},
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},
         ),
-        # exact mode's wavefront walk: cp + 1 layers whole and cp layers' fp32 reductions in flight
+        # exact mode's wavefront walk: cp + 1 layers whole and cp layers' fp32 reductions in flight (its capture, cut
+        # in rank order, holds the last rank's layer and the cp - 1 gathers it starts ahead)
         (
             {"gpus": 8, "mode": "exact"},
-            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
             {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2,
              "gathered gradients": 8 * 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4},
         ),
@@ -251,20 +253,21 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
              "gathered weights": (700 + 20_000) * 2, "gathered gradients": 700 * 4 + (700 + 20_000) * 2,
              "gradients": 7_000 // 2 * 4},
         ),
-        # dp = 2 x cp = 4: a layer at a time too, each dp rank for itself (parallel.lanes): in a capture the cp (4)
-        # gathers started ahead each hold their send buffer (1/dp of a layer, bf16) ...
+        # dp = 2 x cp = 4: a layer at a time too, each dp rank for itself (parallel.lanes): in a capture the gathers
+        # started ahead each hold their send buffer (1/dp of a layer, bf16) — none on the balanced capture's rank 0,
+        # which holds each layer from its first run's cell to its later run's, 6 wavefront steps on ...
         (
             {"gpus": 8, "dp": 2, "mode": "detached"},
-            {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
-             "lane buffers (dp > 1)": 4 * 350 * 2},
+            {**BF16_CP8, "gathered weights": (7 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
+             "lane buffers (dp > 1)": 0},
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},  # (a replay gathers as it computes: nothing in flight)
         ),
         # ... and in exact mode's wavefront walk each reduction in flight the rows it receives (1/dp of a layer, fp32)
         (
             {"gpus": 8, "dp": 2, "mode": "exact"},
-            {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
-             "lane buffers (dp > 1)": 4 * 350 * 2},
+            {**BF16_CP8, "gathered weights": (4 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
+             "lane buffers (dp > 1)": 3 * 350 * 2},  # (the last rank of a capture in rank order starts 3 ahead)
             {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2,
              "gathered gradients": 4 * 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4,
              "lane buffers (dp > 1)": 4 * 350 * 2 + 4 * 350 * 4},
@@ -281,7 +284,7 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
         (
             {"gpus": 8, "mode": "detached", "mixed_precision": False},
             {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0, **NO_LANES,
-             "gathered weights": (9 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+             "gathered weights": (10 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
             {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0, **NO_LANES,
              "gathered weights": (700 + 1_000) * 2, "gathered gradients": (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 2},
@@ -423,3 +426,20 @@ def test_expert_parallelism_is_validated(given: dict, message: str) -> None:
         PlanRequest(**({"expert_parallel": True, "engine": engine} | given))
     with pytest.raises(ValueError, match="needs a mixture of experts"):
         plan_memory(PlanRequest(model="tiny-llama", context=64, gpus=2, expert_parallel=True, engine=engine))
+
+
+def test_a_capture_cell_reads_the_other_ranks_rows_before_it() -> None:
+    """Per cp rank of 4, the rows a sharded capture's cell reads at once (beside the rank's hidden states): cut in
+    rank order (exact mode's wavefront walk) the earlier ranks' shards, r of them; balanced, those before the
+    rank's later run but its own first, 2·4 - 2 - r parts of half a shard."""
+    config = TINY_PRESETS["llama"]()
+
+    def rows(mode: str, rank: int) -> int:
+        request = PlanRequest(
+            model="tiny-llama", context=1_000_000, gpus=4, mode=mode, cp_rank=rank, dtype=torch.bfloat16
+        )
+        return planner.capture_rows_bytes(config, request) - 250_000 * config.hidden_size * 2
+
+    shard = rows("exact", 1)
+    assert [rows("exact", r) for r in range(4)] == [r * shard for r in range(4)]
+    assert [rows("detached", r) for r in range(4)] == [(6 - r) * shard // 2 for r in range(4)]

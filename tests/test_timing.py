@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
+from longstraw_agents import planner
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.base import causal_pairs
 from longstraw_agents.models.mla import MoE
@@ -143,14 +144,15 @@ def test_attention_flops_are_the_fused_kernels(measured, step):
 
 
 def test_cp_rank_computes_its_shard_and_receives_the_earlier_rows():
+    """Exact mode's capture, cut in rank order for the wavefront walk: the last rank is the slowest."""
     config = TINY_PRESETS["llama"]()
     model = ModelWork.of(config, torch.float32)
     one = step_work(_request("llama"), model, rollout=False).phases
-    shard = -(-(PROMPT - 1) // 2)  # the captured positions of the first rank
+    shard = (PROMPT - 1) // 2  # the captured positions of the first rank (the last has the one more)
     two = step_work(PlanRequest(**{**_request("llama").__dict__, "gpus": 2, "cp": 2}), model, rollout=False).phases
     assert two["capture"].matmul == pytest.approx(one["capture"].matmul * (PROMPT - 1 - shard) / (PROMPT - 1))
     assert two["capture"].attention == pytest.approx(model.chunked(shard, PROMPT - 1, CHUNK, True).attention)
-    rows = model.state_bytes(shard)
+    rows = model.entries_bytes(shard)
     gathers = model.weight_bytes / 2  # FSDP2 over the two ranks: one gather of every layer
     assert two["capture"].comm == pytest.approx(rows + gathers)
     # replicated branch replays: every token's matmuls on every rank, attention to the rank's shard only
@@ -470,3 +472,25 @@ def test_expert_parallelism_replicates_every_extend_and_sums_the_experts_shares(
     assert model.decoded_weight_bytes(GROUP) == pytest.approx(dense + chosen)
     assert ep.model.decoded_weight_bytes(GROUP) == pytest.approx(dense + chosen / 2)
     assert step_time(PlanRequest(**{**base, "expert_parallel": True}), PROFILES["h200"]).training_seconds() > 0
+
+
+@pytest.fixture(scope="module")
+def published_hybrid() -> ModelWork:
+    return ModelWork.of(planner.load_config("qwen3.6-27b"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_a_balanced_cut_evens_every_ranks_capture_work_and_state(published_hybrid: ModelWork, cp: int) -> None:
+    """The schedule's own count at Qwen3.6-27B's layout and 2.1M positions, where attention dominates: cut in rank
+    order the last rank's capture is 1.44-1.78x the mean (its queries attend to everything before them); the
+    balanced cut (rank r computing the r-th and the (2cp - 1 - r)-th of 2cp parts) evens work and state to 10 %."""
+    schedule = Schedule(
+        PlanRequest(model="qwen3.6-27b", context=2_100_000, gpus=cp, dtype=torch.bfloat16), published_hybrid
+    )
+    work, state = schedule.capture_balance(balanced=True)
+    assert work <= 1.1 and state <= 1.1
+    in_order, in_order_state = schedule.capture_balance(balanced=False)
+    assert in_order > 1.4 and in_order_state <= 1.1
+    # the time model charges the capture's slowest rank: the balanced one unless its layer inputs are kept
+    slowest = max(share.work.flops for share in schedule.rank_captures(balanced=True))
+    assert schedule.capture().flops == pytest.approx(slowest)

@@ -94,10 +94,10 @@ class Engine:
         """Layer ``layer``'s weights whole for a block (``LayerWeights.gathered``; nothing to do unsharded)."""
         return self.weights.gathered(layer, partial) if self.weights is not None else contextlib.nullcontext()
 
-    def announce(self, layers: Sequence[int]) -> None:
+    def announce(self, layers: Sequence[int], ahead: int | None = None) -> None:
         """The order of the coming ``gathered`` blocks (``LayerWeights.announce``; nothing to do unsharded)."""
         if self.weights is not None:
-            self.weights.announce(layers)
+            self.weights.announce(layers, ahead)
 
     def settle(self) -> None:
         """``LayerWeights.settle`` (nothing to do unsharded)."""
@@ -314,11 +314,14 @@ class Engine:
                 arenas.append(Arena(shapes, n + reserve, self.adapter.dtype, self.adapter.device))
         return arenas
 
-    def pieces(self, state: State, n: int, chunk: int, sharded: bool = False) -> list[tuple[int, int, int]]:
+    def pieces(
+        self, state: State, n: int, chunk: int, sharded: bool = False, balanced: bool = True
+    ) -> list[tuple[int, int, int]]:
         """``(lo, hi, owner)``: offsets of the chunks of ``n`` tokens after ``state`` (at most ``chunk`` long) and the
-        rank that will store each (context parallelism; 0 without). ``sharded``: a sharded extend's even cut, in
-        rank order; otherwise each chunk goes to the rank holding the least of the path (``Ownership``)."""
-        runs = [(0, n, 0)] if self.shards is None or not sharded else self.shards.ownership.cut(n)
+        rank that will store each (context parallelism; 0 without). ``sharded``: a sharded extend's cut
+        (``Ownership.cut``, ``balanced`` or in rank order); otherwise each chunk goes to the rank holding the least
+        of the path (``Ownership.assign``)."""
+        runs = [(0, n, 0)] if self.shards is None or not sharded else self.shards.ownership.cut(n, balanced)
         pieces = [(lo, min(lo + chunk, hi), owner) for a, hi, owner in runs for lo in range(a, hi, chunk)]
         if self.shards is not None and not sharded:
             ownership = self.shards.ownership

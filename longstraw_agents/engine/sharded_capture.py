@@ -4,6 +4,9 @@ schedule down; ``ShardedCapture`` is it."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,33 +15,59 @@ from torch import Tensor
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, ChunkRecord, RecurrentState, State
 
-from .shards import RUNS_HEADER, ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
+from .shards import (
+    RUNS_HEADER,
+    ChunkOwners,
+    Run,
+    StateShards,
+    in_position_order,
+    incoming_runs,
+    outgoing_runs,
+    runs_of,
+    wavefront_cells,
+)
 from .wavefront import LayerInputs
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 
+@dataclass(frozen=True)
+class _Message:
+    """A message of the capture, named by the cell that takes it: layer ``layer``'s rows for ``run`` (the sender's
+    rows before it), or the recurrent state before it."""
+
+    run: Run
+    layer: int
+    rows: bool
+
+    @property
+    def tag(self) -> int:
+        return self.run.index << 12 | self.layer  # (< 4096 layers)
+
+
 class ShardedCapture:
-    """Each rank evaluates only the chunks of its own positions, layer by layer across them (holding its shard's
-    hidden states between layers), and the ranks meet in a wavefront — what layer i needs of earlier positions
-    arrives from the ranks that hold them:
+    """Each rank evaluates only the chunks of its own positions, a run (its consecutive chunks) at a time, and the
+    ranks meet in a wavefront over cells ``(run, layer)`` (``wavefront_cells``) — what a cell needs of earlier
+    positions arrives from the ranks that hold them:
 
-    - a growing layer (attention, MLA + DSA index keys): every rank that holds earlier rows of the layer (from the
-      parent state, or computed in this extend) sends them to each later rank that computes here, once it has
-      computed its own; the parent's rows held by a later rank go to the earlier computing ranks before the
-      capture starts (they are state, not results: waiting for them would hold every rank to the last); the
-      receiver attends to them as ordinary past blocks (one process's arithmetic) and drops them after the layer;
-    - a recurrent layer (GatedDeltaNet): the state after a rank's last chunk goes to the rank computing the next
-      chunk.
+    - a growing layer (attention, MLA + DSA index keys): each other rank holding rows before the run (of the parent,
+      or of its own earlier runs of this extend) sends them once it has computed those runs' layer; the receiver
+      attends to them as ordinary past blocks (one process's arithmetic) and drops them after the cell;
+    - a recurrent layer (GatedDeltaNet): the state after the run before goes to the rank computing the run.
 
-    Every message computed here goes from a lower rank to a higher one, so rank r finishes layer i after rank r-1
-    did: the critical path is ``layers + ranks - 1`` layer steps of one shard, not their product. Afterwards the owners
-    broadcast the recurrent states every rank's later work reads (the last, and the replicated walk's checkpoints);
-    attention rows stay with their owners. Used where the new tokens are at least as many as the parent's (a
-    capture: moving the earlier rows there costs no more than the rows computed) or as
-    ``EngineConfig.sharded_extend_tokens``; a short extend (a turn, a branch)
-    instead runs replicated with partials merged (``Attention.shards``), which moves only the new tokens' partials.
+    A cell needs only cells a wavefront step earlier (the runs before it at its layer, its own run's layer below),
+    so the critical path is ``layers + runs - 1`` steps of one run, not their product. With the cut in rank order
+    (one run per rank) every message goes to a later rank and a rank computes layer by layer; with a balanced cut
+    (``Ownership.cut``: rank r's runs r and 2N - 1 - r) its later run trails its first. A rank sends each peer its
+    messages in the order the peer takes them (NCCL matches a pair's messages in posting order), each as soon as it
+    and those before it are ready. A layer's weights are gathered from the rank's first cell of it to its last.
+
+    Afterwards the owners broadcast the recurrent states every rank's later work reads (the last, and the
+    replicated walk's checkpoints); attention rows stay with their owners. Used where the new tokens are at least as
+    many as the parent's (a capture: moving the earlier rows there costs no more than the rows computed) or as
+    ``EngineConfig.sharded_extend_tokens``; a short extend (a turn, a branch) instead runs replicated with partials
+    merged (``Attention.shards``), which moves only the new tokens' partials.
 
     An extend of a state with checkpoints (exact mode's capture, a long leaf walked chunk by chunk), with
     ``EngineConfig.wavefront_walk``, keeps this rank's layer inputs on the child state (``State.layer_inputs``) for
@@ -48,135 +77,192 @@ class ShardedCapture:
         self.engine, self.state, self.ids = engine, state, ids
         self.ownership, self.transport = shards.ownership, shards.transport
         self.base = state.num_tokens
-        pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True)
+        self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0
+        pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True, balanced=not self.keeps_inputs)
         self.pieces = [(self.base + lo, self.base + hi) for lo, hi, _ in pieces]
         chunks = ChunkOwners.of([owner for _, _, owner in pieces], self.ownership.rank)
         self.owners, self.mine, self.computing = chunks.owners, chunks.mine, chunks.computing
-        # the ranks holding rows of the parent, and of the parent or this extend once it is done
-        self.parent_holders = {c.owner for c in state.chunks}
-        self.holders = self.parent_holders | set(self.computing)
-        self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0
+        self.runs = runs_of(self.owners)
+        rank = self.ownership.rank
+        self.my_runs = [run for run in self.runs if run.owner == rank]
+        self.parent_holders = {c.owner for c in state.chunks}  # the ranks holding rows of the parent
+        self.index = {j: k for k, j in enumerate(self.mine)}  # a chunk's index among this rank's
+        self.rows: dict[int, slice] = {}  # a chunk's rows in this rank's hidden states (its runs back to back)
+        for j in self.mine:
+            at = self.rows[self.mine[self.index[j] - 1]].stop if self.index[j] else 0
+            self.rows[j] = slice(at, at + self.pieces[j][1] - self.pieces[j][0])
+        self.done: set[tuple[int, int]] = set()  # this rank's cells computed: (run index, layer)
+        self.after: dict[tuple[int, int], tuple[Tensor, ...]] = {}  # a run's recurrent state, until it is sent
+        self.outbox = {dst: collections.deque(self._messages(dst)) for dst in range(self.ownership.size) if dst != rank}
 
     def run(self, reserve: int) -> State:
         """The child state."""
         engine, adapter = self.engine, self.engine.adapter
-        mine = [self.pieces[j] for j in self.mine]
-        width = sum(b - a for a, b in mine)
+        width = sum(b - a for a, b in (self.pieces[j] for j in self.mine))
         arenas = engine.arenas_for(self.state, width, engine.reserve_share(reserve))
-        blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in mine]
-        recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in mine]
+        blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in self.mine]
+        recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in self.mine]
         # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
         inputs = (
             LayerInputs.empty(adapter.device, engine.layer_inputs_spacing, self.base) if self.keeps_inputs else None
         )
-        kept_after = [self._keeps(j) for j in self.mine]  # chunks whose states are kept
-        engine.announce(range(engine.num_layers))  # every rank gathers every layer, in order
-        self._post_parent_rows()
-        with torch.no_grad():
-            if mine:
-                lo = mine[0][0]
-                h, positions, rope = adapter.embed(self.ids[lo - self.base : mine[-1][1] - self.base], lo)
-                scratch: list[dict[str, Any]] = [{} for _ in mine]  # each chunk's forward scratch, across layers
+        # every rank gathers every layer, in order, starting as many gathers ahead as wavefront steps it trails the
+        # first rank to reach a layer (whose gather waits for every rank's)
+        engine.announce(range(engine.num_layers), ahead=self.my_runs[0].index if self.my_runs else 0)
+        with torch.no_grad(), contextlib.ExitStack() as held:
+            h, positions, rope = self._embedded()
+            if inputs is not None and self.mine:
+                inputs.positions, inputs.rope = positions, rope
+            scratch: list[dict[str, Any]] = [{} for _ in self.mine]  # each chunk's forward scratch, across layers
+            gathered: dict[int, contextlib.ExitStack] = {}  # the layers whole, from this rank's first cell to its last
+            self._post()  # (the parent's rows, sent before any computing)
+            for run, i in wavefront_cells(self.runs, engine.num_layers, self.ownership.rank):
+                if i not in gathered:
+                    gathered[i] = held.enter_context(contextlib.ExitStack())
+                    gathered[i].enter_context(engine.gathered(i))
+                layer = adapter.layers[i]
+                past = self._past(run, i, blocks) if layer.mixer.grows else None
+                carried = None if layer.mixer.grows else self._recurrent_before(run, i)
                 if inputs is not None:
-                    inputs.positions, inputs.rope = positions, rope
-            for i, layer in enumerate(adapter.layers):
-                if layer.mixer.grows:
-                    past = self._earlier_rows(i) if mine else []
-                else:
-                    carried = self._recurrent_before(i)
-                if mine and inputs is not None:
-                    inputs.add_layer(i, h, scratch, None if layer.mixer.grows else carried)
-                with engine.gathered(i):  # every rank, computing or not (a collective with sharded weights)
-                    for k, (a, b) in enumerate(mine):
-                        rows = slice(a - lo, b - lo)
-                        ctx = LayerContext(past=list(past)) if layer.mixer.grows else LayerContext(recurrent=carried)
-                        h[rows], new = adapter.run_layer(
-                            layer, h[rows], positions[rows], (rope[0][rows], rope[1][rows]), ctx, scratch[k],
-                            engine.local_attention, a,
-                        )  # fmt: skip
-                        if layer.mixer.grows:
-                            arena = arenas[i]
-                            assert arena is not None  # sized for this rank's rows
-                            written = arena.append(new)
-                            blocks[k][i] = written
-                            past.append(PastBlock(written.views(), None, a))
-                        else:
-                            carried = new
-                            if kept_after[k]:
-                                recurrent[k][i] = RecurrentState.owning(new)
-                self._pass_on(i, layer.mixer.grows, blocks, carried if not layer.mixer.grows and mine else None)
-                # a window of messages in flight: the later ranks trail by up to N - 1 layers in the wavefront
-                for kind in ("rows", "recurrent"):
-                    self.transport.flush(kind, keep=self.ownership.size**2)
+                    cell_scratch = {self.index[j]: scratch[self.index[j]] for j in run.chunks}
+                    inputs.add_cell(i, self._run_rows(run), h, cell_scratch, carried)
+                for j in run.chunks:
+                    k, (a, _), rows = self.index[j], self.pieces[j], self.rows[j]
+                    ctx = LayerContext(past=list(past)) if past is not None else LayerContext(recurrent=carried)
+                    h[rows], new = adapter.run_layer(
+                        layer, h[rows], positions[rows], (rope[0][rows], rope[1][rows]), ctx, scratch[k],
+                        engine.local_attention, a,
+                    )  # fmt: skip
+                    if past is not None:
+                        arena = arenas[i]
+                        assert arena is not None  # sized for this rank's rows
+                        blocks[k][i] = written = arena.append(new)
+                        past.append(PastBlock(written.views(), None, a))
+                    else:
+                        carried = new
+                        if self._keeps(j):
+                            recurrent[k][i] = RecurrentState.owning(new)
+                if carried is not None and run.index + 1 < len(self.runs):
+                    self.after[run.index, i] = carried
+                self.done.add((run.index, i))
+                self._post(blocks)
+                if run is self.my_runs[-1]:
+                    gathered.pop(i).close()
+                # a window of messages in flight (a cell's senders are at most a few wavefront steps ahead)
+                self.transport.flush("rows", keep=8 * self.ownership.size**2)
+                self.transport.flush("recurrent", keep=8 * self.ownership.size**2)
+            for i in range(engine.num_layers):  # a rank without chunks still joins every gather, in order
+                if not self.my_runs:
+                    with engine.gathered(i):
+                        pass
+            assert not any(self.outbox.values())  # every message sent
             self.transport.flush()
         child = self._records(blocks, recurrent)
         if inputs is not None:
-            inputs.final = h if mine else None
+            inputs.final = h if self.mine else None
             child = child.with_layer_inputs(inputs)
         return child
 
-    def _earlier_rows(self, i: int) -> list[PastBlock]:
-        """Layer ``i``'s rows before this rank's chunks: received from the ranks that hold them (the earlier ranks'
-        of the parent and this extend, the later ranks' of the parent), and this rank's own of the parent."""
-        rank, past = self.ownership.rank, []
-        for src in sorted(self.holders - {rank}):
-            if src < rank or src in self.parent_holders:
-                message = self.transport.recv(src, i, self.engine.adapter.device, on_host=RUNS_HEADER)
-                past += [PastBlock(rows, None, start) for start, rows in incoming_runs(message)]
-        past += self.engine.past_blocks(self.state.positioned_blocks(i), None)  # this rank's own, earlier
+    def _embedded(self) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """This rank's runs embedded back to back: hidden states, positions and rotations (empty without chunks)."""
+        parts = [self.engine.adapter.embed(self.ids[a - self.base : b - self.base], a) for a, b in self._spans()]
+        if not parts:
+            return self.engine.adapter.embed(self.ids[:0], self.base)
+        h = torch.cat([p[0] for p in parts])
+        positions = torch.cat([p[1] for p in parts])
+        rope = (torch.cat([p[2][0] for p in parts]), torch.cat([p[2][1] for p in parts]))
+        return h, positions, rope
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """The positions of this rank's runs."""
+        return [(self.pieces[run.chunks[0]][0], self.pieces[run.chunks[-1]][1]) for run in self.my_runs]
+
+    def _run_rows(self, run: Run) -> slice:
+        return slice(self.rows[run.chunks[0]].start, self.rows[run.chunks[-1]].stop)
+
+    # --- what a cell reads ------------------------------------------------------------------------------------
+    def _senders(self, run: Run, i: int) -> list[int]:
+        """The ranks that send layer ``i``'s rows before ``run``: every other rank holding some (of the parent, or
+        of its earlier runs)."""
+        earlier = {r.owner for r in self.runs[: run.index]}
+        return sorted((self.parent_holders | earlier) - {run.owner})
+
+    def _past(self, run: Run, i: int, blocks: list[list[Block | None]]) -> list[PastBlock]:
+        """Layer ``i``'s rows before ``run``: received from the ranks that hold them, this rank's own of the parent
+        and of its earlier runs."""
+        device = self.engine.adapter.device
+        past = self.engine.past_blocks(self.state.positioned_blocks(i), None)
+        for j in (j for r in self.my_runs if r.index < run.index for j in r.chunks):
+            block = blocks[self.index[j]][i]
+            assert block is not None  # (computed in an earlier cell)
+            past.append(PastBlock(block.views(), None, self.pieces[j][0]))
+        tag = _Message(run, i, rows=True).tag
+        for src in self._senders(run, i):
+            message = self.transport.recv(src, tag, device, on_host=RUNS_HEADER)
+            past += [PastBlock(rows, None, start) for start, rows in incoming_runs(message)]
         return in_position_order(past)
 
-    def _post_parent_rows(self) -> None:
-        """Start sending this rank's rows of the parent, every growing layer in order, to the earlier ranks that
-        compute here (views of its arenas; staged through the host, a host copy of the rank's share of the
-        state)."""
-        rank = self.ownership.rank
-        earlier = [dst for dst in self.computing if dst < rank]
-        if rank not in self.parent_holders or not earlier:
-            return
-        for i, layer in enumerate(self.engine.adapter.layers):
-            if layer.mixer.grows:
-                rows = self.transport.stage(outgoing_runs(self.state.positioned_blocks(i)))
-                for dst in earlier:
-                    self.transport.send(rows, dst, i, "parent_rows")
-
-    def _recurrent_before(self, i: int) -> tuple[Tensor, ...] | None:
-        """Layer ``i``'s recurrent state before this rank's first chunk: the parent's, or the previous rank's."""
-        if not self.mine:
-            return None
-        if self.mine[0] == 0:
+    def _recurrent_before(self, run: Run, i: int) -> tuple[Tensor, ...] | None:
+        """Layer ``i``'s recurrent state before ``run``: the parent's, or the run before's (another rank's)."""
+        if run.index == 0:
             return self.state.recurrent(i).tensors if self.state.chunks else None  # type: ignore[union-attr]
-        return self.transport.recv(self.owners[self.mine[0] - 1], i, self.engine.adapter.device)
+        source = self.runs[run.index - 1].owner
+        return self.transport.recv(source, _Message(run, i, rows=False).tag, self.engine.adapter.device)
 
-    def _pass_on(
-        self, i: int, grows: bool, blocks: list[list[Block | None]], carried: tuple[Tensor, ...] | None
-    ) -> None:
-        """Send what later ranks need of layer ``i``: this rank's rows, or the recurrent state after its chunks."""
-        rank = self.ownership.rank
-        if grows:
-            if rank not in self.holders:
-                return
-            own = self.state.positioned_blocks(i)
-            starts = [self.pieces[j][0] for j in self.mine]
-            own += [(a, row[i]) for a, row in zip(starts, blocks, strict=True) if row[i] is not None]  # type: ignore[misc]
-            rows = self.transport.stage(outgoing_runs(own))  # staged once for every destination
-            for dst in self.computing:
-                if dst > rank:
-                    self.transport.send(rows, dst, i, "rows")
-        elif carried is not None and self.mine[-1] + 1 < len(self.pieces):
-            self.transport.send(carried, self.owners[self.mine[-1] + 1], i, "recurrent")
+    # --- what this rank sends ---------------------------------------------------------------------------------
+    def _messages(self, dst: int) -> list[_Message]:
+        """Every message this rank sends ``dst``, in the order ``dst`` takes them."""
+        rank, messages = self.ownership.rank, []
+        for run, i in wavefront_cells(self.runs, self.engine.num_layers, dst):
+            if self.engine.adapter.layers[i].mixer.grows:
+                if rank in self._senders(run, i):
+                    messages.append(_Message(run, i, rows=True))
+            elif run.index > 0 and self.runs[run.index - 1].owner == rank:
+                messages.append(_Message(run, i, rows=False))
+        return messages
 
+    def _ready(self, message: _Message) -> bool:
+        """Whether this rank has computed what ``message`` carries."""
+        if not message.rows:
+            return (message.run.index - 1, message.layer) in self.done
+        return all((r.index, message.layer) in self.done for r in self.my_runs if r.index < message.run.index)
+
+    def _post(self, blocks: list[list[Block | None]] | None = None) -> None:
+        """Send each peer the messages now ready, in the order it takes them (none past one not ready yet)."""
+        for dst, queue in self.outbox.items():
+            while queue and self._ready(queue[0]):
+                message = queue.popleft()
+                if message.rows:
+                    rows = self._rows_before(message, blocks)
+                    self.transport.send(self.transport.stage(rows), dst, message.tag, "rows")
+                else:
+                    state = self.after.pop((message.run.index - 1, message.layer))
+                    self.transport.send(state, dst, message.tag, "recurrent")
+
+    def _rows_before(self, message: _Message, blocks: list[list[Block | None]] | None) -> list[Tensor]:
+        """This rank's rows of the message's layer before its run: of the parent, and of its earlier runs (views of
+        its arenas)."""
+        i = message.layer
+        own = self.state.positioned_blocks(i)
+        for j in (j for r in self.my_runs if r.index < message.run.index for j in r.chunks):
+            assert blocks is not None  # (a message carrying computed rows is ready only once they are)
+            block = blocks[self.index[j]][i]
+            assert block is not None
+            own.append((self.pieces[j][0], block))
+        return outgoing_runs(own)
+
+    # --- the child --------------------------------------------------------------------------------------------
     def _records(self, blocks: list[list[Block | None]], recurrent: list[list[RecurrentState | None]]) -> State:
         """The child state; recurrent states another rank computed are broadcast by it where this rank's later work
         reads them (the last chunk's, and the checkpoints exact mode's replicated reverse walk starts from)."""
         engine, state = self.engine, self.state
         recurrent_layers = [i for i, layer in enumerate(engine.adapter.layers) if not layer.mixer.grows]
-        current, k = state, 0
+        current = state
         for j, (a, b) in enumerate(self.pieces):
             mine = self.owners[j] == self.ownership.rank
             nothing: list[RecurrentState | None] = [None] * engine.num_layers
-            record_blocks = blocks[k] if mine else [None] * engine.num_layers
-            states = recurrent[k] if mine else nothing
+            record_blocks = blocks[self.index[j]] if mine else [None] * engine.num_layers
+            states = recurrent[self.index[j]] if mine else nothing
             needed = self._keeps(j)
             if recurrent_layers and needed:
                 states = self._shared_recurrent(states, recurrent_layers, self.owners[j])
@@ -185,7 +271,6 @@ class ShardedCapture:
             kept = needed or not recurrent_layers
             record = ChunkRecord(a, b - a, tuple(record_blocks), tuple(states), kept=kept, owner=self.owners[j])
             current = current.append(record)
-            k += mine
         return current
 
     def _keeps(self, j: int) -> bool:

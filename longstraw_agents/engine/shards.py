@@ -30,9 +30,10 @@ class Ownership(Protocol):
     rank: int
     size: int
 
-    def cut(self, n: int) -> list[tuple[int, int, int]]:
-        """A sharded extend (a capture) of ``n`` positions: ``(lo, hi, owner)`` offsets of contiguous runs, one per
-        rank that gets any, lower ranks first (the wavefront's order)."""
+    def cut(self, n: int, balanced: bool = True) -> list[tuple[int, int, int]]:
+        """A sharded extend (a capture) of ``n`` positions: ``(lo, hi, owner)`` offsets of contiguous runs in
+        position order, each rank's positions about ``n / N``. ``balanced``: each rank's attention work about
+        even too (a rank may get several runs); otherwise one run per rank in rank order."""
         ...
 
     def assign(self, held: Sequence[int], lengths: Sequence[int]) -> list[int]:
@@ -104,6 +105,36 @@ class ChunkOwners:
     def of(cls, owners: Sequence[int], rank: int) -> ChunkOwners:
         """The chunks of ``owners`` as rank ``rank`` sees them."""
         return cls(list(owners), [j for j, owner in enumerate(owners) if owner == rank], sorted(set(owners)))
+
+
+@dataclass(frozen=True)
+class Run:
+    """A stretch of a sharded extend's consecutive chunks on one rank (the cut's runs, one rank's consecutive ones
+    joined): at each layer, a cell of the wavefront — what one rank computes in one go."""
+
+    index: int  # in position order among the extend's runs
+    owner: int
+    chunks: tuple[int, ...]  # indices of the extend's chunks
+
+
+def runs_of(owners: Sequence[int]) -> list[Run]:
+    """The runs of a sharded extend whose chunk j is stored (and computed) by ``owners[j]``."""
+    runs: list[Run] = []
+    for j, owner in enumerate(owners):
+        if runs and runs[-1].owner == owner:
+            runs[-1] = Run(runs[-1].index, owner, (*runs[-1].chunks, j))
+        else:
+            runs.append(Run(len(runs), owner, (j,)))
+    return runs
+
+
+def wavefront_cells(runs: Sequence[Run], layers: int, rank: int) -> list[tuple[Run, int]]:
+    """Rank ``rank``'s cells ``(run, layer)`` in the order it computes them: by wavefront step (run index + layer;
+    a cell reads the layer of the runs before it and its own run's layer below, both a step earlier), then by run.
+    With one run per rank in rank order that is layer by layer; with two (a balanced cut) a rank's later run
+    trails its first by as many steps as runs lie between them."""
+    cells = [(run, i) for run in runs if run.owner == rank for i in range(layers)]
+    return sorted(cells, key=lambda cell: (cell[0].index + cell[1], cell[0].index))
 
 
 def in_position_order(blocks: list[PastBlock]) -> list[PastBlock]:

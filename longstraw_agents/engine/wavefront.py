@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class LayerInputs:
     """What a sharded capture keeps on a rank for exact mode's wavefront walk: the input hidden states ``[n, hidden]``
     of the rank's chunks at every ``every``-th layer (the walk recomputes the layers between), each chunk's forward
-    scratch before every layer (DSA's selection), the recurrent state before the rank's first chunk (recurrent
+    scratch before every layer (DSA's selection), the recurrent state before each of the rank's runs (recurrent
     layers), and the last layer's output: ``L / every + 1`` hidden vectors per position of the shard."""
 
     positions: Tensor
@@ -36,8 +36,8 @@ class LayerInputs:
     every: int = 1
     base: int = 0  # the first position of the extend whose inputs these are
     hidden: dict[int, Tensor] = field(default_factory=dict)
-    scratch: list[list[dict[str, Any]]] = field(default_factory=list)
-    recurrent: list[tuple[Tensor, ...] | None] = field(default_factory=list)
+    scratch: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # layer -> the rank's chunk -> it
+    recurrent: dict[int, list[tuple[Tensor, ...] | None]] = field(default_factory=dict)  # layer -> per run
     final: Tensor | None = None
 
     @classmethod
@@ -46,24 +46,39 @@ class LayerInputs:
         nothing = torch.empty(0, device=device)
         return cls(nothing.long(), (nothing, nothing), every, base)
 
-    def add_layer(self, i: int, h: Tensor, scratch: list[dict[str, Any]], recurrent: tuple[Tensor, ...] | None) -> None:
+    def add_cell(
+        self,
+        i: int,
+        rows: slice,
+        h: Tensor,
+        scratch: dict[int, dict[str, Any]],
+        recurrent: tuple[Tensor, ...] | None,
+    ) -> None:
+        """Layer ``i``'s inputs of one of the rank's runs (its ``rows`` of ``h``, its chunks' scratch by index among
+        the rank's chunks, the recurrent state before it), kept before the layer computes them; the rank's runs
+        come in position order at each layer."""
         if i % self.every == 0:
-            self.hidden[i] = h.clone()
-        self.scratch.append([dict(s) for s in scratch])
-        self.recurrent.append(None if recurrent is None else tuple(t.clone() for t in recurrent))
+            if i not in self.hidden:
+                self.hidden[i] = torch.empty_like(h)
+            self.hidden[i][rows] = h[rows]
+        self.scratch.setdefault(i, {}).update({k: dict(s) for k, s in scratch.items()})
+        self.recurrent.setdefault(i, []).append(None if recurrent is None else tuple(t.clone() for t in recurrent))
 
     @staticmethod
     def planned_nbytes(positions: int, hidden_size: int, itemsize: int, layers: int, every: int) -> int:
         """What a rank keeps for ``positions`` of its shard, analytically: one hidden vector per position at every
-        ``every``-th layer and after the last. (The recurrent states before the rank's first chunk and DSA's
-        selections add a few per layer, not per position.)"""
+        ``every``-th layer and after the last. (The recurrent states before the rank's runs and DSA's selections
+        add a few per layer, not per position.)"""
         return positions * hidden_size * itemsize * (math.ceil(layers / every) + 1)
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.hidden.values(), *(t for r in self.recurrent if r is not None for t in r)]
-        tensors += [] if self.final is None else [self.final]
-        scratch = {id(v): v for layer in self.scratch for chunk in layer for v in chunk.values() if torch.is_tensor(v)}
+        states = [t for per_run in self.recurrent.values() for r in per_run if r is not None for t in r]
+        tensors = [*self.hidden.values(), *states, *([] if self.final is None else [self.final])]
+        scratch = {
+            id(v): v for layer in self.scratch.values() for chunk in layer.values() for v in chunk.values()
+            if torch.is_tensor(v)
+        }  # fmt: skip
         return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
 
 
@@ -372,7 +387,7 @@ class WavefrontWalk:
 
     def _recompute_layer(self, i: int, h: Tensor) -> Tensor:
         layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
-        carried = self.inputs.recurrent[i]
+        carried = self.inputs.recurrent[i][0]  # (one run per rank: the cut in rank order)
         befores: list[tuple[Tensor, ...] | None] = []
         remote = [b for _, b in self._receive_rows(i, _RECOMPUTE_ROWS_TAG, sinks=False)] if layer.mixer.grows else []
         with torch.no_grad():

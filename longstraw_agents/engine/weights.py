@@ -29,9 +29,11 @@ class LayerWeights(Protocol):
         of a sum (the wavefront walk), not a copy of a replicated one."""
         ...
 
-    def announce(self, layers: Sequence[int]) -> None:
+    def announce(self, layers: Sequence[int], ahead: int | None = None) -> None:
         """The layers the next gathers will be, in order (the same on every rank), so that they are started ahead:
-        in a wavefront the ranks reach a layer at different times, and a gather waits for all of them."""
+        in a wavefront the ranks reach a layer at different times, and a gather waits for all of them. ``ahead``:
+        how many this rank starts ahead (as many wavefront steps as it trails the first rank to reach a layer; by
+        default the sharding's own window, enough for any rank)."""
         ...
 
     def settle(self) -> None:

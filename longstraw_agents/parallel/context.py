@@ -48,9 +48,11 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 class BalancedOwnership:
     """The engine's ``Ownership``: every path's positions spread evenly over the ranks.
 
-    - A sharded extend (a capture; ``Engine.sharded`` says which) is cut into N contiguous runs of ``n / N``
-      positions (within one), rank 0 first: a prompt is spread evenly (a short one too, instead of sitting on the
-      first rank), and so is a long turn or a member's long history captured at once.
+    - A sharded extend (a capture; ``Engine.sharded`` says which) is cut into runs of ``n / 2N`` positions (within
+      one), rank r computing the r-th and the (2N - 1 - r)-th (``cut_runs``): its positions and its attention work
+      are even, for a prompt (a short one too, instead of sitting on the first rank), a long turn or a member's long
+      history captured at once. One a wavefront walk will walk back (it keeps layer inputs) is cut into N runs in
+      rank order instead, the walk's schedule.
     - A replicated extend's pieces (turns, branches, decoded tokens: computed by every rank) go one by one to the
       rank that holds the fewest positions of the path so far: a member whose own history grows turn by turn keeps
       it spread over every rank, within a piece per rank of even. Ties go to the rank given the fewest positions
@@ -65,11 +67,8 @@ class BalancedOwnership:
     def __post_init__(self) -> None:
         self.given = self.given or [0] * self.size
 
-    def cut(self, n: int) -> list[tuple[int, int, int]]:
-        # not rounded to chunks: a prompt of fewer chunks than ranks uses every rank (of fewer positions, n of them)
-        bounds = [r * n // self.size for r in range(self.size + 1)]
-        runs = [(bounds[r], bounds[r + 1]) for r in range(self.size) if bounds[r + 1] > bounds[r]]
-        return [(lo, hi, owner) for owner, (lo, hi) in enumerate(runs)]
+    def cut(self, n: int, balanced: bool = True) -> list[tuple[int, int, int]]:
+        return cut_runs(n, self.size, balanced)
 
     def assign(self, held: Sequence[int], lengths: Sequence[int]) -> list[int]:
         held, owners = list(held), []
@@ -87,6 +86,30 @@ class BalancedOwnership:
         if state["size"] != self.size:
             raise ValueError(f"an ownership over {state['size']} ranks does not resume over {self.size}")
         self.given = list(state["given"])
+
+
+def cut_runs(n: int, ranks: int, balanced: bool = True) -> list[tuple[int, int, int]]:
+    """A sharded extend of ``n`` positions over ``ranks`` ranks: ``(lo, hi, owner)`` runs in position order, each
+    rank ``n / ranks`` positions (within one; not rounded to chunks: a prompt of fewer chunks than ranks uses every
+    rank). ``balanced``: cut in ``2 ranks`` parts, rank r computing the r-th and the (2 ranks - 1 - r)-th (as
+    ring-flash-attn's zigzag and torch's context-parallel load balancer place them; the middle two are the last
+    rank's, one run), so that every rank's attention work is about even; otherwise one part per rank in rank
+    order."""
+    parts = 2 * ranks if balanced else ranks
+    bounds = [k * n // parts for k in range(parts + 1)]
+    if not balanced:  # (the first ranks when some get nothing: the wavefront walk's ranks in order)
+        spans = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
+        return [(lo, hi, owner) for owner, (lo, hi) in enumerate(spans)]
+    runs: list[tuple[int, int, int]] = []
+    for k in range(parts):
+        lo, hi, owner = bounds[k], bounds[k + 1], min(k, parts - 1 - k)
+        if hi == lo:
+            continue
+        if runs and runs[-1][2] == owner:
+            runs[-1] = (runs[-1][0], hi, owner)
+        else:
+            runs.append((lo, hi, owner))
+    return runs
 
 
 class PairChannels:

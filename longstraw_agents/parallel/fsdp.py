@@ -207,6 +207,7 @@ class LayerGather:
         self.binding = binding  # what ``bind`` does to the engine's layers (expert parallelism: ``parallel.experts``)
         self.host = offloaded(model)  # the shards' gradients live on the host
         self.window = prefetch_window(replicas) if window is None else window
+        self.ahead = self.window  # gathers started ahead (``announce``)
         backbone: Any = model.model
         self.units: list[nn.Module] = list(backbone.layers)
         # FSDP2 keeps a unit's whole parameters as the same tensors from one gather to the next (their storage
@@ -223,8 +224,10 @@ class LayerGather:
         self._touched: dict[int, tuple[DTensor, bool, bool]] = {}
         self.most_gathered = 0  # the most layers ever whole at once (the root not counted)
 
-    def announce(self, layers: Sequence[int]) -> None:
-        """The layers the next gathers will be, in order (the same on every rank); starts the first ``window``."""
+    def announce(self, layers: Sequence[int], ahead: int | None = None) -> None:
+        """The layers the next gathers will be, in order (the same on every rank); starts the first ``ahead`` (by
+        default ``window``)."""
+        self.ahead = self.window if ahead is None else ahead
         self._coming.extend(layers)
         self._start_ahead()
 
@@ -326,8 +329,8 @@ class LayerGather:
         self.most_gathered = max(self.most_gathered, sum(1 for k in self._gathered if k is not None))
 
     def _start_ahead(self) -> None:
-        """Start the gathers of the next announced layers, up to ``window`` of them in flight."""
-        for layer in list(self._coming)[: self.window]:
+        """Start the gathers of the next announced layers, up to ``ahead`` of them in flight."""
+        for layer in list(self._coming)[: self.ahead]:
             if layer not in self._started and layer not in self._gathered:
                 unit: Any = self.units[layer]  # an FSDPModule (fully_shard changes the class at run time)
                 self._started[layer] = unit.unshard(async_op=True)
