@@ -267,6 +267,7 @@ _PLAN_FLAGS = {
     "mixed_precision": "--no-mixed-precision",
     "chunk_size": "--chunk",
     "wavefront_walk": "--walk",
+    "balanced_captures": "--capture",
 }
 
 
@@ -292,6 +293,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         engine = PLAN_ENGINE.updated(
             chunk_size=args.chunk, checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
             activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
+            balanced_captures=args.capture == "balanced",
             sharded_extends=not args.expert_parallel,
         )  # fmt: skip
         request = PlanRequest(
@@ -479,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--cp-rank", type=int, default=None,
-        help="the cp rank to plan (default: the last, which receives the most of the earlier ranks' rows)",
+        help="the cp rank to plan (default: per term the rank holding the most: rank 0 of a balanced capture, the "
+        "last in rank order)",
     )  # fmt: skip
     p.add_argument("--mode", choices=["detached", "exact"], default="detached")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -505,6 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--walk", choices=["wavefront", "replicated"], default="wavefront",
         help="exact mode over cp ranks: sharded walk keeping layer inputs, or every rank recomputing every chunk",
+    )  # fmt: skip
+    p.add_argument(
+        "--capture", choices=["balanced", "rank-order"], default="balanced",
+        help="how a sharded capture is cut over cp ranks: even attention work (rank 0 holds up to 2cp - 1 layers "
+        "whole), or in rank order (the last rank's work up to twice the mean; up to cp layers whole)",
     )  # fmt: skip
     p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")
     p.add_argument("--time", action="store_true", help="also the step's time by phase (the time model)")

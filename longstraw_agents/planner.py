@@ -21,8 +21,9 @@ of their layer pattern, and extrapolates:
   unit or the whole model for the step) and its captured state when ``beta > 0``; under expert parallelism
   (``expert_parallel``) a gather without the routed experts, each rank's own experts (cast, and their gradient on
   its way into the shard), every extend replicated (the probe runs a rank's experts: ``ExpertShard.planned``);
-- a step has two phases, and the plan is the larger: the capture (its gathered layers, the earlier cp ranks' rows
-  it receives, for the cp rank ``cp_rank``: the last by default) and the backward passes (a layer and its gradient,
+- a step has two phases, and the plan is the larger: the capture (its gathered layers, the other cp ranks' rows
+  its cells read, for the cp rank ``cp_rank``: by default the rank that holds the most of each term — rank 0 of a
+  balanced capture, the last in rank order) and the backward passes (a layer and its gradient,
   the state gradient, the walk's recomputed segment); both hold the state and a graph;
 - an allocator margin, stated as such: 5 % of the total plus 1 GiB (CUDA context, kernels' workspaces,
   fragmentation).
@@ -110,7 +111,8 @@ class PlanRequest:
     mixed_precision: bool | None = None
     beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
-    # the cp rank planned (None: the last, which receives the most of the earlier ranks' rows: the per-GPU peak)
+    # the cp rank planned (None: per term the rank holding the most — rank 0 of a balanced capture, the last in rank
+    # order: an upper bound of the per-GPU peak)
     cp_rank: Annotated[int, Field(ge=0)] | None = None
     # the groups one dp rank trains in an optimizer step (TrainConfig.groups_per_step / dp): the capture of a later
     # group holds the gradients the earlier ones left (the step starts with none)
@@ -175,6 +177,22 @@ class PlanRequest:
         """How many cp ranks before the planned one send it their rows (a capture cut in rank order: one that keeps
         layer inputs for the wavefront walk; the last rank by default)."""
         return self.context_parallel - 1 if self.cp_rank is None else self.cp_rank
+
+    @property
+    def balanced_context(self) -> bool:
+        """Whether the step's capture of the context is cut balanced (``EngineConfig.balanced_captures``): not when
+        it keeps layer inputs for exact mode's wavefront walk, which walks the rank order."""
+        return self.engine.balanced_captures and not self.wavefront
+
+    @property
+    def balanced_history(self) -> bool:
+        """Whether a member's history captured sharded is cut balanced: not where the wavefront walk takes it back
+        (a long loss node, in either mode, with ``EngineConfig.wavefront_walk``)."""
+        return self.engine.balanced_captures and not self.engine.wavefront_walk
+
+    def step_capture_cuts(self) -> list[bool]:
+        """How the step's sharded captures are cut (balanced or not): the context's, and a member's history's."""
+        return [self.balanced_context, *([self.balanced_history] if self.sharded_history else [])]
 
     def balanced_rank(self) -> int:
         """The cp rank planned for a balanced capture's terms (rank 0 by default: the most rows received, the most
@@ -500,11 +518,10 @@ def capture_rows_bytes(config: PretrainedConfig, request: PlanRequest, rollout: 
     keeps no graphs (a kept-graph budget leaves its captures sharded) and no layer inputs (its cut balanced)."""
     if not (request.sampler_shards if rollout else request.sharded_extends):
         return 0
-    balanced = rollout or not request.wavefront  # (a capture keeping layer inputs is cut in rank order)
-    captures = [(0, request.context)]  # (the context before it, its positions)
-    if request.sharded_history:
-        captures.append((_history_before(request), request.sharded_history))
-    return max(_capture_bytes(config, request, before, n, balanced) for before, n in captures)
+    captures = [(0, request.context, request.engine.balanced_captures if rollout else request.balanced_context)]
+    if request.sharded_history:  # (the context before it, its positions, how it is cut)
+        captures.append((_history_before(request), request.sharded_history, request.balanced_history))
+    return max(_capture_bytes(config, request, before, n, balanced) for before, n, balanced in captures)
 
 
 def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, n: int, balanced: bool) -> int:
@@ -655,6 +672,7 @@ def _capture_extrapolated(config: PretrainedConfig, request: PlanRequest, at_n2:
 
 
 CAPTURE, BACKWARD = "capture", "backward"  # the step's two phases (``parameter_phases``)
+SAMPLING = "sampling"  # the rollouts between steps (``rollout_terms``)
 
 
 def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str, int]]:
@@ -683,7 +701,8 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
 
 def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     """Sharded over every rank at dp > 1, each dp rank gathers and reduces for itself (``parallel.lanes``): where
-    gathers are started ahead — a sharded capture, exact mode's wavefront walk: ``prefetch_window(cp)`` of them —
+    gathers are started ahead — a sharded capture (the step's, or the sampler's: ``SAMPLING``): as many as the
+    wavefront steps the rank trails rank 0; exact mode's wavefront walk: ``prefetch_window(cp)`` of them —
     each holds its send buffer (the rank's shard copied once per cp rank of its dp rank: 1/dp of a layer, in the
     compute dtype) until it completes, and in the walk each asynchronous reduction in flight (as many) the rows it
     receives from the cp ranks (1/dp of a layer, in the master dtype); a branch replay gathers when it computes, and
@@ -695,8 +714,10 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not request.wavefront):
         return 0
     window = prefetch_window(request.context_parallel)
-    if phase != BACKWARD:  # a capture starts as many as the wavefront steps the rank trails rank 0
-        window = request.capture_gathers_ahead(balanced=not request.wavefront)
+    if phase == SAMPLING:  # the sampler's captures (keeping no layer inputs)
+        window = request.capture_gathers_ahead(request.engine.balanced_captures)
+    elif phase != BACKWARD:  # a capture starts as many as the wavefront steps the rank trails rank 0
+        window = max(request.capture_gathers_ahead(balanced) for balanced in request.step_capture_cuts())
     share = -(-probed.largest_layer // dp)
     ahead = window * share * _itemsize(request.dtype)
     return ahead + (window * share * request.master_itemsize if phase == BACKWARD else 0)
@@ -771,7 +792,7 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     # the cast is freed, beside less than autograd held
     cast = int(_expert_copies(request) * experts * compute)
     expert_gradient = cast + (0 if request.offload else experts * master)
-    ahead = _layers_whole(request, probed.layers, request.sharded_extends, balanced=not request.wavefront)
+    ahead = max(_layers_whole(request, probed.layers, request.sharded_extends, b) for b in request.step_capture_cuts())
     capture = (ahead * layer + probed.root) * compute + cast
     if request.wavefront:
         walked = min(prefetch_window(request.context_parallel) + 1, probed.layers)  # the walk's gathers ahead
@@ -825,6 +846,7 @@ class _Measured:
     apart: int = 0  # of the graph term, what a backward never holds beside a whole layer (``_never_beside_a_layer``)
     capture: int = 0  # a capture's working set (``capture_working_set``)
     reference: int = 0  # the KL reference's shards kept between steps (``_reference_shards``)
+    rollout_lanes: int = 0  # the sampler's capture's lane buffers at dp > 1 (``_lane_buffers``)
 
 
 def _measure(request: PlanRequest) -> _Measured:
@@ -841,6 +863,7 @@ def _measure(request: PlanRequest) -> _Measured:
         _never_beside_a_layer(config, probed, request),
         probed.capture,
         _reference_shards(probed, request),
+        _lane_buffers(probed, request, SAMPLING) if request.sampler_shards else 0,
     )
 
 
@@ -864,7 +887,7 @@ def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
     if request.gpus == 1:
         return (probed.parameters if request.mixed else 0), 0
     # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
-    layers = _layers_whole(request, probed.layers, request.sampler_shards, balanced=True)
+    layers = _layers_whole(request, probed.layers, request.sampler_shards, request.engine.balanced_captures)
     layer, moment = probed.layer_moment(request, _expert_copies(request, sampling=True))
     return probed.root + layers * layer, moment - layer
 
@@ -920,6 +943,7 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
         "optimizer state": parameters["optimizer state"],
         "reference weights": measured.reference,  # (its root, whole for a step, resharded after it)
         "gathered weights": whole + max(0, buffer - rows),
+        "lane buffers (dp > 1)": measured.rollout_lanes,
         "sampler state": size.bytes_per_token * held + (1 + request.group) * size.fixed_bytes,
         # a decode session's buffers: every rank computes each member's turn (``decoding.Decoder``)
         "decoded turns": size.bytes_per_token * request.group * (request.completion + 1),
@@ -967,7 +991,9 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
-    layers = _layers_whole(request, layers_in_model, request.sharded_extends, balanced=not request.wavefront)
+    layers = max(
+        _layers_whole(request, layers_in_model, request.sharded_extends, b) for b in request.step_capture_cuts()
+    )
     if request.wavefront:
         layers = max(layers, min(prefetch_window(request.context_parallel) + 1, layers_in_model))
     whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time)"

@@ -341,7 +341,9 @@ class CaptureShare:
 @dataclass(frozen=True)
 class Schedule:
     """How the engine spreads a step over the ranks (docs/distributed.md): the capture and the walk are sharded
-    (each cp rank its contiguous shard of the prompt, the earlier ranks' rows received per layer), a member's short
+    (each cp rank its runs of the prompt, cut as ``cut_runs`` cuts it — balanced, or in rank order where exact
+    mode's wavefront walk reads the capture's layer inputs — the other ranks' rows before them received per layer;
+    the slowest rank's work counted), a member's short
     extends are replicated (every rank computes each member's tokens, attending to the positions it holds, the
     partial results merged; the member's own positions spread over the ranks — counted here with the last rank's
     shard, a completion being short next to the prompt; an agent's long ``history`` is not modelled); under a
@@ -514,7 +516,7 @@ class Schedule:
             chunks = self._held(self.model.chunked(0, self.captured, chunk, entries_only=True))
             replicated = self._merges(self.captured) + self._expert_sums(self.captured, entries_only=True)
             return chunks + replicated + self._gathers(self._chunks, root=True)
-        slowest = max(self.rank_captures(balanced=not request.wavefront), key=lambda share: share.work.flops)
+        slowest = max(self.rank_captures(request.balanced_context), key=lambda share: share.work.flops)
         rows = Work(comm=self.model.entries_bytes(slowest.received))
         return slowest.work + rows + self._gathers(1, root=True)
 

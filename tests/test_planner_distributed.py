@@ -1,7 +1,7 @@
 """The planner against each rank of a real distributed step: FSDP2 over every rank of a (dp, cp) mesh on gloo CPU
 processes, a second training step measured by a ``MemoryTracker`` that opens before the model is built (so it counts
 every byte a rank holds) and attributes the bytes by role. Each rank's peak must be within 10 % of the plan for the
-same configuration (its cp rank's: a later one receives more of the earlier ranks' rows), and the roles the planner
+same configuration (its cp rank's: the ranks' cells read different rows of the others), and the roles the planner
 counts from the parameters (the rank's shards of weights, gradients and AdamW state) and the captured state within
 15 % of the most the rank held of each. Two model shapes: one whose weights dominate (8 layers, hidden 128, a
 64-token prompt) and one whose captured state does (2 layers, hidden 64, a 2,048-token prompt); FSDP2 over every
@@ -99,7 +99,7 @@ def _assert_as_planned(ranks: list[dict], plans: list[planner.Plan]) -> None:
     """Each rank's peak within 10 % of its cp rank's plan, its shards and state within 15 % per category, the
     host's and the rollout's peaks too."""
     for rank, measured in enumerate(ranks):
-        plan = plans[measured["cp_rank"]]  # a later cp rank receives more of the earlier ranks' rows
+        plan = plans[measured["cp_rank"]]  # (each cp rank reads its own share of the others' rows)
         assert abs(measured["peak"] - plan.subtotal) <= 0.10 * measured["peak"], (rank, measured, plan.table())
         policy_buffers, reference_buffers = measured["buffer_dtypes"]
         assert reference_buffers == policy_buffers  # (the reference's RoPE tables stay fp32 when its shards are bf16)

@@ -369,7 +369,9 @@ class GRPOTrainer:
     def _load_ownership(self, directory: Path) -> None:
         """What ``_save_ownership`` wrote for this process; a checkpoint of another cp size (or of no context
         parallelism) leaves the placements to start afresh — only the rounding of the partials' merge depends on
-        them, and a run resumed on another mesh does not repeat the old one's rounding anyway."""
+        them, and a run resumed on another mesh does not repeat the old one's rounding anyway. The ranks of one cp
+        group read files of one group: processes are numbered cp-major (``ParallelMesh``), so a group's processes
+        are the same ones at any dp, and the files of a group are all there or all missing."""
         path = directory / OWNERSHIP_STATE.format(self.accelerator.process_index)
         if self.engine.shards is None or not path.exists():
             return

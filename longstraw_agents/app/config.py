@@ -175,6 +175,12 @@ class ParallelSpec(BaseModel):
         description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
         "recomputes every chunk, keeping no layer inputs; see docs/distributed.md and `longstraw plan --walk`)",
     )
+    balanced_captures: bool = Field(
+        True,
+        description="cp > 1: cut a capture so that every rank's attention work is even (rank r the r-th and the "
+        "(2cp - 1 - r)-th of 2cp parts; with fsdp rank 0 then holds up to 2cp - 1 layers whole); False: in rank "
+        "order (EngineConfig.balanced_captures; `longstraw plan --capture`)",
+    )
     sharded_extend_tokens: int | None = Field(
         None,
         ge=1,

@@ -82,6 +82,14 @@ class EngineConfig(BaseModel):
         "context are sharded. Either way the new positions' state is spread over the ranks; with sharded_extends "
         "off, none is",
     )
+    balanced_captures: bool = Field(
+        True,
+        description="with context parallelism, cut a sharded extend in 2N parts, rank r computing the r-th and the "
+        "(2N - 1 - r)-th: every rank's attention work even (in rank order the last rank's is up to twice the mean), "
+        "at the cost, with sharded weights, of holding each layer from a rank's first cell of it to its last (up "
+        "to 2N - 1 layers whole on rank 0, against N in rank order: `longstraw plan --capture`). An extend the "
+        "wavefront walk will walk back is cut in rank order either way. See docs/distributed.md",
+    )
     sharded_extends: bool = Field(
         True,
         description="with context parallelism, compute long extends (a capture) sharded; False: every extend "

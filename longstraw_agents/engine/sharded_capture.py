@@ -43,7 +43,8 @@ class _Message:
 
     @property
     def tag(self) -> int:
-        return self.run.index << 12 | self.layer  # (< 4096 layers)
+        # (< 4096 layers; above the wavefront walk's tags, wavefront.py, whose kinds are 1 to 5 << 12)
+        return (8 + self.run.index) << 12 | self.layer
 
 
 class ShardedCapture:
@@ -78,7 +79,8 @@ class ShardedCapture:
         self.ownership, self.transport = shards.ownership, shards.transport
         self.base = state.num_tokens
         self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0
-        pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True, balanced=not self.keeps_inputs)
+        balanced = engine.config.balanced_captures and not self.keeps_inputs  # (the walk's schedule: rank order)
+        pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True, balanced=balanced)
         self.pieces = [(self.base + lo, self.base + hi) for lo, hi, _ in pieces]
         chunks = ChunkOwners.of([owner for _, _, owner in pieces], self.ownership.rank)
         self.owners, self.mine, self.computing = chunks.owners, chunks.mine, chunks.computing
@@ -93,6 +95,7 @@ class ShardedCapture:
             self.rows[j] = slice(at, at + self.pieces[j][1] - self.pieces[j][0])
         self.done: set[tuple[int, int]] = set()  # this rank's cells computed: (run index, layer)
         self.after: dict[tuple[int, int], tuple[Tensor, ...]] = {}  # a run's recurrent state, until it is sent
+        self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, own runs before) -> that rows message
         self.outbox = {dst: collections.deque(self._messages(dst)) for dst in range(self.ownership.size) if dst != rank}
 
     def run(self, reserve: int) -> State:
@@ -228,28 +231,35 @@ class ShardedCapture:
         return all((r.index, message.layer) in self.done for r in self.my_runs if r.index < message.run.index)
 
     def _post(self, blocks: list[list[Block | None]] | None = None) -> None:
-        """Send each peer the messages now ready, in the order it takes them (none past one not ready yet)."""
+        """Send each peer the messages now ready, in the order it takes them (none past one not ready yet). Rows
+        of the parent alone (``parent_rows``, sent before any computing: not waited for in the cells' window)."""
         for dst, queue in self.outbox.items():
             while queue and self._ready(queue[0]):
                 message = queue.popleft()
                 if message.rows:
-                    rows = self._rows_before(message, blocks)
-                    self.transport.send(self.transport.stage(rows), dst, message.tag, "rows")
+                    earlier = self._runs_before(message.run)
+                    kind = "rows" if earlier else "parent_rows"
+                    self.transport.send(self._staged_rows(message.layer, earlier, blocks), dst, message.tag, kind)
                 else:
                     state = self.after.pop((message.run.index - 1, message.layer))
                     self.transport.send(state, dst, message.tag, "recurrent")
 
-    def _rows_before(self, message: _Message, blocks: list[list[Block | None]] | None) -> list[Tensor]:
-        """This rank's rows of the message's layer before its run: of the parent, and of its earlier runs (views of
-        its arenas)."""
-        i = message.layer
-        own = self.state.positioned_blocks(i)
-        for j in (j for r in self.my_runs if r.index < message.run.index for j in r.chunks):
-            assert blocks is not None  # (a message carrying computed rows is ready only once they are)
-            block = blocks[self.index[j]][i]
-            assert block is not None
-            own.append((self.pieces[j][0], block))
-        return outgoing_runs(own)
+    def _runs_before(self, run: Run) -> int:
+        """How many of this rank's runs come before ``run``."""
+        return sum(1 for r in self.my_runs if r.index < run.index)
+
+    def _staged_rows(self, i: int, earlier: int, blocks: list[list[Block | None]] | None) -> list[Tensor]:
+        """This rank's rows of layer ``i`` of the parent and of its first ``earlier`` runs, as a message (views of its
+        arenas; staged through the host once for every peer and run that reads them)."""
+        if (i, earlier) not in self.staged:
+            own = self.state.positioned_blocks(i)
+            for j in (j for r in self.my_runs[:earlier] for j in r.chunks):
+                assert blocks is not None  # (a message carrying computed rows is ready only once they are)
+                block = blocks[self.index[j]][i]
+                assert block is not None
+                own.append((self.pieces[j][0], block))
+            self.staged[i, earlier] = self.transport.stage(outgoing_runs(own))
+        return self.staged[i, earlier]
 
     # --- the child --------------------------------------------------------------------------------------------
     def _records(self, blocks: list[list[Block | None]], recurrent: list[list[RecurrentState | None]]) -> State:

@@ -2,18 +2,20 @@
 positions.
 
 Two types, as the engine sees them (``longstraw_agents.engine.shards``): ``BalancedOwnership`` says who stores what
-— a capture is cut into contiguous even shards in rank order, and the pieces of later turns and branches go to the
-rank holding the least of their path, so that a member whose own history grows long keeps it spread; a rank stores
-the attention K/V, MLA rows and DSA index keys of its own positions, ``state / N`` (± a chunk per path), and the
-state records each chunk's owner — and ``GroupTransport`` carries the messages over the process group.
+— a capture is cut into 2N parts, rank r computing the r-th and the (2N - 1 - r)-th (``cut_runs``: even in
+positions and attention work; in rank order where the wavefront walk will walk it back), and the pieces of later
+turns and branches go to the rank holding the least of their path, so that a member whose own history grows long
+keeps it spread; a rank stores the attention K/V, MLA rows and DSA index keys of its own positions, ``state / N``
+(± a chunk per path), and the state records each chunk's owner — and ``GroupTransport`` carries the messages over
+the process group.
 ``ContextParallel`` holds one of each (what ``Engine(shards=...)`` takes). Two schedules use them (the engine picks
 one per call; docs/distributed.md):
 
 - **Sharded compute** (a capture, and exact mode's reverse walk over it): each rank evaluates only its own chunks,
-  layer by layer across them, and the ranks meet in a wavefront through point-to-point messages (``send`` /
-  ``recv``): a layer's earlier rows go from the ranks that hold them to the later ranks that compute (forward),
-  their K/V gradient comes back to the owner (backward), GatedDeltaNet states and their gradients pass between
-  neighbouring ranks; the owners ``broadcast_tensors`` the recurrent states every rank's later work reads.
+  a run (its consecutive chunks) and a layer at a time, and the ranks meet in a wavefront through point-to-point
+  messages (``send`` / ``recv``): a layer's earlier rows go from the ranks that hold them to the ranks whose runs
+  read them (forward), their K/V gradient comes back to the owner (backward), GatedDeltaNet states and their
+  gradients pass from run to run; the owners ``broadcast_tensors`` the recurrent states every rank's later work reads.
 - **Replicated compute** (short extends: turns, branch replays): every rank computes the same tokens and the
   collectives below combine what each contributes, all called by every rank in the same order:
 

@@ -192,9 +192,12 @@ class LayerGather:
     order, computing or not.
 
     In a wavefront the ranks reach a layer at different times, and a gather waits for all of them: ``announce``
-    the order of the coming gathers and up to ``window`` of them are started ahead (asynchronously), so that a rank
-    finds the layer it reaches already whole; ``partial`` reductions run asynchronously too, each waited for
-    ``window`` releases later. ``settle`` ends such a stretch. The most layers whole at once is then ``window + 1``."""
+    the order of the coming gathers and up to ``ahead`` of them (by default ``window``; a capture's rank as many as
+    the wavefront steps it trails rank 0) are started ahead (asynchronously, refilled as each is taken), so that a
+    rank finds the layer it reaches already whole; ``partial`` reductions run asynchronously too, each waited for
+    ``window`` releases later. ``settle`` ends such a stretch. The most layers whole at once is then ``ahead + 1``
+    beside the layers a block holds open (a balanced capture holds each from a rank's first cell of it to its
+    last)."""
 
     def __init__(
         self,
@@ -320,12 +323,15 @@ class LayerGather:
         if self._coming and layer == self._coming[0]:
             self._coming.popleft()
         started = self._started.pop(layer, None) if layer is not None else None
+        if started is None:
+            self._unit(layer).unshard()  # (posted now, before any gather started after it: one order on every rank)
+        self._gathered.add(layer)  # (a later turn of this layer in the order starts after its release)
+        # the next gathers start as this one is taken (a rank that releases a layer only at its later run's cell
+        # would otherwise start none until then)
+        self._start_ahead()
         if started is not None:
             started.wait()
-        else:
-            self._unit(layer).unshard()
         self._whole.setdefault(layer, self._registered(layer))
-        self._gathered.add(layer)
         self.most_gathered = max(self.most_gathered, sum(1 for k in self._gathered if k is not None))
 
     def _start_ahead(self) -> None:
