@@ -428,8 +428,12 @@ def test_plan_of_each_cp_rank_holds_the_earlier_rows_its_cells_read(capsys: pyte
         assert code == 0 and "the step's peak is in its capture phase" in out
         (line,) = [ln for ln in out.splitlines() if ln.strip().startswith("sharded capture (hidden, earlier rows)")]
         rows[rank] = float(line.split()[-1])
+    code, out, _ = run_cli(capsys, *tiny, "--cp-rank", "3", "--capture", "rank-order")  # the last rank, in order
+    (line,) = [ln for ln in out.splitlines() if ln.strip().startswith("sharded capture (hidden, earlier rows)")]
+    rows["3 in rank order"] = float(line.split()[-1])
     hidden = 32e6 / 4 * 64 * 2 / 2**30  # a rank's hidden states (tiny-llama: hidden 64, bf16), then the rows
-    assert rows["0"] - hidden == pytest.approx(2 * (rows["3"] - hidden), rel=0.01)
+    assert rows["0"] - hidden == pytest.approx(2 * (rows["3"] - hidden), rel=0.01)  # 6 and 3 parts
+    assert rows["3 in rank order"] - hidden == pytest.approx(rows["0"] - hidden, rel=0.01)  # 3 shards
 
 
 def test_plan_time_prints_each_phase_on_the_chosen_gpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -443,3 +443,15 @@ def test_a_capture_cell_reads_the_other_ranks_rows_before_it() -> None:
     shard = rows("exact", 1)
     assert [rows("exact", r) for r in range(4)] == [r * shard for r in range(4)]
     assert [rows("detached", r) for r in range(4)] == [(6 - r) * shard // 2 for r in range(4)]
+
+
+def test_a_balanced_capture_holds_each_layer_from_its_first_cell_to_its_last() -> None:
+    """Per cp rank of 8, the layers a sharded capture holds whole: balanced, rank r's runs are 2·8 - 2 - 2r wavefront
+    steps apart (the last rank has one run) and it starts r gathers ahead; in rank order (the wavefront walk's, or
+    ``EngineConfig.balanced_captures`` off) the layer it computes and r ahead."""
+    requests = [PlanRequest(gpus=8, dtype=torch.bfloat16, cp_rank=r, mode="detached") for r in range(8)]
+    assert [r.capture_layers_whole(balanced=True) for r in requests] == [15 - r for r in range(8)]
+    assert [r.capture_layers_whole(balanced=False) for r in requests] == [1 + r for r in range(8)]
+    in_order = PLAN_ENGINE.updated(balanced_captures=False)
+    assert requests[0].balanced_context and not dataclasses.replace(requests[0], engine=in_order).balanced_context
+    assert not dataclasses.replace(requests[0], mode="exact").balanced_context  # (its capture keeps layer inputs)

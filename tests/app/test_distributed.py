@@ -7,7 +7,9 @@ checked before anything runs."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pydantic
@@ -27,6 +29,10 @@ from longstraw_agents.app.export import export_hf
 from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.seeds import task_seed
 from longstraw_agents.cli import main
+from longstraw_agents.engine import Engine
+from longstraw_agents.engine.sharded_capture import ShardedCapture
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.parallel import BalancedOwnership
 from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
 
@@ -256,3 +262,28 @@ def test_parallel_expert_parallel_makes_every_extend_replicated() -> None:
     """Under ``parallel.expert_parallel`` every rank makes the same MoE calls: no extend is computed sharded."""
     assert context_parallel_engine_config(ParallelSpec(cp=2), 64).sharded_extends
     assert not context_parallel_engine_config(ParallelSpec(cp=2, fsdp=True, expert_parallel=True), 64).sharded_extends
+
+
+def test_parallel_balanced_captures_reaches_the_engine_and_cuts_the_capture() -> None:
+    """``parallel.balanced_captures`` (on by default) cuts a capture in 2cp parts, rank r the r-th and the
+    (2cp - 1 - r)-th; off, in rank order. A capture exact mode's wavefront walk will walk back (its state keeps
+    checkpoints, so the capture keeps layer inputs) is cut in rank order either way."""
+    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).balanced_captures
+    model = tiny_model("llama", seed=0)
+    owners = {}
+    for balanced in (True, False):
+        config = context_parallel_engine_config(ParallelSpec(cp=2, balanced_captures=balanced), 8)
+        engine = Engine(model, config, shards=_OneRanksView(BalancedOwnership(0, 2)))  # type: ignore[arg-type]
+        for checkpoints in (False, True):
+            capture = ShardedCapture(engine, engine.shards, engine.empty_state(checkpoints), torch.arange(64), 8)
+            owners[balanced, checkpoints] = capture.owners
+    assert owners[True, False] == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert owners[False, False] == owners[True, True] == owners[False, True] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@dataclass
+class _OneRanksView:
+    """What an engine over cp ranks holds (``StateShards``), of which a capture's plan reads only the ownership."""
+
+    ownership: BalancedOwnership
+    transport: Any = None
