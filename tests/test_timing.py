@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -81,10 +82,9 @@ def _request(name: str, mode: str = "exact") -> PlanRequest:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(TINY_PRESETS))
-def measured(request):
-    """Per family: torch's counts of a capture, a detached step and an exact step, and the model's phases."""
-    name = request.param
+def _step_inputs(name: str) -> tuple[Any, torch.nn.Module, Engine, Tensor, list[Tensor]]:
+    """A tiny model of family ``name`` (fp32, seeded), its engine, a prompt and ``GROUP`` completions whose first
+    tokens differ (no branch shares a node with another)."""
     config = TINY_PRESETS[name]()
     torch.manual_seed(0)
     model = build_model(config, dtype=torch.float32)
@@ -92,8 +92,16 @@ def measured(request):
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, config.vocab_size, (PROMPT,), generator=gen)
     completions = [torch.randint(0, config.vocab_size, (COMPLETION,), generator=gen) for _ in range(GROUP)]
-    for k, completion in enumerate(completions):  # distinct first tokens: no branch shares a node with another
+    for k, completion in enumerate(completions):
         completion[0] = k
+    return config, model, engine, prompt, completions
+
+
+@pytest.fixture(scope="module", params=list(TINY_PRESETS))
+def measured(request):
+    """Per family: torch's counts of a capture, a detached step and an exact step, and the model's phases."""
+    name = request.param
+    config, model, engine, prompt, completions = _step_inputs(name)
     rewards = [0.0, 1.0, 0.5]
 
     def step(mode: str):
@@ -377,15 +385,7 @@ def each_ranks_experts():
     process computes them; as the 2 ranks of expert parallelism do, each rank's experts a node of its own
     (``ExpertShard`` without a group: nothing all-reduced), their shares added; and with none (zeros that keep the
     routing weights' graph); beside the model's phases at a rank's share of the experts and at all of them."""
-    config = TINY_PRESETS["glm_moe_dsa"]()
-    torch.manual_seed(0)
-    model = build_model(config, dtype=torch.float32)
-    engine = Engine(model, EngineConfig(chunk_size=CHUNK))
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, config.vocab_size, (PROMPT,), generator=gen)
-    completions = [torch.randint(0, config.vocab_size, (COMPLETION,), generator=gen) for _ in range(GROUP)]
-    for k, completion in enumerate(completions):
-        completion[0] = k
+    config, model, engine, prompt, completions = _step_inputs("glm_moe_dsa")
     per_rank = config.n_routed_experts // 2
 
     def ranks_added(moe: MoE) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
