@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from longstraw_agents.models.base import LayerContext, PastBlock
-from longstraw_agents.state import Block, ChunkRecord, RecurrentState, State
+from longstraw_agents.state import Arena, Block, ChunkRecord, RecurrentState, State
 
 from .shards import (
     RUNS_HEADER,
@@ -45,6 +45,20 @@ class _Message:
     def tag(self) -> int:
         # (< 4096 layers; above the wavefront walk's tags, wavefront.py, whose kinds are 1 to 5 << 12)
         return (8 + self.run.index) << 12 | self.layer
+
+
+class _Shard:
+    """This rank's part of a capture as it is computed: its runs' hidden states back to back (with their positions
+    and rotations), each chunk's forward scratch, and the state entries it has written."""
+
+    def __init__(
+        self, h: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], arenas: list[Arena | None], chunks: int,
+        layers: int,
+    ):  # fmt: skip
+        self.h, self.positions, self.rope, self.arenas = h, positions, rope, arenas
+        self.scratch: list[dict[str, Any]] = [{} for _ in range(chunks)]  # across layers
+        self.blocks: list[list[Block | None]] = [[None] * layers for _ in range(chunks)]
+        self.recurrent: list[list[RecurrentState | None]] = [[None] * layers for _ in range(chunks)]
 
 
 class ShardedCapture:
@@ -103,8 +117,6 @@ class ShardedCapture:
         engine, adapter = self.engine, self.engine.adapter
         width = sum(b - a for a, b in (self.pieces[j] for j in self.mine))
         arenas = engine.arenas_for(self.state, width, engine.reserve_share(reserve))
-        blocks: list[list[Block | None]] = [[None] * engine.num_layers for _ in self.mine]
-        recurrent: list[list[RecurrentState | None]] = [[None] * engine.num_layers for _ in self.mine]
         # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
         inputs = (
             LayerInputs.empty(adapter.device, engine.layer_inputs_spacing, self.base) if self.keeps_inputs else None
@@ -113,42 +125,18 @@ class ShardedCapture:
         # first rank to reach a layer (whose gather waits for every rank's)
         engine.announce(range(engine.num_layers), ahead=self.my_runs[0].index if self.my_runs else 0)
         with torch.no_grad(), contextlib.ExitStack() as held:
-            h, positions, rope = self._embedded()
+            shard = _Shard(*self._embedded(), arenas, len(self.mine), engine.num_layers)
             if inputs is not None and self.mine:
-                inputs.positions, inputs.rope = positions, rope
-            scratch: list[dict[str, Any]] = [{} for _ in self.mine]  # each chunk's forward scratch, across layers
+                inputs.positions, inputs.rope = shard.positions, shard.rope
             gathered: dict[int, contextlib.ExitStack] = {}  # the layers whole, from this rank's first cell to its last
             self._post()  # (the parent's rows, sent before any computing)
             for run, i in wavefront_cells(self.runs, engine.num_layers, self.ownership.rank):
                 if i not in gathered:
                     gathered[i] = held.enter_context(contextlib.ExitStack())
                     gathered[i].enter_context(engine.gathered(i))
-                layer = adapter.layers[i]
-                past = self._past(run, i, blocks) if layer.mixer.grows else None
-                carried = None if layer.mixer.grows else self._recurrent_before(run, i)
-                if inputs is not None:
-                    cell_scratch = {self.index[j]: scratch[self.index[j]] for j in run.chunks}
-                    inputs.add_cell(i, self._run_rows(run), h, cell_scratch, carried)
-                for j in run.chunks:
-                    k, (a, _), rows = self.index[j], self.pieces[j], self.rows[j]
-                    ctx = LayerContext(past=list(past)) if past is not None else LayerContext(recurrent=carried)
-                    h[rows], new = adapter.run_layer(
-                        layer, h[rows], positions[rows], (rope[0][rows], rope[1][rows]), ctx, scratch[k],
-                        engine.local_attention, a,
-                    )  # fmt: skip
-                    if past is not None:
-                        arena = arenas[i]
-                        assert arena is not None  # sized for this rank's rows
-                        blocks[k][i] = written = arena.append(new)
-                        past.append(PastBlock(written.views(), None, a))
-                    else:
-                        carried = new
-                        if self._keeps(j):
-                            recurrent[k][i] = RecurrentState.owning(new)
-                if carried is not None and run.index + 1 < len(self.runs):
-                    self.after[run.index, i] = carried
+                self._cell(shard, run, i, inputs)
                 self.done.add((run.index, i))
-                self._post(blocks)
+                self._post(shard.blocks)
                 if run is self.my_runs[-1]:
                     gathered.pop(i).close()
                 # a window of messages in flight (a cell's senders are at most a few wavefront steps ahead)
@@ -160,11 +148,40 @@ class ShardedCapture:
                         pass
             assert not any(self.outbox.values())  # every message sent
             self.transport.flush()
-        child = self._records(blocks, recurrent)
+        child = self._records(shard.blocks, shard.recurrent)
         if inputs is not None:
-            inputs.final = h if self.mine else None
+            inputs.final = shard.h if self.mine else None
             child = child.with_layer_inputs(inputs)
         return child
+
+    def _cell(self, shard: _Shard, run: Run, i: int, inputs: LayerInputs | None) -> None:
+        """Layer ``i`` over ``run``'s chunks: what it reads of earlier positions received, its rows appended to the
+        rank's arena (a growing layer) or the state after it kept for the next run (a recurrent one)."""
+        adapter, h = self.engine.adapter, shard.h
+        layer = adapter.layers[i]
+        past = self._past(run, i, shard.blocks) if layer.mixer.grows else None
+        carried = None if layer.mixer.grows else self._recurrent_before(run, i)
+        if inputs is not None:
+            scratch = {self.index[j]: shard.scratch[self.index[j]] for j in run.chunks}
+            inputs.add_cell(i, self._run_rows(run), h, scratch, carried)
+        for j in run.chunks:
+            k, (a, _), rows = self.index[j], self.pieces[j], self.rows[j]
+            ctx = LayerContext(past=list(past)) if past is not None else LayerContext(recurrent=carried)
+            rope = (shard.rope[0][rows], shard.rope[1][rows])
+            h[rows], new = adapter.run_layer(
+                layer, h[rows], shard.positions[rows], rope, ctx, shard.scratch[k], self.engine.local_attention, a
+            )
+            if past is not None:
+                arena = shard.arenas[i]
+                assert arena is not None  # sized for this rank's rows
+                shard.blocks[k][i] = written = arena.append(new)
+                past.append(PastBlock(written.views(), None, a))
+            else:
+                carried = new
+                if self._keeps(j):
+                    shard.recurrent[k][i] = RecurrentState.owning(new)
+        if carried is not None and run.index + 1 < len(self.runs):
+            self.after[run.index, i] = carried
 
     def _embedded(self) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """This rank's runs embedded back to back: hidden states, positions and rotations (empty without chunks)."""
