@@ -792,11 +792,10 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     # the cast is freed, beside less than autograd held
     cast = int(_expert_copies(request) * experts * compute)
     expert_gradient = cast + (0 if request.offload else experts * master)
-    ahead = max(_layers_whole(request, probed.layers, request.sharded_extends, b) for b in request.step_capture_cuts())
+    ahead = _step_layers_whole(request, probed.layers)
     capture = (ahead * layer + probed.root) * compute + cast
     if request.wavefront:
-        walked = min(prefetch_window(request.context_parallel) + 1, probed.layers)  # the walk's gathers ahead
-        weights = (walked * layer + probed.root) * compute + cast
+        weights = (_walk_layers_whole(request, probed.layers) * layer + probed.root) * compute + cast
         in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
     else:
         weights = (layer + probed.root) * compute
@@ -805,6 +804,16 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     layers_only = probed.parameters - probed.root
     earlier = (probed.root * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
     return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
+
+
+def _step_layers_whole(request: PlanRequest, layers: int) -> int:
+    """The decoder layers the step's captures hold whole at once (the most of the context's and a history's)."""
+    return max(_layers_whole(request, layers, request.sharded_extends, b) for b in request.step_capture_cuts())
+
+
+def _walk_layers_whole(request: PlanRequest, layers: int) -> int:
+    """Exact mode's wavefront walk: the layer it walks and the gathers it starts ahead (``prefetch_window``)."""
+    return min(prefetch_window(request.context_parallel) + 1, layers)
 
 
 def _layers_whole(request: PlanRequest, layers: int, sharded: bool, balanced: bool) -> int:
@@ -991,11 +1000,9 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     if request.gpus == 1:
         copy = ", a compute copy" if request.mixed else ""
         return f"one GPU: {master}{copy}, their gradients and {adam}"
-    layers = max(
-        _layers_whole(request, layers_in_model, request.sharded_extends, b) for b in request.step_capture_cuts()
-    )
+    layers = _step_layers_whole(request, layers_in_model)
     if request.wavefront:
-        layers = max(layers, min(prefetch_window(request.context_parallel) + 1, layers_in_model))
+        layers = max(layers, _walk_layers_whole(request, layers_in_model))
     whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time)"
     over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
     where = " on the host (CPU offload; AdamW steps there)" if request.offload else ""

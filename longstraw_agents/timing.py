@@ -289,8 +289,8 @@ class ModelWork:
     def state_bytes(self, positions: int, ranks: int = 1) -> float:
         """A state of ``positions`` positions, as one of ``ranks`` context-parallel ranks holds it: its share of the
         positions' entries, and the recurrent states whole (every rank steps them)."""
-        size = state_size(self.config, self.dtype)
-        return size.bytes_per_token * positions / ranks + (size.fixed_bytes if positions else 0)
+        fixed = state_size(self.config, self.dtype).fixed_bytes
+        return self.entries_bytes(positions) / ranks + (fixed if positions else 0)
 
     def attention_layers(self) -> int:
         return sum(1 for w in adapter_class(self.config).layer_work(self.config, 1, 0, self.itemsize) if w.attention)
@@ -567,20 +567,18 @@ class Schedule:
         state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
         passes = 1 if wavefront else self._chunks  # the layers' gathers and reductions, per pass
         weights = (self._gathers(2) + self._layer_reductions()).scaled(passes)
+        merged = Work()  # a replicated walk's collectives over the cp ranks
         if not wavefront:  # (the recurrent states between checkpoints: each recomputed chunk gathers every layer)
             recompute = recompute + self._recurrent_segments()
             weights = weights + self._gathers(self._recomputed_chunks())
             if self.cp > 1:  # replicated: attention to the rank's positions, partials merged, queries' gradient summed
                 recompute, backward = self._held(recompute), self._held(backward)
                 recomputed = self._recomputed_chunks() * chunk
-                state_gradient = state_gradient + self._merges(self.captured).scaled(2.0)
-                state_gradient = state_gradient + self._expert_sums(self.captured + recomputed)
-                state_gradient = state_gradient + self._expert_sums(
-                    self.captured, forwards=0.0, backwards=1.0, entries_only=True
-                )
+                merged = self._merges(self.captured).scaled(2.0) + self._expert_sums(self.captured + recomputed)
+                merged = merged + self._expert_sums(self.captured, forwards=0.0, backwards=1.0, entries_only=True)
         if self.cp > 1 and not (self.sharded and self.ranks > 1):  # the walk's gradient all-reduced over cp, fp32
             weights = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * 2 * (self.cp - 1) / self.cp)
-        return recompute + backward + state_gradient + weights
+        return recompute + backward + state_gradient + merged + weights
 
     def optimizer(self) -> Work:
         """AdamW's step over the rank's shard of the parameters (all of them unsharded): each parameter, its

@@ -97,7 +97,7 @@ class ShardedCapture:
         pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True, balanced=balanced)
         self.pieces = [(self.base + lo, self.base + hi) for lo, hi, _ in pieces]
         chunks = ChunkOwners.of([owner for _, _, owner in pieces], self.ownership.rank)
-        self.owners, self.mine, self.computing = chunks.owners, chunks.mine, chunks.computing
+        self.owners, self.mine = chunks.owners, chunks.mine
         self.runs = runs_of(self.owners)
         rank = self.ownership.rank
         self.my_runs = [run for run in self.runs if run.owner == rank]
@@ -142,8 +142,8 @@ class ShardedCapture:
                 # a window of messages in flight (a cell's senders are at most a few wavefront steps ahead)
                 self.transport.flush("rows", keep=8 * self.ownership.size**2)
                 self.transport.flush("recurrent", keep=8 * self.ownership.size**2)
-            for i in range(engine.num_layers):  # a rank without chunks still joins every gather, in order
-                if not self.my_runs:
+            if not self.my_runs:  # a rank without chunks still joins every gather, in order
+                for i in range(engine.num_layers):
                     with engine.gathered(i):
                         pass
             assert not any(self.outbox.values())  # every message sent
@@ -201,9 +201,9 @@ class ShardedCapture:
         return slice(self.rows[run.chunks[0]].start, self.rows[run.chunks[-1]].stop)
 
     # --- what a cell reads ------------------------------------------------------------------------------------
-    def _senders(self, run: Run, i: int) -> list[int]:
-        """The ranks that send layer ``i``'s rows before ``run``: every other rank holding some (of the parent, or
-        of its earlier runs)."""
+    def _senders(self, run: Run) -> list[int]:
+        """The ranks that send a growing layer's rows before ``run``: every other rank holding some (of the parent,
+        or of its earlier runs)."""
         earlier = {r.owner for r in self.runs[: run.index]}
         return sorted((self.parent_holders | earlier) - {run.owner})
 
@@ -211,13 +211,9 @@ class ShardedCapture:
         """Layer ``i``'s rows before ``run``: received from the ranks that hold them, this rank's own of the parent
         and of its earlier runs."""
         device = self.engine.adapter.device
-        past = self.engine.past_blocks(self.state.positioned_blocks(i), None)
-        for j in (j for r in self.my_runs if r.index < run.index for j in r.chunks):
-            block = blocks[self.index[j]][i]
-            assert block is not None  # (computed in an earlier cell)
-            past.append(PastBlock(block.views(), None, self.pieces[j][0]))
+        past = self.engine.past_blocks(self._own_rows(i, self._runs_before(run), blocks), None)
         tag = _Message(run, i, rows=True).tag
-        for src in self._senders(run, i):
+        for src in self._senders(run):
             message = self.transport.recv(src, tag, device, on_host=RUNS_HEADER)
             past += [PastBlock(rows, None, start) for start, rows in incoming_runs(message)]
         return in_position_order(past)
@@ -235,7 +231,7 @@ class ShardedCapture:
         rank, messages = self.ownership.rank, []
         for run, i in wavefront_cells(self.runs, self.engine.num_layers, dst):
             if self.engine.adapter.layers[i].mixer.grows:
-                if rank in self._senders(run, i):
+                if rank in self._senders(run):
                     messages.append(_Message(run, i, rows=True))
             elif run.index > 0 and self.runs[run.index - 1].owner == rank:
                 messages.append(_Message(run, i, rows=False))
@@ -269,14 +265,18 @@ class ShardedCapture:
         """This rank's rows of layer ``i`` of the parent and of its first ``earlier`` runs, as a message (views of its
         arenas; staged through the host once for every peer and run that reads them)."""
         if (i, earlier) not in self.staged:
-            own = self.state.positioned_blocks(i)
-            for j in (j for r in self.my_runs[:earlier] for j in r.chunks):
-                assert blocks is not None  # (a message carrying computed rows is ready only once they are)
-                block = blocks[self.index[j]][i]
-                assert block is not None
-                own.append((self.pieces[j][0], block))
-            self.staged[i, earlier] = self.transport.stage(outgoing_runs(own))
+            self.staged[i, earlier] = self.transport.stage(outgoing_runs(self._own_rows(i, earlier, blocks)))
         return self.staged[i, earlier]
+
+    def _own_rows(self, i: int, earlier: int, blocks: list[list[Block | None]] | None) -> list[tuple[int, Block]]:
+        """This rank's rows of layer ``i``, positioned: of the parent, and of its first ``earlier`` runs (computed
+        in earlier cells)."""
+        own = self.state.positioned_blocks(i)
+        for j in (j for r in self.my_runs[:earlier] for j in r.chunks):
+            block = blocks[self.index[j]][i] if blocks is not None else None
+            assert block is not None  # (a cell or a message reads only runs computed before it)
+            own.append((self.pieces[j][0], block))
+        return own
 
     # --- the child --------------------------------------------------------------------------------------------
     def _records(self, blocks: list[list[Block | None]], recurrent: list[list[RecurrentState | None]]) -> State:
