@@ -195,8 +195,7 @@ class PlanRequest:
         return [self.balanced_context, *([self.balanced_history] if self.sharded_history else [])]
 
     def balanced_rank(self) -> int:
-        """The cp rank planned for a balanced capture's terms (rank 0 by default: the most rows received, the most
-        layers whole)."""
+        """The cp rank planned for a balanced capture's terms (rank 0 by default: the most rows received)."""
         return 0 if self.cp_rank is None else self.cp_rank
 
     def captured_shards(self, balanced: bool) -> float:
@@ -209,16 +208,18 @@ class PlanRequest:
         return (2 * self.context_parallel - 2 - self.balanced_rank()) / 2
 
     def capture_gathers_ahead(self, balanced: bool) -> int:
-        """How many gathers a sharded capture starts ahead on the planned rank: as many as the wavefront steps it
-        trails rank 0 (its first run's index: ``r``; ``LayerGather.announce``)."""
-        return self.balanced_rank() if balanced else self.earlier_ranks
+        """How many gathers a sharded capture has started ahead of the cell the planned rank computes: each is
+        started at the wavefront step it falls due (``engine.capture_gathers``). In rank order that is as many as
+        the steps the rank trails rank 0 (``r``); balanced, a layer is gathered once per wave of runs, due when
+        the wave's first run reaches it: ``cp - 1`` on every rank (rank r: ``r`` of the first wave, ``cp - 1 - r``
+        of the second, one of which its other cell of the step takes)."""
+        return self.context_parallel - 1 if balanced else self.earlier_ranks
 
     def capture_layers_whole(self, balanced: bool) -> int:
-        """The decoder layers a sharded capture holds whole at once on the planned rank: from its first cell of a
-        layer to its last (balanced: ``2cp - 2 - 2r`` wavefront steps apart, rank r's runs r and 2cp - 2 - r of the
-        2cp - 1; one run in rank order: the same cell) and the gathers it starts ahead."""
-        lag = 2 * self.context_parallel - 2 - 2 * self.balanced_rank() if balanced else 0
-        return 1 + lag + self.capture_gathers_ahead(balanced)
+        """The decoder layers a sharded capture holds whole at once on the planned rank: the cell's layer and the
+        gathers started ahead (``capture_gathers_ahead``) — ``cp`` on every rank balanced, ``1 + r`` in rank
+        order."""
+        return 1 + self.capture_gathers_ahead(balanced)
 
     @property
     def mixed(self) -> bool:

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from longstraw_agents.engine import checkpoint_spacing
+from longstraw_agents.engine import capture_waves, checkpoint_spacing
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.base import LayerWork
 from longstraw_agents.parallel.context import cut_runs
@@ -506,10 +506,10 @@ class Schedule:
 
     def capture(self) -> Work:
         """The prompt's capture (no gradient): sharded over the cp ranks — each its own chunks, a layer at a time
-        across them, every layer gathered once and the others' rows before each of its runs received (the slowest
-        rank's: ``rank_captures``) — or chunk by chunk (one cp rank; replicated under a kept-graph budget or expert
-        parallelism: every rank computes every chunk, attending to the positions it holds, the partials merged),
-        each chunk gathering every layer (``LayerGather.run``)."""
+        across them, every layer gathered once per wave of runs (twice balanced: ``capture_waves``) and the others'
+        rows before each of its runs received (the slowest rank's: ``rank_captures``) — or chunk by chunk (one cp
+        rank; replicated under a kept-graph budget or expert parallelism: every rank computes every chunk, attending
+        to the positions it holds, the partials merged), each chunk gathering every layer (``LayerGather.run``)."""
         request = self.request
         chunk = request.engine.chunk_size
         if not request.sharded_extends:
@@ -518,7 +518,8 @@ class Schedule:
             return chunks + replicated + self._gathers(self._chunks, root=True)
         slowest = max(self.rank_captures(request.balanced_context), key=lambda share: share.work.flops)
         rows = Work(comm=self.model.entries_bytes(slowest.received))
-        return slowest.work + rows + self._gathers(1, root=True)
+        owners = [owner for _, _, owner in cut_runs(self.captured, self.cp, request.balanced_context)]
+        return slowest.work + rows + self._gathers(capture_waves(owners), root=True)
 
     @property
     def _chunks(self) -> int:

@@ -4,6 +4,7 @@ periods, then extrapolated) is within 10 % of the peak the memory tracker measur
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -14,7 +15,9 @@ import torch
 
 import longstraw_agents.planner as planner
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine.shards import Run, capture_gathers, runs_of, wavefront_cells, waves
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
+from longstraw_agents.parallel.context import cut_runs
 from longstraw_agents.planner import (
     PLAN_ENGINE,
     PlanRequest,
@@ -218,20 +221,20 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
 @pytest.mark.parametrize(
     ("request_args", "capture", "backward"),
     [
-        # dp = 1 x cp = 8: a balanced capture's rank 0 holds the root and each layer from its first run's cell to its
-        # later run's, 14 wavefront steps on (here every one of the 10 layers) and, as the step's first group, no
-        # gradient; a replay holds one layer and its gradient (bf16, then fp32 on its way to
-        # the shards) and the root's, beside the layers' gradient shards (the root's is whole until the step ends)
+        # dp = 1 x cp = 8: a balanced capture's rank holds the root and cp layers (each gathered once per wave of
+        # runs, from the step it is due to the rank's cell) and, as the step's first group, no gradient; a replay
+        # holds one layer and its gradient (bf16, then fp32 on its way to the shards) and the root's, beside the
+        # layers' gradient shards (the root's is whole until the step ends)
         (
             {"gpus": 8, "mode": "detached"},
-            {**BF16_CP8, "gathered weights": (10 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},
         ),
         # a later group's capture: the root's gradient whole and the layers' shards the earlier backward left
         (
             {"gpus": 8, "mode": "detached", "groups_per_rank": 2},
-            {**BF16_CP8, "gathered weights": (10 * 700 + 1_000) * 2, "gathered gradients": 1_000 * 2,
+            {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2, "gathered gradients": 1_000 * 2,
              "gradients": 7_000 // 8 * 4},
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},
@@ -248,18 +251,17 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
         (
             {"gpus": 2, "mode": "detached", "_root": 20_000},
             {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0, **NO_LANES,
-             "gathered weights": (3 * 700 + 20_000) * 2, "gathered gradients": 0, "gradients": 0},
+             "gathered weights": (2 * 700 + 20_000) * 2, "gathered gradients": 0, "gradients": 0},
             {"weights": 54_000, "optimizer state": 108_000, "reference weights": 0, **NO_LANES,
              "gathered weights": (700 + 20_000) * 2, "gathered gradients": 700 * 4 + (700 + 20_000) * 2,
              "gradients": 7_000 // 2 * 4},
         ),
         # dp = 2 x cp = 4: a layer at a time too, each dp rank for itself (parallel.lanes): in a capture the gathers
-        # started ahead each hold their send buffer (1/dp of a layer, bf16) — none on the balanced capture's rank 0,
-        # which holds each layer from its first run's cell to its later run's, 6 wavefront steps on ...
+        # started ahead each hold their send buffer (1/dp of a layer, bf16): cp - 1 of them in a balanced capture ...
         (
             {"gpus": 8, "dp": 2, "mode": "detached"},
-            {**BF16_CP8, "gathered weights": (7 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
-             "lane buffers (dp > 1)": 0},
+            {**BF16_CP8, "gathered weights": (4 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
+             "lane buffers (dp > 1)": 3 * 350 * 2},
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},  # (a replay gathers as it computes: nothing in flight)
         ),
@@ -284,7 +286,7 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
         (
             {"gpus": 8, "mode": "detached", "mixed_precision": False},
             {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0, **NO_LANES,
-             "gathered weights": (10 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+             "gathered weights": (8 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
             {"weights": 2_000, "optimizer state": 4_000, "reference weights": 0, **NO_LANES,
              "gathered weights": (700 + 1_000) * 2, "gathered gradients": (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 2},
@@ -445,13 +447,48 @@ def test_a_capture_cell_reads_the_other_ranks_rows_before_it() -> None:
     assert [rows("detached", r) for r in range(4)] == [(6 - r) * shard // 2 for r in range(4)]
 
 
-def test_a_balanced_capture_holds_each_layer_from_its_first_cell_to_its_last() -> None:
-    """Per cp rank of 8, the layers a sharded capture holds whole: balanced, rank r's runs are 2·8 - 2 - 2r wavefront
-    steps apart (the last rank has one run) and it starts r gathers ahead; in rank order (the wavefront walk's, or
-    ``EngineConfig.balanced_captures`` off) the layer it computes and r ahead."""
+def _capture_layers_whole(cp: int, layers: int, balanced: bool) -> list[int]:
+    """Per cp rank, the most layers a sharded capture of ``4·cp`` chunks holds whole (taken or started ahead) as
+    ``ShardedCapture`` paces its gathers: before its cell at wavefront step s a rank starts every gather due by s,
+    in ``capture_gathers``' order, freeing at once one it computes nothing with; it frees a layer after its cell."""
+    runs = runs_of([owner for lo, hi, owner in cut_runs(4 * cp, cp, balanced) for _ in range(lo, hi)])
+    return [_rank_layers_whole(runs, layers, rank) for rank in range(cp)]
+
+
+def _rank_layers_whole(runs: list[Run], layers: int, rank: int) -> int:
+    wave_of = {run.index: w for w, wave in enumerate(waves(runs)) for run in wave}
+    computes = {(wave_of[run.index], i) for run in runs if run.owner == rank for i in range(layers)}
+    coming, held, peak = collections.deque(capture_gathers(runs, layers)), set(), 0
+    for cell in [*wavefront_cells(runs, layers, rank), None]:  # (None: after the last, every gather left)
+        step = None if cell is None else cell[0].index + cell[1]
+        while coming and (step is None or coming[0].due <= step):
+            gather = coming.popleft()
+            assert gather.layer not in {layer for _, layer in held}  # (a unit is gathered once at a time)
+            held.add((gather.wave, gather.layer))
+            peak = max(peak, len(held))
+            if (gather.wave, gather.layer) not in computes:
+                held.discard((gather.wave, gather.layer))
+        if cell is not None:
+            held.discard((wave_of[cell[0].index], cell[1]))
+    assert not held
+    return peak
+
+
+def test_a_balanced_capture_gathers_each_layer_once_per_wave_of_runs() -> None:
+    """Per cp rank of 8, the layers a sharded capture holds whole, as the engine paces its gathers and as the
+    planner counts them: balanced, each layer is gathered once for the ranks' first runs and once for their later
+    ones, so every rank holds ``cp`` (rather than rank 0 each layer from its first run's cell to its later one's,
+    2cp - 1); in rank order (the wavefront walk's, or ``EngineConfig.balanced_captures`` off) the layer it computes
+    and r ahead."""
+    layers = 40
+    runs = runs_of([owner for lo, hi, owner in cut_runs(16, 8, True) for _ in range(lo, hi)])
+    assert [[run.owner for run in wave] for wave in waves(runs)] == [list(range(8)), list(range(6, -1, -1))]
+    assert len(waves(runs_of([owner for lo, hi, owner in cut_runs(16, 8, False) for _ in range(lo, hi)]))) == 1
     requests = [PlanRequest(gpus=8, dtype=torch.bfloat16, cp_rank=r, mode="detached") for r in range(8)]
-    assert [r.capture_layers_whole(balanced=True) for r in requests] == [15 - r for r in range(8)]
+    assert [r.capture_layers_whole(balanced=True) for r in requests] == [8] * 8
+    assert _capture_layers_whole(8, layers, balanced=True) == [8] * 8
     assert [r.capture_layers_whole(balanced=False) for r in requests] == [1 + r for r in range(8)]
+    assert _capture_layers_whole(8, layers, balanced=False) == [1 + r for r in range(8)]
     in_order = PLAN_ENGINE.updated(balanced_captures=False)
     assert requests[0].balanced_context and not dataclasses.replace(requests[0], engine=in_order).balanced_context
     assert not dataclasses.replace(requests[0], mode="exact").balanced_context  # (its capture keeps layer inputs)

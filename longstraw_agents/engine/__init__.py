@@ -28,7 +28,7 @@ from longstraw_agents.state import State, StateGrad
 from .config import EngineConfig, GradAccumulation, checkpoint_spacing, layer_inputs_spacing
 from .engine import Backward, ChunkLoss, Engine
 from .graphs import GraphBank, KeptGraph
-from .shards import Ownership, StateShards, Transport
+from .shards import Ownership, StateShards, Transport, capture_waves
 from .wavefront import LayerInputs
 from .weights import LayerWeights
 
@@ -48,6 +48,7 @@ __all__ = [
     "StateShards",
     "StateSize",
     "Transport",
+    "capture_waves",
     "checkpoint_spacing",
     "layer_inputs_spacing",
     "state_size",

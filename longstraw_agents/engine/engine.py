@@ -99,6 +99,11 @@ class Engine:
         if self.weights is not None:
             self.weights.announce(layers, ahead)
 
+    def start_gather(self) -> None:
+        """``LayerWeights.start_next`` (nothing to do unsharded)."""
+        if self.weights is not None:
+            self.weights.start_next()
+
     def settle(self) -> None:
         """``LayerWeights.settle`` (nothing to do unsharded)."""
         if self.weights is not None:

@@ -5,7 +5,6 @@ schedule down; ``ShardedCapture`` is it."""
 from __future__ import annotations
 
 import collections
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,11 +19,13 @@ from .shards import (
     ChunkOwners,
     Run,
     StateShards,
+    capture_gathers,
     in_position_order,
     incoming_runs,
     outgoing_runs,
     runs_of,
     wavefront_cells,
+    waves,
 )
 from .wavefront import LayerInputs
 
@@ -76,7 +77,8 @@ class ShardedCapture:
     (one run per rank) every message goes to a later rank and a rank computes layer by layer; with a balanced cut
     (``Ownership.cut``: rank r's runs r and 2N - 1 - r) its later run trails its first. A rank sends each peer its
     messages in the order the peer takes them (NCCL matches a pair's messages in posting order), each as soon as it
-    and those before it are ready. A layer's weights are gathered from the rank's first cell of it to its last.
+    and those before it are ready. A layer's weights are gathered once per wave of runs (``waves``: with a balanced
+    cut, the ranks' first runs, then their later ones), whole on a rank from the step they are due to its cell.
 
     Afterwards the owners broadcast the recurrent states every rank's later work reads (the last, and the
     replicated walk's checkpoints); attention rows stay with their owners. Used where the new tokens are at least as
@@ -111,6 +113,10 @@ class ShardedCapture:
         self.after: dict[tuple[int, int], tuple[Tensor, ...]] = {}  # a run's recurrent state, until it is sent
         self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, own runs before) -> that rows message
         self.outbox = {dst: collections.deque(self._messages(dst)) for dst in range(self.ownership.size) if dst != rank}
+        # a layer's weights are gathered once per wave of runs (``capture_gathers``): (wave, layer) this rank computes
+        self.gathers = collections.deque(capture_gathers(self.runs, engine.num_layers))
+        wave_of = {run.index: w for w, wave in enumerate(waves(self.runs)) for run in wave}
+        self.computes = {(wave_of[run.index], i) for run in self.my_runs for i in range(engine.num_layers)}
 
     def run(self, reserve: int) -> State:
         """The child state."""
@@ -121,31 +127,22 @@ class ShardedCapture:
         inputs = (
             LayerInputs.empty(adapter.device, engine.layer_inputs_spacing, self.base) if self.keeps_inputs else None
         )
-        # every rank gathers every layer, in order, starting as many gathers ahead as wavefront steps it trails the
-        # first rank to reach a layer (whose gather waits for every rank's)
-        engine.announce(range(engine.num_layers), ahead=self.my_runs[0].index if self.my_runs else 0)
-        with torch.no_grad(), contextlib.ExitStack() as held:
+        engine.announce([g.layer for g in self.gathers], ahead=0)  # (started as they fall due: ``_start_gathers``)
+        with torch.no_grad():
             shard = _Shard(*self._embedded(), arenas, len(self.mine), engine.num_layers)
             if inputs is not None and self.mine:
                 inputs.positions, inputs.rope = shard.positions, shard.rope
-            gathered: dict[int, contextlib.ExitStack] = {}  # the layers whole, from this rank's first cell to its last
             self._post()  # (the parent's rows, sent before any computing)
             for run, i in wavefront_cells(self.runs, engine.num_layers, self.ownership.rank):
-                if i not in gathered:
-                    gathered[i] = held.enter_context(contextlib.ExitStack())
-                    gathered[i].enter_context(engine.gathered(i))
-                self._cell(shard, run, i, inputs)
+                self._start_gathers(run.index + i)
+                with engine.gathered(i):
+                    self._cell(shard, run, i, inputs)
                 self.done.add((run.index, i))
                 self._post(shard.blocks)
-                if run is self.my_runs[-1]:
-                    gathered.pop(i).close()
                 # a window of messages in flight (a cell's senders are at most a few wavefront steps ahead)
                 self.transport.flush("rows", keep=8 * self.ownership.size**2)
                 self.transport.flush("recurrent", keep=8 * self.ownership.size**2)
-            if not self.my_runs:  # a rank without chunks still joins every gather, in order
-                for i in range(engine.num_layers):
-                    with engine.gathered(i):
-                        pass
+            self._start_gathers(None)  # (a rank joins every gather, computing or not)
             assert not any(self.outbox.values())  # every message sent
             self.transport.flush()
         child = self._records(shard.blocks, shard.recurrent)
@@ -153,6 +150,18 @@ class ShardedCapture:
             inputs.final = shard.h if self.mine else None
             child = child.with_layer_inputs(inputs)
         return child
+
+    def _start_gathers(self, step: int | None) -> None:
+        """Start the gathers due by wavefront step ``step`` (None: every one left), in the order every rank starts
+        them; one this rank computes nothing with is taken and freed at once. A rank thus holds a layer's weights
+        from the step its wave first needs them to its own cell of that wave, never across the steps between its
+        runs, and starts each gather before it can wait on anything a peer computes after that gather is due."""
+        while self.gathers and (step is None or self.gathers[0].due <= step):
+            gather = self.gathers.popleft()
+            self.engine.start_gather()
+            if (gather.wave, gather.layer) not in self.computes:
+                with self.engine.gathered(gather.layer):
+                    pass
 
     def _cell(self, shard: _Shard, run: Run, i: int, inputs: LayerInputs | None) -> None:
         """Layer ``i`` over ``run``'s chunks: what it reads of earlier positions received, its rows appended to the

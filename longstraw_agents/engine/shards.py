@@ -137,6 +137,40 @@ def wavefront_cells(runs: Sequence[Run], layers: int, rank: int) -> list[tuple[R
     return sorted(cells, key=lambda cell: (cell[0].index + cell[1], cell[0].index))
 
 
+@dataclass(frozen=True)
+class Gather:
+    """One gather of a decoder layer's weights in a sharded capture: for the cells of one wave of runs (``waves``),
+    due at the wavefront step of the first of them."""
+
+    layer: int
+    wave: int
+    due: int
+
+
+def waves(runs: Sequence[Run]) -> list[list[Run]]:
+    """A sharded capture's runs in waves of consecutive runs, each holding at most one run of a rank: in rank order
+    one wave; a balanced cut two (the ranks' first runs, then their later ones). A layer is gathered once per wave,
+    so that no rank holds one across the wavefront steps between its runs."""
+    grouped: list[list[Run]] = []
+    for run in runs:
+        if not grouped or any(other.owner == run.owner for other in grouped[-1]):
+            grouped.append([])
+        grouped[-1].append(run)
+    return grouped
+
+
+def capture_waves(owners: Sequence[int]) -> int:
+    """How many times a sharded capture whose chunks are stored by ``owners`` gathers each layer (its ``waves``)."""
+    return len(waves(runs_of(owners)))
+
+
+def capture_gathers(runs: Sequence[Run], layers: int) -> list[Gather]:
+    """Every gather of a sharded capture, in the order every rank posts them: by the step they are due, an earlier
+    layer's later wave first (a rank that does not compute it frees it before the next is posted)."""
+    gathers = [Gather(i, w, wave[0].index + i) for w, wave in enumerate(waves(runs)) for i in range(layers)]
+    return sorted(gathers, key=lambda g: (g.due, -g.wave))
+
+
 def in_position_order(blocks: list[PastBlock]) -> list[PastBlock]:
     """Past blocks as the mixers read them: by position (DSA's top-k breaks ties by it), whichever ranks sent them."""
     return sorted(blocks, key=lambda block: block.start)

@@ -36,6 +36,10 @@ class LayerWeights(Protocol):
         default the sharding's own window, enough for any rank)."""
         ...
 
+    def start_next(self) -> None:
+        """Start the next announced gather now (a schedule that paces its own: ``announce(..., ahead=0)``)."""
+        ...
+
     def settle(self) -> None:
         """End a stretch of ``partial`` blocks: their reductions done (every rank calls it)."""
         ...

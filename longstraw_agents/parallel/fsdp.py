@@ -225,14 +225,29 @@ class LayerGather:
         # partial reductions since the last settle, by id of the shard: (shard, this rank gave a gradient, the shard
         # had one before)
         self._touched: dict[int, tuple[DTensor, bool, bool]] = {}
-        self.most_gathered = 0  # the most layers ever whole at once (the root not counted)
+        self.most_gathered = 0  # the most layers ever whole at once, taken or started ahead (the root not counted)
 
     def announce(self, layers: Sequence[int], ahead: int | None = None) -> None:
-        """The layers the next gathers will be, in order (the same on every rank); starts the first ``ahead`` (by
-        default ``window``)."""
+        """The layers the next gathers will be, in order (the same on every rank; a layer may come again once it
+        is released); starts the first ``ahead`` (by default ``window``)."""
         self.ahead = self.window if ahead is None else ahead
         self._coming.extend(layers)
         self._start_ahead()
+
+    def start_next(self) -> None:
+        """Start the next announced gather now, whatever ``ahead`` says (a schedule that paces its own gathers:
+        ``announce(..., ahead=0)``, then this as each is due). A unit gathers once at a time: its layer must not be
+        whole or in flight on this rank."""
+        layer = self._coming.popleft()
+        if layer in self._started or layer in self._gathered:
+            raise RuntimeError(f"layer {layer}'s gather started while it is whole or in flight on this rank")
+        unit: Any = self.units[layer]  # an FSDPModule (fully_shard changes the class at run time)
+        self._started[layer] = unit.unshard(async_op=True)
+        self._count_whole()
+
+    def _count_whole(self) -> None:
+        whole = len(self._started) + sum(1 for k in self._gathered if k is not None)
+        self.most_gathered = max(self.most_gathered, whole)
 
     def settle(self) -> None:
         """Wait for the partial reductions in flight; a parameter no rank had a gradient for in them (and none
@@ -320,10 +335,10 @@ class LayerGather:
     def _unshard(self, layer: int | None) -> None:
         if layer in self._gathered:
             return
-        if self._coming and layer == self._coming[0]:
-            self._coming.popleft()
         started = self._started.pop(layer, None) if layer is not None else None
         if started is None:
+            if self._coming and layer == self._coming[0]:
+                self._coming.popleft()
             self._unit(layer).unshard()  # (posted now, before any gather started after it: one order on every rank)
         self._gathered.add(layer)  # (a later turn of this layer in the order starts after its release)
         # the next gathers start as this one is taken (a rank that releases a layer only at its later run's cell
@@ -332,14 +347,15 @@ class LayerGather:
         if started is not None:
             started.wait()
         self._whole.setdefault(layer, self._registered(layer))
-        self.most_gathered = max(self.most_gathered, sum(1 for k in self._gathered if k is not None))
+        self._count_whole()
 
     def _start_ahead(self) -> None:
-        """Start the gathers of the next announced layers, up to ``ahead`` of them in flight."""
-        for layer in list(self._coming)[: self.ahead]:
-            if layer not in self._started and layer not in self._gathered:
-                unit: Any = self.units[layer]  # an FSDPModule (fully_shard changes the class at run time)
-                self._started[layer] = unit.unshard(async_op=True)
+        """Start the gathers of the next announced layers, up to ``ahead`` of them in flight, in order: a layer whole
+        or in flight here comes again only after its release (which starts it then)."""
+        while self._coming and len(self._started) < self.ahead:
+            if self._coming[0] in self._started or self._coming[0] in self._gathered:
+                break
+            self.start_next()
 
     def _free(self, layer: int | None) -> None:
         """The whole copy freed (its tensors keep any gradient for a later ``_release``)."""
