@@ -276,7 +276,8 @@ class PlanRequest:
             raise ValueError("expert parallelism at dp > 1 needs hsdp (each dp rank's MoE calls are its own)")
         if self.engine.sharded_extends:
             raise ValueError(
-                "expert parallelism computes every extend replicated: plan it with "
+                "the planner plans expert parallelism with every extend replicated (parallel.expert_dispatch, "
+                "sharded extends whose tokens go to their experts' ranks, is not planned): plan it with "
                 "engine=EngineConfig(..., sharded_extends=False)"
             )
 

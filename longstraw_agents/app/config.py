@@ -170,6 +170,13 @@ class ParallelSpec(BaseModel):
         "extend is then computed replicated (each rank's experts' share of each token, added over the ranks), and "
         "exact mode walks replicated (parallel.experts)",
     )
+    expert_dispatch: bool = Field(
+        False,
+        description="with expert_parallel: compute long extends (the prompt's capture) sharded, each rank its own "
+        "chunks, every MoE call a round of all-to-alls that sends each token to the ranks holding its experts and "
+        "brings their outputs back (exact mode still walks replicated). Not planned by `longstraw plan`, which "
+        "plans expert parallelism's replicated extends; see docs/distributed.md",
+    )
     wavefront_walk: bool = Field(
         True,
         description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
@@ -290,6 +297,8 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _expert_parallel_over_lockstep_cp_ranks(self) -> TrainConfig:
         parallel = self.parallel
+        if parallel.expert_dispatch and not parallel.expert_parallel:
+            raise ValueError("parallel.expert_dispatch sends tokens to their experts' ranks: it needs expert_parallel")
         if not parallel.expert_parallel:
             return self
         if not parallel.fsdp or parallel.cp == 1:
@@ -299,10 +308,10 @@ class TrainConfig(BaseModel):
                 "parallel.expert_parallel at dp > 1 needs hsdp: true (each dp rank's groups differ in shape, so its "
                 "MoE calls cannot meet the other dp ranks')"
             )
-        if parallel.sharded_extend_tokens is not None:
+        if parallel.sharded_extend_tokens is not None and not parallel.expert_dispatch:
             raise ValueError(
                 "parallel.expert_parallel computes every extend replicated: parallel.sharded_extend_tokens would "
-                "shard none, leave it out"
+                "shard none; leave it out, or dispatch tokens to their experts (parallel.expert_dispatch: true)"
             )
         return self
 

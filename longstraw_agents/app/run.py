@@ -379,13 +379,13 @@ class Run:
 def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConfig:
     """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk;
     ``parallel.balanced_captures``: how a capture is cut; ``parallel.sharded_extend_tokens``: which extends are
-    computed sharded; none under ``expert_parallel``)."""
+    computed sharded; none under ``expert_parallel`` unless ``expert_dispatch``)."""
     return EngineConfig(
         chunk_size=chunk,
         wavefront_walk=spec.wavefront_walk,
         balanced_captures=spec.balanced_captures,
         sharded_extend_tokens=spec.sharded_extend_tokens,
-        sharded_extends=not spec.expert_parallel,
+        sharded_extends=spec.expert_dispatch or not spec.expert_parallel,
     )
 
 

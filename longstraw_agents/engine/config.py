@@ -86,16 +86,17 @@ class EngineConfig(BaseModel):
         True,
         description="with context parallelism, cut a sharded extend in 2N parts, rank r computing the r-th and the "
         "(2N - 1 - r)-th: every rank's attention work even (in rank order the last rank's is up to twice the mean), "
-        "at the cost, with sharded weights, of holding each layer from a rank's first cell of it to its last (up "
-        "to 2N - 1 layers whole on rank 0, against N in rank order: `longstraw plan --capture`). An extend the "
+        "at the cost, with sharded weights, of gathering each layer twice (once per wave of runs: N layers whole "
+        "on every rank, against 1 + r on rank r in rank order: `longstraw plan --capture`). An extend the "
         "wavefront walk will walk back is cut in rank order either way. See docs/distributed.md",
     )
     sharded_extends: bool = Field(
         True,
         description="with context parallelism, compute long extends (a capture) sharded; False: every extend "
         "replicated — every rank computes every chunk, attention partials merged, each position's state still "
-        "stored by one rank — so that every rank makes the same layer calls in the same order, which expert "
-        "parallelism's per-call collectives need (parallel.experts); exact mode then walks replicated too",
+        "stored by one rank — so that every rank makes the same layer calls in the same order (expert "
+        "parallelism's default: a MoE call sums each rank's experts' share with one all-reduce; sharded, its MoE "
+        "calls are rounds of all-to-alls instead, parallel.expert_dispatch); exact mode then walks replicated too",
     )
     layer_inputs_every: int | None = Field(
         None,

@@ -23,7 +23,7 @@ from .reverse_walk import ReverseWalk
 from .sharded_capture import ShardedCapture
 from .shards import StateShards, Transport
 from .wavefront import LayerInputs, WavefrontWalk
-from .weights import LayerWeights
+from .weights import ExpertRounds, LayerWeights
 
 # loss_fn(hidden [n, hidden], start, end) -> scalar loss for the tokens at positions [start, end), or None; it gets
 # the final-normed hidden states, not logits, so that it can apply the LM head in tiles (longstraw_agents.logprobs)
@@ -57,8 +57,9 @@ class Engine:
     around the work that uses them (and ``bind`` may take over parts of the layers: expert parallelism's MoE). A
     capture (an extend at least as long as its parent, or than ``EngineConfig.sharded_extend_tokens``) and exact
     mode's walk back over it are computed shard by shard, layer by layer, in a wavefront across the ranks
-    (``ShardedCapture``, ``WavefrontWalk``) — unless ``EngineConfig.sharded_extends`` is off (expert parallelism
-    needs it off); shorter extends and branch replays are replicated, attention combining the ranks' partial
+    (``ShardedCapture``, ``WavefrontWalk``) — unless ``EngineConfig.sharded_extends`` is off (under expert
+    parallelism a sharded extend's MoE calls are rounds of all-to-alls, and exact mode walks replicated); shorter
+    extends and branch replays are replicated, attention combining the ranks' partial
     results. Results equal one process's."""
 
     def __init__(
@@ -79,10 +80,10 @@ class Engine:
         self.shards = shards
         self.weights = weights
         if weights is not None:
-            if weights.lockstep and shards is not None and config.sharded_extends:
+            if weights.lockstep and weights.rounds is None and shards is not None and config.sharded_extends:
                 raise ValueError(
-                    "the weights' sharding needs every rank to make the same layer calls (expert parallelism: each "
-                    "MoE call is a collective), so no extend may be sharded: EngineConfig(sharded_extends=False)"
+                    "the weights' sharding needs every rank to make the same layer calls, so no extend may be "
+                    "sharded: EngineConfig(sharded_extends=False)"
                 )
             weights.bind(self.adapter.layers)
         transport = shards.transport if shards is not None else None
@@ -98,6 +99,11 @@ class Engine:
         """The order of the coming ``gathered`` blocks (``LayerWeights.announce``; nothing to do unsharded)."""
         if self.weights is not None:
             self.weights.announce(layers, ahead)
+
+    @property
+    def rounds(self) -> ExpertRounds | None:
+        """Under expert parallelism, a sharded extend's MoE calls as rounds (``LayerWeights.rounds``)."""
+        return self.weights.rounds if self.weights is not None else None
 
     def start_gather(self) -> None:
         """``LayerWeights.start_next`` (nothing to do unsharded)."""

@@ -5,6 +5,7 @@ schedule down; ``ShardedCapture`` is it."""
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from .wavefront import LayerInputs
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .weights import ExpertRounds
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,9 @@ class ShardedCapture:
         self.engine, self.state, self.ids = engine, state, ids
         self.ownership, self.transport = shards.ownership, shards.transport
         self.base = state.num_tokens
-        self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0
+        self.rounds = engine.rounds  # (expert parallelism: the MoE calls are rounds every rank takes part in)
+        # (the wavefront walk computes with a gradient, which expert rounds do not carry: a replicated walk)
+        self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0 and self.rounds is None
         balanced = engine.config.balanced_captures and not self.keeps_inputs  # (the walk's schedule: rank order)
         pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True, balanced=balanced)
         self.pieces = [(self.base + lo, self.base + hi) for lo, hi, _ in pieces]
@@ -128,20 +132,18 @@ class ShardedCapture:
             LayerInputs.empty(adapter.device, engine.layer_inputs_spacing, self.base) if self.keeps_inputs else None
         )
         engine.announce([g.layer for g in self.gathers], ahead=0)  # (started as they fall due: ``_start_gathers``)
-        with torch.no_grad():
+        with torch.no_grad(), self.rounds.dispatching() if self.rounds else contextlib.nullcontext():
             shard = _Shard(*self._embedded(), arenas, len(self.mine), engine.num_layers)
             if inputs is not None and self.mine:
                 inputs.positions, inputs.rope = shard.positions, shard.rope
             self._post()  # (the parent's rows, sent before any computing)
-            for run, i in wavefront_cells(self.runs, engine.num_layers, self.ownership.rank):
-                self._start_gathers(run.index + i)
-                with engine.gathered(i):
-                    self._cell(shard, run, i, inputs)
-                self.done.add((run.index, i))
-                self._post(shard.blocks)
-                # a window of messages in flight (a cell's senders are at most a few wavefront steps ahead)
-                self.transport.flush("rows", keep=8 * self.ownership.size**2)
-                self.transport.flush("recurrent", keep=8 * self.ownership.size**2)
+            cells = wavefront_cells(self.runs, engine.num_layers, self.ownership.rank)
+            if self.rounds is None:
+                for run, i in cells:
+                    self._start_gathers(run.index + i)
+                    self._computed(shard, run, i, inputs)
+            else:
+                self._in_rounds(shard, cells, self.rounds)
             self._start_gathers(None)  # (a rank joins every gather, computing or not)
             assert not any(self.outbox.values())  # every message sent
             self.transport.flush()
@@ -150,6 +152,37 @@ class ShardedCapture:
             inputs.final = shard.h if self.mine else None
             child = child.with_layer_inputs(inputs)
         return child
+
+    def _computed(self, shard: _Shard, run: Run, i: int, inputs: LayerInputs | None) -> None:
+        """Cell ``(run, i)`` computed with its layer whole, and the messages it readies posted."""
+        with self.engine.gathered(i):
+            self._cell(shard, run, i, inputs)
+        self.done.add((run.index, i))
+        self._post(shard.blocks)
+        # a window of messages in flight (a cell's senders are at most a few wavefront steps ahead)
+        self.transport.flush("rows", keep=8 * self.ownership.size**2)
+        self.transport.flush("recurrent", keep=8 * self.ownership.size**2)
+
+    def _in_rounds(self, shard: _Shard, cells: list[tuple[Run, int]], rounds: ExpertRounds) -> None:
+        """Under expert parallelism: every rank walks every wavefront step, making at each as many MoE rounds as
+        the rank with the most MoE calls in it (a call per chunk of a cell at a MoE layer), idle ones after its
+        own cells."""
+        steps = len(self.runs) + self.engine.num_layers - 1
+        calls = [[0] * self.ownership.size for _ in range(steps)]
+        for run in self.runs:
+            for i in rounds.routed:
+                calls[run.index + i][run.owner] += len(run.chunks)
+        mine: dict[int, list[tuple[Run, int]]] = collections.defaultdict(list)
+        for run, i in cells:
+            mine[run.index + i].append((run, i))
+        for step in range(steps):
+            self._start_gathers(step)
+            made = rounds.calls
+            for run, i in mine[step]:
+                self._computed(shard, run, i, None)
+            assert rounds.calls - made == calls[step][self.ownership.rank]  # (a MoE call per chunk of a cell)
+            for _ in range(max(calls[step]) - calls[step][self.ownership.rank]):
+                rounds.idle(shard.h)
 
     def _start_gathers(self, step: int | None) -> None:
         """Start the gathers due by wavefront step ``step`` (None: every one left), in the order every rank starts

@@ -19,6 +19,32 @@ from torch import Tensor, nn
 from longstraw_agents.models.base import DecoderLayer
 
 
+class ExpertRounds(Protocol):
+    """Under expert parallelism, a sharded extend's MoE calls (each rank its own tokens) as rounds every rank takes
+    part in, each sending its tokens to the ranks holding their experts and serving the others'
+    (``parallel.experts.ExpertExchange``). The engine makes as many rounds on every rank at each wavefront step:
+    ``idle`` ones where a rank has fewer calls."""
+
+    calls: int  # rounds with this rank's tokens so far
+
+    @property
+    def routed(self) -> frozenset[int]:
+        """The layers whose MoE calls are rounds."""
+        ...
+
+    def bind(self, layers: Sequence[DecoderLayer]) -> None:
+        """Take over each MoE layer's routed experts (``MoE.routed``)."""
+        ...
+
+    def dispatching(self) -> AbstractContextManager[None]:
+        """MoE calls as rounds for the block (no gradient)."""
+        ...
+
+    def idle(self, like: Tensor) -> None:
+        """A round without tokens of this rank's (``like``: hidden states, for their width, dtype and device)."""
+        ...
+
+
 class LayerWeights(Protocol):
     """A decoder layer's weights whole only while used; its gradient reduced into the shards when its backward is
     done. Every rank of the shard mesh makes the same calls in the same order."""
@@ -47,7 +73,12 @@ class LayerWeights(Protocol):
     @property
     def lockstep(self) -> bool:
         """Whether every rank must make the same layer calls in the same order (expert parallelism: each MoE call
-        is a collective), so that no extend may be sharded (``EngineConfig.sharded_extends=False``)."""
+        is a collective): a sharded extend then runs its MoE calls as ``rounds``."""
+        ...
+
+    @property
+    def rounds(self) -> ExpertRounds | None:
+        """Under expert parallelism, the MoE calls of a sharded extend as rounds."""
         ...
 
     def bind(self, layers: Sequence[DecoderLayer]) -> None:

@@ -8,23 +8,28 @@ whole, computes them, and never gathers the others'.
   ``r·E/cp .. (r+1)·E/cp - 1`` whole, with their master weights, gradients and optimizer state. ``LayerGather``
   gathers a layer without its nested units: what a gather moves and holds shrinks by the experts' share of the
   layer (most of a GLM-5.2 layer).
-- **Compute** (``ExpertShard``, each MoE's ``routed``): the engine computes every extend replicated
-  (``EngineConfig.sharded_extends=False``), so every cp rank holds the same tokens and routing and makes the same
-  MoE calls in the same order. Each rank computes its own experts' share of each token's sum (``MoE.experts_of``)
-  and one all-reduce over the cp ranks adds the shares (tokens are not dispatched: every rank has them all). In
+- **Compute, replicated** (``ExpertShard``, each MoE's ``routed``): an extend computed replicated (branch replays,
+  scoring, turns, exact mode's walk; every extend with ``EngineConfig.sharded_extends=False``) has every cp rank
+  hold the same tokens and routing and make the same MoE calls in the same order. Each rank computes its own
+  experts' share of each token's sum (``MoE.experts_of``) and one all-reduce over the cp ranks adds the shares. In
   backward the shares' inputs (the tokens and their routing weights) get gradients summed over the ranks (each
   rank's experts give part of them); an expert's weights get theirs on the rank that holds it, complete — no
   reduction, no division by the replicas replicated work is divided by. A rank whose experts no token chose gives
   them zeros in that call's backward, as one process's stacked weights get a gradient whenever any expert of the
   layer is chosen.
-- **Not built**: dispatching tokens by all-to-all, which sharded compute needs (each rank a different shard of
-  the tokens: a capture's, exact mode's wavefront walk); expert parallelism over dp ranks without HSDP (their
-  groups differ in shape, so their MoE calls do not line up: ``parallel.lanes`` serves gathers, not experts).
+- **Compute, sharded** (``ExpertExchange``: ``parallel.expert_dispatch``): a sharded extend (a capture: each rank
+  its own chunks, no gradient) makes each MoE call a round of all-to-alls — every token goes to the ranks holding
+  its chosen experts and their outputs come back (``ExpertExchange`` says how) — the engine making as many rounds
+  on every rank at each wavefront step (``ShardedCapture``).
+- **Not built**: dispatch under autograd (exact mode's wavefront walk: under expert parallelism exact mode walks
+  replicated); expert parallelism over dp ranks without HSDP (their groups differ in shape, so their MoE calls do
+  not line up: ``parallel.lanes`` serves gathers, not experts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -72,22 +77,24 @@ class ExpertShard:
         first: int,
         per_rank: int,
         offloaded: bool = False,
+        layer: int = 0,
+        exchange: ExpertExchange | None = None,
     ):
         self.moe, self.group, self.compute_dtype = moe, group, compute_dtype
         self.first, self.per_rank = first, per_rank
         self.offloaded = offloaded  # the shards on the host: each use copies them in (also where host is device)
+        self.layer, self.exchange = layer, exchange  # (the sharded extends' rounds: ``ExpertExchange``)
 
     @classmethod
-    def over(
-        cls, moe: MoE, group: dist.ProcessGroup, compute_dtype: torch.dtype | None, offloaded: bool
-    ) -> ExpertShard:
+    def over(cls, moe: MoE, layer: int, exchange: ExpertExchange) -> ExpertShard:
         gate_up = moe.experts.gate_up_proj
         if not isinstance(gate_up, DTensor):
             raise ValueError("expert parallelism needs the experts sharded (fsdp.shard_model(experts=True))")
         dim = _expert_dim(gate_up)
         per_rank = moe.num_experts // gate_up.device_mesh.size(dim)
         first = gate_up.device_mesh.get_local_rank(dim) * per_rank
-        return cls(moe, group, compute_dtype, first, per_rank, offloaded)
+        group, dtype, host = exchange.group, exchange.compute_dtype, exchange.offloaded
+        return cls(moe, group, dtype, first, per_rank, host, layer, exchange)
 
     @classmethod
     def planned(cls, moe: MoE, ranks: int) -> ExpertShard:
@@ -104,6 +111,8 @@ class ExpertShard:
         return any(p.requires_grad for p in self.params)
 
     def __call__(self, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
+        if self.exchange is not None and self.exchange.active:  # (a sharded extend: each rank its own tokens)
+            return self.exchange.call(self.layer, x, top_idx, weights)
         if torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad or self.trains):
             if not (x.requires_grad or weights.requires_grad):  # (so that the node's backward runs: the experts')
                 x = x.detach().requires_grad_()
@@ -113,6 +122,11 @@ class ExpertShard:
     def share(self, top_idx: Tensor, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
         """This rank's experts' part of each token's sum."""
         return self.moe.experts_of(x, top_idx, weights, gate_up, down, self.first)
+
+    def each(self, x: Tensor, experts: Tensor) -> Tensor:
+        """Row k of ``x`` through expert ``experts[k]`` (one of this rank's), unweighted."""
+        ones = torch.ones(len(experts), 1, dtype=x.dtype, device=x.device)
+        return self.share(experts[:, None], x, ones, *self.local_weights(x))
 
     def summed(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over the ranks, in place."""
@@ -154,18 +168,89 @@ class ExpertShard:
         return moved.to(dtype=self.compute_dtype or local.dtype)
 
 
-def expert_binding(model: nn.Module, group: dist.ProcessGroup) -> Callable[[Sequence[Any]], None]:
-    """What ``LayerGather.bind`` does under expert parallelism: an ``ExpertShard`` over ``group`` (the cp ranks) in
-    place of each MoE layer's ``routed`` (an engine's ``adapter.layers``), computing in ``model``'s compute dtype
-    from its shards (offloaded or not)."""
-    dtype, host = compute_dtype(model), offloaded(model)
+class ExpertExchange:
+    """The MoE layers' ``ExpertShard``s of one model over ``group`` (the cp ranks), and the engine's ``CallRounds``
+    for its sharded extends (``engine.ShardedCapture``), where each rank computes its own tokens.
 
-    def bind(layers: Sequence[Any]) -> None:
-        for layer in layers:
+    Replicated work (every rank the same tokens) sums each rank's experts' share with one all-reduce per MoE call.
+    In a sharded extend (no gradient) each MoE call is a *round* of all-to-alls instead, as DeepSpeed-MoE and
+    torchtitan dispatch tokens: the rank sends each token, once per chosen expert, to the rank holding that expert
+    (with a header naming its layer: peers may be at other layers of the wavefront), computes what it received with
+    its own experts of the sender's layer, sends the outputs back, and adds each token's, weighted by the router, in
+    expert order (one process's order). Every rank makes the same number of rounds (``idle`` where it has fewer
+    calls: it still serves the others')."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup):
+        self.group = group
+        self.compute_dtype, self.offloaded = compute_dtype(model), offloaded(model)
+        self.shards: dict[int, ExpertShard] = {}  # layer -> its MoE's routed experts here
+        self.active = False
+        self.calls = 0  # rounds with tokens of this rank's (its MoE calls in sharded extends)
+
+    def bind(self, layers: Sequence[Any]) -> None:
+        """What ``LayerGather.bind`` does under expert parallelism: an ``ExpertShard`` in place of each MoE layer's
+        ``routed`` (an engine's ``adapter.layers``), computing in the model's compute dtype from its shards."""
+        for i, layer in enumerate(layers):
             if isinstance(layer.mlp, MoE):
-                layer.mlp.routed = ExpertShard.over(layer.mlp, group, dtype, host)
+                layer.mlp.routed = self.shards[i] = ExpertShard.over(layer.mlp, i, self)
 
-    return bind
+    @property
+    def routed(self) -> frozenset[int]:
+        """The layers whose MoE calls are rounds."""
+        return frozenset(self.shards)
+
+    @contextlib.contextmanager
+    def dispatching(self) -> Iterator[None]:
+        """MoE calls as rounds for the block (a sharded extend; no gradient)."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("expert rounds dispatch tokens without a gradient (a sharded extend's)")
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def call(self, layer: int, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
+        """Layer ``layer``'s routed experts' sum for this rank's tokens ``x``: a round."""
+        self.calls += 1
+        flat = top_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (expert order: a token's outputs are added as one process adds)
+        experts = flat[order]
+        tokens = torch.div(order, top_idx.shape[1], rounding_mode="floor")
+        answers = self._round(layer, x[tokens], experts)
+        weighted = (answers * weights.reshape(-1)[order][:, None]).to(x.dtype)  # (as ``MoE.experts_of`` weighs)
+        return torch.zeros_like(x).index_add_(0, tokens, weighted)
+
+    def idle(self, like: Tensor) -> None:
+        """A round without tokens of this rank's (``like``: hidden states, for their width, dtype and device): it
+        serves the others'."""
+        self._round(-1, like.new_empty(0, like.shape[-1]), torch.empty(0, dtype=torch.int64, device=like.device))
+
+    def _round(self, layer: int, rows: Tensor, experts: Tensor) -> Tensor:
+        """Send each of ``rows`` to the rank holding its expert (``experts``, ascending), serve what the peers sent,
+        and return the answers, row for row."""
+        size = dist.get_world_size(self.group)
+        per_rank = next(iter(self.shards.values())).per_rank
+        sent = torch.bincount(torch.div(experts, per_rank, rounding_mode="floor"), minlength=size)
+        header = torch.stack([torch.full_like(sent, layer), sent], dim=1)
+        heard = torch.empty_like(header)
+        dist.all_to_all_single(heard, header, group=self.group)
+        layers, counts = heard[:, 0].tolist(), heard[:, 1].tolist()
+        out_splits = sent.tolist()
+        taken = rows.new_empty(sum(counts), rows.shape[1])
+        dist.all_to_all_single(taken, rows.contiguous(), counts, out_splits, group=self.group)
+        taken_experts = experts.new_empty(sum(counts))
+        dist.all_to_all_single(taken_experts, experts.contiguous(), counts, out_splits, group=self.group)
+        served = torch.empty_like(taken)
+        at = 0
+        for peer_layer, count in zip(layers, counts, strict=True):
+            if count:
+                part = slice(at, at + count)
+                served[part] = self.shards[peer_layer].each(taken[part], taken_experts[part]).to(served.dtype)
+                at += count
+        answers = torch.empty_like(rows)
+        dist.all_to_all_single(answers, served, out_splits, counts, group=self.group)
+        return answers
 
 
 def _expert_dim(param: DTensor) -> int:

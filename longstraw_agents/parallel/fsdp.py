@@ -35,7 +35,7 @@ import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Partial, Placement
 
 from longstraw_agents.memory import host_placement
+
+if TYPE_CHECKING:
+    from longstraw_agents.engine.weights import ExpertRounds
 
 
 def shard_model(
@@ -186,8 +189,8 @@ class LayerGather:
     unreduced (a gradient that reaches none of its inputs) has it reduced at its end.
 
     ``replicas``: how many ranks compute the same gradient in replicated work (cp); ``partial=True`` blocks hold
-    each rank's share of a sum instead (the wavefront walk). ``binding``: what ``bind`` does to the engine's layers
-    (expert parallelism: a layer's nested expert units are never gathered, each rank computes its own).
+    each rank's share of a sum instead (the wavefront walk). ``experts``: expert parallelism (a layer's nested expert
+    units are never gathered, each rank computes its own: ``bind`` hands them to the engine's layers).
     The gathers and reductions are collectives over the shard mesh: every rank must make the same calls in the same
     order, computing or not.
 
@@ -204,10 +207,12 @@ class LayerGather:
         model: nn.Module,
         replicas: int,
         window: int | None = None,
-        binding: Callable[[Sequence[Any]], None] | None = None,
+        experts: ExpertRounds | None = None,
     ):
         self.model, self.replicas = model, replicas
-        self.binding = binding  # what ``bind`` does to the engine's layers (expert parallelism: ``parallel.experts``)
+        # expert parallelism (``parallel.experts.ExpertExchange``): bound to the engine's layers, the MoE calls'
+        # rounds in sharded extends
+        self.experts = experts
         self.host = offloaded(model)  # the shards' gradients live on the host
         self.window = prefetch_window(replicas) if window is None else window
         self.ahead = self.window  # gathers started ahead (``announce``)
@@ -297,13 +302,18 @@ class LayerGather:
 
     @property
     def lockstep(self) -> bool:
-        """With a ``binding`` (expert parallelism) every rank must make the same layer calls."""
-        return self.binding is not None
+        """Under expert parallelism every rank must make the same layer calls."""
+        return self.experts is not None
+
+    @property
+    def rounds(self) -> ExpertRounds | None:
+        """Under expert parallelism, the MoE calls of a sharded extend as rounds (``parallel.experts``)."""
+        return self.experts
 
     def bind(self, layers: Sequence[Any]) -> None:
-        """With a ``binding``: each MoE layer's routed experts computed where they are held (``parallel.experts``)."""
-        if self.binding is not None:
-            self.binding(layers)
+        """Under expert parallelism: each MoE layer's routed experts computed where they are held."""
+        if self.experts is not None:
+            self.experts.bind(layers)
 
     def root_parameters(self) -> list[nn.Parameter]:
         """The parameters outside the decoder layers, as registered now (whole while the root is gathered)."""

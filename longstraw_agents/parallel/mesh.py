@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from longstraw_agents.parallel.context import ContextParallel, PairChannels
-from longstraw_agents.parallel.experts import check_experts_divide, expert_binding, experts_sharded
+from longstraw_agents.parallel.experts import ExpertExchange, check_experts_divide, experts_sharded
 from longstraw_agents.parallel.fsdp import (
     HSDP_WITHOUT_CP,
     LayerGather,
@@ -142,12 +142,12 @@ class ParallelMesh:
         if not is_sharded(model):
             return WeightSharding(model, None, replicas)
         dp = self.mesh["dp"].size()
-        binding = None
+        experts = None
         if experts_sharded(model):
             self._check_expert_parallel()
-            binding = expert_binding(model, self.cp_group)
+            experts = ExpertExchange(model, self.cp_group)
         if dp == 1 or self.hsdp:
-            gather = LayerGather(model, replicas, binding=binding)
+            gather = LayerGather(model, replicas, experts=experts)
             return WeightSharding(model, gather, replicas, replicated=self.hsdp)
         lanes = LaneGroups.over(self.shard_mesh, self.mesh.mesh.tolist(), role)
         return WeightSharding(model, LaneGather(model, replicas, lanes), replicas)

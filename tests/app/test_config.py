@@ -15,6 +15,7 @@ from tiny_runs import ENV_ID, tiny_config, tiny_config_dict
 from transformers import LlamaConfig
 
 from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, load_config, validation_lines
+from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.training import train
 from longstraw_agents.tokenizer import ENDOFTEXT, load_tokenizer
 
@@ -342,3 +343,14 @@ def test_expert_parallel_needs_fsdp_over_lockstep_cp_ranks() -> None:
         tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "fsdp": True, "hsdp": True, "expert_parallel": True})
     )
     assert config.parallel.expert_parallel
+    assert not context_parallel_engine_config(config.parallel, 64).sharded_extends  # (every extend replicated)
+
+
+def test_expert_dispatch_shards_long_extends_under_expert_parallelism() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"expert_dispatch .* needs expert_parallel"):
+        alone = {"cp": 2, "fsdp": True, "expert_dispatch": True}
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=alone))
+    parallel = {"cp": 2, "fsdp": True, "expert_parallel": True, "expert_dispatch": True, "sharded_extend_tokens": 64}
+    config = TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=parallel))
+    engine = context_parallel_engine_config(config.parallel, 64)
+    assert engine.sharded_extends and engine.sharded_extend_tokens == 64

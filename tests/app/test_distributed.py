@@ -112,7 +112,7 @@ NEEDLE = {"id": "LongStraw/NeedleSearch-v0", "kwargs": {"target_tokens": 4096, "
 @pytest.mark.parametrize(
     ("offload", "agents", "experts"),
     [(False, True, False), (True, False, True)],
-    ids=["on-the-device-agents", "offloaded-experts"],
+    ids=["on-the-device-agents", "offloaded-dispatched-experts"],
 )
 def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: bool, agents: bool, experts: bool) -> None:
     """``longstraw train`` with ``parallel: {dp: 1, cp: 2, fsdp: true}`` (the published run's shape, fp64), and with
@@ -124,14 +124,16 @@ def test_a_run_over_two_cp_ranks_equals_one_process(tmp_path: Path, offload: boo
     ``agents``: NeedleSearch episodes whose members part at once and grow several times the shared part, turn by
     turn, in exact mode over 64-token chunks (each member's history spread over both ranks, turns of 64 tokens or
     more computed sharded). ``experts``: the MoE family (a dense layer, then one of 8 experts) with
-    ``expert_parallel: true``, each cp rank holding and computing 4 of them, sampling and training replicated."""
+    ``expert_parallel: true``, each cp rank holding and computing 4 of them, and ``expert_dispatch: true``: the
+    prompt's captures (sampling's and training's) sharded, each token sent to its experts' rank and back; the
+    rest replicated."""
     runs = {}
     for name, parallel in (("cp2", {"dp": 1, "cp": 2, "fsdp": True, "offload": offload}), ("one", {})):
         env = {"env": NEEDLE} if agents else {}
         if agents and parallel:
             parallel = {**parallel, "sharded_extend_tokens": 64}
         if experts and parallel:
-            parallel = {**parallel, "expert_parallel": True}
+            parallel = {**parallel, "expert_parallel": True, "expert_dispatch": True}
         settings = tiny_config_dict(tmp_path / name, parallel=parallel, steps=1, groups_per_step=1, **env)
         settings["model"] = {**settings["model"], "max_context": 8192 if agents else 1024, "dtype": "float64"}
         if experts:

@@ -45,9 +45,11 @@ def test_experts_must_divide_over_the_ranks_and_exist() -> None:
 
 
 class _BindingWeights:
-    """Weights whose sharding takes over the experts (as ``LayerGather(binding=...)`` does)."""
+    """Weights whose sharding takes over the experts and needs every rank's layer calls alike, with no rounds for a
+    sharded extend's (``LayerGather(experts=...)`` has them: ``ExpertExchange``)."""
 
     lockstep = True
+    rounds = None
 
     def __init__(self) -> None:
         self.bound = False
@@ -56,10 +58,10 @@ class _BindingWeights:
         self.bound = True
 
 
-def test_an_engine_under_expert_parallelism_refuses_sharded_extends() -> None:
+def test_an_engine_refuses_sharded_extends_where_the_sharding_has_no_rounds() -> None:
     """Each MoE call is a collective of the cp ranks: an extend computed sharded (each rank its own tokens, at its
-    own time) would break it, so the engine refuses a config that would shard one — before the weights take over
-    any layer."""
+    own time) needs its calls made as rounds, so without them the engine refuses a config that would shard one —
+    before the weights take over any layer."""
     model = tiny_model("glm_moe_dsa", dtype=torch.float64, seed=0)
     shards = SimpleNamespace(transport=None)
     refused = _BindingWeights()

@@ -42,6 +42,7 @@ def make_trainer(
     expert_parallel: bool = False,
     mode: str | None = None,
     routed_to_first_half: bool = False,
+    dispatched: bool = False,
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
     ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
@@ -49,7 +50,8 @@ def make_trainer(
     before sharding, as ``Run`` takes it; the trainer shards it as the policy); with ``expert_parallel``, each cp
     rank holds and computes its own experts (every extend replicated); ``mode``: the trainer's (None: its
     default); ``routed_to_first_half``: every token's experts among the first half of each MoE layer's (a router
-    bias: the first of two cp ranks' under expert parallelism, the other's never chosen)."""
+    bias: the first of two cp ranks' under expert parallelism, the other's never chosen); ``dispatched``: under
+    expert parallelism, the prompt's capture sharded, its tokens dispatched to their experts' ranks."""
     model = tiny_model(family, dtype=torch.float64, seed=0)
     if routed_to_first_half:
         for layer in model.model.layers:
@@ -74,7 +76,7 @@ def make_trainer(
     )
     policy: torch.nn.Module | Engine = model
     if mesh is not None and mesh.mesh["cp"].size() > 1:
-        engine = EngineConfig(chunk_size=CHUNK, sharded_extends=not expert_parallel)
+        engine = EngineConfig(chunk_size=CHUNK, sharded_extends=dispatched or not expert_parallel)
         policy = Engine(model, engine, shards=ContextParallel(mesh.cp_group, mesh.cp_channels))
     return GRPOTrainer(policy, config, ref_model=reference, accelerator=accelerator, mesh=mesh)
 
@@ -185,6 +187,12 @@ def _moe_layers(trainer: GRPOTrainer) -> list[Any]:
     return [layer for layer in trainer.engine.adapter.layers if hasattr(layer.mlp, "routed")]
 
 
+def _expert_rounds(trainer: GRPOTrainer) -> int:
+    """The policy's MoE calls made as rounds (a sharded extend's, tokens dispatched to their experts' ranks)."""
+    exchanges = {id(ex): ex for ex in (getattr(layer.mlp.routed, "exchange", None) for layer in _moe_layers(trainer))}
+    return sum(ex.calls for ex in exchanges.values() if ex is not None)
+
+
 def _listing(directory: Path) -> list[str]:
     return sorted(str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file())
 
@@ -217,6 +225,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
         spec.get("expert_parallel", False),
         spec.get("mode"),
         spec.get("routed_to_first_half", False),
+        spec.get("dispatched", False),
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])
@@ -243,6 +252,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             "expert_units": sum(isinstance(unit, FSDPModule) for unit in expert_units(model)),
             "experts_unsharded": unshards[0],
             "routed": sorted({type(layer.mlp.routed).__name__ for layer in _moe_layers(trainer)}),
+            "expert_rounds": _expert_rounds(trainer),
             "resumed": resumed,
             # (the dtypes AdamW steps in: the parameters it holds and its moments)
             "stepped_dtypes": sorted(

@@ -156,12 +156,24 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
 
 
 @pytest.mark.parametrize(
-    ("dp", "cp", "hsdp", "mode", "beta", "first_half"),
-    [(1, 2, False, "exact", 0.1, False), (2, 2, True, "detached", 0.0, False), (1, 2, False, "detached", 0.0, True)],
-    ids=["dp1xcp2-exact-kl", "dp2xcp2-hsdp-detached", "dp1xcp2-detached-one-ranks-experts-only"],
+    ("dp", "cp", "hsdp", "mode", "beta", "first_half", "dispatched"),
+    [
+        (1, 2, False, "exact", 0.1, False, False),
+        (2, 2, True, "detached", 0.0, False, False),
+        (1, 2, False, "detached", 0.0, True, True),
+        (1, 2, False, "exact", 0.1, False, True),
+        (1, 4, False, "detached", 0.0, False, True),
+    ],
+    ids=[
+        "dp1xcp2-exact-kl",
+        "dp2xcp2-hsdp-detached",
+        "dp1xcp2-detached-one-ranks-experts-only-dispatched",
+        "dp1xcp2-exact-kl-dispatched",
+        "dp1xcp4-detached-dispatched",
+    ],
 )
 def test_expert_parallel_equals_one_process_and_each_cp_rank_holds_its_experts(
-    tmp_path, dp, cp, hsdp, mode, beta, first_half
+    tmp_path, dp, cp, hsdp, mode, beta, first_half, dispatched
 ):
     """Expert parallelism (parallel.experts) on the MoE family: each cp rank holds 4 of each MoE layer's 8 experts
     whole (its master weights, gradient and AdamW state), computes them on every token (each extend replicated)
@@ -170,9 +182,11 @@ def test_expert_parallel_equals_one_process_and_each_cp_rank_holds_its_experts(
     layer is still gathered at a time for the rest of its weights. With HSDP the dp replicas sum their experts'
     gradients as every other shard's. ``first_half``: a router bias sends every token to the first cp rank's
     experts, so the other's share is zeros and its experts get a zero gradient (as one process's stacked weights
-    do: AdamW's weight decay still moves them)."""
+    do: AdamW's weight decay still moves them). ``dispatched``: the prompt's capture sharded (each rank its own
+    chunks), each MoE call a round of all-to-alls sending every token to its experts' ranks and back; exact mode
+    then walks replicated."""
     spec = {"normalization": "group", "fsdp": True, "family": "glm_moe_dsa", "hsdp": hsdp, "mode": mode}
-    spec |= {"routed_to_first_half": first_half}
+    spec |= {"routed_to_first_half": first_half, "dispatched": dispatched}
     ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, beta=beta, expert_parallel=True, **spec)
     one = make_trainer("group", family="glm_moe_dsa", beta=beta, mode=mode, routed_to_first_half=first_half)
     grad_norm = one.train_step(step_groups(one)).grad_norm
@@ -184,6 +198,7 @@ def test_expert_parallel_equals_one_process_and_each_cp_rank_holds_its_experts(
         assert 1 <= result["most_gathered"] <= prefetch_window(cp) + 1, rank
         assert (result["expert_units"], result["experts_unsharded"]) == (2, 0), rank  # never gathered
         assert result["routed"] == ["ExpertShard"], rank
+        assert (result["expert_rounds"] > 0) == dispatched, rank
     experts = {name: shape for name, (_, shape) in ranks[0]["sizes"].items() if ".mlp.experts." in name}
     assert len(experts) == 4  # two MoE layers' stacked gate/up and down projections
     for name, shape in experts.items():
