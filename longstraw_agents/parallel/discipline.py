@@ -257,16 +257,25 @@ class _Recorder:
         self._patch(dist, "batch_isend_irecv", batched)
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
-        self._originals[(owner, name)] = getattr(owner, name)
+        # a class's own attribute as it is stored (read through the class, a pybind11 method comes back unbound:
+        # set back, it would no longer bind to the instance), or none where it is inherited
+        own = vars(owner).get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
+        self._originals[(owner, name)] = own
         setattr(owner, name, replacement)
 
     def uninstall(self) -> None:
         for (owner, name), original in self._originals.items():
-            setattr(owner, name, original)
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         self._originals.clear()
         for file in self._files.values():
             os.close(file.fd)
         self._files.clear()
+
+
+_INHERITED = object()  # (a patched class attribute that was its base class's)
 
 
 def _world_token(default_group: Any) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from discipline_worker import run
@@ -208,15 +209,25 @@ def test_a_partial_last_line_of_a_killed_process_is_skipped(tmp_path: Path) -> N
 
 
 def test_recording_patches_the_process_group_only_while_active(tmp_path: Path, monkeypatch) -> None:
+    """The methods come back as they were, still bound to a group: a collective after a recording works."""
     monkeypatch.delenv(LOG_ENV, raising=False)
     original = dist.ProcessGroup.allreduce
-    with record_to(tmp_path / "outer"):
-        patched = dist.ProcessGroup.allreduce
-        assert patched is not original
-        with record_to(tmp_path / "inner"):
-            assert discipline._RECORDER.destinations[-1] == (tmp_path / "inner").resolve()
-        assert discipline._RECORDER.destinations[-1] == (tmp_path / "outer").resolve()
-    assert dist.ProcessGroup.allreduce is original
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with record_to(tmp_path / "outer"):
+            patched = dist.ProcessGroup.allreduce
+            assert patched is not original
+            with record_to(tmp_path / "inner"):
+                assert discipline._RECORDER.destinations[-1] == (tmp_path / "inner").resolve()
+            assert discipline._RECORDER.destinations[-1] == (tmp_path / "outer").resolve()
+            dist.all_reduce(torch.ones(2))
+        assert dist.ProcessGroup.allreduce is original
+        summed = torch.ones(2)
+        dist.all_reduce(summed)
+        dist.barrier()
+        assert summed.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
     monkeypatch.setenv(LOG_ENV, str(tmp_path / "env"))
     recording = record_from_env()
     assert recording is not None and record_from_env() is None  # once per destination
