@@ -290,11 +290,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from longstraw_agents.planner import CONTEXT_SEARCH_LIMIT, PLAN_ENGINE, PlanRequest, longest_context, plan_memory
 
     try:
+        if args.expert_dispatch and not args.expert_parallel:
+            raise ValueError("--expert-dispatch sends tokens to their experts' ranks: it needs --expert-parallel")
         engine = PLAN_ENGINE.updated(
             chunk_size=args.chunk, checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
             activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
             balanced_captures=args.capture == "balanced",
-            sharded_extends=not args.expert_parallel,
+            sharded_extends=args.expert_dispatch or not args.expert_parallel,
         )  # fmt: skip
         request = PlanRequest(
             model=args.model, context=args.context, group=args.group, completion=args.completion,
@@ -478,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-parallel", action="store_true",
         help="each cp rank holds whole experts, never gathered, and computes every extend replicated "
         "(parallel.expert_parallel; a mixture of experts, dp = 1 or --hsdp)",
+    )  # fmt: skip
+    p.add_argument(
+        "--expert-dispatch", action="store_true",
+        help="with --expert-parallel: long extends sharded, each MoE call sending its tokens to their experts' "
+        "ranks by all-to-all (parallel.expert_dispatch); exact mode walks replicated",
     )  # fmt: skip
     p.add_argument(
         "--cp-rank", type=int, default=None,

@@ -34,6 +34,7 @@ of their layer pattern, and extrapolates:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -53,7 +54,7 @@ from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.mla import MoE
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
-from longstraw_agents.parallel.experts import ExpertShard
+from longstraw_agents.parallel.experts import ExpertShard, PlannedExchange
 from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, prefetch_window
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
@@ -104,8 +105,9 @@ class PlanRequest:
     # FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW's state on the host
     offload: bool = False
     hsdp: bool = False  # FSDP2 over each dp rank's cp ranks, replicated over dp (parallel.hsdp)
-    # each cp rank holds whole experts, never gathered (parallel.experts; every extend replicated: the engine needs
-    # sharded_extends=False)
+    # each cp rank holds whole experts, never gathered (parallel.experts): every extend replicated (the engine's
+    # sharded_extends=False), or long ones sharded with their tokens dispatched to their experts' ranks
+    # (sharded_extends=True: parallel.expert_dispatch); exact mode walks replicated either way
     expert_parallel: bool = False
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
@@ -157,9 +159,21 @@ class PlanRequest:
         return self.context_parallel > 1 and self.engine.sharded_extends
 
     @property
+    def dispatched(self) -> bool:
+        """Under expert parallelism, whether long extends run sharded, each MoE call a round of all-to-alls
+        (``parallel.experts.ExpertExchange``)."""
+        return self.expert_parallel and self.sharded_extends
+
+    @property
+    def keeps_layer_inputs(self) -> bool:
+        """Whether an exact-mode capture keeps layer inputs for the wavefront walk (``EngineConfig.wavefront_walk``;
+        not under expert parallelism, whose rounds carry no gradient: its walk is replicated)."""
+        return self.engine.wavefront_walk and not self.expert_parallel
+
+    @property
     def wavefront(self) -> bool:
         """Whether exact mode's walk runs as a wavefront over the cp ranks (their captures kept layer inputs)."""
-        return self.mode == "exact" and self.engine.wavefront_walk and self.sharded_extends
+        return self.mode == "exact" and self.keeps_layer_inputs and self.sharded_extends
 
     def shards_by_threshold(self, n: int) -> bool:
         least = self.engine.sharded_extend_tokens
@@ -188,7 +202,7 @@ class PlanRequest:
     def balanced_history(self) -> bool:
         """Whether a member's history captured sharded is cut balanced: not where the wavefront walk takes it back
         (a long loss node, in either mode, with ``EngineConfig.wavefront_walk``)."""
-        return self.engine.balanced_captures and not self.engine.wavefront_walk
+        return self.engine.balanced_captures and not self.keeps_layer_inputs
 
     def step_capture_cuts(self) -> list[bool]:
         """How the step's sharded captures are cut (balanced or not): the context's, and a member's history's."""
@@ -274,12 +288,6 @@ class PlanRequest:
             raise ValueError("expert parallelism cuts the experts over the cp ranks: it needs cp > 1")
         if self.data_parallel > 1 and not self.hsdp:
             raise ValueError("expert parallelism at dp > 1 needs hsdp (each dp rank's MoE calls are its own)")
-        if self.engine.sharded_extends:
-            raise ValueError(
-                "the planner plans expert parallelism with every extend replicated (parallel.expert_dispatch, "
-                "sharded extends whose tokens go to their experts' ranks, is not planned): plan it with "
-                "engine=EngineConfig(..., sharded_extends=False)"
-            )
 
 
 @dataclass
@@ -431,12 +439,15 @@ def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> 
     return tracker.peak_bytes
 
 
-def _engine(model: Any, request: PlanRequest) -> Engine:
+def _engine(model: Any, request: PlanRequest, exchange: PlannedExchange | None = None) -> Engine:
     """An engine over the meta ``model`` as a rank runs it: under expert parallelism each MoE layer computes one
     rank's experts (``ExpertShard.planned``: what their computation holds, and a backward that recomputes it; their
-    cast and gradient are counted from the parameters, ``_whole_at_once``)."""
+    cast and gradient are counted from the parameters, ``_whole_at_once``), or with ``exchange`` a sharded
+    extend's rounds."""
     engine = Engine(model, request.engine)
-    if request.expert_parallel:
+    if exchange is not None:
+        exchange.bind(engine.adapter.layers)
+    elif request.expert_parallel:
         for layer in engine.adapter.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.routed = ExpertShard.planned(layer.mlp, request.context_parallel)
@@ -444,12 +455,15 @@ def _engine(model: Any, request: PlanRequest) -> Engine:
 
 
 def capture_working_set(model: Any, request: PlanRequest, prompt_len: int) -> int:
-    """What a capture holds beyond the state it keeps: one chunk's no-grad working set (at its peak)."""
-    engine = _engine(model, request)
+    """What a capture holds beyond the state it keeps: one chunk's no-grad working set (at its peak); under expert
+    parallelism with sharded extends, each MoE call a round (``PlannedExchange``)."""
+    exchange = PlannedExchange(request.context_parallel) if request.dispatched else None
+    engine = _engine(model, request, exchange)
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len)
-    with MemoryTracker() as tracker:
-        state = engine.capture(prompt.tolist())
-        kept = tracker.current_bytes
+    with torch.no_grad(), exchange.dispatching() if exchange is not None else contextlib.nullcontext():
+        with MemoryTracker() as tracker:
+            state = engine.capture(prompt.tolist())
+            kept = tracker.current_bytes
     del state
     return tracker.peak_bytes - kept
 
@@ -1008,11 +1022,14 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     whole = f"the root unit and up to {layers} decoder layers whole at once (a layer at a time)"
     over = "each dp rank's cp GPUs (HSDP: replicated over dp)" if request.hsdp else "all GPUs"
     where = " on the host (CPU offload; AdamW steps there)" if request.offload else ""
-    experts = (
-        "; expert parallelism: each cp rank holds whole experts, never gathered, and computes every extend replicated"
-        if request.expert_parallel
-        else ""
-    )
+    experts = ""
+    if request.expert_parallel:
+        extends = (
+            "long extends sharded, their tokens dispatched to their experts' ranks"
+            if request.dispatched
+            else "every extend replicated"
+        )
+        experts = f"; expert parallelism: each cp rank holds whole experts, never gathered, {extends}"
     return f"FSDP2 shards {master}, their gradients and {adam} over {over}{where}; {whole}{experts}"
 
 

@@ -385,17 +385,19 @@ class Schedule:
         """The first captured position of the last cp rank."""
         return min((self.cp - 1) * self.shard, self.captured)
 
-    def _gathers(self, passes: int, root: bool = False, frozen: bool = False) -> Work:
+    def _gathers(self, passes: int, root: bool = False, frozen: bool = False, expert_passes: int | None = None) -> Work:
         """FSDP2's all-gathers of ``passes`` passes over the decoder layers, a layer at a time, and with ``root`` the
         root unit's once (whole for a block: the step, a rollout). At dp > 1 without HSDP each dp rank gathers for
         itself (``parallel.lanes``): a rank receives its own dp rank's gathers and sends its shard to every dp rank's,
         the bytes of one gather over every rank when the dp ranks gather alike. ``frozen``: the KL reference's, whose
-        shards are kept in the compute dtype (no master weights: an offloaded gather copies those in)."""
+        shards are kept in the compute dtype (no master weights: an offloaded gather copies those in). Under expert
+        parallelism each pass also copies offloaded experts in (``expert_passes`` times, where they differ)."""
         if self.ranks == 1 or not self.sharded:
             return Work()
         itemsize = self.model.dtype.itemsize if frozen else self.request.master_itemsize
         nbytes = passes * self._gathered_layer_bytes + (self.model.root_bytes if root else 0.0)
-        return self._moved(nbytes, itemsize) + self._experts_in(passes, itemsize)
+        experts = passes if expert_passes is None else expert_passes
+        return self._moved(nbytes, itemsize) + self._experts_in(experts, itemsize)
 
     @property
     def _gathered_layer_bytes(self) -> float:
@@ -484,14 +486,16 @@ class Schedule:
         work = replace(work, launches=0.0, branch_calls=work.launches)
         return work + self._merges(tokens) + self._expert_sums(tokens)
 
-    def rank_captures(self, balanced: bool) -> list[CaptureShare]:
+    def rank_captures(self, balanced: bool, model: ModelWork | None = None) -> list[CaptureShare]:
         """Each cp rank's part of the prompt's sharded capture, cut as the engine cuts it (``cut_runs``: balanced,
-        or in rank order where the capture keeps layer inputs for the wavefront walk)."""
+        or in rank order where the capture keeps layer inputs for the wavefront walk); ``model``: counted with
+        another share of the routed work."""
         chunk, ranks = self.request.engine.chunk_size, [CaptureShare() for _ in range(self.cp)]
+        model = model or self.model
         for lo, hi, owner in cut_runs(self.captured, self.cp, balanced):
             mine = ranks[owner]
             ranks[owner] = CaptureShare(
-                mine.work + self.model.chunked(lo, hi, chunk, entries_only=True),
+                mine.work + model.chunked(lo, hi, chunk, entries_only=True),
                 mine.positions + hi - lo,
                 mine.received + lo - mine.positions,  # the others' positions before the run, received per layer
             )
@@ -512,14 +516,29 @@ class Schedule:
         to the positions it holds, the partials merged), each chunk gathering every layer (``LayerGather.run``)."""
         request = self.request
         chunk = request.engine.chunk_size
-        if not request.sharded_extends:
+        if not request.sharded_extends:  # (under expert parallelism unless dispatched: ``_dispatches``)
             chunks = self._held(self.model.chunked(0, self.captured, chunk, entries_only=True))
             replicated = self._merges(self.captured) + self._expert_sums(self.captured, entries_only=True)
             return chunks + replicated + self._gathers(self._chunks, root=True)
-        slowest = max(self.rank_captures(request.balanced_context), key=lambda share: share.work.flops)
+        # (dispatched: a rank's experts serve every rank's tokens, as much routed work as its own at full share)
+        model = replace(self.model, experts=1.0) if request.dispatched else None
+        slowest = max(self.rank_captures(request.balanced_context, model), key=lambda share: share.work.flops)
         rows = Work(comm=self.model.entries_bytes(slowest.received))
         owners = [owner for _, _, owner in cut_runs(self.captured, self.cp, request.balanced_context)]
-        return slowest.work + rows + self._gathers(capture_waves(owners), root=True)
+        if not request.dispatched:
+            return slowest.work + rows + self._gathers(capture_waves(owners), root=True)
+        # each peer's part of a round copies the rank's (offloaded) experts of its layer in: a copy of them all per
+        # chunk of the prompt, as a replicated capture makes
+        gathers = self._gathers(capture_waves(owners), root=True, expert_passes=self._chunks)
+        return slowest.work + rows + self._dispatches(slowest.positions) + gathers
+
+    def _dispatches(self, tokens: int) -> Work:
+        """Expert parallelism's rounds in a sharded extend, for a rank's ``tokens``: per MoE call each token's row
+        sent to each of its ``top_k`` experts and the output back, (cp - 1) / cp of them to other ranks (routing
+        assumed even)."""
+        config, itemsize = self.model.config, self.model.dtype.itemsize
+        rows = tokens * config.num_experts_per_tok * config.hidden_size * itemsize
+        return Work(comm=2 * rows * (self.cp - 1) / self.cp * self.model.routed.calls(entries_only=True))
 
     @property
     def _chunks(self) -> int:

@@ -416,6 +416,12 @@ def test_plan_refuses_bad_requests_naming_what_was_given(
     assert err.startswith("error: invalid plan:\n") and shown in err and not_shown not in err
 
 
+def test_plan_refuses_expert_dispatch_without_expert_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "plan", "--expert-dispatch")
+    assert code == 2 and out == ""
+    assert err == "error: --expert-dispatch sends tokens to their experts' ranks: it needs --expert-parallel\n"
+
+
 def test_plan_of_each_cp_rank_holds_the_earlier_rows_its_cells_read(capsys: pytest.CaptureFixture[str]) -> None:
     """A balanced capture's rank 0 computes the first and the last of 8 parts: its last reads 6 parts of other
     ranks' rows, rank 3's middle run 3 (in rank order, for the wavefront walk, it is the other way round:

@@ -419,7 +419,6 @@ def test_expert_parallelism_gathers_a_layer_without_its_experts() -> None:
     [
         ({"gpus": 4, "cp": 1}, "needs cp > 1"),
         ({"gpus": 4, "dp": 2, "cp": 2}, "at dp > 1 needs hsdp"),
-        ({"gpus": 4, "engine": PLAN_ENGINE}, r"sharded_extends=False"),
     ],
 )
 def test_expert_parallelism_is_validated(given: dict, message: str) -> None:
@@ -428,6 +427,10 @@ def test_expert_parallelism_is_validated(given: dict, message: str) -> None:
         PlanRequest(**({"expert_parallel": True, "engine": engine} | given))
     with pytest.raises(ValueError, match="needs a mixture of experts"):
         plan_memory(PlanRequest(model="tiny-llama", context=64, gpus=2, expert_parallel=True, engine=engine))
+    # sharded extends under expert parallelism: tokens dispatched (``parallel.expert_dispatch``), a replicated walk
+    dispatched = PlanRequest(gpus=4, mode="exact", expert_parallel=True, engine=PLAN_ENGINE)
+    assert dispatched.dispatched and not dispatched.wavefront and dispatched.balanced_context
+    assert not PlanRequest(gpus=4, expert_parallel=True, engine=engine).dispatched
 
 
 def test_a_capture_cell_reads_the_other_ranks_rows_before_it() -> None:

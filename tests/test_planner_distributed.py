@@ -52,7 +52,7 @@ def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -
             dtype=getattr(torch, spec["compute_dtype"] or "float32"), optimizer="adamw",
             engine=EngineConfig(
                 chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"],
-                sharded_extends=not spec.get("expert_parallel", False),
+                sharded_extends=spec.get("dispatched", False) or not spec.get("expert_parallel", False),
             ),
             cp_rank=cp_rank, hsdp=spec["hsdp"], offload=spec["offload"], beta=spec.get("beta", 0.0),
             expert_parallel=spec.get("expert_parallel", False),
@@ -124,20 +124,21 @@ EXPERTS = {"model": {"layers": 4, "hidden": 128}, "prompt": 64, "chunk": 16}
 
 
 @pytest.mark.parametrize(
-    ("mode", "compute_dtype", "offload", "beta"),
-    [("detached", None, False, 0.0), ("exact", "bfloat16", True, 0.1)],
-    ids=["experts-dp1xcp2-detached", "experts-dp1xcp2-exact-kl-bfloat16-offload"],
+    ("mode", "compute_dtype", "offload", "beta", "dispatched"),
+    [("detached", None, False, 0.0, False), ("exact", "bfloat16", True, 0.1, False), ("exact", None, False, 0.0, True)],
+    ids=["experts-dp1xcp2-detached", "experts-dp1xcp2-exact-kl-bfloat16-offload", "experts-dp1xcp2-exact-dispatched"],
 )
 def test_each_ranks_peak_is_the_planned_one_under_expert_parallelism(
-    tmp_path, monkeypatch, mode, compute_dtype, offload, beta
+    tmp_path, monkeypatch, mode, compute_dtype, offload, beta, dispatched
 ) -> None:
     """Expert parallelism (``parallel.experts``) on glm_moe_dsa at dp 1 x cp 2: a layer's gather leaves its experts
     out, every extend is replicated, and a MoE call holds the rank's own experts (cast under mixed precision or
     offload) and in backward their gradient on its way into the shard. Measured ÷ planned: detached 0.97, exact
-    with a KL reference, bf16 compute and offload 0.97."""
+    with a KL reference, bf16 compute and offload 0.97. ``dispatched``: the captures (the step's, the sampler's)
+    sharded, each MoE call a round of all-to-alls (``PlannedExchange`` plans one), exact mode walking replicated."""
     spec = {"family": "glm_moe_dsa", "completion": 8, "group": 2, "dp": 1, "cp": 2, "mode": mode, "hsdp": False}
     spec |= {"offload": offload, "wavefront_walk": True, "compute_dtype": compute_dtype, "beta": beta}
-    spec |= {"expert_parallel": True} | EXPERTS
+    spec |= {"expert_parallel": True, "dispatched": dispatched} | EXPERTS
     _assert_as_planned(_measure(tmp_path, spec), [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(2)])
 
 

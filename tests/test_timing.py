@@ -475,6 +475,35 @@ def test_expert_parallelism_replicates_every_extend_and_sums_the_experts_shares(
     assert step_time(PlanRequest(**{**base, "expert_parallel": True}), PROFILES["h200"]).training_seconds() > 0
 
 
+def test_dispatched_experts_shard_the_capture_and_send_each_token_to_its_experts() -> None:
+    """Expert parallelism with sharded extends (``parallel.expert_dispatch``): the capture is the sharded one (a
+    rank its own chunks, gathered once per wave of runs without the experts), its experts serving every rank's
+    tokens (as much routed work as its own tokens' at full share, routing even); each MoE call sends a token's row
+    to each of its experts and the output back, half of them to the other rank at cp = 2; offloaded experts are
+    copied in as often as a replicated capture copies them (once per chunk)."""
+    model = ModelWork.of(TINY_PRESETS["glm_moe_dsa"](), torch.float32)
+    config, routed = model.config, model.routed
+    base = dict(model="tiny-glm_moe_dsa", context=PROMPT, group=GROUP, completion=COMPLETION, gpus=2, cp=2)
+    base |= dict(dtype=torch.float32, mode="detached", mixed_precision=False, expert_parallel=True)
+
+    def schedule(**options: object) -> Schedule:
+        return Schedule(PlanRequest(**{**base, "engine": EngineConfig(chunk_size=CHUNK, **options)}), model)
+
+    dispatched, plain = schedule(), Schedule(PlanRequest(**{**base, "expert_parallel": False}), model)
+    assert dispatched.request.dispatched and not schedule(sharded_extends=False).request.dispatched
+    capture, sharded = dispatched.capture(), plain.capture()
+    assert capture.flops == pytest.approx(sharded.flops)  # (the same routed work per rank: its tokens', whole)
+    mine = max(plain.rank_captures(True), key=lambda share: share.work.flops).positions
+    calls = len(routed.layers) - routed.last_layer
+    rows = 2 * mine * config.num_experts_per_tok * config.hidden_size * 4 / 2 * calls
+    experts = routed.weight_bytes / 2  # (never gathered: each wave's gather of a layer leaves them out)
+    assert capture.comm - sharded.comm == pytest.approx(rows - 2 * experts)
+    chunks = -(-(PROMPT - 1) // CHUNK)
+    offloaded = Schedule(PlanRequest(**{**base, "offload": True, "engine": EngineConfig(chunk_size=CHUNK)}), model)
+    layers_and_root = (2 * (model.layer_bytes - routed.weight_bytes) + model.root_bytes) / 2
+    assert offloaded.capture().host == pytest.approx(layers_and_root + chunks * routed.weight_bytes / 2)
+
+
 @pytest.fixture(scope="module")
 def published_hybrid() -> ModelWork:
     return ModelWork.of(planner.load_config("qwen3.6-27b"), torch.bfloat16)

@@ -97,9 +97,10 @@ class ExpertShard:
         return cls(moe, group, dtype, first, per_rank, host, layer, exchange)
 
     @classmethod
-    def planned(cls, moe: MoE, ranks: int) -> ExpertShard:
-        """The first of ``ranks`` cp ranks' share (every rank's is alike), for the planner's meta model."""
-        return cls(moe, None, None, 0, moe.num_experts // ranks)
+    def planned(cls, moe: MoE, ranks: int, layer: int = 0, exchange: ExpertExchange | None = None) -> ExpertShard:
+        """The first of ``ranks`` cp ranks' share (every rank's is alike), for the planner's meta model (its
+        sharded extends' rounds: a ``PlannedExchange``)."""
+        return cls(moe, None, None, 0, moe.num_experts // ranks, layer=layer, exchange=exchange)
 
     @property
     def params(self) -> tuple[Tensor, Tensor]:
@@ -250,6 +251,30 @@ class ExpertExchange:
                 at += count
         answers = torch.empty_like(rows)
         dist.all_to_all_single(answers, served, out_splits, counts, group=self.group)
+        return answers
+
+
+class PlannedExchange(ExpertExchange):
+    """The memory planner's ``ExpertExchange`` over its whole model on the meta device, as the first of ``ranks`` cp
+    ranks computes a round (every rank's alike): its tokens once per chosen expert, as many rows served as it sent
+    (a balanced routing), spread over its experts; no process group, nothing sent."""
+
+    def __init__(self, ranks: int):  # (no model, no group: ``bind`` takes the engine's layers)
+        self.ranks, self.group, self.compute_dtype, self.offloaded = ranks, None, None, False
+        self.shards, self.active, self.calls = {}, False, 0
+
+    def bind(self, layers: Sequence[Any]) -> None:
+        for i, layer in enumerate(layers):
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.routed = self.shards[i] = ExpertShard.planned(layer.mlp, self.ranks, i, self)
+
+    def _round(self, layer: int, rows: Tensor, experts: Tensor) -> Tensor:
+        shard = self.shards[layer]
+        taken = torch.empty_like(rows)  # (as many served as sent)
+        spread = experts.new_empty(len(rows), self.ranks)  # (the meta routing spreads rows x ranks slots over all
+        #  the experts: the rank's share, 1/ranks of them, then takes every row once)
+        served = shard.share(spread, taken, rows.new_empty(spread.shape), *shard.local_weights(taken))
+        answers = torch.empty_like(served)  # (received beside what was taken and served, as a round holds them)
         return answers
 
 

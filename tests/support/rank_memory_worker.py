@@ -51,7 +51,9 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
     if mesh.mesh["cp"].size() > 1:
         shards = ContextParallel(mesh.cp_group, mesh.cp_channels)
         engine = EngineConfig(
-            chunk_size=spec["chunk"], wavefront_walk=spec["wavefront_walk"], sharded_extends=not experts
+            chunk_size=spec["chunk"],
+            wavefront_walk=spec["wavefront_walk"],
+            sharded_extends=spec.get("dispatched", False) or not experts,
         )
         policy = Engine(model, engine, shards=shards)
     return GRPOTrainer(policy, grpo, ref_model=reference, accelerator=accelerator, mesh=mesh)
