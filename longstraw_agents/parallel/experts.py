@@ -182,7 +182,7 @@ class ExpertExchange:
     calls: it still serves the others')."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup):
-        self.group = group
+        self.group: dist.ProcessGroup | None = group  # (None: the planner's, which sends nothing)
         self.compute_dtype, self.offloaded = compute_dtype(model), offloaded(model)
         self.shards: dict[int, ExpertShard] = {}  # layer -> its MoE's routed experts here
         self.active = False
