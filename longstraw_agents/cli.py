@@ -518,8 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--capture", choices=["balanced", "rank-order"], default="balanced",
-        help="how a sharded capture is cut over cp ranks: even attention work (rank 0 holds up to 2cp - 1 layers "
-        "whole), or in rank order (the last rank's work up to twice the mean; up to cp layers whole)",
+        help="how a sharded capture is cut over cp ranks: even attention work (each layer gathered once per wave "
+        "of runs: cp layers whole on every rank), or in rank order (the last rank's work up to twice the mean; "
+        "1 + r layers whole on rank r)",
     )  # fmt: skip
     p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")
     p.add_argument("--time", action="store_true", help="also the step's time by phase (the time model)")

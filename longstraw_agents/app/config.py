@@ -185,7 +185,8 @@ class ParallelSpec(BaseModel):
     balanced_captures: bool = Field(
         True,
         description="cp > 1: cut a capture so that every rank's attention work is even (rank r the r-th and the "
-        "(2cp - 1 - r)-th of 2cp parts; with fsdp rank 0 then holds up to 2cp - 1 layers whole); False: in rank "
+        "(2cp - 1 - r)-th of 2cp parts; with fsdp each layer is gathered once per wave of runs, cp layers whole on "
+        "every rank); False: in rank "
         "order (EngineConfig.balanced_captures; `longstraw plan --capture`)",
     )
     sharded_extend_tokens: int | None = Field(
