@@ -207,6 +207,23 @@ def test_distributed_bench_measures_the_wavefront(tmp_path: Path) -> None:
         assert abs(rank["peak"] - rank["planned"]) <= 0.10 * rank["peak"]
 
 
+def test_experts_bench_times_the_capture_replicated_and_dispatched(tmp_path: Path) -> None:
+    """cp = 2 on 2 gloo processes: expert parallelism's capture both ways, each with the bytes its ranks sent — the
+    replicated one all-reduces the experts' shares and gathers every layer for every chunk, the dispatched one
+    sends all-to-alls and the rows a sharded capture moves, and gathers each layer once per wave of runs."""
+    out = tmp_path / "experts.json"
+    stdout = run_module(
+        "bench.experts", "--prompt", "128", "--chunk", "32", "--hidden", "32", "--ranks", "2", "--out", str(out)
+    )
+    assert "dispatched" in stdout and "replicated" in stdout
+    result = json.loads(out.read_text())
+    replicated, dispatched = result["rows"]
+    assert result["one_process_s"] > 0 and replicated["seconds"] > 0 and dispatched["seconds"] > 0
+    assert set(replicated["sent"]) == {"allgather", "allreduce"}
+    assert {"alltoall", "send", "allgather"} <= set(dispatched["sent"]) and "allreduce" not in dispatched["sent"]
+    assert dispatched["sent"]["allgather"] < replicated["sent"]["allgather"]
+
+
 @pytest.mark.slow  # ~20 s: three tasks x two modes, each a start, evaluations, GRPO steps and the geometry
 def test_learning_ablation_quick_writes_both_modes_curves_and_plot(tmp_path: Path) -> None:
     """Every task has a curve per mode and seed, held-out rewards in [0, 1] at the same steps, both modes starting
