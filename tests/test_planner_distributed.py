@@ -23,7 +23,7 @@ from longstraw_agents.engine import EngineConfig
 from longstraw_agents.models.presets import TINY_PRESETS
 from longstraw_agents.planner import PlanRequest, plan_memory
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 17 configurations of 2-4 processes: ~100 s
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 16 configurations of 2-4 processes: ~130 s
 
 WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
 STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}
@@ -63,7 +63,6 @@ def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -
 CASES = [
     pytest.param(WEIGHTS, 1, 2, "detached", None, id="weights-dp1xcp2-detached"),
     pytest.param(WEIGHTS, 1, 2, "exact", None, id="weights-dp1xcp2-exact"),
-    pytest.param(WEIGHTS, 1, 2, "detached", "bfloat16", id="weights-dp1xcp2-detached-mixed"),
     pytest.param(WEIGHTS, 2, 1, "detached", None, id="weights-dp2-detached"),
     pytest.param(WEIGHTS, 2, 2, "exact", None, id="weights-dp2xcp2-exact"),
     pytest.param(STATE, 1, 2, "detached", None, id="state-dp1xcp2-detached"),
@@ -125,17 +124,18 @@ EXPERTS = {"model": {"layers": 4, "hidden": 128}, "prompt": 64, "chunk": 16}
 
 @pytest.mark.parametrize(
     ("mode", "compute_dtype", "offload", "beta", "dispatched"),
-    [("detached", None, False, 0.0, False), ("exact", "bfloat16", True, 0.1, False), ("exact", None, False, 0.0, True)],
-    ids=["experts-dp1xcp2-detached", "experts-dp1xcp2-exact-kl-bfloat16-offload", "experts-dp1xcp2-exact-dispatched"],
+    [("exact", "bfloat16", True, 0.1, False), ("exact", None, False, 0.0, True)],
+    ids=["experts-dp1xcp2-exact-kl-bfloat16-offload", "experts-dp1xcp2-exact-dispatched"],
 )
 def test_each_ranks_peak_is_the_planned_one_under_expert_parallelism(
     tmp_path, monkeypatch, mode, compute_dtype, offload, beta, dispatched
 ) -> None:
     """Expert parallelism (``parallel.experts``) on glm_moe_dsa at dp 1 x cp 2: a layer's gather leaves its experts
     out, every extend is replicated, and a MoE call holds the rank's own experts (cast under mixed precision or
-    offload) and in backward their gradient on its way into the shard. Measured ÷ planned: detached 0.97, exact
-    with a KL reference, bf16 compute and offload 0.97. ``dispatched``: the captures (the step's, the sampler's)
-    sharded, each MoE call a round of all-to-alls (``PlannedExchange`` plans one), exact mode walking replicated."""
+    offload) and in backward their gradient on its way into the shard. Measured ÷ planned: exact with a KL
+    reference, bf16 compute and offload 0.97 (detached 0.97, measured, not kept). ``dispatched``: the captures (the
+    step's, the sampler's) sharded, each MoE call a round of all-to-alls (``PlannedExchange`` plans one), exact mode
+    walking replicated: 0.98 on both ranks, their rollouts 0.93 and 0.95."""
     spec = {"family": "glm_moe_dsa", "completion": 8, "group": 2, "dp": 1, "cp": 2, "mode": mode, "hsdp": False}
     spec |= {"offload": offload, "wavefront_walk": True, "compute_dtype": compute_dtype, "beta": beta}
     spec |= {"expert_parallel": True, "dispatched": dispatched} | EXPERTS
