@@ -71,19 +71,14 @@ def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
         engine = Engine(model, config, shards=mesh.context_parallel(), weights=weights)
         with weights.gathered(None):  # (the root unit: embeddings, final norm, LM head)
             engine.capture(prompt)  # warm-up
-            _barrier()
+            dist.barrier()
             began = time.perf_counter()
             with record_to(Path(out) / way):
                 engine.capture(prompt)
-            _barrier()
+            dist.barrier()
             result[way] = time.perf_counter() - began
     torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
-
-
-def _barrier() -> None:
-    """Every rank here (an all-reduce: the recorder's wrapping of the groups leaves ``barrier`` unusable after)."""
-    dist.all_reduce(torch.zeros(1))
 
 
 def run(world: int, args: dict) -> dict:

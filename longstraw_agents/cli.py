@@ -290,8 +290,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from longstraw_agents.planner import CONTEXT_SEARCH_LIMIT, PLAN_ENGINE, PlanRequest, longest_context, plan_memory
 
     try:
-        if args.expert_dispatch and not args.expert_parallel:
-            raise ValueError("--expert-dispatch sends tokens to their experts' ranks: it needs --expert-parallel")
         engine = PLAN_ENGINE.updated(
             chunk_size=args.chunk, checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
             activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
@@ -305,6 +303,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             optimizer=args.optimizer, offload=args.offload, beta=args.beta, engine=engine,
             mixed_precision=False if args.no_mixed_precision else None, cp_rank=args.cp_rank,
             groups_per_rank=args.groups_per_rank, hsdp=args.hsdp, expert_parallel=args.expert_parallel,
+            expert_dispatch=args.expert_dispatch,
         )  # fmt: skip
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
@@ -478,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--expert-parallel", action="store_true",
-        help="each cp rank holds whole experts, never gathered, and computes every extend replicated "
-        "(parallel.expert_parallel; a mixture of experts, dp = 1 or --hsdp)",
+        help="each cp rank holds whole experts, never gathered, and computes every extend replicated unless "
+        "--expert-dispatch (parallel.expert_parallel; a mixture of experts, dp = 1 or --hsdp)",
     )  # fmt: skip
     p.add_argument(
         "--expert-dispatch", action="store_true",

@@ -15,12 +15,14 @@ of their layer pattern, and extrapolates:
   periods;
 - weights, gradients and AdamW state are counted from the model's parameters as the trainer holds them
   (``parameter_phases``): shards over all ``dp x cp`` GPUs in the master dtype (fp32 with mixed precision), and what
-  the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit, up to cp + 1 decoder layers in a
-  capture (gathers started ahead) and one in a branch replay, with the gradients on their way to the shards; at
+  the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit, the decoder layers a sharded
+  capture holds (the cell's and the gathers started as they fall due: cp balanced, 1 + r on rank r in rank order)
+  and one in a branch replay, with the gradients on their way to the shards; at
   dp > 1 the whole model for the step; the frozen reference model (sharded as the policy: its shards, and its root
   unit or the whole model for the step) and its captured state when ``beta > 0``; under expert parallelism
   (``expert_parallel``) a gather without the routed experts, each rank's own experts (cast, and their gradient on
-  its way into the shard), every extend replicated (the probe runs a rank's experts: ``ExpertShard.planned``);
+  its way into the shard), every extend replicated (the probe runs a rank's experts: ``ExpertShard.planned``) or
+  with ``expert_dispatch`` long ones sharded, each MoE call a round (``PlannedExchange``: routing even);
 - a step has two phases, and the plan is the larger: the capture (its gathered layers, the other cp ranks' rows
   its cells read, for the cp rank ``cp_rank``: by default the rank that holds the most of each term — rank 0 of a
   balanced capture, the last in rank order) and the backward passes (a layer and its gradient,
@@ -105,10 +107,11 @@ class PlanRequest:
     # FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW's state on the host
     offload: bool = False
     hsdp: bool = False  # FSDP2 over each dp rank's cp ranks, replicated over dp (parallel.hsdp)
-    # each cp rank holds whole experts, never gathered (parallel.experts): every extend replicated (the engine's
-    # sharded_extends=False), or long ones sharded with their tokens dispatched to their experts' ranks
-    # (sharded_extends=True: parallel.expert_dispatch); exact mode walks replicated either way
+    # each cp rank holds whole experts, never gathered (parallel.experts): every extend replicated (the run's
+    # default), or with ``expert_dispatch`` long ones sharded, their tokens dispatched to their experts' ranks
+    # (parallel.expert_dispatch); exact mode walks replicated either way
     expert_parallel: bool = False
+    expert_dispatch: bool = False
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
     beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
@@ -149,19 +152,21 @@ class PlanRequest:
     @property
     def sharded_extends(self) -> bool:
         """Whether a long extend (a capture) runs sharded over the cp ranks: not with a kept-graph budget (its graphs
-        need every chunk on every rank), nor with ``EngineConfig.sharded_extends=False`` (expert parallelism)."""
-        return self.context_parallel > 1 and self.engine.sharded_extends and self.engine.graph_budget_bytes == 0
+        need every chunk on every rank), nor with ``EngineConfig.sharded_extends=False``, nor under expert
+        parallelism unless its tokens are dispatched (``expert_dispatch``)."""
+        return self.sampler_shards and self.engine.graph_budget_bytes == 0
 
     @property
     def sampler_shards(self) -> bool:
         """Whether a sampler's long extends run sharded: as ``sharded_extends``, but a kept-graph budget is the
         step's (a sampler keeps no graphs)."""
-        return self.context_parallel > 1 and self.engine.sharded_extends
+        experts_allow = not self.expert_parallel or self.expert_dispatch
+        return self.context_parallel > 1 and self.engine.sharded_extends and experts_allow
 
     @property
     def dispatched(self) -> bool:
-        """Under expert parallelism, whether long extends run sharded, each MoE call a round of all-to-alls
-        (``parallel.experts.ExpertExchange``)."""
+        """Under expert parallelism, whether the step's long extends run sharded, each MoE call a round of
+        all-to-alls (``parallel.experts.ExpertExchange``)."""
         return self.expert_parallel and self.sharded_extends
 
     @property
@@ -279,6 +284,8 @@ class PlanRequest:
             )
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
+        if self.expert_dispatch and not self.expert_parallel:
+            raise ValueError("expert_dispatch sends tokens to their experts' ranks: it needs expert_parallel")
         if self.expert_parallel:
             self._check_expert_parallel()
         return self
@@ -288,6 +295,8 @@ class PlanRequest:
             raise ValueError("expert parallelism cuts the experts over the cp ranks: it needs cp > 1")
         if self.data_parallel > 1 and not self.hsdp:
             raise ValueError("expert parallelism at dp > 1 needs hsdp (each dp rank's MoE calls are its own)")
+        if self.expert_dispatch and not self.engine.sharded_extends:
+            raise ValueError("expert_dispatch shards long extends: it needs EngineConfig(sharded_extends=True)")
 
 
 @dataclass
@@ -457,7 +466,9 @@ def _engine(model: Any, request: PlanRequest, exchange: PlannedExchange | None =
 def capture_working_set(model: Any, request: PlanRequest, prompt_len: int) -> int:
     """What a capture holds beyond the state it keeps: one chunk's no-grad working set (at its peak); under expert
     parallelism with sharded extends, each MoE call a round (``PlannedExchange``)."""
-    exchange = PlannedExchange(request.context_parallel) if request.dispatched else None
+    # (the sampler's captures dispatch where the step's do not: under a kept-graph budget; the larger is planned)
+    dispatching = request.expert_parallel and request.sampler_shards
+    exchange = PlannedExchange(request.context_parallel) if dispatching else None
     engine = _engine(model, request, exchange)
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len)
     with torch.no_grad(), exchange.dispatching() if exchange is not None else contextlib.nullcontext():
@@ -717,8 +728,8 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
 
 def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     """Sharded over every rank at dp > 1, each dp rank gathers and reduces for itself (``parallel.lanes``): where
-    gathers are started ahead — a sharded capture (the step's, or the sampler's: ``SAMPLING``): as many as the
-    wavefront steps the rank trails rank 0; exact mode's wavefront walk: ``prefetch_window(cp)`` of them —
+    gathers are started ahead — a sharded capture (the step's, or the sampler's: ``SAMPLING``): those started as
+    they fall due (``capture_gathers_ahead``); exact mode's wavefront walk: ``prefetch_window(cp)`` of them —
     each holds its send buffer (the rank's shard copied once per cp rank of its dp rank: 1/dp of a layer, in the
     compute dtype) until it completes, and in the walk each asynchronous reduction in flight (as many) the rows it
     receives from the cp ranks (1/dp of a layer, in the master dtype); a branch replay gathers when it computes, and
@@ -732,7 +743,7 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     window = prefetch_window(request.context_parallel)
     if phase == SAMPLING:  # the sampler's captures (keeping no layer inputs)
         window = request.capture_gathers_ahead(request.engine.balanced_captures)
-    elif phase != BACKWARD:  # a capture starts as many as the wavefront steps the rank trails rank 0
+    elif phase != BACKWARD:  # a capture's gathers started ahead of its cell
         window = max(request.capture_gathers_ahead(balanced) for balanced in request.step_capture_cuts())
     share = -(-probed.largest_layer // dp)
     ahead = window * share * _itemsize(request.dtype)
@@ -785,8 +796,8 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     handed to the masters as they accumulate). Sharded, a layer at a time (``parallel.fsdp``; at dp > 1 without HSDP
     each dp rank for itself, ``parallel.lanes``): the root unit (embeddings, final norm, LM head) for the step, its
     gradient whole until the step ends (so only the decoder layers' gradient shards exist beside it); in a sharded
-    capture over the cp ranks the layers between the rank's first and last cell of a layer and the gathers it starts
-    ahead (``PlanRequest.capture_layers_whole``; a replicated one gathers each layer as it computes); in the
+    capture over the cp ranks the cell's layer and the gathers started ahead of it
+    (``PlanRequest.capture_layers_whole``; a replicated one gathers each layer as it computes); in the
     backward passes one layer and its gradient (branch replays;
     copied to the master dtype before its reduction under mixed precision), or in exact mode's wavefront walk the
     window's layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype),

@@ -527,10 +527,25 @@ class Schedule:
         owners = [owner for _, _, owner in cut_runs(self.captured, self.cp, request.balanced_context)]
         if not request.dispatched:
             return slowest.work + rows + self._gathers(capture_waves(owners), root=True)
-        # each peer's part of a round copies the rank's (offloaded) experts of its layer in: a copy of them all per
-        # chunk of the prompt, as a replicated capture makes
+        # each peer's part of a round copies the rank's (offloaded) experts of its layer in: at most a copy of them
+        # all per chunk of the prompt, as a replicated capture makes
         gathers = self._gathers(capture_waves(owners), root=True, expert_passes=self._chunks)
-        return slowest.work + rows + self._dispatches(slowest.positions) + gathers
+        lockstep = self._lockstep(cut_runs(self.captured, self.cp, request.balanced_context), model or self.model)
+        return lockstep + rows + self._dispatches(slowest.positions) + gathers
+
+    def _lockstep(self, runs: Sequence[tuple[int, int, int]], model: ModelWork) -> Work:
+        """A sharded capture whose ranks meet at every wavefront step (expert parallelism's rounds: a rank waits for
+        the busiest): per step, the work of the rank with the most, a cell being its run's work over the layers."""
+        chunk, layers = self.request.engine.chunk_size, self.model.config.num_hidden_layers
+        cells = [model.chunked(lo, hi, chunk, entries_only=True).scaled(1 / layers) for lo, hi, _ in runs]
+        steps = []
+        for step in range(len(runs) + layers - 1):
+            ranks: dict[int, Work] = {}
+            for k, (_, _, owner) in enumerate(runs):
+                if 0 <= step - k < layers:
+                    ranks[owner] = ranks.get(owner, Work()) + cells[k]
+            steps.append(max(ranks.values(), key=lambda work: work.flops))
+        return total(steps)
 
     def _dispatches(self, tokens: int) -> Work:
         """Expert parallelism's rounds in a sharded extend, for a rank's ``tokens``: per MoE call each token's row

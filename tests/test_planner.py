@@ -428,9 +428,12 @@ def test_expert_parallelism_is_validated(given: dict, message: str) -> None:
     with pytest.raises(ValueError, match="needs a mixture of experts"):
         plan_memory(PlanRequest(model="tiny-llama", context=64, gpus=2, expert_parallel=True, engine=engine))
     # sharded extends under expert parallelism: tokens dispatched (``parallel.expert_dispatch``), a replicated walk
-    dispatched = PlanRequest(gpus=4, mode="exact", expert_parallel=True, engine=PLAN_ENGINE)
+    dispatched = PlanRequest(gpus=4, mode="exact", expert_parallel=True, expert_dispatch=True, engine=PLAN_ENGINE)
     assert dispatched.dispatched and not dispatched.wavefront and dispatched.balanced_context
-    assert not PlanRequest(gpus=4, expert_parallel=True, engine=engine).dispatched
+    replicated = PlanRequest(gpus=4, expert_parallel=True, engine=PLAN_ENGINE)  # (the run's default)
+    assert not replicated.dispatched and not replicated.sharded_extends and not replicated.sampler_shards
+    with pytest.raises(pydantic.ValidationError, match="expert_dispatch shards long extends"):
+        PlanRequest(gpus=4, expert_parallel=True, expert_dispatch=True, engine=engine)
 
 
 def test_a_capture_cell_reads_the_other_ranks_rows_before_it() -> None:

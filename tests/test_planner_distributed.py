@@ -55,7 +55,7 @@ def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -
                 sharded_extends=spec.get("dispatched", False) or not spec.get("expert_parallel", False),
             ),
             cp_rank=cp_rank, hsdp=spec["hsdp"], offload=spec["offload"], beta=spec.get("beta", 0.0),
-            expert_parallel=spec.get("expert_parallel", False),
+            expert_parallel=spec.get("expert_parallel", False), expert_dispatch=spec.get("dispatched", False),
         )
     )  # fmt: skip
 

@@ -485,21 +485,27 @@ def test_dispatched_experts_shard_the_capture_and_send_each_token_to_its_experts
     config, routed = model.config, model.routed
     base = dict(model="tiny-glm_moe_dsa", context=PROMPT, group=GROUP, completion=COMPLETION, gpus=2, cp=2)
     base |= dict(dtype=torch.float32, mode="detached", mixed_precision=False, expert_parallel=True)
+    base |= dict(engine=EngineConfig(chunk_size=CHUNK))
 
     def schedule(**options: object) -> Schedule:
-        return Schedule(PlanRequest(**{**base, "engine": EngineConfig(chunk_size=CHUNK, **options)}), model)
+        return Schedule(PlanRequest(**{**base, **options}), model)
 
-    dispatched, plain = schedule(), Schedule(PlanRequest(**{**base, "expert_parallel": False}), model)
-    assert dispatched.request.dispatched and not schedule(sharded_extends=False).request.dispatched
+    dispatched, replicated = schedule(expert_dispatch=True), schedule()
+    plain = schedule(expert_parallel=False)
+    assert dispatched.request.dispatched and not replicated.request.dispatched
     capture, sharded = dispatched.capture(), plain.capture()
-    assert capture.flops == pytest.approx(sharded.flops)  # (the same routed work per rank: its tokens', whole)
+    # a rank's experts serve every rank's tokens: as much routed work as its own tokens' whole (routing even), the
+    # non-expert work of its own tokens only (replicated, every rank repeats every token's); the rounds hold the
+    # ranks in lockstep, each step as long as its busiest rank's (the last rank's merged run, two parts a cell)
+    assert sharded.flops < capture.flops < 1.5 * sharded.flops
+    assert replicated.capture().matmul > capture.matmul
     mine = max(plain.rank_captures(True), key=lambda share: share.work.flops).positions
     calls = len(routed.layers) - routed.last_layer
     rows = 2 * mine * config.num_experts_per_tok * config.hidden_size * 4 / 2 * calls
     experts = routed.weight_bytes / 2  # (never gathered: each wave's gather of a layer leaves them out)
     assert capture.comm - sharded.comm == pytest.approx(rows - 2 * experts)
     chunks = -(-(PROMPT - 1) // CHUNK)
-    offloaded = Schedule(PlanRequest(**{**base, "offload": True, "engine": EngineConfig(chunk_size=CHUNK)}), model)
+    offloaded = schedule(expert_dispatch=True, offload=True)
     layers_and_root = (2 * (model.layer_bytes - routed.weight_bytes) + model.root_bytes) / 2
     assert offloaded.capture().host == pytest.approx(layers_and_root + chunks * routed.weight_bytes / 2)
 

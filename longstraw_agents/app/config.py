@@ -174,8 +174,8 @@ class ParallelSpec(BaseModel):
         False,
         description="with expert_parallel: compute long extends (the prompt's capture) sharded, each rank its own "
         "chunks, every MoE call a round of all-to-alls that sends each token to the ranks holding its experts and "
-        "brings their outputs back (exact mode still walks replicated). Not planned by `longstraw plan`, which "
-        "plans expert parallelism's replicated extends; see docs/distributed.md",
+        "brings their outputs back (exact mode still walks replicated; `longstraw plan --expert-dispatch`); see "
+        "docs/distributed.md",
     )
     wavefront_walk: bool = Field(
         True,

@@ -124,10 +124,11 @@ class ExpertShard:
         """This rank's experts' part of each token's sum."""
         return self.moe.experts_of(x, top_idx, weights, gate_up, down, self.first)
 
-    def each(self, x: Tensor, experts: Tensor) -> Tensor:
-        """Row k of ``x`` through expert ``experts[k]`` (one of this rank's), unweighted."""
+    def each(self, x: Tensor, experts: Tensor, weights: tuple[Tensor, Tensor]) -> Tensor:
+        """Row k of ``x`` through expert ``experts[k]`` (one of this rank's, whose ``local_weights`` are
+        ``weights``), unweighted."""
         ones = torch.ones(len(experts), 1, dtype=x.dtype, device=x.device)
-        return self.share(experts[:, None], x, ones, *self.local_weights(x))
+        return self.share(experts[:, None], x, ones, *weights)
 
     def summed(self, tensor: Tensor) -> Tensor:
         """``tensor`` summed over the ranks, in place."""
@@ -170,16 +171,18 @@ class ExpertShard:
 
 
 class ExpertExchange:
-    """The MoE layers' ``ExpertShard``s of one model over ``group`` (the cp ranks), and the engine's ``CallRounds``
+    """The MoE layers' ``ExpertShard``s of one model over ``group`` (the cp ranks), and the engine's ``ExpertRounds``
     for its sharded extends (``engine.ShardedCapture``), where each rank computes its own tokens.
 
     Replicated work (every rank the same tokens) sums each rank's experts' share with one all-reduce per MoE call.
     In a sharded extend (no gradient) each MoE call is a *round* of all-to-alls instead, as DeepSpeed-MoE and
     torchtitan dispatch tokens: the rank sends each token, once per chosen expert, to the rank holding that expert
     (with a header naming its layer: peers may be at other layers of the wavefront), computes what it received with
-    its own experts of the sender's layer, sends the outputs back, and adds each token's, weighted by the router, in
-    expert order (one process's order). Every rank makes the same number of rounds (``idle`` where it has fewer
-    calls: it still serves the others')."""
+    its own experts of the sender's layer (cast or copied in once per layer and round), sends the outputs back, and
+    adds each token's, weighted by the router, one after another in expert order (one process's order, on any
+    device). Every rank makes the same number of rounds (``idle`` where it has fewer calls: it still serves the
+    others'). A round holds what the peers send: about what the rank sent where routing is even (what the planner
+    assumes, ``PlannedExchange``), more on a rank whose experts draw more tokens."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup):
         self.group: dist.ProcessGroup | None = group  # (None: the planner's, which sends nothing)
@@ -214,18 +217,27 @@ class ExpertExchange:
     def call(self, layer: int, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
         """Layer ``layer``'s routed experts' sum for this rank's tokens ``x``: a round."""
         self.calls += 1
+        tokens, k = top_idx.shape
+        # each token's slots in expert order: its outputs are added one after another as one process adds them
+        # (``MoE.experts_of``: expert by expert), on any device (an index_add of a token's k rows at once is not)
+        top_idx, slots = top_idx.sort(dim=1, stable=True)
         flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (expert order: a token's outputs are added as one process adds)
-        experts = flat[order]
-        tokens = torch.div(order, top_idx.shape[1], rounding_mode="floor")
-        answers = self._round(layer, x[tokens], experts)
-        weighted = (answers * weights.reshape(-1)[order][:, None]).to(x.dtype)  # (as ``MoE.experts_of`` weighs)
-        return torch.zeros_like(x).index_add_(0, tokens, weighted)
+        order = torch.argsort(flat, stable=True)  # the rows grouped by expert, so by the rank holding it
+        answers = self._round(layer, x[torch.div(order, k, rounding_mode="floor")], flat[order])
+        by_slot = torch.empty_like(answers)
+        by_slot[order] = answers
+        del answers
+        weighted = (by_slot.view(tokens, k, -1) * weights.gather(1, slots)[..., None]).to(x.dtype)
+        out = torch.zeros_like(x)
+        for slot in range(k):
+            out = out + weighted[:, slot]
+        return out
 
     def idle(self, like: Tensor) -> None:
-        """A round without tokens of this rank's (``like``: hidden states, for their width, dtype and device): it
-        serves the others'."""
-        self._round(-1, like.new_empty(0, like.shape[-1]), torch.empty(0, dtype=torch.int64, device=like.device))
+        """A round without tokens of this rank's (``like``: hidden states, for their width and device): it serves
+        the others'."""
+        rows = like.new_empty(0, like.shape[-1], dtype=self.compute_dtype or like.dtype)
+        self._round(-1, rows, torch.empty(0, dtype=torch.int64, device=like.device))
 
     def _round(self, layer: int, rows: Tensor, experts: Tensor) -> Tensor:
         """Send each of ``rows`` to the rank holding its expert (``experts``, ascending), serve what the peers sent,
@@ -243,12 +255,18 @@ class ExpertExchange:
         taken_experts = experts.new_empty(sum(counts))
         dist.all_to_all_single(taken_experts, experts.contiguous(), counts, out_splits, group=self.group)
         served = torch.empty_like(taken)
+        parts: dict[int, list[slice]] = {}  # a layer's rows from each peer at it: its experts cast (copied) once
         at = 0
         for peer_layer, count in zip(layers, counts, strict=True):
             if count:
-                part = slice(at, at + count)
-                served[part] = self.shards[peer_layer].each(taken[part], taken_experts[part]).to(served.dtype)
+                parts.setdefault(peer_layer, []).append(slice(at, at + count))
                 at += count
+        for peer_layer, slices in parts.items():
+            shard = self.shards[peer_layer]
+            weights = shard.local_weights(taken)
+            for part in slices:
+                served[part] = shard.each(taken[part], taken_experts[part], weights).to(served.dtype)
+            del weights
         answers = torch.empty_like(rows)
         dist.all_to_all_single(answers, served, out_splits, counts, group=self.group)
         return answers

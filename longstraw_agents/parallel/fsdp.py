@@ -195,12 +195,12 @@ class LayerGather:
     order, computing or not.
 
     In a wavefront the ranks reach a layer at different times, and a gather waits for all of them: ``announce``
-    the order of the coming gathers and up to ``ahead`` of them (by default ``window``; a capture's rank as many as
-    the wavefront steps it trails rank 0) are started ahead (asynchronously, refilled as each is taken), so that a
-    rank finds the layer it reaches already whole; ``partial`` reductions run asynchronously too, each waited for
-    ``window`` releases later. ``settle`` ends such a stretch. The most layers whole at once is then ``ahead + 1``
-    beside the layers a block holds open (a balanced capture holds each from a rank's first cell of it to its
-    last)."""
+    the order of the coming gathers and up to ``ahead`` of them (by default ``window``) are started ahead
+    (asynchronously, refilled as each is taken), so that a rank finds the layer it reaches already whole; a
+    schedule that paces its own gathers announces with ``ahead=0`` and starts each with ``start_next`` as it falls
+    due (a sharded capture: each layer once per wave of runs, ``cp`` layers whole on a rank of a balanced one).
+    ``partial`` reductions run asynchronously too, each waited for ``window`` releases later. ``settle`` ends such
+    a stretch. The most layers whole at once is then ``ahead + 1`` beside the layers a block holds open."""
 
     def __init__(
         self,
