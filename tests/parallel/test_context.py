@@ -49,7 +49,7 @@ EQUAL_TO_ONE_PROCESS = (
 def mesh_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     world = request.param
     out = tmp_path_factory.mktemp(f"cp{world}")
-    mp.start_processes(run, args=(world, str(out / "store"), str(out)), nprocs=world, start_method="spawn")
+    mp.start_processes(run, args=(world, str(out / "store"), str(out)), nprocs=world, start_method="fork")
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return {"world": world, "ranks": ranks}
 
