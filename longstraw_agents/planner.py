@@ -54,9 +54,8 @@ from longstraw_agents.engine import Engine, EngineConfig, LayerInputs, checkpoin
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
-from longstraw_agents.models.mla import MoE
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
-from longstraw_agents.parallel.experts import ExpertShard, PlannedExchange
+from longstraw_agents.parallel.experts import PlannedExchange
 from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, prefetch_window
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
@@ -454,12 +453,8 @@ def _engine(model: Any, request: PlanRequest, exchange: PlannedExchange | None =
     cast and gradient are counted from the parameters, ``_whole_at_once``), or with ``exchange`` a sharded
     extend's rounds."""
     engine = Engine(model, request.engine)
-    if exchange is not None:
-        exchange.bind(engine.adapter.layers)
-    elif request.expert_parallel:
-        for layer in engine.adapter.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.routed = ExpertShard.planned(layer.mlp, request.context_parallel)
+    if request.expert_parallel:  # (replicated calls while the exchange is not dispatching)
+        (exchange or PlannedExchange(request.context_parallel)).bind(engine.adapter.layers)
     return engine
 
 

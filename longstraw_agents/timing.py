@@ -524,14 +524,14 @@ class Schedule:
         model = replace(self.model, experts=1.0) if request.dispatched else None
         slowest = max(self.rank_captures(request.balanced_context, model), key=lambda share: share.work.flops)
         rows = Work(comm=self.model.entries_bytes(slowest.received))
-        owners = [owner for _, _, owner in cut_runs(self.captured, self.cp, request.balanced_context)]
+        runs = cut_runs(self.captured, self.cp, request.balanced_context)
+        waves = capture_waves([owner for _, _, owner in runs])
         if not request.dispatched:
-            return slowest.work + rows + self._gathers(capture_waves(owners), root=True)
+            return slowest.work + rows + self._gathers(waves, root=True)
         # each peer's part of a round copies the rank's (offloaded) experts of its layer in: at most a copy of them
         # all per chunk of the prompt, as a replicated capture makes
-        gathers = self._gathers(capture_waves(owners), root=True, expert_passes=self._chunks)
-        lockstep = self._lockstep(cut_runs(self.captured, self.cp, request.balanced_context), model or self.model)
-        return lockstep + rows + self._dispatches(slowest.positions) + gathers
+        gathers = self._gathers(waves, root=True, expert_passes=self._chunks)
+        return self._lockstep(runs, model or self.model) + rows + self._dispatches(slowest.positions) + gathers
 
     def _lockstep(self, runs: Sequence[tuple[int, int, int]], model: ModelWork) -> Work:
         """A sharded capture whose ranks meet at every wavefront step (expert parallelism's rounds: a rank waits for

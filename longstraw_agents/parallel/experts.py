@@ -184,19 +184,27 @@ class ExpertExchange:
     others'). A round holds what the peers send: about what the rank sent where routing is even (what the planner
     assumes, ``PlannedExchange``), more on a rank whose experts draw more tokens."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup):
-        self.group: dist.ProcessGroup | None = group  # (None: the planner's, which sends nothing)
-        self.compute_dtype, self.offloaded = compute_dtype(model), offloaded(model)
+    def __init__(self, group: dist.ProcessGroup | None, compute_dtype: torch.dtype | None, offloaded: bool):
+        self.group = group  # (None: the planner's, which sends nothing)
+        self.compute_dtype, self.offloaded = compute_dtype, offloaded
         self.shards: dict[int, ExpertShard] = {}  # layer -> its MoE's routed experts here
         self.active = False
         self.calls = 0  # rounds with tokens of this rank's (its MoE calls in sharded extends)
 
+    @classmethod
+    def over(cls, model: nn.Module, group: dist.ProcessGroup) -> ExpertExchange:
+        """Over ``model``'s sharded experts: computing in its compute dtype from its shards (offloaded or not)."""
+        return cls(group, compute_dtype(model), offloaded(model))
+
     def bind(self, layers: Sequence[Any]) -> None:
         """What ``LayerGather.bind`` does under expert parallelism: an ``ExpertShard`` in place of each MoE layer's
-        ``routed`` (an engine's ``adapter.layers``), computing in the model's compute dtype from its shards."""
+        ``routed`` (an engine's ``adapter.layers``)."""
         for i, layer in enumerate(layers):
             if isinstance(layer.mlp, MoE):
-                layer.mlp.routed = self.shards[i] = ExpertShard.over(layer.mlp, i, self)
+                layer.mlp.routed = self.shards[i] = self._shard(layer.mlp, i)
+
+    def _shard(self, moe: MoE, layer: int) -> ExpertShard:
+        return ExpertShard.over(moe, layer, self)
 
     @property
     def routed(self) -> frozenset[int]:
@@ -277,14 +285,12 @@ class PlannedExchange(ExpertExchange):
     ranks computes a round (every rank's alike): its tokens once per chosen expert, as many rows served as it sent
     (a balanced routing), spread over its experts; no process group, nothing sent."""
 
-    def __init__(self, ranks: int):  # (no model, no group: ``bind`` takes the engine's layers)
-        self.ranks, self.group, self.compute_dtype, self.offloaded = ranks, None, None, False
-        self.shards, self.active, self.calls = {}, False, 0
+    def __init__(self, ranks: int):
+        super().__init__(None, None, False)
+        self.ranks = ranks
 
-    def bind(self, layers: Sequence[Any]) -> None:
-        for i, layer in enumerate(layers):
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.routed = self.shards[i] = ExpertShard.planned(layer.mlp, self.ranks, i, self)
+    def _shard(self, moe: MoE, layer: int) -> ExpertShard:
+        return ExpertShard.planned(moe, self.ranks, layer, self)
 
     def _round(self, layer: int, rows: Tensor, experts: Tensor) -> Tensor:
         shard = self.shards[layer]

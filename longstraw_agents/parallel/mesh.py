@@ -145,7 +145,7 @@ class ParallelMesh:
         experts = None
         if experts_sharded(model):
             self._check_expert_parallel()
-            experts = ExpertExchange(model, self.cp_group)
+            experts = ExpertExchange.over(model, self.cp_group)
         if dp == 1 or self.hsdp:
             gather = LayerGather(model, replicas, experts=experts)
             return WeightSharding(model, gather, replicas, replicated=self.hsdp)
