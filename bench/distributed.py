@@ -3,18 +3,20 @@ cp = 1, 2, 4 — printed as ratios to cp = 1 (the schedule is docs/distributed.m
 
 - state/rank: the attention state a rank holds after the capture (target <= 1.05 / N of one process's);
 - capture (cut balanced: rank r computes the r-th and the (2N - 1 - r)-th of 2N parts), the same capture cut in rank
-  order (as exact mode's, whose wavefront walk reads its layer inputs), detached step, exact step: wall seconds
-  (the slowest rank), and the speed-up over cp = 1; capture idle: the largest fraction of each capture a rank spent
-  waiting for messages (balanced | in rank order);
-- sent/rank per exact step, by kind — ``rows`` (a capture's and the walk's earlier rows to later ranks),
+  order (``EngineConfig.balanced_captures: false``), detached step, exact step (its capture, and so its wavefront
+  walk, balanced) and the exact step in rank order: wall seconds (the slowest rank), and the speed-up over cp = 1;
+  capture idle: the largest fraction of each capture a rank spent waiting for messages (balanced | in rank order);
+- sent/rank per exact step (balanced), by kind — ``rows`` (a capture's and the walk's earlier rows to later ranks),
   ``state_grad`` (their K/V gradient back, GatedDeltaNet state gradients), ``recurrent`` (states broadcast after the
   capture), ``partials``/``dq`` (the replicated branch replays' merges), ``param_grads`` (the walk's parameter
-  gradient, summed over cp) — against the analytic minimum for moving rows to the later ranks:
+  gradient, summed over cp) — and the rank order's rows against the analytic minimum for moving rows to the later
+  ranks:
   ``sum_s rows_s * (later computing ranks)`` per growing layer, twice (capture and walk); the walk sends the rows
   of the layers it recomputes once more (a receiver holds one layer's rows at a time);
-- the exact walk's critical path in block steps: its wall time over the mean time of one (rank, layer) step
-  (a layer of backward over a rank's chunks), against ``ranks + layers`` (a perfect wavefront) and
-  ``ranks x layers`` (the naive order); idle: the largest fraction of the walk a rank spent waiting for messages.
+- the exact walk's critical path in cell steps: its wall time over the mean time of one (run, layer) cell (a
+  layer of backward over a run's chunks), against ``runs + layers - 1`` (a perfect wavefront: 2N - 1 runs of half
+  a shard balanced) and ``runs x layers`` (the naive order); idle: the largest fraction of the walk a rank spent
+  waiting for messages (balanced | in rank order).
 
 Then the training step as ``longstraw train`` runs it (``GRPOTrainer``, FSDP2 over dp = 1 x cp ranks, AdamW), per
 rank, for every cp > 1 (``sharded``):
@@ -91,7 +93,7 @@ class WalkTimer:
                     timer.waited_s += idle
                 elif pending:
                     timer.pending += spent - idle
-                elif walk.mine:
+                elif walk.my_runs:
                     timer.steps.append(spent - idle + timer.pending)
                     timer.pending = 0.0
 
@@ -129,8 +131,8 @@ def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     result["growing"] = state.nbytes - sum(recurrent.values())
     del state
     result["capture"], result["capture_idle"] = idle(lambda: engine.capture(prompt))
-    # the same capture cut in rank order, as exact mode's (whose wavefront walk reads its layer inputs)
-    result["capture_in_order"], result["capture_in_order_idle"] = idle(lambda: engine.capture(prompt, checkpoints=True))
+    in_order = Engine(model, EngineConfig(chunk_size=args["chunk"], balanced_captures=False), shards=shards)
+    result["capture_in_order"], result["capture_in_order_idle"] = idle(lambda: in_order.capture(prompt))
     result["detached"] = timed(
         lambda: grpo_backward(engine, prompt, completions, rewards, "detached", track_memory=False)
     )
@@ -141,6 +143,14 @@ def worker(rank: int, world: int, store: str, out: str, args: dict) -> None:
     result["sent"] = dict(shards.transport.sent_bytes) if shards is not None else {}
     result["walk_s"], result["walk_waited_s"] = timer.walk_s, timer.waited_s
     result["walk_step_s"] = timer.steps
+    timer.walk_s, timer.waited_s = 0.0, 0.0
+    if shards is not None:
+        shards.transport.sent_bytes = dict.fromkeys(shards.transport.sent_bytes, 0)
+    result["exact_in_order"] = timed(
+        lambda: grpo_backward(in_order, prompt, completions, rewards, "exact", track_memory=False)
+    )
+    result["walk_in_order_s"], result["walk_in_order_waited_s"] = timer.walk_s, timer.waited_s
+    result["sent_in_order"] = dict(shards.transport.sent_bytes) if shards is not None else {}
     torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -149,6 +159,9 @@ def run(world: int, args: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(worker, args=(world, f"{tmp}/store", tmp, args), nprocs=world, start_method=START)
         return [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+
+
+STEPS = ("capture", "capture_in_order", "detached", "exact", "exact_in_order")
 
 
 def row_minimum(state_bytes: float, world: int) -> float:
@@ -169,17 +182,19 @@ def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> 
     state = max(r["growing"] for r in ranks)
     sent = [r["sent"] for r in ranks]
     row = {"cp": world, "state_bytes_max": state, "sent": sent}
-    for what in ("capture", "capture_in_order", "detached", "exact"):
+    for what in STEPS:
         row[what] = max(r[what] for r in ranks)
     for what in ("capture_idle", "capture_in_order_idle"):
         row[what] = max(r[what] for r in ranks)
     row["sent_bytes_max"] = max((sum(s.values()) for s in sent), default=0)
-    row["rows_bytes_max"] = max((s.get("rows", 0) for s in sent), default=0)
+    # (the schedule's minimum counts the rank order's rows: each earlier row to each later rank)
+    row["rows_bytes_max"] = max((r["sent_in_order"].get("rows", 0) for r in ranks), default=0)
+    row["rows_bytes_balanced_max"] = max((s.get("rows", 0) for s in sent), default=0)
     if base is not None:
         row["state_ratio_to_share"] = state / (base["state_bytes_max"] / world)
         row["row_minimum_bytes"] = row_minimum(base["state_bytes_max"], world)
         row["row_schedule_bytes"] = row_schedule(base["state_bytes_max"], world, layers)
-        for what in ("capture", "capture_in_order", "detached", "exact"):
+        for what in STEPS:
             row[f"{what}_speedup"] = base[what] / row[what]
     walk = max(r["walk_s"] for r in ranks)
     steps = [s for r in ranks for s in r["walk_step_s"]]
@@ -188,7 +203,9 @@ def summarise(world: int, ranks: list[dict], base: dict | None, layers: int) -> 
         row["walk_s"] = walk
         row["critical_path_steps"] = walk / mean_step
         row["idle_max"] = max(r["walk_waited_s"] / r["walk_s"] for r in ranks if r["walk_s"] > 0)
-        row["wavefront_steps"], row["naive_steps"] = world + layers - 1, world * layers
+        row["idle_in_order_max"] = max(r["walk_in_order_waited_s"] / r["walk_in_order_s"] for r in ranks)
+        runs = 2 * world - 1
+        row["wavefront_steps"], row["naive_steps"] = runs + layers - 1, runs * layers
     return row
 
 
@@ -356,18 +373,15 @@ def main() -> None:
     print(
         f"{args.family} ({args.layers} layers), prompt {args.prompt}, chunk {args.chunk}, G={args.group}, gloo on CPU"
     )
-    header = ("cp", "state/rank x 1/N", "capture", "in rank order", "detached", "exact", "sent MiB", "rows/min")
-    header += ("path steps", "idle", "capture idle")
-    widths = (3, 17, 13, 13, 13, 13, 9, 9, 18, 6, 12)
+    header = ("cp", "state/rank x 1/N", "capture", "in rank order", "detached", "exact", "in rank order")
+    header += ("sent MiB", "rows/min", "path steps", "walk idle", "capture idle")
+    widths = (3, 17, 13, 13, 13, 13, 13, 9, 9, 18, 12, 12)
     print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     rows: list[dict] = []
     for world in args.ranks:
         row = summarise(world, run(world, settings), rows[0] if rows else None, args.layers)
         rows.append(row)
-        speed = [
-            f"{row[w]:.2f}s" + (f" {row[w + '_speedup']:.2f}x" if len(rows) > 1 else "")
-            for w in ("capture", "capture_in_order", "detached", "exact")
-        ]
+        speed = [f"{row[w]:.2f}s" + (f" {row[w + '_speedup']:.2f}x" if len(rows) > 1 else "") for w in STEPS]
         ratio = f"{row.get('state_ratio_to_share', 1.0):.3f}"
         rows_min = f"{row['rows_bytes_max'] / row['row_minimum_bytes']:.2f}" if row.get("row_minimum_bytes") else "-"
         path = (
@@ -375,7 +389,7 @@ def main() -> None:
             if "walk_s" in row
             else "-"
         )
-        idle = f"{row['idle_max']:.2f}" if "idle_max" in row else "-"
+        idle = f"{row['idle_max']:.2f} | {row['idle_in_order_max']:.2f}" if "idle_max" in row else "-"
         capture_idle = f"{row['capture_idle']:.2f} | {row['capture_in_order_idle']:.2f}"
         cells = (world, ratio, *speed, f"{row['sent_bytes_max'] / 2**20:.2f}", rows_min, path, idle, capture_idle)
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))

@@ -137,6 +137,16 @@ def wavefront_cells(runs: Sequence[Run], layers: int, rank: int) -> list[tuple[R
     return sorted(cells, key=lambda cell: (cell[0].index + cell[1], cell[0].index))
 
 
+def walk_cells(runs: Sequence[Run], layers: int, rank: int) -> list[tuple[Run, int]]:
+    """Rank ``rank``'s cells ``(run, layer)`` of exact mode's wavefront walk, in the order it walks them: by reverse
+    wavefront step (a cell needs its run's layer above and the later runs' same layer, both a step earlier), then
+    the later run first. In rank order that is layer by layer from the last; balanced, a rank's later run leads its
+    first by as many steps as runs lie between them."""
+    last = len(runs) + layers - 2
+    cells = [(run, i) for run in runs if run.owner == rank for i in range(layers)]
+    return sorted(cells, key=lambda cell: (last - cell[0].index - cell[1], -cell[0].index))
+
+
 @dataclass(frozen=True)
 class Gather:
     """One gather of a decoder layer's weights in a sharded capture: for the cells of one wave of runs (``waves``),

@@ -3,6 +3,7 @@ layer inputs the capture kept (``LayerInputs``). docs/distributed.md writes the 
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,16 @@ from torch import Tensor, nn
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, State, StateGrad
 
-from .shards import RUNS_HEADER, ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
+from .shards import (
+    RUNS_HEADER,
+    Run,
+    StateShards,
+    in_position_order,
+    incoming_runs,
+    outgoing_runs,
+    runs_of,
+    walk_cells,
+)
 
 # The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat
 # copy of a whole model's gradient would hold a second gradient at once.
@@ -82,36 +92,59 @@ class LayerInputs:
         return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
 
 
-# + the layer index (< 4096 layers): rows for a layer's backward, for its forward recomputation, their gradients, a
-# recurrent state's gradient, the gradient of a later rank's context rows (sent when the walk is done)
-_ROWS_TAG, _RECOMPUTE_ROWS_TAG, _ROW_GRADS_TAG, _RECURRENT_GRAD_TAG = 1 << 12, 2 << 12, 3 << 12, 4 << 12
-_CONTEXT_GRADS_TAG = 5 << 12
+# a message's kind, above its run (<< 12) and layer (< 4096 layers; < 128 runs): rows for a cell's backward, for
+# its segment's recomputation, the gradient a cell gives another rank's rows, the recurrent state's gradient before a
+# run, the gradient of a rank's context rows (sent when the walk is done)
+_ROWS, _RECOMPUTE_ROWS, _ROW_GRADS, _RECURRENT_GRAD, _CONTEXT_GRADS = 1, 2, 3, 4, 5
+_ROWS_KINDS = (_ROWS, _RECOMPUTE_ROWS)
+
+
+@dataclass(frozen=True)
+class _Message:
+    """A message of the walk, named by the cell it serves: ``src``'s rows of layer ``layer`` before run ``run`` (for
+    the cell's backward, or its segment's recomputation), the gradient cell ``(run, layer)`` gives ``src``'s rows
+    before it (``_ROW_GRADS``: sent by the run's owner, ``src``), or the gradient of the recurrent state before run
+    ``run`` (``_RECURRENT_GRAD``, from its owner)."""
+
+    kind: int
+    run: int
+    layer: int
+    src: int
+
+    @property
+    def tag(self) -> int:
+        # (above the capture's tags, sharded_capture.py, which are below 128 << 12)
+        return self.kind << 19 | self.run << 12 | self.layer
 
 
 class WavefrontWalk:
     """Exact mode's reverse walk over a sharded extend (``ShardedCapture``: a capture from position 0, or a long
     extend after ``since`` — a long turn, a member's long history), compute sharded: each rank backpropagates only
-    its own chunks, layer by layer from the last, reading the layer inputs the capture kept.
+    its own chunks, a run (its consecutive chunks) at a time, layer by layer from the last, reading the layer inputs
+    the capture kept.
 
-    Layer i on rank r needs the gradient of its chunks' outputs of layer i — from its own layer i+1 — and of the
-    state rows it holds of layer i — from every later query, i.e. its own later chunks and every later rank's
-    chunks at layer i. So rank r walks layer i once it has finished layer i+1 and the later ranks have finished layer
-    i: a wavefront from the last rank, whose critical path is ``layers + ranks - 1`` layer steps (the naive order,
-    each rank walking all its layers after the later ranks finished all theirs, is their product). The messages:
+    Cell ``(run k, layer i)`` needs the gradient of the run's outputs of layer i — from its own cell ``(k, i + 1)`` —
+    and of the state rows before the later runs at layer i — from every later run's cell ``(k' > k, i)``, whose
+    queries read them. Both are a reverse wavefront step earlier (step ``(runs - 1 - k) + (layers - 1 - i)``), so
+    each rank walks its cells by step (``walk_cells``), and the critical path is ``layers + runs - 1`` steps of one
+    run. With the cut in rank order (one run per rank) that is layer by layer, the last rank first; balanced (rank r's
+    runs r and 2N - 1 - r) a rank's later run leads its first. The messages, each sent as soon as it and those before
+    it to the same peer are ready, in the order the peer takes them (NCCL matches a pair's messages in posting
+    order):
 
-    - before the walk, each rank posts its rows of every growing layer to the later computing ranks (views of its
-      arenas, sent device to device; staged through the host, one host copy per layer), in the order they are
-      taken: a receiver takes layer i's when it recomputes or backpropagates the layer and drops them after (one
-      layer's at a time; a recomputed layer's rows travel twice); it attends to them with gradient sinks of their
-      own, and sends those sinks (the gradient for the earlier rank's K/V) back to their owner once its layer i is
-      done, where they are added into the state's gradient;
-    - after ``since``, the earlier ranks' queries read the context rows the later ranks hold too: a later rank posts
-      those of layer i as its own step i ends (after the gradient it sends the same rank), and the gradient the
-      earlier ranks' queries give them (``into_since``) goes back once their walk is done (until then each rank
-      holds it: at most the context's state gradient);
-    - a recurrent layer's state gradient before a rank's first chunk goes to the rank that holds the chunk before;
-      the extend's first chunk's, the gradient of ``since``'s last recurrent state, is broadcast when the walk is
-      done (every rank holds that state).
+    - a rank's rows of a growing layer before a run (of ``since``, of its own earlier runs) go to the run's owner for
+      the cell's backward, and for the recomputation of the cell's segment when the run enters it (views of its
+      arenas, sent device to device; staged through the host once per layer and cut). They are state, not results:
+      ready before the walk. The receiver attends to them with gradient sinks of their own and drops them after the
+      cell; the sinks of the extend's rows go back to their owner once the cell is done (added into its state
+      gradient before its own cells of the layer), those of ``since``'s rows once the walk is done (until then each
+      rank holds them: at most the context's state gradient);
+    - a recurrent layer's state gradient before a run goes to the owner of the run before; the extend's first run's,
+      the gradient of ``since``'s last recurrent state, is broadcast when the walk is done (every rank holds that
+      state).
+
+    With sharded weights (FSDP2) the walk is the rank order's: its layers are gathered, and their gradients reduced,
+    in one order on every rank (a balanced walk's ranks reach a layer's two waves of runs in different orders).
 
     The replicated part of the parameters' gradient (the branch replays, which every rank ran) is divided by the
     number of ranks before the walk, and the sum over ranks afterwards restores it and adds every rank's share of the
@@ -136,26 +169,44 @@ class WavefrontWalk:
         self.base = since.num_tokens if since is not None else 0
         self.into_since = into_since and self.base > 0  # (nothing before position 0)
         self.first = next(j for j, chunk in enumerate(state.chunks) if chunk.start >= self.base)  # the extend's first
+        extend = runs_of([c.owner for c in state.chunks[self.first :]])
+        self.runs = [Run(r.index, r.owner, tuple(self.first + j for j in r.chunks)) for r in extend]
+        if engine.weights is not None and len(self.runs) > len({run.owner for run in self.runs}):
+            raise ValueError(
+                "exact mode's wavefront walk over sharded weights walks a capture cut in rank order (one run per "
+                "rank); this state's capture was cut balanced"
+            )
         rank = self.ownership.rank
-        # the extend's even cut: each rank's chunks contiguous, in rank order
-        extend = ChunkOwners.of([c.owner for c in state.chunks[self.first :]], rank)
-        self.owners = [c.owner for c in state.chunks]
-        self.mine = [self.first + j for j in extend.mine]
-        self.computing = extend.computing
+        self.my_runs = [run for run in self.runs if run.owner == rank]
+        self.mine = [j for run in self.my_runs for j in run.chunks]
+        self.index = {j: k for k, j in enumerate(self.mine)}  # a chunk's index among this rank's (its scratch)
+        # a chunk's rows among this rank's (its runs back to back, as the capture kept them), and within its run
+        self.rows: dict[int, slice] = {}
+        self.local: dict[int, slice] = {}
+        at = 0
+        for run in self.my_runs:
+            lo = at
+            for j in run.chunks:
+                n = state.chunks[j].length
+                self.rows[j], self.local[j] = slice(at, at + n), slice(at - lo, at - lo + n)
+                at += n
         self.context_holders = sorted({c.owner for c in state.chunks[: self.first]})
-        holders = sorted({*self.computing, *self.context_holders})
-        # who sends this rank rows: the earlier ranks holding any (posted before the walk), the later ones holding
-        # context rows (posted as they walk)
-        self.posted_by = [src for src in holders if src < rank] if self.mine else []
-        self.walked_by = [src for src in self.context_holders if src > rank] if self.mine else []
-        self.lo = state.chunks[self.mine[0]].start if self.mine else self.base
-        self.segment: dict[int, Tensor | None] = {}  # the current segment's layer inputs (recomputed from its first)
-        # recurrent layers the segment recomputed: the state before each of this rank's chunks
-        self.states_before: dict[int, list[tuple[Tensor, ...] | None]] = {}
-        # per later rank, the gradient of its context rows this rank's queries read, a layer at a time (walk order)
-        self.context_grads: dict[int, list[tuple[Tensor, ...]]] = {}
+        self.computing = sorted({run.owner for run in self.runs})
+        self.grows = [layer.mixer.grows for layer in engine.adapter.layers]
+        self.done: set[tuple[int, int]] = set()  # this rank's cells walked: (run index, layer)
+        self.pending: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}  # (run, layer, dst) -> a gradient to send
+        self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, first chunk after) -> this rank's rows
+        self.outbox = {
+            dst: collections.deque(m for m in self._takes(dst) if m.src == rank)
+            for dst in range(self.ownership.size)
+            if dst != rank
+        }
+        self.segment: dict[tuple[int, int], Tensor] = {}  # (run, layer) -> its input, recomputed in its segment
+        # (run, recurrent layer) the segment recomputed: the state before each of the run's chunks
+        self.states_before: dict[tuple[int, int], list[tuple[Tensor, ...] | None]] = {}
+        # (a context holder, layer) -> the gradient of its context rows this rank's queries read, until the walk ends
+        self.context_grads: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         self.since_recurrent: dict[int, tuple[Tensor, ...]] = {}  # per layer, the gradient of since's last state
-        self.context_rows: dict[int, list[Tensor]] = {}  # per layer, the context rows staged for the earlier ranks
 
     def run(self) -> None:
         engine = self.engine
@@ -169,25 +220,25 @@ class WavefrontWalk:
         for p in params:
             if p.grad is not None:
                 p.grad.div_(self.ownership.size)
-        self._post_rows()
+        self._post()  # (the rows: state, ready at once)
         engine.announce(self._gather_order())
-        g = self._seed()
-        for i in reversed(range(engine.num_layers)):
+        g = {run.index: self._seed(run) for run in self.my_runs}
+        if not self.my_runs:
+            self._gathers_only()
+        for run, i in walk_cells(self.runs, engine.num_layers, self.ownership.rank):
             with engine.gathered(i, partial=True):  # each rank adds its share of the layer's gradient
-                layer_input = self._input(i)  # (recomputed before waiting for the later ranks; None without chunks)
-                if engine.adapter.layers[i].mixer.grows:
-                    self._add_row_grads(i)
-                    g = self._backward_growing(i, g, layer_input)
-                    self._post_context_rows([i], _ROWS_TAG)
-                else:
-                    g = self._backward_recurrent(i, g, layer_input)
-            for kind in ("state_grad", "context_rows"):  # a window of layers in flight
-                self.transport.flush(kind, keep=self.ownership.size**2)
-        if g is not None:  # into the embeddings of this rank's tokens
-            with torch.enable_grad():
-                at = self.lo - self.base
-                h, _, _ = engine.adapter.embed(self.ids[at : at + g.shape[0]], self.lo)
-                h.backward(g)
+                g[run.index] = self._cell(run, i, g[run.index])
+            self.done.add((run.index, i))
+            self._post()
+            self.transport.flush("state_grad", keep=self.ownership.size**2)  # a window of gradients in flight
+        for run in self.my_runs:  # into the embeddings of the run's tokens
+            if g[run.index] is not None:
+                with torch.enable_grad():
+                    start = self.state.chunks[run.chunks[0]].start
+                    ids = self.ids[start - self.base : start - self.base + self._length(run)]
+                    h, _, _ = engine.adapter.embed(ids, start)
+                    h.backward(g[run.index])
+        assert not any(self.outbox.values())  # every message sent
         self._exchange_context_grads()
         self.transport.flush()
         self._into_since_recurrent()
@@ -205,15 +256,94 @@ class WavefrontWalk:
             order += [top, *range(first, top), *range(top - 1, first - 1, -1)]
         return order
 
+    def _gathers_only(self) -> None:
+        """A rank without chunks takes part in every gather (a collective when the weights are sharded), in the
+        order of the ranks walking: per layer from the last, a segment's recomputed layers as it is entered."""
+        for i in reversed(range(self.engine.num_layers)):
+            with self.engine.gathered(i, partial=True):
+                for layer in self._recomputed(i):
+                    with self.engine.gathered(layer):
+                        pass
+
+    def _recomputed(self, i: int) -> range:
+        """The layers whose inputs a run recomputes as its walk enters a segment at layer ``i`` (none elsewhere)."""
+        every = self.inputs.every
+        first = i - i % every
+        return range(first, i) if i == min(first + every, self.engine.num_layers) - 1 else range(0)
+
+    def _length(self, run: Run) -> int:
+        return sum(self.state.chunks[j].length for j in run.chunks)
+
     # --- messages ---------------------------------------------------------------------------------------------
+    def _senders(self, run: Run) -> list[int]:
+        """The ranks that send a growing layer's rows before ``run``: every other rank holding some (of ``since``,
+        or of its runs before)."""
+        earlier = {r.owner for r in self.runs[: run.index]}
+        return sorted((set(self.context_holders) | earlier) - {run.owner})
+
+    def _cell_takes(self, run: Run, i: int) -> list[_Message]:
+        """What cell ``(run, i)`` receives, in the order it takes it: its segment's rows for the recomputation (as
+        the run enters the segment), then at a growing layer the gradient the later runs' cells gave the owner's rows
+        (those after the owner's next run took theirs already) and the rows for the backward; at a recurrent layer
+        the state gradient after the run."""
+        k, senders = run.index, self._senders(run)
+        takes = [
+            _Message(_RECOMPUTE_ROWS, k, layer, s)
+            for layer in self._recomputed(i)
+            if self.grows[layer]
+            for s in senders
+        ]
+        if self.grows[i]:
+            later = [r.index for r in self.runs if r.owner == run.owner and r.index > k]
+            upto = later[0] if later else len(self.runs)
+            takes += [_Message(_ROW_GRADS, r, i, self.runs[r].owner) for r in reversed(range(k + 1, upto))]
+            takes += [_Message(_ROWS, k, i, s) for s in senders]
+        elif k + 1 < len(self.runs):
+            takes.append(_Message(_RECURRENT_GRAD, k + 1, i, self.runs[k + 1].owner))
+        return takes
+
+    def _takes(self, rank: int) -> list[_Message]:
+        """Every message ``rank`` receives in the walk, in the order it takes them."""
+        cells = walk_cells(self.runs, self.engine.num_layers, rank)
+        return [m for run, i in cells for m in self._cell_takes(run, i)]
+
+    def _receive(self, message: _Message) -> tuple[Tensor, ...]:
+        on_host = RUNS_HEADER if message.kind in _ROWS_KINDS else 0
+        return self.transport.recv(message.src, message.tag, self.engine.adapter.device, on_host=on_host)
+
+    def _ready(self, message: _Message) -> bool:
+        """Whether this rank has what ``message`` carries: rows at once (state), a gradient once its cell is walked."""
+        return message.kind in _ROWS_KINDS or (message.run, message.layer) in self.done
+
+    def _post(self) -> None:
+        """Send each peer the messages now ready, in the order it takes them (none past one not ready yet)."""
+        for dst, queue in self.outbox.items():
+            while queue and self._ready(queue[0]):
+                message = queue.popleft()
+                if message.kind in _ROWS_KINDS:
+                    self.transport.send(self._staged_rows(message), dst, message.tag, "rows")
+                else:
+                    payload = self.pending.pop((message.run, message.layer, dst))
+                    self.transport.send(payload, dst, message.tag, "state_grad")
+
+    def _staged_rows(self, message: _Message) -> list[Tensor]:
+        """This rank's rows of the message's layer before its run, as a message (views of its arenas; staged through
+        the host once for every peer and run that reads them)."""
+        before = self.runs[message.run].chunks[0]
+        key = (message.layer, before)
+        if key not in self.staged:
+            self.staged[key] = self.transport.stage(outgoing_runs(self._own_rows(message.layer, before)))
+        return self.staged[key]
+
     def _sinked(self, position: int) -> bool:
         """Whether rows from ``position`` on get a gradient: the extend's always, ``since``'s with ``into_since``."""
         return position >= self.base or self.into_since
 
-    def _own_rows(self, i: int, context_only: bool = False) -> list[tuple[int, Block]]:
-        """This rank's rows of layer ``i`` (only ``since``'s: ``context_only``), cut at the extend's start."""
+    def _own_rows(self, i: int, upto: int | None = None, context_only: bool = False) -> list[tuple[int, Block]]:
+        """This rank's rows of layer ``i`` (before chunk ``upto``; only ``since``'s: ``context_only``), cut at the
+        extend's start."""
         rows = []
-        for position, block in self.state.positioned_blocks(i):
+        for position, block in self.state.positioned_blocks(i, upto):
             for lo, hi in _cut(position, block.length, self.base):
                 if not context_only or lo < self.base:
                     rows.append((lo, Block(block.arena, block.lo + lo - position, block.lo + hi - position)))
@@ -239,86 +369,47 @@ class WavefrontWalk:
                     buffer.add_(part[offset : offset + block.length])
                 offset += block.length
 
-    def _post_rows(self) -> None:
-        """Start sending this rank's rows of every growing layer to the later computing ranks, in the order they
-        are received: per segment from the last, its recomputed layers ascending (``_input``), then every layer of
-        it descending (the backward). A receiver holds one layer's rows at a time; the rows of a recomputed layer
-        travel twice."""
-        rank = self.ownership.rank
-        later = [dst for dst in self.computing if dst > rank]
-        if not later or not (self.mine or rank in self.context_holders):
-            return
-        every, layers = self.inputs.every, self.engine.num_layers
-        staged: dict[int, list[Tensor]] = {}  # a layer's message, for every destination and both tags
-        for first in reversed(range(0, layers, every)):
-            top = min(first + every, layers) - 1
-            order = [(i, _RECOMPUTE_ROWS_TAG) for i in range(first, top)]
-            order += [(i, _ROWS_TAG) for i in range(top, first - 1, -1)]
-            for i, tag in order:
-                if not self.engine.adapter.layers[i].mixer.grows:
-                    continue
-                if i not in staged:
-                    staged[i] = self.transport.stage(outgoing_runs(self._own_rows(i)))
-                for dst in later:
-                    self.transport.send(staged[i], dst, tag + i, "rows")
-
-    def _post_context_rows(self, layers: Sequence[int], tag: int) -> None:
-        """Send this rank's context rows of ``layers`` to the earlier computing ranks, which take them in this order
-        (a segment's recomputation as it is entered, a layer's backward after its gradient from this rank). One message
-        per layer serves both (dropped after the backward's); the sends are flushed in a window each step."""
-        rank = self.ownership.rank
-        earlier = [dst for dst in self.computing if dst < rank]
-        if not earlier or rank not in self.context_holders:
-            return
-        for i in layers:
-            if self.engine.adapter.layers[i].mixer.grows:
-                if i not in self.context_rows:
-                    self.context_rows[i] = self.transport.stage(outgoing_runs(self._own_rows(i, context_only=True)))
-                rows = self.context_rows[i] if tag == _RECOMPUTE_ROWS_TAG else self.context_rows.pop(i)
-                for dst in earlier:
-                    self.transport.send(rows, dst, tag + i, "context_rows")
-
-    def _receive_rows(self, i: int, tag: int, sinks: bool) -> list[tuple[int, PastBlock]]:
-        """The other ranks' rows of layer ``i`` (``tag``: for its backward or its recomputation), each with the rank
-        that sent it."""
-        received = []
-        for src in self.posted_by + self.walked_by:
-            message = self.transport.recv(src, tag + i, self.engine.adapter.device, on_host=RUNS_HEADER)
-            received += [(src, block) for block in self._past(message, sinks)]
-        return received
-
-    def _add_row_grads(self, i: int) -> None:
-        """Add what the later ranks' queries sent back for this rank's rows of layer ``i`` into the state gradient."""
-        rank = self.ownership.rank
-        own = self._own_rows(i)
-        if not any(self._sinked(position) for position, _ in own):
-            return
-        for src in self.computing:
-            if src > rank:
-                self._add_into_own(self.transport.recv(src, _ROW_GRADS_TAG + i, self.engine.adapter.device), own)
+    def _returned(self, run: Run, i: int, received: list[tuple[int, PastBlock]]) -> None:
+        """The gradient cell ``(run, i)`` gave the other ranks' rows: the extend's to be sent to their owners as
+        their turn comes, ``since``'s held (summed over this rank's cells) until the walk is done."""
+        for src in dict.fromkeys(src for src, _ in received):
+            blocks = [block for s, block in received if s == src and block.grads is not None]
+            extend = _joined([block.grads for block in blocks if block.start >= self.base])  # type: ignore[misc]
+            context = _joined([block.grads for block in blocks if block.start < self.base])  # type: ignore[misc]
+            if extend is not None:
+                self.pending[run.index, i, src] = extend
+            if context is not None:
+                held = self.context_grads.get((src, i))
+                self.context_grads[src, i] = (
+                    context if held is None else tuple(a.add_(b) for a, b in zip(held, context, strict=True))
+                )
 
     def _exchange_context_grads(self) -> None:
-        """Once the walk is done: send the gradient of the later ranks' context rows, and add what the earlier
-        ranks' queries gave this rank's (every growing layer, from the last)."""
-        growing = [i for i in reversed(range(self.engine.num_layers)) if self.engine.adapter.layers[i].mixer.grows]
-        for dst, per_layer in self.context_grads.items():
-            for i, grads in zip(growing, per_layer, strict=True):
-                self.transport.send(grads, dst, _CONTEXT_GRADS_TAG + i, "state_grad")
-        rank = self.ownership.rank
-        if not self.into_since or rank not in self.context_holders:
+        """Once the walk is done: send each context holder the gradient this rank's queries gave its context rows,
+        and add what the other ranks' queries gave this rank's (every growing layer, from the last)."""
+        if not self.into_since:
             return
-        for src in [q for q in self.computing if q < rank]:
+        rank = self.ownership.rank
+        growing = [i for i in reversed(range(self.engine.num_layers)) if self.grows[i]]
+        if self.my_runs:
+            for dst in (holder for holder in self.context_holders if holder != rank):
+                for i in growing:
+                    grads = self.context_grads.pop((dst, i))
+                    self.transport.send(grads, dst, _Message(_CONTEXT_GRADS, 0, i, rank).tag, "state_grad")
+        if rank not in self.context_holders:
+            return
+        for src in (q for q in self.computing if q != rank):
             for i in growing:
-                message = self.transport.recv(src, _CONTEXT_GRADS_TAG + i, self.engine.adapter.device)
+                message = self._receive(_Message(_CONTEXT_GRADS, 0, i, src))
                 self._add_into_own(message, self._own_rows(i, context_only=True))
 
     def _into_since_recurrent(self) -> None:
         """The gradient of ``since``'s last recurrent states, from the rank that walked the extend's first chunk,
         added on every rank (each holds those states)."""
-        recurrent = [i for i, layer in enumerate(self.engine.adapter.layers) if not layer.mixer.grows]
+        recurrent = [i for i, grows in enumerate(self.grows) if not grows]
         if not self.into_since or not recurrent or self.since is None:
             return
-        src = self.owners[self.first]
+        src = self.runs[0].owner
         mine = src == self.ownership.rank
         flat = [t for i in recurrent for t in self.since_recurrent[i]] if mine else None
         received = self.transport.broadcast_tensors(flat, src, self.engine.adapter.device)
@@ -332,150 +423,162 @@ class WavefrontWalk:
             at += len(buffers)
 
     # --- the walk ---------------------------------------------------------------------------------------------
-    def _rows(self, j: int) -> slice:
-        chunk = self.state.chunks[j]
-        return slice(chunk.start - self.lo, chunk.end - self.lo)
+    def _cell(self, run: Run, i: int, g: Tensor | None) -> Tensor | None:
+        """Cell ``(run, i)``: the run's layer ``i`` backpropagated, its input recomputed first where the run enters
+        a segment; returns the gradient of the run's input of the layer."""
+        takes = collections.deque(self._cell_takes(run, i))
+        layer_input = self._input(run, i, takes)
+        if self.grows[i]:
+            g = self._backward_growing(run, i, g, layer_input, takes)
+        else:
+            g = self._backward_recurrent(run, i, g, layer_input, takes)
+        assert not takes  # (a cell takes what ``_cell_takes`` says, in its order)
+        return g
 
     def _layer(
         self, i: int, j: int, x: Tensor, ctx: LayerContext, scratch: dict[str, Any]
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        rows, inputs = self._rows(j), self.inputs
+        rows, inputs = self.rows[j], self.inputs
         rope = (inputs.rope[0][rows], inputs.rope[1][rows])
         layer, start = self.engine.adapter.layers[i], self.state.chunks[j].start
         return self.engine.adapter.run_layer(
             layer, x, inputs.positions[rows], rope, ctx, dict(scratch), self.engine.local_attention, start
         )
 
-    def _seed(self) -> Tensor | None:
-        """The gradient of the loss (``loss_fn`` over this rank's chunks) w.r.t. the last layer's output."""
-        if not self.mine or self.loss_fn is None:
+    def _seed(self, run: Run) -> Tensor | None:
+        """The gradient of the loss (``loss_fn`` over the run's chunks) w.r.t. the last layer's output."""
+        if self.loss_fn is None:
             return None
         assert self.inputs.final is not None  # the capture keeps it
         g: Tensor | None = None
-        for j in self.mine:  # a chunk's graph at a time (an agent's history has loss all along)
-            chunk, rows = self.state.chunks[j], self._rows(j)
+        for j in run.chunks:  # a chunk's graph at a time (an agent's history has loss all along)
+            chunk = self.state.chunks[j]
             with torch.enable_grad():
-                x = self.inputs.final[rows].detach().requires_grad_(True)
+                x = self.inputs.final[self.rows[j]].detach().requires_grad_(True)
                 loss = self.loss_fn(self.engine.adapter.final_norm(x), chunk.start, chunk.end)
                 if loss is None:
                     continue
                 loss.backward()
             if x.grad is not None:
-                g = torch.zeros_like(self.inputs.final) if g is None else g
-                g[rows] = x.grad
+                g = x.grad.new_zeros(self._length(run), x.shape[-1]) if g is None else g
+                g[self.local[j]] = x.grad
         return g
 
-    def _input(self, i: int) -> Tensor | None:
-        """Layer ``i``'s input on this rank: kept by the capture at the first layer of each segment, the others
-        recomputed forward from it, a segment at a time, when the walk enters the segment (from its top). None on a
-        rank without chunks (which still gathers the segment's layers with the others)."""
-        if i not in self.segment:
+    def _input(self, run: Run, i: int, takes: collections.deque[_Message]) -> Tensor:
+        """The run's input of layer ``i``: kept by the capture at the first layer of each segment, the others
+        recomputed forward from it when the run's walk enters the segment (from its top)."""
+        k = run.index
+        if (k, i) not in self.segment:
             first = i - i % self.inputs.every
-            self._post_context_rows(range(first, i), _RECOMPUTE_ROWS_TAG)  # the earlier ranks recompute them too
-            h: Tensor | None = self.inputs.hidden.get(first)
+            span = slice(self.rows[run.chunks[0]].start, self.rows[run.chunks[-1]].stop)
+            h = self.inputs.hidden[first][span]
             for layer in range(first, i + 1):
-                self.segment[layer] = h
+                self.segment[k, layer] = h
                 if layer < i:
-                    h = self._forward_layer(layer, h)
-        return self.segment.pop(i)
+                    with self.engine.gathered(layer):
+                        h = self._recompute_layer(run, layer, h, takes)
+        return self.segment.pop((k, i))
 
-    def _forward_layer(self, i: int, h: Tensor | None) -> Tensor | None:
-        """Layer ``i`` over this rank's chunks without a graph (recomputing a segment's inputs); None without
-        chunks. Every rank gathers the layer's weights (a collective when they are sharded)."""
-        with self.engine.gathered(i):
-            return None if h is None else self._recompute_layer(i, h)
+    def _received_rows(self, kind: int, takes: collections.deque[_Message], sinks: bool) -> list[tuple[int, PastBlock]]:
+        """The rows the next ``kind`` messages of ``takes`` carry, each with the rank that sent it."""
+        received = []
+        while takes and takes[0].kind == kind:
+            message = takes.popleft()
+            received += [(message.src, block) for block in self._past(self._receive(message), sinks)]
+        return received
 
-    def _recompute_layer(self, i: int, h: Tensor) -> Tensor:
+    def _recompute_layer(self, run: Run, i: int, h: Tensor, takes: collections.deque[_Message]) -> Tensor:
+        """Layer ``i`` over the run's chunks without a graph (recomputing a segment's inputs)."""
         layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
-        carried = self.inputs.recurrent[i][0]  # (one run per rank: the cut in rank order)
+        carried = self.inputs.recurrent[i][self.my_runs.index(run)]
         befores: list[tuple[Tensor, ...] | None] = []
-        remote = [b for _, b in self._receive_rows(i, _RECOMPUTE_ROWS_TAG, sinks=False)] if layer.mixer.grows else []
+        remote = []
+        if layer.mixer.grows:
+            remote = [block for _, block in self._received_rows(_RECOMPUTE_ROWS, takes, sinks=False)]
         with torch.no_grad():
-            for k, j in enumerate(self.mine):
-                span = self._rows(j)
+            for j in run.chunks:
                 if layer.mixer.grows:
                     own = self.engine.past_blocks(self.state.positioned_blocks(i, j), None)
                     ctx = LayerContext(past=in_position_order([*remote, *own]))
                 else:
                     befores.append(carried)
                     ctx = LayerContext(recurrent=carried)
-                out[span], new = self._layer(i, j, h[span], ctx, self.inputs.scratch[i][k])
+                out[self.local[j]], new = self._layer(
+                    i, j, h[self.local[j]], ctx, self.inputs.scratch[i][self.index[j]]
+                )
                 carried = new
         if not layer.mixer.grows:
-            self.states_before[i] = befores  # the layer's backward starts each chunk from these
+            self.states_before[run.index, i] = befores  # the layer's backward starts each chunk from these
         return out
 
-    def _backward_growing(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
-        """Layer ``i`` (attention / MLA) of this rank's chunks, last chunk first; returns the gradient of its input."""
-        if layer_input is None:
-            return None
-        received = self._receive_rows(i, _ROWS_TAG, sinks=True)  # sinks of their own, sent back to the owners
+    def _backward_growing(
+        self, run: Run, i: int, g: Tensor | None, layer_input: Tensor, takes: collections.deque[_Message]
+    ) -> Tensor:
+        """Layer ``i`` (attention / MLA) of the run's chunks, last chunk first; returns the gradient of its input."""
+        while takes and takes[0].kind == _ROW_GRADS:  # the later runs' queries' gradient for this rank's rows
+            message = takes.popleft()
+            rows = self._own_rows(i, self.runs[message.run].chunks[0])
+            self._add_into_own(self._receive(message), [(p, b) for p, b in rows if p >= self.base])
+        received = self._received_rows(_ROWS, takes, sinks=True)  # sinks of their own, sent back to the owners
         remote = [block for _, block in received]
         frozen_before = 0 if self.into_since else self.base
         g_in = torch.zeros_like(layer_input)
-        for k in reversed(range(len(self.mine))):
-            j = self.mine[k]
-            chunk, span = self.state.chunks[j], self._rows(j)
+        for j in reversed(run.chunks):
+            block = self.state.chunks[j].blocks[i]
             own = self.engine.past_blocks(self.state.positioned_blocks(i, j), self.grad, frozen_before)
-            block = chunk.blocks[i]
             upstream = self.grad.existing_block_grads(block) if block is not None else None
             with torch.enable_grad():
-                x = layer_input[span].detach().requires_grad_(True)
+                x = layer_input[self.local[j]].detach().requires_grad_(True)
                 past = in_position_order([*remote, *own])
-                out, new = self._layer(i, j, x, LayerContext(past=past), self.inputs.scratch[i][k])
-                self._backpropagate(out, g, span, new, upstream)
+                out, new = self._layer(i, j, x, LayerContext(past=past), self.inputs.scratch[i][self.index[j]])
+                self._backpropagate(out, g, self.local[j], new, upstream)
             if x.grad is not None:
-                g_in[span] = x.grad
-        rank = self.ownership.rank
-        for src in dict.fromkeys(src for src, _ in received):  # the other ranks' K/V gradient, to their owners
-            grads = _joined([block.grads for s, block in received if s == src and block.grads is not None])
-            if grads is None:
-                continue
-            if src < rank:
-                self.transport.send(grads, src, _ROW_GRADS_TAG + i, "state_grad")
-            else:  # a later rank's context rows: once the walk is done
-                self.context_grads.setdefault(src, []).append(grads)
-        context = {id(block.arena) for _, block in self._own_rows(i, context_only=True)}
-        for _, block in self._own_rows(i):
-            if id(block.arena) not in context:  # (the context's gradient is walked later, whoever added to it)
-                self.grad.release_arena(block.arena)
+                g_in[self.local[j]] = x.grad
+        self._returned(run, i, received)
+        if run is self.my_runs[0]:  # this rank's last cell of the layer: nothing adds to its rows' gradient now
+            context = {id(block.arena) for _, block in self._own_rows(i, context_only=True)}
+            for _, block in self._own_rows(i):
+                if id(block.arena) not in context:  # (the context's gradient is walked later, whoever added to it)
+                    self.grad.release_arena(block.arena)
         return g_in
 
-    def _backward_recurrent(self, i: int, g: Tensor | None, layer_input: Tensor | None) -> Tensor | None:
-        """Layer ``i`` (GatedDeltaNet) of this rank's chunks: the states before each recomputed forward from the one
-        before the rank's first chunk, then each chunk backpropagated last first, the state gradient carried back."""
-        if layer_input is None:
-            return None
-        carry = self._recurrent_grad_after_last(i)
-        if i not in self.states_before:  # the top of a segment: not recomputed yet
-            self._forward_layer(i, layer_input)
-        befores = self.states_before.pop(i)
+    def _backward_recurrent(
+        self, run: Run, i: int, g: Tensor | None, layer_input: Tensor, takes: collections.deque[_Message]
+    ) -> Tensor:
+        """Layer ``i`` (GatedDeltaNet) of the run's chunks: the states before each recomputed forward from the one
+        before the run, then each chunk backpropagated last first, the state gradient carried back."""
+        carry = self._recurrent_grad_after(run, i, takes)
+        if (run.index, i) not in self.states_before:  # the top of a segment: not recomputed yet
+            with self.engine.gathered(i):
+                self._recompute_layer(run, i, layer_input, takes)
+        befores = self.states_before.pop((run.index, i))
         g_in = torch.zeros_like(layer_input)
-        for k in reversed(range(len(self.mine))):
-            j, rows = self.mine[k], self._rows(self.mine[k])
+        for k in reversed(range(len(run.chunks))):
+            j = run.chunks[k]
             with torch.enable_grad():
                 before = befores[k]
                 leaves = None if before is None else tuple(t.detach().requires_grad_(True) for t in before)
-                x = layer_input[rows].detach().requires_grad_(True)
-                out, new = self._layer(i, j, x, LayerContext(recurrent=leaves), self.inputs.scratch[i][k])
-                self._backpropagate(out, g, rows, new, carry)
+                x = layer_input[self.local[j]].detach().requires_grad_(True)
+                out, new = self._layer(i, j, x, LayerContext(recurrent=leaves), self.inputs.scratch[i][self.index[j]])
+                self._backpropagate(out, g, self.local[j], new, carry)
             if x.grad is not None:
-                g_in[rows] = x.grad
+                g_in[self.local[j]] = x.grad
             carry = (
                 None if leaves is None else tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
             )
-        if self.mine[0] > self.first:
+        if run.index > 0:
             assert carry is not None  # a chunk after position 0 starts from a state
-            self.transport.send(carry, self.owners[self.mine[0] - 1], _RECURRENT_GRAD_TAG + i, "state_grad")
+            self.pending[run.index, i, self.runs[run.index - 1].owner] = carry
         elif self.into_since and carry is not None:  # the gradient of since's last state: broadcast after the walk
             self.since_recurrent[i] = carry
         return g_in
 
-    def _recurrent_grad_after_last(self, i: int) -> tuple[Tensor, ...] | None:
-        last = self.mine[-1]
-        if last + 1 < len(self.state.chunks):
-            return self.transport.recv(self.owners[last + 1], _RECURRENT_GRAD_TAG + i, self.engine.adapter.device)
-        rec = self.state.chunks[last].recurrent[i]
+    def _recurrent_grad_after(self, run: Run, i: int, takes: collections.deque[_Message]) -> tuple[Tensor, ...] | None:
+        """The gradient of layer ``i``'s recurrent state after the run: from the next run's owner, or (the last run)
+        the state's own."""
+        if run.index + 1 < len(self.runs):
+            return self._receive(takes.popleft())
+        rec = self.state.chunks[run.chunks[-1]].recurrent[i]
         found = None if rec is None else self.grad.existing_recurrent_grads(rec)
         if rec is not None:
             self.grad.release_recurrent(rec)

@@ -86,8 +86,8 @@ def test_the_wavefront_walk_runs_fewer_layers_than_one_process(mesh_results: dic
     """A rank's layer evaluations in an exact step (its chunks, the shared branches) fall below one process's
     (every chunk twice); the replicated walk (every rank recomputing every chunk) runs more."""
     for result in mesh_results["ranks"]:
-        assert result[f"{family}/exact_layer_runs"] < result[f"{family}/exact_single_layer_runs"]
-        assert result[f"{family}/replicated_exact_layer_runs"] > result[f"{family}/exact_layer_runs"]
+        assert result[f"{family}/exact_layer_positions"] < result[f"{family}/exact_single_layer_positions"]
+        assert result[f"{family}/replicated_exact_layer_positions"] > result[f"{family}/exact_layer_positions"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -97,7 +97,7 @@ def test_long_leaves_are_walked_sharded(mesh_results: dict[str, Any], family: st
     again on every rank) runs more. (Detached mode replays each answer from the turn's state: no long leaves.)"""
     for result in mesh_results["ranks"]:
         assert result[f"{family}/agent_exact_sharded_walks_back"] == 2  # each member's history
-        assert result[f"{family}/agent_exact_layer_runs"] < result[f"{family}/agent_exact_single_layer_runs"]
+        assert result[f"{family}/agent_exact_layer_positions"] < result[f"{family}/agent_exact_single_layer_positions"]
         assert all(result[f"{family}/edge_{case}_sharded"] for case in ("one_token", "fewer_than_ranks", "long"))
 
 

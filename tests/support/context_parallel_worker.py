@@ -130,11 +130,11 @@ def agent_results(family: str, model, single: Engine, shards: ContextParallel, p
         single_runs, parallel_runs = counting_layer_runs(single), counting_layer_runs(engine)
         sharded_walks = counting_sharded_walks(engine)
         for mode in modes:
-            single_runs[0] = parallel_runs[0] = 0
+            single_runs[:] = parallel_runs[:] = [0, 0]
             expected = group_gradient(single, group, mode)
             results[f"{family}/{name}_{mode}"] = relative(group_gradient(engine, group, mode), expected)
-            results[f"{family}/{name}_{mode}_layer_runs"] = parallel_runs[0]
-            results[f"{family}/{name}_{mode}_single_layer_runs"] = single_runs[0]
+            results[f"{family}/{name}_{mode}_layer_positions"] = parallel_runs[1]
+            results[f"{family}/{name}_{mode}_single_layer_positions"] = single_runs[1]
             results[f"{family}/{name}_{mode}_sharded_walks_back"] = sharded_walks[0]
             sharded_walks[0] = 0
     return results
@@ -197,12 +197,14 @@ def counting_sharded_walks(engine: Engine) -> list[int]:
 
 
 def counting_layer_runs(engine: Engine) -> list[int]:
-    """A counter (one cell) of the layer evaluations ``engine`` makes from now on."""
-    count = [0]
+    """A counter of the layer evaluations ``engine`` makes from now on: ``[calls, positions evaluated]`` (the work:
+    a balanced cut evaluates more, shorter pieces)."""
+    count = [0, 0]
     run_layer = engine.adapter.run_layer
 
     def counted(*args, **kwargs):
         count[0] += 1
+        count[1] += args[1].shape[0]  # (layer, hidden states, ...)
         return run_layer(*args, **kwargs)
 
     engine.adapter.run_layer = counted  # type: ignore[method-assign]
@@ -265,11 +267,12 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
         results[f"{family}/chunk_bytes"] = growing_bytes(single.capture(prompt[:CHUNK]))
         single_runs, parallel_runs = counting_layer_runs(single), counting_layer_runs(parallel)
         for mode in ("exact", "detached"):
-            single_runs[0] = parallel_runs[0] = 0
+            single_runs[:] = parallel_runs[:] = [0, 0]
             expected = gradient(single, prompt, completions, rewards, mode)
             results[f"{family}/{mode}"] = relative(gradient(parallel, prompt, completions, rewards, mode), expected)
-            results[f"{family}/{mode}_layer_runs"] = parallel_runs[0]  # capture + branches + (exact) reverse walk
-            results[f"{family}/{mode}_single_layer_runs"] = single_runs[0]
+            # capture + branches + (exact) reverse walk
+            results[f"{family}/{mode}_layer_positions"] = parallel_runs[1]
+            results[f"{family}/{mode}_single_layer_positions"] = single_runs[1]
         results |= kl_results(family, model, single, parallel, shards, (prompt, completions, rewards))
         group = shared_turn_group(prompt[:6], torch.Generator().manual_seed(1), rewards)
         model.zero_grad(set_to_none=True)
@@ -289,7 +292,7 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
         results[f"{family}/replicated_exact"] = relative(
             gradient(replicated, prompt, completions, rewards, "exact"), expected
         )
-        results[f"{family}/replicated_exact_layer_runs"] = replicated_runs[0]
+        results[f"{family}/replicated_exact_layer_positions"] = replicated_runs[1]
         results.update(agent_results(family, model, single, shards, prompt, rewards))
         results.update(edge_results(family, model, single, shards))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
