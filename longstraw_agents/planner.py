@@ -192,21 +192,39 @@ class PlanRequest:
 
     @property
     def earlier_ranks(self) -> int:
-        """How many cp ranks before the planned one send it their rows (a capture cut in rank order: one that keeps
-        layer inputs for the wavefront walk; the last rank by default)."""
+        """How many cp ranks before the planned one send it their rows in a capture cut in rank order (the last
+        rank by default)."""
         return self.context_parallel - 1 if self.cp_rank is None else self.cp_rank
 
     @property
     def balanced_context(self) -> bool:
-        """Whether the step's capture of the context is cut balanced (``EngineConfig.balanced_captures``): not when
-        it keeps layer inputs for exact mode's wavefront walk, which walks the rank order."""
-        return self.engine.balanced_captures and not self.wavefront
+        """Whether the step's capture of the context is cut balanced (``EngineConfig.balanced_captures``; exact
+        mode's wavefront walk then walks the balanced cut too)."""
+        return self.engine.balanced_captures
 
     @property
     def balanced_history(self) -> bool:
-        """Whether a member's history captured sharded is cut balanced: not where the wavefront walk takes it back
-        (a long loss node, in either mode, with ``EngineConfig.wavefront_walk``)."""
-        return self.engine.balanced_captures and not self.keeps_layer_inputs
+        """Whether a member's history captured sharded is cut balanced (as the context's)."""
+        return self.engine.balanced_captures
+
+    @property
+    def walk_gathers_ahead(self) -> int:
+        """The gathers exact mode's wavefront walk has started ahead of the planned rank's cell: ``prefetch_window``;
+        paced (``paced_walk``), each wave's as it falls due: the steps the rank trails its waves' first runs,
+        ``cp - 1`` (rank r < cp - 1: ``r`` in the later wave, ``cp - 1 - r`` in the earlier), none on the last
+        rank, which leads the earlier wave and has no run in the later."""
+        cp = self.context_parallel
+        if not self.paced_walk:
+            return prefetch_window(cp)
+        return 0 if self.cp_rank == cp - 1 else cp - 1
+
+    @property
+    def paced_walk(self) -> bool:
+        """Whether exact mode's wavefront walk runs a balanced cut over sharded weights (``walk_events``): every
+        rank recomputes each segment when the first run enters it, so a later run holds its inputs up to
+        ``cp - 1`` layers longer, and a rank keeps each cell's layer gradient until its wave's reduction (up to
+        ``cp - 1`` layers' more)."""
+        return self.wavefront and self.balanced_context and self.context_parallel > 1
 
     def step_capture_cuts(self) -> list[bool]:
         """How the step's sharded captures are cut (balanced or not): the context's, and a member's history's."""
@@ -519,10 +537,9 @@ def context_grads(config: PretrainedConfig, request: PlanRequest) -> int:
     if not request.walked_back_sharded:
         return 0
     cp = request.context_parallel
-    rank = 0 if request.cp_rank is None else request.cp_rank  # (unnamed: the most, rank 0's, beside the last's rest)
     widen = max(_itemsize(request.dtype), 4) / _itemsize(request.dtype)
-    later = math.ceil(request.context * (cp - 1 - rank) / cp)
-    return int(state_size(config, request.dtype).bytes_per_token * later * widen)
+    others = math.ceil(request.context * (cp - 1) / cp)
+    return int(state_size(config, request.dtype).bytes_per_token * others * widen)
 
 
 def _rows_per_layer(config: PretrainedConfig, request: PlanRequest, positions: int) -> int:
@@ -556,24 +573,30 @@ def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
     shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
-    the inputs it recomputes (k - 1: the first is kept), and one layer's rows of the earlier ranks
-    (``PlanRequest.earlier_ranks`` shards: the last rank's N - 1) with their fp32 gradient sinks. None with a
-    kept-graph budget: the capture then runs replicated (docs/distributed.md)."""
+    the inputs it recomputes (k - 1: the first is kept; paced, up to ``cp - 1`` more: ``PlanRequest.paced_walk``),
+    and one cell's rows of the other ranks before its run (``PlanRequest.captured_shards``: in rank order the last
+    rank's N - 1 shards) with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs
+    replicated (docs/distributed.md)."""
     if not request.wavefront:
         return 0, 0
     layers = config.num_hidden_layers
     every = layer_inputs_spacing(layers, request.engine)
     itemsize = _itemsize(request.dtype)
     widen = max(itemsize, 4) / itemsize
-    walked, received = positions, positions * request.earlier_ranks  # the earlier ranks' rows of a layer
+    walked = positions
+    received = math.ceil(positions * request.captured_shards(request.balanced_context))  # a cell's others' rows
     if request.walked_back_sharded:  # the largest walk: a member's history, the other ranks' rows before it too
         cp, before = request.context_parallel, _history_before(request)
         walked = math.ceil(request.sharded_history / cp)
-        received = walked * request.earlier_ranks + math.ceil(before * (cp - 1) / cp)
-    rows = _rows_per_layer(config, request, received) * (1 + widen)  # one layer's at a time, with their sinks
+        shards = request.captured_shards(request.balanced_history)
+        received = math.ceil(walked * shards) + math.ceil(before * (cp - 1) / cp)
+    rows = _rows_per_layer(config, request, received) * (1 + widen)  # one cell's at a time, with their sinks
     kept = LayerInputs.planned_nbytes(positions, config.hidden_size, itemsize, layers, every)
-    # a segment holds its first layer's kept input and recomputes the k - 1 after it
-    return kept, walked * config.hidden_size * itemsize * (every - 1) + int(rows)
+    # a segment holds its first layer's kept input and recomputes the k - 1 after it (paced: a later run holds
+    # those of the segment before as well, as many as the steps it trails the first run: cp - 1 a rank, its runs
+    # together)
+    held = min(every - 1 + (request.context_parallel - 1 if request.paced_walk else 0), layers - 1)
+    return kept, walked * config.hidden_size * itemsize * held + int(rows)
 
 
 def _history_before(request: PlanRequest) -> int:
@@ -819,6 +842,8 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     if request.wavefront:
         weights = (_walk_layers_whole(request, probed.layers) * layer + probed.root) * compute + cast
         in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
+        if request.paced_walk:  # the gradients a rank keeps until their waves' reductions (each then landed first)
+            in_flight = min(request.context_parallel - 1, probed.layers - 1) * layer * compute
     else:
         weights = (layer + probed.root) * compute
         in_flight = layer * master if request.mixed else 0
@@ -834,8 +859,9 @@ def _step_layers_whole(request: PlanRequest, layers: int) -> int:
 
 
 def _walk_layers_whole(request: PlanRequest, layers: int) -> int:
-    """Exact mode's wavefront walk: the layer it walks and the gathers it starts ahead (``prefetch_window``)."""
-    return min(prefetch_window(request.context_parallel) + 1, layers)
+    """Exact mode's wavefront walk: the layer it walks and the gathers it starts ahead (``prefetch_window``;
+    paced, ``PlanRequest.walk_gathers_ahead``)."""
+    return min(request.walk_gathers_ahead + 1, layers)
 
 
 def _layers_whole(request: PlanRequest, layers: int, sharded: bool, balanced: bool) -> int:

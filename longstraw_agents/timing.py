@@ -588,20 +588,26 @@ class Schedule:
 
     def walk(self) -> Work:
         """Exact mode's reverse walk: the rank's chunks recomputed under autograd and backpropagated (the wavefront
-        walk, a layer at a time: each layer gathered for its recomputation and its backward, its gradient reduced
-        once), or chunk by chunk (one rank, or the replicated walk: every chunk of the prompt on every rank), where
+        walk on its busiest rank, a layer at a time: each layer gathered for its recomputation and per wave of runs
+        for its backward, its gradient reduced per wave), or chunk by chunk (one rank, or the replicated walk: every chunk of the prompt on every rank), where
         every chunk's forward gathers each layer, its backward gathers it again and reduces its gradient
         (``LayerGather.run``, as a branch does)."""
         request = self.request
         chunk = request.engine.chunk_size
         wavefront = request.wavefront
-        start = self.first if wavefront else 0
-        recompute = self.model.chunked(start, self.captured, chunk)  # every layer whole (its hidden states too)
-        backward = self.model.chunked(start, self.captured, chunk, entries_only=True).backward()  # what feeds the state
-        backward = backward + self.model.routed_recompute(self.captured - start, entries_only=True)
-        state_gradient = Work(comm=self.model.state_bytes(self.first) * max(1.0, 4 / self.model.dtype.itemsize))
-        passes = 1 if wavefront else self._chunks  # the layers' gathers and reductions, per pass
-        weights = (self._gathers(2) + self._layer_reductions()).scaled(passes)
+        if wavefront:
+            recompute, backward, received = self._walked_rank()
+            # per wave of runs (a balanced cut's two) each layer gathered and reduced, and gathered once more for the
+            # recomputation (paced over both waves under FSDP2: ``walk_events``)
+            waves = capture_waves([owner for _, _, owner in cut_runs(self.captured, self.cp, request.balanced_context)])
+            weights = self._gathers(1 + waves) + self._layer_reductions().scaled(waves)
+        else:
+            recompute = self.model.chunked(0, self.captured, chunk)  # every layer whole (its hidden states too)
+            backward = self.model.chunked(0, self.captured, chunk, entries_only=True).backward()  # what feeds the state
+            backward = backward + self.model.routed_recompute(self.captured, entries_only=True)
+            received = 0
+            weights = (self._gathers(2) + self._layer_reductions()).scaled(self._chunks)
+        state_gradient = Work(comm=self.model.state_bytes(received) * max(1.0, 4 / self.model.dtype.itemsize))
         merged = Work()  # a replicated walk's collectives over the cp ranks
         if not wavefront:  # (the recurrent states between checkpoints: each recomputed chunk gathers every layer)
             recompute = recompute + self._recurrent_segments()
@@ -614,6 +620,24 @@ class Schedule:
         if self.cp > 1 and not (self.sharded and self.ranks > 1):  # the walk's gradient all-reduced over cp, fp32
             weights = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * 2 * (self.cp - 1) / self.cp)
         return recompute + backward + state_gradient + merged + weights
+
+    def _walked_rank(self) -> tuple[Work, Work, int]:
+        """Exact mode's wavefront walk on the busiest cp rank: its runs of the prompt (cut as its capture was,
+        ``cut_runs``) recomputed under autograd, every layer whole, and backpropagated, and the other ranks'
+        positions before its runs, whose rows' gradient it sends back."""
+        chunk, busiest = self.request.engine.chunk_size, (Work(), Work(), 0)
+        cut = cut_runs(self.captured, self.cp, self.request.balanced_context)
+        for rank in range(self.cp):
+            mine = [(lo, hi) for lo, hi, owner in cut if owner == rank]
+            recompute = total(self.model.chunked(lo, hi, chunk) for lo, hi in mine)
+            backward = total(self.model.chunked(lo, hi, chunk, entries_only=True) for lo, hi in mine).backward()
+            backward = backward + self.model.routed_recompute(sum(hi - lo for lo, hi in mine), entries_only=True)
+            held, received = 0, 0
+            for lo, hi in mine:
+                received, held = received + lo - held, held + hi - lo
+            if (recompute + backward).flops > (busiest[0] + busiest[1]).flops:
+                busiest = (recompute, backward, received)
+        return busiest
 
     def optimizer(self) -> Work:
         """AdamW's step over the rank's shard of the parameters (all of them unsharded): each parameter, its

@@ -191,11 +191,15 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
     wavefront = PlanRequest(mode="exact", gpus=8)
     vector = config.hidden_size * 2  # bf16, per position
     # 64 layers: kept every 8th and after the last (9), one segment of 8 at a time: its first input kept, 7
-    # recomputed (plus its rows)
+    # recomputed (plus its rows); balanced over sharded weights every rank recomputes a segment when the first run
+    # enters it, so its runs hold 7 more together (the steps they trail it)
     kept, segment = layer_inputs_bytes(config, wavefront, 1000)
-    # on top of the segment's inputs, one attention layer's rows of the 7 earlier ranks and their fp32 sinks
+    # on top of the segment's inputs, one attention layer's rows of the others before a cell, 7 shards (rank 0's
+    # later run: 14 parts of half a shard), and their fp32 sinks
     kv = 2 * config.num_key_value_heads * config.head_dim * 2
-    assert kept == 1000 * vector * 9 and segment == 1000 * vector * 7 + 1000 * kv * 7 * 3
+    assert kept == 1000 * vector * 9 and segment == 1000 * vector * 14 + 1000 * kv * 7 * 3
+    in_order = PlanRequest(mode="exact", gpus=8, engine=PLAN_ENGINE.updated(balanced_captures=False))
+    assert layer_inputs_bytes(config, in_order, 1000) == (kept, 1000 * vector * 7 + 1000 * kv * 7 * 3)
     every_layer = PlanRequest(mode="exact", gpus=8, engine=PLAN_ENGINE.updated(layer_inputs_every=1))
     assert layer_inputs_bytes(config, every_layer, 1000)[0] == 1000 * vector * 65
     for other in (
@@ -239,10 +243,18 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},
         ),
-        # exact mode's wavefront walk: cp + 1 layers whole and cp layers' fp32 reductions in flight (its capture, cut
-        # in rank order, holds the last rank's layer and the cp - 1 gathers it starts ahead)
+        # exact mode's wavefront walk of a balanced cut over sharded weights (paced): a cell's layer, the cp - 1 of
+        # its waves' gathers started ahead, and the cp - 1 layers' gradients kept until their waves' reductions (bf16)
         (
             {"gpus": 8, "mode": "exact"},
+            {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
+            {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2,
+             "gathered gradients": 7 * 700 * 2 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4},
+        ),
+        # ... cut in rank order: cp + 1 layers whole and cp layers' fp32 reductions in flight (its capture holds the
+        # last rank's layer and the cp - 1 gathers it starts ahead)
+        (
+            {"gpus": 8, "mode": "exact", "engine": PLAN_ENGINE.updated(balanced_captures=False)},
             {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
             {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2,
              "gathered gradients": 8 * 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4},
@@ -269,9 +281,9 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
         (
             {"gpus": 8, "dp": 2, "mode": "exact"},
             {**BF16_CP8, "gathered weights": (4 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
-             "lane buffers (dp > 1)": 3 * 350 * 2},  # (the last rank of a capture in rank order starts 3 ahead)
-            {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2,
-             "gathered gradients": 4 * 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4,
+             "lane buffers (dp > 1)": 3 * 350 * 2},
+            {**BF16_CP8, "gathered weights": (4 * 700 + 1_000) * 2,
+             "gathered gradients": 3 * 700 * 2 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4,
              "lane buffers (dp > 1)": 4 * 350 * 2 + 4 * 350 * 4},
         ),
         # one GPU: the fp32 masters, their moments and the bf16 compute copy; gradients in the backward
@@ -438,19 +450,21 @@ def test_expert_parallelism_is_validated(given: dict, message: str) -> None:
 
 def test_a_capture_cell_reads_the_other_ranks_rows_before_it() -> None:
     """Per cp rank of 4, the rows a sharded capture's cell reads at once (beside the rank's hidden states): cut in
-    rank order (exact mode's wavefront walk) the earlier ranks' shards, r of them; balanced, those before the
-    rank's later run but its own first, 2·4 - 2 - r parts of half a shard."""
+    rank order the earlier ranks' shards, r of them; balanced (either mode), those before the rank's later run but
+    its own first, 2·4 - 2 - r parts of half a shard."""
     config = TINY_PRESETS["llama"]()
 
-    def rows(mode: str, rank: int) -> int:
+    def rows(mode: str, rank: int, balanced: bool = True) -> int:
         request = PlanRequest(
-            model="tiny-llama", context=1_000_000, gpus=4, mode=mode, cp_rank=rank, dtype=torch.bfloat16
-        )
+            model="tiny-llama", context=1_000_000, gpus=4, mode=mode, cp_rank=rank, dtype=torch.bfloat16,
+            engine=PLAN_ENGINE.updated(balanced_captures=balanced),
+        )  # fmt: skip
         return planner.capture_rows_bytes(config, request) - 250_000 * config.hidden_size * 2
 
-    shard = rows("exact", 1)
-    assert [rows("exact", r) for r in range(4)] == [r * shard for r in range(4)]
-    assert [rows("detached", r) for r in range(4)] == [(6 - r) * shard // 2 for r in range(4)]
+    shard = rows("exact", 1, balanced=False)
+    assert [rows("exact", r, balanced=False) for r in range(4)] == [r * shard for r in range(4)]
+    for mode in ("detached", "exact"):
+        assert [rows(mode, r) for r in range(4)] == [(6 - r) * shard // 2 for r in range(4)]
 
 
 def _capture_layers_whole(cp: int, layers: int, balanced: bool) -> list[int]:
@@ -497,4 +511,4 @@ def test_a_balanced_capture_gathers_each_layer_once_per_wave_of_runs() -> None:
     assert _capture_layers_whole(8, layers, balanced=False) == [1 + r for r in range(8)]
     in_order = PLAN_ENGINE.updated(balanced_captures=False)
     assert requests[0].balanced_context and not dataclasses.replace(requests[0], engine=in_order).balanced_context
-    assert not dataclasses.replace(requests[0], mode="exact").balanced_context  # (its capture keeps layer inputs)
+    assert dataclasses.replace(requests[0], mode="exact").balanced_context  # (its wavefront walk walks the cut)

@@ -152,12 +152,14 @@ def test_attention_flops_are_the_fused_kernels(measured, step):
 
 
 def test_cp_rank_computes_its_shard_and_receives_the_earlier_rows():
-    """Exact mode's capture, cut in rank order for the wavefront walk: the last rank is the slowest."""
+    """Exact mode's capture cut in rank order (``balanced_captures: false``): the last rank is the slowest."""
     config = TINY_PRESETS["llama"]()
     model = ModelWork.of(config, torch.float32)
     one = step_work(_request("llama"), model, rollout=False).phases
     shard = (PROMPT - 1) // 2  # the captured positions of the first rank (the last has the one more)
-    two = step_work(PlanRequest(**{**_request("llama").__dict__, "gpus": 2, "cp": 2}), model, rollout=False).phases
+    in_order = EngineConfig(chunk_size=CHUNK, balanced_captures=False)
+    two_ranks = PlanRequest(**{**_request("llama").__dict__, "gpus": 2, "cp": 2, "engine": in_order})
+    two = step_work(two_ranks, model, rollout=False).phases
     assert two["capture"].matmul == pytest.approx(one["capture"].matmul * (PROMPT - 1 - shard) / (PROMPT - 1))
     assert two["capture"].attention == pytest.approx(model.chunked(shard, PROMPT - 1, CHUNK, True).attention)
     rows = model.entries_bytes(shard)
@@ -226,7 +228,8 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
 
     dp1 = phases(gpus=2, cp=2)
     plain = phases(sharded=False, gpus=2, cp=2)
-    assert dp1["capture"].comm - plain["capture"].comm == pytest.approx(weights / 2)  # one gather of every layer
+    # the decoder layers once per wave of runs (two), the root once
+    assert dp1["capture"].comm - plain["capture"].comm == pytest.approx(weights / 2 + model.layer_bytes / 2)
     layers, root = model.layer_bytes, model.root_bytes  # the root unit: whole for the step, its gradient reduced once
     per_branch = 2 * layers / 2 + layers / 2  # forward and backward gathers, the gradient reduce-scattered
     assert dp1["replay"].comm - plain["replay"].comm == pytest.approx(GROUP * per_branch + root / 2)
@@ -242,7 +245,8 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
     assert dp2["rollout"].comm == pytest.approx(base["completion"] * layers / 2 + root / 2)
     # HSDP over dp 2 x cp 2: a layer at a time over the 2 cp ranks, the replicas' gradient shards all-reduced once
     hsdp, flat = phases(gpus=4, dp=2, cp=2, hsdp=True), phases(gpus=4, dp=2, cp=2)
-    assert flat["capture"].comm - hsdp["capture"].comm == pytest.approx(weights * (3 / 4 - 1 / 2))  # 4 ranks, 2
+    # 4 ranks against 2 (the decoder layers gathered once per wave of runs)
+    assert flat["capture"].comm - hsdp["capture"].comm == pytest.approx((weights + layers) * (3 / 4 - 1 / 2))
     assert hsdp["replay"].comm - dp1["replay"].comm == pytest.approx(2 * (2 - 1) / 2 * weights / 2)
     assert hsdp["rollout"].comm == dp1["rollout"].comm
     walk_replicated = Schedule(
@@ -255,8 +259,9 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
 def test_offload_copies_the_shards_in_for_each_gather_and_their_gradients_out():
     """With ``offload`` (FSDP2's CPU offload) every gather first copies the rank's fp32 master shards to the device
     and every reduction copies the gradient shards back: the capture's one pass, a branch's two gathers and its
-    reduction, the walk's two passes and its reduction, a decode step's pass — of the decoder layers; the root unit
-    once per block — over the host link, at its own rate; the collectives themselves are unchanged."""
+    reduction, the walk's recomputation and per wave of runs its backward and its reduction, a decode step's pass —
+    of the decoder layers; the root unit once per block — over the host link, at its own rate; the collectives
+    themselves are unchanged."""
     config = TINY_PRESETS["llama"]()
     model = ModelWork.of(config, torch.bfloat16)
     base = {**_request("llama").__dict__, "dtype": torch.bfloat16, "gpus": 2, "cp": 2}
@@ -272,9 +277,9 @@ def test_offload_copies_the_shards_in_for_each_gather_and_their_gradients_out():
 
     kept, moved = phases(), phases(offload=True)
     expected = {  # (the root unit whole for a block: gathered once, its gradient reduced once)
-        "capture": layers + root,
+        "capture": 2 * layers + root,  # (a balanced cut's two waves of runs)
         "replay": GROUP * 3 * layers + root,
-        "walk": 3 * layers,
+        "walk": 5 * layers,  # (a gather for the recomputation, per wave one for the backward and a reduction)
         "rollout": COMPLETION * layers + root,
     }
     for name, host in expected.items():
@@ -324,7 +329,10 @@ def test_a_walk_chunk_by_chunk_gathers_and_reduces_every_layer_for_each_chunk():
     assert walk(cp=2, engine=replicated).comm - unsharded(cp=2, engine=replicated).comm == pytest.approx(
         chunks * per_pass - model.weight_bytes * 2 * (2 - 1) / 2  # (the engine alone all-reduces the gradient once)
     )
-    assert walk(cp=2).comm - unsharded(cp=2).comm == pytest.approx(per_pass - model.weight_bytes * 2 * (2 - 1) / 2)
+    # the wavefront walk of a balanced cut: each layer gathered once for the recomputation, and per wave of runs (two)
+    # for the backward, its gradient reduced per wave
+    wavefront = 3 * model.layer_bytes / 2 + 2 * model.layer_bytes / 2
+    assert walk(cp=2).comm - unsharded(cp=2).comm == pytest.approx(wavefront - model.weight_bytes * 2 * (2 - 1) / 2)
     offloaded = walk(dp=2, cp=1, offload=True)
     assert offloaded.host == pytest.approx(chunks * 3 * model.layer_bytes / 2)  # each shard in twice, out once
     # a hybrid keeping its recurrent states every 2nd chunk: the walk recomputes the chunk before each kept one

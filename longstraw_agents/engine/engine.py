@@ -91,9 +91,16 @@ class Engine:
         self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size, transport)
         self.local_attention = Attention(config.attention, config.max_score_elements, config.chunk_size)
 
-    def gathered(self, layer: int | None, partial: bool = False) -> AbstractContextManager[None]:
+    def gathered(self, layer: int | None, partial: bool = False, reduce: bool = True) -> AbstractContextManager[None]:
         """Layer ``layer``'s weights whole for a block (``LayerWeights.gathered``; nothing to do unsharded)."""
-        return self.weights.gathered(layer, partial) if self.weights is not None else contextlib.nullcontext()
+        if self.weights is None:
+            return contextlib.nullcontext()
+        return self.weights.gathered(layer, partial, reduce)
+
+    def reduce(self, layer: int) -> None:
+        """``LayerWeights.reduce`` (nothing to do unsharded)."""
+        if self.weights is not None:
+            self.weights.reduce(layer)
 
     def announce(self, layers: Sequence[int], ahead: int | None = None) -> None:
         """The order of the coming ``gathered`` blocks (``LayerWeights.announce``; nothing to do unsharded)."""

@@ -99,8 +99,7 @@ class ShardedCapture:
         self.rounds = engine.rounds  # (expert parallelism: the MoE calls are rounds every rank takes part in)
         # (the wavefront walk computes with a gradient, which expert rounds do not carry: a replicated walk)
         self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0 and self.rounds is None
-        # (the wavefront walk over sharded weights walks the rank order: ``WavefrontWalk``)
-        balanced = engine.config.balanced_captures and not (self.keeps_inputs and engine.weights is not None)
+        balanced = engine.config.balanced_captures
         pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True, balanced=balanced)
         self.pieces = [(self.base + lo, self.base + hi) for lo, hi, _ in pieces]
         chunks = ChunkOwners.of([owner for _, _, owner in pieces], self.ownership.rank)

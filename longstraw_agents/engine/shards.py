@@ -142,9 +142,72 @@ def walk_cells(runs: Sequence[Run], layers: int, rank: int) -> list[tuple[Run, i
     wavefront step (a cell needs its run's layer above and the later runs' same layer, both a step earlier), then
     the later run first. In rank order that is layer by layer from the last; balanced, a rank's later run leads its
     first by as many steps as runs lie between them."""
-    last = len(runs) + layers - 2
     cells = [(run, i) for run in runs if run.owner == rank for i in range(layers)]
-    return sorted(cells, key=lambda cell: (last - cell[0].index - cell[1], -cell[0].index))
+    return sorted(cells, key=lambda cell: (walk_step(runs, cell[0], cell[1], layers), -cell[0].index))
+
+
+@dataclass(frozen=True)
+class SegmentRecompute:
+    """Exact mode's balanced walk over sharded weights, at wavefront step ``step`` (the first run reaching the
+    segment's top): every rank recomputes the inputs of layers ``first + 1 .. top`` for each of its runs, gathering
+    layers ``first .. top - 1`` one at a time."""
+
+    step: int
+    first: int
+    top: int
+    order = 1  # (within a step: after the reductions, before the gathers)
+
+
+@dataclass(frozen=True)
+class WaveGather:
+    """Start layer ``layer``'s gather for the cells of wave ``wave`` (``waves``) of a balanced walk over sharded
+    weights, at the step its first-walked run reaches the layer."""
+
+    step: int
+    layer: int
+    wave: int
+    order = 2
+
+
+@dataclass(frozen=True)
+class WaveReduction:
+    """Reduce the gradient the cells of wave ``wave`` gave layer ``layer`` (each rank's share), the step after the
+    wave's last-walked run walked it."""
+
+    step: int
+    layer: int
+    wave: int
+    order = 0
+
+
+WalkEvent = SegmentRecompute | WaveGather | WaveReduction
+
+
+def walk_events(runs: Sequence[Run], layers: int, every: int) -> list[WalkEvent]:
+    """Exact mode's balanced walk over sharded weights (FSDP2: every gather and reduction a collective over the
+    ranks): what every rank does besides its cells, in the one order every rank follows — by step, then reductions,
+    a segment's recomputation, gathers (the later wave first). A wave's ranks reach a layer at different steps and
+    the waves overlap, so each rank's own order of blocks differs; this order is everyone's. A rank holds a layer
+    from its wave's gather to its cell (never across the steps between its runs), keeps the gradient of its cell on
+    the whole copy until the wave's reduction, and recomputes every one of its runs' segments when the first run
+    enters it (a later run holds those inputs until it gets there): a recomputation then never gathers a layer
+    whose gather for a wave is in flight, and a wave's gather of a layer starts once the wave before reduced it."""
+    last = len(runs) - 1
+    events: list[WalkEvent] = []
+    for first in range(0, layers, every):
+        top = min(first + every, layers) - 1
+        events.append(SegmentRecompute(layers - 1 - top, first, top))  # (a segment of one layer: its kept input)
+    for w, wave in enumerate(waves(runs)):
+        lead, tail = last - wave[-1].index, last - wave[0].index  # (its first- and last-walked runs)
+        for i in range(layers):
+            events.append(WaveGather(lead + layers - 1 - i, i, w))
+            events.append(WaveReduction(tail + layers - i, i, w))
+    return sorted(events, key=lambda e: (e.step, e.order, -getattr(e, "wave", 0)))
+
+
+def walk_step(runs: Sequence[Run], run: Run, layer: int, layers: int) -> int:
+    """The reverse wavefront step of cell ``(run, layer)`` of exact mode's walk."""
+    return len(runs) - 1 - run.index + layers - 1 - layer
 
 
 @dataclass(frozen=True)

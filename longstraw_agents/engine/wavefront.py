@@ -18,12 +18,18 @@ from longstraw_agents.state import Block, State, StateGrad
 from .shards import (
     RUNS_HEADER,
     Run,
+    SegmentRecompute,
     StateShards,
+    WalkEvent,
+    WaveGather,
     in_position_order,
     incoming_runs,
     outgoing_runs,
     runs_of,
     walk_cells,
+    walk_events,
+    walk_step,
+    waves,
 )
 
 # The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat
@@ -171,11 +177,7 @@ class WavefrontWalk:
         self.first = next(j for j, chunk in enumerate(state.chunks) if chunk.start >= self.base)  # the extend's first
         extend = runs_of([c.owner for c in state.chunks[self.first :]])
         self.runs = [Run(r.index, r.owner, tuple(self.first + j for j in r.chunks)) for r in extend]
-        if engine.weights is not None and len(self.runs) > len({run.owner for run in self.runs}):
-            raise ValueError(
-                "exact mode's wavefront walk over sharded weights walks a capture cut in rank order (one run per "
-                "rank); this state's capture was cut balanced"
-            )
+        self.waves = waves(self.runs)
         rank = self.ownership.rank
         self.my_runs = [run for run in self.runs if run.owner == rank]
         self.mine = [j for run in self.my_runs for j in run.chunks]
@@ -193,6 +195,9 @@ class WavefrontWalk:
         self.context_holders = sorted({c.owner for c in state.chunks[: self.first]})
         self.computing = sorted({run.owner for run in self.runs})
         self.grows = [layer.mixer.grows for layer in engine.adapter.layers]
+        # sharded weights and a rank with several runs: gathers, reductions and recomputations in one order of their
+        # own (``walk_events``); otherwise a cell gathers its layer (in rank order the same order on every rank)
+        self.paced = engine.weights is not None and len(self.runs) > len(self.computing)
         self.done: set[tuple[int, int]] = set()  # this rank's cells walked: (run index, layer)
         self.pending: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}  # (run, layer, dst) -> a gradient to send
         self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, first chunk after) -> this rank's rows
@@ -221,16 +226,21 @@ class WavefrontWalk:
             if p.grad is not None:
                 p.grad.div_(self.ownership.size)
         self._post()  # (the rows: state, ready at once)
-        engine.announce(self._gather_order())
+        engine.announce(self._gather_order(), ahead=0 if self.paced else None)
         g = {run.index: self._seed(run) for run in self.my_runs}
-        if not self.my_runs:
+        if not self.my_runs and not self.paced:
             self._gathers_only()
-        for run, i in walk_cells(self.runs, engine.num_layers, self.ownership.rank):
-            with engine.gathered(i, partial=True):  # each rank adds its share of the layer's gradient
-                g[run.index] = self._cell(run, i, g[run.index])
-            self.done.add((run.index, i))
-            self._post()
-            self.transport.flush("state_grad", keep=self.ownership.size**2)  # a window of gradients in flight
+        for item in self._schedule(self.ownership.rank):
+            if isinstance(item, tuple):
+                run, i = item
+                # each rank adds its share of the layer's gradient (paced: reduced in its wave's turn)
+                with engine.gathered(i, partial=True, reduce=not self.paced):
+                    g[run.index] = self._cell(run, i, g[run.index])
+                self.done.add((run.index, i))
+                self._post()
+                self.transport.flush("state_grad", keep=self.ownership.size**2)  # a window of gradients in flight
+            else:
+                self._event(item)
         for run in self.my_runs:  # into the embeddings of the run's tokens
             if g[run.index] is not None:
                 with torch.enable_grad():
@@ -245,12 +255,53 @@ class WavefrontWalk:
         engine.settle()
         self._sum_parameter_grads(params, had_grad)
 
+    def _schedule(self, rank: int) -> list[tuple[Run, int] | WalkEvent]:
+        """What ``rank`` does, in order: its cells ``(run, layer)`` (``walk_cells``), paced with the walk's events
+        (``walk_events``: each due by a cell's step before it, the rest at the end)."""
+        layers = self.engine.num_layers
+        cells = walk_cells(self.runs, layers, rank)
+        if not self.paced:
+            return list(cells)
+        events = collections.deque(walk_events(self.runs, layers, self.inputs.every))
+        schedule: list[tuple[Run, int] | WalkEvent] = []
+        for run, i in cells:
+            step = walk_step(self.runs, run, i, layers)
+            while events and events[0].step <= step:
+                schedule.append(events.popleft())
+            schedule.append((run, i))
+        return [*schedule, *events]
+
+    def _event(self, event: WalkEvent) -> None:
+        """One of the paced walk's events on this rank: a segment's recomputation for its runs, a wave's gather
+        started (taken and freed at once where this rank has no run in the wave), a wave's reduction."""
+        engine = self.engine
+        if isinstance(event, SegmentRecompute):
+            takes = collections.deque(self._segment_takes(event, self.my_runs))
+            self._recompute_segment(event.first, event.top, self.my_runs, takes)
+            assert not takes  # (it takes what ``_segment_takes`` says, in its order)
+        elif isinstance(event, WaveGather):
+            engine.start_gather()
+            if not any(run.owner == self.ownership.rank for run in self.waves[event.wave]):
+                with engine.gathered(event.layer, partial=True, reduce=False):
+                    pass
+        else:
+            engine.reduce(event.layer)
+
     def _gather_order(self) -> list[int]:
-        """The layers the walk gathers, in order: per segment from the last, its top (whose block is open while the
+        """The layers the walk gathers, in order. Paced, as its events say (a segment's recomputed layers, each
+        wave's gather of a layer). Otherwise per segment from the last, its top (whose block is open while the
         segment's inputs are recomputed), the layers below it ascending (the recomputation), then descending (the
         backward)."""
         every, layers = self.inputs.every, self.engine.num_layers
-        order: list[int] = []
+        if self.paced:
+            order: list[int] = []
+            for event in walk_events(self.runs, layers, every):
+                if isinstance(event, SegmentRecompute):
+                    order += range(event.first, event.top)
+                elif isinstance(event, WaveGather):
+                    order.append(event.layer)
+            return order
+        order = []
         for first in reversed(range(0, layers, every)):
             top = min(first + every, layers) - 1
             order += [top, *range(first, top), *range(top - 1, first - 1, -1)]
@@ -283,16 +334,12 @@ class WavefrontWalk:
 
     def _cell_takes(self, run: Run, i: int) -> list[_Message]:
         """What cell ``(run, i)`` receives, in the order it takes it: its segment's rows for the recomputation (as
-        the run enters the segment), then at a growing layer the gradient the later runs' cells gave the owner's rows
-        (those after the owner's next run took theirs already) and the rows for the backward; at a recurrent layer
-        the state gradient after the run."""
+        the run enters the segment; paced, its ``SegmentRecompute`` takes those), then at a growing layer the gradient
+        the later runs' cells gave the owner's rows (those after the owner's next run took theirs already) and the
+        rows for the backward; at a recurrent layer the state gradient after the run."""
         k, senders = run.index, self._senders(run)
-        takes = [
-            _Message(_RECOMPUTE_ROWS, k, layer, s)
-            for layer in self._recomputed(i)
-            if self.grows[layer]
-            for s in senders
-        ]
+        recomputed = range(0) if self.paced else self._recomputed(i)
+        takes = [_Message(_RECOMPUTE_ROWS, k, layer, s) for layer in recomputed if self.grows[layer] for s in senders]
         if self.grows[i]:
             later = [r.index for r in self.runs if r.owner == run.owner and r.index > k]
             upto = later[0] if later else len(self.runs)
@@ -302,10 +349,21 @@ class WavefrontWalk:
             takes.append(_Message(_RECURRENT_GRAD, k + 1, i, self.runs[k + 1].owner))
         return takes
 
+    def _segment_takes(self, event: SegmentRecompute, runs: Sequence[Run]) -> list[_Message]:
+        """What a paced segment's recomputation for ``runs`` receives, in order: per layer, per run, per sender."""
+        layers = [layer for layer in range(event.first, event.top) if self.grows[layer]]
+        return [_Message(_RECOMPUTE_ROWS, run.index, i, s) for i in layers for run in runs for s in self._senders(run)]
+
     def _takes(self, rank: int) -> list[_Message]:
         """Every message ``rank`` receives in the walk, in the order it takes them."""
-        cells = walk_cells(self.runs, self.engine.num_layers, rank)
-        return [m for run, i in cells for m in self._cell_takes(run, i)]
+        runs = [run for run in self.runs if run.owner == rank]
+        takes: list[_Message] = []
+        for item in self._schedule(rank):
+            if isinstance(item, tuple):
+                takes += self._cell_takes(*item)
+            elif isinstance(item, SegmentRecompute):
+                takes += self._segment_takes(item, runs)
+        return takes
 
     def _receive(self, message: _Message) -> tuple[Tensor, ...]:
         on_host = RUNS_HEADER if message.kind in _ROWS_KINDS else 0
@@ -467,22 +525,34 @@ class WavefrontWalk:
     def _input(self, run: Run, i: int, takes: collections.deque[_Message]) -> Tensor:
         """The run's input of layer ``i``: kept by the capture at the first layer of each segment, the others
         recomputed forward from it when the run's walk enters the segment (from its top)."""
-        k = run.index
-        if (k, i) not in self.segment:
-            first = i - i % self.inputs.every
-            span = slice(self.rows[run.chunks[0]].start, self.rows[run.chunks[-1]].stop)
-            h = self.inputs.hidden[first][span]
-            for layer in range(first, i + 1):
-                self.segment[k, layer] = h
-                if layer < i:
-                    with self.engine.gathered(layer):
-                        h = self._recompute_layer(run, layer, h, takes)
-        return self.segment.pop((k, i))
+        if (run.index, i) not in self.segment:
+            assert not self.paced  # (its ``SegmentRecompute`` did, when the first run entered the segment)
+            self._recompute_segment(i - i % self.inputs.every, i, [run], takes)
+        return self.segment.pop((run.index, i))
 
-    def _received_rows(self, kind: int, takes: collections.deque[_Message], sinks: bool) -> list[tuple[int, PastBlock]]:
-        """The rows the next ``kind`` messages of ``takes`` carry, each with the rank that sent it."""
+    def _recompute_segment(self, first: int, top: int, runs: Sequence[Run], takes: collections.deque[_Message]) -> None:
+        """The inputs of layers ``first .. top`` of ``runs``: the kept one, and layers ``first .. top - 1`` forward
+        from it, a layer (gathered once) at a time over every run. A rank without runs only gathers."""
+        h = {run.index: self.inputs.hidden[first][self._span(run)] for run in runs}
+        for layer in range(first, top + 1):
+            for run in runs:
+                self.segment[run.index, layer] = h[run.index]
+            if layer < top:
+                with self.engine.gathered(layer):
+                    for run in runs:
+                        h[run.index] = self._recompute_layer(run, layer, h[run.index], takes)
+
+    def _span(self, run: Run) -> slice:
+        """The run's rows among this rank's."""
+        return slice(self.rows[run.chunks[0]].start, self.rows[run.chunks[-1]].stop)
+
+    def _received_rows(
+        self, kind: int, run: Run, i: int, takes: collections.deque[_Message], sinks: bool
+    ) -> list[tuple[int, PastBlock]]:
+        """The rows the next messages of ``takes`` carry of layer ``i`` before ``run`` (``kind``: for the backward
+        or a recomputation), each with the rank that sent it."""
         received = []
-        while takes and takes[0].kind == kind:
+        while takes and (takes[0].kind, takes[0].run, takes[0].layer) == (kind, run.index, i):
             message = takes.popleft()
             received += [(message.src, block) for block in self._past(self._receive(message), sinks)]
         return received
@@ -494,7 +564,7 @@ class WavefrontWalk:
         befores: list[tuple[Tensor, ...] | None] = []
         remote = []
         if layer.mixer.grows:
-            remote = [block for _, block in self._received_rows(_RECOMPUTE_ROWS, takes, sinks=False)]
+            remote = [block for _, block in self._received_rows(_RECOMPUTE_ROWS, run, i, takes, sinks=False)]
         with torch.no_grad():
             for j in run.chunks:
                 if layer.mixer.grows:
@@ -519,7 +589,7 @@ class WavefrontWalk:
             message = takes.popleft()
             rows = self._own_rows(i, self.runs[message.run].chunks[0])
             self._add_into_own(self._receive(message), [(p, b) for p, b in rows if p >= self.base])
-        received = self._received_rows(_ROWS, takes, sinks=True)  # sinks of their own, sent back to the owners
+        received = self._received_rows(_ROWS, run, i, takes, sinks=True)  # sinks of their own, back to the owners
         remote = [block for _, block in received]
         frozen_before = 0 if self.into_since else self.base
         g_in = torch.zeros_like(layer_input)

@@ -49,10 +49,16 @@ class LayerWeights(Protocol):
     """A decoder layer's weights whole only while used; its gradient reduced into the shards when its backward is
     done. Every rank of the shard mesh makes the same calls in the same order."""
 
-    def gathered(self, layer: int | None, partial: bool = False) -> AbstractContextManager[None]:
+    def gathered(self, layer: int | None, partial: bool = False, reduce: bool = True) -> AbstractContextManager[None]:
         """Layer ``layer``'s weights (None: the root unit's) whole for the block; on leaving the outermost block of
         the layer, the gradient accumulated reduced into the shards. ``partial``: each rank's gradient is its share
-        of a sum (the wavefront walk), not a copy of a replicated one."""
+        of a sum (the wavefront walk), not a copy of a replicated one. ``reduce=False``: the gradient is kept for a
+        later ``reduce``."""
+        ...
+
+    def reduce(self, layer: int) -> None:
+        """The gradient layer ``layer``'s blocks left with ``reduce=False`` accumulated, each rank's share of a sum,
+        reduced into the shards (every rank calls it, in one order)."""
         ...
 
     def announce(self, layers: Sequence[int], ahead: int | None = None) -> None:

@@ -271,12 +271,13 @@ class LayerGather:
                 shard.grad = None
 
     @contextlib.contextmanager
-    def gathered(self, layer: int | None, partial: bool = False) -> Iterator[None]:
+    def gathered(self, layer: int | None, partial: bool = False, reduce: bool = True) -> Iterator[None]:
         """Layer ``layer``'s weights (None: the root unit's) whole for the block; on leaving the outermost block of the
         layer, the gradient accumulated summed into the shards (divided by ``replicas`` unless ``partial``) and the
-        whole copy freed. Blocks of one layer nest: an inner one changes nothing. A block left by an exception drops
-        the layer's gradient instead of reducing it: a failing rank must not enter collectives its peers are not in
-        (it raises at once; they stop at ``parallel.timeout_s``, naming it)."""
+        whole copy freed. ``reduce=False``: the gradient stays on the whole copy for a later ``reduce``. Blocks of
+        one layer nest: an inner one changes nothing. A block left by an exception drops the layer's gradient instead
+        of reducing it: a failing rank must not enter collectives its peers are not in (it raises at once; they stop
+        at ``parallel.timeout_s``, naming it)."""
         self._unshard(layer)
         self._blocks[layer] = self._blocks.get(layer, 0) + 1
         failed = False
@@ -291,8 +292,21 @@ class LayerGather:
                 del self._blocks[layer]
                 if failed:
                     self._drop(layer)
-                else:
+                elif reduce:
                     self._release(layer, partial)
+                else:
+                    self._free(layer)
+                    self._start_ahead()
+
+    def reduce(self, layer: int) -> None:
+        """The gradient layer ``layer``'s whole copy accumulated in blocks left with ``reduce=False``, each rank's share
+        of a sum (zeros where it has none), summed into the shards asynchronously as a ``partial`` block's is: a
+        schedule whose ranks leave a layer's blocks in different orders reduces in one order of its own (exact mode's
+        balanced wavefront walk). Such a schedule posts a reduction once every rank is done with what it sums, so
+        the one before is waited for first: one in flight at a time."""
+        self._land_all()
+        self._reduce(layer, self._whole[layer], partial=True)
+        self._start_ahead()
 
     def _drop(self, layer: int | None) -> None:
         """The whole copy freed and the gradient it accumulated dropped, with no collective."""

@@ -135,9 +135,9 @@ class LaneGather(LayerGather):
         self._device = self._params[None][0].device  # where gathers and reductions compute (shards may be offloaded)
 
     @contextlib.contextmanager
-    def gathered(self, layer: int | None, partial: bool = False) -> Iterator[None]:
+    def gathered(self, layer: int | None, partial: bool = False, reduce: bool = True) -> Iterator[None]:
         if layer is not None or None in self._blocks:
-            with super().gathered(layer, partial):
+            with super().gathered(layer, partial, reduce):
                 yield
             return
         if self._failed is not None:

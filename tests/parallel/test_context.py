@@ -30,6 +30,7 @@ EQUAL_TO_ONE_PROCESS = (
     "kl_exact",  # with a KL term: the reference's state spread over the ranks too
     "short_exact",  # a prompt that leaves ranks without chunks
     "replicated_exact",  # EngineConfig.wavefront_walk=False
+    "one_segment_exact",  # EngineConfig.layer_inputs_every=layers: every layer's input recomputed but the first's
     "shared_turn_exact",  # a loss-bearing fused root: its loss walked sharded
     "shared_turn_loss",  # ... and its loss metric summed over the ranks
     "turn_by_turn",  # a member's history grown by 30 short turns (replicated, spread over the ranks)

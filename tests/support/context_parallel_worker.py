@@ -293,6 +293,12 @@ def run(rank: int, world: int, store: str, out_dir: str) -> None:
             gradient(replicated, prompt, completions, rewards, "exact"), expected
         )
         results[f"{family}/replicated_exact_layer_positions"] = replicated_runs[1]
+        # one segment of every layer: a run recomputes each layer's input but the first's (GLM-5.2's: two MLA
+        # layers, each reading its own message of the other ranks' rows)
+        one_segment = EngineConfig(chunk_size=CHUNK, layer_inputs_every=len(model.model.layers))
+        results[f"{family}/one_segment_exact"] = relative(
+            gradient(Engine(model, one_segment, shards=shards), prompt, completions, rewards, "exact"), expected
+        )
         results.update(agent_results(family, model, single, shards, prompt, rewards))
         results.update(edge_results(family, model, single, shards))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")

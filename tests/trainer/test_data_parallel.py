@@ -115,8 +115,9 @@ def held_rows(shape: tuple[int, ...], ranks: int) -> list[int]:
         (2, 2, None, True, False),
         (1, 2, None, False, True),
         (2, 2, None, True, True),
+        (1, 4, None, False, False),
     ],
-    ids=["dp2xcp2-4KiB-buckets-kl", "dp1xcp2", "dp2xcp2-hsdp", "dp1xcp2-offload", "dp2xcp2-hsdp-offload"],
+    ids=["dp2xcp2-4KiB-buckets-kl", "dp1xcp2", "dp2xcp2-hsdp", "dp1xcp2-offload", "dp2xcp2-hsdp-offload", "dp1xcp4"],
 )
 def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
     tmp_path, monkeypatch, dp, cp, bucket, hsdp, offload
@@ -147,8 +148,9 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
         assert result["offloaded"] == offload, rank
         # a layer at a time (what the planner counts: longstraw_agents/planner.py, _whole_at_once); at dp 2 without
         # HSDP each dp rank on a communicator of its own (``parallel.lanes``)
-        # (a capture: one per cell, gathered once per wave of runs; the walk: the prefetch window + 1)
-        assert 1 <= result["most_gathered"] <= prefetch_window(cp) + 1 < 4, rank
+        # (a capture: one per cell, gathered once per wave of runs; the walk: the prefetch window + 1, balanced
+        # under FSDP2 each wave's gathers started as they fall due and a segment's recomputation one at a time)
+        assert 1 <= result["most_gathered"] <= min(prefetch_window(cp) + 1, 4), rank
     shards = cp if hsdp else dp * cp  # (ranks are numbered cp-major: rank = dp_rank * cp + cp_rank)
     for name, (_, shape) in ranks[0]["sizes"].items():
         held = [r["sizes"][name][0] for r in ranks]
