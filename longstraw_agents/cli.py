@@ -517,8 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--capture", choices=["balanced", "rank-order"], default="balanced",
-        help="how a sharded capture is cut over cp ranks: even attention work (each layer gathered once per wave "
-        "of runs: cp layers whole on every rank), or in rank order (the last rank's work up to twice the mean; "
+        help="how a sharded capture, and exact mode's wavefront walk, is cut over cp ranks: even attention work "
+        "(each layer gathered once per wave of runs: cp layers whole on every rank; the walk's segments and "
+        "gradients held up to cp - 1 layers longer), or in rank order (the last rank's work up to twice the mean; "
         "1 + r layers whole on rank r)",
     )  # fmt: skip
     p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")

@@ -26,7 +26,8 @@ of their layer pattern, and extrapolates:
 - a step has two phases, and the plan is the larger: the capture (its gathered layers, the other cp ranks' rows
   its cells read, for the cp rank ``cp_rank``: by default the rank that holds the most of each term — rank 0 of a
   balanced capture, the last in rank order) and the backward passes (a layer and its gradient,
-  the state gradient, the walk's recomputed segment); both hold the state and a graph;
+  the state gradient, the walk's recomputed segment: a balanced walk over sharded weights holds up to cp - 1 layers'
+  inputs and gradients more, ``PlanRequest.paced_walk``); both hold the state and a graph;
 - an allocator margin, stated as such: 5 % of the total plus 1 GiB (CUDA context, kernels' workspaces,
   fragmentation).
 

@@ -605,7 +605,7 @@ class Schedule:
             recompute = self.model.chunked(0, self.captured, chunk)  # every layer whole (its hidden states too)
             backward = self.model.chunked(0, self.captured, chunk, entries_only=True).backward()  # what feeds the state
             backward = backward + self.model.routed_recompute(self.captured, entries_only=True)
-            received = 0
+            received = self.first  # (the state gradient broadcast from its owners, as counted before the last rank)
             weights = (self._gathers(2) + self._layer_reductions()).scaled(self._chunks)
         state_gradient = Work(comm=self.model.state_bytes(received) * max(1.0, 4 / self.model.dtype.itemsize))
         merged = Work()  # a replicated walk's collectives over the cp ranks

@@ -186,8 +186,9 @@ class ParallelSpec(BaseModel):
         True,
         description="cp > 1: cut a capture so that every rank's attention work is even (rank r the r-th and the "
         "(2cp - 1 - r)-th of 2cp parts; with fsdp each layer is gathered once per wave of runs, cp layers whole on "
-        "every rank); False: in rank "
-        "order (EngineConfig.balanced_captures; `longstraw plan --capture`)",
+        "every rank), and exact mode's wavefront walk walks that cut (with fsdp a rank then holds up to cp - 1 more "
+        "layers' recomputed inputs and gradients); False: in rank order (EngineConfig.balanced_captures; "
+        "`longstraw plan --capture`)",
     )
     sharded_extend_tokens: int | None = Field(
         None,

@@ -87,8 +87,10 @@ class EngineConfig(BaseModel):
         description="with context parallelism, cut a sharded extend in 2N parts, rank r computing the r-th and the "
         "(2N - 1 - r)-th: every rank's attention work even (in rank order the last rank's is up to twice the mean), "
         "at the cost, with sharded weights, of gathering each layer twice (once per wave of runs: N layers whole "
-        "on every rank, against 1 + r on rank r in rank order: `longstraw plan --capture`). An extend the "
-        "wavefront walk will walk back is cut in rank order either way. See docs/distributed.md",
+        "on every rank, against 1 + r on rank r in rank order: `longstraw plan --capture`). Exact mode's wavefront "
+        "walk walks the same cut (with sharded weights: each segment's inputs recomputed when the first run enters "
+        "it and each layer's gradient reduced per wave, so a rank holds up to N - 1 more layers' inputs and "
+        "gradients). See docs/distributed.md",
     )
     sharded_extends: bool = Field(
         True,

@@ -149,8 +149,12 @@ class WavefrontWalk:
       the gradient of ``since``'s last recurrent state, is broadcast when the walk is done (every rank holds that
       state).
 
-    With sharded weights (FSDP2) the walk is the rank order's: its layers are gathered, and their gradients reduced,
-    in one order on every rank (a balanced walk's ranks reach a layer's two waves of runs in different orders).
+    With sharded weights (FSDP2) every gather and reduction is a collective in one order on every rank. In rank order
+    each rank gathers its cell's layer (the same order everywhere, started ahead: ``_gather_order``). A balanced
+    walk's ranks reach a layer's two waves of runs in different orders, so gathers, reductions and recomputations
+    are paced by a schedule of their own (``walk_events``): per wave, a layer's gather starts when the wave's first
+    run reaches it and its gradient, kept on the whole copy meanwhile, is reduced the step after the wave's last;
+    each segment's inputs are recomputed for every run when the first run enters it.
 
     The replicated part of the parameters' gradient (the branch replays, which every rank ran) is divided by the
     number of ranks before the walk, and the sum over ranks afterwards restores it and adds every rank's share of the
