@@ -589,9 +589,9 @@ class Schedule:
     def walk(self) -> Work:
         """Exact mode's reverse walk: the rank's chunks recomputed under autograd and backpropagated (the wavefront
         walk on its busiest rank, a layer at a time: each layer gathered for its recomputation and per wave of runs
-        for its backward, its gradient reduced per wave), or chunk by chunk (one rank, or the replicated walk: every chunk of the prompt on every rank), where
-        every chunk's forward gathers each layer, its backward gathers it again and reduces its gradient
-        (``LayerGather.run``, as a branch does)."""
+        for its backward, its gradient reduced per wave), or chunk by chunk (one rank, or the replicated walk: every
+        chunk of the prompt on every rank), where every chunk's forward gathers each layer, its backward gathers it
+        again and reduces its gradient (``LayerGather.run``, as a branch does)."""
         request = self.request
         chunk = request.engine.chunk_size
         wavefront = request.wavefront
