@@ -843,8 +843,10 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     if request.wavefront:
         weights = (_walk_layers_whole(request, probed.layers) * layer + probed.root) * compute + cast
         in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
-        if request.paced_walk:  # the gradients a rank keeps until their waves' reductions (each then landed first)
-            in_flight = min(request.context_parallel - 1, probed.layers - 1) * layer * compute
+        if request.paced_walk:  # the gradients a rank keeps until their waves' reductions, one of those in flight
+            # (under mixed precision its master-dtype copy; otherwise the kept gradient itself)
+            kept = min(request.context_parallel - 1, probed.layers - 1) * layer * compute
+            in_flight = kept + (layer * master if request.mixed else 0)
     else:
         weights = (layer + probed.root) * compute
         in_flight = layer * master if request.mixed else 0
