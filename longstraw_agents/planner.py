@@ -187,8 +187,8 @@ class PlanRequest:
     @property
     def walked_back_sharded(self) -> bool:
         """Exact mode: whether a member's history is walked back to the context sharded (its capture kept layer
-        inputs), so that an earlier rank holds the gradient of the later ranks' context rows until its walk is
-        done."""
+        inputs), so that a rank holds the gradient of the other ranks' context rows its queries read until its walk
+        is done."""
         return self.wavefront and self.sharded_history > 0
 
     @property
@@ -211,13 +211,14 @@ class PlanRequest:
     @property
     def walk_gathers_ahead(self) -> int:
         """The gathers exact mode's wavefront walk has started ahead of the planned rank's cell: ``prefetch_window``;
-        paced (``paced_walk``), each wave's as it falls due: the steps the rank trails its waves' first runs,
-        ``cp - 1`` (rank r < cp - 1: ``r`` in the later wave, ``cp - 1 - r`` in the earlier), none on the last
-        rank, which leads the earlier wave and has no run in the later."""
+        paced (``paced_walk``), each wave's as it falls due: at a step where the rank walks both its runs, all of that
+        step's gathers are started before its first cell, so a rank r < cp - 1 holds ``r + 1`` of the later wave
+        and ``cp - 1 - r`` of the earlier beside its cell's (``cp``); the last rank none (it leads the earlier wave
+        and has no run in the later)."""
         cp = self.context_parallel
         if not self.paced_walk:
             return prefetch_window(cp)
-        return 0 if self.cp_rank == cp - 1 else cp - 1
+        return 0 if self.cp_rank == cp - 1 else cp
 
     @property
     def paced_walk(self) -> bool:
@@ -507,7 +508,7 @@ class _Exact:
     layer_inputs: int = 0
     layer_inputs_kept: int = 0  # (of layer_inputs: what the capture keeps, the rest the walk's segment)
     capture_rows: int = 0
-    context_grads: int = 0  # the later ranks' context rows' gradient, held until a sharded walk back is done
+    context_grads: int = 0  # the other ranks' context rows' gradient, held until a sharded walk back is done
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -532,9 +533,8 @@ def exact_terms(config: PretrainedConfig, request: PlanRequest, positions: int) 
 
 def context_grads(config: PretrainedConfig, request: PlanRequest) -> int:
     """Exact mode's sharded walk of a member's history back to the context (``WavefrontWalk`` after ``since``): the
-    planned cp rank holds the gradient of the later ranks' context rows its queries read until its walk is done
-    (fp32 for a bf16 state): ``(cp - 1 - rank) / cp`` of the context's; with no rank named, rank 0's (the most) is
-    planned beside the last rank's other terms (an upper bound of both)."""
+    planned cp rank holds the gradient of the other ranks' context rows its queries read until its walk is done
+    (fp32 for a bf16 state), summed over its cells: ``(cp - 1) / cp`` of the context's on every rank."""
     if not request.walked_back_sharded:
         return 0
     cp = request.context_parallel
@@ -748,10 +748,11 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
 def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     """Sharded over every rank at dp > 1, each dp rank gathers and reduces for itself (``parallel.lanes``): where
     gathers are started ahead — a sharded capture (the step's, or the sampler's: ``SAMPLING``): those started as
-    they fall due (``capture_gathers_ahead``); exact mode's wavefront walk: ``prefetch_window(cp)`` of them —
+    they fall due (``capture_gathers_ahead``); exact mode's wavefront walk: ``walk_gathers_ahead`` of them —
     each holds its send buffer (the rank's shard copied once per cp rank of its dp rank: 1/dp of a layer, in the
-    compute dtype) until it completes, and in the walk each asynchronous reduction in flight (as many) the rows it
-    receives from the cp ranks (1/dp of a layer, in the master dtype); a branch replay gathers when it computes, and
+    compute dtype) until it completes, and in the walk each asynchronous reduction in flight (as many in rank order,
+    one paced) the rows it receives from the cp ranks (1/dp of a layer, in the master dtype); a branch replay
+    gathers when it computes, and
     nothing of this outlives the gather. What a rank holds serving the other dp ranks (per dp rank, its shard packed
     for a gather and copied once per cp rank, or one parameter's rows of a reduced gradient: up to (cp + 1)/(dp·cp)
     of a layer while it lasts, (dp - 1) times at once at worst) comes and goes with the other dp ranks' progress,
@@ -759,14 +760,16 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     dp = request.data_parallel
     if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not request.wavefront):
         return 0
-    window = prefetch_window(request.context_parallel)
+    window = reductions = request.walk_gathers_ahead
+    if request.paced_walk:
+        reductions = 1  # (``LayerGather.reduce`` lands the one before first)
     if phase == SAMPLING:  # the sampler's captures (keeping no layer inputs)
         window = request.capture_gathers_ahead(request.engine.balanced_captures)
     elif phase != BACKWARD:  # a capture's gathers started ahead of its cell
         window = max(request.capture_gathers_ahead(balanced) for balanced in request.step_capture_cuts())
     share = -(-probed.largest_layer // dp)
     ahead = window * share * _itemsize(request.dtype)
-    return ahead + (window * share * request.master_itemsize if phase == BACKWARD else 0)
+    return ahead + (reductions * share * request.master_itemsize if phase == BACKWARD else 0)
 
 
 def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
@@ -843,8 +846,9 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     if request.wavefront:
         weights = (_walk_layers_whole(request, probed.layers) * layer + probed.root) * compute + cast
         in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
-        if request.paced_walk:  # the gradients a rank keeps until their waves' reductions, one of those in flight
-            # (under mixed precision its master-dtype copy; otherwise the kept gradient itself)
+        if request.paced_walk:  # the gradients a rank keeps until their waves' reductions, and one in flight: under
+            # mixed precision a master-dtype copy; otherwise a kept gradient handed over, freed as the reduction
+            # completes (every rank posts it once it is done with it; measured: tests/test_planner_distributed.py)
             kept = min(request.context_parallel - 1, probed.layers - 1) * layer * compute
             in_flight = kept + (layer * master if request.mixed else 0)
     else:
@@ -966,7 +970,7 @@ def _phase_categories(measured: _Measured, exact: _Exact) -> dict[str, dict[str,
             "captured state": exact.state,
             "reference state": exact.reference_state,
             "dState": exact.dstate if backward else 0,
-            "later ranks' context rows' gradient": exact.context_grads if backward else 0,
+            "other ranks' context rows' gradient": exact.context_grads if backward else 0,
             "recurrent checkpoints": exact.checkpoints,
             "layer inputs (wavefront walk)": exact.layer_inputs if backward else exact.layer_inputs_kept,
             "sharded capture (hidden, earlier rows)": 0 if backward else exact.capture_rows,

@@ -243,13 +243,13 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
             {**BF16_CP8, "gathered weights": (700 + 1_000) * 2, "gathered gradients": 700 * 4 + (700 + 1_000) * 2,
              "gradients": 7_000 // 8 * 4},
         ),
-        # exact mode's wavefront walk of a balanced cut over sharded weights (paced): a cell's layer, the cp - 1 of
-        # its waves' gathers started ahead, and the cp - 1 layers' gradients kept until their waves' reductions (bf16),
+        # exact mode's wavefront walk of a balanced cut over sharded weights (paced): a cell's layer, the cp of its
+        # waves' gathers started by then, and the cp - 1 layers' gradients kept until their waves' reductions (bf16),
         # one reduction in flight (fp32)
         (
             {"gpus": 8, "mode": "exact"},
             {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0},
-            {**BF16_CP8, "gathered weights": (8 * 700 + 1_000) * 2,
+            {**BF16_CP8, "gathered weights": (9 * 700 + 1_000) * 2,
              "gathered gradients": 7 * 700 * 2 + 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4},
         ),
         # ... cut in rank order: cp + 1 layers whole and cp layers' fp32 reductions in flight (its capture holds the
@@ -283,9 +283,9 @@ BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, 
             {"gpus": 8, "dp": 2, "mode": "exact"},
             {**BF16_CP8, "gathered weights": (4 * 700 + 1_000) * 2, "gathered gradients": 0, "gradients": 0,
              "lane buffers (dp > 1)": 3 * 350 * 2},
-            {**BF16_CP8, "gathered weights": (4 * 700 + 1_000) * 2,
+            {**BF16_CP8, "gathered weights": (5 * 700 + 1_000) * 2,
              "gathered gradients": 3 * 700 * 2 + 700 * 4 + (700 + 1_000) * 2, "gradients": 7_000 // 8 * 4,
-             "lane buffers (dp > 1)": 4 * 350 * 2 + 4 * 350 * 4},
+             "lane buffers (dp > 1)": 4 * 350 * 2 + 350 * 4},  # (paced: one reduction in flight)
         ),
         # one GPU: the fp32 masters, their moments and the bf16 compute copy; gradients in the backward
         (

@@ -132,7 +132,7 @@ def wavefront_cells(runs: Sequence[Run], layers: int, rank: int) -> list[tuple[R
     """Rank ``rank``'s cells ``(run, layer)`` in the order it computes them: by wavefront step (run index + layer;
     a cell reads the layer of the runs before it and its own run's layer below, both a step earlier), then by run.
     With one run per rank in rank order that is layer by layer; with two (a balanced cut) a rank's later run
-    trails its first by as many steps as runs lie between them."""
+    trails its first by the difference of their indices."""
     cells = [(run, i) for run in runs if run.owner == rank for i in range(layers)]
     return sorted(cells, key=lambda cell: (cell[0].index + cell[1], cell[0].index))
 
@@ -141,7 +141,7 @@ def walk_cells(runs: Sequence[Run], layers: int, rank: int) -> list[tuple[Run, i
     """Rank ``rank``'s cells ``(run, layer)`` of exact mode's wavefront walk, in the order it walks them: by reverse
     wavefront step (a cell needs its run's layer above and the later runs' same layer, both a step earlier), then
     the later run first. In rank order that is layer by layer from the last; balanced, a rank's later run leads its
-    first by as many steps as runs lie between them."""
+    first by the difference of their indices."""
     cells = [(run, i) for run in runs if run.owner == rank for i in range(layers)]
     return sorted(cells, key=lambda cell: (walk_step(runs, cell[0], cell[1], layers), -cell[0].index))
 

@@ -1,4 +1,4 @@
-"""Exact mode's reverse walk over a sharded capture, compute sharded: a wavefront over (rank, layer) that reads the
+"""Exact mode's reverse walk over a sharded capture, compute sharded: a wavefront over (run, layer) that reads the
 layer inputs the capture kept (``LayerInputs``). docs/distributed.md writes the schedule down."""
 
 from __future__ import annotations
@@ -133,10 +133,10 @@ class WavefrontWalk:
     and of the state rows before the later runs at layer i — from every later run's cell ``(k' > k, i)``, whose
     queries read them. Both are a reverse wavefront step earlier (step ``(runs - 1 - k) + (layers - 1 - i)``), so
     each rank walks its cells by step (``walk_cells``), and the critical path is ``layers + runs - 1`` steps of one
-    run. With the cut in rank order (one run per rank) that is layer by layer, the last rank first; balanced (rank r's
-    runs r and 2N - 1 - r) a rank's later run leads its first. The messages, each sent as soon as it and those before
-    it to the same peer are ready, in the order the peer takes them (NCCL matches a pair's messages in posting
-    order):
+    run. With the cut in rank order (one run per rank) that is layer by layer, the last rank first; balanced (rank
+    r's runs r and 2N - 2 - r of 2N - 1, the middle one rank N - 1's) a rank's later run leads its first. The
+    messages, each sent as soon as it and those before it to the same peer are ready, in the order the peer takes
+    them (NCCL matches a pair's messages in posting order):
 
     - a rank's rows of a growing layer before a run (of ``since``, of its own earlier runs) go to the run's owner for
       the cell's backward, and for the recomputation of the cell's segment when the run enters it (views of its
@@ -204,7 +204,7 @@ class WavefrontWalk:
         self.paced = engine.weights is not None and len(self.runs) > len(self.computing)
         self.done: set[tuple[int, int]] = set()  # this rank's cells walked: (run index, layer)
         self.pending: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}  # (run, layer, dst) -> a gradient to send
-        self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, first chunk after) -> this rank's rows
+        self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, own chunks before) -> this rank's rows
         self.outbox = {
             dst: collections.deque(m for m in self._takes(dst) if m.src == rank)
             for dst in range(self.ownership.size)
@@ -390,9 +390,10 @@ class WavefrontWalk:
 
     def _staged_rows(self, message: _Message) -> list[Tensor]:
         """This rank's rows of the message's layer before its run, as a message (views of its arenas; staged through
-        the host once for every peer and run that reads them)."""
+        the host once per layer and number of this rank's own chunks before the run: once for every peer and run
+        that reads the same rows)."""
         before = self.runs[message.run].chunks[0]
-        key = (message.layer, before)
+        key = (message.layer, sum(1 for j in self.mine if j < before))
         if key not in self.staged:
             self.staged[key] = self.transport.stage(outgoing_runs(self._own_rows(message.layer, before)))
         return self.staged[key]

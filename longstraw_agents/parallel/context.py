@@ -3,7 +3,7 @@ positions.
 
 Two types, as the engine sees them (``longstraw_agents.engine.shards``): ``BalancedOwnership`` says who stores what
 — a capture is cut into 2N parts, rank r computing the r-th and the (2N - 1 - r)-th (``cut_runs``: even in
-positions and attention work; in rank order where the wavefront walk will walk it back), and the pieces of later
+positions and attention work; exact mode's wavefront walk walks the same cut back), and the pieces of later
 turns and branches go to the rank holding the least of their path, so that a member whose own history grows long
 keeps it spread; a rank stores the attention K/V, MLA rows and DSA index keys of its own positions, ``state / N``
 (± a chunk per path), and the state records each chunk's owner — and ``GroupTransport`` carries the messages over
@@ -53,8 +53,8 @@ class BalancedOwnership:
     - A sharded extend (a capture; ``Engine.sharded`` says which) is cut into runs of ``n / 2N`` positions (within
       one), rank r computing the r-th and the (2N - 1 - r)-th (``cut_runs``): its positions and its attention work
       are even, for a prompt (a short one too, instead of sitting on the first rank), a long turn or a member's long
-      history captured at once. One a wavefront walk will walk back (it keeps layer inputs) is cut into N runs in
-      rank order instead, the walk's schedule.
+      history captured at once; exact mode's wavefront walk walks that cut back. With ``balanced=False``, N runs in
+      rank order.
     - A replicated extend's pieces (turns, branches, decoded tokens: computed by every rank) go one by one to the
       rank that holds the fewest positions of the path so far: a member whose own history grows turn by turn keeps
       it spread over every rank, within a piece per rank of even. Ties go to the rank given the fewest positions
@@ -99,7 +99,7 @@ def cut_runs(n: int, ranks: int, balanced: bool = True) -> list[tuple[int, int, 
     order."""
     parts = 2 * ranks if balanced else ranks
     bounds = [k * n // parts for k in range(parts + 1)]
-    if not balanced:  # (the first ranks when some get nothing: the wavefront walk's ranks in order)
+    if not balanced:  # (the first ranks when some get nothing)
         spans = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
         return [(lo, hi, owner) for owner, (lo, hi) in enumerate(spans)]
     runs: list[tuple[int, int, int]] = []
