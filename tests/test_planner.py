@@ -15,7 +15,17 @@ import torch
 
 import longstraw_agents.planner as planner
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.engine.shards import Run, capture_gathers, runs_of, wavefront_cells, waves
+from longstraw_agents.engine.shards import (
+    Run,
+    SegmentRecompute,
+    WaveGather,
+    WaveReduction,
+    capture_gathers,
+    runs_of,
+    walk_schedule,
+    wavefront_cells,
+    waves,
+)
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel.context import cut_runs
 from longstraw_agents.planner import (
@@ -513,3 +523,59 @@ def test_a_balanced_capture_gathers_each_layer_once_per_wave_of_runs() -> None:
     in_order = PLAN_ENGINE.updated(balanced_captures=False)
     assert requests[0].balanced_context and not dataclasses.replace(requests[0], engine=in_order).balanced_context
     assert dataclasses.replace(requests[0], mode="exact").balanced_context  # (its wavefront walk walks the cut)
+
+
+def _paced_walk_holds(cp: int, layers: int, every: int, rank: int) -> tuple[int, int]:
+    """Exact mode's balanced walk over sharded weights on cp rank ``rank`` (``walk_schedule``), as ``LayerGather``
+    would run it: the most layers whole at once (started or taken) and the most gradients kept beside a cell's. It
+    fails where the rank would gather a layer out of the one order every rank follows, gather a unit that is whole
+    or in flight, recompute over a kept gradient, walk a cell whose gather was not started, reduce a wave it gave
+    no gradient, or end with anything held."""
+    runs = runs_of([owner for lo, hi, owner in cut_runs(6 * cp, cp, True) for _ in range(lo, hi)])
+    wave_runs = waves(runs)
+    schedule = walk_schedule(runs, layers, every, rank)
+    order = [
+        layer
+        for event in (item for item in schedule if not isinstance(item, tuple))
+        for layer in (range(event.first, event.top) if isinstance(event, SegmentRecompute) else [])
+    ]
+    coming = collections.deque(order)  # (the recomputations' gathers; a wave's is checked as it starts)
+    started: set[int] = set()
+    kept: set[int] = set()
+    whole = most_kept = 0
+    for item in schedule:
+        if isinstance(item, SegmentRecompute):
+            for layer in range(item.first, item.top):
+                assert coming.popleft() == layer and layer not in started and layer not in kept
+                whole = max(whole, len(started) + 1)
+        elif isinstance(item, WaveGather):
+            assert item.layer not in started  # (a unit gathers once at a time)
+            started.add(item.layer)
+            whole = max(whole, len(started))
+            if not any(run.owner == rank for run in wave_runs[item.wave]):
+                started.discard(item.layer)  # (taken and freed at once)
+        elif isinstance(item, WaveReduction):
+            assert (item.layer in kept) == any(run.owner == rank for run in wave_runs[item.wave])
+            kept.discard(item.layer)
+        else:
+            _, layer = item
+            assert layer in started and layer not in kept
+            most_kept = max(most_kept, len(kept))
+            started.discard(layer)
+            kept.add(layer)
+    assert not coming and not started and not kept
+    return whole, most_kept
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_paced_walk_keeps_one_order_and_holds_what_the_planner_counts(cp: int) -> None:
+    """Each rank of a balanced walk over sharded weights (40 layers, segments of 4 and of one layer) follows one
+    order of gathers and reductions, never gathers a unit twice at once, and holds no more layers whole than the
+    planner counts per rank (``walk_gathers_ahead`` + the cell's: cp + 1, the last rank 1) nor more gradients kept
+    for their waves' reductions than cp - 1."""
+    for every in (4, 1):
+        for rank in range(cp):
+            request = PlanRequest(gpus=cp, mode="exact", cp_rank=rank, dtype=torch.bfloat16)
+            assert request.paced_walk
+            whole, kept = _paced_walk_holds(cp, 40, every, rank)
+            assert whole <= request.walk_gathers_ahead + 1 and kept <= cp - 1, (every, rank, whole, kept)

@@ -10,6 +10,7 @@ The engine holds no parallelism code beyond calling these (DESIGN.md, "Who may i
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -203,6 +204,19 @@ def walk_events(runs: Sequence[Run], layers: int, every: int) -> list[WalkEvent]
             events.append(WaveGather(lead + layers - 1 - i, i, w))
             events.append(WaveReduction(tail + layers - i, i, w))
     return sorted(events, key=lambda e: (e.step, e.order, -getattr(e, "wave", 0)))
+
+
+def walk_schedule(runs: Sequence[Run], layers: int, every: int, rank: int) -> list[tuple[Run, int] | WalkEvent]:
+    """What ``rank`` does in a paced walk, in order: its cells (``walk_cells``), each after the events
+    (``walk_events``) due by its step, and the events left at the end."""
+    events = collections.deque(walk_events(runs, layers, every))
+    schedule: list[tuple[Run, int] | WalkEvent] = []
+    for run, i in walk_cells(runs, layers, rank):
+        step = walk_step(runs, run, i, layers)
+        while events and events[0].step <= step:
+            schedule.append(events.popleft())
+        schedule.append((run, i))
+    return [*schedule, *events]
 
 
 def walk_step(runs: Sequence[Run], run: Run, layer: int, layers: int) -> int:

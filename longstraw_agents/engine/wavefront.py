@@ -28,7 +28,7 @@ from .shards import (
     runs_of,
     walk_cells,
     walk_events,
-    walk_step,
+    walk_schedule,
     waves,
 )
 
@@ -263,17 +263,9 @@ class WavefrontWalk:
         """What ``rank`` does, in order: its cells ``(run, layer)`` (``walk_cells``), paced with the walk's events
         (``walk_events``: each due by a cell's step before it, the rest at the end)."""
         layers = self.engine.num_layers
-        cells = walk_cells(self.runs, layers, rank)
         if not self.paced:
-            return list(cells)
-        events = collections.deque(walk_events(self.runs, layers, self.inputs.every))
-        schedule: list[tuple[Run, int] | WalkEvent] = []
-        for run, i in cells:
-            step = walk_step(self.runs, run, i, layers)
-            while events and events[0].step <= step:
-                schedule.append(events.popleft())
-            schedule.append((run, i))
-        return [*schedule, *events]
+            return list(walk_cells(self.runs, layers, rank))
+        return walk_schedule(self.runs, layers, self.inputs.every, rank)
 
     def _event(self, event: WalkEvent) -> None:
         """One of the paced walk's events on this rank: a segment's recomputation for its runs, a wave's gather
