@@ -44,6 +44,16 @@ EQUAL_TO_ONE_PROCESS = (
     "edge_long",  # ... of 30
     "edge_detached_shared",  # ... giving the context no gradient while a replay's sits in it (the same StateGrad)
 )
+# computed at cp 2 only (the suite's time): cp 4 runs the capture, extend, exact and detached steps, the short
+# prompt, the agent-shaped group walked back sharded and the edge cases
+CP2_ONLY = {
+    "kl_exact", "replicated_exact", "one_segment_exact", "shared_turn_exact", "shared_turn_loss",
+    "agent_replicated_detached", "agent_threshold_exact",
+}  # fmt: skip
+
+
+def _computed(mesh_results: dict[str, Any], what: str) -> bool:
+    return mesh_results["world"] == 2 or what not in CP2_ONLY
 
 
 @pytest.fixture(scope="module", params=MESHES)
@@ -70,6 +80,9 @@ def test_a_message_header_says_which_tensors_travel_on_the_device() -> None:
 @pytest.mark.parametrize("what", EQUAL_TO_ONE_PROCESS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_results_equal_one_process(mesh_results: dict[str, Any], family: str, what: str) -> None:
+    if not _computed(mesh_results, what):
+        assert all(f"{family}/{what}" not in result for result in mesh_results["ranks"])
+        return
     for rank, result in enumerate(mesh_results["ranks"]):
         assert result[f"{family}/{what}"] <= 1e-10, (rank, result[f"{family}/{what}"])
 
@@ -88,7 +101,8 @@ def test_the_wavefront_walk_runs_fewer_layers_than_one_process(mesh_results: dic
     (every chunk twice); the replicated walk (every rank recomputing every chunk) runs more."""
     for result in mesh_results["ranks"]:
         assert result[f"{family}/exact_layer_positions"] < result[f"{family}/exact_single_layer_positions"]
-        assert result[f"{family}/replicated_exact_layer_positions"] > result[f"{family}/exact_layer_positions"]
+        if _computed(mesh_results, "replicated_exact"):
+            assert result[f"{family}/replicated_exact_layer_positions"] > result[f"{family}/exact_layer_positions"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,6 +148,8 @@ def test_a_members_own_history_spreads_over_the_ranks(mesh_results: dict[str, An
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_kl_references_state_is_spread_like_the_policys(mesh_results: dict[str, Any], family: str) -> None:
+    if not _computed(mesh_results, "kl_exact"):
+        return
     ranks, world = mesh_results["ranks"], mesh_results["world"]
     held = [r[f"{family}/reference_bytes"] for r in ranks]
     total, chunk = ranks[0][f"{family}/single_reference_bytes"], ranks[0][f"{family}/chunk_bytes"]
