@@ -28,6 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _heavy_files_first(items)
     try:
         import torch
 
@@ -40,6 +41,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _heavy_files_first(items: list[pytest.Item]) -> None:
+    """The files with a test marked ``distributed`` or ``slow`` first, each file's tests in their order: xdist
+    (``--dist loadfile``) hands out whole files in this order, so the long ones start early instead of leaving one
+    worker alone with the last of them."""
+    heavy = {item.path for item in items if {"distributed", "slow"} & set(item.keywords)}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 # --- NCCL's discipline on every distributed test ------------------------------------------------------------------
