@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from bench.gpu import FAMILIES, Workload, build, decode, engine_config, replay
 from longstraw_agents.attention import Attention
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.models.hybrid import delta_rule, delta_rule_flops
+from longstraw_agents.models.delta_rule import delta_rule, delta_rule_flops
 from longstraw_agents.models.mla import stable_topk
 from longstraw_agents.planner import PlanRequest
 from longstraw_agents.timing import Efficiency, HardwareProfile, ModelWork, Schedule, Work
@@ -75,15 +75,16 @@ def attention_rates(
 
 
 def delta_rule_rate(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of the delta rule as the mixer runs it (fla's kernel where it works, else the pure-torch scan) over one
-    chunk, its blocks' sequential steps included."""
+    """FLOP/s of the delta rule as a capture runs it (no gradient: fla's forward where it works, else the Triton
+    scan on a GPU, the pure-torch scan on CPU) over one chunk, its blocks' sequential steps included."""
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # the scan's precision
     q, k = (torch.randn(chunk, heads, dk, dtype=compute, device=device) for _ in range(2))
     v = torch.randn(chunk, heads, dv, dtype=compute, device=device)
     g = -torch.rand(chunk, heads, dtype=compute, device=device)
     beta = torch.rand(chunk, heads, dtype=compute, device=device)
-    return delta_rule_flops(config, chunk) / seconds(lambda: delta_rule(q, k, v, g, beta, None), device)
+    with torch.no_grad():
+        return delta_rule_flops(config, chunk) / seconds(lambda: delta_rule(q, k, v, g, beta, None), device)
 
 
 def selection_seconds(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:

@@ -20,9 +20,13 @@ stores them); ``H`` is a multiple of ``H_kv`` (grouped-query attention: query he
 
 Backends (``EngineConfig.attention``; ``"auto"`` picks the first that takes the shapes, in this order):
 
+- ``cuda``: on CUDA, FlashAttention-2 or cuDNN per shape class, forward and backward apart, whichever ran faster on
+  the class's first call with results equal to flash's (``TunedBackend``; torch checks no head counts for cuDNN).
 - ``cuda-flash``: torch's FlashAttention-2 ops on CUDA (``aten._scaled_dot_product_flash_attention`` and its
   backward, which take the global ``out``/``lse``): fp16/bf16, ``D == Dv <= 256``. (The ``flash-attn`` package's own
   entry points change signature between releases; torch's ops run the same kernels.)
+- ``cuda-cudnn``: torch's cuDNN attention ops (``aten._scaled_dot_product_cudnn_attention`` and its backward, which
+  return and take the log-sum-exp too), on the same shapes.
 - ``cpu-flash``: torch's fused CPU flash kernels (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
   ``_backward``): fp32, fp64, bf16, fp16 with ``D == Dv``; GQA natively; never materialises scores, so long blocks are
   never split in forward. For bf16/fp16 its backward is the eager math in fp32 (the fused one is ~5x slower there).
@@ -41,6 +45,7 @@ scatter-adds the key/value gradients into the blocks' sinks.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -314,6 +319,146 @@ class CudaFlashBackend(AttentionBackend):
         return grads[0], grads[1], grads[2]
 
 
+class CudaCudnnBackend(CudaFlashBackend):
+    """torch's cuDNN attention ops on CUDA (``aten._scaled_dot_product_cudnn_attention`` and its backward), which
+    return the log-sum-exp (``[1, H, n, 1]``) and take the global one back. Faster than FlashAttention-2 on Hopper at
+    some shapes; torch itself prefers it there. torch checks no head counts for it, so the ``cuda`` backend takes it
+    only where its results matched flash's at the shape (``TunedBackend``)."""
+
+    name = "cuda-cudnn"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+        return result[0], result[1].squeeze(-1)
+
+    def backward(
+        self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        seed = torch.zeros((), dtype=torch.long, device=q.device)  # no dropout: the generator state is not read
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            d_out.contiguous(), q, k, v, out, lse.float().unsqueeze(-1).contiguous(), seed, seed, None, None, None,
+            q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        )  # fmt: skip
+        return grads[0], grads[1], grads[2]
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """What a kernel's speed depends on: dtype, heads, head size, causality and the lengths' power-of-two classes."""
+
+    device: torch.device
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    queries: int
+    keys: int
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, causal: bool) -> ShapeClass:
+        def power(n: int) -> int:
+            return 1 << max(n - 1, 0).bit_length()
+
+        return cls(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], causal, power(q.shape[2]), power(k.shape[2]))
+
+
+class TunedBackend(AttentionBackend):
+    """The fastest of ``CANDIDATES`` at each shape class, forward and backward chosen apart, by measurement on the
+    first call of the class (as cuDNN's own benchmark mode): every candidate runs the call once untimed, then
+    ``REPEATS`` times timed (the median counts), and one whose results differ from the first candidate's (the
+    reference) beyond ``TOLERANCE``, or that raises, is never chosen for the class; another must beat the reference
+    by ``MARGIN``, so that timing noise does not flip a choice between near-equal kernels (ranks that replicate a
+    computation choose alike). Both directions keep the attention core's contract, so a forward by one kernel and a
+    backward by another give the same gradient. The choices are shared by every instance (``choices``); while a CUDA
+    graph is being captured nothing is measured and the reference runs."""
+
+    CANDIDATES: ClassVar[tuple[type[AttentionBackend], ...]]
+    TOLERANCE: ClassVar[float] = 2e-2  # relative, of a bf16 result against the reference kernel's
+    REPEATS: ClassVar[int] = 3
+    MARGIN: ClassVar[float] = 0.95  # another kernel is chosen when its time is below this share of the reference's
+    choices: ClassVar[dict[tuple[str, ShapeClass], type[AttentionBackend]]]
+
+    def __init__(self, max_score_elements: int = DEFAULT_SCORE_ELEMENTS):
+        super().__init__(max_score_elements)
+        self.kernels = [candidate(max_score_elements) for candidate in self.CANDIDATES]
+
+    @classmethod
+    def supports(cls, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        return cls.CANDIDATES[0].supports(q, k, v)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        return self._chosen("forward", ShapeClass.of(q, k, causal), (q, k, v, causal, scale))
+
+    def backward(
+        self, d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return self._chosen("backward", ShapeClass.of(q, k, causal), (d_out, q, k, v, out, lse, causal, scale))
+
+    def _chosen(self, direction: str, shape: ShapeClass, args: tuple) -> Any:
+        key = (direction, shape)
+        chosen = self.choices.get(key)
+        if chosen is None:
+            if self._capturing():
+                return getattr(self.kernels[0], direction)(*args)
+            chosen = self.choices[key] = self._measure(direction, args)
+        kernel = next(k for k in self.kernels if type(k) is chosen)
+        return getattr(kernel, direction)(*args)
+
+    def _measure(self, direction: str, args: tuple) -> type[AttentionBackend]:
+        """The candidate that ran the call fastest among those whose results matched the reference's."""
+        reference = getattr(self.kernels[0], direction)(*args)
+        best = type(self.kernels[0])
+        best_seconds = self.MARGIN * self.seconds(self.kernels[0], direction, args)
+        for kernel in self.kernels[1:]:
+            try:
+                result = getattr(kernel, direction)(*args)
+                if not _close(result, reference, self.TOLERANCE):
+                    continue
+                elapsed = self.seconds(kernel, direction, args)
+            except RuntimeError:  # a shape or dtype the kernel refuses at run time
+                continue
+            if elapsed < best_seconds:
+                best, best_seconds = type(kernel), elapsed
+        return best
+
+    def seconds(self, kernel: AttentionBackend, direction: str, args: tuple) -> float:
+        """The median time of ``REPEATS`` calls of ``kernel``'s ``direction`` (the device synchronised around each)."""
+        times = []
+        for _ in range(self.REPEATS):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            getattr(kernel, direction)(*args)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    @staticmethod
+    def _capturing() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _close(got: tuple[Tensor, ...], want: tuple[Tensor, ...], tolerance: float) -> bool:
+    def relative(a: Tensor, b: Tensor) -> float:
+        scale = b.double().norm()
+        return float((a.double() - b.double()).norm() / scale) if scale > 0 else float(a.double().norm())
+
+    return all(a.shape == b.shape and relative(a, b) <= tolerance for a, b in zip(got, want, strict=True))
+
+
+class CudaTunedBackend(TunedBackend):
+    """On CUDA: FlashAttention-2 or cuDNN, whichever was faster at the shape class with equal results (``auto``'s
+    choice on a GPU)."""
+
+    name = "cuda"
+    CANDIDATES = (CudaFlashBackend, CudaCudnnBackend)
+    choices: ClassVar[dict[tuple[str, ShapeClass], type[AttentionBackend]]] = {}
+
+
 class MetaBackend(AttentionBackend):
     """Tensors on the meta device (the memory planner): a fused kernel's allocations — its outputs and gradients,
     never scores — with no arithmetic."""
@@ -335,7 +480,8 @@ class MetaBackend(AttentionBackend):
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    b.name: b for b in (CudaFlashBackend, CpuFlashBackend, MetaBackend, EagerBackend)
+    b.name: b
+    for b in (CudaTunedBackend, CudaFlashBackend, CudaCudnnBackend, CpuFlashBackend, MetaBackend, EagerBackend)
 }
 BACKEND_NAMES = ("auto", *BACKENDS)
 

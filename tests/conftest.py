@@ -17,6 +17,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU, Triton's kernels run in its interpreter on CPU tensors (tests/kernels): it reads the variable when a
+# kernel is defined, so it is set before anything imports Triton. Nothing picks a Triton kernel for CPU tensors on its
+# own (models/delta_rule.py), so only the tests that call the kernels run them.
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:  # the agent side runs without torch
+        return False
+    return torch.cuda.is_available()
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -13,8 +13,12 @@ from longstraw_agents.attention import (
     Attention,
     AttentionBackend,
     CpuFlashBackend,
+    CudaCudnnBackend,
+    CudaFlashBackend,
     EagerBackend,
     KVBlock,
+    ShapeClass,
+    TunedBackend,
     merge,
     partial_attention,
     sparse_attend,
@@ -30,7 +34,7 @@ def backend_params() -> list:
         pytest.param("cpu-flash", torch.float64),
         pytest.param("cpu-flash", torch.bfloat16),  # fused forward, eager backward in fp32
     ]
-    cuda = [pytest.param("cuda-flash", torch.bfloat16, marks=pytest.mark.gpu)]
+    cuda = [pytest.param(name, torch.bfloat16, marks=pytest.mark.gpu) for name in ("cuda-flash", "cuda")]
     return cpu + cuda
 
 
@@ -182,7 +186,7 @@ def test_mla_rows_as_keys_and_values_equal_latent_attention() -> None:
 def test_auto_picks_a_fused_backend_when_it_can_and_eager_otherwise() -> None:
     q, blocks, _, _ = random_case([4], 2, torch.float64)
     q4, k4 = q.transpose(0, 1)[None], blocks[0][0].transpose(0, 1)[None]
-    assert isinstance(Attention("auto").kernel(q4, k4, k4), BACKENDS["cuda-flash" if q.is_cuda else "cpu-flash"])
+    assert isinstance(Attention("auto").kernel(q4, k4, k4), BACKENDS["cuda" if q.is_cuda else "cpu-flash"])
     narrow = k4[..., :5]
     assert isinstance(Attention("auto").kernel(q4, k4, narrow), EagerBackend)  # Dv != D: no fused kernel
     with pytest.raises(ValueError, match="cannot take"):
@@ -232,3 +236,100 @@ def test_sparse_attention_and_its_gradients_equal_the_definition() -> None:
     torch.testing.assert_close(own.grad, ref_own.grad, rtol=1e-10, atol=1e-10)
     for sink, leaf in zip(sinks, leaves, strict=True):
         torch.testing.assert_close(sink, leaf.grad, rtol=1e-10, atol=1e-10)
+
+
+# --- the tuned backend: the fastest kernel whose results match the reference's, per shape class ---------------------
+
+
+class SkewedBackend(EagerBackend):
+    """Eager math with its output off by 10 %: a kernel that is fast and wrong."""
+
+    name = "skewed"
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse = super().forward(q, k, v, causal, scale)
+        return out * 1.1, lse
+
+
+class RefusingBackend(EagerBackend):
+    name = "refusing"
+
+    def forward(self, q, k, v, causal, scale):
+        raise RuntimeError("cuDNN Frontend error: no valid execution plans built")
+
+
+def tuned(times: dict[str, float], candidates=(EagerBackend, CpuFlashBackend)) -> tuple[TunedBackend, list]:
+    """A tuned backend over CPU kernels whose timings are ``times`` (seconds per kernel name, no clock read), and the
+    list of (kernel, direction) it measured."""
+    measured: list[tuple[str, str]] = []
+
+    class Tuned(TunedBackend):
+        name = "tuned"
+        CANDIDATES = candidates
+        choices = {}
+
+        def seconds(self, kernel, direction, args):
+            measured.append((kernel.name, direction))
+            return times[kernel.name]
+
+    return Tuned(), measured
+
+
+def test_the_tuned_backend_takes_the_faster_kernel_per_direction_and_shape_class() -> None:
+    q, blocks, _, _ = random_case([40], 8, torch.float64)
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, *blocks[0]))
+    backend, measured = tuned({"eager": 2.0, "cpu-flash": 1.0})
+    out, lse = backend.forward(q4, k4, v4, False, 0.3)
+    want_out, want_lse = EagerBackend().forward(q4, k4, v4, False, 0.3)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    assert backend.choices == {("forward", ShapeClass.of(q4, k4, False)): CpuFlashBackend}
+    backend.forward(q4, k4, v4, False, 0.3)  # the class is measured once
+    backend.forward(q4[:, :, :5], k4[:, :, :33], v4[:, :, :33], False, 0.3)  # 8 -> 8 queries, 64 -> 64 keys
+    assert measured == [("eager", "forward"), ("cpu-flash", "forward")]
+    backend.backward(torch.ones_like(out), q4, k4, v4, out, lse, False, 0.3)  # backward: chosen apart
+    backend.forward(q4, k4[:, :, :20], v4[:, :, :20], False, 0.3)  # 20 keys: another class
+    assert len(measured) == 6
+    assert len(backend.choices) == 3
+
+
+@pytest.mark.parametrize(
+    ("times", "candidates", "chosen"),
+    [
+        pytest.param({"eager": 1.0, "cpu-flash": 0.96}, (EagerBackend, CpuFlashBackend), EagerBackend, id="margin"),
+        pytest.param({"eager": 1.0, "skewed": 0.1}, (EagerBackend, SkewedBackend), EagerBackend, id="wrong"),
+        pytest.param({"eager": 1.0, "refusing": 0.1}, (EagerBackend, RefusingBackend), EagerBackend, id="refusing"),
+    ],
+)
+def test_the_tuned_backend_keeps_the_reference_unless_another_kernel_is_right_and_clearly_faster(
+    times, candidates, chosen
+) -> None:
+    q, blocks, _, _ = random_case([9], 4, torch.float64)
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, *blocks[0]))
+    backend, _ = tuned(times, candidates)
+    backend.forward(q4, k4, v4, True, 0.3)
+    assert list(backend.choices.values()) == [chosen]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_attention_equals_flash_where_cudnn_takes_the_shape(causal: bool) -> None:
+    """cuDNN's forward (output and log-sum-exp) and its backward given flash's global output and log-sum-exp, at
+    Qwen3-like shapes (16 query heads over 2 KV heads of 128, a 4,096-query chunk over 8,192 earlier keys or its own
+    causal block), against FlashAttention-2's."""
+    gen = torch.Generator().manual_seed(0)
+    n, m = 4096, 4096 if causal else 8192
+    q = torch.randn(1, 16, n, 128, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(1, 2, m, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    d_out = torch.randn(1, 16, n, 128, generator=gen).to("cuda", torch.bfloat16)
+    flash, cudnn = CudaFlashBackend(), CudaCudnnBackend()
+    out, lse = flash.forward(q, k, v, causal, 0.08)
+    try:
+        got_out, got_lse = cudnn.forward(q, k, v, causal, 0.08)
+        got_grads = cudnn.backward(d_out, q, k, v, out, lse, causal, 0.08)
+    except RuntimeError as err:
+        pytest.skip(f"cuDNN refuses the shape here: {err}")
+    torch.testing.assert_close(got_lse, lse, rtol=1e-3, atol=1e-3)
+    assert float((got_out.double() - out.double()).norm() / out.double().norm()) < 1e-2
+    for got, want in zip(got_grads, flash.backward(d_out, q, k, v, out, lse, causal, 0.08), strict=True):
+        assert float((got.double() - want.double()).norm() / want.double().norm()) < 2e-2

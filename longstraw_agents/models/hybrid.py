@@ -3,15 +3,14 @@ three linear-attention layers per full-attention layer).
 
 Full-attention layers keep K/V per token (the dense mixer with a sigmoid output gate and zero-centred q/k norms).
 GatedDeltaNet layers keep a fixed-size state: the short-conv tail (the last ``kernel-1`` pre-conv inputs) and the
-delta-rule state ``[H_v, D_k, D_v]``. The delta rule runs chunked in pure torch in ``compute_dtype`` (transformers'
-fallback always computes in fp32; here fp64 models stay fp64), or with flash-linear-attention's kernel on CUDA
-when it is installed. The recurrent state is kept in compute precision, as transformers does.
+delta-rule state ``[H_v, D_k, D_v]``. The delta rule (``models/delta_rule.py``) runs in ``compute_dtype``
+(transformers' fallback always computes in fp32; here fp64 models stay fp64): chunked in pure torch on CPU, with
+Triton and flash-linear-attention kernels on a GPU. The recurrent state is kept in compute precision, as
+transformers does.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,120 +31,13 @@ from longstraw_agents.models.base import (
     rms_norm_zero_centered,
 )
 from longstraw_agents.models.batch import DecodeInput
+from longstraw_agents.models.delta_rule import delta_rule, delta_rule_flops
 from longstraw_agents.models.dense import (
     KEY_VALUE_PARAMETERS,
     AttentionMixer,
     attention_pair_flops,
     kv_bytes_per_token,
 )
-
-DELTA_CHUNK = 64  # positions per block of the chunked delta rule (as transformers' fallback and fla)
-
-
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def chunk_gated_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, chunk: int = DELTA_CHUNK
-) -> tuple[Tensor, Tensor]:
-    """Gated delta rule over ``n`` positions, exact and differentiable (also w.r.t. ``initial_state``).
-
-    q, k: ``[n, H, Dk]`` (already one per value head); v: ``[n, H, Dv]``; g (log decay, <= 0), beta: ``[n, H]``.
-    Returns the outputs ``[n, H, Dv]`` and the state after the last position ``[H, Dk, Dv]``. Same algorithm as
-    transformers' ``torch_chunk_gated_delta_rule`` (UT transform within a chunk, a scan across chunks), written
-    without a batch dimension and without in-place writes so autograd can replay it.
-    """
-    n, heads, dk = k.shape
-    dv = v.shape[-1]
-    chunk = min(chunk, n)  # short inputs (decoding) need no padding to a full block; the result is the same
-    q = l2norm(q) * dk**-0.5
-    k = l2norm(k)
-    pad = (chunk - n % chunk) % chunk
-    # [H, N, C, d]: zero padding has beta = 0 and g = 0, so it neither writes nor decays the state
-    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk, t.shape[-1]) for t in (q, k, v))
-    beta, g = (F.pad(t.transpose(0, 1), (0, pad)).reshape(heads, -1, chunk) for t in (beta, g))
-    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
-    cum = g.cumsum(dim=-1)
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair_decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-    ut = (k_beta @ k.transpose(-1, -2)) * pair_decay
-    intra = (q @ k.transpose(-1, -2)) * pair_decay
-    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    q_decayed = q * cum.exp().unsqueeze(-1)
-    k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    state = initial_state if initial_state is not None else q.new_zeros(heads, dk, dv)
-    outs = []
-    for c in range(q.shape[1]):
-        v_new = new_values[:, c] - k_cumdecay[:, c] @ state
-        outs.append(q_decayed[:, c] @ state + intra[:, c] @ v_new)
-        state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ v_new
-    out = torch.cat(outs, dim=1)[:, :n]  # [H, n, Dv]
-    return out.transpose(0, 1), state
-
-
-_FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """The gated delta rule as the mixer runs it: fla's kernel on a GPU where it works (Triton: no fp64), else
-    ``chunk_gated_delta_rule``."""
-    fla = _fla_kernel(q.device) if q.is_cuda and q.dtype in _FLA_DTYPES else None
-    if fla is not None:
-        out, final = fla(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-            initial_state=None if initial is None else initial.unsqueeze(0),
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )  # fmt: skip
-        return out[0], final[0]
-    return chunk_gated_delta_rule(q, k, v, g, beta, initial)
-
-
-_FLA_ON: dict[torch.device, Callable[..., Any] | None] = {}  # per device: fla's kernel, or None where it fails
-
-
-def _fla_kernel(device: torch.device) -> Callable[..., Any] | None:
-    """flash-linear-attention's ``chunk_gated_delta_rule`` where it is installed and runs a forward and a backward on
-    ``device`` — fla refuses its backward on some Triton and GPU pairs (a wrong-results guard), and a training step
-    must not fail there: the pure-torch delta rule runs instead, said once per device. Checked once per device."""
-    if device not in _FLA_ON:
-        _FLA_ON[device] = _working_fla(device)
-    return _FLA_ON[device]
-
-
-def _working_fla(device: torch.device) -> Callable[..., Any] | None:
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    except ImportError:
-        return None
-    try:
-        _fla_probe(fla_chunk, device)
-    except Exception as err:  # whatever fla raises (its guards raise RuntimeError; Triton its own errors)
-        warnings.warn(
-            f"flash-linear-attention failed a forward and backward on {device}, so GatedDeltaNet layers run the "
-            f"pure-torch delta rule there: {type(err).__name__}: {err}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return fla_chunk
-
-
-def _fla_probe(kernel: Callable[..., Any], device: torch.device, n: int = 2 * DELTA_CHUNK, dim: int = 64) -> None:
-    """One forward and backward of ``kernel`` on a small random input (bf16, one head)."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, n, 1, dim, generator=gen).to(device, torch.bfloat16) for _ in range(3))
-    g = -torch.rand(1, n, 1, generator=gen).to(device)
-    beta = torch.rand(1, n, 1, generator=gen).to(device, torch.bfloat16)
-    with torch.enable_grad():
-        for t in (q, k, v):
-            t.requires_grad_(True)
-        out, _ = kernel(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        out.float().sum().backward()
 
 
 class GatedDeltaNetMixer(Mixer):
@@ -312,16 +204,3 @@ class HybridAdapter(FamilyAdapter):
             return KEY_VALUE_PARAMETERS
         names = ("in_proj_qkv.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight")
         return tuple(f"linear_attn.{name}" for name in names)
-
-
-def delta_rule_flops(config: Any, new: int, chunk: int = DELTA_CHUNK) -> int:
-    """Forward FLOPs of ``chunk_gated_delta_rule`` over ``new`` positions (padded to whole blocks of ``chunk``), per
-    value head and position: the block's two score products (``4 C dk``), its two triangular solves
-    (``C (dk + dv)``), the intra-block output (``2 C dv``) and three products with the ``dk x dv`` state."""
-    if new == 0:
-        return 0
-    block = min(chunk, new)
-    padded = -(-new // block) * block
-    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-    per_position = block * (5 * dk + 3 * dv) + 6 * dk * dv
-    return config.linear_num_value_heads * padded * per_position

@@ -1,6 +1,7 @@
-"""The hybrid family's GatedDeltaNet (models/hybrid.py): the chunked delta rule equals the token-by-token recurrence
-(outputs, final state and gradients, fp64), a mixer run in pieces that pass their recurrent state equals one run
-over the whole sequence, and on CUDA flash-linear-attention's kernel equals the pure-torch chunked delta rule."""
+"""The hybrid family's GatedDeltaNet (models/hybrid.py, models/delta_rule.py): the chunked delta rule equals the
+token-by-token recurrence (outputs, final state and gradients, fp64), a mixer run in pieces that pass their recurrent
+state equals one run over the whole sequence, and on CUDA the kernels a layer runs (flash-linear-attention's forward
+where no gradient flows, the Triton scan under autograd) equal the pure-torch chunked delta rule."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longstraw_agents.models import hybrid
+from longstraw_agents.models import delta_rule
 from longstraw_agents.models.base import MixerInput
-from longstraw_agents.models.hybrid import GatedDeltaNetMixer, chunk_gated_delta_rule, l2norm
+from longstraw_agents.models.delta_rule import chunk_gated_delta_rule, l2norm
+from longstraw_agents.models.hybrid import GatedDeltaNetMixer
 from longstraw_agents.models.presets import build_model, tiny_model, tiny_qwen3_5
 
 
@@ -128,37 +130,61 @@ def cuda_layer(dtype: torch.dtype, n: int) -> tuple[GatedDeltaNetMixer, torch.Te
     return mixer, x.requires_grad_(grads), tuple(t.requires_grad_(grads) for t in initial)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_fla_kernel_equals_the_chunked_fallback(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Outputs and final states (and, in fp32, the gradients of the input, the initial state and the mixer's
-    weights) of a GatedDeltaNet layer with fla's kernel and with the pure-torch chunked delta rule. Both run the
-    delta rule in fp32 (the compute dtype); the kernel's fp32 products may use TF32, hence per-mille tolerances."""
-    if hybrid._fla_kernel(torch.device("cuda")) is None:
-        pytest.skip("flash-linear-attention is not installed, or fails on this GPU (a warning says why)")
-    mixer, x, initial = cuda_layer(dtype, 150)
+def compare_with_the_torch_scan(mixer, x, initial, monkeypatch: pytest.MonkeyPatch, gradients: bool) -> None:
+    """A GatedDeltaNet layer run as ``delta_rule`` chooses on the GPU, then with the pure-torch scan: outputs and
+    final states, and with ``gradients`` those of the input, the initial state and the mixer's weights. Both run the
+    delta rule in fp32 (the compute dtype); fla's products may use TF32, hence per-mille tolerances."""
     mod = mixer.mod
     names = ["x", "tail", "state", "in_proj_qkv", "in_proj_a", "A_log", "dt_bias"]
     wrt = [x, *initial, mod.in_proj_qkv.weight, mod.in_proj_a.weight, mod.A_log, mod.dt_bias]
 
     def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        outputs = list(run_in_two_pieces(mixer, x, 70, initial))  # 70 + 80 positions: partial blocks of 64
-        if not x.requires_grad:
+        with torch.set_grad_enabled(gradients):
+            outputs = list(run_in_two_pieces(mixer, x, 70, initial))  # 70 + 80 positions: partial blocks of 64
+        if not gradients:
             return outputs, []
         probes = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t) for i, t in enumerate(outputs)]
         loss = sum((t * probe).sum() for t, probe in zip(outputs, probes, strict=True))
         return outputs, list(torch.autograd.grad(loss, wrt))
 
     (y, tail, state), kernel_grads = run()
-    monkeypatch.setattr(hybrid, "_fla_kernel", lambda device: None)
+    monkeypatch.setenv(delta_rule.CHOICE_ENV, "torch")
     (want_y, want_tail, want_state), fallback_grads = run()
     torch.testing.assert_close(tail, want_tail, rtol=0, atol=0)  # the conv tail does not go through the kernel
-    tolerance = 5e-3 if dtype == torch.float32 else 2e-2
+    tolerance = 5e-3 if x.dtype == torch.float32 else 2e-2
     assert relative_error(y, want_y) < tolerance
     assert relative_error(state, want_state) < tolerance
-    assert len(kernel_grads) == len(fallback_grads) == (len(names) if x.requires_grad else 0)
+    assert len(kernel_grads) == len(fallback_grads) == (len(names) if gradients else 0)
     for name, got, want in zip(names, kernel_grads, fallback_grads, strict=False):
         assert relative_error(got, want) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fla_forward_equals_the_torch_scan_where_no_gradient_flows(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if delta_rule.fla_forward(torch.device("cuda")) is None:
+        pytest.skip("flash-linear-attention is not installed, or fails on this GPU (a warning says why)")
+    fla, calls = delta_rule.fla_forward(torch.device("cuda")), []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return fla(*args, **kwargs)
+
+    monkeypatch.setattr(delta_rule, "fla_forward", lambda device: spy)
+    mixer, x, initial = cuda_layer(dtype, 150)
+    compare_with_the_torch_scan(mixer, x.detach(), tuple(t.detach() for t in initial), monkeypatch, gradients=False)
+    assert calls, "fla's forward was not used where no gradient flows"
+
+
+@pytest.mark.gpu
+def test_the_triton_scan_under_autograd_equals_the_torch_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under autograd a layer never calls fla (its backward is refused on Hopper under Triton < 3.7.1): the Triton
+    scan runs, and equals the pure-torch scan, initial-state gradient included."""
+    monkeypatch.setattr(delta_rule, "fla_forward", lambda device: pytest.fail("fla called under autograd"))
+    mixer, x, initial = cuda_layer(torch.float32, 150)
+    compare_with_the_torch_scan(mixer, x, initial, monkeypatch, gradients=True)
 
 
 def _fake_fla(monkeypatch: pytest.MonkeyPatch, kernel) -> None:
@@ -168,35 +194,23 @@ def _fake_fla(monkeypatch: pytest.MonkeyPatch, kernel) -> None:
     for name in ("fla", "fla.ops"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
-    monkeypatch.setattr(hybrid, "_FLA_ON", {})
+    monkeypatch.setattr(delta_rule, "_FLA_ON", {})
 
 
 def _delta_rule_like(q, k, v, g, beta, output_final_state, use_qk_l2norm_in_kernel, initial_state=None):
     return (q * k).sum(-1, keepdim=True) * v, None
 
 
-def test_fla_is_used_where_its_forward_and_backward_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fla_is_used_where_its_forward_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_fla(monkeypatch, _delta_rule_like)
-    assert hybrid._fla_kernel(torch.device("cpu")) is _delta_rule_like
+    assert delta_rule.fla_forward(torch.device("cpu")) is _delta_rule_like
 
 
-def test_fla_refusing_its_backward_leaves_the_pure_torch_delta_rule_and_says_why(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    class Refused(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+def test_fla_failing_its_forward_leaves_the_triton_scan_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(q, k, v, g, beta, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
 
-        @staticmethod
-        def backward(ctx, grad):
-            raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
-
-    def refusing(q, k, v, g, beta, **kwargs):
-        out, state = _delta_rule_like(q, k, v, g, beta, **kwargs)
-        return Refused.apply(out), state
-
-    _fake_fla(monkeypatch, refusing)
-    with pytest.warns(RuntimeWarning, match="pure-torch delta rule there: RuntimeError: Triton >= 3.4.0"):
-        assert hybrid._fla_kernel(torch.device("cpu")) is None
-    assert hybrid._fla_kernel(torch.device("cpu")) is None  # checked once per device: no second warning
+    _fake_fla(monkeypatch, failing)
+    with pytest.warns(RuntimeWarning, match="Triton scan there: RuntimeError: no kernel image is available"):
+        assert delta_rule.fla_forward(torch.device("cpu")) is None
+    assert delta_rule.fla_forward(torch.device("cpu")) is None  # checked once per device: no second warning

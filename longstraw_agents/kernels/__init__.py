@@ -1,0 +1,16 @@
+"""Triton kernels the model adapters call on a GPU, each beside the pure-torch path that stays its reference and the
+CPU fallback. Triton is optional: ``triton_available()`` says whether it imports; on a machine without a GPU the
+kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported), which is how the suite
+tests them against the fp64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Triton can be imported (it comes with torch's CUDA wheels; on CPU it is a test dependency)."""
+    return importlib.util.find_spec("triton") is not None
