@@ -40,6 +40,17 @@ from longstraw_agents.models.dense import (
 )
 
 
+def depthwise_conv(full: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Depthwise cross-correlation of ``full [K-1+n, C]`` with ``weight [C, K]`` over windows of K positions:
+    ``[n, C]``. On a GPU, ``F.conv1d`` (cuDNN's depthwise kernel, as transformers' fallback runs it; no
+    causal-conv1d extension needed); on CPU, windows times weights summed (``F.conv1d``'s fp64 CPU path is ~100x
+    slower)."""
+    if full.is_cuda:
+        return F.conv1d(full.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0].t()
+    out = (full.unfold(0, weight.shape[1], 1) * weight).sum(dim=-1)  # [n, C, K] summed over K
+    return out if bias is None else out + bias
+
+
 class GatedDeltaNetMixer(Mixer):
     """GatedDeltaNet over a (conv tail, delta-rule state) pair; the new tokens update both."""
 
@@ -61,11 +72,7 @@ class GatedDeltaNetMixer(Mixer):
         if tail is None:
             tail = mixed.new_zeros(self.kernel - 1, self.conv_dim)
         full = torch.cat([tail, mixed], dim=0)  # [K-1+n, C]
-        # depthwise cross-correlation over windows of K positions (F.conv1d's fp64 CPU path is ~100x slower)
-        windows = full.unfold(0, self.kernel, 1)  # [n, C, K]
-        out = (windows * self.mod.conv1d.weight[:, 0, :]).sum(dim=-1)
-        if self.mod.conv1d.bias is not None:
-            out = out + self.mod.conv1d.bias
+        out = depthwise_conv(full, self.mod.conv1d.weight[:, 0, :], self.mod.conv1d.bias)
         # the tail is copied: a view would keep the whole [K-1+n, C] input alive for as long as the state holds it
         return F.silu(out), full[full.shape[0] - (self.kernel - 1) :].clone()
 

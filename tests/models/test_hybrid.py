@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longstraw_agents.models import delta_rule
+from longstraw_agents.models import delta_rule, hybrid
 from longstraw_agents.models.base import MixerInput
 from longstraw_agents.models.delta_rule import chunk_gated_delta_rule, l2norm
 from longstraw_agents.models.hybrid import GatedDeltaNetMixer
@@ -214,3 +214,17 @@ def test_fla_failing_its_forward_leaves_the_triton_scan_and_says_why(monkeypatch
     with pytest.warns(RuntimeWarning, match="Triton scan there: RuntimeError: no kernel image is available"):
         assert delta_rule.fla_forward(torch.device("cpu")) is None
     assert delta_rule.fla_forward(torch.device("cpu")) is None  # checked once per device: no second warning
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_depthwise_conv_equals_torch_conv1d(device: str) -> None:
+    """The short convolution a GatedDeltaNet layer runs (cuDNN's conv1d on a GPU, windows on CPU) equals
+    ``F.conv1d`` of the same weights, with and without a bias (fp64 on CPU, fp32 on a GPU)."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    full, weight, bias = (
+        torch.randn(*shape, generator=gen, dtype=dtype).to(device) for shape in [(21, 6), (6, 4), (6,)]
+    )
+    for b in (bias, None):
+        want = F.conv1d(full.t().unsqueeze(0), weight.unsqueeze(1), b, groups=6)[0].t()
+        torch.testing.assert_close(hybrid.depthwise_conv(full, weight, b), want, rtol=1e-6, atol=1e-6)
