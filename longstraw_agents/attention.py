@@ -499,6 +499,7 @@ class Attention:
     max_score_elements: int = DEFAULT_SCORE_ELEMENTS
     max_piece: int = 1 << 16
     shards: Shards | None = field(default=None, compare=False)  # context parallelism: other ranks' blocks
+    exact_products: bool = False  # DSA's kernels: fp32 products (tests); else bf16 tensor cores, fp32 sums
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_NAMES:
@@ -604,21 +605,40 @@ def sparse_attend(
     start: int,
     scale: float,
     offsets: Sequence[int] | None = None,
-    shards: Shards | None = None,
+    attention: Attention | None = None,
 ) -> Tensor:
     """Each query attends to its own selected positions only (DSA), with keys and values the same rows.
 
     q: ``[n, H, W]``; blocks: the earlier rows ``[M_b, W]`` in position order, starting at ``offsets`` (default:
     back to back from position 0), with ``sinks`` (gradient buffers of the same shapes, or None); own: the queries'
     own rows ``[n, W]`` (positions ``start..``); selected: global positions ``[n, k]`` per query (only those ``<=``
-    the query's position count); shards: the other ranks holding the rest of the earlier rows. Returns
-    ``[n, H, W]``. The selected rows are gathered once, ``n x k`` of them whatever the blocks' lengths and number,
-    and attended in one softmax; nothing score-sized is saved for backward."""
+    the query's position count); ``attention``: its shards (the other ranks holding the rest of the earlier rows),
+    its budget of gathered elements and its products' precision. Returns ``[n, H, W]``; nothing score-sized is
+    saved for backward.
+
+    On a GPU one Triton kernel per span of rows reads each query's selected rows where they are stored
+    (``kernels.sparse_attention``) and the spans' partials merge by log-sum-exp. Elsewhere the selected rows are
+    gathered for a block of queries at a time, at most ``max_score_elements`` of them (in elements: queries x k x
+    W), and attended in one softmax."""
+    attention = attention if attention is not None else Attention()
     if offsets is None:
         offsets = [sum(b.shape[0] for b in blocks[:i]) for i in range(len(blocks))]
     spans = [(rows, offset, sink) for rows, offset, sink in zip(blocks, offsets, sinks, strict=True)]
-    out: Tensor = _SparseAttention.apply(q, own, spans, selected, start, scale, shards)
+    out: Tensor = _SparseAttention.apply(q, own, spans, selected, start, scale, attention)
     return out
+
+
+def sparse_kernel_applies(q: Tensor, spans: Sequence[Span]) -> bool:
+    """The Triton sparse kernel runs here: CUDA tensors in a dtype it takes, Triton installed, and every gradient
+    sink at least fp32 (atomic adds)."""
+    sinks_ok = all(sink is None or sink.dtype in (torch.float32, torch.float64) for _, _, sink in spans)
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and sinks_ok and _triton()
+
+
+def _triton() -> bool:
+    from longstraw_agents.kernels import triton_available
+
+    return triton_available()
 
 
 Span = tuple[Tensor, int, "Tensor | None"]  # rows, their first position, their gradient sink
@@ -638,19 +658,22 @@ class _Gathered:
     own: Tensor
 
     @classmethod
-    def of(cls, spans: Sequence[Span], own: Tensor, selected: Tensor, start: int, dtype: torch.dtype) -> _Gathered:
+    def of(
+        cls, spans: Sequence[Span], own: Tensor, selected: Tensor, start: int, first: int, dtype: torch.dtype
+    ) -> _Gathered:
+        """The rows ``selected [b, k]`` by the queries at positions ``first..first+b`` (own rows from ``start``)."""
         sources = [(block, offset) for block, offset, _ in spans if block.shape[0]] + [(own, start)]
         flat = selected.flatten()
         held = torch.zeros_like(flat, dtype=torch.bool)
         for block, offset in sources:
             held |= (flat >= offset) & (flat < offset + block.shape[0])
-        longest, first = max(sources, key=lambda source: source[0].shape[0])
-        rows = longest.index_select(0, (flat - first).clamp(0, longest.shape[0] - 1)).to(dtype)
+        longest, longest_start = max(sources, key=lambda source: source[0].shape[0])
+        rows = longest.index_select(0, (flat - longest_start).clamp(0, longest.shape[0] - 1)).to(dtype)
         for block, offset in sources:
             if block is not longest:
                 slots, index = _placed(flat, block.shape[0], offset)
                 rows.index_copy_(0, slots, block.index_select(0, index).to(dtype))
-        query_pos = torch.arange(start, start + own.shape[0], device=selected.device).unsqueeze(1)
+        query_pos = torch.arange(first, first + selected.shape[0], device=selected.device).unsqueeze(1)
         visible = held.view(selected.shape) & (selected <= query_pos)
         return cls(rows.view(*selected.shape, -1), visible, selected >= start)
 
@@ -697,43 +720,146 @@ class _SparseAttention(torch.autograd.Function):
         selected: Tensor,
         start: int,
         scale: float,
-        shards: Shards | None,
+        attention: Attention,
     ) -> Tensor:
-        qs = q.to(softmax_dtype(q.dtype))
-        gathered = _Gathered.of(spans, own, selected, start, qs.dtype)
-        if shards is None:
-            out, lse = _sparse_partial(qs, gathered, gathered.visible, scale)
+        partials = _kernel_partials if sparse_kernel_applies(q, spans) else _gathered_partials
+        earlier, own_part = partials(q, own, spans, selected, start, scale, attention)
+        if attention.shards is None:
+            out, lse = merge(earlier, *own_part)
         else:  # the earlier rows of every rank, then the own rows (which every rank holds) once
-            earlier = _sparse_partial(qs, gathered, gathered.visible & ~gathered.own, scale)
-            acc = shards.merge_partials(earlier, tuple(qs.shape), qs.new_empty(qs.shape[:-1]))
-            out, lse = merge(acc, *_sparse_partial(qs, gathered, gathered.visible & gathered.own, scale))
+            like = own_part[1]
+            acc = attention.shards.merge_partials(earlier, tuple(own_part[0].shape), like)
+            out, lse = merge(acc, *own_part)
         ctx.save_for_backward(q, own, selected, out, lse)
-        ctx.spans, ctx.start, ctx.scale, ctx.shards = spans, start, scale, shards
+        ctx.spans, ctx.start, ctx.scale, ctx.attention = spans, start, scale, attention
         return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         q, own, selected, out, lse = ctx.saved_tensors
-        sdt, scale = lse.dtype, ctx.scale
-        qs, d_o = q.to(sdt), d_out.to(sdt)
-        gathered = _Gathered.of(ctx.spans, own, selected, ctx.start, sdt)
-        row = (d_o * out).sum(-1, keepdim=True)  # [n, H, 1]
-        probs = torch.exp(gathered.scores(qs, scale) - lse.unsqueeze(-1))
+        attention: Attention = ctx.attention
+        d_own = torch.zeros(own.shape, dtype=lse.dtype, device=own.device)
+        grads = _kernel_grads if sparse_kernel_applies(q, ctx.spans) else _gathered_grads
+        d_earlier, d_q_own = grads(q, own, ctx.spans, selected, ctx.start, ctx.scale, attention, out, lse, d_out, d_own)
+        if attention.shards is not None:  # every rank's earlier rows add to the queries' gradient; the own rows once
+            d_earlier = attention.shards.sum_(d_earlier, "dq")
+        return (d_earlier + d_q_own).to(q.dtype), d_own.to(own.dtype), None, None, None, None, None
+
+
+Partial = tuple[Tensor, Tensor]
+
+
+def _kernel_partials(
+    q: Tensor, own: Tensor, spans: Sequence[Span], selected: Tensor, start: int, scale: float, attention: Attention
+) -> tuple[Partial | None, Partial]:
+    """The earlier spans' merged partial (None without any) and the own rows' partial, by the Triton kernel."""
+    from longstraw_agents.kernels.sparse_attention import sparse_forward
+
+    fast, split = _fast(q, attention), _split(q.shape[-1])
+    earlier: Partial | None = None
+    for rows, offset, _ in spans:
+        if rows.shape[0]:
+            earlier = merge(earlier, *sparse_forward(q, rows, selected, offset, start, split, scale, fast))
+    return earlier, sparse_forward(q, own, selected, start, start, split, scale, fast)
+
+
+def _kernel_grads(
+    q: Tensor,
+    own: Tensor,
+    spans: Sequence[Span],
+    selected: Tensor,
+    start: int,
+    scale: float,
+    attention: Attention,
+    out: Tensor,
+    lse: Tensor,
+    d_out: Tensor,
+    d_own: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The queries' gradient from the earlier spans and from the own rows; the rows' gradients added into the sinks
+    (and ``d_own``) by the kernel."""
+    from longstraw_agents.kernels.sparse_attention import sparse_backward
+
+    fast, split = _fast(q, attention), _split(q.shape[-1])
+    d_earlier = torch.zeros(out.shape, dtype=out.dtype, device=q.device)
+    for rows, offset, sink in spans:
+        if rows.shape[0]:
+            d_earlier += sparse_backward(q, rows, selected, offset, start, split, scale, fast, out, lse, d_out, sink)
+    d_q_own = sparse_backward(q, own, selected, start, start, split, scale, fast, out, lse, d_out, d_own)
+    return d_earlier, d_q_own
+
+
+def _fast(q: Tensor, attention: Attention) -> bool:
+    """The kernels multiply on bf16 tensor cores: a half-precision model (its rows and queries are bf16 values, so
+    nothing is rounded that was not already), unless ``exact_products`` asks for fp32."""
+    return q.dtype in (torch.bfloat16, torch.float16) and not attention.exact_products
+
+
+def _split(width: int) -> int:
+    """Where the kernels cut a row in two power-of-two tiles: MLA's 512 latent + 64 rope columns."""
+    return 1 << (width.bit_length() - 1)
+
+
+def _query_blocks(selected: Tensor, width: int, attention: Attention) -> list[slice]:
+    """Blocks of queries whose gathered rows (queries x k x width elements) fit ``max_score_elements``."""
+    n, k = selected.shape
+    step = max(1, attention.max_score_elements // max(k * width, 1))
+    return [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def _gathered_partials(
+    q: Tensor, own: Tensor, spans: Sequence[Span], selected: Tensor, start: int, scale: float, attention: Attention
+) -> tuple[Partial | None, Partial]:
+    """The two partials of ``_kernel_partials`` by gathering the selected rows, a block of queries at a time (in one
+    process, one softmax over every visible row: no earlier partial)."""
+    qs = q.to(softmax_dtype(q.dtype))
+    apart = attention.shards is not None
+    outs = [qs.new_zeros(qs.shape) for _ in range(1 + apart)]
+    lses = [qs.new_full(qs.shape[:-1], float("-inf")) for _ in range(1 + apart)]
+    for block in _query_blocks(selected, q.shape[-1], attention):
+        gathered = _Gathered.of(spans, own, selected[block], start, start + block.start, qs.dtype)
+        masks = [gathered.visible & gathered.own, gathered.visible & ~gathered.own] if apart else [gathered.visible]
+        for out, lse, visible in zip(outs, lses, masks, strict=True):
+            out[block], lse[block] = _sparse_partial(qs[block], gathered, visible, scale)
+    return ((outs[1], lses[1]) if apart else None), (outs[0], lses[0])
+
+
+def _gathered_grads(
+    q: Tensor,
+    own: Tensor,
+    spans: Sequence[Span],
+    selected: Tensor,
+    start: int,
+    scale: float,
+    attention: Attention,
+    out: Tensor,
+    lse: Tensor,
+    d_out: Tensor,
+    d_own: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """``_kernel_grads`` by gathering the selected rows, a block of queries at a time, their gradients added into
+    the sinks with ``index_add_``."""
+    sdt = lse.dtype
+    qs, d_o = q.to(sdt), d_out.to(sdt)
+    d_earlier, d_q_own = torch.zeros(out.shape, dtype=sdt, device=q.device), torch.zeros_like(out, dtype=sdt)
+    row = (d_o * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ out) [n, H, 1]
+    for block in _query_blocks(selected, q.shape[-1], attention):
+        gathered = _Gathered.of(spans, own, selected[block], start, start + block.start, sdt)
+        probs = torch.exp(gathered.scores(qs[block], scale) - lse[block].unsqueeze(-1))
         probs = probs.masked_fill(~gathered.visible.unsqueeze(1), 0.0)  # hidden slots: exact zeros, no host sync
-        d_scores = probs * (torch.matmul(d_o, gathered.rows.transpose(1, 2)) - row) * scale
-        if ctx.shards is None:
-            dq = torch.matmul(d_scores, gathered.rows)
-        else:  # every rank's earlier rows add to the queries' gradient; the own rows once
+        d_scores = probs * (torch.matmul(d_o[block], gathered.rows.transpose(1, 2)) - row[block]) * scale
+        if attention.shards is None:  # (the sum is all the caller needs)
+            d_earlier[block] = torch.matmul(d_scores, gathered.rows)
+        else:
             own_slots = gathered.own.unsqueeze(1)
-            dq = ctx.shards.sum_(torch.matmul(d_scores.masked_fill(own_slots, 0.0), gathered.rows), "dq")
-            dq = dq + torch.matmul(d_scores.masked_fill(~own_slots, 0.0), gathered.rows)
-        # each row is a key and a value at once: its gradient sums both parts, per selected slot [n * k, W]
-        d_rows = torch.matmul(d_scores.transpose(1, 2), qs) + torch.matmul(probs.transpose(1, 2), d_o)
+            d_earlier[block] = torch.matmul(d_scores.masked_fill(own_slots, 0.0), gathered.rows)
+            d_q_own[block] = torch.matmul(d_scores.masked_fill(~own_slots, 0.0), gathered.rows)
+        # each row is a key and a value at once: its gradient sums both parts, per selected slot [b * k, W]
+        d_rows = torch.matmul(d_scores.transpose(1, 2), qs[block]) + torch.matmul(probs.transpose(1, 2), d_o[block])
         d_rows = d_rows.flatten(0, 1)
-        d_own = torch.zeros(own.shape, dtype=sdt, device=own.device)
-        for rows, offset, sink in (*ctx.spans, (own, ctx.start, d_own)):
+        for rows, offset, sink in (*spans, (own, start, d_own)):
             if sink is not None:
-                slots, index = _placed(selected.flatten(), rows.shape[0], offset)
+                slots, index = _placed(selected[block].flatten(), rows.shape[0], offset)
                 sink.index_add_(0, index, d_rows.index_select(0, slots).to(sink.dtype))
-        return dq.to(q.dtype), d_own.to(own.dtype), None, None, None, None, None
+    return d_earlier, d_q_own

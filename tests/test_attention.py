@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longstraw_agents import attention as attention_module
 from longstraw_agents.attention import (
     BACKENDS,
     Attention,
@@ -212,9 +213,19 @@ def sparse_reference(q, rows, selected, start, scale):
     return torch.einsum("nhm,mw->nhw", probs, rows)
 
 
-def test_sparse_attention_and_its_gradients_equal_the_definition() -> None:
+SPARSE_PATHS = [
+    pytest.param(1 << 20, False, id="gathered"),
+    pytest.param(2 * 4 * 6, False, id="gathered-two-queries-at-a-time"),
+    pytest.param(1 << 20, True, id="triton-kernel"),  # in Triton's interpreter on CPU
+]
+
+
+@pytest.mark.parametrize(("budget", "kernel"), SPARSE_PATHS)
+@pytest.mark.parametrize("own_rows", [5, 2], ids=["own-longest", "a-block-longest"])
+def test_sparse_attention_and_its_gradients_equal_the_definition(budget, kernel, own_rows, monkeypatch) -> None:
+    monkeypatch.setattr(attention_module, "sparse_kernel_applies", lambda q, spans: kernel)
     gen = torch.Generator().manual_seed(5)
-    n, W, start = 5, 6, 7
+    n, W, start = own_rows, 6, 7
     blocks = [
         torch.randn(3, W, dtype=torch.float64, generator=gen),
         torch.randn(4, W, dtype=torch.float64, generator=gen),
@@ -222,9 +233,9 @@ def test_sparse_attention_and_its_gradients_equal_the_definition() -> None:
     own = torch.randn(n, W, dtype=torch.float64, generator=gen, requires_grad=True)
     q = torch.randn(n, 2, W, dtype=torch.float64, generator=gen, requires_grad=True)
     # rows 1 and 3 select nothing in either earlier block (their partials there are fully masked)
-    selected = torch.tensor([[0, 7, 8, 9], [8, 9, 10, 11], [1, 2, 3, 9], [11, 10, 9, 8], [4, 5, 6, 8]])
+    selected = torch.tensor([[0, 7, 8, 9], [8, 9, 10, 11], [1, 2, 3, 9], [11, 10, 9, 8], [4, 5, 6, 8]])[:n]
     sinks = [torch.zeros_like(b) for b in blocks]
-    out = sparse_attend(q, blocks, sinks, own, selected, start, 0.5)
+    out = sparse_attend(q, blocks, sinks, own, selected, start, 0.5, attention=Attention(max_score_elements=budget))
     leaves = [b.clone().requires_grad_(True) for b in blocks]
     ref_q, ref_own = q.detach().clone().requires_grad_(True), own.detach().clone().requires_grad_(True)
     want = sparse_reference(ref_q, torch.cat([*leaves, ref_own]), selected, start, 0.5)

@@ -28,15 +28,25 @@ class EngineConfig(BaseModel):
     )
     attention: str = Field(
         "auto",
-        description="the attention backend: 'auto' (the fastest one that takes the shapes), 'cpu-flash', "
-        "'cuda-flash' or 'eager' (longstraw_agents.attention)",
+        description="the attention backend: 'auto' (the fastest one that takes the shapes), 'cuda' (flash or cuDNN "
+        "per shape, by measurement), 'cuda-flash', 'cuda-cudnn', 'cpu-flash' or 'eager' "
+        "(longstraw_agents.attention)",
     )
     max_score_elements: int = Field(
         DEFAULT_SCORE_ELEMENTS,
         ge=1,
-        description="attention scores (heads x queries x keys) the eager backend and DSA's indexer materialise at "
-        "once; longer key blocks are processed in pieces, so a chunk's transient memory does not grow with the "
-        "prefix. In backward, a state block's key/value gradient is computed chunk_size positions at a time",
+        description="what the eager backend, DSA's indexer and its sparse attention materialise at once: attention "
+        "scores (heads x queries x keys), index scores (queries x keys) and, off the GPU kernels, gathered rows "
+        "(queries x selected x width); longer key blocks and more queries are processed in pieces, so a chunk's "
+        "transient memory does not grow with the prefix. In backward, a state block's key/value gradient is "
+        "computed chunk_size positions at a time",
+    )
+    exact_products: bool = Field(
+        False,
+        description="DSA's GPU kernels (index scores, sparse attention) multiply in full fp32; False: on bf16 "
+        "tensor cores with fp32 sums — the rows and queries are bf16 values, so the score products are exact and "
+        "only the order of the sums changes (which can reorder index scores within rounding of each other, "
+        "i.e. flip a near-tie in the top-k). CPU paths always multiply in the model's precision",
     )
     checkpoint_every: int | None = Field(
         None,

@@ -88,8 +88,9 @@ class Engine:
             weights.bind(self.adapter.layers)
         transport = shards.transport if shards is not None else None
         # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
-        self.attention = Attention(config.attention, config.max_score_elements, config.chunk_size, transport)
-        self.local_attention = Attention(config.attention, config.max_score_elements, config.chunk_size)
+        budget, exact = config.max_score_elements, config.exact_products
+        self.attention = Attention(config.attention, budget, config.chunk_size, transport, exact_products=exact)
+        self.local_attention = Attention(config.attention, budget, config.chunk_size, exact_products=exact)
 
     def gathered(self, layer: int | None, partial: bool = False, reduce: bool = True) -> AbstractContextManager[None]:
         """Layer ``layer``'s weights whole for a block (``LayerWeights.gathered``; nothing to do unsharded)."""

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 
 @functools.cache
 def triton_available() -> bool:
     """Triton can be imported (it comes with torch's CUDA wheels; on CPU it is a test dependency)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors, numpy arithmetic)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

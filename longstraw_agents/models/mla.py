@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from longstraw_agents.attention import KVBlock, Shards, merge, selected_partial, sparse_attend
+from longstraw_agents.attention import Attention, KVBlock, merge, selected_partial, sparse_attend
+from longstraw_agents.kernels import triton_available
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -131,6 +132,11 @@ class BestKeys:
         self.scores, self.positions = [], []
 
 
+def index_kernel_applies(q: Tensor) -> bool:
+    """The indexer's Triton kernel runs here: CUDA tensors, Triton installed."""
+    return q.is_cuda and triton_available()
+
+
 class DSAIndexer:
     """The lightning indexer of one layer: produces index keys for the state and top-k selections."""
 
@@ -153,14 +159,14 @@ class DSAIndexer:
         past: list[Tensor],
         own: Tensor,
         start: int,
-        max_score_elements: int,
+        attention: Attention,
         past_starts: list[int] | None = None,
-        shards: Shards | None = None,
     ) -> Tensor | None:
         """Global positions ``[n, topk]`` each query attends to, or None when every query may see all keys.
 
-        past_starts: the position of each past block's first key (default: back to back from 0); shards: the other
-        ranks holding the rest of the keys (their best candidates merge into the global top-k)."""
+        past_starts: the position of each past block's first key (default: back to back from 0); ``attention``:
+        the score budget (``max_score_elements``), the products' precision, and the shards (the other ranks holding
+        the rest of the keys: their best candidates merge into the global top-k)."""
         n = x.shape[0]
         if start + n <= self.topk:
             return None
@@ -168,11 +174,13 @@ class DSAIndexer:
         starts = (
             past_starts if past_starts is not None else [sum(k.shape[0] for k in past[:i]) for i in range(len(past))]
         )
-        best = self._score_keys(q, w, past, starts, max_score_elements)
+        budget, shards = attention.max_score_elements, attention.shards
+        fast = own.dtype in (torch.bfloat16, torch.float16) and not attention.exact_products
+        best = self._score_keys(q, w, past, starts, budget, fast)
         hidden = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)  # later own positions
-        own_scores = self._scores(q, w, own).masked_fill(hidden, float("-inf"))
+        own_scores = self._scores(q, w, own, fast).masked_fill(hidden, float("-inf"))
         if shards is not None:  # every rank's best candidates, merged
-            best = BestKeys(self.topk, max_score_elements, shards.merge_topk(best.result(), n, self.topk, own_scores))
+            best = BestKeys(self.topk, budget, shards.merge_topk(best.result(), n, self.topk, own_scores))
         best.add(own_scores, torch.arange(start, start + n, device=x.device))
         selected = best.result()
         assert selected is not None  # the own keys were just added
@@ -196,7 +204,8 @@ class DSAIndexer:
                 rows = group.rows
                 keys, starts = [block[1] for _, block in blocks], [start for start, _ in blocks]
                 running = (scores[rows], positions[rows])  # a row's earlier groups hold its earlier positions
-                found = self._score_keys(q[rows], w[rows], keys, starts, budget, running).result()
+                fast = keys[0].dtype in (torch.bfloat16, torch.float16) and not inp.attention.exact_products
+                found = self._score_keys(q[rows], w[rows], keys, starts, budget, fast, running).result()
                 assert found is not None  # (the running best was given)
                 scores[rows], positions[rows] = found
         if inp.attention.shards is not None:
@@ -217,16 +226,17 @@ class DSAIndexer:
         blocks: list[Tensor],
         starts: list[int],
         budget: int,
+        fast: bool,
         running: tuple[Tensor, Tensor] | None = None,
     ) -> BestKeys:
         """The best keys of ``blocks`` (index keys starting at positions ``starts``) for queries ``q``, scored in
-        pieces whose per-head scores stay within ``budget`` elements, after the ``running`` best (earlier keys')."""
+        pieces whose scores stay within ``budget`` elements, after the ``running`` best (earlier keys')."""
         best = BestKeys(self.topk, budget, running)
-        step = max(1, budget // (q.shape[0] * self.heads))
+        step = max(1, budget // q.shape[0])
         for keys, offset in zip(blocks, starts, strict=True):
             for lo in range(0, keys.shape[0], step):
                 positions = torch.arange(offset + lo, offset + min(lo + step, keys.shape[0]), device=q.device)
-                best.add(self._scores(q, w, keys[lo : lo + step]), positions)
+                best.add(self._scores(q, w, keys[lo : lo + step], fast), positions)
         return best
 
     def _queries(self, x: Tensor, q_resid: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -242,11 +252,22 @@ class DSAIndexer:
     def _relu_scores(self, dots: Tensor) -> Tensor:
         return F.relu(dots * self.mod.softmax_scale)
 
-    def _scores(self, q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
-        """``[n, m] = sum_h w_h relu(q_h . k * scale)``."""
-        s = self._relu_scores(torch.einsum("nhd,md->nhm", q, keys.to(q.dtype)))
-        # + 0.0 turns -0.0 (negative weight x relu's zero) into +0.0 so exact-zero ties compare equal
-        return torch.einsum("nh,nhm->nm", w, s) + 0.0
+    def _scores(self, q: Tensor, w: Tensor, keys: Tensor, fast: bool = False) -> Tensor:
+        """``[n, m] = sum_h w_h relu(q_h . k * scale)``, the heads added one after another into one ``[n, m]`` (no
+        per-head ``[n, heads, m]``): on a GPU one Triton kernel (``kernels.index_scores``; ``fast``: bf16 tensor
+        cores, for the keys of a half-precision model: bf16 values), else a matmul per head."""
+        scale = float(self.mod.softmax_scale)
+        if index_kernel_applies(q):
+            from longstraw_agents.kernels.index_scores import index_scores
+
+            return index_scores(q, w, keys, scale, fast)
+        keys_t = keys.to(q.dtype).t()
+        # from +0.0: a negative weight times relu's zero adds -0.0, which leaves it +0.0, so exact-zero ties compare
+        # equal
+        scores = torch.zeros(q.shape[0], keys.shape[0], dtype=q.dtype, device=q.device)
+        for h in range(self.heads):
+            scores += w[:, h : h + 1] * F.relu(torch.matmul(q[:, h], keys_t) * scale)
+        return scores
 
 
 class MLAMixer(Mixer):
@@ -309,9 +330,8 @@ class MLAMixer(Mixer):
             new = (rows, index_keys)
             with torch.no_grad():
                 past_keys, starts = [b.tensors[1] for b in inp.past], [b.start for b in inp.past]
-                start, budget, shards = inp.start, inp.attention.max_score_elements, inp.attention.shards
                 selected = self.indexer.select(
-                    x, q_resid, inp.rope, past_keys, index_keys, start, budget, starts, shards
+                    x, q_resid, inp.rope, past_keys, index_keys, inp.start, inp.attention, starts
                 )
             inp.shared[SELECTION_KEY] = selected
         else:
@@ -323,7 +343,7 @@ class MLAMixer(Mixer):
         else:
             out = sparse_attend(
                 q_rows, [b.tensors[0] for b in inp.past], [b.grad(0) for b in inp.past], rows, selected,
-                inp.start, self.scale, [b.start for b in inp.past], inp.attention.shards,
+                inp.start, self.scale, [b.start for b in inp.past], inp.attention,
             )  # fmt: skip
         return MixerOutput(y=self._output(out), new=new)
 
