@@ -193,7 +193,8 @@ class CudaGraphStep(StepGraph):
             self._refuse(f"the step {found[0]}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
             return out
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        # thread-local: other threads of the process (a trainer beside a served policy) may allocate meanwhile
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             output = self.fn()
         self.graph, self.output = graph, output
         return out
