@@ -13,7 +13,8 @@ P + 1 tokens, its last one being each completion's first input, as in the traine
   context state), timed directly: ``backward_group(..., "detached", prefix_cache=...)`` with the cache holding the
   captured state, so the mode extends nothing (``GRPOConfig.capture_reuse``'s path);
 - ``decode``: ``Decoder`` steps of the G members sharing the captured prefix, fixed random tokens fed (tokens/s =
-  G x steps / s), their states written out at the end as a sampler's ``leave`` does;
+  G x steps / s), their states written out at the end as a sampler's ``leave`` does: captured in CUDA graphs
+  (its capture included), and as ``decode_eager`` the eager step beside it (``--no-decode-eager``: not);
 - at the lengths in ``--exact-at`` only: ``detached_step``, ``grpo_backward(..., "detached")`` (capture +
   replays: on one H200 it came within 1.5 % of their sum at every length, so elsewhere it would only repeat the
   capture), ``exact_step``, ``grpo_backward(..., "exact")`` (the gradient through the whole context), and ``walk``,
@@ -227,12 +228,24 @@ def replay(engine: Engine, group: Group, state: State) -> None:
     backward_group(engine, group, "detached", prefix_cache=cache)
 
 
-def decode(engine: Engine, state: State, tokens: torch.Tensor) -> None:
-    """``tokens.shape[0]`` batched steps of G members forked from ``state``, then every member leaves."""
-    decoder = Decoder(engine, [Member(state, prefix=state)] * tokens.shape[1])
+def decode(engine: Engine, state: State, tokens: torch.Tensor, graphs: bool | None = None) -> None:
+    """``tokens.shape[0]`` batched steps of G members forked from ``state``, then every member leaves.
+    ``graphs``: the ``Decoder``'s (None: CUDA graphs on a GPU)."""
+    decoder = Decoder(engine, [Member(state, prefix=state)] * tokens.shape[1], graphs=graphs)
     for step in tokens:
         decoder.step(step)
     decoder.leave(range(tokens.shape[1]))
+
+
+def decode_rows(
+    row: Callable[..., None], timed: Callable[..., Any], engine: Engine, state: State, tokens: torch.Tensor, eager: bool
+) -> None:
+    """``decode``: the steps over static buffers, captured in CUDA graphs (on CPU run eagerly; the MLA family's run
+    eagerly, which the decoder says); with ``eager``, ``decode_eager`` beside it: the eager step, for comparison.
+    Each session's captures (one here: no member leaves before the end) are part of its time."""
+    row("decode", timed(lambda: decode(engine, state, tokens, graphs=True))[0], tokens.numel())
+    if eager:
+        row("decode_eager", timed(lambda: decode(engine, state, tokens, graphs=False))[0], tokens.numel())
 
 
 def measure_phases(
@@ -288,7 +301,7 @@ def measure_phases(
         """The phases that start from the captured context (its state freed when they are done)."""
         row("scoring", timed(lambda: score(engine, group, state))[0], scored)
         row("replay", timed(lambda: replay(engine, group, state))[0], scored)
-        row("decode", timed(lambda: decode(engine, state, work.decode_tokens))[0], work.decode_tokens.numel())
+        decode_rows(row, timed, engine, state, work.decode_tokens, args.decode_eager)
 
     with torch.no_grad():
         timing, captured = timed(lambda: engine.capture(work.prompt[:-1]))
@@ -409,6 +422,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--completion", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--decode-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the eager decode step (decode_eager rows) beside the CUDA-graph one (decode)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="timings per phase (the median is reported)")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument(

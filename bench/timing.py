@@ -51,6 +51,7 @@ STEPS = {
     "scoring": ("scoring",),
     "replay": ("replay",),
     "decode": ("rollout",),
+    "decode_eager": ("rollout",),
     "detached_step": ("capture", "replay"),
     "exact_step": ("capture", "replay", "walk"),
     "walk": ("walk",),

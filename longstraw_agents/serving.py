@@ -717,7 +717,8 @@ class CompletionServer:
         stop = request.stop_token_ids or sorted(self.sampler.stop_token_ids)
         if not all(0 <= t < self._vocab_size for t in stop):
             raise RequestError(f"stop_token_ids must be in [0, {self._vocab_size})", param="stop_token_ids")
-        return TorchSampler(self.sampler.engine, stop, config, policy_version=self.sampler.policy_version)
+        sampler = self.sampler
+        return TorchSampler(sampler.engine, stop, config, policy_version=sampler.policy_version, graphs=sampler.graphs)
 
     def prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
         """The request's prompts as token ids (a text prompt needs the tokenizer)."""

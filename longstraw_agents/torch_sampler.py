@@ -88,11 +88,15 @@ class TorchSampler:
         policy_version: int = 0,
         chunk_size: int = 512,
         keep_marks: bool = False,
+        graphs: bool | None = None,
     ):
         """keep_marks: keep the state after every generated turn and every observation, so that a context edit
         resumes from the last one it keeps (an eviction recomputes nothing before the output it removes); each costs
-        a recurrent state of hybrid models (attention K/V are shared). Without it an edit resumes from the prompt."""
+        a recurrent state of hybrid models (attention K/V are shared). Without it an edit resumes from the prompt.
+        graphs: ``generate_batch`` steps captured in CUDA graphs (``decoding.Decoder``'s ``graphs``; None: where
+        the engine runs on CUDA; False: the eager step)."""
         self.keep_marks = keep_marks
+        self.graphs = graphs
         self.engine = model if isinstance(model, Engine) else Engine(model, chunk_size=chunk_size)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         if not self.stop_token_ids:
@@ -152,7 +156,8 @@ class TorchSampler:
         """Sample and step every handle until its turn is done, all in one ``Decoder`` (rows leave as they end)."""
         if not handles:
             return
-        decoder = Decoder(self.engine, [Member(h.state, h.prefix) for h in handles], reserve=self._reserve())
+        members = [Member(h.state, h.prefix) for h in handles]
+        decoder = Decoder(self.engine, members, reserve=self._reserve(), graphs=self.graphs)
         logits = torch.stack([h.next_logits for h in handles])
         while decoder.live:
             live = decoder.live

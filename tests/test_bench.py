@@ -158,7 +158,7 @@ def test_gpu_bench_quick_times_every_phase_of_every_family(timing_quick) -> None
     printed = [line.split() for line in measuring.splitlines()]  # one table line per row, as it is measured
     table = [(line[0], int(line[2]), line[3]) for line in printed if line[0] in record["setup"]]
     assert table == [(r["family"], r["positions"], r["phase"] + ("*" if r["difference_of"] else "")) for r in rows]
-    phases = ["capture", "scoring", "replay", "decode"]
+    phases = ["capture", "scoring", "replay", "decode", "decode_eager"]
     for family in ("hybrid", "dense", "mla"):
         at = {n: {r["phase"]: r for r in rows if r["family"] == family and r["positions"] == n} for n in (256, 512)}
         assert list(at[256]) == [*phases, "detached_step", "exact_step", "walk"] and list(at[512]) == phases
@@ -167,11 +167,11 @@ def test_gpu_bench_quick_times_every_phase_of_every_family(timing_quick) -> None
             assert {r["parameters"] for r in by_phase.values()} == {by_phase["capture"]["parameters"]} != {0}
             assert by_phase["capture"]["tokens"] == n
             assert by_phase["scoring"]["tokens"] == by_phase["replay"]["tokens"] == 2 * 8  # G completions of 8
-            assert by_phase["decode"]["tokens"] == 2 * 4  # G members, 4 steps
+            assert by_phase["decode"]["tokens"] == by_phase["decode_eager"]["tokens"] == 2 * 4  # G members, 4 steps
             for r in by_phase.values():
                 assert r["state_bytes"] == r["state_bytes_analytic"] > 0 and r["peak_bytes"] is None
         measured = [r for r in at[256].values() if r["difference_of"] is None]
-        assert len(measured) == 6 and all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in measured)
+        assert len(measured) == 7 and all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in measured)
         walk = at[256]["walk"]
         assert walk["difference_of"] == ["exact_step", "detached_step"]
         assert walk["seconds"] == at[256]["exact_step"]["seconds"] - at[256]["detached_step"]["seconds"]

@@ -92,6 +92,23 @@ def test_batched_and_one_by_one_decoding_draw_the_same_tokens(model):
     assert len(lengths) > 2  # members left the batch at different steps
 
 
+def test_static_decoding_steps_draw_what_eager_ones_draw(model):
+    """``graphs=True`` (static steps: CUDA graphs on a GPU, run eagerly here) and the eager step, through members
+    leaving at different steps and a second turn."""
+    stops = list(range(0, 256, 16))
+    config = SamplingConfig(max_new_tokens=8, temperature=0.9, seed=5)
+    results = []
+    for graphs in (True, False):
+        sampler = TorchSampler(model, stops, config, chunk_size=8, graphs=graphs)
+        handles = sampler.fork(list(range(100, 125)), 4) + sampler.fork([30, 31, 32], 2)
+        results.append(play(sampler, handles, [8, 2, 5, 8, 1, 6], batched=True))
+    for turn_static, turn_eager in zip(*results, strict=True):
+        for static, eager in zip(turn_static, turn_eager, strict=True):
+            assert static.token_ids == eager.token_ids and static.finish_reason == eager.finish_reason
+            assert static.logprobs == pytest.approx(eager.logprobs, abs=1e-12)
+    assert len({len(g.token_ids) for turn in results[0] for g in turn}) > 2  # members left at different steps
+
+
 def test_a_members_tokens_do_not_depend_on_its_batch(model):
     config = SamplingConfig(max_new_tokens=6, seed=2)
     alone = TorchSampler(model, [STOP], config)

@@ -209,6 +209,9 @@ class FamilyAdapter(ABC):
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
+    decode_graph_blocker: ClassVar[str | None] = None
+    """Why the family's ``decode`` step cannot be captured in a CUDA graph (it waits for the host), said when a
+    decoder runs it eagerly instead; None: it can (``step_graph.host_syncs`` finds nothing in it)."""
 
     def __init__(self, model: HFModule):
         self.model: HFModule = model
@@ -393,8 +396,8 @@ class FamilyAdapter(ABC):
     ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
         """One new token per member (``ids [B]`` at ``batch.positions``) through the decoder in one batched forward:
         the final-normed hidden states ``[B, hidden]`` and, per layer, what it adds to each member's state.
-        ``runner``: as ``forward``'s."""
-        self.check_reach(int(batch.positions.max()) + 1)
+        ``runner``: as ``forward``'s. The caller checks the positions' reach (``check_reach``): it knows them on the
+        host, and a step that reads them from the device cannot be captured in a CUDA graph."""
         h = self.backbone.embed_tokens(ids)
         rope = self.rope(h, batch.positions)
         shared: dict[str, Any] = {}

@@ -54,7 +54,8 @@ class DecodeBatch:
         order for every row (a prefix's group before its members' own).
     session_start: ``[B]`` the position of each member's first session slot.
     session_lengths: ``[B]`` session positions before the new one: the new one goes to that slot.
-    session_mask: ``[B, L]`` the session slots each member's query sees (the new one included), ``L`` the longest.
+    session_mask: ``[B, L]`` the session slots each member's query sees (the new one included), ``L`` the longest
+        (a static step's: the buffers' capacity, so that its shapes stay put).
     """
 
     positions: Tensor
@@ -97,7 +98,7 @@ class DecodeInput:
 
 def write_session(inp: DecodeInput, new: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """Store each member's new position (``new``: one ``[B, *shape]`` per state tensor) in its session buffers and
-    return the buffers up to the longest member, ``[B, L, *shape]`` (``inp.batch.session_mask`` says which slots)."""
+    return their first ``L`` slots, ``[B, L, *shape]`` (``inp.batch.session_mask [B, L]`` says which are seen)."""
     batch = inp.batch
     rows = torch.arange(batch.size, device=batch.session_lengths.device)
     for buffer, values in zip(inp.context.session, new, strict=True):

@@ -505,6 +505,10 @@ class MoE:
 class MLAAdapter(FamilyAdapter):
     family = "mla"
     model_types = ("glm_moe_dsa",)
+    decode_graph_blocker = (
+        "waits for the host: its MoE reads which experts the tokens chose (torch.unique(...).tolist()) and DSA's "
+        "selection the longest position"
+    )
 
     @classmethod
     def check_config(cls, config: Any) -> None:

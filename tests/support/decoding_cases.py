@@ -36,14 +36,18 @@ def step_both(engine: Engine, decoder: Decoder, alone: list[State], column: torc
 
 
 def decode_both_ways(
-    engine: Engine, prompts: list[list[int]], group_sizes: list[int], reference: Engine | None = None
+    engine: Engine,
+    prompts: list[list[int]],
+    group_sizes: list[int],
+    reference: Engine | None = None,
+    graphs: bool | None = None,
 ) -> float:
     """Teacher-force the same tokens through batched decoding and through ``Engine.step`` member by member; the
     largest log-probability difference seen (also of the logits read from the final states with
     ``Engine.logits``). The last prompt's members share nothing (``prefix=None``). Two decode sessions: in the
     first, some members (a whole group among them) leave early; between them, a tool turn extends one member.
     ``reference``: the engine that steps the members alone (default ``engine``; e.g. one process's, while
-    ``engine`` decodes context-parallel)."""
+    ``engine`` decodes context-parallel). ``graphs``: the decoders' (``Decoder``)."""
     reference = reference or engine
     members: list[Member] = []
     alone: list[State] = []
@@ -56,7 +60,7 @@ def decode_both_ways(
     everyone = list(range(len(members)))
     gap = 0.0
 
-    decoder = Decoder(engine, members, reserve=3)
+    decoder = Decoder(engine, members, reserve=3, graphs=graphs)
     for t in range(TOOL_AT + 1):
         if t == DROP_AT:
             for b, state in zip(DROPPED, decoder.leave(DROPPED), strict=True):
@@ -71,7 +75,7 @@ def decode_both_ways(
     alone[TOOL_MEMBER] = reference.extend(alone[TOOL_MEMBER], TOOL_IDS)
 
     rest = [b for b in everyone if b not in DROPPED]
-    decoder = Decoder(engine, [members[b] for b in rest], reserve=3)
+    decoder = Decoder(engine, [members[b] for b in rest], reserve=3, graphs=graphs)
     for t in range(TOOL_AT + 1, STEPS):
         gap = max(gap, step_both(reference, decoder, alone, tokens[:, t], rest))
     for b, state in zip(rest, decoder.leave(range(len(rest))), strict=True):
