@@ -13,11 +13,14 @@ Conventions (other modules code against them):
 - Tool results are wrapped as ``<tool_response>\\n{result}\\n</tool_response>`` (Qwen's convention); several results
   of one turn go into one tool message, separated by ``\\n``.
 
-Trust: message content from users, documents and tools is encoded as plain text, so a special-token string inside
-it stays text; only the assistant's own text (what a policy would emit) and the template's control tokens become
-control ids. Between two control tokens, each text run is encoded in one piece, exactly as tiktoken and HF
-tokenizers split text on special tokens, so a rendered conversation re-encodes to the same ids unless its content
-holds special-token strings (``longstraw_agents.drift`` finds those cases).
+Trust: message content from users, documents and tools is encoded as plain text (``tokenizer.encode(text)``), so a
+control-token string inside it (``<|im_end|>``) stays text; only the assistant's own text (what a policy would emit)
+and the template's control tokens become control ids. Tags (``<tool_call>``, ``<answer>``...) are words of the
+vocabulary, their ids in any text: the system prompt that describes them as in the turns that use them. Between
+two control tokens, each text run is encoded in one piece, exactly as tiktoken and HF tokenizers split text on
+added tokens, so a rendered conversation re-encodes to the same ids (transformers' ``apply_chat_template`` with the
+template ``longstraw export`` writes) unless its content holds control-token strings (``longstraw_agents.drift``
+finds those cases).
 """
 
 from __future__ import annotations

@@ -1,10 +1,21 @@
 """Tokenizers behind one small protocol: the shipped byte-level BPE (tiktoken) and local Hugging Face tokenizers.
 
 Token-in / token-out: environments, the chat formatter and the trainer exchange token ids, never text, so every
-component must agree on one tokenizer and on how special tokens are treated. The rule is simple: ``encode(text)``
-treats special-token strings as ordinary text (a document or a tool output that contains ``<|im_end|>`` cannot end
-a turn or fake a tool call); only ``encode(text, allow_special=True)``, used for what a policy emits, maps them to
-their control ids.
+component must agree on one tokenizer and on how its added tokens are treated. They are of two kinds, as in Qwen's
+tokenizers:
+
+- control tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``: Hugging Face's *special* added tokens) only
+  the chat template writes. ``encode(text)`` reads their strings as ordinary text, so a document or a tool output
+  that contains ``<|im_end|>`` cannot end a turn; ``encode(text, allow_special=True)``, used for what a policy
+  emits, maps them to their ids.
+- tags (``<tool_call>``, ``<tool_response>``, ``<answer>`` and their closing tags: added tokens that are not
+  special) are words of the vocabulary: every text encodes them as their one id, the instructions that name them as
+  much as the turns that use them. A tag in a tool output is still no tool call: calls are read from the policy's
+  turns only.
+
+So the text of any conversation the chat formatter renders, encoded by transformers as a whole
+(``AutoTokenizer.from_pretrained(...).encode(text, add_special_tokens=False)``, what ``apply_chat_template`` does),
+gives back the ids the formatter rendered, unless a message holds a control token's string.
 
 The default tokenizer, ``longstraw-bpe``, is a 2048-token byte-level BPE trained by ``scripts/train_bpe.py`` on
 text the project generates (word problems, encyclopedia-style documents, Python, JSON tool calls, dialogue). Its
@@ -15,9 +26,10 @@ so nothing is ever downloaded. ``HFTokenizer`` wraps any tokenizer saved in a lo
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -31,12 +43,10 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
-# The control tokens of the chat format (ChatML plus Qwen-style tool tags). In the shipped BPE they take the ids
-# right after the merge ranks, in this order.
-CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
-    ENDOFTEXT,
-    IM_START,
-    IM_END,
+# ChatML's control tokens: only the chat template writes them (plain text reads their strings as text).
+CONTROL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
+# Qwen-style tool and answer tags: words of the vocabulary, one id wherever they occur in text.
+TAG_TOKENS: tuple[str, ...] = (
     "<tool_call>",
     "</tool_call>",
     "<tool_response>",
@@ -44,6 +54,9 @@ CHAT_SPECIAL_TOKENS: tuple[str, ...] = (
     "<answer>",
     "</answer>",
 )
+# The special tokens of the chat format. In the shipped BPE they take the ids right after the merge ranks, in this
+# order.
+CHAT_SPECIAL_TOKENS: tuple[str, ...] = CONTROL_TOKENS + TAG_TOKENS
 
 # GPT-4's (cl100k) pre-tokenisation: contractions, letter runs with one leading non-letter, numbers in groups of at
 # most three digits, punctuation runs, and whitespace that attaches to the following word.
@@ -76,9 +89,13 @@ class Tokenizer(Protocol):
     def pad_token_id(self) -> int: ...
 
     @property
-    def special_tokens(self) -> dict[str, int]: ...
+    def special_tokens(self) -> dict[str, int]:
+        """Every added token (control tokens and tags) by its string."""
+        ...
 
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """``text``'s ids; control-token strings are text unless ``allow_special`` (tags are always their ids)."""
+        ...
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
 
@@ -156,16 +173,20 @@ class TiktokenTokenizer:
     """A ``tiktoken.Encoding`` behind the ``Tokenizer`` protocol.
 
     The encoding must contain ``<|im_end|>`` (the end-of-turn / eos token). The pad token is ``<|endoftext|>`` when
-    the encoding has it, else eos.
+    the encoding has it, else eos. Its special tokens that are in ``tags`` are tags (see the module docstring): plain
+    text encodes them as their ids; the others are control tokens.
     """
 
-    def __init__(self, encoding: tiktoken.Encoding, *, name: str | None = None) -> None:
+    def __init__(
+        self, encoding: tiktoken.Encoding, *, name: str | None = None, tags: Collection[str] = TAG_TOKENS
+    ) -> None:
         self._encoding = encoding
         self._name = name or encoding.name
         self._special_tokens = {
             token: encoding.encode_single_token(token)
             for token in sorted(encoding.special_tokens_set, key=encoding.encode_single_token)
         }
+        self._tags = frozenset(tags) & encoding.special_tokens_set
         self._eos_token_id = _lookup_special(self._name, self._special_tokens, IM_END)
         self._pad_token_id = self._special_tokens.get(ENDOFTEXT, self._eos_token_id)
 
@@ -208,10 +229,15 @@ class TiktokenTokenizer:
     def special_tokens(self) -> dict[str, int]:
         return dict(self._special_tokens)
 
+    @property
+    def tags(self) -> frozenset[str]:
+        """The special tokens that plain text encodes as their ids (the others are control tokens)."""
+        return self._tags
+
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         if allow_special:
             return self._encoding.encode(text, allowed_special="all")
-        return self._encoding.encode_ordinary(text)
+        return self._encoding.encode(text, allowed_special=self._tags, disallowed_special=())
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         id_list = _as_int_list(ids)
@@ -221,18 +247,20 @@ class TiktokenTokenizer:
     def special_token_id(self, token: str) -> int:
         return _lookup_special(self._name, self._special_tokens, token)
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write this tokenizer as a Hugging Face fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``):
-        ``AutoTokenizer.from_pretrained(directory)`` loads it offline and encodes and decodes exactly as this one
-        does, special tokens included (``encode(text, add_special_tokens=False)`` is ``encode(text,
-        allow_special=True)``; with ``split_special_tokens=True`` it is ``encode(text)``)."""
+    def save_pretrained(self, directory: str | Path, *, chat_template: str | None = None) -> None:
+        """Write this tokenizer as a Hugging Face fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``, and
+        ``chat_template`` when given): ``AutoTokenizer.from_pretrained(directory)`` loads it offline and encodes and
+        decodes exactly as this one does, added tokens included: control tokens are special added tokens and tags
+        added tokens that are not (as in Qwen's tokenizers), so ``encode(text, add_special_tokens=False)`` is
+        ``encode(text, allow_special=True)`` and, with ``split_special_tokens=True``, ``encode(text)``."""
         from transformers import PreTrainedTokenizerFast
 
         fast = PreTrainedTokenizerFast(
-            tokenizer_object=_tokenizers_backend(self._encoding),
+            tokenizer_object=_tokenizers_backend(self._encoding, self._tags),
             eos_token=IM_END,
             pad_token=ENDOFTEXT if ENDOFTEXT in self._special_tokens else IM_END,  # as ``pad_token_id`` chooses
             clean_up_tokenization_spaces=False,  # decode returns the bytes' text, as tiktoken does
+            **_chat_template_settings(chat_template),
         )
         fast.save_pretrained(str(directory))
 
@@ -240,9 +268,11 @@ class TiktokenTokenizer:
         return f"TiktokenTokenizer(name={self._name!r}, vocab_size={self.vocab_size})"
 
 
-def _tokenizers_backend(encoding: tiktoken.Encoding) -> Any:
+def _tokenizers_backend(encoding: tiktoken.Encoding, tags: Collection[str]) -> Any:
     """``encoding`` as a ``tokenizers.Tokenizer``: byte-level BPE with every merge its ranks imply, ranked as they
-    are, the same pre-tokenisation, and the special tokens at their ids (transformers' ``TikTokenConverter``)."""
+    are, the same pre-tokenisation (transformers' ``TikTokenConverter``), and the special tokens at their ids: the
+    ``tags`` as added tokens that are not special, the others as special ones."""
+    from tokenizers import AddedToken
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     # tiktoken documents these attributes for building encodings from another (its README, "Extending tiktoken")
@@ -256,8 +286,20 @@ def _tokenizers_backend(encoding: tiktoken.Encoding) -> Any:
         def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
             return ranks
 
-    converter = RanksConverter(pattern=oniguruma_pattern(encoding._pat_str), extra_special_tokens=ordered)
-    return converter.converted()
+    backend = RanksConverter(pattern=oniguruma_pattern(encoding._pat_str)).converted()
+    for token in ordered:  # one at a time, so that each takes the next id
+        if token in tags:
+            backend.add_tokens([AddedToken(token, normalized=False, special=False)])
+        else:
+            backend.add_special_tokens([AddedToken(token, normalized=False, special=True)])
+    return backend
+
+
+def _chat_template_settings(chat_template: str | None) -> dict[str, Any]:
+    """A transformers tokenizer's settings for ``chat_template``. ``chat_control_tokens`` empty: the tokens that
+    ``apply_chat_template(..., sanitize_control_tokens=True)`` reads as text in messages are the special ones only,
+    and tags stay words, as ``encode(text)`` treats them."""
+    return {} if chat_template is None else {"chat_template": chat_template, "chat_control_tokens": []}
 
 
 # A bounded repeat made possessive by a trailing "+" (``\p{N}{1,3}+``): the atom, then the bounds.
@@ -282,23 +324,28 @@ def oniguruma_pattern(pattern: str) -> str:
 class HFTokenizer:
     """A fast Hugging Face tokenizer loaded from a local directory (never from the Hub).
 
-    Special tokens are all added tokens except pure-whitespace ones (Gemma's ``"\\n"`` is ordinary text). With
-    ``allow_special=False`` no added token is matched at all, the same plain-text encoding transformers uses for
-    ``apply_chat_template(..., sanitize_control_tokens=True)``: Qwen's ``<tool_call>``, a non-special added token,
-    is then text too. Eos is ``<|im_end|>`` when the tokenizer has it, else its own eos token.
+    Special tokens are all added tokens except pure-whitespace ones (Gemma's ``"\\n"`` is ordinary text). The
+    tokenizer's own flags say which are control tokens and which tags (see the module docstring): with
+    ``allow_special=False`` its *special* added tokens are read as text and the others (Qwen's ``<tool_call>``) still
+    match, as transformers encodes with ``split_special_tokens=True``. Eos is ``<|im_end|>`` when the tokenizer has
+    it, else its own eos token.
     """
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"no tokenizer directory at {path} (HFTokenizer loads local files only)")
+        from tokenizers import Tokenizer as Backend
         from transformers import AutoTokenizer  # lazy: the agent side must import without transformers
 
         self._tokenizer: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         backend = getattr(self._tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TypeError(f"{path} holds a slow tokenizer; HFTokenizer needs a fast one (tokenizer.json)")
-        self._backend: Any = backend  # a tokenizers.Tokenizer
+        # a copy that reads special added tokens as text: transformers switches one backend's flag per call
+        # (``split_special_tokens``), which concurrent callers would race on
+        self._plain: Any = Backend.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
         self._name = str(path)
         self._special_tokens = {
             token.content: int(token_id)
@@ -335,17 +382,7 @@ class HFTokenizer:
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         if allow_special:
             return self._tokenizer.encode(text, add_special_tokens=False)
-        return self._encode_plain(text)
-
-    def _encode_plain(self, text: str) -> list[int]:
-        """The backend's normalizer → pre-tokenizer → model pipeline, skipping added-token matching."""
-        backend = self._backend
-        if backend.normalizer is not None:
-            text = backend.normalizer.normalize_str(text)
-        pieces = (
-            [text] if backend.pre_tokenizer is None else [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
-        )
-        return [token.id for piece in pieces for token in backend.model.tokenize(piece)]
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         id_list = _as_int_list(ids)
@@ -355,9 +392,15 @@ class HFTokenizer:
     def special_token_id(self, token: str) -> int:
         return _lookup_special(self._name, self._special_tokens, token)
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write the tokenizer's files to ``directory`` (transformers' ``save_pretrained``)."""
-        self._tokenizer.save_pretrained(str(directory))
+    def save_pretrained(self, directory: str | Path, *, chat_template: str | None = None) -> None:
+        """Write the tokenizer's files to ``directory`` (transformers' ``save_pretrained``), with ``chat_template`` in
+        place of its own when given."""
+        tokenizer = self._tokenizer
+        if chat_template is not None:
+            tokenizer = copy.deepcopy(tokenizer)  # this one stays as it was loaded
+            for name, value in _chat_template_settings(chat_template).items():
+                setattr(tokenizer, name, value)
+        tokenizer.save_pretrained(str(directory))
 
     def __repr__(self) -> str:
         return f"HFTokenizer(name={self._name!r}, vocab_size={self.vocab_size})"

@@ -16,10 +16,12 @@ import tiktoken.load
 
 from longstraw_agents.tokenizer import (
     CHAT_SPECIAL_TOKENS,
+    CONTROL_TOKENS,
     ENDOFTEXT,
     IM_END,
     IM_START,
     PRETOKENIZE_PATTERN,
+    TAG_TOKENS,
     HFTokenizer,
     TiktokenTokenizer,
     Tokenizer,
@@ -115,10 +117,15 @@ def test_every_byte_is_a_token_and_partial_utf8_decodes_with_replacement(shipped
     assert shipped.decode(np.array(shipped.encode("ok"), dtype=np.int32)) == "ok"
 
 
-def test_special_strings_are_text_unless_allowed(shipped: TiktokenTokenizer) -> None:
+def test_control_strings_are_text_unless_allowed_and_tags_are_always_their_ids(shipped: TiktokenTokenizer) -> None:
+    assert shipped.tags == set(TAG_TOKENS) and set(CONTROL_TOKENS) | set(TAG_TOKENS) == set(shipped.special_tokens)
     text = f"doc says {IM_END} and <tool_call>{{}}</tool_call>"
     plain = shipped.encode(text)
-    assert not set(plain) & set(shipped.special_tokens.values())
+    assert set(plain) & set(shipped.special_tokens.values()) == {
+        shipped.special_token_id("<tool_call>"),
+        shipped.special_token_id("</tool_call>"),
+    }
+    assert plain[-4:] == [shipped.special_token_id("<tool_call>"), *shipped.encode("{}"), plain[-1]]
     assert shipped.decode(plain) == text
     allowed = shipped.encode(text, allow_special=True)
     assert shipped.eos_token_id in allowed
@@ -352,12 +359,17 @@ def test_hf_tokenizer_follows_the_protocol(hf_dir: Path) -> None:
         tokenizer.special_token_id("<s>")
 
 
-def test_hf_tokenizer_encodes_specials_only_when_allowed(hf_dir: Path) -> None:
+def test_hf_tokenizer_encodes_specials_only_when_allowed_and_its_other_added_tokens_always(hf_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
     tokenizer = HFTokenizer(hf_dir)
     text = f"a document with {IM_END} and <tool_call>{{}}</tool_call> inside"
     plain = tokenizer.encode(text)
-    assert not set(plain) & set(tokenizer.special_tokens.values())  # non-special added tags too
+    tags = {tokenizer.special_token_id("<tool_call>"), tokenizer.special_token_id("</tool_call>")}
+    assert set(plain) & set(tokenizer.special_tokens.values()) == tags  # the non-special added tags, as Qwen's
     assert tokenizer.decode(plain) == text
+    hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    assert plain == hf.encode(text, add_special_tokens=False, split_special_tokens=True)
     allowed = tokenizer.encode(text, allow_special=True)
     assert tokenizer.eos_token_id in allowed and tokenizer.special_token_id("<tool_call>") in allowed
     assert tokenizer.decode(allowed) == text

@@ -6,10 +6,22 @@ the checkpoint's weights: ``model.safetensors`` of a replicated run, or the shar
 ``AutoTokenizer.from_pretrained(out)`` loads it: the shipped BPE as a ``tokenizer.json`` that encodes and decodes
 token for token as the run did, or the run's own Hugging Face tokenizer. Only the weights are exported: the
 optimizer state and the counters stay in the checkpoint.
+
+What a transformers user needs to chat with the policy comes with it, as a Qwen instruct checkpoint has it:
+
+- the chat format the run trained on as the tokenizer's chat template (``app.chat_template``), so that
+  ``apply_chat_template(messages, tools=...)`` renders the ids the environments rendered;
+- the end of a turn as the end of generation: ``config.json``'s ``eos_token_id`` is ``<|im_end|>``,
+  ``generation_config.json``'s the stop ids of the chat format (``<|im_end|>``, then ``<|endoftext|>``), and both
+  pad with the tokenizer's pad token, so that ``generate`` stops where the policy ends its turn. The run's prompts
+  start without a BOS token, so neither names one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +29,13 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_model
+from transformers import GenerationConfig
+from transformers.utils import logging as transformers_logging
 
+from longstraw_agents.app.chat_template import JINJA_CHAT_TEMPLATE
 from longstraw_agents.app.config import ConfigError, TrainConfig, check_model, check_tokenizer, validation_lines
 from longstraw_agents.app.run import CHECKPOINT, build_policy
+from longstraw_agents.chat import ChatFormatter
 from longstraw_agents.parallel.checkpoint import SHARDED, load_full_model
 from longstraw_agents.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 from longstraw_agents.trainer import GRPOTrainer
@@ -59,23 +75,62 @@ def load_run_policy(run_dir: str | Path) -> RunPolicy:
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
     """Write the policy of ``run_dir``'s checkpoint and the run's tokenizer to ``out_dir`` as a Hugging Face model
-    directory. A non-empty ``out_dir`` is refused (``FileExistsError``) unless ``force``: the export's files then
-    replace those of the same name (``save_pretrained`` also removes weight shards of an earlier save)."""
+    directory (see the module docstring). A non-empty ``out_dir`` is refused (``FileExistsError``) unless ``force``:
+    the export's files then replace those of the same name (``save_pretrained`` also removes weight shards of an
+    earlier save)."""
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, force)
-    policy = load_run_policy(run_dir)
-    transformers_model: Any = policy.model  # a transformers PreTrainedModel (build_policy types it as a Module)
-    transformers_model.save_pretrained(out_dir)
-    save_tokenizer(policy.tokenizer, out_dir)
+    with quiet_transformers():
+        policy = load_run_policy(run_dir)
+        transformers_model: Any = policy.model  # a transformers PreTrainedModel (build_policy types it as a Module)
+        stop_at_end_of_turn(transformers_model, policy.tokenizer)
+        transformers_model.save_pretrained(out_dir)
+        save_tokenizer(policy.tokenizer, out_dir)
     return out_dir
 
 
+def stop_at_end_of_turn(model: Any, tokenizer: Tokenizer) -> None:
+    """Set ``model``'s end-of-sequence and padding ids to those of the chat format (``ChatFormatter``'s stop ids) and
+    of ``tokenizer``, in its config and its generation config, as Qwen's instruct checkpoints set them."""
+    stop_ids = list(ChatFormatter(tokenizer).stop_token_ids)  # <|im_end|> first
+    model.config.eos_token_id = stop_ids[0]
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.bos_token_id = None
+    # the model's other generation settings kept; a config of its own, no longer one derived from config.json
+    kept = {
+        key: value
+        for key, value in model.generation_config.to_diff_dict().items()
+        if not key.startswith("_") and key != "transformers_version"  # metadata, not settings
+    }
+    stops = {"eos_token_id": stop_ids if len(stop_ids) > 1 else stop_ids[0], "pad_token_id": tokenizer.pad_token_id}
+    model.generation_config = GenerationConfig(**{**kept, **stops, "bos_token_id": None})
+
+
 def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
-    """The run's tokenizer as Hugging Face files (``AutoTokenizer.from_pretrained(out_dir)`` loads them): the
-    shipped BPE converted to a ``tokenizer.json`` that encodes and decodes as it does, or the run's HF tokenizer."""
+    """The run's tokenizer as Hugging Face files (``AutoTokenizer.from_pretrained(out_dir)`` loads them), with the
+    run's chat format as its chat template: the shipped BPE converted to a ``tokenizer.json`` that encodes and decodes
+    as it does, or the run's HF tokenizer (whose own template, if any, is replaced: the run did not train on it)."""
     if not isinstance(tokenizer, TiktokenTokenizer | HFTokenizer):
         raise TypeError(f"cannot write {tokenizer!r} as a Hugging Face tokenizer")
-    tokenizer.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir, chat_template=JINJA_CHAT_TEMPLATE)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Run the block with transformers' progress bars ("Writing model shards") off, its log messages below errors
+    dropped and its Python warnings ignored, so that a command that loads and saves a checkpoint prints its own lines
+    only. The settings are restored on exit."""
+    bars, verbosity = transformers_logging.is_progress_bar_enabled(), transformers_logging.get_verbosity()
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"(transformers|huggingface_hub)(\.|$)")
+            yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def _check_out_dir(out_dir: Path, force: bool) -> None:

@@ -233,7 +233,10 @@ def test_truncated_importance_weights_come_from_the_stored_behaviour_logprobs(
 def test_fork_at_replays_the_logged_turns_and_trains_on_new_continuations(source: Path, tmp_path: Path) -> None:
     where = "group_id = 'step2-g1'"
     originals = logged(source, where)
-    config = ReplayConfig(where=where, fork_at=1, fork_group_size=2, recorded_tools=False)
+    # 4 continuations per logged episode: with 2, whether some pair of this tiny policy's answers differ in reward
+    # (what training needs) turned on which ids the prompts encode to
+    fork = 4
+    config = ReplayConfig(where=where, fork_at=1, fork_group_size=fork, recorded_tools=False)
     out = replay(source / "trajectories.db", config, out_dir=tmp_path / "fork")
 
     selected, step = metrics(out)
@@ -241,10 +244,10 @@ def test_fork_at_replays_the_logged_turns_and_trains_on_new_continuations(source
     with Store.open(out / "trajectories.db", create=False) as store:
         members = list(store.episodes())  # written fork by fork, in the order of the logged episodes
         groups = store.groups()
-    assert len(members) == 2 * len(originals)
+    assert len(members) == fork * len(originals)
     for k, original in enumerate(originals):
         prefix = np.concatenate([s.token_ids for s in original.segments[: _end_of_turn(original, 0)]])
-        for member in members[2 * k : 2 * k + 2]:
+        for member in members[fork * k : fork * (k + 1)]:
             assert member.policy_version == SOURCE_STEPS and member.seed == original.seed
             np.testing.assert_array_equal(member.token_ids()[: len(prefix)], prefix)
             replayed = [s for s in member.segments if s.role == "assistant" and s.turn == 0]
@@ -253,7 +256,7 @@ def test_fork_at_replays_the_logged_turns_and_trains_on_new_continuations(source
             assert new and all(s.loss_mask.all() and s.logprobs is not None for s in new)
             assert _tool_results(member) == _tool_results(original)  # the tool ran again, with the same result
     # One group per logged episode, even though the logged members of a group share their seed.
-    assert sorted(len(g) for g in groups.values()) == [2] * len(originals)
+    assert sorted(len(g) for g in groups.values()) == [fork] * len(originals)
 
 
 def run_copy(source: Path, path: Path, **config_updates) -> Path:

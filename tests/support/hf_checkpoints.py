@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import gymnasium
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ScriptedPolicy, run_episode
@@ -32,11 +32,13 @@ def save_bpe_tokenizer(
     *,
     vocab_size: int = 600,
     special_tokens: Sequence[str] = CHAT_SPECIAL_TOKENS,
+    tags: Sequence[str] = (),
     eos_token: str = IM_END,
 ) -> Path:
     """Train a byte-level BPE on ``generated_corpus()`` and save it as a Hugging Face tokenizer directory.
 
-    The special tokens (the ChatML ones by default) take the first ids; ``<|endoftext|>`` pads when present."""
+    The special tokens (the ChatML ones by default) take the first ids; ``<|endoftext|>`` pads when present. The
+    ``tags`` take the last ids, as added tokens that are not special (Qwen's ``<tool_call>``)."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -47,6 +49,7 @@ def save_bpe_tokenizer(
         show_progress=False,
     )
     backend.train_from_iterator(generated_corpus(), trainer)
+    backend.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in tags])
     pad = {"pad_token": ENDOFTEXT} if ENDOFTEXT in special_tokens else {}
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos_token, **pad).save_pretrained(directory)
     return directory
