@@ -215,16 +215,14 @@ class Roster:
         )
 
     def _doing(self) -> str:
-        if not self.doing:
-            return "joining the job"
-        what = self.doing[-1]
+        doing = list(self.doing)  # (the main thread enters and leaves blocks meanwhile)
+        what = doing[-1] if doing else "joining the job"
         return what if isinstance(what, str) else what()
 
-    def close(self, left: bool = True) -> None:
-        """Stop the heartbeat (``left``: marking this process as gone of its own accord) and the liveness
-        listener."""
+    def close(self) -> None:
+        """Stop the heartbeat, marking this process as gone of its own accord, and the liveness listener."""
         if self.heartbeat is not None:
-            self.heartbeat.stop(left)
+            self.heartbeat.stop(left=True)
         self.listener.close()
 
 

@@ -99,7 +99,7 @@ class Heartbeat:
         launcher_pid: int | None = None,
         on_launcher_gone: Callable[[int], None] | None = None,
     ):
-        self.store = store.clone()  # a connection of its own
+        self.store = store.clone()  # type: ignore[attr-defined]  # a connection of its own (missing from the stub)
         self.store.set_timeout(timedelta(seconds=timeout_s))
         self.rank = rank
         self.peers = [peer for peer in range(world) if peer != rank]
