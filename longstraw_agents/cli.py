@@ -374,8 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check",
         action="store_true",
-        help="dry run: validate the config (schema, paths, vocabularies, env, output_dir, the served policy's "
-        "server) without a GPU, loading no weights and writing nothing; exit 0 if it would run, 2 otherwise",
+        help="dry run: validate the config (schema, paths, vocabularies, env, output_dir, parallel against this "
+        "launch, showing the mesh, the served policy's server) without a GPU, loading no weights and writing "
+        "nothing; exit 0 if it would run, 2 otherwise",
     )
     p.set_defaults(func=_cmd_train)
 
