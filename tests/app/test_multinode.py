@@ -85,7 +85,8 @@ class Node:
         return code, self.out.read_text(), self.err.read_text()
 
     def kill(self) -> None:
-        """``kill -9`` of the launcher's process group (torchrun's workers run in sessions of their own)."""
+        """``kill -9`` of the launcher's process group; torchrun's workers, in sessions of their own, end with their
+        launcher (``parallel.liveness``)."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
