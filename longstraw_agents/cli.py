@@ -60,7 +60,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from longstraw_agents.app.config import ConfigError, TrainConfig, load_config
     from longstraw_agents.app.training import train
-    from longstraw_agents.parallel.launch import RankFailure
+    from longstraw_agents.parallel.launch import Place, RankFailure
     from longstraw_agents.rollout import ContextLimitError
     from longstraw_agents.sampler import SamplerError
     from longstraw_agents.weight_sync import WeightSyncError
@@ -87,18 +87,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; the checkpoint and the store are consistent (resume with --resume)", file=sys.stderr)
         return 130
-    print(f"run directory: {run_dir}")
+    if Place.here().rank == 0:  # the writer: under a launcher the other processes have nothing to add
+        print(f"run directory: {run_dir}")
     return 0
 
 
 def _check(config, args: argparse.Namespace) -> int:
     """``train --check``: what would run (stdout) or every problem found (stderr), without loading weights."""
     from longstraw_agents.app.check import check_config
+    from longstraw_agents.parallel.launch import Place
 
     report = check_config(config, resume=args.resume)
-    if not report.ok:
+    if not report.ok:  # (every process of a launch: each checks its own node)
         return _fail(f"{args.config} would not run:\n" + "\n".join(f"  {line}" for line in report.errors))
-    print(f"{args.config}: OK, nothing was written. `longstraw train` would run:\n{report.summary()}")
+    if Place.here().rank == 0:
+        print(f"{args.config}: OK, nothing was written. `longstraw train` would run:\n{report.summary()}")
     return 0
 
 
@@ -371,8 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check",
         action="store_true",
-        help="dry run: validate the config (schema, paths, vocabularies, env, output_dir, the served policy's "
-        "server) without a GPU, loading no weights and writing nothing; exit 0 if it would run, 2 otherwise",
+        help="dry run: validate the config (schema, paths, vocabularies, env, output_dir, parallel against this "
+        "launch, showing the mesh, the served policy's server) without a GPU, loading no weights and writing "
+        "nothing; exit 0 if it would run, 2 otherwise",
     )
     p.set_defaults(func=_cmd_train)
 

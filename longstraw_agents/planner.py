@@ -57,7 +57,7 @@ from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
 from longstraw_agents.parallel.experts import PlannedExchange
-from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, prefetch_window
+from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, HSDP_WITHOUT_DP, prefetch_window
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
 from longstraw_agents.trainer.loss import LossConfig
@@ -292,6 +292,8 @@ class PlanRequest:
             raise ValueError(f"cp_rank ({self.cp_rank}) must be below cp ({self.context_parallel})")
         if self.hsdp and self.context_parallel == 1:
             raise ValueError(HSDP_WITHOUT_CP)
+        if self.hsdp and self.data_parallel == 1:
+            raise ValueError(HSDP_WITHOUT_DP)
         if self.offload and self.gpus == 1:
             raise ValueError("offload runs through FSDP2 (parallel.fsdp), which shards over 2 or more GPUs")
         if self.turns > 1 and not self.history:

@@ -406,6 +406,7 @@ def test_version_is_the_installed_package_version(capsys: pytest.CaptureFixture[
         (["--cp", "3"], "gpus (8) is not a multiple of cp (3)", "dp"),
         (["--gpu-mem", "0", "--beta", "-1"], "--gpu-mem: Input should be greater", "gpu_mem"),
         (["--cp", "4", "--cp-rank", "4"], "cp_rank (4) must be below cp (4)", "dp"),
+        (["--hsdp"], "hsdp replicates over the dp ranks: with dp = 1 there is nothing to replicate over", "fits"),
         (
             ["--expert-dispatch"],
             "expert_dispatch sends tokens to their experts' ranks: it needs expert_parallel",

@@ -10,6 +10,9 @@ every failure is reported, as a line that names the setting, not only the first:
   vocabulary that covers the tokenizer's ids, a weights file beside it (not read); the first task's prompt fits the
   context;
 - ``output_dir``: a new run must not find a run there, ``--resume`` must find one;
+- ``parallel``: ``dp * cp`` is the number of processes this one was launched with (1 without a launcher: run the
+  check under the run's ``torchrun`` command to check a distributed layout) and the in-node groups fit its nodes, as
+  ``train`` checks before joining; the mesh is shown;
 - ``report_to``: each tracker's package is installed (a missing one names the extra that installs it);
 - ``policy.served``: the server answers ``GET /v1/models`` within ``timeout_s`` and lists ``policy.served.model``,
   has the ``/update_weights_from_disk`` route (a GET of it: 405 where the POST route exists, 404 where it does not;
@@ -87,6 +90,7 @@ def check_config(config: TrainConfig, *, resume: bool = False, timeout_s: float 
     if model_config is not None and tokenizer is not None and env_ok:  # the prompt needs an env that can be made
         _attempt(report, lambda: check_prompt_fits(config, model_config, tokenizer))
     steps_done = _check_output_dir(report, config, resume)
+    _check_parallel(report, config)
     if config.report_to and _attempt(report, lambda: check_report_to(config.report_to)) is not False:
         report.fact("report_to", f"{', '.join(config.report_to)} (logs under {config.output_dir})")
     if config.policy.served is not None:
@@ -166,6 +170,18 @@ def _check_output_dir(report: CheckReport, config: TrainConfig, resume: bool) ->
     else:
         report.fact("output_dir", f"{directory} (a new run)")
     return 0
+
+
+def _check_parallel(report: CheckReport, config: TrainConfig) -> None:
+    """The layout against this process's launcher (``train``'s own check), and the mesh it makes."""
+    from longstraw_agents.app.distributed import check_layout, describe_layout
+
+    try:
+        check_layout(config.parallel)
+    except ConfigError as err:
+        report.errors.append(f"parallel: {err}")
+        return
+    report.fact("parallel", describe_layout(config.parallel))
 
 
 def _check_served(report: CheckReport, config: TrainConfig, spec: ServedPolicySpec, timeout_s: float) -> None:

@@ -27,7 +27,7 @@ from pydantic_core import InitErrorDetails
 
 from longstraw_agents.app.reporting import TrackerName, install_command, missing_trackers
 from longstraw_agents.app.seeds import TASK_STEP_STRIDE
-from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP
+from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, HSDP_WITHOUT_DP
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.trainer import GRPOConfig
 from longstraw_agents.trainer.sft import SFTConfig
@@ -207,14 +207,42 @@ class ParallelSpec(BaseModel):
     timeout_s: float = Field(
         600.0,
         gt=0,
-        description="seconds a collective waits for the other ranks before failing (a dead or hung rank), and the "
-        "processes of every node wait for each other to join",
+        description="seconds the processes of every node wait for each other to join, and a process may go without "
+        "a heartbeat before the others take it for dead (its node lost or unreachable) and stop with a RankFailure "
+        "naming it; a slow process that still beats is waited for (parallel.collective_timeout_s)",
+    )
+    heartbeat_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds between a process's heartbeats: a thread beside training adds one to its counter in the "
+        "job's store and reads the other processes' (at most half of timeout_s; default a quarter of it, at most 5)",
+    )
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="seconds a collective waits while every process sends its heartbeat: longer than a healthy run's "
+        "longest gap between collectives (a rollout's slow tool calls, a checkpoint); only a rank that hangs without "
+        "dying reaches it (torch's own default on gloo)",
     )
     across_nodes: Literal["dp", "cp"] = Field(
         "dp",
         description="on several nodes, the mesh dimension that spans them; the other's groups stay inside a node. dp "
         "(default): a dp rank's cp ranks share a node, whose links carry their every-layer messages",
     )
+
+    @property
+    def heartbeat_every_s(self) -> float:
+        """``heartbeat_s``, or its default."""
+        return self.heartbeat_s if self.heartbeat_s is not None else min(self.timeout_s / 4, 5.0)
+
+    @model_validator(mode="after")
+    def _two_heartbeats_within_the_timeout(self) -> ParallelSpec:
+        if self.heartbeat_s is not None and 2 * self.heartbeat_s > self.timeout_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s:g}) must be at most half of timeout_s ({self.timeout_s:g}): a process "
+                "is taken for dead after timeout_s without a heartbeat, so one late beat must not be enough"
+            )
+        return self
 
 
 class TrainConfig(BaseModel):
@@ -292,6 +320,8 @@ class TrainConfig(BaseModel):
             raise ValueError("parallel.hsdp shards the model over each dp rank's cp ranks: it needs parallel.fsdp")
         if self.parallel.hsdp and self.parallel.cp == 1:
             raise ValueError(f"parallel.{HSDP_WITHOUT_CP}")
+        if self.parallel.hsdp and self.parallel.dp == 1:
+            raise ValueError(f"parallel.{HSDP_WITHOUT_DP}")
         if self.parallel.offload and not self.parallel.fsdp:
             raise ValueError("parallel.offload is FSDP2's CPU offload of the shards: it needs parallel.fsdp: true")
         return self

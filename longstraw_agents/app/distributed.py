@@ -41,13 +41,15 @@ from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.launch import (
     Place,
     Roster,
+    Timeouts,
+    bound_collectives,
     describe,
     failing_clearly,
     init_from_env,
     processes_per_node,
     world_size,
 )
-from longstraw_agents.parallel.mesh import inside_a_node, straddles_nodes
+from longstraw_agents.parallel.mesh import inside_a_node, mesh_ranks, straddles_nodes
 from longstraw_agents.trainer import StepMetrics
 
 T = TypeVar("T")
@@ -60,27 +62,20 @@ class Ranks:
 
     mesh: ParallelMesh | None = None
     roster: Roster | None = None
-    timeout_s: float = 0.0
+    collective_timeout_s: float = 0.0
 
     @classmethod
     def join(cls, spec: ParallelSpec, device_type: str) -> Ranks:
-        """Check ``dp * cp`` against the launcher's ``WORLD_SIZE`` and the mesh's layout against its nodes, join the
-        process group (every node's processes, or a ``RankFailure`` naming those that did not join within
-        ``parallel.timeout_s``) and build the mesh."""
-        world = world_size()
-        if spec.dp * spec.cp != world:
-            raise ConfigError(
-                f"parallel.dp ({spec.dp}) x parallel.cp ({spec.cp}) must equal the number of processes "
-                f"(WORLD_SIZE={world}); launch with torchrun --nproc-per-node {spec.dp * spec.cp}, or set "
-                f"parallel.dp and parallel.cp so that their product is {world}"
-            )
-        if world == 1:
+        """Check the layout against the launcher's processes (``check_layout``), join the process group (every
+        node's processes, or a ``RankFailure`` naming those that did not join within ``parallel.timeout_s``), start
+        this process's heartbeat and build the mesh."""
+        check_layout(spec)
+        if world_size() == 1:
             return cls()
-        _check_nodes(spec, processes_per_node())
-        roster = init_from_env(spec.timeout_s)
-        with failing_clearly("building the device mesh", spec.timeout_s, roster):
+        roster = init_from_env(Timeouts(spec.timeout_s, spec.heartbeat_every_s, spec.collective_timeout_s))
+        with failing_clearly("building the device mesh", spec.collective_timeout_s, roster):
             mesh = ParallelMesh.build(spec.dp, spec.cp, device_type, spec.across_nodes, spec.hsdp)
-        return cls(mesh, roster, spec.timeout_s)
+        return cls(mesh, roster, spec.collective_timeout_s)
 
     @property
     def rank(self) -> int:
@@ -151,7 +146,15 @@ class Ranks:
     def failing_clearly(self, what: Callable[[], str]) -> AbstractContextManager[None]:
         """A rank that dies or hangs inside the block: a ``RankFailure`` on the others naming the processes that
         are gone (``parallel.launch``)."""
-        return contextlib.nullcontext() if self.mesh is None else failing_clearly(what, self.timeout_s, self.roster)
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return failing_clearly(what, self.collective_timeout_s, self.roster)
+
+    def bound_collectives(self) -> None:
+        """Every process group made so far times out after ``parallel.collective_timeout_s`` (torch gives the
+        groups made after the default one its own default): called once the run's groups are made."""
+        if self.mesh is not None:
+            bound_collectives(self.collective_timeout_s)
 
     def share_directory(self, directory: Path) -> None:
         """Make the run directory (the writer) and check that every process sees that same directory and may write
@@ -191,6 +194,8 @@ class Ranks:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave the job: this process's heartbeat stops (marked as left: the others do not take it for dead) and
+        its process group is destroyed."""
         if self.roster is None:
             return
         self.roster.close()
@@ -230,6 +235,45 @@ def _by_problem(failed: Sequence[tuple[Place, str]]) -> list[tuple[str, list[Pla
     for place, text in failed:
         grouped.setdefault(text, []).append(place)
     return list(grouped.items())
+
+
+def check_layout(spec: ParallelSpec) -> None:
+    """``parallel.dp * parallel.cp`` is the launcher's number of processes (``WORLD_SIZE``; 1 without a launcher),
+    and the mesh's groups that stay inside a node fit its nodes (``LOCAL_WORLD_SIZE`` processes each): a
+    ``ConfigError`` naming the settings otherwise. ``train`` checks it before joining, ``train --check`` too."""
+    world = world_size()
+    if spec.dp * spec.cp != world:
+        launcher = ", without a launcher" if world == 1 else ""
+        raise ConfigError(
+            f"parallel.dp ({spec.dp}) x parallel.cp ({spec.cp}) must equal the number of processes "
+            f"(WORLD_SIZE={world}{launcher}); launch with torchrun --nproc-per-node {spec.dp * spec.cp}, or set "
+            f"parallel.dp and parallel.cp so that their product is {world}"
+        )
+    if world > 1:
+        _check_nodes(spec, processes_per_node())
+
+
+def describe_layout(spec: ParallelSpec) -> str:
+    """The run's processes, mesh, sharding and timeouts as ``train --check`` shows them (on the launch
+    ``check_layout`` passed)."""
+    world = spec.dp * spec.cp
+    if world == 1:
+        return "one process (no launcher)"
+    per_node = processes_per_node()
+    nodes = f"{world // per_node} nodes of {per_node}" if per_node < world else "one node"
+    across = f", {spec.across_nodes} across the nodes" if per_node < world else ""
+    mesh = mesh_ranks(spec.dp, spec.cp, spec.across_nodes).tolist()
+    if not spec.fsdp:
+        weights = "weights whole on every process"
+    elif spec.hsdp:
+        weights = f"FSDP2 over each dp rank's {spec.cp} cp ranks, replicated over dp (hsdp)"
+    else:
+        weights = f"FSDP2 over all {world} ranks"
+    return (
+        f"dp {spec.dp} x cp {spec.cp} = {world} processes on {nodes}; mesh (a row per dp rank: its cp ranks) "
+        f"{mesh}{across}; {weights}; a process without a heartbeat for {spec.timeout_s:g} s (one every "
+        f"{spec.heartbeat_every_s:g} s) is dead, a collective waits up to {spec.collective_timeout_s:g} s"
+    )
 
 
 def _check_nodes(spec: ParallelSpec, per_node: int) -> None:

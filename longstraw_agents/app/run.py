@@ -166,10 +166,11 @@ class Run:
         if self.ranks.writes and config.report_to:  # before the warm start, whose record they get
             self._reporter = Reporter.start(config.report_to, self.dir, config.model_dump(mode="json"))
         self.run_id = self.ranks.from_writer(self._run_row(resume) if self.ranks.writes else "")
-        if not resume:  # on every rank (a wait for the writer's could outlast parallel.timeout_s); then its weights
+        if not resume:  # on every rank (a wait for the writer's could outlast a collective's timeout); then its weights
             self._warm_start()
         self.ranks.same_weights(self.model)
         self.trainer = self._trainer(self._reference(resume, reference))
+        self.ranks.bound_collectives()  # the trainer's groups (the mesh's, FSDP2's lanes, the cp pairs) are made
         if resume:
             self._load_checkpoint()
         self.served = self._served_policy(resume)

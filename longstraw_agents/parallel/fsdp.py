@@ -143,6 +143,10 @@ HSDP_WITHOUT_CP = (
     "hsdp shards over each dp rank's cp ranks: with cp = 1 it shards nothing, every GPU holding the whole model, its "
     "gradient and optimizer state (plain data parallelism); shard over every rank instead (fsdp without hsdp)"
 )
+HSDP_WITHOUT_DP = (
+    "hsdp replicates over the dp ranks: with dp = 1 there is nothing to replicate over, and it would shard over "
+    "the cp ranks exactly as fsdp without hsdp does; drop hsdp"
+)
 
 
 def prefetch_window(cp: int) -> int:
@@ -277,7 +281,7 @@ class LayerGather:
         whole copy freed. ``reduce=False``: the gradient stays on the whole copy for a later ``reduce``. Blocks of
         one layer nest: an inner one changes nothing. A block left by an exception drops the layer's gradient instead
         of reducing it: a failing rank must not enter collectives its peers are not in (it raises at once; they stop
-        at ``parallel.timeout_s``, naming it)."""
+        when it exits, naming it)."""
         self._unshard(layer)
         self._blocks[layer] = self._blocks.get(layer, 0) + 1
         failed = False

@@ -148,7 +148,7 @@ class LaneGather(LayerGather):
         try:
             with super().gathered(None):
                 yield
-        except BaseException as failure:  # (the other lanes stop at parallel.timeout_s, as for any failed rank)
+        except BaseException as failure:  # (the other lanes stop as for any failed rank: when it exits)
             self._failed = failure
             raise
         self._end_of_block()

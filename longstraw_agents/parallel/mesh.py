@@ -21,6 +21,7 @@ from longstraw_agents.parallel.context import ContextParallel, PairChannels
 from longstraw_agents.parallel.experts import ExpertExchange, check_experts_divide, experts_sharded
 from longstraw_agents.parallel.fsdp import (
     HSDP_WITHOUT_CP,
+    HSDP_WITHOUT_DP,
     LayerGather,
     WeightSharding,
     is_sharded,
@@ -73,6 +74,8 @@ class ParallelMesh:
             raise ValueError(f"dp ({dp}) x cp ({cp}) must equal the number of processes ({world})")
         if hsdp and cp == 1:
             raise ValueError(HSDP_WITHOUT_CP)
+        if hsdp and dp == 1:
+            raise ValueError(HSDP_WITHOUT_DP)
         return cls(DeviceMesh(device_type, mesh_ranks(dp, cp, across_nodes), mesh_dim_names=("dp", "cp")), hsdp)
 
     @property

@@ -99,6 +99,35 @@ def test_a_served_policy_is_checked_against_its_live_server(tmp_path: Path, serv
     assert server.policy_version == 0  # the endpoint probe loaded nothing
 
 
+def test_the_layout_is_checked_against_the_launch_as_train_checks_it_and_the_mesh_shown(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tiny_config_dict(tmp_path / "run", parallel={"dp": 2, "cp": 2, "fsdp": True})
+    code, _, err = check(tmp_path, config, capsys)  # in one process, which `train` refuses
+    assert code == 2 and error_fields(err) == {"parallel"}
+    assert "parallel.dp (2) x parallel.cp (2) must equal the number of processes (WORLD_SIZE=1, without a" in err
+
+    # Rank 0 of two nodes of 2 processes (torchrun's environment): the mesh; the other processes print nothing.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, out, err = check(tmp_path, config, capsys)
+    assert code == 0, err
+    [shown] = [line.split(None, 1)[1] for line in out.splitlines() if line.strip().startswith("parallel ")]
+    assert shown == (
+        "dp 2 x cp 2 = 4 processes on 2 nodes of 2; mesh (a row per dp rank: its cp ranks) [[0, 1], "
+        "[2, 3]], dp across the nodes; FSDP2 over all 4 ranks; a process without a heartbeat for 600 s (one every "
+        "5 s) is dead, a collective waits up to 1800 s"
+    )
+    monkeypatch.setenv("RANK", "3")
+    assert check(tmp_path, config, capsys)[:2] == (0, "")
+
+    # cp groups of 3 on nodes of 2 processes would straddle them
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    code, _, err = check(tmp_path, tiny_config_dict(tmp_path / "run", parallel={"dp": 2, "cp": 3}), capsys)
+    assert code == 2 and error_fields(err) == {"parallel"} and "parallel.cp (3) does not fit nodes of 2" in err
+
+
 def test_an_existing_run_needs_resume(tmp_path: Path, capsys) -> None:
     checkpoint = tmp_path / "run" / "checkpoint"
     checkpoint.mkdir(parents=True)

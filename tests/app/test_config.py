@@ -14,7 +14,15 @@ from paths import REPO
 from tiny_runs import ENV_ID, tiny_config, tiny_config_dict
 from transformers import LlamaConfig
 
-from longstraw_agents.app.config import ConfigError, ModelSpec, TrainConfig, check_env, load_config, validation_lines
+from longstraw_agents.app.config import (
+    ConfigError,
+    ModelSpec,
+    ParallelSpec,
+    TrainConfig,
+    check_env,
+    load_config,
+    validation_lines,
+)
 from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.training import train
 from longstraw_agents.tokenizer import ENDOFTEXT, load_tokenizer
@@ -322,10 +330,21 @@ def test_hsdp_and_offload_need_fsdp() -> None:
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "hsdp": True}))
     with pytest.raises(pydantic.ValidationError, match=r"parallel\.hsdp .* with cp = 1 it shards nothing"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"dp": 2, "fsdp": True, "hsdp": True}))
+    with pytest.raises(pydantic.ValidationError, match=r"parallel\.hsdp replicates over the dp ranks: with dp = 1"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"cp": 2, "fsdp": True, "hsdp": True}))
     config = TrainConfig.model_validate(
         tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "fsdp": True, "hsdp": True})
     )
     assert config.parallel.hsdp
+
+
+def test_two_heartbeats_fit_in_the_liveness_timeout() -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"heartbeat_s \(4\) must be at most half of timeout_s \(6\)"):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"timeout_s": 6.0, "heartbeat_s": 4.0}))
+    spec = TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"timeout_s": 6.0, "heartbeat_s": 3.0}))
+    assert spec.parallel.heartbeat_every_s == 3.0
+    assert ParallelSpec(timeout_s=6.0).heartbeat_every_s == 1.5 and ParallelSpec().heartbeat_every_s == 5.0
+    assert ParallelSpec().collective_timeout_s == 1800.0  # a slow rank is waited for much longer than a silent one
 
 
 def test_expert_parallel_needs_fsdp_over_lockstep_cp_ranks() -> None:
