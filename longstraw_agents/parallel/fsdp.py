@@ -47,6 +47,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Partial, Placement
 
 from longstraw_agents.memory import host_placement
+from longstraw_agents.plan_shape import HSDP_WITHOUT_CP as HSDP_WITHOUT_CP  # (`longstraw plan` checks it without torch)
 
 if TYPE_CHECKING:
     from longstraw_agents.engine.weights import ExpertRounds
@@ -137,12 +138,6 @@ def whole_now(groups: Sequence[Any]) -> tuple[list[Tensor], list[Tensor]]:
         if group._all_gather_result is not None:
             weights.append(group._all_gather_result.all_gather_output)
     return weights, gradients
-
-
-HSDP_WITHOUT_CP = (
-    "hsdp shards over each dp rank's cp ranks: with cp = 1 it shards nothing, every GPU holding the whole model, its "
-    "gradient and optimizer state (plain data parallelism); shard over every rank instead (fsdp without hsdp)"
-)
 
 
 def prefetch_window(cp: int) -> int:
