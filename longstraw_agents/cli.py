@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from longstraw_agents import __version__
 
@@ -63,6 +65,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from longstraw_agents.parallel.launch import Place, RankFailure
     from longstraw_agents.rollout import ContextLimitError
     from longstraw_agents.sampler import SamplerError
+    from longstraw_agents.store import StoreError
     from longstraw_agents.weight_sync import WeightSyncError
 
     try:
@@ -78,18 +81,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _check(config, args)
     try:
         run_dir = train(config, resume=args.resume, on_metrics=_print_record)
-    except (ConfigError, ContextLimitError, FileExistsError, FileNotFoundError) as err:
-        return _fail(str(err))
+    except (ConfigError, ContextLimitError, FileExistsError, FileNotFoundError, StoreError) as err:
+        return _fail(str(err))  # a damaged store: the line `longstraw inspect` prints for it
     except (SamplerError, WeightSyncError) as err:  # a served policy's server failed, or refused the weights
         return _fail(f"{err}\nfix the server and run again (--resume continues from the last checkpoint, if any)")
     except RankFailure as err:  # another process of the job died, hung or never joined: it says which
         return _fail(str(err))
     except KeyboardInterrupt:
-        print("interrupted; the checkpoint and the store are consistent (resume with --resume)", file=sys.stderr)
+        print(_interrupted(Path(config.output_dir)), file=sys.stderr)
         return 130
     if Place.here().rank == 0:  # the writer: under a launcher the other processes have nothing to add
         print(f"run directory: {run_dir}")
     return 0
+
+
+def _interrupted(run_dir: Path) -> str:
+    """What Ctrl-C left and what to do next: resume from the checkpoint, or, stopped before the first one (in the
+    warm start), start again; the run directory then holds no run (no checkpoint, no run row in the store)."""
+    from longstraw_agents.app.run import has_checkpoint
+
+    if has_checkpoint(run_dir):
+        return "interrupted; the checkpoint and the store are consistent (resume with --resume)"
+    return (
+        "interrupted before the run's first checkpoint: there is nothing to resume; run the same command again "
+        "(without --resume) to start the run over"
+    )
 
 
 def _check(config, args: argparse.Namespace) -> int:
@@ -275,18 +291,43 @@ _PLAN_FLAGS = {
 
 
 def _plan_errors(err) -> str:
-    """A PlanRequest's ValidationError as one line per problem, each naming its flag."""
+    """A plan's ValidationError as one line per problem, each naming its flag."""
     lines = []
     for e in err.errors():
+        said = e.get("ctx", {}).get("error", e["msg"]) if e["type"] == "value_error" else e["msg"]
         if not e["loc"]:  # the request as a whole (how the GPUs split): the check's own words
-            lines.append(f"  {e.get('ctx', {}).get('error', e['msg'])}")
+            lines.append(f"  {said}")
             continue
         name = str(e["loc"][0])
-        lines.append(f"  {_PLAN_FLAGS.get(name, '--' + name.replace('_', '-'))}: {e['msg']}")
+        lines.append(f"  {_PLAN_FLAGS.get(name, '--' + name.replace('_', '-'))}: {said}")
     return "invalid plan:\n" + "\n".join(lines)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from longstraw_agents.plan_shape import PlanShape, model_problem
+
+    if args.longest and args.context is not None:
+        return _fail("--longest searches the context length itself: give --context or --longest, not both")
+    problem = model_problem(args.model)
+    if problem is not None:
+        return _fail(f"invalid plan:\n  --model: {problem}")
+    shape = dict(
+        model=args.model, context=_quantity("2.1M") if args.context is None else args.context, group=args.group,
+        completion=args.completion, history=args.history, turns=args.turns, gpus=args.gpus, gpu_mem_bytes=args.gpu_mem,
+        cp=args.cp, dp=args.dp, mode=args.mode, optimizer=args.optimizer, offload=args.offload, beta=args.beta,
+        cp_rank=args.cp_rank, groups_per_rank=args.groups_per_rank, hsdp=args.hsdp,
+        expert_parallel=args.expert_parallel, expert_dispatch=args.expert_dispatch,
+    )  # fmt: skip
+    try:  # the arguments first, without torch: importing it and transformers takes seconds of CPU
+        PlanShape(**shape)
+    except ValidationError as err:
+        return _fail(_plan_errors(err))
+    return _run_plan(args, shape)
+
+
+def _run_plan(args: argparse.Namespace, shape: dict[str, Any]) -> int:
     import torch
     from pydantic import ValidationError
 
@@ -300,13 +341,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             sharded_extends=args.expert_dispatch or not args.expert_parallel,
         )  # fmt: skip
         request = PlanRequest(
-            model=args.model, context=args.context, group=args.group, completion=args.completion,
-            history=args.history, turns=args.turns, gpus=args.gpus,
-            gpu_mem_bytes=args.gpu_mem, cp=args.cp, dp=args.dp, mode=args.mode, dtype=getattr(torch, args.dtype),
-            optimizer=args.optimizer, offload=args.offload, beta=args.beta, engine=engine,
-            mixed_precision=False if args.no_mixed_precision else None, cp_rank=args.cp_rank,
-            groups_per_rank=args.groups_per_rank, hsdp=args.hsdp, expert_parallel=args.expert_parallel,
-            expert_dispatch=args.expert_dispatch,
+            **shape, dtype=getattr(torch, args.dtype), engine=engine,
+            mixed_precision=False if args.no_mixed_precision else None,
         )  # fmt: skip
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
@@ -319,6 +355,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(str(err))
     print(plan.table())
+    if not plan.fits and not args.longest:
+        _print_what_fits(request)
     if args.time:
         from longstraw_agents.timing import PROFILES, step_time
 
@@ -329,6 +367,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print()
         print(timed.table())
     return 0
+
+
+def _print_what_fits(request) -> None:
+    """For a step that does not fit: the layout that does, where there is one to suggest (a mixture of experts
+    planned without expert parallelism: expert parallelism and offload, as the published runs)."""
+    from longstraw_agents.planner import GIB, expert_parallel_alternative, plan_memory
+
+    alternative = expert_parallel_alternative(request)
+    if alternative is None:
+        return
+    plan = plan_memory(alternative)
+    if not plan.fits:
+        return
+    added = {
+        "--expert-parallel": True,
+        "--offload": not request.offload,
+        "--hsdp": alternative.hsdp and not request.hsdp,
+    }
+    flags = " ".join(flag for flag, needed in added.items() if needed)
+    print(
+        f"with expert parallelism ({flags}) it fits: {plan.total / GIB:.2f} GiB per GPU, each cp rank holding whole "
+        "experts, never gathered (add the flags for its plan)"
+    )
 
 
 def _longest_text(longest: int, limit: int) -> str:
@@ -349,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect and view trajectory stores, plot runs, export and serve policies.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do (`longstraw COMMAND --help`: its options)"
+    )
 
     p = sub.add_parser("envs", help="list the registered LongStraw environments")
     p.set_defaults(func=_cmd_envs)
@@ -392,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", default=None, help="run directory with config.json + checkpoint (default: the DB's)")
     p.add_argument("--out", default=None, help="output run directory, must not hold a run (default: RUN/replay)")
     p.add_argument("--steps", type=int, default=1, help="passes over the selected groups")
-    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--groups-per-step", type=int, default=4, help="groups per optimizer step (default 4)")
     p.add_argument("--max-staleness", type=int, default=None, help="skip episodes this many versions older")
     p.add_argument("--keep-stale", action="store_true", help="keep stale episodes, flagged in the metrics")
     p.add_argument("--tis-cap", type=float, default=2.0, help="cap of the truncated importance weights")
@@ -408,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("plot", help="reward / loss / length / memory curves of a run directory")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (its metrics.jsonl)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: the run directory)")
     p.set_defaults(func=_cmd_plot)
 
@@ -459,7 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed)")
     p.add_argument("--model", default="qwen3.6-27b", help="qwen3.6-27b | glm-5.2 | tiny-<preset> | CONFIG.json")
-    p.add_argument("--context", type=_quantity, default=_quantity("2.1M"), help="shared prompt positions, e.g. 2.1M")
+    p.add_argument(
+        "--context",
+        type=_quantity,
+        default=None,
+        help="shared prompt positions, e.g. 2.1M (default 2.1M; not with --longest)",
+    )
     p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
     p.add_argument(
         "--groups-per-rank", type=int, default=1,
@@ -471,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="agents: each member's own history after the shared context (tool outputs and answers), e.g. 1M",
     )  # fmt: skip
     p.add_argument("--turns", type=int, default=1, help="agents: turns in which the history grows")
-    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in all: dp x cp (default 8)")
     p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: gpus / dp)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: gpus / cp, or 1)")
@@ -494,9 +562,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cp rank to plan (default: per term the rank holding the most: rank 0 of a balanced capture, the "
         "last in rank order)",
     )  # fmt: skip
-    p.add_argument("--mode", choices=["detached", "exact"], default="detached")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--optimizer", choices=["adamw", "none"], default="adamw")
+    p.add_argument(
+        "--mode", choices=["detached", "exact"], default="detached",
+        help="the prefix's gradient: dropped (detached, as published; the default) or exact (the reverse walk)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+        help="the compute dtype (default bfloat16; narrower than fp32: fp32 master weights, see --no-mixed-precision)",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimizer", choices=["adamw", "none"], default="adamw",
+        help="adamw: its two moments per parameter, in the masters' dtype (default); none: no optimizer state",
+    )  # fmt: skip
     p.add_argument(
         "--offload", action="store_true",
         help="FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW state on the host",

@@ -43,11 +43,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -57,7 +57,8 @@ from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
 from longstraw_agents.parallel.experts import PlannedExchange
-from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, HSDP_WITHOUT_DP, prefetch_window
+from longstraw_agents.parallel.fsdp import prefetch_window
+from longstraw_agents.plan_shape import PlanShape, model_problem
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer.group import make_group
 from longstraw_agents.trainer.loss import LossConfig
@@ -74,65 +75,23 @@ NAMED_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 PER_LAYER_LISTS = ("layer_types", "indexer_types", "mlp_layer_types")
 CONTEXT_SEARCH_LIMIT = 1 << 26  # longest_context tries lengths below this (67M positions)
-Positive = Annotated[int, Field(ge=1)]
 # The engine a full-scale step plans with: 4K-token chunks, activation checkpointing (at these sizes a branch's full
 # graph would dominate: see the README) and a GPU's budget for DSA index scores (512 MiB fp32, not a CPU test's 4 MiB)
 PLAN_ENGINE = EngineConfig(chunk_size=4096, activation_checkpointing=True, max_score_elements=1 << 27)
 
 
 @pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True, strict=True))
-class PlanRequest:
-    """What to plan. ``context`` counts the shared prompt's positions; ``completion`` each member's own tokens — or,
-    for agents whose members grow long after they part (``history``), the tokens of one answer.
+class PlanRequest(PlanShape):
+    """What to plan: a ``PlanShape`` (the step's sizes and how the GPUs split, checked without torch) and the dtype
+    and engine the step runs.
 
-    Validated on construction (and by ``dataclasses.replace``): counts and sizes are positive, ``beta`` finite and
-    not negative, and the GPUs split into ``dp x cp``; a bad value raises pydantic's ``ValidationError``."""
+    Validated on construction (and by ``dataclasses.replace``) as ``PlanShape`` is, and mixed precision needs a dtype
+    narrower than fp32; a bad value raises pydantic's ``ValidationError``."""
 
-    model: str = "qwen3.6-27b"  # a name of NAMED_MODELS or a path to a transformers config.json
-    context: Positive = 2_100_000
-    group: Positive = 8
-    completion: Positive = 1024
-    # an agent's own history after the shared context (tool outputs and answers, the longest member's), over
-    # ``turns`` turns; 0: a completion only (the published shape). The step walks one member's path at a time,
-    # spread over the cp ranks like the context; the in-process sampler holds every member's
-    history: Annotated[int, Field(ge=0)] = 0
-    turns: Positive = 1
-    gpus: Positive = 8
-    gpu_mem_bytes: Positive = 96 * 10**9
-    cp: Positive | None = None  # context-parallel ranks (default: gpus / dp)
-    dp: Positive | None = None  # data-parallel ranks (default: gpus / cp, or 1 when cp is not given either)
-    mode: Literal["detached", "exact"] = "detached"
     dtype: torch.dtype = torch.bfloat16
-    optimizer: Literal["adamw", "none"] = "adamw"
-    # FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW's state on the host
-    offload: bool = False
-    hsdp: bool = False  # FSDP2 over each dp rank's cp ranks, replicated over dp (parallel.hsdp)
-    # each cp rank holds whole experts, never gathered (parallel.experts): every extend replicated (the run's
-    # default), or with ``expert_dispatch`` long ones sharded, their tokens dispatched to their experts' ranks
-    # (parallel.expert_dispatch); exact mode walks replicated either way
-    expert_parallel: bool = False
-    expert_dispatch: bool = False
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
-    beta: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
-    # the cp rank planned (None: per term the rank holding the most — rank 0 of a balanced capture, the last in rank
-    # order: an upper bound of the per-GPU peak)
-    cp_rank: Annotated[int, Field(ge=0)] | None = None
-    # the groups one dp rank trains in an optimizer step (TrainConfig.groups_per_step / dp): the capture of a later
-    # group holds the gradients the earlier ones left (the step starts with none)
-    groups_per_rank: Positive = 1
-
-    @property
-    def context_parallel(self) -> int:
-        if self.cp is not None:
-            return self.cp
-        return self.gpus // self.dp if self.dp is not None else self.gpus
-
-    @property
-    def own_tokens(self) -> int:
-        """Each member's tokens after the shared context: its history, or its completion."""
-        return self.history or self.completion
 
     @property
     def sharded_history(self) -> int:
@@ -269,55 +228,13 @@ class PlanRequest:
         """Bytes per parameter of the weights AdamW steps (and of its moments and the sharded gradients)."""
         return 4 if self.mixed else _itemsize(self.dtype)
 
-    @property
-    def data_parallel(self) -> int:
-        if self.dp is not None:
-            return self.dp
-        return self.gpus // self.cp if self.cp is not None else 1
-
-    @property
-    def shard_ranks(self) -> int:
-        """The GPUs one parameter is sharded over: all of them, or with ``hsdp`` one dp rank's cp ranks."""
-        return self.context_parallel if self.hsdp else self.gpus
-
     @model_validator(mode="after")
-    def _gpus_split_into_dp_and_cp(self) -> PlanRequest:
-        # Each message names only the settings given: a derived dp or cp is no value the caller chose.
-        if self.dp is not None and self.cp is not None and self.dp * self.cp != self.gpus:
-            raise ValueError(f"dp ({self.dp}) x cp ({self.cp}) must equal gpus ({self.gpus})")
-        for name, ranks in (("dp", self.dp), ("cp", self.cp)):
-            if ranks is not None and self.gpus % ranks:
-                raise ValueError(f"gpus ({self.gpus}) is not a multiple of {name} ({ranks})")
-        if self.cp_rank is not None and self.cp_rank >= self.context_parallel:
-            raise ValueError(f"cp_rank ({self.cp_rank}) must be below cp ({self.context_parallel})")
-        if self.hsdp and self.context_parallel == 1:
-            raise ValueError(HSDP_WITHOUT_CP)
-        if self.hsdp and self.data_parallel == 1:
-            raise ValueError(HSDP_WITHOUT_DP)
-        if self.offload and self.gpus == 1:
-            raise ValueError("offload runs through FSDP2 (parallel.fsdp), which shards over 2 or more GPUs")
-        if self.turns > 1 and not self.history:
-            raise ValueError(f"turns ({self.turns}) describe a history: give history as well")
-        if self.history and self.history < self.turns * (self.completion + 1):
-            raise ValueError(
-                f"a history of {self.history} tokens cannot hold {self.turns} turns of a tool output and a "
-                f"{self.completion}-token answer (completion) each"
-            )
+    def _precision_and_engine_fit(self) -> PlanRequest:
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
-        if self.expert_dispatch and not self.expert_parallel:
-            raise ValueError("expert_dispatch sends tokens to their experts' ranks: it needs expert_parallel")
-        if self.expert_parallel:
-            self._check_expert_parallel()
-        return self
-
-    def _check_expert_parallel(self) -> None:
-        if self.context_parallel == 1:
-            raise ValueError("expert parallelism cuts the experts over the cp ranks: it needs cp > 1")
-        if self.data_parallel > 1 and not self.hsdp:
-            raise ValueError("expert parallelism at dp > 1 needs hsdp (each dp rank's MoE calls are its own)")
         if self.expert_dispatch and not self.engine.sharded_extends:
             raise ValueError("expert_dispatch shards long extends: it needs EngineConfig(sharded_extends=True)")
+        return self
 
 
 @dataclass
@@ -374,20 +291,31 @@ class Plan:
         ]
         lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.categories.items()]
         lines.append(f"  {'allocator margin (5% + 1 GiB)':<{CATEGORY_WIDTH}} {self.margin / GIB:>9.2f}")
-        verdict = "fits" if self.fits else "does NOT fit"
-        of = f"of {r.gpu_mem_bytes / GIB:.1f} GiB"
-        lines.append(f"  {'total':<{CATEGORY_WIDTH}} {self.total / GIB:>9.2f}  {of}: {verdict}")
+        lines.append(f"  {'total':<{CATEGORY_WIDTH}} {_against(self.total, r.gpu_mem_bytes)}")
         if self.rollout:
-            verdict = "fits" if self.rollout_fits else "does NOT fit: serve the policy instead (policy.served)"
+            # serving the policy helps only a step that fits: otherwise the step's own verdict is what to act on
+            serve = ": serve the policy instead (policy.served)" if self.fits else ""
             lines.append("rollouts in process (longstraw train's own sampler, on every cp rank; between steps)")
             lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.rollout.items()]
-            total = self.rollout_total / GIB
-            lines.append(f"  {'total (with the margin)':<{CATEGORY_WIDTH}} {total:>9.2f}  {of}: {verdict}")
+            total = _against(self.rollout_total, r.gpu_mem_bytes, not_fitting=serve)
+            lines.append(f"  {'total (with the margin)':<{CATEGORY_WIDTH}} {total}")
         if self.host:
             lines.append("on the host, per GPU's process (not in the figures above)")
             lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.host.items()]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def _against(total: int, capacity: int, not_fitting: str = "") -> str:
+    """``total`` bytes against a GPU's ``capacity`` as the table prints them: both in GiB to the same two decimals
+    (rounding both alike never shows a total that fits above its capacity, nor one that does not below it), the
+    verdict (``not_fitting`` added to "does NOT fit"), and by how much where the rounded figures are the same."""
+    shown, of = f"{total / GIB:.2f}", f"{capacity / GIB:.2f}"
+    fits = total <= capacity
+    verdict = "fits" if fits else f"does NOT fit{not_fitting}"
+    if shown == of:
+        verdict += f" (by {abs(capacity - total) / 2**20:,.1f} MiB)"
+    return f"{shown:>9}  of {of} GiB: {verdict}"
 
 
 def _margin(subtotal: int) -> int:
@@ -396,13 +324,15 @@ def _margin(subtotal: int) -> int:
 
 
 def load_config(model: str) -> PretrainedConfig:
+    """The config of a model named in ``NAMED_MODELS``, or of a transformers ``config.json`` (or a folder with one)."""
     if model in NAMED_MODELS:
         return NAMED_MODELS[model]()
+    problem = model_problem(model, NAMED_MODELS)
+    if problem is not None:
+        raise ValueError(problem)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"unknown model {model!r}: give one of {sorted(NAMED_MODELS)} or a config.json path")
     data = json.loads(path.read_text())
     return AutoConfig.for_model(data.pop("model_type"), **data)
 
@@ -1077,6 +1007,24 @@ def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
 def plan_memory(request: PlanRequest) -> Plan:
     """The peak per GPU of one GRPO step of ``request``, by category."""
     return _plan(request, _measure(request))
+
+
+def is_mixture_of_experts(config: PretrainedConfig) -> bool:
+    """Whether ``config``'s model has routed experts (``mlp.experts``), found on its first layer period (meta)."""
+    head, period = layer_period(config)
+    cut = with_layers(config, min(head + period, config.num_hidden_layers))
+    return any(_routed_experts(layer) for layer in meta_model(cut, torch.bfloat16).model.layers)
+
+
+def expert_parallel_alternative(request: PlanRequest) -> PlanRequest | None:
+    """For a mixture of experts planned without expert parallelism, the same step laid out as the published one
+    fits: each cp rank holding whole experts, never gathered, the masters offloaded (HSDP at dp > 1); None where that
+    does not apply (expert parallelism already, one cp rank, a model without experts)."""
+    if request.expert_parallel or request.context_parallel == 1:
+        return None
+    if not is_mixture_of_experts(load_config(request.model)):
+        return None
+    return replace(request, expert_parallel=True, offload=True, hsdp=request.hsdp or request.data_parallel > 1)
 
 
 def longest_context(request: PlanRequest, low: int = 1024, high: int = CONTEXT_SEARCH_LIMIT) -> tuple[int, Plan]:

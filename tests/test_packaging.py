@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,8 +45,9 @@ def source_packages() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh virtual environment with the wheel installed (no editable hook, no checkout on the path)."""
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The wheel built from a copy of the sources, and what the build printed (pip's verbose log, setuptools' own
+    messages included)."""
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"  # a copy of what the build reads (setuptools writes build/ beside its sources)
     source.mkdir()
@@ -53,12 +55,29 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(REPO / name, source / name)
     for folder in set(package_dirs().values()):
         shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(root), "-q"],
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-w", str(root), "-v"],
         check=True,
         capture_output=True,
+        text=True,
     )
     [wheel] = root.glob("longstraw_agents-*.whl")
+    return wheel, build.stdout + build.stderr
+
+
+def test_the_wheel_builds_without_warnings(built: tuple[Path, str]) -> None:
+    """setuptools warns of what it will refuse (a license table, importable folders missing from ``packages``) as
+    ``...Warning:`` lines; distutils' lowercase notes (byte-compiling disabled) are not warnings of the config."""
+    _, log = built
+    warnings = [line.strip() for line in log.splitlines() if re.search(r"\w+Warning\b", line)]
+    assert not warnings, "\n".join(warnings)
+
+
+@pytest.fixture(scope="module")
+def installed(built: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment with the wheel installed (no editable hook, no checkout on the path)."""
+    wheel, _ = built
+    root = tmp_path_factory.mktemp("installed")
     env_dir = root / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"

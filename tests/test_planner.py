@@ -28,6 +28,7 @@ from longstraw_agents.engine.shards import (
 )
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel.context import cut_runs
+from longstraw_agents.plan_shape import MODEL_NAMES, model_problem
 from longstraw_agents.planner import (
     PLAN_ENGINE,
     PlanRequest,
@@ -579,3 +580,77 @@ def test_the_paced_walk_keeps_one_order_and_holds_what_the_planner_counts(cp: in
             assert request.paced_walk
             whole, kept = _paced_walk_holds(cp, 40, every, rank)
             assert whole <= request.walk_gathers_ahead + 1 and kept <= cp - 1, (every, rank, whole, kept)
+
+
+def test_the_shipped_model_names_are_known_without_torch() -> None:
+    """``longstraw plan`` checks ``--model`` against ``plan_shape.MODEL_NAMES`` before importing torch: the names
+    ``NAMED_MODELS`` ships with (tests add ``test-*`` ones)."""
+    shipped = {name for name in planner.NAMED_MODELS if not name.startswith("test-")}
+    assert shipped == set(MODEL_NAMES)
+    assert model_problem("qwen3.6-27b") is None and "unknown model 'qwen9'" in str(model_problem("qwen9"))
+
+
+def test_a_model_file_that_does_not_exist_is_named_as_such(tmp_path) -> None:
+    missing = tmp_path / "missing.json"
+    with pytest.raises(pydantic.ValidationError, match=f"{missing} does not exist"):
+        PlanRequest(model=str(missing))
+    with pytest.raises(ValueError, match=f"{missing} does not exist"):
+        load_config(str(missing))
+    with pytest.raises(pydantic.ValidationError, match="holds no config.json"):
+        PlanRequest(model=str(tmp_path))
+    (tmp_path / "config.json").write_text(TINY_PRESETS["llama"]().to_json_string())
+    assert load_config(str(tmp_path)).model_type == "llama"
+
+
+def plan_of_total(total: int, gpu_mem_bytes: int) -> planner.Plan:
+    """A plan on one GPU whose total (its one category and the allocator margin) is ``total`` bytes, or just below."""
+    low, high = 0, total
+    while low < high - 1:  # the largest category whose total does not pass ``total`` (the margin rounds down)
+        middle = (low + high) // 2
+        low, high = (middle, high) if middle + planner._margin(middle) <= total else (low, middle)
+    request = PlanRequest(model="tiny-llama", gpus=1, gpu_mem_bytes=gpu_mem_bytes)
+    return planner.Plan(request, {"weights": low})
+
+
+def total_line(plan: planner.Plan) -> str:
+    [line] = [line for line in plan.table().splitlines() if line.strip().startswith("total")]
+    return line.split(maxsplit=1)[1]
+
+
+def test_the_total_and_the_gpus_memory_are_rounded_alike() -> None:
+    """96 GB is 89.4070 GiB: a total of 89.4056 GiB fits and one of 89.4084 GiB does not, though both round to 89.41
+    (the table once printed "89.41 of 89.4 GiB: fits"); where the figures read the same, it says by how much."""
+    gpu = 96 * 10**9
+    fitting, over = plan_of_total(gpu - 2**20 - 1000, gpu), plan_of_total(gpu + 2**20 + 1000, gpu)
+    assert fitting.fits and not over.fits
+    assert total_line(fitting) == "89.41  of 89.41 GiB: fits (by 1.0 MiB)"
+    assert total_line(over) == "89.41  of 89.41 GiB: does NOT fit (by 1.0 MiB)"
+    assert total_line(plan_of_total(80 * 2**30, gpu)) == "80.00  of 89.41 GiB: fits"
+    for total in range(gpu - 50 * 2**20, gpu + 50 * 2**20, 2**20 // 3):  # printed figures never contradict the verdict
+        shown, _, of, _, verdict = total_line(plan_of_total(total, gpu)).split(maxsplit=4)
+        assert (float(shown) <= float(of)) if verdict.startswith("fits") else (float(shown) >= float(of))
+
+
+def test_a_mixture_of_experts_that_fits_only_with_expert_parallelism_is_told_so() -> None:
+    """Without expert parallelism a MoE's step may not fit where it does with it and offload (GLM-5.2 at 2.1M on 32
+    GPUs: the published layout): the alternative is that layout; serving the policy, which helps only a step that
+    fits, is not offered."""
+    dense = PlanRequest(model="tiny-llama", context=4000, gpus=2, engine=PLAN_ENGINE.updated(chunk_size=1000))
+    assert planner.expert_parallel_alternative(dense) is None
+    moe = dataclasses.replace(dense, model="tiny-glm_moe_dsa", group=2, completion=16)
+    alternative = planner.expert_parallel_alternative(moe)
+    assert alternative is not None
+    assert (alternative.expert_parallel, alternative.offload, alternative.hsdp) == (True, True, False)
+    assert planner.expert_parallel_alternative(alternative) is None
+    at_dp_2 = planner.expert_parallel_alternative(dataclasses.replace(moe, gpus=4, dp=2))
+    assert at_dp_2 is not None and at_dp_2.hsdp
+    assert planner.expert_parallel_alternative(dataclasses.replace(moe, cp=1, dp=2)) is None
+
+
+def test_serving_the_policy_is_offered_only_for_a_step_that_fits() -> None:
+    request = PlanRequest(model="tiny-llama", gpus=2, gpu_mem_bytes=10 * 2**30)
+    rollouts_over = {"sampler state": 20 * 2**30}
+    step_fits = planner.Plan(request, {"weights": 2**30}, rollout=rollouts_over).table().splitlines()
+    assert step_fits[-1].endswith("does NOT fit: serve the policy instead (policy.served)")
+    neither = planner.Plan(request, {"weights": 20 * 2**30}, rollout=rollouts_over).table().splitlines()
+    assert neither[-1].endswith("does NOT fit") and "serve the policy" not in "\n".join(neither)

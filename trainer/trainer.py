@@ -7,8 +7,9 @@ step and policy version + 1. Checkpoints hold the model and optimizer state thro
 (every rank its own shards, or one process the whole; DCP reshards on load, so a checkpoint resumes on any mesh, with
 or without FSDP2), the scheduler and RNG states (``accelerate.Accelerator.save_state``) and the trainer's counters;
 they are written to a temporary folder and renamed into place, so a kill during a save leaves the previous checkpoint
-intact. Resuming from step k and running to step n
-gives bit-identical parameters to an uninterrupted run to step n (given the same data per step).
+intact; ``trainer_state.json`` lists every file written and its size, so that a checkpoint missing a file (or holding
+one cut short) is refused naming it (``IncompleteCheckpoint``) before anything is read. Resuming from step k and
+running to step n gives bit-identical parameters to an uninterrupted run to step n (given the same data per step).
 
 A GRPO step draws no random numbers and the trainer never seeds the global RNGs: seed (or give generators to) whatever
 samples the data. Checkpoints carry the global RNG states (accelerate), so a sampler on them resumes exactly.
@@ -54,6 +55,13 @@ from longstraw_agents.trajectory import Trajectory
 
 TRAINER_STATE = "trainer_state.json"
 OWNERSHIP_STATE = "ownership_{}.json"  # per process: where its cp group places the next pieces (context parallelism)
+SAVED_FILES = "files"  # trainer_state.json's listing of every file the save wrote, with its size in bytes
+NAMED_AT_MOST = 3  # files an incomplete checkpoint's message names before counting the rest
+
+
+class IncompleteCheckpoint(FileNotFoundError):
+    """A checkpoint without some of the files its save wrote (every process's shards, RNG states...), or with some
+    cut short: it cannot be loaded, whatever the settings."""
 
 
 class _Counters:
@@ -336,10 +344,9 @@ class GRPOTrainer:
         save_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, tmp)
         self._save_ownership(tmp)
         self.accelerator.wait_for_everyone()
-        if main:
-            (tmp / TRAINER_STATE).write_text(
-                json.dumps({**self.counters.state_dict(), "config": self.config.model_dump(mode="json")}, indent=2)
-            )
+        if main:  # every process's files are written (the barrier): list them, so that a load can check them
+            state = {**self.counters.state_dict(), "config": self.config.model_dump(mode="json")}
+            (tmp / TRAINER_STATE).write_text(json.dumps({**state, SAVED_FILES: _file_sizes(tmp)}, indent=2))
             old = final.with_name(final.name + ".old")
             if final.exists():
                 shutil.rmtree(old, ignore_errors=True)
@@ -352,6 +359,7 @@ class GRPOTrainer:
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Restore a checkpoint written on any mesh (DCP reshards the model and optimizer state to this one's)."""
         path = self.resolve_checkpoint(directory)
+        self.check_complete(path)
         self.accelerator.load_state(str(path))
         load_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, path)
         self._load_ownership(path)
@@ -394,6 +402,40 @@ class GRPOTrainer:
     @classmethod
     def checkpoint_info(cls, directory: str | os.PathLike) -> dict[str, Any]:
         return json.loads((cls.resolve_checkpoint(directory) / TRAINER_STATE).read_text())
+
+    @classmethod
+    def check_complete(cls, directory: str | os.PathLike) -> None:
+        """Raise ``IncompleteCheckpoint`` naming the files of the checkpoint in ``directory`` that are missing or
+        shorter than its save wrote them (a checkpoint written before saves listed their files is not checked)."""
+        path = cls.resolve_checkpoint(directory)
+        saved: dict[str, int] = cls.checkpoint_info(path).get(SAVED_FILES, {})
+        missing = [name for name in saved if not (path / name).is_file()]
+        short = [
+            f"{name} is cut short ({size:,} of {saved[name]:,} bytes)"
+            for name in saved
+            if name not in missing and (size := (path / name).stat().st_size) < saved[name]
+        ]
+        if missing or short:
+            problems = "; ".join(_missing(missing) + short)
+            raise IncompleteCheckpoint(f"the checkpoint in {path} is incomplete: {problems}")
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` (by its path relative to it) and its size in bytes."""
+    return {
+        file.relative_to(directory).as_posix(): file.stat().st_size
+        for file in sorted(directory.rglob("*"))
+        if file.is_file()
+    }
+
+
+def _missing(names: list[str]) -> list[str]:
+    """``names`` of missing files as a message names them: the first few, then how many more."""
+    if not names:
+        return []
+    named = ", ".join(names[:NAMED_AT_MOST])
+    more = f" and {len(names) - NAMED_AT_MOST} more files" if len(names) > NAMED_AT_MOST else ""
+    return [f"{named}{more} {'is' if len(names) == 1 else 'are'} missing"]
 
 
 def _save_no_model(models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:

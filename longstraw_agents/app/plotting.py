@@ -11,11 +11,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from longstraw_agents.app.records import EvalRecord, StepRecord
-
 log = logging.getLogger(__name__)
 
-STEP, EVAL = StepRecord.PHASE, EvalRecord.PHASE  # lines without a phase are steps (the first versions wrote none)
+# The phases of the lines plotted (``StepRecord.PHASE``, ``EvalRecord.PHASE``), named here so that reading a run's
+# metrics imports neither the records nor, through them, torch. Lines without a phase are steps (the first versions
+# wrote none).
+STEP, EVAL = "grpo", "eval"
 
 # File → (metric, label) candidates; the first metric with data is drawn. Memory: the tracked tensor peak needs
 # trainer.track_memory; every run logs the process's peak RSS (and the CUDA peak on a GPU).
@@ -24,11 +25,13 @@ CURVES: dict[str, tuple[tuple[str, str], ...]] = {
     "loss.png": (("loss", "GRPO loss"),),
     "length.png": (("episode_tokens_mean", "episode tokens (mean)"),),
     "memory.png": (
-        ("peak_bytes", "peak tracked bytes"),
-        ("cuda_peak_bytes", "peak CUDA bytes allocated"),
-        ("rss_peak_bytes", "peak process RSS (bytes)"),
+        ("peak_bytes", "peak tracked memory"),
+        ("cuda_peak_bytes", "peak CUDA memory allocated"),
+        ("rss_peak_bytes", "peak process RSS"),
     ),
 }
+BYTE_METRICS = frozenset(key for key, _ in CURVES["memory.png"])  # drawn in KiB, MiB or GiB, not in bytes
+BINARY_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -80,14 +83,22 @@ def _first_curve(
     return None
 
 
+def byte_unit(values: list[float]) -> tuple[str, int]:
+    """The unit memory figures read best in: the largest of GiB, MiB and KiB that the largest value reaches (bytes
+    below one KiB), with its size in bytes."""
+    largest = max((abs(v) for v in values), default=0.0)
+    return next(((name, size) for name, size in BINARY_UNITS if largest >= size), ("bytes", 1))
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write one PNG per curve that has data; returns the written paths."""
+    """Write one PNG per curve that has data; returns the written paths. A run directory without metrics fails
+    before matplotlib is imported."""
+    all_records = read_metrics(run_dir)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    all_records = read_metrics(run_dir)
     records = [r for r in all_records if r.get("phase", STEP) == STEP]
     evals = [r for r in all_records if r.get("phase") == EVAL]
     out = Path(out_dir or run_dir)
@@ -99,6 +110,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             continue
         key, label, points = curve
         steps, values = zip(*points, strict=True)
+        if key in BYTE_METRICS:
+            unit, size = byte_unit(list(values))
+            values, label = tuple(v / size for v in values), f"{label} ({unit})"
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, values, marker="o", markersize=3, alpha=0.5, label="per step")
         window = min(10, len(values))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -42,7 +43,7 @@ from longstraw_agents.app.config import (
     check_tokenizer,
 )
 from longstraw_agents.app.distributed import Ranks
-from longstraw_agents.app.records import MetricsRecord, WarmStartRecord
+from longstraw_agents.app.records import EvalRecord, MetricsRecord, WarmStartRecord
 from longstraw_agents.app.reporting import Reporter
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.app.served import ServedPolicy
@@ -57,6 +58,7 @@ from longstraw_agents.store import Store
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOTrainer
 from longstraw_agents.trainer.sft import supervised_warm_start
+from longstraw_agents.trainer.trainer import IncompleteCheckpoint
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -162,10 +164,11 @@ class Run:
                 raise
 
     def _assemble(self, config: TrainConfig, resume: bool, reference: Path | None) -> None:
-        """Trackers, the run's row in the store, the warm start (new runs), the trainer and its checkpoint."""
+        """Trackers, the warm start (new runs), the trainer and its checkpoint, the served policy, and last the run's
+        row in the store: a start stopped before it (Ctrl-C in the warm start) leaves no run row behind, and a new
+        start in the same directory (there is no checkpoint to resume) records the one run."""
         if self.ranks.writes and config.report_to:  # before the warm start, whose record they get
             self._reporter = Reporter.start(config.report_to, self.dir, config.model_dump(mode="json"))
-        self.run_id = self.ranks.from_writer(self._run_row(resume) if self.ranks.writes else "")
         if not resume:  # on every rank (a wait for the writer's could outlast a collective's timeout); then its weights
             self._warm_start()
         self.ranks.same_weights(self.model)
@@ -174,22 +177,24 @@ class Run:
         if resume:
             self._load_checkpoint()
         self.served = self._served_policy(resume)
+        self.run_id = self.ranks.from_writer(self._run_row(resume) if self.ranks.writes else "")
 
     def _write_config(self) -> None:
         (self.dir / "config.json").write_text(self.config.model_dump_json(indent=2))
 
     def _load_checkpoint(self) -> None:
         """Resume from the checkpoint (written on any mesh: DCP reshards it), then record the settings it now runs
-        with; a checkpoint these settings cannot hold (another model shape) is refused naming both."""
+        with. A checkpoint missing files is refused naming them; one that does not load naming the settings it was
+        written with and these (another model shape), or these alone when they are the same."""
         earlier = self.dir / "config.json"
         before = TrainConfig.model_validate_json(earlier.read_text()) if earlier.is_file() else None
         try:
             self.trainer.load_checkpoint(self.dir / CHECKPOINT)
+        except IncompleteCheckpoint as err:
+            advice = "restore those files, or start the run over in another output_dir"
+            raise IncompleteCheckpoint(f"--resume: {err}; {advice}") from None
         except (RuntimeError, ValueError, KeyError) as err:
-            written = f"written with {_layout(before)}" if before is not None else "of unknown settings"
-            raise ConfigError(
-                f"--resume: the checkpoint in {self.dir} ({written}) does not load with {_layout(self.config)}: {err}"
-            ) from None
+            raise ConfigError(f"--resume: {_refusal(self.dir, before, self.config)}: {err}") from None
         if self.ranks.writes:
             self._write_config()
 
@@ -216,6 +221,11 @@ class Run:
             self._reporter.log(record, record.at_step if record.at_step is not None else self.trainer.step_count)
         if self.on_metrics is not None:
             self.on_metrics(record)
+
+    def evaluated_steps(self) -> set[int]:
+        """The steps at which ``metrics.jsonl`` holds a held-out evaluation (the writer's file, on every rank):
+        resuming a finished run, or one stopped in its first evaluation, evaluates each step once."""
+        return self.ranks.from_writer(_evaluated_steps(self.dir / METRICS) if self.ranks.writes else set())
 
     def task_seeds(self, step: int) -> list[int]:
         return [task_seed(self.config.seed, step, g) for g in range(self.config.groups_per_step)]
@@ -388,6 +398,30 @@ def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConf
         sharded_extend_tokens=spec.sharded_extend_tokens,
         sharded_extends=spec.expert_dispatch or not spec.expert_parallel,
     )
+
+
+def _evaluated_steps(metrics: Path) -> set[int]:
+    """The ``step`` of every evaluation line of ``metrics`` (a line cut short by a kill is no evaluation)."""
+    steps: set[int] = set()
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("phase") == EvalRecord.PHASE and isinstance(record.get("step"), int):
+            steps.add(record["step"])
+    return steps
+
+
+def _refusal(run_dir: Path, before: TrainConfig | None, now: TrainConfig) -> str:
+    """Why a checkpoint did not load: the model and mesh it was written with and the ones it was loaded with (only
+    one, when they are the same: the settings are not what differs)."""
+    if before is None:
+        return f"the checkpoint in {run_dir} (of unknown settings) does not load with {_layout(now)}"
+    if _layout(before) == _layout(now):
+        return f"the checkpoint in {run_dir} does not load with the model and mesh it was written with ({_layout(now)})"
+    return f"the checkpoint in {run_dir} (written with {_layout(before)}) does not load with {_layout(now)}"
 
 
 def _layout(config: TrainConfig) -> str:

@@ -63,9 +63,10 @@ def _train(run: Run, config: TrainConfig, resume: bool) -> Path:
     shown = config.progress and run.ranks.writes
     bar = progress_bar(total=config.steps, initial=completed, desc="GRPO", unit="step", enabled=shown)
     watch = LearningSignalWatch()
+    evaluated = run.evaluated_steps() if resume else set()  # a resumed run evaluates no step twice
     try:
         with logging_redirect_tqdm():  # warnings print above the bars instead of through them
-            if config.eval_episodes and not resume:
+            if config.eval_episodes and completed == 0 and 0 not in evaluated:
                 run.emit(evaluate(run, config.eval_episodes))
             for step in range(run.trainer.step_count, config.steps):
                 record = rollout_and_train(run, step, watch)
@@ -85,7 +86,7 @@ def _train(run: Run, config: TrainConfig, resume: bool) -> Path:
         raise
     finally:
         bar.close()
-    if config.eval_episodes:
+    if config.eval_episodes and completed not in evaluated:
         run.emit(evaluate(run, config.eval_episodes, step=completed))
     return run.dir
 

@@ -47,6 +47,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Partial, Placement
 
 from longstraw_agents.memory import host_placement
+from longstraw_agents.plan_shape import (
+    HSDP_WITHOUT_CP as HSDP_WITHOUT_CP,
+)  # (`longstraw plan` checks them without torch)
+from longstraw_agents.plan_shape import HSDP_WITHOUT_DP as HSDP_WITHOUT_DP
 
 if TYPE_CHECKING:
     from longstraw_agents.engine.weights import ExpertRounds
@@ -137,16 +141,6 @@ def whole_now(groups: Sequence[Any]) -> tuple[list[Tensor], list[Tensor]]:
         if group._all_gather_result is not None:
             weights.append(group._all_gather_result.all_gather_output)
     return weights, gradients
-
-
-HSDP_WITHOUT_CP = (
-    "hsdp shards over each dp rank's cp ranks: with cp = 1 it shards nothing, every GPU holding the whole model, its "
-    "gradient and optimizer state (plain data parallelism); shard over every rank instead (fsdp without hsdp)"
-)
-HSDP_WITHOUT_DP = (
-    "hsdp replicates over the dp ranks: with dp = 1 there is nothing to replicate over, and it would shard over "
-    "the cp ranks exactly as fsdp without hsdp does; drop hsdp"
-)
 
 
 def prefetch_window(cp: int) -> int:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from longstraw_agents.app.plotting import plot_run, read_metrics
+from longstraw_agents.app.plotting import EVAL, STEP, byte_unit, plot_run, read_metrics
+from longstraw_agents.app.records import EvalRecord, StepRecord
 
 RECORDS = [
     {"phase": "warm_start", "episodes": 16, "steps": 100, "loss_first": 3.2, "loss_last": 0.4},
@@ -31,14 +32,22 @@ def write_metrics(run_dir: Path, records: list[dict]) -> Path:
     return run_dir
 
 
+class Drawn(dict[str, np.ndarray]):
+    """The (step, value) points of the first line of every figure saved, by file name; ``ylabels`` their y axes'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ylabels: dict[str, str] = {}
+
+
 @pytest.fixture
-def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, np.ndarray]:
-    """The (step, value) points of the first line of every figure saved, by file name."""
-    points: dict[str, np.ndarray] = {}
+def drawn(monkeypatch: pytest.MonkeyPatch) -> Drawn:
+    points = Drawn()
     savefig = matplotlib.figure.Figure.savefig
 
     def recording_savefig(fig, path, *args, **kwargs):
         points[Path(path).name] = fig.axes[0].lines[0].get_xydata()
+        points.ylabels[Path(path).name] = fig.axes[0].get_ylabel()
         return savefig(fig, path, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_savefig)
@@ -56,7 +65,21 @@ def test_plot_run_writes_one_png_per_curve_from_the_grpo_lines(tmp_path: Path, d
     np.testing.assert_array_equal(drawn["reward.png"], [[1, 0.25], [2, 0.5], [3, 0.75]])  # no eval point
     np.testing.assert_array_equal(drawn["loss.png"], [[1, 0.02], [2, -0.01], [3, 0.0]])
     np.testing.assert_array_equal(drawn["length.png"], [[1, 380.0], [2, 372.5], [3, 360.0]])
-    np.testing.assert_array_equal(drawn["memory.png"], [[1, 4096], [3, 6144]])  # steps without a value are left out
+    # memory in KiB (4096 and 6144 bytes); steps without a value are left out
+    np.testing.assert_array_equal(drawn["memory.png"], [[1, 4], [3, 6]])
+    assert drawn.ylabels["memory.png"] == "peak tracked memory (KiB)"
+
+
+def test_memory_is_drawn_in_the_binary_unit_its_largest_value_reaches() -> None:
+    assert byte_unit([512.0, 1000.0]) == ("bytes", 1)
+    assert byte_unit([1024.0]) == ("KiB", 1024)
+    assert byte_unit([3 * 2**20, 2**30 - 1]) == ("MiB", 2**20)
+    assert byte_unit([5 * 2**30, 2**20]) == ("GiB", 2**30)
+
+
+def test_the_phases_plotted_are_the_records_phases() -> None:
+    """plotting names them itself (reading metrics must not import torch, which the records do)."""
+    assert (STEP, EVAL) == (StepRecord.PHASE, EvalRecord.PHASE)
 
 
 def test_curves_without_data_are_not_written(tmp_path: Path) -> None:
@@ -75,10 +98,15 @@ def test_memory_falls_back_to_the_process_memory_every_run_logs(tmp_path: Path, 
     records = [{**r, "peak_bytes": None, "rss_peak_bytes": 1000 * r["step"]} for r in RECORDS if "reward_std" in r]
     written = plot_run(write_metrics(tmp_path / "rss", records))
     assert [p.name for p in written] == ["reward.png", "loss.png", "length.png", "memory.png"]
-    np.testing.assert_array_equal(drawn["memory.png"], [[1, 1000], [2, 2000], [3, 3000]])
+    np.testing.assert_array_equal(drawn["memory.png"], [[1, 1000 / 1024], [2, 2000 / 1024], [3, 3000 / 1024]])
+    assert drawn.ylabels["memory.png"] == "peak process RSS (KiB)"
     both = [{**r, "rss_peak_bytes": 1} for r in RECORDS]
     plot_run(write_metrics(tmp_path / "both", both))
-    np.testing.assert_array_equal(drawn["memory.png"], [[1, 4096], [3, 6144]])
+    np.testing.assert_array_equal(drawn["memory.png"], [[1, 4], [3, 6]])
+    gib = [{**r, "peak_bytes": None, "rss_peak_bytes": r["step"] * 2**30} for r in RECORDS if "reward_std" in r]
+    plot_run(write_metrics(tmp_path / "gib", gib))
+    np.testing.assert_array_equal(drawn["memory.png"], [[1, 1], [2, 2], [3, 3]])
+    assert drawn.ylabels["memory.png"] == "peak process RSS (GiB)"
 
 
 def test_malformed_metrics_lines_are_errors_or_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

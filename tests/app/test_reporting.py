@@ -4,12 +4,14 @@ finish however the run ends; a tracker whose package is missing stops the run be
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from paths import REPO
 from tiny_runs import ENV_ID, tiny_config
 from tracker_logs import as_float32, expected_scalars, tensorboard_scalars
 
@@ -20,6 +22,15 @@ from longstraw_agents.app.reporting import MLflow, Reporter, WandB, hyperparamet
 from longstraw_agents.app.training import train
 
 WARM_START = {"episodes": 2, "sft": {"steps": 2, "batch_size": 1}}
+README = REPO / "README.md"
+
+
+def readme_tags() -> list[str]:
+    """The tracker tags README's paragraph on experiment trackers names (``phase/key``)."""
+    paragraph = README.read_text().split("**Experiment trackers.**", 1)[1].split("\n\n", 1)[0]
+    tags = re.findall(r"`((?:warm_start|eval|grpo|replay_select)/[\w/]+)`", paragraph)
+    assert tags, "README names no tracker tag"
+    return tags
 
 
 def reporting_run(output_dir: Path, *trackers: str, **updates: Any) -> Path:
@@ -32,6 +43,7 @@ def test_tensorboard_holds_the_numbers_of_metrics_jsonl_at_their_steps(tmp_path:
     run_dir = reporting_run(tmp_path / "run", "tensorboard")
     expected = expected_scalars(run_dir, {"warm_start": 0})
     assert {"warm_start/loss_last", "eval/reward_mean", "grpo/loss", "grpo/finish_reasons/max_turns"} <= set(expected)
+    assert set(readme_tags()) <= set(expected)  # the tags README names are logged (a random policy runs out of turns)
     assert expected["grpo/reward_mean"][0][0] == 1 and expected["eval/reward_mean"][-1][0] == 2
     assert tensorboard_scalars(run_dir / "tensorboard") == as_float32(expected)
     # the config as hyperparameters (accelerate also keeps them as YAML beside the events)

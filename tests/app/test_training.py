@@ -22,6 +22,7 @@ from tiny_runs import (
     warm_started_policy,
 )
 
+from longstraw_agents.app import training
 from longstraw_agents.app.config import ConfigError, TrainConfig
 from longstraw_agents.app.replay import ReplayConfig, replay
 from longstraw_agents.app.training import train
@@ -243,6 +244,29 @@ def test_ctrl_c_after_a_step_before_its_checkpoint_still_leaves_one(tmp_path: Pa
         train(run_config(run_dir, policy, checkpoint_every=5), on_metrics=on_metrics)
     interrupted_then_resumed(run_dir, policy)
     assert_same_weights(checkpoint_weights(run_dir), checkpoint_weights(uninterrupted))
+
+
+def test_each_evaluation_is_run_once_however_often_the_run_is_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the first evaluation leaves a checkpoint of step 0: resuming runs that evaluation, the step and the
+    last evaluation; resuming the finished run adds no line (~3 s)."""
+    config = tiny_config(tmp_path / "run", steps=1, groups_per_step=1, eval_episodes=1)
+    monkeypatch.setattr(training, "evaluate", interrupt_on_call(training.evaluate, 1))
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    monkeypatch.undo()
+    assert GRPOTrainer.checkpoint_info(tmp_path / "run" / "checkpoint")["step"] == 0
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    run_dir = train(config, resume=True)
+    lines = (run_dir / "metrics.jsonl").read_text()
+    assert [(r["phase"], r["step"]) for r in map(json.loads, lines.splitlines())] == [
+        ("eval", 0),
+        ("grpo", 1),
+        ("eval", 1),
+    ]
+    train(config, resume=True)  # finished: nothing to train, and both evaluations are there
+    assert (run_dir / "metrics.jsonl").read_text() == lines
 
 
 def test_the_context_limit_stops_at_a_sliding_window_the_engine_cannot_pass() -> None:
