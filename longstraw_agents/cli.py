@@ -7,8 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from longstraw_agents import __version__
+
+if TYPE_CHECKING:
+    from longstraw_agents.timing import HardwareProfile
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
@@ -305,6 +309,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             groups_per_rank=args.groups_per_rank, hsdp=args.hsdp, expert_parallel=args.expert_parallel,
             expert_dispatch=args.expert_dispatch,
         )  # fmt: skip
+        timed_on = _time_profile(args) if args.time or args.profile is not None else None  # (before the plan)
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
             print(_longest_text(longest, CONTEXT_SEARCH_LIMIT))
@@ -316,16 +321,44 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(str(err))
     print(plan.table())
-    if args.time:
-        from longstraw_agents.timing import PROFILES, step_time
+    if timed_on is not None:
+        from longstraw_agents.timing import step_time
 
         try:
-            timed = step_time(request, PROFILES[args.hardware])
+            timed = step_time(request, timed_on)
         except ValueError as err:
             return _fail(str(err))
         print()
         print(timed.table())
     return 0
+
+
+def _time_profile(args: argparse.Namespace) -> HardwareProfile:
+    """``--hardware``'s profile, or with ``--profile`` the one measured there for the model's family (its links
+    ``--hardware``'s)."""
+    from longstraw_agents.timing import PROFILES
+
+    named = PROFILES[args.hardware]
+    if args.profile is None:
+        return named
+    import json
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from longstraw_agents.models import adapter_class
+    from longstraw_agents.planner import load_config
+    from longstraw_agents.timing import measured_profile
+
+    try:
+        record = json.loads(Path(args.profile).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--profile {args.profile}: {err}") from None
+    family = adapter_class(load_config(args.model)).family
+    try:
+        return measured_profile(record, family, named)
+    except (ValueError, TypeError, ValidationError) as err:
+        raise ValueError(f"--profile {args.profile}: {str(err).splitlines()[0]}") from None
 
 
 def _longest_text(longest: int, limit: int) -> str:
@@ -526,6 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time", action="store_true", help="also the step's time by phase (the time model)")
     p.add_argument(
         "--hardware", choices=["h200", "h100", "h20"], default="h200", help="the GPU --time models (default h200)"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="--time with the rates measured in this record of bench/gpu.py (e.g. bench/results/gpu.json: the "
+        "model family's profile; --hardware gives the links)",
     )
     p.set_defaults(func=_cmd_plan)
     return parser

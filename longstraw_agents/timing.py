@@ -874,6 +874,34 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
+def measured_profile(record: dict, family: str, links: HardwareProfile) -> HardwareProfile:
+    """The profile ``bench/gpu.py`` measured for ``family`` on one GPU (its record's ``setup[family]["profile"]``;
+    ``bench/timing.py``'s output, ``profiles[family]``, and a bare profile are read too), with the interconnect and
+    host links of ``links`` (one process measures neither): every compute, memory and per-call rate from the run's
+    micro-benchmarks, none from typical fractions."""
+    if "setup" in record:
+        measured = (record["setup"].get(family) or {}).get("profile")
+        found = sorted(f for f, s in record["setup"].items() if s and s.get("profile"))
+    elif "profiles" in record:
+        measured, found = record["profiles"].get(family), sorted(record["profiles"])
+    else:
+        measured, found = record, []
+    if measured is None:
+        raise ValueError(
+            f"the record has no profile measured for the {family} family (it has: {', '.join(found) or 'none'})"
+        )
+    profile = HardwareProfile(**measured)
+    efficiency = profile.efficiency.model_copy(update={"link": links.efficiency.link})
+    return profile.model_copy(
+        update={
+            "link_bandwidth": links.link_bandwidth,
+            "host_bandwidth": links.host_bandwidth,
+            "efficiency": efficiency,
+            "measured_on": f"{profile.measured_on}; links: {links.name}'s",
+        }
+    )
+
+
 # --- the step's time ----------------------------------------------------------------------------------------
 
 
