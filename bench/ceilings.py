@@ -4,7 +4,8 @@ the rates of a ``HardwareProfile`` from micro-benchmarks of the kernels the engi
 - ``matmul``: a layer-shaped ``F.linear`` (a chunk of tokens through an MLP projection);
 - ``attention`` / ``attention_backward``: the engine's attention backend on one chunk x chunk block, forward and
   backward (``Attention("auto")``: the fused CPU or CUDA flash kernels);
-- ``recurrent``: the delta rule over a chunk as the mixer runs it (its blocks' sequential steps included);
+- ``recurrent`` / ``recurrent_backward``: the delta rule over a chunk as the mixer runs it (its blocks' sequential
+  steps included), forward and backward;
 - ``selection``: DSA's index scores of a chunk against four chunks of keys and their ``stable_topk``;
 - ``memory``: a matrix-vector product (what a decoding step reads its weights with); ``gathered``: rows gathered at
   random and scattered back (DSA's selected rows);
@@ -84,16 +85,28 @@ def attention_rates(
     return flops / forward, 2.5 * flops / backward
 
 
-def delta_rule_rate(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
+def delta_rule_rates(config, chunk: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
     """FLOP/s of the delta rule as the mixer runs it (fla's kernel where it works, else the pure-torch scan) over one
-    chunk, its blocks' sequential steps included."""
+    chunk, its blocks' sequential steps included: forward, and backward (the gradients of its inputs and initial
+    state; twice the forward's FLOPs, as the time model counts it)."""
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # the scan's precision
-    q, k = (torch.randn(chunk, heads, dk, dtype=compute, device=device) for _ in range(2))
-    v = torch.randn(chunk, heads, dv, dtype=compute, device=device)
-    g = -torch.rand(chunk, heads, dtype=compute, device=device)
-    beta = torch.rand(chunk, heads, dtype=compute, device=device)
-    return delta_rule_flops(config, chunk) / seconds(lambda: delta_rule(q, k, v, g, beta, None), device)
+
+    def made(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, dtype=compute, device=device)).requires_grad_()
+
+    q, k, v = made(chunk, heads, dk), made(chunk, heads, dk), made(chunk, heads, dv)
+    g = (-torch.rand(chunk, heads, dtype=compute, device=device)).requires_grad_()
+    beta = torch.rand(chunk, heads, dtype=compute, device=device).requires_grad_()
+    initial = made(heads, dk, dv, scale=0.1)
+    inputs = (q, k, v, g, beta, initial)
+    with torch.no_grad():
+        forward = seconds(lambda: delta_rule(q, k, v, g, beta, initial), device)
+    out, final = delta_rule(*inputs)
+    probes = (torch.randn_like(out), torch.randn_like(final))
+    backward = seconds(lambda: torch.autograd.grad((out, final), inputs, probes, retain_graph=True), device)
+    flops = delta_rule_flops(config, chunk)
+    return flops / forward, 2 * flops / backward
 
 
 def selection_seconds(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
@@ -237,7 +250,9 @@ def measure_profile(
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     backend = getattr(args, "attention", "auto")
     forward, backward = attention_rates(heads, kv_heads, head_dim, args.chunk, dtype, device, backend)
-    recurrent = delta_rule_rate(config, args.chunk, dtype, device) if family == "hybrid" else peak
+    recurrent, recurrent_backward = (
+        delta_rule_rates(config, args.chunk, dtype, device) if family == "hybrid" else (peak, peak)
+    )
     selection = selection_seconds(config, args.chunk, dtype, device) if family == "mla" else 0.0
     memory = shared.memory
     profile = HardwareProfile(
@@ -245,7 +260,7 @@ def measure_profile(
         decode_call_s=0.0, selection_s=selection,
         efficiency=Efficiency(
             matmul=1.0, attention=forward / peak, attention_backward=backward / peak, recurrent=recurrent / peak,
-            memory=1.0, link=1.0,
+            recurrent_backward=recurrent_backward / peak, memory=1.0, link=1.0,
         ),
         measured_on=f"{name}: micro-benchmarks at the {family} family's shapes (no phase of a step)",
     )  # fmt: skip

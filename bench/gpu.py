@@ -762,6 +762,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-s", type=float, default=None, help="start no phase after this many seconds (the rest are skipped)"
     )
+    parser.add_argument(
+        "--until", type=float, default=None, help="start no phase after this time (seconds since the epoch)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quick", action="store_true", help="toy sizes: the smoke test of this script")
@@ -778,6 +781,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             1024,
         )
         args.group, args.completion, args.decode_tokens, args.index_topk = 2, 8, 4, 32
+        args.mla_lengths = args.mla_exact_at = None  # (the toy sizes for every family)
     for name in ("lengths", "exact_at", "mla_lengths", "mla_exact_at"):
         if any(n < 1 for n in getattr(args, name) or []):
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -816,7 +820,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record = json.loads(args.table.read_text())
         print(markdown(record))
         return record
-    deadline = Deadline(args.budget_s)
+    deadline = Deadline.after(args.budget_s)
+    if args.until is not None:
+        deadline = Deadline(min(args.until, deadline.end or args.until))
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     kernel_tests, off = kernel_switches(args)

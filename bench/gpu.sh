@@ -54,11 +54,12 @@ echo "== CUDA tests: exit $? ($((SECONDS - START)) s so far) =="
 "$PY" -m bench.gpu_tests summary "$XML"
 eval "$("$PY" -m bench.gpu_tests env "$XML")"  # a failed kernel's environment switch, before Python reads it
 
-# 3. the bench, in what is left: it starts no phase after its budget (a phase takes up to ~20 s: the margin), and
-# the timeout is the backstop
+# 3. the bench, in what is left: it starts no phase after $UNTIL (a phase takes up to ~20 s: the margin), nor a
+# family's set-up within 30 s of it, and the timeout is the backstop
 LEFT=$((TOTAL - (SECONDS - START)))
-echo "== bench/gpu.py: budget $((LEFT - 25)) s =="
-timeout "$LEFT" "$PY" -m bench.gpu --gpu-tests "$XML" --budget-s "$((LEFT - 25))" --out "$RECORDS/gpu.json" \
+UNTIL=$(($(date +%s) + LEFT - 25))
+echo "== bench/gpu.py: $((LEFT - 25)) s to start phases in =="
+timeout "$LEFT" "$PY" -m bench.gpu --gpu-tests "$XML" --until "$UNTIL" --out "$RECORDS/gpu.json" \
   --mla-lengths 32768 --mla-exact-at "$@" 2>&1 | tee "$RECORDS/gpu.log"
 status=${PIPESTATUS[0]}
 echo "== done in $((SECONDS - START)) s (bench exit $status); $RECORDS/gpu.json =="

@@ -62,17 +62,22 @@ class BudgetSpent(Exception):
 
 
 class Deadline:
-    """``seconds`` from now (None: no limit)."""
+    """A time after which no phase starts: ``end`` in seconds since the epoch (None: no limit), so that a script
+    can set it before Python's own start-up."""
 
-    def __init__(self, seconds: float | None) -> None:
-        self.end = None if seconds is None else time.perf_counter() + seconds
+    def __init__(self, end: float | None) -> None:
+        self.end = end
+
+    @classmethod
+    def after(cls, seconds: float | None) -> Deadline:
+        return cls(None if seconds is None else time.time() + seconds)
 
     @property
     def passed(self) -> bool:
         return self.left() <= 0
 
     def left(self) -> float:
-        return float("inf") if self.end is None else self.end - time.perf_counter()
+        return float("inf") if self.end is None else self.end - time.time()
 
     def check(self, reserve: float = 0.0) -> None:
         """Raise ``BudgetSpent`` unless more than ``reserve`` seconds are left."""

@@ -120,7 +120,8 @@ def report(rows: list[dict[str, Any]], profiles: dict[str, HardwareProfile]) -> 
         e = profile.efficiency
         print(
             f"{family}: {profile.measured_on}\n  matmul {profile.peak_flops * e.matmul / 1e12:.3f} TFLOP/s, attention "
-            f"{e.attention:.2f}x / backward {e.attention_backward:.2f}x of it, delta rule {e.recurrent:.3f}x, "
+            f"{e.attention:.2f}x / backward {e.attention_backward:.2f}x of it, delta rule {e.recurrent:.3f}x / "
+            f"backward {e.of('recurrent_backward'):.3f}x, "
             f"memory {profile.memory_bandwidth * e.memory / 1e9:.0f} GB/s; per layer call: chunk "
             f"{1e6 * profile.launch_s:.0f} us, branch {1e6 * profile.branch_call_s:.0f} us, decoding step "
             f"{1e6 * profile.decode_call_s:.0f} us; {1e9 * profile.selection_s:.2f} ns per index score"

@@ -223,13 +223,13 @@ def test_gpu_bench_skips_what_its_budget_leaves_out(tmp_path: Path) -> None:
     from bench.gpu import Run, lengths_of, parse_args, planned_phases
     from bench.gpu_record import Deadline, Record
 
-    args = parse_args(["--quick", "--device", "cpu", "--mla-lengths", "128", "--mla-exact-at"])
+    args = parse_args(["--device", "cpu", "--lengths", "128", "256", "--mla-lengths", "128", "--mla-exact-at"])
     record = Record(tmp_path / "gpu.json", {})
-    run = Run(args, torch.device("cpu"), "cpu", record, Deadline(0.0), (), None)  # type: ignore[arg-type]
+    run = Run(args, torch.device("cpu"), "cpu", record, Deadline.after(0.0), (), None)  # type: ignore[arg-type]
     for family in args.families:
         run.family(family)
     skipped = json.loads((tmp_path / "gpu.json").read_text())["skipped"]
-    assert lengths_of("mla", args) == ([128], []) and lengths_of("dense", args) == ([128, 256], [128])
+    assert lengths_of("mla", args) == ([128], []) and lengths_of("dense", args) == ([128, 256], [32768])
     assert [(s["family"], s["positions"], s["phase"]) for s in skipped] == [
         (f, n, phase) for f in args.families for n in lengths_of(f, args)[0]
         for phase in planned_phases(n, lengths_of(f, args)[1])
@@ -323,6 +323,50 @@ def test_transformers_peer_fits_what_runs_out_of_memory(peer_models: dict, monke
     assert capture["peer_s"] > 0 and "chunked prefill" in capture["peer_impl"] and capture["peer_error"] is None
     assert scoring["peer_s"] > 0 and scoring["peer_impl"].endswith("1 members per forward")
     torch.testing.assert_close(fitted.scoring(beside._cache, beside._work), whole, rtol=0, atol=1e-6)
+
+
+def test_transformers_peer_takes_a_delta_rule_kernel_only_where_it_agrees_with_the_fallback() -> None:
+    """The probe of transformers' resolved GatedDeltaNet functions (flash-linear-attention's where installed): one
+    equal to the torch fallback passes forward and backward, one a tenth off or one that raises is refused with
+    why; the phases that refuse it run the unwrapped fallbacks, and the module is restored after."""
+    import functools
+    import importlib
+    import inspect
+
+    import torch
+
+    from bench.gpu import parse_args, scaled_hybrid
+    from bench.peers_gpu import QWEN3_5, DeltaRule, _agrees
+
+    module = importlib.import_module(QWEN3_5)
+    chunk, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule
+    fallback = inspect.unwrap(chunk)
+
+    @functools.wraps(fallback)
+    def off(*args, **kwargs):
+        out, state = fallback(*args, **kwargs)
+        return 1.1 * out, state
+
+    @functools.wraps(fallback)
+    def failing(*args, **kwargs):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results\nmore")
+
+    args = parse_args(["--quick"])
+    config, cpu = scaled_hybrid(args.hidden, args.layers, args.vocab), torch.device("cpu")
+    assert _agrees(chunk, recurrent, config, cpu, torch.bfloat16, backward=False) is None
+    assert _agrees(chunk, recurrent, config, cpu, torch.bfloat16, backward=True) is None
+    assert _agrees(off, recurrent, config, cpu, torch.float32, backward=False).startswith(
+        "torch_chunk_gated_delta_rule output off by 0.1"
+    )
+    assert _agrees(failing, recurrent, config, cpu, torch.float32, backward=True) == (
+        "RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results"
+    )
+    rule = DeltaRule(chunk, recurrent, forward_kernel=True, backward_kernel=False, why="its backward fails")
+    assert rule.label("capture") == "flash-linear-attention"
+    assert rule.label("replay") == "torch fallback (its backward fails)"
+    with rule.running("replay"):
+        assert module.torch_chunk_gated_delta_rule is fallback
+    assert module.torch_chunk_gated_delta_rule is chunk and module.torch_recurrent_gated_delta_rule is recurrent
 
 
 JUNIT = """<testsuites><testsuite name="pytest">
@@ -578,6 +622,7 @@ def test_timing_bench_quick_models_every_row_from_micro_benchmarks(timing_quick)
         assert "micro-benchmarks" in profile["measured_on"], family
         assert profile["launch_s"] > 0 and profile["branch_call_s"] > 0 and profile["decode_call_s"] > 0
     assert record["profiles"]["mla"]["selection_s"] > 0 and record["profiles"]["mla"]["gather_s"] > 0
+    assert record["profiles"]["hybrid"]["efficiency"]["recurrent_backward"] > 0  # the delta rule's backward, measured
     assert record["profiles"]["dense"]["selection_s"] == 0
     steps = [r for r in rows if r["phase"] in ("detached_step", "exact_step")]
     assert record["summary"]["held_out_steps"] == len(steps) == 6
