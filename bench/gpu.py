@@ -44,7 +44,8 @@ tests' verdict per kernel; ``--budget-s`` starts no phase after that many second
 --quick`` runs the same code at toy sizes (the suite's smoke test).
 
     python -m bench.gpu [--families hybrid dense mla] [--lengths 32768 131072] [--exact-at 32768] [--quick]
-        [--mla-lengths 32768] [--mla-exact-at] [--gpu-tests gpu_tests.xml] [--budget-s 300] [--no-peers]
+        [--mla-lengths 32768] [--mla-exact-at] [--gpu-tests gpu_tests.xml] [--budget-s 300 | --until EPOCH] [--no-peers]
+    python -m bench.gpu --table bench/results/gpu.json   # the record as README's table
 """
 
 from __future__ import annotations
@@ -450,17 +451,19 @@ class Beside:
         from bench.timing import STEPS, row_work  # (bench.timing builds on this module)
 
         out: Row = dict.fromkeys(("model_flops", "flops_per_s", "of_matmul", "predicted_s", "predicted_over_measured"))
-        if row["phase"] not in STEPS or row["seconds"] <= 0:
+        if row["phase"] not in STEPS:
             return out
         if self._counted is None:
             self._counted = ModelWork.of(self.model.config, self.model.dtype)
         work = row_work(row, self._counted, self.args)
-        out |= {"model_flops": work.flops, "flops_per_s": work.flops / row["seconds"]}
-        if self.matmul_rate:
-            out["of_matmul"] = out["flops_per_s"] / self.matmul_rate
+        out["model_flops"] = work.flops
         if self.profile is not None:
-            predicted = self.profile.time(work)
-            out |= {"predicted_s": predicted, "predicted_over_measured": predicted / row["seconds"]}
+            out["predicted_s"] = self.profile.time(work)
+        if row["seconds"] > 0:  # (a difference of two phases can come out at zero or below on a busy machine)
+            out["flops_per_s"] = work.flops / row["seconds"]
+            out["of_matmul"] = out["flops_per_s"] / self.matmul_rate if self.matmul_rate else None
+            if out["predicted_s"] is not None:
+                out["predicted_over_measured"] = out["predicted_s"] / row["seconds"]
         return out
 
     def peer_columns(self, row: Row) -> Row:

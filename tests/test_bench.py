@@ -173,9 +173,11 @@ def test_gpu_bench_quick_times_every_phase_of_every_family(timing_quick) -> None
             assert by_phase["decode"]["tokens"] == 2 * 4  # G members, 4 steps
             for r in by_phase.values():
                 assert r["state_bytes"] == r["state_bytes_analytic"] > 0 and r["peak_bytes"] is None
-                assert r["model_flops"] > 0 and r["flops_per_s"] == r["model_flops"] / r["seconds"]
-                assert r["of_matmul"] == r["flops_per_s"] / record["matmul_flops_per_s"]
-                assert r["predicted_over_measured"] == r["predicted_s"] / r["seconds"] and r["predicted_s"] > 0
+                assert r["model_flops"] > 0 and r["predicted_s"] > 0
+                if r["seconds"] > 0:  # (the walk, a difference, may not be on a busy machine)
+                    assert r["flops_per_s"] == r["model_flops"] / r["seconds"]
+                    assert r["of_matmul"] == r["flops_per_s"] / record["matmul_flops_per_s"]
+                    assert r["predicted_over_measured"] == r["predicted_s"] / r["seconds"]
                 assert r["kernels_off"] == [] and r["peer_error"] is None
                 if r["phase"] in phases:  # transformers beside the engine
                     assert r["peer_s"] > 0 and r["peer_ratio"] == r["seconds"] / r["peer_s"]
