@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # is then built once, not once per worker
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: test test-fast demo lint format bench clean constraints
+.PHONY: test test-fast demo lint format bench clean constraints gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,17 @@ bench: $(STAMP)
 	$(PY) -m bench.ablation_learning --jobs 2
 	$(PY) -m bench.rollout
 	$(PY) -m bench.compaction
+
+# the wheels a GPU machine without a network needs for bench/gpu.sh, into .whl/ (ignored by git; bench/gpu.sh installs
+# them first): flash-linear-attention and its kernels, einops, and transformers at this project's pin (the machine's
+# image has an older one). All pure Python; fetched for the machine's Python 3.12 on x86-64.
+GPU_WHEELS ?= flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2 $(shell grep '^transformers==' constraints.txt)
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	ls -l .whl
 
 # re-pin constraints.txt to what the venv holds now (after a dependency changed in pyproject.toml)
 constraints: $(STAMP)

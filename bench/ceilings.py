@@ -4,7 +4,8 @@ the rates of a ``HardwareProfile`` from micro-benchmarks of the kernels the engi
 - ``matmul``: a layer-shaped ``F.linear`` (a chunk of tokens through an MLP projection);
 - ``attention`` / ``attention_backward``: the engine's attention backend on one chunk x chunk block, forward and
   backward (``Attention("auto")``: the fused CPU or CUDA flash kernels);
-- ``recurrent``: the delta rule over a chunk as the mixer runs it (its blocks' sequential steps included);
+- ``recurrent`` / ``recurrent_backward``: the delta rule over a chunk as the mixer runs it (its blocks' sequential
+  steps included), forward and backward;
 - ``selection``: DSA's index scores of a chunk against four chunks of keys and their ``stable_topk``;
 - ``memory``: a matrix-vector product (what a decoding step reads its weights with); ``gathered``: rows gathered at
   random and scattered back (DSA's selected rows);
@@ -14,7 +15,10 @@ the rates of a ``HardwareProfile`` from micro-benchmarks of the kernels the engi
   rotations, activations, residuals, merges), per element its matmuls write — the one measurement of the model's
   code at full width, over a single chunk (the rows ``bench/timing.py`` checks are longer contexts and other phases).
 
-Each is the median of ``repeats`` timings after one untimed call, synchronised on CUDA.
+Each is the median of ``repeats`` timings after one untimed call, synchronised on CUDA. The matmul, memory and host
+step rates do not depend on the family: ``bench/gpu.py`` measures them once per run (``SharedRates``) and every
+family's profile takes them from there. ``--quick`` (the CPU smoke test) shrinks the memory-bound benchmarks'
+sizes.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +63,19 @@ def matmul_rate(hidden: int, chunk: int, dtype: torch.dtype, device: torch.devic
 
 
 def attention_rates(
-    heads: int, kv_heads: int, head_dim: int, chunk: int, dtype: torch.dtype, device: torch.device
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    chunk: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend_name: str = "auto",
 ) -> tuple[float, float]:
-    """FLOP/s of the backend's forward and backward on one full chunk x chunk block."""
+    """FLOP/s of the engine's attention backend (``backend_name``: ``EngineConfig.attention``) forward and
+    backward on one full chunk x chunk block."""
     q = torch.randn(1, heads, chunk, head_dim, dtype=dtype, device=device)
     k, v = (torch.randn(1, kv_heads, chunk, head_dim, dtype=dtype, device=device) for _ in range(2))
-    backend = Attention().kernel(q, k, v)
+    backend = Attention(backend_name).kernel(q, k, v)
     scale = head_dim**-0.5
     out, lse = backend.forward(q, k, v, False, scale)
     d_out = torch.randn_like(out)
@@ -74,17 +85,29 @@ def attention_rates(
     return flops / forward, 2.5 * flops / backward
 
 
-def delta_rule_rate(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
-    """FLOP/s of the delta rule as a capture runs it (no gradient: fla's forward where it works, else the Triton
-    scan on a GPU, the pure-torch scan on CPU) over one chunk, its blocks' sequential steps included."""
+def delta_rule_rates(config, chunk: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """FLOP/s of the delta rule as the mixer runs it over one chunk, its blocks' sequential steps included: forward
+    as a capture runs it (no gradient: fla's fused forward where it works, else the Triton scan on a GPU, the
+    pure-torch scan on CPU), and backward (under autograd: the Triton scan's kernels on a GPU; the gradients of its
+    inputs and initial state, twice the forward's FLOPs, as the time model counts it)."""
     heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype  # the scan's precision
-    q, k = (torch.randn(chunk, heads, dk, dtype=compute, device=device) for _ in range(2))
-    v = torch.randn(chunk, heads, dv, dtype=compute, device=device)
-    g = -torch.rand(chunk, heads, dtype=compute, device=device)
-    beta = torch.rand(chunk, heads, dtype=compute, device=device)
+
+    def made(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, dtype=compute, device=device)).requires_grad_()
+
+    q, k, v = made(chunk, heads, dk), made(chunk, heads, dk), made(chunk, heads, dv)
+    g = (-torch.rand(chunk, heads, dtype=compute, device=device)).requires_grad_()
+    beta = torch.rand(chunk, heads, dtype=compute, device=device).requires_grad_()
+    initial = made(heads, dk, dv, scale=0.1)
+    inputs = (q, k, v, g, beta, initial)
     with torch.no_grad():
-        return delta_rule_flops(config, chunk) / seconds(lambda: delta_rule(q, k, v, g, beta, None), device)
+        forward = seconds(lambda: delta_rule(q, k, v, g, beta, initial), device)
+    out, final = delta_rule(*inputs)
+    probes = (torch.randn_like(out), torch.randn_like(final))
+    backward = seconds(lambda: torch.autograd.grad((out, final), inputs, probes, retain_graph=True), device)
+    flops = delta_rule_flops(config, chunk)
+    return flops / forward, 2 * flops / backward
 
 
 def selection_seconds(config, chunk: int, dtype: torch.dtype, device: torch.device) -> float:
@@ -165,7 +188,7 @@ def host_latencies(
     )
 
     def latency(run: Callable[[], object], modelled: Work, calls: float) -> float:
-        return max(seconds(run, device) - profile.time(modelled), 0.0) / calls
+        return max(seconds(run, device, model_repeats(args)) - profile.time(modelled), 0.0) / calls
 
     with torch.no_grad():
         state = engine.capture(work.prompt[:-1])
@@ -177,36 +200,78 @@ def host_latencies(
     return capture, branch, step
 
 
-def measure_profile(family: str, args: argparse.Namespace, device: torch.device, name: str) -> HardwareProfile:
-    """The rates the time model needs, at ``family``'s shapes under ``args`` (its width, chunk and dtype). Peaks
-    are set to the measured rates themselves (every efficiency is 1): the profile says what was reached."""
+def model_repeats(args: argparse.Namespace) -> int:
+    """Timings of the benchmarks that run a whole model (host latencies, the elementwise work): fewer under
+    ``--quick``, whose figures nobody reads."""
+    return 3 if getattr(args, "quick", False) else 9
+
+
+QUICK_SIZES = {"megabytes": 4, "rows": 1 << 11, "parameters": 1 << 16}  # the memory-bound benchmarks under --quick
+
+
+@dataclass(frozen=True)
+class SharedRates:
+    """The rates every family's profile shares (no family's shapes in them): a layer-shaped matmul at the run's width
+    and chunk (FLOP/s), a matrix-vector product's weight reads (bytes/s) and AdamW's step over host memory
+    (bytes/s)."""
+
+    matmul: float
+    memory: float
+    host_step: float
+
+    @classmethod
+    def measure(cls, args: argparse.Namespace, device: torch.device) -> SharedRates:
+        dtype, quick = getattr(torch, args.dtype), getattr(args, "quick", False)
+        return cls(
+            matmul=matmul_rate(args.hidden, args.chunk, dtype, device),
+            memory=memory_rate(dtype, device, QUICK_SIZES["megabytes"]) if quick else memory_rate(dtype, device),
+            host_step=host_step_rate(QUICK_SIZES["parameters"]) if quick else host_step_rate(),
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def measure_profile(
+    family: str, args: argparse.Namespace, device: torch.device, name: str, shared: SharedRates | None = None
+) -> HardwareProfile:
+    """The rates the time model needs, at ``family``'s shapes under ``args`` (its width, chunk, dtype and attention
+    backend), the family-independent ones from ``shared`` (measured here when not given). Peaks are set to the
+    measured rates themselves (every efficiency is 1): the profile says what was reached. Every rate a step on one
+    device uses is measured; the interconnect's (``link_bandwidth``) and the host link's are not (one process moves
+    nothing over them)."""
     dtype = getattr(torch, args.dtype)
     config = FAMILIES[family](args)
-    peak = matmul_rate(args.hidden, args.chunk, dtype, device)
+    shared = shared or SharedRates.measure(args, device)
+    peak = shared.matmul
     head_dim = getattr(config, "head_dim", None) or args.hidden // config.num_attention_heads
     if family == "mla":  # absorbed MLA: one KV head whose keys and values are the rows
         heads, kv_heads, head_dim = config.num_attention_heads, 1, config.kv_lora_rank + config.qk_rope_head_dim
     else:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    forward, backward = attention_rates(heads, kv_heads, head_dim, args.chunk, dtype, device)
-    recurrent = delta_rule_rate(config, args.chunk, dtype, device) if family == "hybrid" else peak
+    backend = getattr(args, "attention", "auto")
+    forward, backward = attention_rates(heads, kv_heads, head_dim, args.chunk, dtype, device, backend)
+    recurrent, recurrent_backward = (
+        delta_rule_rates(config, args.chunk, dtype, device) if family == "hybrid" else (peak, peak)
+    )
     selection = selection_seconds(config, args.chunk, dtype, device) if family == "mla" else 0.0
-    memory = memory_rate(dtype, device)
+    memory = shared.memory
     profile = HardwareProfile(
         name=name, peak_flops=peak, memory_bandwidth=memory, link_bandwidth=1e9, launch_s=0.0, branch_call_s=0.0,
         decode_call_s=0.0, selection_s=selection,
         efficiency=Efficiency(
             matmul=1.0, attention=forward / peak, attention_backward=backward / peak, recurrent=recurrent / peak,
-            memory=1.0, link=1.0,
+            recurrent_backward=recurrent_backward / peak, memory=1.0, link=1.0,
         ),
         measured_on=f"{name}: micro-benchmarks at the {family} family's shapes (no phase of a step)",
     )  # fmt: skip
     if family == "mla":
-        profile = profile.model_copy(update={"gather_s": gather_seconds(dtype, device)})
+        rows = QUICK_SIZES["rows"] if getattr(args, "quick", False) else 1 << 16
+        profile = profile.model_copy(update={"gather_s": gather_seconds(dtype, device, rows)})
     capture, branch, decoding = host_latencies(family, args, device, profile)
     profile = profile.model_copy(update={"launch_s": capture, "branch_call_s": branch, "decode_call_s": decoding})
     elementwise = elementwise_seconds(family, args, device, profile)
-    return profile.model_copy(update={"elementwise_s": elementwise, "host_step_bandwidth": host_step_rate()})
+    return profile.model_copy(update={"elementwise_s": elementwise, "host_step_bandwidth": shared.host_step})
 
 
 def elementwise_seconds(family: str, args: argparse.Namespace, device: torch.device, profile: HardwareProfile) -> float:
@@ -216,6 +281,6 @@ def elementwise_seconds(family: str, args: argparse.Namespace, device: torch.dev
     engine = Engine(model, engine_config(args))
     prompt = torch.randint(0, args.vocab, (args.chunk,), device=device)
     with torch.no_grad():
-        measured = seconds(lambda: engine.capture(prompt), device)
+        measured = seconds(lambda: engine.capture(prompt), device, model_repeats(args))
     work = ModelWork.of(model.config, model.dtype).chunked(0, args.chunk, args.chunk, entries_only=True)
     return max(measured - profile.time(work), 0.0) / work.elementwise

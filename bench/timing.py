@@ -68,7 +68,7 @@ def record_args(record: dict[str, Any]) -> argparse.Namespace:
     for key in ("hidden", "layers", "vocab", "experts", "index_topk", "group", "completion", "decode_tokens"):
         setattr(args, key, int(settings[key]))
     args.chunk, args.max_score_elements = int(settings["chunk"]), int(settings["max_score_elements"])
-    args.dtype = settings["dtype"]
+    args.dtype, args.attention = settings["dtype"], settings.get("attention", "auto")
     return args
 
 
@@ -121,7 +121,8 @@ def report(rows: list[dict[str, Any]], profiles: dict[str, HardwareProfile]) -> 
         e = profile.efficiency
         print(
             f"{family}: {profile.measured_on}\n  matmul {profile.peak_flops * e.matmul / 1e12:.3f} TFLOP/s, attention "
-            f"{e.attention:.2f}x / backward {e.attention_backward:.2f}x of it, delta rule {e.recurrent:.3f}x, "
+            f"{e.attention:.2f}x / backward {e.attention_backward:.2f}x of it, delta rule {e.recurrent:.3f}x / "
+            f"backward {e.of('recurrent_backward'):.3f}x, "
             f"memory {profile.memory_bandwidth * e.memory / 1e9:.0f} GB/s; per layer call: chunk "
             f"{1e6 * profile.launch_s:.0f} us, branch {1e6 * profile.branch_call_s:.0f} us, decoding step "
             f"{1e6 * profile.decode_call_s:.0f} us; {1e9 * profile.selection_s:.2f} ns per index score"
@@ -147,15 +148,12 @@ def report(rows: list[dict[str, Any]], profiles: dict[str, HardwareProfile]) -> 
 
 def cpu_argv(quick: bool) -> list[str]:
     """Models this CPU measures in a few minutes: every phase of three families at three lengths, the median of
-    three timings each (``quick``: toy sizes, the smoke test of this script)."""
+    three timings each (``quick``: ``bench.gpu``'s toy sizes, the smoke test of this script)."""
     if quick:
-        sizes = ["--hidden", "64", "--layers", "4", "--vocab", "1024", "--chunk", "128", "--group", "2"]
-        sizes += ["--completion", "8", "--decode-tokens", "4", "--index-topk", "32", "--experts", "8"]
-        sizes += ["--lengths", "256", "512", "--exact-at", "256", "--repeats", "1"]
-    else:
-        sizes = ["--hidden", "256", "--layers", "4", "--vocab", "8192", "--chunk", "512", "--group", "4"]
-        sizes += ["--completion", "64", "--decode-tokens", "16", "--index-topk", "512", "--experts", "8"]
-        sizes += ["--lengths", "1024", "4096", "8192", "--exact-at", "1024", "4096", "8192", "--repeats", "3"]
+        return ["--quick", "--device", "cpu", "--dtype", "float32"]
+    sizes = ["--hidden", "256", "--layers", "4", "--vocab", "8192", "--chunk", "512", "--group", "4"]
+    sizes += ["--completion", "64", "--decode-tokens", "16", "--index-topk", "512", "--experts", "8"]
+    sizes += ["--lengths", "1024", "4096", "8192", "--exact-at", "1024", "4096", "8192", "--repeats", "3"]
     return [*sizes, "--device", "cpu", "--dtype", "float32"]
 
 

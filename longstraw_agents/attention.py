@@ -629,16 +629,16 @@ def sparse_attend(
 
 
 def sparse_kernel_applies(q: Tensor, spans: Sequence[Span]) -> bool:
-    """The Triton sparse kernel runs here: CUDA tensors in a dtype it takes, Triton installed, and every gradient
-    sink at least fp32 (atomic adds)."""
+    """The Triton sparse kernel runs here: CUDA tensors in a dtype it takes, Triton installed and the DSA kernels not
+    switched off (``kernels.dsa_kernels_on``), and every gradient sink at least fp32 (atomic adds)."""
     sinks_ok = all(sink is None or sink.dtype in (torch.float32, torch.float64) for _, _, sink in spans)
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and sinks_ok and _triton()
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and sinks_ok and _dsa_kernels()
 
 
-def _triton() -> bool:
-    from longstraw_agents.kernels import triton_available
+def _dsa_kernels() -> bool:
+    from longstraw_agents.kernels import dsa_kernels_on
 
-    return triton_available()
+    return dsa_kernels_on()
 
 
 Span = tuple[Tensor, int, "Tensor | None"]  # rows, their first position, their gradient sink

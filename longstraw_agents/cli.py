@@ -8,9 +8,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from longstraw_agents import __version__
+
+if TYPE_CHECKING:
+    from longstraw_agents.timing import HardwareProfile
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
@@ -344,6 +347,7 @@ def _run_plan(args: argparse.Namespace, shape: dict[str, Any]) -> int:
             **shape, dtype=getattr(torch, args.dtype), engine=engine,
             mixed_precision=False if args.no_mixed_precision else None,
         )  # fmt: skip
+        timed_on = _time_profile(args) if args.time or args.profile is not None else None  # (before the plan)
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
             print(_longest_text(longest, CONTEXT_SEARCH_LIMIT))
@@ -357,11 +361,11 @@ def _run_plan(args: argparse.Namespace, shape: dict[str, Any]) -> int:
     print(plan.table())
     if not plan.fits and not args.longest:
         _print_what_fits(request)
-    if args.time:
-        from longstraw_agents.timing import PROFILES, step_time
+    if timed_on is not None:
+        from longstraw_agents.timing import step_time
 
         try:
-            timed = step_time(request, PROFILES[args.hardware])
+            timed = step_time(request, timed_on)
         except ValueError as err:
             return _fail(str(err))
         print()
@@ -390,6 +394,34 @@ def _print_what_fits(request) -> None:
         f"with expert parallelism ({flags}) it fits: {plan.total / GIB:.2f} GiB per GPU, each cp rank holding whole "
         "experts, never gathered (add the flags for its plan)"
     )
+
+
+def _time_profile(args: argparse.Namespace) -> HardwareProfile:
+    """``--hardware``'s profile, or with ``--profile`` the one measured there for the model's family (its links
+    ``--hardware``'s)."""
+    from longstraw_agents.timing import PROFILES
+
+    named = PROFILES[args.hardware]
+    if args.profile is None:
+        return named
+    import json
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from longstraw_agents.models import adapter_class
+    from longstraw_agents.planner import load_config
+    from longstraw_agents.timing import measured_profile
+
+    try:
+        record = json.loads(Path(args.profile).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--profile {args.profile}: {err}") from None
+    family = adapter_class(load_config(args.model)).family
+    try:
+        return measured_profile(record, family, named)
+    except (ValueError, TypeError, ValidationError) as err:
+        raise ValueError(f"--profile {args.profile}: {str(err).splitlines()[0]}") from None
 
 
 def _longest_text(longest: int, limit: int) -> str:
@@ -607,6 +639,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time", action="store_true", help="also the step's time by phase (the time model)")
     p.add_argument(
         "--hardware", choices=["h200", "h100", "h20"], default="h200", help="the GPU --time models (default h200)"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="--time with the rates measured in this record of bench/gpu.py (e.g. bench/results/gpu.json: the "
+        "model family's profile; --hardware gives the links)",
     )
     p.set_defaults(func=_cmd_plan)
     return parser

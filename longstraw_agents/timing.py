@@ -7,7 +7,7 @@ The work of each phase is counted for one rank from the model's config and the s
   only: ``FamilyAdapter.active_fraction``), the LM head where log-probs are taken;
 - ``attention`` (and ``attention_backward``): softmax attention's (query, key) pairs as the fused kernels compute
   them (the masked half of a chunk's diagonal block skipped; DSA's top-k rows: ``FamilyAdapter.layer_work``);
-- ``recurrent``: GatedDeltaNet's chunked delta rule;
+- ``recurrent`` (and ``recurrent_backward``): GatedDeltaNet's chunked delta rule;
 - ``selection``: DSA's index scores, each with its share of the top-k (no gradient);
 - ``elementwise``: the elements the matmuls write, which the norms, rotations, activations, residuals and merges
   around them go over;
@@ -24,9 +24,10 @@ The work of each phase is counted for one rank from the model's config and the s
   reduction's gradient shard out), and ``host_step``: the bytes AdamW's step goes over there (on the device its
   step is ``memory``): the ``optimizer`` phase, once per optimizer step.
 
-A backward pass costs twice its forward in matmuls, recurrent and elementwise work and 2.5 times in attention (the
-fused backward recomputes the scores: five products to the forward's two); activation checkpointing adds one
-forward.
+A backward pass costs twice its forward in matmuls, the delta rule and elementwise work and 2.5 times in attention
+(the fused backward recomputes the scores: five products to the forward's two); activation checkpointing adds one
+forward. Attention's and the delta rule's backward are classes of their own, each at its own rate (their kernels
+are not their forwards').
 
 ``HardwareProfile`` turns work into seconds: each class at its own achieved rate (peak x efficiency) plus the host's
 latency per layer call on each path, summed (no overlap: an upper estimate where communication hides behind
@@ -62,7 +63,8 @@ BACKWARD = {
     "matmul": 2.0,
     "attention": 0.0,  # moved to attention_backward: the fused backward, 2.5 forwards (five products to two)
     "attention_backward": 0.0,
-    "recurrent": 2.0,
+    "recurrent": 0.0,  # moved to recurrent_backward: two forwards
+    "recurrent_backward": 0.0,
     "selection": 0.0,  # DSA's index scores take no gradient
     "memory": 0.0,
     "gathered": 2.0,  # gathered again in backward, and the rows' gradients scattered back
@@ -74,7 +76,9 @@ BACKWARD = {
     "host": 0.0,
     "host_step": 0.0,
 }
-COMPUTE_CLASSES = ("matmul", "attention", "attention_backward", "recurrent", "selection", "elementwise")
+COMPUTE_CLASSES = (
+    *("matmul", "attention", "attention_backward", "recurrent", "recurrent_backward", "selection", "elementwise"),
+)
 EXACT_CHUNKS = 2048  # chunks counted one by one (beyond: runs summed from their ends)
 
 
@@ -86,6 +90,7 @@ class Work:
     attention: float = 0.0
     attention_backward: float = 0.0
     recurrent: float = 0.0
+    recurrent_backward: float = 0.0
     selection: float = 0.0
     elementwise: float = 0.0
     memory: float = 0.0
@@ -106,11 +111,15 @@ class Work:
     def backward(self) -> Work:
         """The backward pass of this forward work (its communication counted by the caller)."""
         work = Work(**{name: getattr(self, name) * BACKWARD[name] for name in WORK_CLASSES})
-        return replace(work, attention_backward=2.5 * self.attention + self.attention_backward)
+        return replace(
+            work,
+            attention_backward=2.5 * self.attention + self.attention_backward,
+            recurrent_backward=2.0 * self.recurrent + self.recurrent_backward,
+        )
 
     @property
     def flops(self) -> float:
-        return self.matmul + self.attention + self.attention_backward + self.recurrent
+        return self.matmul + self.attention + self.attention_backward + self.recurrent + self.recurrent_backward
 
 
 WORK_CLASSES = tuple(f.name for f in fields(Work))
@@ -703,6 +712,9 @@ class Schedule:
 # --- hardware -----------------------------------------------------------------------------------------------
 
 
+FLOP_CLASSES = ("matmul", "attention", "attention_backward", "recurrent", "recurrent_backward")
+
+
 class Efficiency(BaseModel):
     """Achieved / peak rate of each class of work (measured: ``calibrate``)."""
 
@@ -714,6 +726,13 @@ class Efficiency(BaseModel):
     recurrent: float = Field(gt=0)
     memory: float = Field(gt=0)
     link: float = Field(gt=0)
+    recurrent_backward: float | None = Field(default=None, gt=0)  # None: the forward's (``recurrent``)
+
+    def of(self, name: str) -> float:
+        """The efficiency of class ``name`` (the delta rule's backward at its forward's where not measured)."""
+        if name == "recurrent_backward" and self.recurrent_backward is None:
+            return self.recurrent
+        return float(getattr(self, name))
 
 
 class HardwareProfile(BaseModel):
@@ -742,12 +761,12 @@ class HardwareProfile(BaseModel):
 
     def peaks(self) -> dict[str, float]:
         """The peak rate of each class whose achieved rate is an ``efficiency`` of it."""
-        flops = dict.fromkeys(("matmul", "attention", "attention_backward", "recurrent"), self.peak_flops)
+        flops = dict.fromkeys(FLOP_CLASSES, self.peak_flops)
         return {**flops, "memory": self.memory_bandwidth}
 
     def rates(self) -> dict[str, float]:
         """Units of each class per second."""
-        rates = {name: peak * getattr(self.efficiency, name) for name, peak in self.peaks().items()}
+        rates = {name: peak * self.efficiency.of(name) for name, peak in self.peaks().items()}
         links = {"comm": self.link_bandwidth * self.efficiency.link, "host": self.host_bandwidth}
         return {**rates, **links, "host_step": self.host_step_bandwidth}
 
@@ -810,7 +829,8 @@ def calibrate(
 
 
 FITTED = (
-    *("matmul", "attention", "attention_backward", "recurrent", "selection", "elementwise", "memory", "gathered"),
+    *("matmul", "attention", "attention_backward", "recurrent", "recurrent_backward", "selection", "elementwise"),
+    *("memory", "gathered"),
     *("launches", "branch_calls", "decode_calls"),
 )
 
@@ -872,6 +892,34 @@ PROFILES: dict[str, HardwareProfile] = {
     "h100": hopper("H100 SXM", 989e12, 3.35e12, H200_PRIOR),
     "h20": hopper("H20", 148e12, 4.0e12, H200_PRIOR),
 }
+
+
+def measured_profile(record: dict, family: str, links: HardwareProfile) -> HardwareProfile:
+    """The profile ``bench/gpu.py`` measured for ``family`` on one GPU (its record's ``setup[family]["profile"]``;
+    ``bench/timing.py``'s output, ``profiles[family]``, and a bare profile are read too), with the interconnect and
+    host links of ``links`` (one process measures neither): every compute, memory and per-call rate from the run's
+    micro-benchmarks, none from typical fractions."""
+    if "setup" in record:
+        measured = (record["setup"].get(family) or {}).get("profile")
+        found = sorted(f for f, s in record["setup"].items() if s and s.get("profile"))
+    elif "profiles" in record:
+        measured, found = record["profiles"].get(family), sorted(record["profiles"])
+    else:
+        measured, found = record, []
+    if measured is None:
+        raise ValueError(
+            f"the record has no profile measured for the {family} family (it has: {', '.join(found) or 'none'})"
+        )
+    profile = HardwareProfile(**measured)
+    efficiency = profile.efficiency.model_copy(update={"link": links.efficiency.link})
+    return profile.model_copy(
+        update={
+            "link_bandwidth": links.link_bandwidth,
+            "host_bandwidth": links.host_bandwidth,
+            "efficiency": efficiency,
+            "measured_on": f"{profile.measured_on}; links: {links.name}'s",
+        }
+    )
 
 
 # --- the step's time ----------------------------------------------------------------------------------------

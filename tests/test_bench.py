@@ -149,20 +149,24 @@ def timing_quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, d
 def test_gpu_bench_quick_times_every_phase_of_every_family(timing_quick) -> None:
     """On the CPU at toy sizes: one printed and one JSON row per (family, positions, phase), whole steps and the
     walk at the ``--exact-at`` lengths; the walk is the difference it says it is; states as ``state_size``
-    predicts."""
+    predicts; beside each phase transformers' time for the same work (its kernels and workarounds said), the
+    model FLOP rate against the run's matmul rate and the time model's prediction."""
     stdout, record, _, _ = timing_quick
-    assert record["device"] == "cpu" and sorted(record["versions"]) == ["cuda", "fla", "torch", "transformers"]
+    assert record["device"] == "cpu" and record["date"] and record["finished"] and record["skipped"] == []
+    assert sorted(record["versions"]) == ["cuda", "fla", "python", "torch", "transformers", "triton"]
+    assert record["gpu_tests"] is None and record["kernels_off"] == [] and record["matmul_flops_per_s"] > 0
     assert sorted(record["setup"]) == ["dense", "hybrid", "mla"]
     rows = record["rows"]
     measuring = stdout[: stdout.index("wrote ")]  # bench.gpu's output (then bench.timing's report)
     printed = [line.split() for line in measuring.splitlines()]  # one table line per row, as it is measured
     table = [(line[0], int(line[2]), line[3]) for line in printed if line[0] in record["setup"]]
     assert table == [(r["family"], r["positions"], r["phase"] + ("*" if r["difference_of"] else "")) for r in rows]
-    phases = ["capture", "scoring", "replay", "decode", "decode_eager"]
+    phases = ["capture", "scoring", "replay", "decode"]  # (decode_eager: the eager decoder, no peer)
     for family in ("hybrid", "dense", "mla"):
-        at = {n: {r["phase"]: r for r in rows if r["family"] == family and r["positions"] == n} for n in (256, 512)}
-        assert list(at[256]) == [*phases, "detached_step", "exact_step", "walk"] and list(at[512]) == phases
-        assert at[256]["detached_step"]["tokens"] == at[256]["exact_step"]["tokens"] == 256 + 2 * 8
+        at = {n: {r["phase"]: r for r in rows if r["family"] == family and r["positions"] == n} for n in (128, 256)}
+        assert list(at[128]) == [*phases, "decode_eager", "detached_step", "exact_step", "walk"]
+        assert list(at[256]) == [*phases, "decode_eager"]
+        assert at[128]["detached_step"]["tokens"] == at[128]["exact_step"]["tokens"] == 128 + 2 * 8
         for n, by_phase in at.items():
             assert {r["parameters"] for r in by_phase.values()} == {by_phase["capture"]["parameters"]} != {0}
             assert by_phase["capture"]["tokens"] == n
@@ -170,11 +174,240 @@ def test_gpu_bench_quick_times_every_phase_of_every_family(timing_quick) -> None
             assert by_phase["decode"]["tokens"] == by_phase["decode_eager"]["tokens"] == 2 * 4  # G members, 4 steps
             for r in by_phase.values():
                 assert r["state_bytes"] == r["state_bytes_analytic"] > 0 and r["peak_bytes"] is None
-        measured = [r for r in at[256].values() if r["difference_of"] is None]
+                assert r["model_flops"] > 0 and r["predicted_s"] > 0
+                if r["seconds"] > 0:  # (the walk, a difference, may not be on a busy machine)
+                    assert r["flops_per_s"] == r["model_flops"] / r["seconds"]
+                    assert r["of_matmul"] == r["flops_per_s"] / record["matmul_flops_per_s"]
+                    assert r["predicted_over_measured"] == r["predicted_s"] / r["seconds"]
+                assert r["kernels_off"] == [] and r["peer_error"] is None
+                if r["phase"] in phases:  # transformers beside the engine
+                    assert r["peer_s"] > 0 and r["peer_ratio"] == r["seconds"] / r["peer_s"]
+                    assert r["peer_impl"].startswith("sdpa") and r["peer_peak_bytes"] is None
+                    assert ("2 members per forward" in r["peer_impl"]) == (r["phase"] != "capture")
+                else:
+                    assert r["peer_s"] is r["peer_ratio"] is r["peer_impl"] is None
+        measured = [r for r in at[128].values() if r["difference_of"] is None]
         assert len(measured) == 7 and all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in measured)
-        walk = at[256]["walk"]
+        walk = at[128]["walk"]
         assert walk["difference_of"] == ["exact_step", "detached_step"]
-        assert walk["seconds"] == at[256]["exact_step"]["seconds"] - at[256]["detached_step"]["seconds"]
+        assert walk["seconds"] == at[128]["exact_step"]["seconds"] - at[128]["detached_step"]["seconds"]
+    replay = {r["family"]: r["peer_impl"] for r in rows if r["phase"] == "replay"}
+    assert "delta rule: torch fallback" in replay["hybrid"] and "recurrent state assigned" in replay["hybrid"]
+    assert "experts " in replay["mla"] and record["setup"]["mla"]["peer"]["experts"]["eager"] > 0
+    assert record["setup"]["hybrid"]["peer"]["delta_rule"]["backward"] == "torch fallback"  # (no fla on a CPU)
+    from bench.gpu import markdown  # README's table of the record
+
+    table = markdown(record).splitlines()
+    assert len(table) == 4 + len(rows) and table[4].startswith("| hybrid | 128 | capture | ")
+
+
+def test_gpu_bench_writes_each_row_as_it_is_measured(tmp_path: Path) -> None:
+    """The record on disk after every change (a run killed later keeps it), ``finished`` only at the end."""
+    from bench.gpu_record import Record
+
+    path = tmp_path / "gpu.json"
+    record = Record(path, {"device": "cpu"})
+    on_disk = json.loads(path.read_text())
+    assert on_disk["device"] == "cpu" and on_disk["rows"] == [] and on_disk["finished"] is None
+    record.add_setup("dense", {"build_s": 1.0})
+    record.add_row({"family": "dense", "phase": "capture"})
+    record.skip("dense", 128, "scoring", "out of memory")
+    on_disk = json.loads(path.read_text())
+    assert on_disk["rows"] == [{"family": "dense", "phase": "capture"}] and on_disk["setup"]["dense"]["build_s"] == 1
+    assert on_disk["skipped"] == [{"family": "dense", "positions": 128, "phase": "scoring", "reason": "out of memory"}]
+    assert on_disk["finished"] is None and record.finish()["finished"] == json.loads(path.read_text())["finished"]
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]  # (written through a temporary file, renamed)
+
+
+def test_gpu_bench_skips_what_its_budget_leaves_out(tmp_path: Path) -> None:
+    """With no time left no family is set up: every planned row is listed as skipped, none measured."""
+    import torch
+
+    from bench.gpu import Run, lengths_of, parse_args, planned_phases
+    from bench.gpu_record import Deadline, Record
+
+    args = parse_args(["--device", "cpu", "--lengths", "128", "256", "--mla-lengths", "128", "--mla-exact-at"])
+    record = Record(tmp_path / "gpu.json", {})
+    run = Run(args, torch.device("cpu"), "cpu", record, Deadline.after(0.0), (), None)  # type: ignore[arg-type]
+    for family in args.families:
+        run.family(family)
+    skipped = json.loads((tmp_path / "gpu.json").read_text())["skipped"]
+    assert lengths_of("mla", args) == ([128], []) and lengths_of("dense", args) == ([128, 256], [32768])
+    assert [(s["family"], s["positions"], s["phase"]) for s in skipped] == [
+        (f, n, phase) for f in args.families for n in lengths_of(f, args)[0]
+        for phase in planned_phases(n, lengths_of(f, args)[1])
+    ]  # fmt: skip
+    assert {s["reason"] for s in skipped} == {"time budget spent before the family's set-up"}
+    assert record.data["rows"] == []
+
+
+@pytest.fixture(scope="module")
+def peer_models() -> dict:
+    """``bench.gpu``'s toy hybrid and dense models in fp64, each with its engine and transformers' peer."""
+    import torch
+
+    from bench.gpu import build, engine_config, parse_args
+    from bench.peers_gpu import Transformers
+    from longstraw_agents.engine import Engine
+
+    args = parse_args(["--quick", "--device", "cpu", "--dtype", "float64"])
+    models = {}
+    for family in ("hybrid", "dense"):
+        model = build(family, args, torch.device("cpu"))
+        models[family] = (args, model, Engine(model, engine_config(args)), Transformers.prepare(model, args.chunk))
+    return models
+
+
+@pytest.mark.parametrize("family", ["hybrid", "dense"])
+def test_transformers_peer_does_the_engines_work(peer_models: dict, family: str) -> None:
+    """The peer's log-probs (transformers' cache of the context, expanded to the G completions) equal the engine's
+    scoring (fp64 model; TRL's log-softmax runs in fp32); its replay's gradient is the same twice over the same
+    cache (the cache is left as it was: the hybrid's recurrent states are assigned, not copied into); decoding
+    runs."""
+    import torch
+
+    from bench.gpu import Workload, score
+    from bench.peers_gpu import PeerWork
+
+    args, model, engine, peer = peer_models[family]
+    work = Workload.random(128, args, torch.device("cpu"))
+    with torch.no_grad():
+        engine_logprobs = torch.stack(score(engine, work.group(), engine.capture(work.prompt[:-1])))
+    peer_work = PeerWork.of(work.prompt, work.completions, work.rewards, 3)
+    cache = peer.capture(peer_work)
+    torch.testing.assert_close(peer.scoring(cache, peer_work), engine_logprobs.float(), rtol=0, atol=1e-5)
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        peer.replay(cache, peer_work)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad(set_to_none=True)
+    assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[1])
+    peer.decode(cache, peer_work)
+    torch.testing.assert_close(peer.scoring(cache, peer_work), engine_logprobs.float(), rtol=0, atol=1e-5)
+
+
+def test_transformers_peer_fits_what_runs_out_of_memory(peer_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that runs out of memory in one forward goes through the cache a chunk at a time (the same cache);
+    a phase whose G members run out of memory together runs them in halves; each says so in its label."""
+    import torch
+
+    from bench.gpu import Beside, Workload
+    from bench.peers_gpu import Transformers
+
+    args, model, _, peer = peer_models["dense"]
+    inner = model.model
+
+    class OneChunkAtATime(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: torch.Tensor, **kwargs):
+            if input_ids.shape[1] > args.chunk:
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+            return self.inner(input_ids, **kwargs)
+
+    logprobs = Transformers._logprobs
+
+    def one_member_at_a_time(self, cache, work, rows, assigned=False):
+        if rows.stop - rows.start > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return logprobs(self, cache, work, rows, assigned)
+
+    fitted = Transformers(model, args.chunk, setup=dict(peer.setup))
+    beside = Beside(model, args, fitted)
+    beside.start(Workload.random(3 * args.chunk, args, torch.device("cpu")))
+    whole = fitted.scoring(fitted.capture(beside._work), beside._work)
+    monkeypatch.setattr(model, "model", OneChunkAtATime())
+    monkeypatch.setattr(Transformers, "_logprobs", one_member_at_a_time)
+    capture = beside.peer_columns({"phase": "capture", "seconds": 1.0})
+    scoring = beside.peer_columns({"phase": "scoring", "seconds": 1.0})
+    assert capture["peer_s"] > 0 and "chunked prefill" in capture["peer_impl"] and capture["peer_error"] is None
+    assert scoring["peer_s"] > 0 and scoring["peer_impl"].endswith("1 members per forward")
+    torch.testing.assert_close(fitted.scoring(beside._cache, beside._work), whole, rtol=0, atol=1e-6)
+
+
+def test_transformers_peer_takes_a_delta_rule_kernel_only_where_it_agrees_with_the_fallback() -> None:
+    """The probe of transformers' resolved GatedDeltaNet functions (flash-linear-attention's where installed): one
+    equal to the torch fallback passes forward and backward, one a tenth off or one that raises is refused with
+    why; the phases that refuse it run the unwrapped fallbacks, and the module is restored after."""
+    import functools
+    import importlib
+    import inspect
+
+    import torch
+
+    from bench.gpu import parse_args, scaled_hybrid
+    from bench.peers_gpu import QWEN3_5, DeltaRule, _agrees
+
+    module = importlib.import_module(QWEN3_5)
+    chunk, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule
+    fallback = inspect.unwrap(chunk)
+
+    @functools.wraps(fallback)
+    def off(*args, **kwargs):
+        out, state = fallback(*args, **kwargs)
+        return 1.1 * out, state
+
+    @functools.wraps(fallback)
+    def failing(*args, **kwargs):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results\nmore")
+
+    args = parse_args(["--quick"])
+    config, cpu = scaled_hybrid(args.hidden, args.layers, args.vocab), torch.device("cpu")
+    assert _agrees(chunk, recurrent, config, cpu, torch.bfloat16, backward=False) is None
+    assert _agrees(chunk, recurrent, config, cpu, torch.bfloat16, backward=True) is None
+    assert _agrees(off, recurrent, config, cpu, torch.float32, backward=False).startswith(
+        "torch_chunk_gated_delta_rule output off by 0.1"
+    )
+    assert _agrees(failing, recurrent, config, cpu, torch.float32, backward=True) == (
+        "RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results"
+    )
+    rule = DeltaRule(chunk, recurrent, forward_kernel=True, backward_kernel=False, why="its backward fails")
+    assert rule.label("capture") == "flash-linear-attention"
+    assert rule.label("replay") == "torch fallback (its backward fails)"
+    with rule.running("replay"):
+        assert module.torch_chunk_gated_delta_rule is fallback
+    assert module.torch_chunk_gated_delta_rule is chunk and module.torch_recurrent_gated_delta_rule is recurrent
+
+
+HYBRID, FLA = "tests.models.test_hybrid", "test_the_fla_forward_equals_the_torch_scan_where_no_gradient_flows"
+JUNIT = f"""<testsuites><testsuite name="pytest">
+<testcase classname="{HYBRID}" name="{FLA}[fp32]">
+  <failure message="relative error 0.3"/></testcase>
+<testcase classname="{HYBRID}" name="{FLA}[bf16]"/>
+<testcase classname="tests.kernels.test_delta_scan" name="test_the_compiled_triton_scan_equals_the_torch_scan[150]"/>
+<testcase classname="tests.test_attention" name="test_forward_equals_softmax[one-block-cuda-flash-dtype3]"/>
+<testcase classname="tests.test_attention" name="test_cudnn_attention_equals_flash_where_cudnn_takes_the_shape[True]">
+  <error message="CUDNN_STATUS_NOT_SUPPORTED"/></testcase>
+<testcase classname="tests.kernels.test_dsa" name="test_the_compiled_dsa_kernels_equal_the_torch_paths_on_the_gpu"/>
+<testcase classname="tests.trainer.test_trainer" name="test_reference_model_follows_the_policy_to_the_gpu">
+  <skipped message="needs a CUDA device"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_gpu_tests_switch_off_each_kernel_whose_parity_test_failed(tmp_path: Path) -> None:
+    """A failed or erroring test switches its kernel off (fla's delta-rule forward through the environment, cuDNN
+    attention by giving way to flash); a kernel whose tests passed, or that has none, stays on."""
+    from bench.gpu_tests import KERNELS, attention_backend, exports, read_junit, switched_off, verdicts
+
+    (tmp_path / "gpu_tests.xml").write_text(JUNIT)
+    results = read_junit(tmp_path / "gpu_tests.xml")
+    assert [r.outcome for r in results] == ["failed", "passed", "passed", "passed", "failed", "passed", "skipped"]
+    found = verdicts(results)
+    verdict = {s.kernel: found[s.kernel]["verdict"] for s in KERNELS}
+    assert list(verdict.values()) == ["failed", "passed", "not run", "passed", "failed", "passed", "not run"]
+    fla, cudnn = KERNELS[0].kernel, KERNELS[4].kernel
+    assert found[fla]["failed_tests"] == [f"{HYBRID}::{FLA}[fp32]"]
+    off = switched_off(results)
+    assert [s.kernel for s in off] == [fla, cudnn]
+    assert exports(off) == "export LONGSTRAW_DELTA_RULE=triton\n"
+    names = ("auto", "eager", "cpu-flash", "cuda", "cuda-flash", "cuda-cudnn")
+    assert attention_backend(off, names) == "cuda-flash" and attention_backend(off, names, "eager") == "eager"
+    assert attention_backend(off, ("auto", "eager", "cuda-flash"), "cuda-cudnn") == "cuda-flash"
+    assert attention_backend([], names) == "auto"
+    assert off[0].applies_to("hybrid", "capture") and not off[0].applies_to("dense", "capture")
 
 
 @pytest.mark.distributed
@@ -334,7 +567,9 @@ def test_conversation_document_has_the_episodes_chat_layout() -> None:
     # the answer marks are the tokens a policy writes (the episodes' own), not their spelling as plain text
     marks = [tokenizer.special_token_id(mark) for mark in (ANSWER_OPEN, ANSWER_CLOSE)]
     assert [drill.token_ids().tolist().count(mark) for mark in marks] == [3, 3]
-    assert [conversation.token_ids().tolist().count(mark) for mark in marks] == [3, 3]
+    # (the system prompt names the marks too: they are vocabulary words wherever they appear, as in Qwen's tokenizer)
+    answers = [t for turn in turns for t in turn.token_ids.tolist()]
+    assert [answers.count(mark) for mark in marks] == [3, 3]
 
 
 def test_mixture_rehearses_its_share_of_an_earlier_stage() -> None:
@@ -389,12 +624,13 @@ def test_timing_bench_quick_models_every_row_from_micro_benchmarks(timing_quick)
     stdout, _, record, folder = timing_quick
     rows = record["rows"]
     assert {r["family"] for r in rows} == set(record["profiles"]) == {"dense", "hybrid", "mla"}
-    assert {r["positions"] for r in rows} == {256, 512} and all(r["held_out"] for r in rows)
+    assert {r["positions"] for r in rows} == {128, 256} and all(r["held_out"] for r in rows)
     assert all(r["predicted_s"] > 0 and r["ratio"] == r["predicted_s"] / r["seconds"] for r in rows)
     for family, profile in record["profiles"].items():
         assert "micro-benchmarks" in profile["measured_on"], family
         assert profile["launch_s"] > 0 and profile["branch_call_s"] > 0 and profile["decode_call_s"] > 0
     assert record["profiles"]["mla"]["selection_s"] > 0 and record["profiles"]["mla"]["gather_s"] > 0
+    assert record["profiles"]["hybrid"]["efficiency"]["recurrent_backward"] > 0  # the delta rule's backward, measured
     assert record["profiles"]["dense"]["selection_s"] == 0
     steps = [r for r in rows if r["phase"] in ("detached_step", "exact_step")]
     assert record["summary"]["held_out_steps"] == len(steps) == 6

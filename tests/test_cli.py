@@ -579,6 +579,23 @@ def test_plan_time_prints_each_phase_on_the_chosen_gpu(capsys: pytest.CaptureFix
     assert timing[-1].startswith("step (without rollouts): ") and "on each of 2 GPUs" in timing[-1]
 
 
+def test_plan_time_takes_the_rates_a_gpu_run_measured(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``--profile``: the model family's profile of a bench/gpu.py record (implies --time); a record without it, or
+    no record, is one line of error."""
+    from longstraw_agents.timing import PROFILES
+
+    measured = PROFILES["h100"].model_copy(update={"name": "NVIDIA H100 80GB HBM3", "measured_on": "micro-benchmarks"})
+    record = tmp_path / "gpu.json"
+    record.write_text(json.dumps({"setup": {"hybrid": {"profile": measured.model_dump()}}}))
+    tiny = ("plan", "--model", "tiny-qwen3_5", "--gpus", "1", "--context", "1K", "--chunk", "256", "--group", "2")
+    code, out, _ = run_cli(capsys, *tiny, "--completion", "16", "--profile", str(record))
+    assert code == 0 and "Time model (NVIDIA H100 80GB HBM3; efficiencies: micro-benchmarks; links: H200's)" in out
+    code, _, err = run_cli(capsys, *tiny, "--model", "tiny-llama", "--profile", str(record))
+    assert code != 0 and "no profile measured for the dense family (it has: hybrid)" in err
+    code, _, err = run_cli(capsys, *tiny, "--profile", str(tmp_path / "none.json"))
+    assert code != 0 and "--profile" in err and "No such file" in err
+
+
 def test_plan_longest_says_when_the_answer_is_the_search_bound(capsys: pytest.CaptureFixture[str]) -> None:
     tiny = ("plan", "--model", "tiny-llama", "--gpus", "1", "--group", "2", "--completion", "16", "--chunk", "64")
     code, out, _ = run_cli(capsys, *tiny, "--gpu-mem", "1000T", "--longest")

@@ -28,6 +28,7 @@ from longstraw_agents.timing import (
     Schedule,
     Work,
     calibrate,
+    measured_profile,
     step_time,
     step_work,
 )
@@ -206,6 +207,24 @@ def test_step_time_table_names_every_phase_and_the_model():
     seconds = timed.phase_seconds()
     assert timed.training_seconds() == pytest.approx(sum(v for k, v in seconds.items() if k != "rollout"))
     assert 0 < timed.comm_share() < 1
+
+
+def test_a_measured_profile_keeps_its_rates_and_takes_the_links_of_the_named_gpu():
+    """``plan --time --profile``: the family's profile of a ``bench/gpu.py`` record (or of ``bench/timing.py``'s),
+    every compute, memory and per-call rate as measured, the interconnect's and host link's from ``links``; a record
+    without the family's profile says which families it has."""
+    measured = PROFILES["h20"].model_copy(
+        update={"name": "NVIDIA H100", "link_bandwidth": 1e9, "decode_call_s": 7e-6, "measured_on": "micro-benchmarks"}
+    )
+    record = {"setup": {"dense": {"profile": measured.model_dump()}, "mla": {"build_s": 1.0}}}
+    profile = measured_profile(record, "dense", PROFILES["h200"])
+    assert profile.link_bandwidth == PROFILES["h200"].link_bandwidth and profile.efficiency.link == 0.7
+    assert profile.decode_call_s == 7e-6 and profile.peak_flops == measured.peak_flops
+    assert profile.efficiency.attention == measured.efficiency.attention and profile.name == "NVIDIA H100"
+    assert profile.measured_on == "micro-benchmarks; links: H200's"
+    assert measured_profile({"profiles": {"dense": measured.model_dump()}}, "dense", PROFILES["h200"]) == profile
+    with pytest.raises(ValueError, match=r"no profile measured for the hybrid family \(it has: dense\)"):
+        measured_profile(record, "hybrid", PROFILES["h200"])
 
 
 def test_fsdp_traffic_follows_the_schedule_of_each_mesh():

@@ -20,3 +20,13 @@ def triton_available() -> bool:
 def interpreted() -> bool:
     """Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors, numpy arithmetic)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+DSA_KERNELS_ENV = "LONGSTRAW_DSA_KERNELS"
+
+
+def dsa_kernels_on() -> bool:
+    """DSA's Triton kernels (index scores, sparse attention) may run on CUDA tensors: Triton is installed and
+    ``LONGSTRAW_DSA_KERNELS`` is not ``0`` (``bench/gpu.sh`` sets it where their GPU parity test failed; the
+    gathered torch paths run instead)."""
+    return triton_available() and os.environ.get(DSA_KERNELS_ENV, "1") != "0"

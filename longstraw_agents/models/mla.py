@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from longstraw_agents.attention import Attention, KVBlock, merge, selected_partial, sparse_attend
-from longstraw_agents.kernels import triton_available
+from longstraw_agents.kernels import dsa_kernels_on
 from longstraw_agents.models.base import (
     DecoderLayer,
     FamilyAdapter,
@@ -133,8 +133,8 @@ class BestKeys:
 
 
 def index_kernel_applies(q: Tensor) -> bool:
-    """The indexer's Triton kernel runs here: CUDA tensors, Triton installed."""
-    return q.is_cuda and triton_available()
+    """The indexer's Triton kernel runs here: CUDA tensors, Triton installed, the DSA kernels not switched off."""
+    return q.is_cuda and dsa_kernels_on()
 
 
 class DSAIndexer:
