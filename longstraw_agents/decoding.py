@@ -3,6 +3,7 @@
     decoder = Decoder(engine, [Member(fork, prefix=fork)] * 8, reserve=32)   # 8 members of one group
     logits = decoder.step(tokens)            # one token each, one forward; next-token logits [8, V]
     [state] = decoder.leave([3])             # member 3 is done: its state covers every token it was given
+    decoder.drop([5])                        # member 5 is done and nothing continues it: no state is written
 
 A member is an engine ``State`` plus the ``prefix`` it shares with its group (the state the group was forked from,
 an ancestor of the member's). Members with the same prefix object form a group: each growing layer reads that
@@ -127,6 +128,12 @@ class Decoder:
         leaving = set(rows)
         self._compact([row for row in range(len(self.live)) if row not in leaving])
         return states
+
+    def drop(self, members: Sequence[int]) -> None:
+        """Take ``members`` out of the batch without writing their new positions anywhere: a turn nothing continues
+        (a server's answer), whose storage goes with the batch's buffers."""
+        leaving = {self.live.index(k) for k in members}
+        self._compact([row for row in range(len(self.live)) if row not in leaving])
 
     # --- internals ------------------------------------------------------------------------------------------
     def _grows(self) -> list[bool]:
