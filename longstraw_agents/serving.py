@@ -126,7 +126,7 @@ from longstraw_agents.serving_limits import (
     request_bytes,
 )
 from longstraw_agents.tokenizer import Tokenizer
-from longstraw_agents.torch_sampler import BatchDecoding, TorchHandle, TorchSampler
+from longstraw_agents.torch_sampler import BatchDecoding, TorchSampler
 from longstraw_agents.weight_sync import WeightsMismatch, load_weights
 
 log = logging.getLogger(__name__)
@@ -408,11 +408,9 @@ class _Flight:
 
 @dataclass
 class _Choice:
-    """One choice being generated: its handle, what it drew so far and the text already sent."""
+    """One choice being generated: what it drew so far and the text already sent."""
 
     index: int
-    handle: TorchHandle
-    limit: int
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -460,7 +458,7 @@ class _Job:
     def start(self, flight: _Flight) -> None:
         """Capture and fork the prompts (call in a turn of the engine; a long prompt passes it between chunks)."""
         handles = [h for ids in self.prompts for h in self.sampler.fork_pausing(ids, self.n, flight.pause)]
-        self.choices = [_Choice(index, handle, self.max_tokens) for index, handle in enumerate(handles)]
+        self.choices = [_Choice(index) for index in range(len(handles))]
         self.decoding = BatchDecoding(self.sampler, handles, self.max_tokens, keep_states=False)
 
     def run(self, flight: _Flight) -> dict[str, Any]:

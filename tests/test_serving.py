@@ -281,6 +281,11 @@ def test_unknown_route_is_404(server: CompletionServer) -> None:
     assert httpx.get(server.url + "/v2/models", timeout=10).status_code == 404
 
 
+def test_complete_answers_in_process_as_the_route_does(server: CompletionServer) -> None:
+    body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "logprobs": 0}
+    assert server.complete(body)["choices"] == post(server, body).json()["choices"]
+
+
 def test_chat_without_a_chat_template_is_a_400_that_says_so(server: CompletionServer) -> None:
     response = post(server, {"messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions")
     assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
@@ -611,6 +616,12 @@ def test_no_room_in_the_memory_budget_in_time_is_a_503_with_retry_after(server: 
             assert "no room came within 0.05 s" in response.json()["error"]["message"]
         assert post(busy, {"prompt": [3, 4], "max_tokens": 2}).status_code == 200
         assert busy.stats.busy == 1
+        update = {"model_path": "/no/such/dir", "weight_version": "3"}
+        with busy.budget.hold(1):  # a request in flight: new weights wait for it to end
+            waited = httpx.post(busy.url + "/update_weights_from_disk", json=update, timeout=60)
+            assert waited.status_code == 503 and waited.json()["success"] is False
+        refused = httpx.post(busy.url + "/update_weights_from_disk", json=update, timeout=60)
+        assert refused.status_code == 400 and "/no/such/dir" in refused.json()["message"]
 
 
 def test_a_request_waits_for_room_then_is_answered(server: CompletionServer) -> None:
