@@ -335,11 +335,9 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_tokens_field(self) -> str:
         """The field that sets the reply's length: ``max_completion_tokens``, else the older ``max_tokens``."""
-        return (
-            "max_tokens"
-            if self.max_completion_tokens is None and self.max_tokens is not None
-            else ("max_completion_tokens")
-        )
+        if self.max_completion_tokens is None and self.max_tokens is not None:
+            return "max_tokens"
+        return "max_completion_tokens"
 
     def completion_request(self, prompt: list[int]) -> CompletionRequest:
         """The completion of ``prompt`` (the rendered messages) with this request's sampling fields (null
@@ -458,6 +456,7 @@ class _Job:
     def start(self, flight: _Flight) -> None:
         """Capture and fork the prompts (call in a turn of the engine; a long prompt passes it between chunks)."""
         handles = [h for ids in self.prompts for h in self.sampler.fork_pausing(ids, self.n, flight.pause)]
+        # (choice p·n + k is member p·n + k of the request's sampler: its own seed)
         self.choices = [_Choice(index) for index in range(len(handles))]
         self.decoding = BatchDecoding(self.sampler, handles, self.max_tokens, keep_states=False)
 
@@ -747,7 +746,8 @@ class CompletionServer:
         return self.budget.holders
 
     def start(self) -> CompletionServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        """Serve from a thread of its own (``stop`` ends it within 50 ms: socketserver's default poll takes 0.5 s)."""
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         return self
 

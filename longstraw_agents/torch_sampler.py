@@ -124,15 +124,15 @@ class TorchSampler:
         if self.engine.shards is not None:
             return self.fork(prompt_ids, n)
         ids = self._prompt(prompt_ids)
-        chunk = self.engine.config.chunk_size
+        chunk, captured = self.engine.config.chunk_size, ids.numel() - 1  # (the last token is stepped: logits)
         state = self.engine.empty_state()
         with torch.no_grad():
-            for lo in range(0, ids.numel() - 1, chunk):
+            for lo in range(0, captured, chunk):
                 if lo:
                     pause()
-                # room for the rest of the prompt (its last token too): the later chunks append in place
-                rest = ids.numel() - min(lo + chunk, ids.numel() - 1)
-                state = self.engine.extend(state, ids[lo : min(lo + chunk, ids.numel() - 1)], reserve=rest)
+                hi = min(lo + chunk, captured)
+                # room for the rest of the prompt, its last token too: what follows appends in place
+                state = self.engine.extend(state, ids[lo:hi], reserve=ids.numel() - hi)
             return self._forked(state, ids, n)
 
     def _prompt(self, prompt_ids: Sequence[int]) -> torch.Tensor:

@@ -570,11 +570,11 @@ def test_max_tokens_beyond_the_context_or_the_servers_limit_is_a_400_naming_it(s
             "context is 1,048,576 tokens and the prompt holds 3, so max_tokens can be at most 1,048,573"
             in (error["message"])
         )
-    with serving(server.sampler, ServingLimits(max_tokens=64)) as capped:
-        error = post(capped, {**body, "max_tokens": 65}).json()["error"]
-        assert error["param"] == "max_tokens" and "65 is more than this server allows (64" in error["message"]
+    with serving(server.sampler, ServingLimits(max_tokens=8)) as capped:
+        error = post(capped, {**body, "max_tokens": 9}).json()["error"]
+        assert error["param"] == "max_tokens" and "9 is more than this server allows (8" in error["message"]
         assert "--max-tokens" in error["message"]
-        assert post(capped, {**body, "max_tokens": 64, "stop_token_ids": [255]}).status_code == 200
+        assert post(capped, {**body, "max_tokens": 8, "stop_token_ids": [255]}).status_code == 200
         with pytest.raises(openai.BadRequestError, match="more than this server allows"):
             client(capped).completions.create(model="tiny", prompt=[1, 2], max_tokens=100)
 
