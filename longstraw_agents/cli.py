@@ -187,9 +187,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from longstraw_agents.app.config import ConfigError
-    from longstraw_agents.app.serve import load_policy, policy_server
+    from pydantic import ValidationError
 
+    from longstraw_agents.app.config import ConfigError
+    from longstraw_agents.app.serve import load_policy, policy_server, quiet_transformers
+    from longstraw_agents.serving_limits import ServingLimits
+
+    given = {"max_tokens": args.max_tokens, "memory_budget": args.memory_budget, "queue_timeout_s": args.queue_timeout}
+    try:
+        limits = ServingLimits(**{name: value for name, value in given.items() if value is not None})
+    except ValidationError as err:  # a bound the flags' own checks do not cover, e.g. --queue-timeout 1e9
+        first = err.errors()[0]
+        return _fail(f"serve: {first['loc'][0]}: {first['msg']}")
     try:
         policy = load_policy(args.path, dtype=args.dtype, device=args.device)
     except (ConfigError, FileNotFoundError) as err:
@@ -202,16 +211,30 @@ def _serve(args: argparse.Namespace) -> int:
             model_name=args.model_name or args.path,
             model_path=args.path,
             weight_version=args.weight_version,
+            limits=limits,
         )
     except OSError as err:  # the address is taken, or not this machine's
         return _fail(f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
+    _announce(server, args.path, policy.source)
+    with quiet_transformers():  # e.g. a tokenizer's warning about a long prompt: the server answers for it
+        server.serve_forever()
+    return 0
+
+
+def _announce(server, path: str, source: str) -> None:
+    """The banner: where the server listens, then its limits."""
     print(
-        f"serving {args.path} ({policy.source}) as {server.model_name!r} on {server.url}/v1 "
+        f"serving {path} ({source}) as {server.model_name!r} on {server.url}/v1 "
         "(chat/completions, completions, models); Ctrl-C stops",
         flush=True,
     )
-    server.serve_forever()
-    return 0
+    context = f"{server.context:,}" if server.context is not None else "unbounded"
+    print(
+        f"limits: max_tokens {server.limits.max_tokens:,} (--max-tokens), context {context}, memory budget "
+        f"{server.budget.total_bytes / 2**30:.2f} GiB over the requests in flight (--memory-budget; a request waits "
+        f"up to {server.limits.queue_timeout_s:g} s for room, --queue-timeout)",
+        flush=True,
+    )
 
 
 def _cmd_view(args: argparse.Namespace) -> int:
@@ -268,6 +291,33 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535; 0 picks a free one)")
     return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number: {text!r}")
+    return value
+
+
+def _positive_quantity(text: str) -> int:
+    value = _quantity(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (e.g. 8G, 512M)")
+    return value
 
 
 def _quantity(text: str) -> int:
@@ -531,6 +581,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=["float32", "bfloat16", "float64"], default=None, help="default: the run's, float32"
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda when there is a GPU)")
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        help="a request's max_tokens at most; above it, a 400 (default 16,384; the context minus the prompt bounds "
+        "it too)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=_positive_quantity,
+        default=None,
+        help="bytes of decoding state the requests in flight may hold together, each counted at its most, e.g. 8G "
+        "(default: half the memory free on the device at start); a request beyond it waits, then gets a 503",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=_positive_float,
+        default=None,
+        help="seconds a request waits for room in the memory budget before a 503 (default 60)",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

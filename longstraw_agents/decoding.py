@@ -3,6 +3,7 @@
     decoder = Decoder(engine, [Member(fork, prefix=fork)] * 8, reserve=32)   # 8 members of one group
     logits = decoder.step(tokens)            # one token each, one forward; next-token logits [8, V]
     [state] = decoder.leave([3])             # member 3 is done: its state covers every token it was given
+    decoder.drop([5])                        # member 5 is done and nothing continues it: no state is written
 
 A member is an engine ``State`` plus the ``prefix`` it shares with its group (the state the group was forked from,
 an ancestor of the member's). Members with the same prefix object form a group: each growing layer reads that
@@ -141,6 +142,12 @@ class Decoder:
         every token it was given (the member's own state unchanged if it was given none)."""
         at = [self.live.index(k) for k in members]
         states = [self._state(k, self._rows[i]) for k, i in zip(members, at, strict=True)]
+        self._remove(at)
+        return states
+
+    def _remove(self, at: list[int]) -> None:
+        """Take the members at indices ``at`` of ``live`` out of the batch (the static step keeps their rows until
+        half are such)."""
         rows, gone = [self._rows[i] for i in at], set(at)
         self.live = [k for i, k in enumerate(self.live) if i not in gone]
         self._rows = [row for i, row in enumerate(self._rows) if i not in gone]
@@ -151,7 +158,11 @@ class Decoder:
                 self._class = None  # compacted when the next class is entered
             else:
                 self._class.retire(rows, self._rows)
-        return states
+
+    def drop(self, members: Sequence[int]) -> None:
+        """Take ``members`` out of the batch without writing their new positions anywhere: a turn nothing continues
+        (a server's answer), whose storage goes with the batch's buffers."""
+        self._remove([self.live.index(k) for k in members])
 
     # --- the two steps --------------------------------------------------------------------------------------
     def _eager_step(self, ids: Tensor, lengths: list[int]) -> Tensor:

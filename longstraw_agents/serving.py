@@ -3,7 +3,7 @@ client and vLLM-style token-id clients (``OpenAISampler``) use.
 
 It exists so that ``OpenAISampler`` can be tested end to end on one machine, and to serve a local policy to tools
 that speak the OpenAI API (``longstraw serve`` starts one from a run or a model directory). Bind it to loopback
-only; it is single-model and serialises requests.
+only; it serves one model, and no request can take it down (see "Requests in flight" below).
 
     server = CompletionServer(TorchSampler(model, stop_token_ids=[eos]), tokenizer=load_tokenizer())
     server.start()          # serves http://127.0.0.1:<server.port>/v1/completions and /v1/models
@@ -43,7 +43,35 @@ Weights and versions (SGLang's protocol, what ``weight_sync.DiskWeightSync`` pus
 
 Refused with a 400 that names the field: stop strings (``stop``), ``echo``, ``suffix``, ``best_of`` other than
 ``n``, non-zero penalties and ``logit_bias`` — the sampler cannot honour them, and ignoring them would silently
-change what the client asked for. A request for another model than ``model_name`` is a 404, as with vLLM.
+change what the client asked for. Requests are checked as OpenAI checks them: ``model`` is required (missing or
+null: a 400), a field the API does not have is refused with a 400 that names it, and the body must be
+``application/json`` (else a 415) of at most ``MAX_BODY_BYTES`` (else a 413). A request for another model than
+``model_name`` is a 404, as with vLLM.
+
+Requests in flight (``serving_limits``; what a vLLM or SGLang user expects of one server over one engine):
+
+- Each request is served by a thread of its own, its choices decoded as one batch (one forward per step). The
+  requests in flight take turns on the engine a step at a time, first come first served (``Turns``), and a long
+  prompt is captured a chunk per turn, so a long request shares the engine but never holds it: a short request
+  beside a 100,000-token one is answered after its own few steps. (vLLM and SGLang batch all the requests in flight
+  into one forward per step, continuous batching; here each request's step is its own forward: the same
+  interleaving and fairness, less throughput for many small requests.)
+- A request whose client disconnects is cancelled before its next step: streamed, when a chunk cannot be written
+  or the connection is seen closed; not streamed, when the connection is seen closed between steps.
+- ``max_tokens`` (chat: ``max_completion_tokens``) is at most the context minus the prompt (a 400 with code
+  ``context_length_exceeded``) and at most ``ServingLimits.max_tokens`` (``longstraw serve --max-tokens``; a 400
+  naming it). A default one is lowered to both instead.
+- Memory is reserved as decoding proceeds (the decoder's buffers double), never ``max_tokens`` positions up front.
+  A request is counted at the most it can hold (``request_bytes``, from the model's ``state_size`` per token), and
+  the requests in flight hold at most ``ServingLimits.memory_budget`` together (default: half the memory free on
+  the device at start). One that could never fit is a 400; one that does not fit now waits, first come first
+  served, up to ``queue_timeout_s``, then gets a 503 with ``Retry-After`` — as does one arriving while
+  ``max_waiting`` requests wait already.
+- An allocation that fails anyway (``torch.OutOfMemoryError``, ``MemoryError``, an allocator's ``RuntimeError``),
+  or anything else that goes wrong in a request, is a 500 with a JSON error body (in a stream that has begun: an
+  ``error`` event, then ``[DONE]``); the request's memory is freed and the server goes on serving.
+- Loading new weights (``/update_weights_from_disk``) waits, in line with the requests, until those in flight have
+  ended, so that every completion is sampled by one version.
 
 Chat (``POST /v1/chat/completions``, with a ``chat_template``; without one it is a 400):
 
@@ -70,8 +98,12 @@ Chat (``POST /v1/chat/completions``, with a ``chat_template``; without one it is
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import secrets
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -79,16 +111,34 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Protocol, TypeVar, cast
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from longstraw_agents.sampler import Generation, SamplingConfig, weight_version_number
+from longstraw_agents.models import context_limit, state_size
+from longstraw_agents.sampler import SamplingConfig, weight_version_number
+from longstraw_agents.serving_limits import (
+    RETRY_AFTER_S,
+    Busy,
+    MemoryBudget,
+    ServingLimits,
+    Turns,
+    default_budget,
+    request_bytes,
+)
 from longstraw_agents.tokenizer import Tokenizer
-from longstraw_agents.torch_sampler import TorchHandle, TorchSampler
+from longstraw_agents.torch_sampler import BatchDecoding, TorchSampler
 from longstraw_agents.weight_sync import WeightsMismatch, load_weights
+
+log = logging.getLogger(__name__)
 
 MAX_CHOICES = 128
 """Choices per request at most (``n`` × prompts): every one is decoded in the same batch."""
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for completions
+MAX_BODY_BYTES = 64 << 20
+"""A request body at most: a million-token prompt is about 8 MB of JSON ids."""
+CLIENT_TIMEOUT_S = 300
+"""How long a connection may stall the server's reads and writes (a body announced but not sent, a stream its client
+stopped reading) before the request is dropped; decoding itself is not bounded by it."""
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -100,11 +150,12 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """The fields both ``/v1/completions`` and ``/v1/chat/completions`` read; null means the default."""
+    """The fields both ``/v1/completions`` and ``/v1/chat/completions`` read; null means the default (``model``
+    excepted: it is required, as by OpenAI). A field the API does not have is refused, not ignored."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str | None = None
+    model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -117,6 +168,7 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    user: str | None = None  # an end-user id for the provider's abuse monitoring: nothing to do with it here
     # what the sampler cannot do: refused unless null or neutral (``unsupported``)
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
@@ -136,7 +188,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """The fields of ``POST /v1/completions`` this server reads (others are ignored); null means the default."""
+    """The fields of ``POST /v1/completions`` (others are refused); null means the default."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0)
@@ -247,7 +299,7 @@ class _ToolSpec(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """The fields of ``POST /v1/chat/completions`` this server reads (others are ignored); null means the default.
+    """The fields of ``POST /v1/chat/completions`` (others are refused); null means the default.
     ``messages`` and ``tools`` are checked one by one when the prompt is rendered (``chat_messages``,
     ``chat_tools``), so that an error names the message or tool at fault."""
 
@@ -280,16 +332,23 @@ class ChatCompletionRequest(_SamplingFields):
             return 'response_format: structured outputs are not supported (send {"type": "text"} or null)'
         return super().unsupported()
 
-    def completion_request(self, prompt: list[int], default_max_tokens: int) -> CompletionRequest:
-        """The completion of ``prompt`` (the rendered messages) with this request's sampling fields; the text keeps
-        special tokens (the template reads its tags)."""
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that sets the reply's length: ``max_completion_tokens``, else the older ``max_tokens``."""
+        if self.max_completion_tokens is None and self.max_tokens is not None:
+            return "max_tokens"
+        return "max_completion_tokens"
+
+    def completion_request(self, prompt: list[int]) -> CompletionRequest:
+        """The completion of ``prompt`` (the rendered messages) with this request's sampling fields (null
+        ``max_tokens``: the chat default); the text keeps special tokens (the template reads its tags)."""
         own = {"stream_options", "max_tokens", "skip_special_tokens"}
         shared = self.model_dump(include=set(_SamplingFields.model_fields) - own)
         return CompletionRequest(
             **shared,
             stream_options=self.stream_options,
             prompt=prompt,
-            max_tokens=self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
             logprobs=0 if self.logprobs else None,
             skip_special_tokens=False,
         )
@@ -306,24 +365,50 @@ class UpdateWeightsRequest(BaseModel):
 
 
 class RequestError(ValueError):
-    """A request the server answers with an HTTP error: ``status``, a message and the field at fault."""
+    """A request the server answers with an HTTP error: ``status``, a message, the field at fault and OpenAI's
+    ``code`` when it has one (e.g. ``context_length_exceeded``)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code = status, param, code
 
     def payload(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status == 400 else "not_found_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+        return error_payload(str(self), self.status, self.param, self.code)
+
+
+def error_payload(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body, its ``type`` from the status."""
+    kinds = {404: "not_found_error", 429: "rate_limit_error", 503: "overloaded_error"}
+    kind = kinds.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Cancelled(Exception):
+    """The request's client has gone: its decoding stops."""
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """How a request in flight runs: a turn of the server's engine per step, and its client still there."""
+
+    turns: Turns
+    client_gone: Callable[[], bool]
+
+    def check(self) -> None:
+        if self.client_gone():
+            raise _Cancelled
+
+    def pause(self) -> None:
+        """Between a long prompt's chunks: the others' turns first."""
+        self.turns.pass_turn()
+        self.check()
 
 
 @dataclass
 class _Choice:
-    """One choice being generated: its handle, what it drew so far and the text already sent."""
+    """One choice being generated: what it drew so far and the text already sent."""
 
     index: int
-    handle: TorchHandle
-    limit: int
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -335,63 +420,81 @@ class _Choice:
 
 
 class _Job:
-    """A validated request with its prompts forked: ``run`` (one response) or ``events`` (stream chunks)."""
+    """A checked request, its prompts as ids and its limits known (nothing computed yet): ``start`` forks the prompts
+    (in the engine's turns), then ``run`` (one response) or ``events`` (stream chunks) decode its choices together, a
+    turn of the engine per step.
 
-    def __init__(self, server: CompletionServer, request: CompletionRequest):
+    default_max_tokens: the length when the request sets none (lowered to the limits), and ``max_tokens_field`` the
+    field a limit names."""
+
+    def __init__(
+        self,
+        server: CompletionServer,
+        request: CompletionRequest,
+        *,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_tokens_field: str = "max_tokens",
+    ):
         self.server = server
         self.request = request
         self.id = f"cmpl-{secrets.token_hex(12)}"
         self.created = int(time.time())
-        prompts = server.prompt_ids(request.prompt)
-        n = request.n or 1
-        if n * len(prompts) > MAX_CHOICES:
-            raise RequestError(f"{n} choices x {len(prompts)} prompts exceed {MAX_CHOICES} per request", param="n")
-        self.sampler = server.request_sampler(request)
-        self.prompt_tokens = sum(len(p) for p in prompts)
-        limit = request.max_tokens or DEFAULT_MAX_TOKENS
-        handles = [h for ids in prompts for h in self.sampler.fork(ids, n)]  # member p·n + k: its own seed
-        self.choices = [_Choice(index, handle, limit) for index, handle in enumerate(handles)]
+        self.prompts = server.prompt_ids(request.prompt)
+        self.n = request.n or 1
+        if self.n * len(self.prompts) > MAX_CHOICES:
+            raise RequestError(
+                f"{self.n} choices x {len(self.prompts)} prompts exceed {MAX_CHOICES} per request", param="n"
+            )
+        longest = max(len(p) for p in self.prompts)
+        self.max_tokens = server.max_tokens(request.max_tokens, longest, default_max_tokens, max_tokens_field)
+        self.nbytes = server.request_bytes(self.prompts, self.n, self.max_tokens, max_tokens_field)
+        self.sampler = server.request_sampler(request, self.max_tokens)
+        self.prompt_tokens = sum(len(p) for p in self.prompts)
+        self.choices: list[_Choice] = []
+        self.decoding: BatchDecoding | None = None
 
-    def run(self) -> dict[str, Any]:
-        self.generate()
+    def start(self, flight: _Flight) -> None:
+        """Capture and fork the prompts (call in a turn of the engine; a long prompt passes it between chunks)."""
+        handles = [h for ids in self.prompts for h in self.sampler.fork_pausing(ids, self.n, flight.pause)]
+        # (choice p·n + k is member p·n + k of the request's sampler: its own seed)
+        self.choices = [_Choice(index) for index in range(len(handles))]
+        self.decoding = BatchDecoding(self.sampler, handles, self.max_tokens, keep_states=False)
+
+    def run(self, flight: _Flight) -> dict[str, Any]:
+        for _ in self.steps(flight):
+            pass
         choices = [self._choice_payload(c, c.ids, c.logprobs, self.text(c, final=True)) for c in self.choices]
         return {**self._envelope(), "choices": choices, "usage": self.usage()}
 
-    def generate(self) -> None:
-        """Every choice to its end, decoded together."""
-        generations = self.sampler.generate_batch([c.handle for c in self.choices])
-        for choice, generation in zip(self.choices, generations, strict=True):
-            choice.ids, choice.logprobs = generation.token_ids, generation.logprobs
-            choice.finish_reason = generation.finish_reason
-
-    def events(self) -> Iterator[dict[str, Any]]:
+    def events(self, flight: _Flight) -> Iterator[dict[str, Any]]:
         """One chunk per generated token of each choice (round robin), then a chunk with each finish reason."""
-        for choice, new in self.steps():
+        for choice, new in self.steps(flight):
             yield self._chunk(choice, new)
         if self.wants_usage:
             yield {**self._envelope(), "choices": [], "usage": self.usage()}
 
-    def steps(self) -> Iterator[tuple[_Choice, tuple[list[int], list[float]]]]:
-        """Each choice's tokens as they are drawn, one at a time round robin: the choice and its new ids and
-        logprobs (a choice is ``done`` after its last)."""
-        live = list(self.choices)
-        while live:
-            for choice in live:
-                generation = self.sampler.generate(choice.handle, 1)
-                yield choice, self._advance(choice, generation)
-            live = [c for c in live if not c.done]
+    def steps(self, flight: _Flight) -> Iterator[tuple[_Choice, tuple[list[int], list[float]]]]:
+        """Each choice's tokens as they are drawn, a step of all the choices still going per turn of the engine (so
+        round robin): the choice and its new ids and logprobs (a choice is ``done`` after its last). Stops, with
+        ``_Cancelled``, when the client has gone."""
+        decoding = self.decoding
+        assert decoding is not None, "start the job first"
+        while not decoding.done:
+            flight.check()
+            with flight.turns.turn():
+                drawn = decoding.step()
+            for k, token, logprob in drawn:
+                choice, turn = self.choices[k], decoding.turns[k]
+                choice.ids.append(token)
+                choice.logprobs.append(logprob)
+                if turn.done:
+                    choice.finish_reason = turn.finish
+                yield choice, ([token], [logprob])
 
     @property
     def wants_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
         return self.request.stream_options is not None and bool(self.request.stream_options.include_usage)
-
-    def _advance(self, choice: _Choice, generation: Generation) -> tuple[list[int], list[float]]:
-        choice.ids += generation.token_ids
-        choice.logprobs += generation.logprobs
-        if generation.finish_reason == "stop" or len(choice.ids) >= choice.limit:
-            choice.finish_reason = generation.finish_reason
-        return generation.token_ids, generation.logprobs
 
     def _chunk(self, choice: _Choice, new: tuple[list[int], list[float]]) -> dict[str, Any]:
         ids, logprobs = new
@@ -465,21 +568,34 @@ class _ChatJob:
             prompt = template.render(messages, tools)
         except ValueError as err:  # the conversation as a whole, e.g. a tool result before any assistant turn
             raise RequestError(f"messages: {err}", param="messages") from None
-        self.job = _Job(server, request.completion_request(prompt, server.sampler.config.max_new_tokens))
+        self.job = _Job(
+            server,
+            request.completion_request(prompt),
+            default_max_tokens=server.sampler.config.max_new_tokens,  # a turn as long as in training
+            max_tokens_field=request.max_tokens_field,
+        )
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
-        self.sent_chars = [0] * len(self.job.choices)  # content already streamed, per choice
+        self.sent_chars = [0] * (self.job.n * len(self.job.prompts))  # content already streamed, per choice
 
-    def run(self) -> dict[str, Any]:
-        self.job.generate()
+    @property
+    def nbytes(self) -> int:
+        return self.job.nbytes
+
+    def start(self, flight: _Flight) -> None:
+        self.job.start(flight)
+
+    def run(self, flight: _Flight) -> dict[str, Any]:
+        for _ in self.job.steps(flight):
+            pass
         choices = [self._choice_payload(choice) for choice in self.job.choices]
         return {**self._envelope("chat.completion"), "choices": choices, "usage": self.job.usage()}
 
-    def events(self) -> Iterator[dict[str, Any]]:
+    def events(self, flight: _Flight) -> Iterator[dict[str, Any]]:
         """Each choice's role first, then one chunk per generated token of each choice (round robin): its new
         content, and with its last token the rest of the content, the tool calls and the finish reason."""
         for choice in self.job.choices:
             yield self._chunk(choice, {"role": "assistant", "content": ""}, ([], []), None)
-        for choice, new in self.job.steps():
+        for choice, new in self.job.steps(flight):
             yield self._step_chunk(choice, new)
         if self.job.wants_usage:
             yield {**self._envelope("chat.completion.chunk"), "choices": [], "usage": self.job.usage()}
@@ -557,6 +673,22 @@ def _tool_call_payload(call: FunctionCall) -> dict[str, Any]:
     }
 
 
+@dataclass
+class ServerStats:
+    """What the server did since it started: requests answered 200, cancelled (their client went away), answered
+    503 (no room in the memory budget) and failed (500)."""
+
+    completed: int = 0
+    cancelled: int = 0
+    busy: int = 0
+    failed: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, outcome: Literal["completed", "cancelled", "busy", "failed"]) -> None:
+        with self._lock:
+            setattr(self, outcome, getattr(self, outcome) + 1)
+
+
 class CompletionServer:
     """The server; ``sampler`` gives the engine, the default stop tokens and the policy version.
 
@@ -564,6 +696,7 @@ class CompletionServer:
     model_path: what ``/model_info`` reports until weights are loaded from a directory (default: ``model_name``).
     chat_template: renders ``/v1/chat/completions`` requests and reads their replies (it needs ``tokenizer`` too);
         without one that route answers 400.
+    limits: what a request may ask and the requests in flight may hold (``ServingLimits``; the module docstring).
     """
 
     def __init__(
@@ -575,6 +708,7 @@ class CompletionServer:
         tokenizer: Tokenizer | None = None,
         model_path: str | None = None,
         chat_template: ChatTemplate | None = None,
+        limits: ServingLimits | None = None,
     ):
         if chat_template is not None and tokenizer is None:
             raise ValueError("a chat template needs the tokenizer that decodes the replies (tokenizer=...)")
@@ -585,8 +719,15 @@ class CompletionServer:
         self.chat_template = chat_template
         self.special_ids = frozenset(tokenizer.special_tokens.values()) if tokenizer is not None else frozenset()
         self.created = int(time.time())
-        self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.limits = limits or ServingLimits()
+        engine = sampler.engine
+        self.context = self.limits.context or context_limit(engine.model.config)
+        self.state_size = state_size(engine.model.config, engine.adapter.dtype)
+        budget = self.limits.memory_budget or default_budget(engine.adapter.device)
+        self.budget = MemoryBudget(budget, self.limits.queue_timeout_s, self.limits.max_waiting)
+        self.turns = Turns()
+        self.stats = ServerStats()
+        self._httpd = _HTTPServer((host, port), self)
         self._thread: threading.Thread | None = None
 
     @property
@@ -599,8 +740,14 @@ class CompletionServer:
         assert isinstance(host, str)  # the name of an AF_INET socket is (host, port)
         return f"http://{host}:{self.port}"
 
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not ended yet (decoding, or sending their answer)."""
+        return self.budget.holders
+
     def start(self) -> CompletionServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        """Serve from a thread of its own (``stop`` ends it within 50 ms: socketserver's default poll takes 0.5 s)."""
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         return self
 
@@ -625,10 +772,21 @@ class CompletionServer:
 
     # --- requests -------------------------------------------------------------------------------------------
     def complete(self, body: Any) -> dict[str, Any]:
-        """The response to a completions request, streamed or not, as one JSON object (``RequestError`` for a bad
-        request)."""
-        with self._lock:
-            return self.job(body).run()
+        """The response to a completions request as one JSON object, as the HTTP route computes it (``RequestError``
+        for a bad request, ``Busy`` when no room comes in the memory budget)."""
+        job = self.job(body)
+        with self.admitted(job, lambda: False) as flight:
+            return job.run(flight)
+
+    @contextlib.contextmanager
+    def admitted(self, job: _Job | _ChatJob, client_gone: Callable[[], bool]) -> Iterator[_Flight]:
+        """Hold ``job``'s bytes of the memory budget (waiting for room, or ``Busy``) and start it in a turn of the
+        engine; the flight steps it."""
+        with self.budget.hold(job.nbytes):
+            flight = _Flight(self.turns, client_gone)
+            with self.turns.turn():
+                job.start(flight)
+            yield flight
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
@@ -652,7 +810,8 @@ class CompletionServer:
 
     def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
         """Load a ``save_pretrained`` directory into the served model between requests and take its version (the
-        request's ``weight_version``, else one more); ``RequestError`` (400) leaves weights and version as they were."""
+        request's ``weight_version``, else one more); ``RequestError`` (400) leaves weights and version as they were.
+        It waits in line with the requests until those in flight have ended (``Busy`` after the queue timeout)."""
         request = _update_request(body)
         if request.load_format not in (None, "auto", "safetensors"):
             raise RequestError(f"load_format: only safetensors directories load, not {request.load_format!r}")
@@ -666,7 +825,7 @@ class CompletionServer:
                     param="weight_version",
                 )
             version = number
-        with self._lock:  # never while a request samples
+        with self.budget.exclusive(), self.turns.turn():  # never while a request samples
             try:
                 load_weights(self.sampler.engine.model, request.model_path)
             except (FileNotFoundError, WeightsMismatch) as err:
@@ -681,13 +840,13 @@ class CompletionServer:
         }
 
     def job(self, body: Any) -> _Job:
-        """A checked request with its prompts forked (call under the server's lock: it runs the engine)."""
+        """A checked completions request, its prompts as ids and its limits checked (no engine work yet)."""
         request = parse_request(body)
         self._check_model(request.model)
         return _Job(self, request)
 
     def chat_job(self, body: Any) -> _ChatJob:
-        """A checked chat request with its prompt rendered and forked (call under the server's lock)."""
+        """A checked chat request with its prompt rendered and its limits checked (no engine work yet)."""
         if self.chat_template is None:
             raise RequestError(
                 "this server has no chat template: use /v1/completions, or start it with one "
@@ -697,19 +856,60 @@ class CompletionServer:
         self._check_model(request.model)
         return _ChatJob(self, request, self.chat_template)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
             raise RequestError(
                 f"the model {model!r} does not exist; this server serves {self.model_name!r}", 404, "model"
             )
 
-    def request_sampler(self, request: CompletionRequest) -> TorchSampler:
+    def max_tokens(self, asked: int | None, prompt_tokens: int, default: int, field_name: str) -> int:
+        """A request's completion length: ``asked`` when the context (after its longest prompt, ``prompt_tokens``)
+        and the server's limit allow it, else a 400 naming the limit; none asked: ``default``, lowered to both."""
+        room = None if self.context is None else self.context - prompt_tokens
+        if room is not None and room < 1:
+            raise RequestError(
+                f"prompt: this model's context is {self.context:,} tokens and the prompt holds {prompt_tokens:,}: "
+                "no room is left for a completion",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        cap = self.limits.max_tokens
+        if asked is None:
+            return min(default, cap, room if room is not None else default)
+        if room is not None and asked > room:
+            raise RequestError(
+                f"{field_name}: this model's context is {self.context:,} tokens and the prompt holds "
+                f"{prompt_tokens:,}, so {field_name} can be at most {room:,}, not {asked:,}",
+                param=field_name,
+                code="context_length_exceeded",
+            )
+        if asked > cap:
+            raise RequestError(
+                f"{field_name}: {asked:,} is more than this server allows ({cap:,}: longstraw serve --max-tokens)",
+                param=field_name,
+            )
+        return asked
+
+    def request_bytes(self, prompts: list[list[int]], n: int, max_tokens: int, field_name: str) -> int:
+        """The most memory a request can hold (``serving_limits.request_bytes``); a 400 when that is more than the
+        whole memory budget, so that it could never run."""
+        nbytes = request_bytes(self.state_size, [len(p) for p in prompts], n, max_tokens, self._vocab_size)
+        if nbytes > self.budget.total_bytes:
+            raise RequestError(
+                f"{field_name}: {n * len(prompts)} choices of up to {max_tokens:,} tokens may hold "
+                f"{nbytes / 2**30:.2f} GiB, more than this server's whole memory budget of "
+                f"{self.budget.total_bytes / 2**30:.2f} GiB (longstraw serve --memory-budget): lower {field_name} or n",
+                param=field_name,
+            )
+        return nbytes
+
+    def request_sampler(self, request: CompletionRequest, max_tokens: int) -> TorchSampler:
         """A sampler for one request: its sampling fields (null: the defaults), stop tokens and seed."""
         try:
             config = SamplingConfig(
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
-                max_new_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
+                max_new_tokens=max_tokens,
                 seed=secrets.randbits(31) if request.seed is None else request.seed,
             )
         except ValidationError as err:
@@ -763,89 +963,207 @@ class CompletionServer:
             return f"token_id:{token}"
         return self.tokenizer.decode([token])
 
-    # --- HTTP -----------------------------------------------------------------------------------------------
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                path = self.path.rstrip("/")
-                if path in ("/model_info", "/get_model_info"):
-                    self._send(200, server.model_info())
-                elif path == "/get_weight_version":
-                    self._send(200, {"weight_version": str(server.policy_version)})
-                elif path == "/update_weights_from_disk":  # a POST route, as a web framework answers a GET of it
-                    self._send(405, RequestError("use POST /update_weights_from_disk", 405).payload())
-                elif path == "/v1/models":
-                    self._send(200, server.models())
-                elif path == f"/v1/models/{server.model_name}":
-                    self._send(200, server.model_card())
-                elif path.startswith("/v1/models/"):
-                    self._send(404, RequestError(f"the model {path[11:]!r} does not exist", 404).payload())
+class _HTTPServer(ThreadingHTTPServer):
+    """The HTTP side of a ``CompletionServer``: a thread per connection (daemon threads: stopping the server never
+    waits for a request still decoding)."""
+
+    daemon_threads = True
+    request_queue_size = 1024  # connections not accepted yet (socketserver's 5 resets a burst of clients)
+
+    def __init__(self, address: tuple[str, int], completions: CompletionServer):
+        self.completions = completions
+        super().__init__(address, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    timeout = CLIENT_TIMEOUT_S
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        server = self.server.completions
+        path = self.path.rstrip("/")
+        if path in ("/model_info", "/get_model_info"):
+            self._send(200, server.model_info())
+        elif path == "/get_weight_version":
+            self._send(200, {"weight_version": str(server.policy_version)})
+        elif path == "/update_weights_from_disk":  # a POST route, as a web framework answers a GET of it
+            self._send(405, RequestError("use POST /update_weights_from_disk", 405).payload())
+        elif path == "/v1/models":
+            self._send(200, server.models())
+        elif path == f"/v1/models/{server.model_name}":
+            self._send(200, server.model_card())
+        elif path.startswith("/v1/models/"):
+            self._send(404, RequestError(f"the model {path[11:]!r} does not exist", 404).payload())
+        else:
+            self._send(404, RequestError(f"no route GET {self.path}", 404).payload())
+
+    def do_POST(self) -> None:  # noqa: N802
+        server = self.server.completions
+        route = self.path.rstrip("/")
+        try:
+            body = self._json_body()  # read whole first: an answer sent over an unread body can be lost to a reset
+        except RequestError as err:
+            self._send(err.status, err.payload())
+            return
+        except OSError:  # the client stalled (CLIENT_TIMEOUT_S) or left while sending its body
+            self.close_connection = True
+            return
+        if route == "/update_weights_from_disk":
+            self._update_weights(body)
+            return
+        routes: dict[str, Callable[[Any], _Job | _ChatJob]] = {
+            "/v1/completions": server.job,
+            "/v1/chat/completions": server.chat_job,
+        }
+        make_job = routes.get(route)
+        if make_job is None:
+            self._send(404, RequestError(f"no route POST {self.path}", 404).payload())
+            return
+        self._answer(lambda: make_job(body))
+
+    def _answer(self, make_job: Callable[[], _Job | _ChatJob]) -> None:
+        """Check the request, admit it, decode it and answer; whatever happens, one answer and the server alive."""
+        server = self.server.completions
+        try:
+            job = make_job()  # checked: its prompts, its limits, its bytes
+        except ValueError as err:  # a RequestError, or a prompt the tokenizer refuses
+            error = err if isinstance(err, RequestError) else RequestError(str(err))
+            self._send(error.status, error.payload())
+            return
+        try:
+            with server.admitted(job, self._client_gone) as flight:
+                if job.request.stream:
+                    self._send_events(job.events(flight))
                 else:
-                    self._send(404, RequestError(f"no route GET {self.path}", 404).payload())
+                    self._send(200, job.run(flight))
+                    server.stats.count("completed")
+        except RequestError as err:
+            self._send(err.status, err.payload())
+        except Busy as err:
+            server.stats.count("busy")
+            self._send(503, error_payload(f"the server is busy: {err}", 503), {"Retry-After": str(RETRY_AFTER_S)})
+        except _Cancelled:
+            server.stats.count("cancelled")
+        except Exception as err:  # noqa: BLE001 - one request's failure is answered, never the server's end
+            server.stats.count("failed")
+            self._send(500, _failure_payload(err))
 
-            def do_POST(self) -> None:  # noqa: N802
-                if self.path.rstrip("/") == "/update_weights_from_disk":
-                    self._update_weights()
-                    return
-                routes: dict[str, Callable[[Any], _Job | _ChatJob]] = {
-                    "/v1/completions": server.job,
-                    "/v1/chat/completions": server.chat_job,
-                }
-                make_job = routes.get(self.path.rstrip("/"))
-                if make_job is None:
-                    self._send(404, RequestError(f"no route POST {self.path}", 404).payload())
-                    return
-                try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-                    with server._lock:  # one request at a time: the engine is not shared
-                        job = make_job(body)  # checked and forked before any answer is sent
-                        if job.request.stream:
-                            self._send_events(job.events())
-                        else:
-                            self._send(200, job.run())
-                except RequestError as err:
-                    self._send(err.status, err.payload())
-                except ValueError as err:  # unreadable JSON, a prompt the engine refuses
-                    self._send(400, RequestError(str(err)).payload())
+    def _update_weights(self, body: Any) -> None:
+        """SGLang's answer shape: ``success`` and ``message``, HTTP 400 on a bad request."""
+        try:
+            self._send(200, self.server.completions.update_weights_from_disk(body))
+        except RequestError as err:
+            self._send(err.status, {"success": False, "message": str(err), "num_paused_requests": 0})
+        except Busy as err:
+            message = f"the requests in flight did not end in time: {err}"
+            answer = {"success": False, "message": message, "num_paused_requests": 0}
+            self._send(503, answer, {"Retry-After": str(RETRY_AFTER_S)})
+        except Exception as err:  # noqa: BLE001 - a failed load is answered, the server goes on
+            self._send(500, {"success": False, "message": _failure_payload(err)["error"]["message"]})
 
-            def _update_weights(self) -> None:
-                """SGLang's answer shape: ``success`` and ``message``, HTTP 400 on a failure."""
-                try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-                    self._send(200, server.update_weights_from_disk(body))
-                except RequestError as err:
-                    self._send(err.status, {"success": False, "message": str(err), "num_paused_requests": 0})
-                except ValueError as err:  # unreadable JSON
-                    self._send(400, {"success": False, "message": str(err), "num_paused_requests": 0})
+    def _json_body(self) -> Any:
+        """The request's JSON body; a ``RequestError`` for a missing or oversized length, another content type
+        (415) or text that is not JSON."""
+        length_header = self.headers.get("Content-Length")
+        try:
+            length = int(length_header) if length_header is not None else 0
+        except ValueError:
+            raise RequestError(f"Content-Length is not a number: {length_header!r}") from None
+        if length < 0:
+            raise RequestError(f"Content-Length is negative: {length}")
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise RequestError(f"the body's {length:,} bytes are more than {MAX_BODY_BYTES:,}", 413)
+        raw = self.rfile.read(length)
+        content_type = self.headers.get("Content-Type")
+        media = (content_type or "").split(";", 1)[0].strip().lower()
+        if media != "application/json":
+            got = f"got {content_type!r}" if content_type else "got none"
+            raise RequestError(f"Content-Type must be application/json, {got}", 415)
+        try:
+            return json.loads(raw or b"null")
+        except ValueError as err:  # not JSON, or not UTF-8
+            raise RequestError(f"the body is not JSON: {err}") from None
 
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+    def _client_gone(self) -> bool:
+        """Whether the client has closed its side of the connection (it waits for the answer without sending, so a
+        readable socket with nothing to read is a closed one)."""
+        try:
+            poller = select.poll()  # (select.select fails on descriptors past 1023: many connections)
+            poller.register(self.connection, select.POLLIN)
+            if not poller.poll(0):
+                return False
+            return not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:  # reset
+            return True
 
-            def _send_events(self, events: Iterator[dict[str, Any]]) -> None:
-                """Server-sent events; the body ends when the connection closes (HTTP/1.0, no length)."""
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.end_headers()
-                try:
-                    for event in events:
-                        self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-                        self.wfile.flush()
-                    self.wfile.write(b"data: [DONE]\n\n")
-                except (BrokenPipeError, ConnectionResetError):  # the client went away: stop generating
-                    pass
+    def _send(self, status: int, payload: dict[str, Any], headers: Mapping[str, str] | None = None) -> None:
+        data = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client went away before its answer
+            self.close_connection = True
 
-            def log_message(self, *args: Any) -> None:  # keep test output clean
-                pass
+    def _send_events(self, events: Iterator[dict[str, Any]]) -> None:
+        """Server-sent events; the body ends when the connection closes (HTTP/1.0, no length). A client that goes
+        away cancels the request (``_Cancelled``); a failure after the first event is sent as an ``error`` event."""
+        server = self.server.completions
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        try:
+            for event in events:
+                self._write_event(event)
+            self.wfile.write(b"data: [DONE]\n\n")
+            server.stats.count("completed")
+        except _Cancelled:
+            raise
+        except OSError:  # the client went away while an event was written: stop generating
+            raise _Cancelled from None
+        except Exception as err:  # noqa: BLE001 - the stream has begun: the failure is its last event
+            server.stats.count("failed")
+            with contextlib.suppress(OSError):
+                self._write_event(_failure_payload(err))
+                self.wfile.write(b"data: [DONE]\n\n")
 
-        return Handler
+    def _write_event(self, event: dict[str, Any]) -> None:
+        self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        self.wfile.flush()
+
+    def log_message(self, *args: Any) -> None:  # keep test output clean
+        pass
+
+
+def _failure_payload(err: Exception) -> dict[str, Any]:
+    """A 500's body for an exception in a request: out of memory said so (the request's memory is freed as it
+    ends), anything else logged with its traceback."""
+    if _out_of_memory(err):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the request's tensors are gone: give their blocks back for the next one
+        message = (
+            f"out of memory while serving the request ({err}); lower max_tokens or n, or the server's memory budget "
+            "(longstraw serve --memory-budget)"
+        )
+    else:
+        log.exception("a request failed")
+        message = f"the server failed to complete the request: {type(err).__name__}: {err}"
+    return error_payload(message, 500)
+
+
+def _out_of_memory(err: Exception) -> bool:
+    """An allocation that failed: CUDA's ``OutOfMemoryError``, Python's ``MemoryError``, or the CPU allocator's
+    ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(err, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "allocat" in str(err).lower()
 
 
 def parse_request(body: Any) -> CompletionRequest:
@@ -955,5 +1273,6 @@ def _validation_message(err: ValidationError, prefix: str = "") -> str:
     seen: dict[str, str] = {}
     for error in err.errors():
         name = str(error["loc"][0]) if error["loc"] else "request"
-        seen.setdefault(name, error["msg"])
+        unknown = error["type"] == "extra_forbidden"
+        seen.setdefault(name, "unknown field (the API has no such field)" if unknown else error["msg"])
     return "; ".join(f"{prefix}{name}: {message}" for name, message in seen.items())

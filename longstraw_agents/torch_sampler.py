@@ -5,6 +5,11 @@ tokens and with the environment's observations, so no turn ever re-prefills the 
 all the members it is given at once — one forward per generated token for the whole batch (``decoding``), each
 group's prompt read once per step for all its members — and members that finish drop out of the batch;
 ``generate`` decodes one member token by token (``Engine.step``), the reference the batched path is tested against.
+``BatchDecoding`` is ``generate_batch`` a step at a time, for a server that interleaves requests.
+
+Storage grows as a turn is decoded, never by a turn's ``max_new_tokens`` up front (a long limit costs nothing
+until it is used): a new arena has room for ``FIRST_RESERVE`` positions, or as many again as the turn has decoded
+(``generate``: the arenas double), and the batched decoder's buffers double as they fill.
 
 Every member draws from its own ``torch.Generator``, seeded from (sampler seed, member index in fork order), so its
 tokens do not depend on which other members share its batch: batched and one-by-one decoding draw the same tokens.
@@ -14,7 +19,7 @@ top-p truncation); train with ``LossConfig(temperature=...)`` equal to the sampl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +28,9 @@ from longstraw_agents.decoding import Decoder, Member
 from longstraw_agents.engine import Engine
 from longstraw_agents.sampler import FinishReason, Generation, SamplingConfig, check_kept, request_seed
 from longstraw_agents.state import State
+
+FIRST_RESERVE = 64
+"""Positions allocated ahead of a turn before any is decoded (then as many again as it decoded, see ``_reserve``)."""
 
 
 def sample_tokens(
@@ -107,12 +115,39 @@ class TorchSampler:
 
     def fork(self, prompt_ids: Sequence[int], n: int) -> list[TorchHandle]:
         """``n`` members sharing one capture of the prompt, each with its own generator."""
+        ids = self._prompt(prompt_ids)
+        with torch.no_grad():
+            state = self.engine.capture(ids[:-1]) if ids.numel() > 1 else self.engine.empty_state()
+            return self._forked(state, ids, n)
+
+    def fork_pausing(self, prompt_ids: Sequence[int], n: int, pause: Callable[[], None]) -> list[TorchHandle]:
+        """``fork``, calling ``pause()`` between the prompt's chunks (a server lets other requests step there, and
+        ``pause`` may raise to stop a request whose client has gone). The chunks go into one arena sized for the
+        whole prompt, as ``Engine.capture`` stores them, and compute what it computes. With context parallelism
+        (every rank must make the same calls) it is ``fork``, without pauses."""
+        if self.engine.shards is not None:
+            return self.fork(prompt_ids, n)
+        ids = self._prompt(prompt_ids)
+        chunk, captured = self.engine.config.chunk_size, ids.numel() - 1  # (the last token is stepped: logits)
+        state = self.engine.empty_state()
+        with torch.no_grad():
+            for lo in range(0, captured, chunk):
+                if lo:
+                    pause()
+                hi = min(lo + chunk, captured)
+                # room for the rest of the prompt, its last token too: what follows appends in place
+                state = self.engine.extend(state, ids[lo:hi], reserve=ids.numel() - hi)
+            return self._forked(state, ids, n)
+
+    def _prompt(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError("empty prompt")
-        with torch.no_grad():
-            state = self.engine.capture(ids[:-1]) if ids.numel() > 1 else self.engine.empty_state()
-            state, logits = self.engine.step(state, ids[-1:], reserve=self._reserve())
+        return ids
+
+    def _forked(self, state: State, ids: torch.Tensor, n: int) -> list[TorchHandle]:
+        """``n`` members after ``state`` (all of ``ids`` but the last) and the prompt's last token."""
+        state, logits = self.engine.step(state, ids[-1:], reserve=self._reserve())
         return [
             TorchHandle(state, logits, self._generator(), prefix=state, history=ids.tolist(), marks=[state])
             for _ in range(n)
@@ -127,7 +162,7 @@ class TorchSampler:
                 [token], [logprob] = self._draw(handle.next_logits.unsqueeze(0), [handle.generator])
                 turn.add(token, logprob, token in self.stop_token_ids)
                 handle.state, handle.next_logits = self.engine.step(
-                    handle.state, torch.tensor([token]), reserve=self._reserve()
+                    handle.state, torch.tensor([token]), reserve=self._reserve(len(turn.ids), limit)
                 )
         handle.history.extend(turn.ids)
         self._mark(handle)
@@ -139,36 +174,10 @@ class TorchSampler:
         """A turn of every member in ``handles``, decoded together: one forward per generated token for all the
         members still generating (a member leaves the batch at its stop token or its token limit).
         max_new_tokens: one limit for all, or one per member (None: the config's)."""
-        if len({id(h) for h in handles}) != len(handles):
-            raise ValueError("generate_batch got the same handle twice")
-        limits = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(handles)
-        if len(limits) != len(handles):
-            raise ValueError(f"{len(handles)} handles but {len(limits)} token limits")
-        turns = [_Turn(limit or self.config.max_new_tokens) for limit in limits]
-        members = [h for h, turn in zip(handles, turns, strict=True) if not turn.done]
-        self._decode(members, [turn for turn in turns if not turn.done])
-        for handle, turn in zip(handles, turns, strict=True):
-            handle.history.extend(turn.ids)
-            self._mark(handle)
-        return [turn.generation() for turn in turns]
-
-    def _decode(self, handles: list[TorchHandle], turns: list[_Turn]) -> None:
-        """Sample and step every handle until its turn is done, all in one ``Decoder`` (rows leave as they end)."""
-        if not handles:
-            return
-        members = [Member(h.state, h.prefix) for h in handles]
-        decoder = Decoder(self.engine, members, reserve=self._reserve(), graphs=self.graphs)
-        logits = torch.stack([h.next_logits for h in handles])
-        while decoder.live:
-            live = decoder.live
-            tokens, logprobs = self._draw(logits, [handles[k].generator for k in live])
-            for k, token, logprob in zip(live, tokens, logprobs, strict=True):
-                turns[k].add(token, logprob, token in self.stop_token_ids)
-            logits = decoder.step(tokens)
-            done = [row for row, k in enumerate(live) if turns[k].done]
-            for row, state in zip(done, decoder.leave([live[row] for row in done]), strict=True):
-                handles[live[row]].state, handles[live[row]].next_logits = state, logits[row]
-            logits = logits[[row for row, k in enumerate(live) if not turns[k].done]]
+        decoding = BatchDecoding(self, handles, max_new_tokens)
+        while not decoding.done:
+            decoding.step()
+        return decoding.generations()
 
     def append(self, handle: TorchHandle, ids: Sequence[int]) -> None:
         """Extend the member's state with ``ids`` (an observation); with context parallelism, one long enough for
@@ -245,8 +254,88 @@ class TorchSampler:
         index, self.members = self.members, self.members + 1
         return torch.Generator().manual_seed(request_seed(self.config.seed, index))
 
-    def _reserve(self) -> int:
-        return self.config.max_new_tokens
+    def _reserve(self, decoded: int = 0, limit: int | None = None) -> int:
+        """Positions to allocate ahead of a turn that has ``decoded`` tokens when its storage is full: as many
+        again (at least ``FIRST_RESERVE``), so that it grows by doubling; never more than the turn's ``limit``
+        (default: ``max_new_tokens``) leaves to decode."""
+        left = (limit or self.config.max_new_tokens) - decoded
+        return max(0, min(left, max(FIRST_RESERVE, decoded)))
+
+
+class BatchDecoding:
+    """A turn of several members decoded together, one batched forward per ``step`` (a ``Decoder``; members leave
+    the batch at their stop token or their token limit): ``generate_batch`` steps it to the end, a server steps it
+    between other requests' steps and drops it to stop early.
+
+    max_new_tokens: one limit for all, or one per member (None: the sampler's ``max_new_tokens``).
+    keep_states: write each member's state back to its handle when it leaves (its history and marks too), so that
+        the episode goes on; without, nothing continues the turns and no state is written (a server's answers): a
+        member that ends is dropped before the step that would feed its last token.
+    """
+
+    def __init__(
+        self,
+        sampler: TorchSampler,
+        handles: Sequence[TorchHandle],
+        max_new_tokens: Sequence[int | None] | int | None = None,
+        *,
+        keep_states: bool = True,
+    ):
+        if len({id(h) for h in handles}) != len(handles):
+            raise ValueError("generate_batch got the same handle twice")
+        limits = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(handles)
+        if len(limits) != len(handles):
+            raise ValueError(f"{len(handles)} handles but {len(limits)} token limits")
+        self.sampler, self.handles, self.keep_states = sampler, list(handles), keep_states
+        self.turns = [_Turn(limit or sampler.config.max_new_tokens) for limit in limits]
+        self._members = [k for k, turn in enumerate(self.turns) if not turn.done]  # handle of each decoder member
+        self._decoder: Decoder | None = None
+        self._logits: torch.Tensor | None = None
+        self._recorded = False  # the turns joined the handles' histories
+        if self._members:
+            members = [Member(self.handles[k].state, self.handles[k].prefix) for k in self._members]
+            self._decoder = Decoder(sampler.engine, members, reserve=sampler._reserve(), graphs=sampler.graphs)
+            self._logits = torch.stack([self.handles[k].next_logits for k in self._members])
+
+    @property
+    def done(self) -> bool:
+        return self._decoder is None
+
+    def step(self) -> list[tuple[int, int, float]]:
+        """Draw the next token of every member still decoding and feed it (one forward); returns each one's
+        ``(member index, token, logprob)``, in member order."""
+        decoder, logits = self._decoder, self._logits
+        if decoder is None or logits is None:
+            raise ValueError("every member's turn has ended")
+        members = [self._members[j] for j in decoder.live]
+        tokens, logprobs = self.sampler._draw(logits, [self.handles[k].generator for k in members])
+        for k, token, logprob in zip(members, tokens, logprobs, strict=True):
+            self.turns[k].add(token, logprob, token in self.sampler.stop_token_ids)
+        ended = [row for row, k in enumerate(members) if self.turns[k].done]
+        going = [row for row, k in enumerate(members) if not self.turns[k].done]
+        with torch.no_grad():
+            if self.keep_states:
+                logits = decoder.step(tokens)
+                for row, state in zip(ended, decoder.leave([decoder.live[row] for row in ended]), strict=True):
+                    self.handles[members[row]].state, self.handles[members[row]].next_logits = state, logits[row]
+                self._logits = logits[going]
+            else:
+                decoder.drop([decoder.live[row] for row in ended])
+                self._logits = decoder.step([tokens[row] for row in going]) if going else None
+        if not decoder.live:
+            self._decoder = self._logits = None  # the batch's buffers go now
+        return [(k, token, logprob) for k, token, logprob in zip(members, tokens, logprobs, strict=True)]
+
+    def generations(self) -> list[Generation]:
+        """Each member's turn (call when ``done``); with ``keep_states`` its tokens join the handle's history."""
+        if not self.done:
+            raise ValueError("the members are still decoding")
+        if self.keep_states and not self._recorded:
+            for handle, turn in zip(self.handles, self.turns, strict=True):
+                handle.history.extend(turn.ids)
+                self.sampler._mark(handle)
+            self._recorded = True
+        return [turn.generation() for turn in self.turns]
 
 
 @dataclass

@@ -4,23 +4,35 @@ environments' format (tool calls read from the reply, streamed or not) and clear
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
+import select
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import torch
 from scripted_models import distinct_spelling, scripted_llama
+from waiting import WAIT_S, started, wait_until
 
+import longstraw_agents.engine.engine as engine_module
 from longstraw_agents.app.chat_template import QwenChatTemplate
+from longstraw_agents.decoding import Decoder
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.serving import ChatMessage, CompletionServer, FunctionCall
+from longstraw_agents.serving_limits import ServingLimits
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 
 STOP = 7
 TOKENIZER = load_tokenizer()
+ASK = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +58,9 @@ def client(server: CompletionServer) -> openai.OpenAI:
 
 
 def post(server: CompletionServer, body: object, path: str = "/v1/completions") -> httpx.Response:
+    """``body`` posted as JSON, naming the served model unless it names one (``model`` is required)."""
+    if isinstance(body, dict) and "model" not in body:
+        body = {"model": server.model_name, **body}
     return httpx.post(server.url + path, json=body, timeout=60)
 
 
@@ -121,7 +136,7 @@ def test_streaming_sends_one_chunk_per_token_then_done(server: CompletionServer)
 
 def test_raw_stream_is_server_sent_events_ending_with_done(server: CompletionServer) -> None:
     # a fixed seed, as the other tests here: unseeded, a draw of the stop token (~1 in 85) ended the stream early
-    body = {"prompt": [3, 4], "max_tokens": 3, "stream": True, "stop_token_ids": [255], "seed": 5}
+    body = {"model": "tiny", "prompt": [3, 4], "max_tokens": 3, "stream": True, "stop_token_ids": [255], "seed": 5}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         assert response.headers["content-type"] == "text/event-stream"
         lines = [line for line in response.iter_lines() if line]
@@ -264,6 +279,11 @@ def test_unknown_route_is_404(server: CompletionServer) -> None:
     response = post(server, {"input": [1]}, path="/v1/embeddings")
     assert response.status_code == 404 and "/v1/embeddings" in response.json()["error"]["message"]
     assert httpx.get(server.url + "/v2/models", timeout=10).status_code == 404
+
+
+def test_complete_answers_in_process_as_the_route_does(server: CompletionServer) -> None:
+    body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0, "logprobs": 0}
+    assert server.complete(body)["choices"] == post(server, body).json()["choices"]
 
 
 def test_chat_without_a_chat_template_is_a_400_that_says_so(server: CompletionServer) -> None:
@@ -465,3 +485,290 @@ def test_bad_chat_requests_get_400_naming_the_field(text_server: CompletionServe
 def test_the_official_client_raises_bad_request_for_a_bad_message(text_server: CompletionServer) -> None:
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.role"):
         client(text_server).chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}])
+
+
+# --- requests checked as OpenAI checks them ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"model": None}, "model"),
+        ({"model": 5}, "model"),
+        ({"temperatur": 0.5}, "temperatur"),
+        ({"max_new_tokens": 5}, "max_new_tokens"),
+    ],
+    ids=str,
+)
+def test_model_is_required_and_unknown_fields_are_refused(
+    text_server: CompletionServer, path: str, change: dict, param: str
+) -> None:
+    body = {"model": "tiny", "prompt": [5, 6]} if path == "/v1/completions" else {"model": "tiny", "messages": ASK}
+    sent = {k: v for k, v in {**body, **change}.items() if v is not None}  # a null model is left out: missing
+    for request in (sent, {**body, **change}):
+        response = httpx.post(text_server.url + path, json=request, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+        assert error["message"].startswith(f"{param}: ")
+
+
+def test_an_unknown_field_is_named_to_the_official_client(server: CompletionServer) -> None:
+    with pytest.raises(openai.BadRequestError, match="top_k: unknown field"):
+        client(server).completions.create(model="tiny", prompt=[1, 2], max_tokens=2, extra_body={"top_k": 5})
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_that_is_not_json_by_its_content_type_is_a_415(server: CompletionServer, content_type) -> None:
+    headers = {"Content-Type": content_type} if content_type else {}
+    body = json.dumps({"model": "tiny", "prompt": [1, 2], "max_tokens": 2}).encode()
+    response = httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=60)  # (bytes: no type)
+    assert response.status_code == 415 and response.headers["content-type"] == "application/json"
+    assert "Content-Type must be application/json" in response.json()["error"]["message"]
+    charset = httpx.post(
+        server.url + "/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/json; charset=utf-8"},
+        timeout=60,
+    )
+    assert charset.status_code == 200
+
+
+def test_unreadable_json_and_an_oversized_body_are_refused(server: CompletionServer) -> None:
+    garbled = httpx.post(
+        server.url + "/v1/completions", content=b"{model", headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert garbled.status_code == 400 and "not JSON" in garbled.json()["error"]["message"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 999999999999\r\n\r\n"
+        )
+        answer = sock.makefile("rb").read()
+    assert answer.startswith(b"HTTP/1.0 413") and b"more than 67,108,864" in answer
+
+
+# --- limits ------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serving(sampler: TorchSampler, limits: ServingLimits, **options: Any) -> Iterator[CompletionServer]:
+    """Another server of a fixture's engine (no model to build), with ``limits``."""
+    with CompletionServer(sampler, model_name="tiny", limits=limits, **options) as running:
+        yield running
+
+
+def test_max_tokens_beyond_the_context_or_the_servers_limit_is_a_400_naming_it(server: CompletionServer) -> None:
+    body = {"prompt": [3, 4, 5], "max_tokens": 2_000_000}  # above the 1,048,576-token context (and 16,384)
+    refused = post(server, body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    with serving(server.sampler, ServingLimits(max_tokens=4_000_000)) as uncapped:
+        error = post(uncapped, body).json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert (
+            "context is 1,048,576 tokens and the prompt holds 3, so max_tokens can be at most 1,048,573"
+            in (error["message"])
+        )
+    with serving(server.sampler, ServingLimits(max_tokens=8)) as capped:
+        error = post(capped, {**body, "max_tokens": 9}).json()["error"]
+        assert error["param"] == "max_tokens" and "9 is more than this server allows (8" in error["message"]
+        assert "--max-tokens" in error["message"]
+        assert post(capped, {**body, "max_tokens": 8, "stop_token_ids": [255]}).status_code == 200
+        with pytest.raises(openai.BadRequestError, match="more than this server allows"):
+            client(capped).completions.create(model="tiny", prompt=[1, 2], max_tokens=100)
+
+
+def test_a_prompt_that_fills_the_context_is_refused_and_a_default_length_is_lowered(server: CompletionServer) -> None:
+    with serving(server.sampler, ServingLimits(context=8)) as short:
+        full = post(short, {"prompt": list(range(1, 9))}).json()["error"]
+        assert full["param"] == "prompt" and full["code"] == "context_length_exceeded"
+        greedy = {"prompt": [1, 2, 3, 4, 5], "temperature": 0.0, "stop_token_ids": [255], "logprobs": 0}
+        [choice] = post(short, greedy).json()["choices"]
+        assert len(choice["logprobs"]["tokens"]) <= 3  # the default 16 lowered to the 3 positions left
+
+
+def test_chat_lengths_are_bounded_as_completions_and_the_field_is_named(text_server: CompletionServer) -> None:
+    template = QwenChatTemplate(TOKENIZER)
+    with serving(text_server.sampler, ServingLimits(max_tokens=5), tokenizer=TOKENIZER, chat_template=template) as s:
+        for field in ("max_completion_tokens", "max_tokens"):
+            error = post(s, {"messages": ASK_TIME, field: 6}, path="/v1/chat/completions").json()["error"]
+            assert error["param"] == field and error["message"].startswith(f"{field}: 6 is more")
+        body = {"messages": ASK_TIME, "seed": 1, "stop_token_ids": [TOKENIZER.vocab_size - 1]}  # never drawn here
+        whole = post(s, body, path="/v1/chat/completions").json()
+        assert whole["usage"]["completion_tokens"] == 5  # the sampler's 24 lowered to the server's limit
+
+
+def test_a_request_larger_than_the_whole_memory_budget_is_a_400_naming_it(server: CompletionServer) -> None:
+    with serving(server.sampler, ServingLimits(memory_budget=32 << 20)) as small:
+        error = post(small, {"prompt": [3, 4], "n": 64, "max_tokens": 16_000}).json()["error"]
+        assert error["param"] == "max_tokens" and "--memory-budget" in error["message"]
+        assert "more than this server's whole memory budget of 0.03 GiB" in error["message"]
+        assert post(small, {"prompt": [3, 4], "n": 2, "max_tokens": 4}).status_code == 200
+
+
+def test_no_room_in_the_memory_budget_in_time_is_a_503_with_retry_after(server: CompletionServer) -> None:
+    with serving(server.sampler, ServingLimits(queue_timeout_s=0.05)) as busy:
+        with busy.budget.hold(busy.budget.total_bytes):  # what requests in flight would hold
+            response = post(busy, {"prompt": [3, 4], "max_tokens": 2})
+            assert response.status_code == 503 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["type"] == "overloaded_error"
+            assert "no room came within 0.05 s" in response.json()["error"]["message"]
+        assert post(busy, {"prompt": [3, 4], "max_tokens": 2}).status_code == 200
+        assert busy.stats.busy == 1
+        update = {"model_path": "/no/such/dir", "weight_version": "3"}
+        with busy.budget.hold(1):  # a request in flight: new weights wait for it to end
+            waited = httpx.post(busy.url + "/update_weights_from_disk", json=update, timeout=60)
+            assert waited.status_code == 503 and waited.json()["success"] is False
+        refused = httpx.post(busy.url + "/update_weights_from_disk", json=update, timeout=60)
+        assert refused.status_code == 400 and "/no/such/dir" in refused.json()["message"]
+
+
+def test_a_request_waits_for_room_then_is_answered(server: CompletionServer) -> None:
+    answers: list[httpx.Response] = []
+    with server.budget.hold(server.budget.total_bytes):
+        waiting = started(lambda: answers.append(post(server, {"prompt": [3, 4], "max_tokens": 2})))
+        wait_until(lambda: server.budget.waiting == 1)
+        assert not answers
+    waiting.join(WAIT_S)
+    assert [a.status_code for a in answers] == [200]
+
+
+# --- failures, disconnections, long requests ----------------------------------------------------------------------
+
+GREEDY_LONG = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 16_000, "temperature": 0.0, "stop_token_ids": [255]}
+"""A request that decodes for a long while (greedy never draws 255 here)."""
+
+
+def send_raw(server: CompletionServer, body: dict) -> socket.socket:
+    """``body`` posted on a socket of its own, the answer left unread (the test closes the socket: a client gone)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def answered(sock: socket.socket) -> bool:
+    """Whether anything came back on ``sock`` yet."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        MemoryError(),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: 21474836480"),
+    ],
+    ids=type,
+)
+def test_an_allocation_that_fails_is_a_500_and_the_server_goes_on(
+    server: CompletionServer, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr(engine_module, "Arena", no_room)  # the prompt's capture cannot store its state
+    response = post(server, {"prompt": [3, 4, 5], "max_tokens": 4})
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and error["message"].startswith("out of memory while serving the request")
+    monkeypatch.undo()
+    assert post(server, {"prompt": [3, 4, 5], "max_tokens": 4}).status_code == 200
+    wait_until(lambda: server.in_flight == 0)  # (released as the answer's handler ends, after the answer)
+
+
+def test_a_failure_is_a_500_before_a_stream_and_an_error_event_in_one(
+    server: CompletionServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(Decoder, "step", broken)
+    response = post(server, {"prompt": [3, 4, 5], "max_tokens": 4})
+    assert response.status_code == 500
+    assert "the server failed to complete the request: KeyError: 'a bug'" in response.json()["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**GREEDY_LONG, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and len(lines) == 2 and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0].removeprefix("data: "))["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert post(server, {"prompt": [3, 4, 5], "max_tokens": 4}).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_leaves_is_cancelled(server: CompletionServer, stream: bool) -> None:
+    wait_until(lambda: server.in_flight == 0)  # the last test's requests have all ended
+    cancelled, completed = server.stats.cancelled, server.stats.completed
+    with send_raw(server, {**GREEDY_LONG, "stream": stream}) as sock:
+        wait_until(lambda: server.in_flight == 1)
+        if stream:
+            assert sock.recv(64).startswith(b"HTTP/1.0 200")  # it is decoding and streaming
+    wait_until(lambda: server.in_flight == 0)  # within a step of the close; decoding all would take minutes
+    assert (server.stats.cancelled, server.stats.completed) == (cancelled + 1, completed)
+
+
+def test_a_long_request_does_not_hold_up_a_short_one(server: CompletionServer) -> None:
+    """The requests in flight take turns a step at a time: a 4-token request beside a 16,000-token one is answered
+    after a few of the long one's steps."""
+    wait_until(lambda: server.in_flight == 0)
+    with send_raw(server, GREEDY_LONG) as long:
+        wait_until(lambda: server.in_flight == 1)
+        short = post(server, {"prompt": [5, 6], "max_tokens": 4, "stop_token_ids": [255], "temperature": 0.0})
+        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 4
+        assert not answered(long) and server.in_flight >= 1  # the long one is still decoding
+    wait_until(lambda: server.in_flight == 0)
+
+
+# --- a load test ------------------------------------------------------------------------------------------------
+
+LOAD_KINDS: list[tuple[str, dict[str, Any], int]] = [
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "n": 2}, 200),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True}, 200),
+    ("/v1/chat/completions", {"model": "tiny", "messages": ASK_TIME, "max_completion_tokens": 4}, 200),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 4}, 400),  # no model
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 6], "temperatur": 0.5}, 400),  # an unknown field
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 6], "max_tokens": 65}, 400),  # above --max-tokens
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 6], "max_tokens": 2_000_000}, 400),  # above the context
+    ("/v1/chat/completions", {"model": "gpt-5", "messages": ASK_TIME}, 404),
+    ("/v1/completions", "text/plain", 415),
+    ("/v1/completions", "{not json", 400),
+]
+
+
+def load_request(http: httpx.Client, path: str, body: dict[str, Any] | str) -> httpx.Response:
+    if isinstance(body, dict):
+        return http.post(path, json=body)
+    content_type = "text/plain" if body == "text/plain" else "application/json"
+    return http.post(path, content=body.encode(), headers={"Content-Type": content_type})
+
+
+def test_fifty_mixed_concurrent_requests_are_each_answered_and_the_server_serves_after(
+    text_server: CompletionServer,
+) -> None:
+    """50 requests at once, good and bad (5 of each kind), against a server capped at 64 tokens: every one gets its
+    status (200 with a whole answer, 400, 404, 415), nothing fails, and a normal request is answered after."""
+    requests = [kind for _ in range(5) for kind in LOAD_KINDS]
+    random.Random(0).shuffle(requests)
+    template = QwenChatTemplate(TOKENIZER)
+    limits = ServingLimits(max_tokens=64)
+    with (
+        serving(text_server.sampler, limits, tokenizer=TOKENIZER, chat_template=template) as loaded,
+        httpx.Client(base_url=loaded.url, timeout=120, limits=httpx.Limits(max_connections=50)) as http,
+        ThreadPoolExecutor(max_workers=50) as pool,
+    ):
+        responses = list(pool.map(lambda r: load_request(http, r[0], r[1]), requests))
+        for (path, body, status), response in zip(requests, responses, strict=True):
+            assert response.status_code == status, (path, body, response.text)
+            if status == 200 and isinstance(body, dict) and body.get("stream"):
+                assert response.text.rstrip().endswith("data: [DONE]")
+            elif status == 200:
+                assert response.json()["usage"]["completion_tokens"] >= 1
+            else:
+                assert response.json()["error"]["message"]
+        after = load_request(http, *LOAD_KINDS[0][:2])
+        assert after.status_code == 200 and len(after.json()["choices"]) == 2
+        wait_until(lambda: loaded.in_flight == 0)
+        assert loaded.stats.failed == 0 and loaded.stats.completed == 15 + 1

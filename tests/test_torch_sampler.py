@@ -1,15 +1,19 @@
 """``TorchSampler`` (torch_sampler.py): behaviour logprobs equal the model's distribution, one prompt capture shared
 by a group, batched and one-by-one decoding draw the same tokens, greedy / top-p / temperature draws, stop and
-length finishes."""
+length finishes; storage that grows as decoding proceeds, and a fork that pauses between a prompt's chunks."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+from longstraw_agents.memory import MemoryTracker
+from longstraw_agents.models import state_size
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.torch_sampler import TorchSampler, sample_token, sample_tokens
+from longstraw_agents.torch_sampler import FIRST_RESERVE, BatchDecoding, TorchSampler, sample_token, sample_tokens
 
 STOP = 7
 
@@ -278,3 +282,72 @@ def test_an_edit_that_does_not_keep_what_it_claims_is_refused(model):
         sampler.replace(handle, list(range(20, 31)), 11)
     sampler.replace(handle, [99, 98, 97], 0)  # an edit of the prompt itself: captured from nothing
     assert handle.prefix is None and sampler.num_tokens(handle) == 3
+
+
+# --- storage grows as decoding proceeds ----------------------------------------------------------------------------
+
+
+def test_a_long_token_limit_reserves_nothing_up_front(model):
+    """A million-token limit costs what is decoded, not a million positions per member (the server's case)."""
+    sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=1_000_000, seed=1))
+    per_token = state_size(model.config, torch.float64).bytes_per_token
+    with MemoryTracker() as memory:
+        decoding = BatchDecoding(sampler, sampler.fork(list(range(20, 40)), 4), keep_states=False)
+        for _ in range(3):
+            decoding.step()
+    assert not decoding.done
+    assert memory.peak_bytes < 4 * 1_000 * per_token  # reserved up front it would be 4 * 1e6 positions: 2 GB
+
+
+def test_a_turn_decoded_token_by_token_grows_its_storage_by_doubling():
+    """``generate`` (an ``Engine.step`` per token) reserves as many positions again as it decoded when its arena is
+    full: a handful of arenas for 160 tokens, not one per token, and never much more room than it used, though the
+    sampler's limit is a million."""
+    small = tiny_model("llama", dtype=torch.float64, hidden=16, layers=1)  # 160 steps: the smallest model
+    sampler = TorchSampler(small, [STOP], SamplingConfig(max_new_tokens=1_000_000, temperature=0.0))
+    [handle] = sampler.fork([20, 21, 22], 1)
+    generation = sampler.generate(handle, 160)
+    assert len(generation.token_ids) == 160  # greedy never draws STOP here: the whole limit was decoded
+    growing = next(i for i, layer in enumerate(sampler.engine.adapter.layers) if layer.mixer.grows)
+    arenas = {id(block.arena): block.arena for block in handle.state.blocks(growing)}.values()
+    assert len(arenas) <= 2 + math.ceil(math.log2(160 / FIRST_RESERVE)) + 1  # the prompt's, then doubling
+    assert sum(arena.capacity for arena in arenas) <= 2 * handle.state.num_tokens + FIRST_RESERVE
+
+
+def test_a_batch_decoded_without_states_draws_what_generate_batch_draws(model):
+    """``BatchDecoding(keep_states=False)`` (a server's answers) drops a member before the step after its last
+    token; the draws are the ones ``generate_batch`` makes, member by member."""
+    config = SamplingConfig(max_new_tokens=8, seed=4)
+    kept = TorchSampler(model, [STOP], config)
+    expected = kept.generate_batch(kept.fork([20, 21, 22], 3), [5, 2, 8])
+    served = TorchSampler(model, [STOP], config)
+    handles = served.fork([20, 21, 22], 3)
+    decoding = BatchDecoding(served, handles, [5, 2, 8], keep_states=False)
+    steps = 0
+    while not decoding.done:
+        decoding.step()
+        steps += 1
+    generations = decoding.generations()
+    for generation, reference in zip(generations, expected, strict=True):
+        assert generation.token_ids == reference.token_ids and generation.finish_reason == reference.finish_reason
+        assert generation.logprobs == pytest.approx(reference.logprobs, abs=1e-12)
+    assert steps == max(len(g.token_ids) for g in expected)
+    assert all(h.history == [20, 21, 22] and h.state.num_tokens == 3 for h in handles)  # nothing written back
+
+
+def test_a_fork_that_pauses_between_chunks_computes_what_fork_computes(model):
+    sampler = TorchSampler(model, [STOP], SamplingConfig(), chunk_size=4)
+    prompt = list(range(20, 31))  # 10 tokens captured in chunks of 4, then the last one stepped
+    pauses: list[int] = []
+    paused = sampler.fork_pausing(prompt, 2, lambda: pauses.append(1))
+    [whole] = sampler.fork(prompt, 1)
+    assert len(pauses) == 2 and paused[0].state is paused[1].state
+    assert torch.allclose(paused[0].next_logits, whole.next_logits, rtol=0, atol=1e-12)
+    growing = next(i for i, layer in enumerate(sampler.engine.adapter.layers) if layer.mixer.grows)
+    assert len({id(b.arena) for b in paused[0].state.blocks(growing)}) == 1  # the chunks went into one arena
+
+    def stop() -> None:
+        raise RuntimeError("the client has gone")
+
+    with pytest.raises(RuntimeError, match="the client has gone"):
+        sampler.fork_pausing(prompt, 1, stop)

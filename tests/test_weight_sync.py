@@ -111,7 +111,7 @@ def test_pushed_weights_are_served_bit_equal_with_their_version(server: Completi
     remote.close()
     raw = httpx.post(
         server.url + "/v1/completions",
-        json={"prompt": [3, 4], "max_tokens": 3, "logprobs": 1, "return_token_ids": True, "seed": 1},
+        json={"model": "tiny", "prompt": [3, 4], "max_tokens": 3, "logprobs": 1, "return_token_ids": True, "seed": 1},
         timeout=60,
     ).json()
     assert raw["metadata"] == {"weight_version": "2"}

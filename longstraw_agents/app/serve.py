@@ -9,12 +9,17 @@ What is served comes from one directory:
   tokenizer, turn length (``sampling.max_new_tokens``: a chat reply's default ``max_completion_tokens``) and policy
   version (reported as ``weight_version``).
 
-Turns end at the tokenizer's end-of-turn token, as in training. The model runs on the GPU when there is one.
+Turns end at the tokenizer's end-of-turn token, as in training. The model runs on the GPU when there is one. What a
+request may ask and what the requests in flight may hold are ``ServingLimits`` (``serving`` says what happens at
+each). transformers' progress bars and warnings are kept out of the output while the model loads: the banner and
+errors are all ``serve`` prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,8 +30,10 @@ from longstraw_agents.app.chat_template import QwenChatTemplate
 from longstraw_agents.app.config import ConfigError, ModelSpec, check_model, check_tokenizer
 from longstraw_agents.app.export import load_run_policy
 from longstraw_agents.app.run import build_policy
+from longstraw_agents.models import context_limit
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.serving import CompletionServer
+from longstraw_agents.serving_limits import ServingLimits
 from longstraw_agents.tokenizer import Tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 
@@ -47,6 +54,8 @@ class LoadedPolicy:
     policy_version: int
     source: str
     """What was loaded, for the banner: ``"model directory"`` or ``"run directory (policy version N)"``."""
+    max_context: int | None = None
+    """The run's ``model.max_context`` (None: the model config's context)."""
 
 
 def load_policy(path: str | Path, dtype: Dtype | None = None, device: str | None = None) -> LoadedPolicy:
@@ -56,9 +65,27 @@ def load_policy(path: str | Path, dtype: Dtype | None = None, device: str | None
 
     Raises ``FileNotFoundError`` or ``ConfigError`` with a one-line message for what cannot be served."""
     target = _device(device)
-    policy = _load(Path(path), dtype)
+    with quiet_transformers():
+        policy = _load(Path(path), dtype)
     policy.model.to(target)
     return policy
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") and its info and warning logs off for the block (its errors
+    still show), then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(verbosity)
 
 
 def _device(name: str | None) -> torch.device:
@@ -106,7 +133,9 @@ def _run_directory(path: Path, dtype: Dtype | None) -> LoadedPolicy:
     run = load_run_policy(path)
     model = run.model if dtype is None else run.model.to(getattr(torch, dtype))
     source = f"run directory (policy version {run.policy_version})"
-    return LoadedPolicy(model, run.tokenizer, run.config.sampling, run.policy_version, source)
+    return LoadedPolicy(
+        model, run.tokenizer, run.config.sampling, run.policy_version, source, run.config.model.max_context
+    )
 
 
 def policy_server(
@@ -117,9 +146,11 @@ def policy_server(
     model_name: str,
     model_path: str,
     weight_version: int | None = None,
+    limits: ServingLimits | None = None,
 ) -> CompletionServer:
     """A server of ``policy`` listening on ``host:port`` (0: a free port), not started yet (``OSError`` when the
-    address cannot be bound). weight_version: the version it reports (default: the policy's)."""
+    address cannot be bound). weight_version: the version it reports (default: the policy's); limits: what requests
+    may ask and hold (default: ``ServingLimits()``, within a run's ``model.max_context``)."""
     sampler = TorchSampler(
         policy.model,
         [policy.tokenizer.eos_token_id],
@@ -134,4 +165,12 @@ def policy_server(
         tokenizer=policy.tokenizer,
         model_path=model_path,
         chat_template=QwenChatTemplate(policy.tokenizer),
+        limits=_within_context(limits or ServingLimits(), policy),
     )
+
+
+def _within_context(limits: ServingLimits, policy: LoadedPolicy) -> ServingLimits:
+    """``limits`` with the run's context limit (``model.max_context``) when they set none."""
+    if limits.context is not None or policy.max_context is None:
+        return limits
+    return limits.model_copy(update={"context": context_limit(policy.model.config, policy.max_context)})

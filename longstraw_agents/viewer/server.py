@@ -3,6 +3,11 @@
 Routes (GET): ``/`` the page (the index inline, read again at each load); ``/api/index``; ``/api/group/KEY`` one
 group's page data (``KEY``: its first episode's id); ``/api/tokens/KEY?member=M&start=S&end=E`` tokens ``[S, E)`` of
 member ``M`` (at most ``ViewLimits.range_tokens``). Errors are JSON ``{"error": ...}`` with status 400 or 404.
+
+Only requests addressed to this server by a loopback name are answered: the ``Host`` header must be ``localhost``,
+``127.0.0.1``, ``[::1]`` or the address it listens on, with its port; any other is a 403. A web page the browser
+loaded from elsewhere cannot read the store through a name of its own that resolves to 127.0.0.1 (DNS
+rebinding): the browser sends that name as the ``Host``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from longstraw_agents.viewer.page import script_json, served_page
 from longstraw_agents.viewer.source import ViewSource
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _GROUP = re.compile(r"^/api/group/(\d+)$")
 _TOKENS = re.compile(r"^/api/tokens/(\d+)$")
 
@@ -57,6 +63,10 @@ class _Handler(BaseHTTPRequestHandler):
     server: ViewerServer
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        refused = self._refused_host()
+        if refused is not None:
+            self._json({"error": refused}, HTTPStatus.FORBIDDEN)
+            return
         parts = urlsplit(self.path)
         try:
             self._route(parts.path, parse_qs(parts.query))
@@ -82,6 +92,21 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(dataclasses.asdict(source.window(int(match.group(1)), member, start, end)))
         else:
             self._json({"error": f"no such page: {path}"}, HTTPStatus.NOT_FOUND)
+
+    def _refused_host(self) -> str | None:
+        """Why the request's ``Host`` is not this server by a loopback name and its port (None: it is)."""
+        host = self.headers.get("Host")
+        if not host:
+            return "no Host header: this server answers requests for its own address only"
+        bound, port = self.server.server_address[:2]
+        try:
+            parts = urlsplit(f"//{host}")
+            name, asked_port = parts.hostname, parts.port or 80  # (no port in Host: HTTP's 80)
+        except ValueError:  # a port that is not a number, a bracket left open
+            name, asked_port = None, None
+        if name not in LOOPBACK_NAMES | {str(bound)} or asked_port != port:
+            return f"Host {host!r} is not this server: it answers requests for localhost:{port} only"
+        return None
 
     def _refreshed(self) -> ViewSource:
         self.server.source.refresh()

@@ -1,6 +1,8 @@
 """app/serve.py through ``longstraw serve``: a run directory and the model directory ``longstraw export`` made of it,
 each served by the console script on a free port, answer the official ``openai`` client (chat and completions) with
-the same tokens, and stop on SIGINT; what cannot be served fails with exit 2 and one line saying why."""
+the same tokens, and stop on SIGINT; the limits flags bound requests and a run's context bounds its server;
+transformers prints nothing while the model loads; what cannot be served fails with exit 2 and one line saying
+why."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -26,6 +29,7 @@ from longstraw_agents.app.export import export_hf
 from longstraw_agents.app.serve import load_policy, policy_server
 from longstraw_agents.app.training import train
 from longstraw_agents.cli import main
+from longstraw_agents.serving_limits import ServingLimits
 from longstraw_agents.trainer import GRPOTrainer
 
 LONGSTRAW = Path(sys.executable).with_name("longstraw")
@@ -45,10 +49,19 @@ def model_dir(run_dir: Path) -> Path:
     return export_hf(run_dir, run_dir.parent / "hf")
 
 
+@dataclass
+class Served:
+    """A ``longstraw serve`` subprocess, a client of the URL it printed, and its banner's line of limits."""
+
+    process: subprocess.Popen[str]
+    api: openai.OpenAI
+    limits: str
+
+
 @contextmanager
-def longstraw_serve(path: Path) -> Iterator[tuple[subprocess.Popen[str], openai.OpenAI]]:
-    """``longstraw serve PATH --port 0`` as a subprocess, and a client of the URL it prints."""
-    command = [str(LONGSTRAW), "serve", str(path), "--port", "0", "--device", "cpu"]
+def longstraw_serve(path: Path, *flags: str) -> Iterator[Served]:
+    """``longstraw serve PATH --port 0`` (and ``flags``) as a subprocess, once its banner is printed."""
+    command = [str(LONGSTRAW), "serve", str(path), "--port", "0", "--device", "cpu", *flags]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal
     )
@@ -58,20 +71,22 @@ def longstraw_serve(path: Path) -> Iterator[tuple[subprocess.Popen[str], openai.
         banner = process.stdout.readline() if ready else ""
         url = re.search(r"(http://\S+)/v1 ", banner)
         assert url, f"no URL in {banner!r}; stderr: {'' if process.poll() is None else process.stderr.read()}"
-        yield process, openai.OpenAI(base_url=url[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        limits = process.stdout.readline()  # printed with the first line
+        api = openai.OpenAI(base_url=url[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield Served(process, api, limits)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
 
 
-def stop_with_ctrl_c(process: subprocess.Popen[str]) -> str:
-    """SIGINT, as Ctrl-C sends it: the exit code is 130 and stderr says it stopped, with no traceback."""
+def stop_with_ctrl_c(process: subprocess.Popen[str]) -> None:
+    """SIGINT, as Ctrl-C sends it: the exit code is 130 and stderr says only that it stopped (no traceback, no
+    transformers progress bar or warning)."""
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=30)
     assert process.returncode == 130, err
-    assert "stopped" in err and "Traceback" not in err
-    return err
+    assert err == "stopped\n"
 
 
 def chat_ids(api: openai.OpenAI, model: str) -> list[int]:
@@ -88,8 +103,11 @@ def chat_ids(api: openai.OpenAI, model: str) -> list[int]:
 # it loads the model: slow, though the request and the stop take well under a second.
 @pytest.mark.slow
 def test_serving_a_run_directory_answers_chat_and_completions_then_stops_on_ctrl_c(run_dir: Path) -> None:
+    """With the limits flags too: the banner's second line says them, and a request beyond them is a 400."""
     version = GRPOTrainer.checkpoint_info(run_dir / "checkpoint")["policy_version"]
-    with longstraw_serve(run_dir) as (process, api):
+    flags = ("--max-tokens", "8", "--memory-budget", "512M", "--queue-timeout", "5")
+    with longstraw_serve(run_dir, *flags) as served:
+        api = served.api
         [model] = api.models.list().data
         assert model.id == str(run_dir)
         chat = api.chat.completions.create(model=model.id, messages=ASK, max_tokens=8, seed=1)
@@ -97,7 +115,10 @@ def test_serving_a_run_directory_answers_chat_and_completions_then_stops_on_ctrl
         assert chat.to_dict()["metadata"] == {"weight_version": str(version)}  # the checkpoint's policy version
         completion = api.completions.create(model=model.id, prompt="Hello", max_tokens=4, seed=1)
         assert completion.usage is not None and completion.usage.completion_tokens >= 1
-        stop_with_ctrl_c(process)
+        with pytest.raises(openai.BadRequestError, match=r"9 is more than this server allows \(8: longstraw serve"):
+            api.completions.create(model=model.id, prompt="Hello", max_tokens=9)
+        assert served.limits.startswith("limits: max_tokens 8 (--max-tokens), context 1,048,576, memory budget 0.48")
+        stop_with_ctrl_c(served.process)
 
 
 @pytest.mark.slow  # the console script's start, as above
@@ -106,9 +127,53 @@ def test_serving_the_export_of_a_run_answers_as_the_run_does(run_dir: Path, mode
     with policy_server(policy, port=0, model_name="run", model_path=str(run_dir)) as in_process:
         api = openai.OpenAI(base_url=in_process.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         expected = chat_ids(api, "run")
-    with longstraw_serve(model_dir) as (process, api):
-        assert chat_ids(api, str(model_dir)) == expected  # same weights, same tokenizer, same prompt ids
-        stop_with_ctrl_c(process)
+    with longstraw_serve(model_dir) as served:
+        assert chat_ids(served.api, str(model_dir)) == expected  # same weights, same tokenizer, same prompt ids
+        stop_with_ctrl_c(served.process)  # loading the model directory printed no "Loading weights" bar
+
+
+def test_loading_a_model_directory_prints_no_progress_bar(model_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers.utils import logging as hf_logging
+
+    load_policy(model_dir, device="cpu")
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")  # transformers' "Loading weights" bar went to stderr before
+    assert hf_logging.is_progress_bar_enabled()  # and the bars are back on for whatever runs next in the process
+
+
+def test_a_runs_context_limit_bounds_what_its_server_serves(run_dir: Path) -> None:
+    policy = load_policy(run_dir, device="cpu")
+    policy.max_context = 40  # as the run's model.max_context would set it
+    with policy_server(policy, port=0, model_name="run", model_path=str(run_dir)) as server:
+        assert server.context == 40 and server.limits.max_tokens == 16_384
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="context is 40 tokens"):
+            api.completions.create(model="run", prompt=[5, 6], max_tokens=39)
+    limits = ServingLimits(max_tokens=8, context=100)
+    with policy_server(policy, port=0, model_name="run", model_path=str(run_dir), limits=limits) as server:
+        assert server.context == 100 and server.limits.max_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--max-tokens", "0", "not a positive integer: '0'"),
+        ("--memory-budget", "lots", "not a size: 'lots'"),
+        ("--memory-budget", "0", "not a positive size: '0'"),
+        ("--queue-timeout", "-1", "not a positive number: '-1'"),
+    ],
+)
+def test_bad_limits_flags_fail_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, says: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(tmp_path), flag, value])
+    assert exit_info.value.code == 2 and f"{flag}: {says}" in capsys.readouterr().err
+
+
+def test_a_queue_timeout_beyond_a_day_fails_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", str(tmp_path), "--queue-timeout", "1e9"]) == 2
+    assert capsys.readouterr().err == "error: serve: queue_timeout_s: Input should be less than or equal to 86400\n"
 
 
 def test_a_run_is_served_with_its_checkpoint_tokenizer_and_sampling(run_dir: Path) -> None:

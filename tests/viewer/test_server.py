@@ -1,8 +1,9 @@
-"""``longstraw view --serve``'s server: the page, the index, one group at a time and token ranges, on loopback; bad
-requests answered with JSON errors."""
+"""``longstraw view --serve``'s server: the page, the index, one group at a time and token ranges, on loopback and for
+loopback names only (another Host is a 403, against DNS rebinding); bad requests answered with JSON errors."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,3 +66,29 @@ def test_the_page_reads_the_store_again_at_each_load(server: ViewerServer) -> No
 def test_bad_requests_get_json_errors(server: ViewerServer, path: str, status: int, error: str) -> None:
     response = httpx.get(server.url.rstrip("/") + path, timeout=30)
     assert response.status_code == status and error in response.json()["error"]
+
+
+@pytest.mark.parametrize("host", ["localhost:{port}", "127.0.0.1:{port}", "[::1]:{port}", "LOCALHOST:{port}"])
+def test_loopback_names_with_the_servers_port_are_answered(server: ViewerServer, host: str) -> None:
+    port = server.server_address[1]
+    response = httpx.get(server.url + "api/index", headers={"Host": host.format(port=port)}, timeout=30)
+    assert response.status_code == 200 and response.json()["groups"]
+
+
+@pytest.mark.parametrize(
+    "host", ["evil.example:{port}", "evil.example", "localhost", "localhost:{other}", "127.0.0.1.evil.example:{port}"]
+)
+def test_another_host_is_refused_against_dns_rebinding(server: ViewerServer, host: str) -> None:
+    port = server.server_address[1]
+    named = host.format(port=port, other=port + 1 if port < 65535 else port - 1)
+    for path in ("/", "/api/index", "/api/group/4"):
+        response = httpx.get(server.url.rstrip("/") + path, headers={"Host": named}, timeout=30)
+        assert response.status_code == 403, (path, response.text)
+        assert f"Host {named!r} is not this server" in response.json()["error"]
+
+
+def test_a_request_without_a_host_header_is_refused(server: ViewerServer) -> None:
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"GET /api/index HTTP/1.0\r\n\r\n")
+        answer = sock.makefile("rb").read()
+    assert answer.startswith(b"HTTP/1.0 403") and b"no Host header" in answer
