@@ -55,8 +55,9 @@ CHOICES = ("auto", "padded")
 
 class Groups:
     """How ``rows`` rows sorted by group fall into ``len(ends)`` groups: group ``g`` holds rows ``ends[g - 1]`` to
-    ``ends[g]`` (from 0; ``ends`` int64 on the rows' device, never read on the host by the grouped kernel). ``most``
-    bounds the rows of any group without reading ``ends`` (the padded kernel's capacity without a host sync).
+    ``ends[g]`` (from 0; ``ends`` int64 on the rows' device, read on the host only by the padded kernel past its
+    budget). ``most`` bounds the rows of any group without reading ``ends`` (the padded kernel's capacity without a
+    host sync).
     ``partial``: rows may lie past the last group (in none)."""
 
     def __init__(self, ends: Tensor, rows: int, most: int, partial: bool):
@@ -142,13 +143,9 @@ class Routing:
         ends = torch.searchsorted(keys, torch.arange(count, device=top_idx.device), right=True)
         return cls(slots, order, inverse, keys, Groups(ends, tokens * k, tokens, partial=others))
 
-    @property
-    def k(self) -> int:
-        return self.slots.shape[1]
-
     def rows(self, x: Tensor) -> Tensor:
-        """Each row's token of ``x [n, H]``, ``[n·k, H]`` (indexed as ``[token, slot]`` entries: the backward adds
-        a token's k rows' gradients in slot order, not by atomics)."""
+        """Each row's token of ``x [n, H]``, ``[n·k, H]`` (indexed by ``[token, slot]`` entry, each once: the
+        backward puts each row's gradient in its own place and sums a token's k of them, with no atomic adds)."""
         tokens, k = self.slots.shape
         return x[:, None].expand(tokens, k, x.shape[-1])[self.order // k, self.order % k]
 

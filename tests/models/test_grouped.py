@@ -17,8 +17,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeCopy
 from longstraw_agents.engine import Engine
 from longstraw_agents.models import grouped
 from longstraw_agents.models.grouped import Groups, PaddedBmm, Routing, TorchGroupedMM, grouped_linear, kernel_for
-from longstraw_agents.models.mla import MoE
-from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.models.mla import MLAAdapter, MoE
+from longstraw_agents.models.presets import glm_5_2_like, tiny_model
 
 # the kernels the suite checks on CPU: the padded bmm in fp64, torch's grouped kernel where it runs (fp32 on CPU)
 KERNELS = {"padded": (PaddedBmm, torch.float64), "torch": (TorchGroupedMM, torch.float32)}
@@ -184,6 +184,14 @@ def test_each_tokens_slots_are_added_in_expert_order_bit_for_bit() -> None:
     assert torch.equal(routing.combine(outputs, weights, torch.float64), out)
     in_slot_order = big[top_idx][..., None] * torch.tensor([1.0, 1.5], dtype=torch.float64)
     assert not torch.equal(in_slot_order[:, 0] + in_slot_order[:, 1] + in_slot_order[:, 2], out)  # (order shows)
+
+
+def test_the_time_model_counts_a_moe_call_as_one_step() -> None:
+    """One grouped call per MoE layer, however many experts its tokens chose (the per-expert loop was a step each)."""
+    config = glm_5_2_like()
+    for tokens in (1, 4096):
+        work = MLAAdapter.layer_work(config, tokens, 0, 2)
+        assert [w.steps for w in work] == [1.0 if kind == "sparse" else 0.0 for kind in config.mlp_layer_types]
 
 
 # --- no host sync --------------------------------------------------------------------------------------------------
