@@ -175,7 +175,7 @@ def schedules(
 def host_latencies(
     family: str, args: argparse.Namespace, device: torch.device, profile: HardwareProfile
 ) -> tuple[float, float, float]:
-    """Seconds per layer call (or sequential step inside one: a MoE's experts) of a capture's chunk, a branch's
+    """Seconds per layer call (or sequential step inside one: a MoE's grouped experts) of a capture's chunk, a branch's
     extend and a decoding step: the family's model at its width over a few tokens, each path's time less what
     ``profile`` gives its arithmetic, over the calls the time model counts for it."""
     few = argparse.Namespace(**{**vars(args), "group": 2, "completion": 2, "decode_tokens": 4, "index_topk": 8})

@@ -2,7 +2,8 @@
 
 It runs the project's real engine and trainer code — capture, branch replay, exact mode's reverse walk — on the meta
 device under ``MemoryTracker``: tensors have shapes and byte sizes but no storage and no arithmetic (attention takes
-the ``meta`` backend, a fused kernel's allocations without its work; MoE routing is taken as balanced). Walking
+the ``meta`` backend, a fused kernel's allocations without its work; a MoE's experts the grouped kernel's, which
+do not depend on the routing, except a dispatched round's rows, taken as balanced). Walking
 2M tokens x 64 layers in Python would take long, so it simulates a few chunks on models cut to one and two periods
 of their layer pattern, and extrapolates:
 
@@ -757,9 +758,10 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     window's layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype),
     each with the root's gradient. Under expert parallelism a gather leaves out the routed experts, and a MoE call
     holds the rank's own experts of the layer in the compute dtype where they are cast (mixed precision, offload),
-    and its backward the copy again, then the gradient's master copy, and the shard's gradient plus it (counted as
-    gradients; the gradient itself is part of the measured graph). A step starts with no gradient: a capture holds
-    one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
+    and its backward the copy again, then (the copy freed) the gradient's master copy and the shard's gradient plus
+    it, a stacked weight at a time (counted as gradients; the gradient itself is part of the measured graph). A step
+    starts with no gradient: a capture holds one only after another group's backward in the same step
+    (``groups_per_rank`` > 1)."""
     compute, master = _itemsize(request.dtype), request.master_itemsize
     later = request.groups_per_rank > 1  # a capture after another group's backward, in the same step
     if request.gpus == 1:
@@ -767,12 +769,10 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
         return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, 0, probed.parameters)}
     layer, experts = probed.whole_layer(request)
     # expert parallelism: what a MoE call holds of the rank's own experts beyond what the probe measures (their
-    # gradient as autograd computes it, a stacked tensor per expert summed into one): their compute copy where
-    # they are cast (mixed precision, offload), in forward and again in backward, and the shard's gradient plus
-    # theirs before the old one is freed (the host's when offloaded). The gradient's master-dtype copy comes after
-    # the cast is freed, beside less than autograd held
+    # gradient in the compute dtype, one stacked tensor per projection): their compute copy where they are cast
+    # (mixed precision, offload), in forward and again in backward; then their gradient on its way into the shards
     cast = int(_expert_copies(request) * experts * compute)
-    expert_gradient = cast + (0 if request.offload else experts * master)
+    expert_gradient = max(cast, _expert_gradient_into_shards(request, experts))
     ahead = _step_layers_whole(request, probed.layers)
     capture = (ahead * layer + probed.root) * compute + cast
     if request.wavefront:
@@ -807,6 +807,24 @@ def _layers_whole(request: PlanRequest, layers: int, sharded: bool, balanced: bo
     """The decoder layers whole at once in a capture: a sharded one's (``PlanRequest.capture_layers_whole``, no more
     than the model's layers); one that is not gathers each layer as it computes."""
     return min(request.capture_layers_whole(balanced), layers) if sharded else 1
+
+
+GATE_UP_SHARE = 2 / 3  # of an expert's parameters: gate_up_proj [2I, H] beside down_proj [H, I]
+
+
+def _expert_gradient_into_shards(request: PlanRequest, experts: int) -> int:
+    """Under expert parallelism, what a MoE call's backward holds beyond its gradient in the compute dtype while
+    that gradient goes into the rank's shards (``ExpertShard.add_gradients``), one stacked weight at a time and
+    ``gate_up_proj`` (the larger) first, the compute copy of the experts freed by then: its master-dtype copy (mixed
+    precision), then on the device (not offloaded) the shard's gradient plus it, its compute-dtype gradient freed
+    once copied (offloaded, the sum is the host's)."""
+    compute, master = _itemsize(request.dtype), request.master_itemsize
+    first = GATE_UP_SHARE * experts
+    copied = first * master if request.mixed else 0.0
+    if request.offload:
+        return round(copied)
+    summed = first * master - (first * compute if request.mixed else 0.0)  # (the sum, less the freed compute one)
+    return round(copied + summed)
 
 
 def _expert_copies(request: PlanRequest, sampling: bool = False) -> float:

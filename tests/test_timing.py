@@ -54,7 +54,19 @@ def _triangular_solve(a, b, *args, **kwargs) -> float:
     return math.prod(b[:-2]) * a[-1] * a[-1] * b[-1]
 
 
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, *args: Any, **kwargs: Any) -> float:
+    """torch's grouped matmul (a MoE's experts, ``models.grouped``), which torch's counter does not know: the rows
+    (``[R, p] x [G, p, q]``) or the contracted rows (``[p, R] x [R, q]``) up to the last group's end only (rows past
+    it belong to another rank's experts and are not computed)."""
+    assert offs is not None
+    rows = int(offs[-1]) if len(offs) else 0
+    return float(2 * rows * (a.shape[1] * b.shape[-1] if b.dim() == 3 else a.shape[0] * b.shape[1]))
+
+
+_grouped_mm._get_raw = True  # type: ignore[attr-defined]  # (FlopCounterMode: the tensors, for the offsets)
+
 KERNELS = {
+    aten._grouped_mm: _grouped_mm,
     aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward,
     aten.linalg_solve_triangular: _triangular_solve,

@@ -86,7 +86,7 @@ class LayerWork:
     recurrent: float = 0.0  # FLOPs of a recurrent mixer's own arithmetic (the chunked delta rule)
     selection: float = 0.0  # (query, key) scores chosen from (DSA's index scores and their top-k; no gradient)
     gathered: float = 0.0  # bytes gathered row by row (DSA's selected rows)
-    steps: float = 0.0  # sequential steps of a few kernels each (the delta rule's blocks, a MoE's experts)
+    steps: float = 0.0  # sequential steps of a few kernels each (the delta rule's blocks, a MoE's grouped experts)
 
 
 def causal_pairs(new: int, earlier: int) -> int:

@@ -48,9 +48,9 @@ from longstraw_agents.models.batch import (
     cascade_attention,
     write_session,
 )
+from longstraw_agents.models.grouped import Routing, grouped_linear
 
 SELECTION_KEY = "dsa_selection"
-MAX_PLANNED_EXPERT_GROUPS = 8
 Selection = tuple[Tensor, Tensor]
 """A decode batch's DSA selection: positions ``[B, k]`` and which of them are real keys ``[B, k]``."""
 
@@ -429,11 +429,14 @@ def _heads(t: Tensor | None) -> Tensor | None:
 class MoE:
     """GLM/DeepSeek-V3 MoE: sigmoid router with group-limited top-k + routed experts + shared experts.
 
-    The router runs in compute precision (transformers forces fp32, which would cap fp64 gradient checks); the
-    experts loop over the selected experts in id order, as transformers' eager experts do. ``routed`` computes the
-    routed experts' sum for the tokens: ``local`` (every expert here), or what parallel code puts in its place
-    (``parallel.experts``: each rank its own experts, the sums combined over the ranks) — the model holds no
-    parallelism of its own.
+    The router runs in compute precision (transformers forces fp32, which would cap fp64 gradient checks). The routed
+    experts run as grouped matmuls (``models.grouped``): the tokens' slots sorted by expert on the device, one
+    grouped GEMM per projection (``gate_up_proj``, ``down_proj``) forward and backward, and each token's outputs added
+    slot after slot in expert order — what transformers' eager experts (a loop over the chosen experts in id order)
+    add, in the same order, with no host sync on Hopper's grouped kernel or for decoding's small batches, so that
+    decoding can be captured in a CUDA graph. ``routed`` computes the routed experts' sum for the tokens: ``local``
+    (every expert here), or what parallel code puts in its place (``parallel.experts``: each rank its own experts,
+    the sums combined over the ranks) — the model holds no parallelism of its own.
     """
 
     def __init__(self, moe: HFModule):
@@ -474,32 +477,16 @@ class MoE:
         self, x: Tensor, top_idx: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, first: int = 0
     ) -> Tensor:
         """The sum over each token's chosen experts among ``first .. first + len(gate_up)`` (whose weights are
-        ``gate_up`` and ``down``, stacked by expert) of its routing weight times the expert's output; zeros for a
-        token that chose none of them."""
-        out = torch.zeros_like(x)
-        for expert, token, slot in self._assignments(top_idx, range(first, first + gate_up.shape[0])):
-            hidden = F.linear(x[token], gate_up[expert - first])
-            g, u = hidden.chunk(2, dim=-1)
-            h = F.linear(self.experts.act_fn(g) * u, down[expert - first])
-            out = out.index_add(0, token, (h * weights[token, slot, None]).to(out.dtype))
-        return out
-
-    def _assignments(self, top_idx: Tensor, experts: range) -> list[tuple[int, Tensor, Tensor]]:
-        """(expert, its tokens, their top-k slots) for every expert of ``experts`` some token chose, in id order. On
-        the meta device (the memory planner) there is no routing to read: the ``n x top_k`` slots are spread evenly
-        over the experts, so the loop makes tensors of the sizes a balanced routing would."""
-        if top_idx.device.type != "meta":
-            chosen = [e for e in torch.unique(top_idx).tolist() if e in experts]
-            return [(e, *torch.where(top_idx == e)) for e in chosen]
-        # the activations a backward keeps are the same whether 256 experts take 1/256 of the slots each or 8 take
-        # 1/8 each; 8 keep the planner's Python loop short (the weights, by slice, allocate nothing). ``experts``
-        # take their share of the slots (a rank's, under expert parallelism)
-        slots = top_idx.numel() * len(experts) // self.num_experts
-        if slots == 0:
-            return []
-        groups = min(len(experts), MAX_PLANNED_EXPERT_GROUPS, slots)
-        counts = [slots // groups + (1 if e < slots % groups else 0) for e in range(groups)]
-        return [(experts[e], top_idx.new_empty(c), top_idx.new_empty(c)) for e, c in enumerate(counts)]
+        ``gate_up`` and ``down``, stacked by expert) of its routing weight times the expert's output, added in expert
+        order; zeros for a token that chose none of them. The slots of other experts sort last and take no part in
+        the products (``Groups.partial``). On the meta device (the memory planner) it allocates what the grouped
+        kernel does, whatever the routing."""
+        held = gate_up.shape[0]
+        routing = Routing.of(top_idx, first, held, others=held < self.num_experts)
+        hidden = grouped_linear(routing.rows(x), gate_up, routing.groups)
+        g, u = hidden.chunk(2, dim=-1)
+        out = grouped_linear(self.experts.act_fn(g) * u, down, routing.groups)
+        return routing.combine(out, weights, x.dtype)
 
 
 class MLAAdapter(FamilyAdapter):
@@ -547,17 +534,17 @@ class MLAAdapter(FamilyAdapter):
         """Absorbed MLA: a pair is a score and a weighted value of width ``kv_lora_rank + qk_rope_head_dim`` per
         head. Once a chunk reaches past ``index_topk`` positions, each query attends to ``index_topk`` rows gathered
         for it, and a layer with its own indexer scores the whole block of (query, key) pairs (the masked triangle
-        included) and takes their top-k. A MoE layer visits each expert its tokens chose, one after another."""
+        included) and takes their top-k. A MoE layer's routed experts are one step: the routing's sort and one
+        grouped GEMM per projection, however many experts its tokens chose (``MoE.experts_of``)."""
         width = config.kv_lora_rank + config.qk_rope_head_dim
         pair = 4 * config.num_attention_heads * width
         sparse = earlier + new > config.index_topk
         pairs = new * config.index_topk if sparse else causal_pairs(new, earlier)
         gathered = new * config.index_topk * width * itemsize if sparse else 0
-        experts = min(config.n_routed_experts, new * config.num_experts_per_tok)
         work = []
         for i in range(config.num_hidden_layers):
             scores = new * (earlier + new) if sparse and config.indexer_types[i] == "full" else 0
-            steps = experts if config.mlp_layer_types[i] == "sparse" else 0
+            steps = 1 if config.mlp_layer_types[i] == "sparse" else 0
             work.append(LayerWork(attention=pair * pairs, selection=scores, gathered=gathered, steps=steps))
         return work
 

@@ -20,7 +20,9 @@ whole, computes them, and never gathers the others'.
 - **Compute, sharded** (``ExpertExchange``: ``parallel.expert_dispatch``): a sharded extend (a capture: each rank
   its own chunks, no gradient) makes each MoE call a round of all-to-alls — every token goes to the ranks holding
   its chosen experts and their outputs come back (``ExpertExchange`` says how) — the engine making as many rounds
-  on every rank at each wavefront step (``ShardedCapture``).
+  on every rank at each wavefront step (``ShardedCapture``). A round's all-to-alls take their split sizes on the
+  host: the one host sync of a MoE call here (a replicated call, like one process's, has none where its grouped
+  matmuls have none: ``models.grouped``).
 - **Not built**: dispatch under autograd (exact mode's wavefront walk: under expert parallelism exact mode walks
   replicated); expert parallelism over dp ranks without HSDP (their groups differ in shape, so their MoE calls do
   not line up: ``parallel.lanes`` serves gathers, not experts).
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from longstraw_agents.models.grouped import Routing
 from longstraw_agents.models.mla import MoE
 from longstraw_agents.parallel.fsdp import add_into_shard, compute_dtype, expert_units, is_sharded, offloaded
 
@@ -145,8 +148,8 @@ class ExpertShard:
         return gate_up, down
 
     def add_gradients(self, grads: list[Tensor | None]) -> None:
-        """The rank's experts' gradient (``gate_up_proj``'s, ``down_proj``'s; None: no token chose one of them)
-        added into their shards' — zeros where none, as one process's stacked weights get a gradient whenever any
+        """The rank's experts' gradient (``gate_up_proj``'s, ``down_proj``'s; None: none computed) added into
+        their shards' — zeros where none, as one process's stacked weights get a gradient whenever any
         expert of the layer is chosen, and the shards' gradients must agree in which exist. Taken from ``grads``
         one at a time, each freed once it is in its shard's dtype."""
         for k, param in enumerate(self.params):
@@ -225,21 +228,11 @@ class ExpertExchange:
     def call(self, layer: int, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
         """Layer ``layer``'s routed experts' sum for this rank's tokens ``x``: a round."""
         self.calls += 1
-        tokens, k = top_idx.shape
-        # each token's slots in expert order: its outputs are added one after another as one process adds them
-        # (``MoE.experts_of``: expert by expert), on any device (an index_add of a token's k rows at once is not)
-        top_idx, slots = top_idx.sort(dim=1, stable=True)
-        flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # the rows grouped by expert, so by the rank holding it
-        answers = self._round(layer, x[torch.div(order, k, rounding_mode="floor")], flat[order])
-        by_slot = torch.empty_like(answers)
-        by_slot[order] = answers
-        del answers
-        weighted = (by_slot.view(tokens, k, -1) * weights.gather(1, slots)[..., None]).to(x.dtype)
-        out = torch.zeros_like(x)
-        for slot in range(k):
-            out = out + weighted[:, slot]
-        return out
+        # the rows grouped by expert, so by the rank holding it; each token's outputs added one after another in
+        # expert order, as one process adds them (``MoE.experts_of``), on any device
+        routing = Routing.of(top_idx, 0, self.shards[layer].moe.num_experts, others=False)
+        answers = self._round(layer, routing.rows(x), routing.keys)
+        return routing.combine(answers, weights, x.dtype)
 
     def idle(self, like: Tensor) -> None:
         """A round without tokens of this rank's (``like``: hidden states, for their width and device): it serves
@@ -249,7 +242,8 @@ class ExpertExchange:
 
     def _round(self, layer: int, rows: Tensor, experts: Tensor) -> Tensor:
         """Send each of ``rows`` to the rank holding its expert (``experts``, ascending), serve what the peers sent,
-        and return the answers, row for row."""
+        and return the answers, row for row. The all-to-alls take their split sizes on the host: a round syncs with
+        the device (the one host sync of a MoE call, here only: a replicated call and one process's have none)."""
         size = dist.get_world_size(self.group)
         per_rank = next(iter(self.shards.values())).per_rank
         sent = torch.bincount(torch.div(experts, per_rank, rounding_mode="floor"), minlength=size)
@@ -283,7 +277,8 @@ class ExpertExchange:
 class PlannedExchange(ExpertExchange):
     """The memory planner's ``ExpertExchange`` over its whole model on the meta device, as the first of ``ranks`` cp
     ranks computes a round (every rank's alike): its tokens once per chosen expert, as many rows served as it sent
-    (a balanced routing), spread over its experts; no process group, nothing sent."""
+    (a balanced routing) with its experts (whichever: the grouped kernel holds the same for any); no process group,
+    nothing sent."""
 
     def __init__(self, ranks: int):
         super().__init__(None, None, False)
@@ -295,9 +290,7 @@ class PlannedExchange(ExpertExchange):
     def _round(self, layer: int, rows: Tensor, experts: Tensor) -> Tensor:
         shard = self.shards[layer]
         taken = torch.empty_like(rows)  # (as many served as sent)
-        spread = experts.new_empty(len(rows), self.ranks)  # (the meta routing spreads rows x ranks slots over all
-        #  the experts: the rank's share, 1/ranks of them, then takes every row once)
-        served = shard.share(spread, taken, rows.new_empty(spread.shape), *shard.local_weights(taken))
+        served = shard.each(taken, experts.new_empty(len(taken)), shard.local_weights(taken))
         answers = torch.empty_like(served)  # (received beside what was taken and served, as a round holds them)
         return answers
 
@@ -308,6 +301,16 @@ def _expert_dim(param: DTensor) -> int:
     if len(dims) != 1:
         raise ValueError(f"experts sharded over one mesh dimension expected, got placements {param.placements}")
     return dims[0]
+
+
+def _gradients(out: Tensor, leaves: list[Tensor], grad: Tensor) -> list[Tensor | None]:
+    """``out``'s gradient (``grad`` its own) in each of ``leaves`` that requires one, None for the others. Nothing
+    else keeps the leaves or the gradients once it returns (the caller frees the leaves, then each gradient)."""
+    if not out.requires_grad:  # (none of its inputs takes a gradient)
+        return [None] * len(leaves)
+    inputs = [leaf for leaf in leaves if leaf.requires_grad]
+    computed = iter(torch.autograd.grad(out, inputs, grad, allow_unused=True))
+    return [next(computed) if leaf.requires_grad else None for leaf in leaves]
 
 
 class _SharedExperts(torch.autograd.Function):
@@ -336,11 +339,7 @@ class _SharedExperts(torch.autograd.Function):
             tensors = (x, weights, *shard.local_weights(x))
             leaves = [t.detach().requires_grad_(w) for t, w in zip(tensors, wanted, strict=True)]
             share = shard.share(top_idx, *leaves)
-        found: list[Tensor | None] = [None] * len(leaves)
-        if share.requires_grad:  # (False: no token chose one of this rank's experts)
-            inputs = [leaf for leaf in leaves if leaf.requires_grad]
-            computed = iter(torch.autograd.grad(share, inputs, grad, allow_unused=True))
-            found = [next(computed) if leaf.requires_grad else None for leaf in leaves]
+        found = _gradients(share, leaves, grad)
         del share, leaves, tensors  # (the experts' compute copies: freed before their gradient's master copy)
         if shard.trains and shard.group is not None:  # (the planner's: no shards)
             experts = found[2:]
