@@ -70,8 +70,9 @@ class Decoder:
     cannot be captured (``FamilyAdapter.decode_graph_blocker``), context parallelism and sharded weights decode
     eagerly, which a RuntimeWarning says once per engine.
 
-    Static steps run per *shape class* of the batch: its rows and the session buffers' capacity. A class's first
-    step runs eagerly and is captured, the later ones replay (``shape_classes`` counts the classes entered). A
+    Static steps run per *shape class* of the batch: its rows, the session buffers' capacity and the family's decode
+    path (``FamilyAdapter.decode_regime``: DSA's selection turning sparse once a member sees more than its top-k).
+    A class's first step runs eagerly and is captured, the later ones replay (``shape_classes`` counts them). A
     member that leaves keeps its row, fed but unread, until half of the rows are such: then the batch is compacted
     and a new class entered, so G members finishing one by one cost about log2(G) captures, not G. A session
     buffer that fills up doubles (a new class too); a sampler's ``reserve`` of its token limit avoids that.
@@ -127,12 +128,16 @@ class Decoder:
         ids = as_token_ids(tokens, vocab_size=adapter.vocab_size).to(self.device)
         if ids.shape[0] != len(self.live):
             raise ValueError(f"{len(self.live)} members in the batch but {ids.shape[0]} tokens")
-        adapter.check_reach(max(self._position(k) for k in self.live) + 1)
+        reach = max(self._position(k) for k in self.live) + 1
+        adapter.check_reach(reach)
+        regime = adapter.decode_regime(reach)
         lengths = [self._session_length(k) for k in self.live]
         if self._reserve_session(max(lengths) + 1):
             self._class = None  # the buffers moved
+        if self._class is not None and self._class.inputs.regime != regime:
+            self._class = None  # the family's decode path changes (e.g. DSA's selection turns sparse)
         with torch.no_grad():
-            logits = self._static_step(ids) if self.graphs else self._eager_step(ids, lengths)
+            logits = self._static_step(ids, regime) if self.graphs else self._eager_step(ids, lengths, regime)
         for k in self.live:
             self._stepped[k] += 1
         return logits
@@ -165,7 +170,7 @@ class Decoder:
         self._remove([self.live.index(k) for k in members])
 
     # --- the two steps --------------------------------------------------------------------------------------
-    def _eager_step(self, ids: Tensor, lengths: list[int]) -> Tensor:
+    def _eager_step(self, ids: Tensor, lengths: list[int], regime: int) -> Tensor:
         """The step sized to this batch: session buffers read up to the longest member, new recurrent states kept
         as returned."""
         positions, session_start, session_lengths = self._row_inputs(self.live)
@@ -174,7 +179,7 @@ class Decoder:
         if self._groups is None:  # the batch's groups change only when members leave
             self._groups = self._batch_groups()
         present, groups = self._groups
-        batch = DecodeBatch(positions, groups, session_start, session_lengths, visible)
+        batch = DecodeBatch(positions, groups, session_start, session_lengths, visible, regime)
         runner = self.engine.weights.run if self.engine.weights is not None else None
         hidden, new = self.engine.adapter.decode(
             ids, batch, self._contexts(present), attention=self.engine.attention, runner=runner
@@ -182,11 +187,11 @@ class Decoder:
         self._recurrent = [() if grows else entry for grows, entry in zip(self._grows(), new, strict=True)]
         return self.engine.adapter.lm_head(hidden)
 
-    def _static_step(self, ids: Tensor) -> Tensor:
+    def _static_step(self, ids: Tensor, regime: int) -> Tensor:
         """The step of the batch's shape class (entered first if needed): the tokens go into its static input, the
         class's step graph runs, the live rows of its output are returned (a copy: a replay overwrites it)."""
         if self._class is None:
-            self._enter_shape_class()
+            self._enter_shape_class(regime)
         shape = self._class
         assert shape is not None
         shape.feed(ids)
@@ -197,7 +202,7 @@ class Decoder:
             self._compact()
         return shape.live_rows_of(logits)
 
-    def _enter_shape_class(self) -> None:
+    def _enter_shape_class(self, regime: int) -> None:
         """Compact the batch to its live rows and make the class's static inputs and step graph."""
         self._compact()
         self._groups = self._batch_groups()
@@ -212,6 +217,7 @@ class Decoder:
             alive=torch.ones_like(positions),
             slots=torch.arange(capacity, device=self.device),
             groups=groups,
+            regime=regime,
         )
         contexts = self._contexts(present)
         adapter, attention = self.engine.adapter, self.engine.attention
@@ -349,6 +355,7 @@ class StepInputs:
     positions, session_start, session_lengths: as ``DecodeBatch``'s.
     alive: 1 for a live row, 0 for a row whose member left (its position and session length stay put).
     slots: ``arange(capacity)`` of the session buffers: each step attends over all of them, masked.
+    regime: the family's decode path the class's steps take (``DecodeBatch.regime``).
     """
 
     ids: Tensor
@@ -358,11 +365,12 @@ class StepInputs:
     alive: Tensor
     slots: Tensor
     groups: tuple[DecodeGroup, ...]
+    regime: int = 0
 
     def batch(self) -> DecodeBatch:
         """The step's ``DecodeBatch``: each row sees its session's positions and its new one."""
         visible = self.slots < self.session_lengths[:, None] + 1
-        return DecodeBatch(self.positions, self.groups, self.session_start, self.session_lengths, visible)
+        return DecodeBatch(self.positions, self.groups, self.session_start, self.session_lengths, visible, self.regime)
 
     def advance(self) -> None:
         """After a step: each live row one position further."""

@@ -14,14 +14,14 @@ import torch
 from decoding_cases import GROUPS, PROMPTS, decode_both_ways, max_logprob_gap
 
 import longstraw_agents.decoding as decoding
+import longstraw_agents.models.mla as mla
 from longstraw_agents.decoding import Decoder, Member
 from longstraw_agents.engine import Engine
-from longstraw_agents.models.mla import MLAAdapter
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.state import State
 from longstraw_agents.step_graph import CudaGraphStep, EagerStep, host_syncs
 
-CAPTURABLE = {"dense": "qwen3", "hybrid": "qwen3_5"}
+CAPTURABLE = {"dense": "qwen3", "hybrid": "qwen3_5", "mla": "glm_moe_dsa"}
 STEPS = 8
 LEAVING = {1: [1], 4: [2], 5: [3]}  # after step t, these members leave
 PROBE = [7, 8, 9]
@@ -92,27 +92,36 @@ def test_static_steps_match_stepping_each_member_alone(engine):
     assert decode_both_ways(engine, PROMPTS, GROUPS, graphs=True) < 1e-12
 
 
-def test_the_static_step_waits_for_nothing_on_the_host(engine, checked):
-    """Nothing a CUDA graph cannot capture, in any shape class: the function the graphs capture is what runs."""
+def test_the_static_step_waits_for_nothing_on_the_host(engine, checked, monkeypatch):
+    """Nothing a CUDA graph cannot capture, in any shape class: the function the graphs capture is what runs (DSA's
+    top-k as on a GPU, where it breaks ties without looking whether any straddles the cut)."""
+    monkeypatch.setattr(mla, "ties_checked_on_host", lambda scores: False)
     session(engine, graphs=True)
-    assert checked.calls == STEPS and checked.found == []
+    assert checked.calls == STEPS and checked.found == [], checked.found
 
 
 def test_a_family_whose_step_waits_for_the_host_decodes_eagerly_and_says_so_once(checked, monkeypatch):
-    engine = Engine(tiny_model("glm_moe_dsa", dtype=torch.float64), chunk_size=8)
+    engine = Engine(tiny_model("qwen3", dtype=torch.float64), chunk_size=8)
+    monkeypatch.setattr(type(engine.adapter), "decode_graph_blocker", "waits for the host: a test says so")
     fork = engine.capture([1, 2, 3, 4])
-    with pytest.warns(RuntimeWarning, match="mla family's step waits for the host"):
+    with pytest.warns(RuntimeWarning, match="dense family's step waits for the host: a test says so"):
         assert not Decoder(engine, [Member(fork, fork)] * 2, graphs=True).graphs
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         decoder = Decoder(engine, [Member(fork, fork)] * 2, graphs=True)
         decoder.step([5, 6])
     assert not decoder.graphs and decoder.shape_classes == 0 and checked.calls == 0
-    # the reason holds: captured, its step would wait for the host (when issue 50's MoE stops, see what remains)
-    monkeypatch.setattr(MLAAdapter, "decode_graph_blocker", None)
-    decoder = Decoder(engine, [Member(fork, fork)] * 2, graphs=True)
-    decoder.step([5, 6])
-    assert checked.calls == 1 and any("torch.unique" in found for found in checked.found)
+
+
+def test_dsa_turning_sparse_mid_session_enters_a_shape_class_of_its_own(checked, monkeypatch):
+    """The GLM-5.2 layout with top-24 keys: the members of a 20-token prompt see every key for their first steps
+    (dense attention), then more than 24 (sparse): the static step enters a class for each, and equals the eager
+    decoder's logits throughout, waiting for nothing on the host in either."""
+    monkeypatch.setattr(mla, "ties_checked_on_host", lambda scores: False)
+    engine = Engine(tiny_model("glm_moe_dsa", dtype=torch.float64, index_topk=24), chunk_size=8)
+    eager, static = session(engine, graphs=False), session(engine, graphs=True)
+    assert gap(engine, eager, static) < 1e-12
+    assert static[2].shape_classes == 4 and checked.calls == STEPS and checked.found == []
 
 
 def test_graphs_default_to_the_eager_step_off_cuda():

@@ -262,6 +262,13 @@ class FamilyAdapter(ABC):
     def check_reach(self, end: int) -> None:  # noqa: B027 - an optional hook: most families compute any length
         """Raise when a forward reaching position ``end - 1`` is one the adapter does not compute exactly."""
 
+    def decode_regime(self, reach: int) -> int:
+        """Which of the family's decode paths a step takes whose longest member reaches ``reach`` positions (its
+        new one included): ``DecodeBatch.regime``, known on the host, so that the step reads no position to choose
+        (a captured step replays one path; the decoder enters a new shape class when the regime changes). 0: one
+        path for every length."""
+        return 0
+
     # --- shared ---------------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:

@@ -56,6 +56,8 @@ class DecodeBatch:
     session_lengths: ``[B]`` session positions before the new one: the new one goes to that slot.
     session_mask: ``[B, L]`` the session slots each member's query sees (the new one included), ``L`` the longest
         (a static step's: the buffers' capacity, so that its shapes stay put).
+    regime: the family's decode path for this step (``FamilyAdapter.decode_regime`` of the longest member's reach,
+        e.g. DSA's dense attention while no member sees more than its top-k keys).
     """
 
     positions: Tensor
@@ -63,6 +65,7 @@ class DecodeBatch:
     session_start: Tensor
     session_lengths: Tensor
     session_mask: Tensor
+    regime: int = 0
 
     @property
     def size(self) -> int:

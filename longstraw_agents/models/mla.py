@@ -68,19 +68,26 @@ def stable_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` best scores of each row of ``scores [n, c]`` and their columns, best first, ties to the earlier
     column: exactly ``torch.sort(scores, dim=1, descending=True, stable=True)`` cut to ``k`` columns (scores without
     NaN), at the cost of one ``topk`` over each row and a sort of ``k`` — sorting whole rows of thousands of keys is
-    several times slower."""
+    several times slower. On CUDA it reads nothing on the host (a decoding step is captured in a CUDA graph)."""
     if scores.shape[1] <= k or scores.device.type == "meta":  # short rows; meta (the memory planner): no values
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
         return scores.gather(1, order), order
     values, columns = scores.topk(k, dim=1, sorted=False)
     cut = values.amin(dim=1, keepdim=True)  # each row's k-th best score
     # topk keeps an arbitrary few of the scores equal to the cut: where a row has more of them, take its earliest
-    if bool(((scores == cut).sum(dim=1) > (values == cut).sum(dim=1)).any()):
+    # (off the CPU always, which changes nothing where no tie straddles the cut: the check would wait for the device)
+    if not ties_checked_on_host(scores) or bool(((scores == cut).sum(dim=1) > (values == cut).sum(dim=1)).any()):
         columns = _earliest_at_cut(scores, cut, k)
     columns = columns.sort(dim=1).values  # column order, so that the stable sort by score breaks ties by column
     values = scores.gather(1, columns)
     order = torch.sort(values, dim=1, descending=True, stable=True).indices
     return values.gather(1, order), columns.gather(1, order)
+
+
+def ties_checked_on_host(scores: Tensor) -> bool:
+    """``stable_topk`` first checks whether ties straddle the cut (a read on the host, free on CPU); elsewhere it
+    breaks them whether or not they do, on the device alone."""
+    return scores.device.type == "cpu"
 
 
 def _earliest_at_cut(scores: Tensor, cut: Tensor, k: int) -> Tensor:
@@ -89,8 +96,9 @@ def _earliest_at_cut(scores: Tensor, cut: Tensor, k: int) -> Tensor:
     above = scores > cut
     at_cut = scores == cut
     room = k - above.sum(dim=1, keepdim=True)
-    chosen = above | (at_cut & (at_cut.cumsum(dim=1) <= room))
-    return chosen.nonzero()[:, 1].view(-1, k)
+    chosen = above | (at_cut & (at_cut.cumsum(dim=1) <= room))  # exactly k a row: the cut is the k-th best score
+    earlier_first = torch.arange(scores.shape[1], 0, -1, device=scores.device)  # every chosen column above 0
+    return (chosen * earlier_first).topk(k, dim=1).indices.sort(dim=1).values
 
 
 class BestKeys:
@@ -193,7 +201,7 @@ class DSAIndexer:
         are scored padded to the longest. With context parallelism every rank's best candidates among its blocks
         are merged before the session's join. Ties go to earlier positions, exactly as in ``select``."""
         batch, ctx = inp.batch, inp.context
-        if int(batch.positions.max()) + 1 <= self.topk:
+        if batch.regime == 0:  # (no member sees more than topk keys: MLAAdapter.decode_regime)
             return None
         q, w = self._queries(x, q_resid, inp.rope)
         scores = torch.full((batch.size, self.topk), float("-inf"), dtype=q.dtype, device=x.device)
@@ -216,7 +224,7 @@ class DSAIndexer:
         session = torch.matmul(w.unsqueeze(1), self._relu_scores(dots))[:, 0] + 0.0
         session = session.masked_fill(~batch.session_mask, float("-inf"))
         session_positions = batch.session_start.unsqueeze(1) + torch.arange(session_keys.shape[1], device=x.device)
-        top_scores, top = stable_topk(torch.cat([scores, session], 1), self.topk)
+        top_scores, top = stable_topk(torch.cat([scores, session], 1), self.topk)  # (on the device alone)
         return torch.cat([positions, session_positions], 1).gather(1, top), top_scores > float("-inf")
 
     def _score_keys(
@@ -492,10 +500,10 @@ class MoE:
 class MLAAdapter(FamilyAdapter):
     family = "mla"
     model_types = ("glm_moe_dsa",)
-    decode_graph_blocker = (
-        "waits for the host: its MoE reads which experts the tokens chose (torch.unique(...).tolist()) and DSA's "
-        "selection the longest position"
-    )
+
+    def decode_regime(self, reach: int) -> int:
+        """1 once a member sees more keys than DSA's top-k (its selection is sparse), else 0 (every key visible)."""
+        return int(reach > self.config.index_topk)
 
     @classmethod
     def check_config(cls, config: Any) -> None:

@@ -251,8 +251,13 @@ def tie_heavy_scores(n: int, m: int, dtype: torch.dtype, gen: torch.Generator) -
     return torch.where(continuous, torch.randn(n, m, generator=gen, dtype=dtype), scores)
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["ties-checked-on-host", "ties-broken-on-the-device"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_stable_topk_equals_a_stable_sort_on_scores_with_many_ties(dtype: torch.dtype) -> None:
+def test_stable_topk_equals_a_stable_sort_on_scores_with_many_ties(dtype: torch.dtype, on_device, monkeypatch) -> None:
+    """As on CPU (ties broken where a check finds them straddling the cut) and as on a GPU (always, waiting for
+    nothing on the host)."""
+    if on_device:
+        monkeypatch.setattr(mla, "ties_checked_on_host", lambda scores: False)
     gen = torch.Generator().manual_seed(0)
     for n, m in [(1, 1), (7, 5), (16, 64), (48, 700)]:
         scores = tie_heavy_scores(n, m, dtype, gen)
