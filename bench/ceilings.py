@@ -7,6 +7,8 @@ the rates of a ``HardwareProfile`` from micro-benchmarks of the kernels the engi
 - ``recurrent`` / ``recurrent_backward``: the delta rule over a chunk as the mixer runs it (its blocks' sequential
   steps included), forward and backward;
 - ``selection``: DSA's index scores of a chunk against four chunks of keys and their ``stable_topk``;
+- for the MLA family, per op (``dsa_rooflines``: the indexer, the top-k, the sparse attention, the experts), what
+  the engine's kernels reach of the run's roofline (its matmul rate and memory bandwidth);
 - ``memory``: a matrix-vector product (what a decoding step reads its weights with); ``gathered``: rows gathered at
   random and scattered back (DSA's selected rows);
 - the host's latency per layer call on each path (a chunk of a capture, a branch's extend under autograd, a batched
@@ -284,3 +286,76 @@ def elementwise_seconds(family: str, args: argparse.Namespace, device: torch.dev
         measured = seconds(lambda: engine.capture(prompt), device, model_repeats(args))
     work = ModelWork.of(model.config, model.dtype).chunked(0, args.chunk, args.chunk, entries_only=True)
     return max(measured - profile.time(work), 0.0) / work.elementwise
+
+
+def dsa_rooflines(args: argparse.Namespace, device: torch.device, shared: SharedRates) -> dict[str, dict[str, float]]:
+    """Per op of the MLA family, at its shapes over one chunk of queries against four chunks of keys, what the
+    engine's own kernels reach against the run's roofline (``shared``: its matmul rate and its memory bandwidth):
+    ``of_roofline`` = max(FLOPs / matmul rate, bytes / bandwidth) ÷ seconds. The ops: the indexer's scores
+    (``DSAIndexer``'s kernel), their top-k (``stable_topk``), the sparse attention over each query's selected rows
+    (``sparse_attend``, forward), and the routed experts of one MoE layer (``MoE``'s grouped matmuls)."""
+    from longstraw_agents.attention import Attention, sparse_attend
+    from longstraw_agents.models.mla import MLAAdapter
+
+    dtype = getattr(torch, args.dtype)
+    model = build("mla", args, device)
+    adapter = MLAAdapter(model)
+    mixer = adapter.layers[0].mixer
+    indexer = mixer.indexer
+    n, m = args.chunk, 4 * args.chunk
+    k = min(model.config.index_topk, m)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, to: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device, to)
+
+    size = torch.empty((), dtype=dtype).element_size()
+    compute = torch.promote_types(dtype, torch.float32)
+    q, w = rand(n, indexer.heads, indexer.dim, to=compute), rand(n, indexer.heads, to=compute)
+    keys = rand(m, indexer.dim)
+    fast = dtype in (torch.bfloat16, torch.float16)
+    scores = indexer._scores(q, w, keys, fast)
+    width = mixer.rank + mixer.rope_dim
+    rows, own = rand(m, width), rand(n, width)
+    queries = rand(n, mixer.heads, width)
+    selected = torch.stack([torch.randperm(m + n, generator=gen)[:k] for _ in range(n)]).to(device)
+    ops = {
+        "indexer": (
+            lambda: indexer._scores(q, w, keys, fast),
+            2 * n * m * indexer.heads * indexer.dim,
+            (n * indexer.heads * indexer.dim + m * indexer.dim) * size + n * m * 4,
+        ),
+        "top-k": (lambda: stable_topk(scores, k), 0, n * m * 4),
+        "sparse attention": (
+            lambda: sparse_attend(queries, [rows], [None], own, selected, m, 0.05, attention=Attention()),
+            4 * n * k * mixer.heads * width,
+            n * k * width * size,
+        ),
+    }
+    experts = _routed_experts(adapter, n, dtype, device, gen)
+    if experts is not None:
+        ops["experts"] = experts
+    found = {}
+    with torch.no_grad():
+        for name, (run, flops, moved) in ops.items():
+            elapsed = seconds(run, device, model_repeats(args))
+            floor = max(flops / shared.matmul, moved / shared.memory)
+            found[name] = {"seconds": elapsed, "flops": flops, "bytes": moved, "of_roofline": floor / elapsed}
+    del model
+    return found
+
+
+def _routed_experts(adapter, n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    """The first MoE layer's routed experts over ``n`` tokens: (run, FLOPs, bytes: the experts' weights read once)."""
+    from longstraw_agents.models.mla import MoE
+
+    moe = next((layer.mlp for layer in adapter.layers if isinstance(layer.mlp, MoE)), None)
+    if moe is None:
+        return None
+    config = adapter.config
+    x = torch.randn(n, config.hidden_size, generator=gen).to(device, dtype)
+    top_idx, weights = moe.route(x)
+    inter, k = config.moe_intermediate_size, config.num_experts_per_tok
+    flops = 2 * 3 * n * k * config.hidden_size * inter
+    moved = sum(p.numel() * p.element_size() for p in moe.experts.parameters())
+    return (lambda: moe.local(x, top_idx, weights), flops, moved)

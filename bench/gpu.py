@@ -483,6 +483,8 @@ class Beside:
         if self.peer is None or row["phase"] not in PEER_PHASES or self._work is None:
             return out
         phase, device = row["phase"], next(self.model.parameters()).device
+        if phase in self.peer.left_out:
+            return out | {"peer_error": self.peer.left_out[phase]}
         if self._peer_error is not None and phase != "capture":
             return out | {"peer_error": self._peer_error}
         if self.deadline is not None and self.deadline.passed:
@@ -652,7 +654,7 @@ class Run:
         """The family's rows at every length, written as measured, after its build, warm-up (untimed: kernel
         compilation and autotuning, the peer's too) and kernel micro-benchmarks (``bench.ceilings``: the time
         model's profile), whose seconds and rates go to the record's ``setup``."""
-        from bench.ceilings import measure_profile  # (it builds on this module's models and phases)
+        from bench.ceilings import dsa_rooflines, measure_profile  # (it builds on this module's models and phases)
 
         args, device, done = self.args, self.device, set()
         lengths, exact_at = lengths_of(family, args)
@@ -671,6 +673,7 @@ class Run:
             measure_phases(model, engine, 2 * args.chunk, warm_up, beside=beside)
             warm = time.perf_counter()
             beside.profile = measure_profile(family, args, device, self.device_name, self.shared)
+            rooflines = dsa_rooflines(args, device, self.shared) if family == "mla" else None
         except BudgetSpent:
             self.skip_all(family, "time budget spent before the family's set-up", done)
             return
@@ -685,6 +688,7 @@ class Run:
             "ceilings_s": time.perf_counter() - warm,
             "profile": beside.profile.model_dump(),
             "peer": peer.setup if peer is not None else None,
+            "rooflines": rooflines,
             "kernels_off": [s.kernel for s in self.kernels_off if s.families is None or family in s.families],
         }
         self.record.add_setup(family, setup)
@@ -694,6 +698,9 @@ class Run:
             f"{setup['ceilings_s']:.1f} s" + (f"; transformers: {peer.setup}" if peer is not None else ""),
             flush=True,
         )
+        if rooflines is not None:
+            shares = ", ".join(f"{op} {r['of_roofline']:.2f}" for op, r in rooflines.items())
+            print(f"# {family}: of the roofline (this run's matmul rate and bandwidth): {shares}", flush=True)
         beside.deadline = self.deadline
 
         def on_row(r: Row) -> None:

@@ -275,6 +275,7 @@ class Transformers:
     setup: dict[str, Any] = field(default_factory=dict)
     batch: dict[str, int] = field(default_factory=dict)
     chunked_prefill: bool = False
+    left_out: dict[str, str] = field(default_factory=dict)  # phases not timed: why
 
     @classmethod
     def prepare(cls, model: Any, chunk: int, temperature: float = 1.0) -> Transformers:
@@ -289,6 +290,11 @@ class Transformers:
                 "backward": "flash-linear-attention" if peer.delta_rule.backward_kernel else "torch fallback",
                 "why": peer.delta_rule.why,
             }
+        if model.config.model_type == "glm_moe_dsa":
+            peer.left_out["decode"] = (
+                "not the same work: transformers' cached DSA path selects other keys than DSA's definition when "
+                "index_topk < context (its logits change as later tokens are added)"
+            )
         if getattr(model.config, "n_routed_experts", None):
             ids = torch.randint(0, model.config.vocab_size, (chunk,), generator=torch.Generator().manual_seed(0))
             peer.experts, peer.setup["experts"] = choose_experts(model, ids.to(device))
