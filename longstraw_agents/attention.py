@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -722,8 +722,8 @@ class _SparseAttention(torch.autograd.Function):
         scale: float,
         attention: Attention,
     ) -> Tensor:
-        partials = _kernel_partials if sparse_kernel_applies(q, spans) else _gathered_partials
-        earlier, own_part = partials(q, own, spans, selected, start, scale, attention)
+        call = _SparseCall.of(q, own, spans, selected, start, scale, attention)
+        earlier, own_part = call.partials()
         if attention.shards is None:
             out, lse = merge(earlier, *own_part)
         else:  # the earlier rows of every rank, then the own rows (which every rank holds) once
@@ -739,9 +739,9 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         q, own, selected, out, lse = ctx.saved_tensors
         attention: Attention = ctx.attention
+        call = _SparseCall.of(q, own, ctx.spans, selected, ctx.start, ctx.scale, attention)
         d_own = torch.zeros(own.shape, dtype=lse.dtype, device=own.device)
-        grads = _kernel_grads if sparse_kernel_applies(q, ctx.spans) else _gathered_grads
-        d_earlier, d_q_own = grads(q, own, ctx.spans, selected, ctx.start, ctx.scale, attention, out, lse, d_out, d_own)
+        d_earlier, d_q_own = call.grads(out, lse, d_out, d_own)
         if attention.shards is not None:  # every rank's earlier rows add to the queries' gradient; the own rows once
             d_earlier = attention.shards.sum_(d_earlier, "dq")
         return (d_earlier + d_q_own).to(q.dtype), d_own.to(own.dtype), None, None, None, None, None
@@ -750,44 +750,123 @@ class _SparseAttention(torch.autograd.Function):
 Partial = tuple[Tensor, Tensor]
 
 
-def _kernel_partials(
-    q: Tensor, own: Tensor, spans: Sequence[Span], selected: Tensor, start: int, scale: float, attention: Attention
-) -> tuple[Partial | None, Partial]:
-    """The earlier spans' merged partial (None without any) and the own rows' partial, by the Triton kernel."""
-    from longstraw_agents.kernels.sparse_attention import sparse_forward
+@dataclass(frozen=True)
+class _SparseCall(ABC):
+    """One sparse attention's inputs (``sparse_attend``'s), and its two directions, each as partials: the earlier
+    spans' (merged over the ranks by the caller) and the own rows'. ``of`` picks the path: the Triton kernels where
+    ``sparse_kernel_applies``, else the selected rows gathered a block of queries at a time."""
 
-    fast, split = _fast(q, attention), _split(q.shape[-1])
-    earlier: Partial | None = None
-    for rows, offset, _ in spans:
-        if rows.shape[0]:
-            earlier = merge(earlier, *sparse_forward(q, rows, selected, offset, start, split, scale, fast))
-    return earlier, sparse_forward(q, own, selected, start, start, split, scale, fast)
+    q: Tensor
+    own: Tensor
+    spans: Sequence[Span]
+    selected: Tensor
+    start: int
+    scale: float
+    attention: Attention
+
+    @staticmethod
+    def of(
+        q: Tensor,
+        own: Tensor,
+        spans: Sequence[Span],
+        selected: Tensor,
+        start: int,
+        scale: float,
+        attention: Attention,
+    ) -> _SparseCall:
+        path = _KernelSparse if sparse_kernel_applies(q, spans) else _GatheredSparse
+        return path(q, own, spans, selected, start, scale, attention)
+
+    @abstractmethod
+    def partials(self) -> tuple[Partial | None, Partial]:
+        """The earlier spans' merged partial (None: none, or none apart from the own rows') and the own rows'."""
+
+    @abstractmethod
+    def grads(self, out: Tensor, lse: Tensor, d_out: Tensor, d_own: Tensor) -> tuple[Tensor, Tensor]:
+        """The queries' gradient from the earlier spans and from the own rows, for the attention whose (global)
+        output is ``out`` with log normaliser ``lse``; the rows' gradients added into the spans' sinks and
+        ``d_own``."""
 
 
-def _kernel_grads(
-    q: Tensor,
-    own: Tensor,
-    spans: Sequence[Span],
-    selected: Tensor,
-    start: int,
-    scale: float,
-    attention: Attention,
-    out: Tensor,
-    lse: Tensor,
-    d_out: Tensor,
-    d_own: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """The queries' gradient from the earlier spans and from the own rows; the rows' gradients added into the sinks
-    (and ``d_own``) by the kernel."""
-    from longstraw_agents.kernels.sparse_attention import sparse_backward
+class _KernelSparse(_SparseCall):
+    """The Triton kernels (``kernels.sparse_attention``): one call per span, each query's rows read in place."""
 
-    fast, split = _fast(q, attention), _split(q.shape[-1])
-    d_earlier = torch.zeros(out.shape, dtype=out.dtype, device=q.device)
-    for rows, offset, sink in spans:
-        if rows.shape[0]:
-            d_earlier += sparse_backward(q, rows, selected, offset, start, split, scale, fast, out, lse, d_out, sink)
-    d_q_own = sparse_backward(q, own, selected, start, start, split, scale, fast, out, lse, d_out, d_own)
-    return d_earlier, d_q_own
+    @property
+    def _constants(self) -> tuple[int, float, bool]:
+        return _split(self.q.shape[-1]), self.scale, _fast(self.q, self.attention)
+
+    def partials(self) -> tuple[Partial | None, Partial]:
+        from longstraw_agents.kernels.sparse_attention import sparse_forward
+
+        q, selected, start = self.q, self.selected, self.start
+        earlier: Partial | None = None
+        for rows, offset, _ in self.spans:
+            if rows.shape[0]:
+                earlier = merge(earlier, *sparse_forward(q, rows, selected, offset, start, *self._constants))
+        return earlier, sparse_forward(q, self.own, selected, start, start, *self._constants)
+
+    def grads(self, out: Tensor, lse: Tensor, d_out: Tensor, d_own: Tensor) -> tuple[Tensor, Tensor]:
+        from longstraw_agents.kernels.sparse_attention import sparse_backward
+
+        def span(rows: Tensor, offset: int, sink: Tensor | None) -> Tensor:
+            return sparse_backward(
+                self.q, rows, self.selected, offset, self.start, *self._constants, out, lse, d_out, sink
+            )
+
+        d_earlier = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
+        for rows, offset, sink in self.spans:
+            if rows.shape[0]:
+                d_earlier += span(rows, offset, sink)
+        return d_earlier, span(self.own, self.start, d_own)
+
+
+class _GatheredSparse(_SparseCall):
+    """The selected rows gathered for a block of queries at a time, at most ``max_score_elements`` of them (queries
+    x k x width), and attended in one softmax; their gradients added into the sinks with ``index_add_``."""
+
+    def _blocks(self) -> Iterator[tuple[slice, _Gathered]]:
+        n, k = self.selected.shape
+        step = max(1, self.attention.max_score_elements // max(k * self.q.shape[-1], 1))
+        dtype = softmax_dtype(self.q.dtype)
+        for lo in range(0, n, step):
+            block = slice(lo, min(lo + step, n))
+            yield block, _Gathered.of(self.spans, self.own, self.selected[block], self.start, self.start + lo, dtype)
+
+    def partials(self) -> tuple[Partial | None, Partial]:
+        """In one process, one softmax over every visible row: no earlier partial."""
+        qs = self.q.to(softmax_dtype(self.q.dtype))
+        apart = self.attention.shards is not None
+        outs = [qs.new_zeros(qs.shape) for _ in range(1 + apart)]
+        lses = [qs.new_full(qs.shape[:-1], float("-inf")) for _ in range(1 + apart)]
+        for block, gathered in self._blocks():
+            masks = [gathered.visible & gathered.own, gathered.visible & ~gathered.own] if apart else [gathered.visible]
+            for out, lse, visible in zip(outs, lses, masks, strict=True):
+                out[block], lse[block] = _sparse_partial(qs[block], gathered, visible, self.scale)
+        return ((outs[1], lses[1]) if apart else None), (outs[0], lses[0])
+
+    def grads(self, out: Tensor, lse: Tensor, d_out: Tensor, d_own: Tensor) -> tuple[Tensor, Tensor]:
+        sdt, scale = lse.dtype, self.scale
+        qs, d_o = self.q.to(sdt), d_out.to(sdt)
+        d_earlier, d_q_own = torch.zeros(out.shape, dtype=sdt, device=out.device), torch.zeros_like(out, dtype=sdt)
+        row = (d_o * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ out) [n, H, 1]
+        for block, gathered in self._blocks():
+            probs = torch.exp(gathered.scores(qs[block], scale) - lse[block].unsqueeze(-1))
+            probs = probs.masked_fill(~gathered.visible.unsqueeze(1), 0.0)  # hidden slots: exact zeros, no sync
+            d_scores = probs * (torch.matmul(d_o[block], gathered.rows.transpose(1, 2)) - row[block]) * scale
+            if self.attention.shards is None:  # (the sum is all the caller needs)
+                d_earlier[block] = torch.matmul(d_scores, gathered.rows)
+            else:
+                own_slots = gathered.own.unsqueeze(1)
+                d_earlier[block] = torch.matmul(d_scores.masked_fill(own_slots, 0.0), gathered.rows)
+                d_q_own[block] = torch.matmul(d_scores.masked_fill(~own_slots, 0.0), gathered.rows)
+            # each row is a key and a value at once: its gradient sums both parts, per selected slot [b * k, W]
+            d_rows = torch.matmul(d_scores.transpose(1, 2), qs[block]) + torch.matmul(probs.transpose(1, 2), d_o[block])
+            d_rows = d_rows.flatten(0, 1)
+            for rows, offset, sink in (*self.spans, (self.own, self.start, d_own)):
+                if sink is not None:
+                    slots, index = _placed(self.selected[block].flatten(), rows.shape[0], offset)
+                    sink.index_add_(0, index, d_rows.index_select(0, slots).to(sink.dtype))
+        return d_earlier, d_q_own
 
 
 def _fast(q: Tensor, attention: Attention) -> bool:
@@ -799,67 +878,3 @@ def _fast(q: Tensor, attention: Attention) -> bool:
 def _split(width: int) -> int:
     """Where the kernels cut a row in two power-of-two tiles: MLA's 512 latent + 64 rope columns."""
     return 1 << (width.bit_length() - 1)
-
-
-def _query_blocks(selected: Tensor, width: int, attention: Attention) -> list[slice]:
-    """Blocks of queries whose gathered rows (queries x k x width elements) fit ``max_score_elements``."""
-    n, k = selected.shape
-    step = max(1, attention.max_score_elements // max(k * width, 1))
-    return [slice(lo, min(lo + step, n)) for lo in range(0, n, step)]
-
-
-def _gathered_partials(
-    q: Tensor, own: Tensor, spans: Sequence[Span], selected: Tensor, start: int, scale: float, attention: Attention
-) -> tuple[Partial | None, Partial]:
-    """The two partials of ``_kernel_partials`` by gathering the selected rows, a block of queries at a time (in one
-    process, one softmax over every visible row: no earlier partial)."""
-    qs = q.to(softmax_dtype(q.dtype))
-    apart = attention.shards is not None
-    outs = [qs.new_zeros(qs.shape) for _ in range(1 + apart)]
-    lses = [qs.new_full(qs.shape[:-1], float("-inf")) for _ in range(1 + apart)]
-    for block in _query_blocks(selected, q.shape[-1], attention):
-        gathered = _Gathered.of(spans, own, selected[block], start, start + block.start, qs.dtype)
-        masks = [gathered.visible & gathered.own, gathered.visible & ~gathered.own] if apart else [gathered.visible]
-        for out, lse, visible in zip(outs, lses, masks, strict=True):
-            out[block], lse[block] = _sparse_partial(qs[block], gathered, visible, scale)
-    return ((outs[1], lses[1]) if apart else None), (outs[0], lses[0])
-
-
-def _gathered_grads(
-    q: Tensor,
-    own: Tensor,
-    spans: Sequence[Span],
-    selected: Tensor,
-    start: int,
-    scale: float,
-    attention: Attention,
-    out: Tensor,
-    lse: Tensor,
-    d_out: Tensor,
-    d_own: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """``_kernel_grads`` by gathering the selected rows, a block of queries at a time, their gradients added into
-    the sinks with ``index_add_``."""
-    sdt = lse.dtype
-    qs, d_o = q.to(sdt), d_out.to(sdt)
-    d_earlier, d_q_own = torch.zeros(out.shape, dtype=sdt, device=q.device), torch.zeros_like(out, dtype=sdt)
-    row = (d_o * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ out) [n, H, 1]
-    for block in _query_blocks(selected, q.shape[-1], attention):
-        gathered = _Gathered.of(spans, own, selected[block], start, start + block.start, sdt)
-        probs = torch.exp(gathered.scores(qs[block], scale) - lse[block].unsqueeze(-1))
-        probs = probs.masked_fill(~gathered.visible.unsqueeze(1), 0.0)  # hidden slots: exact zeros, no host sync
-        d_scores = probs * (torch.matmul(d_o[block], gathered.rows.transpose(1, 2)) - row[block]) * scale
-        if attention.shards is None:  # (the sum is all the caller needs)
-            d_earlier[block] = torch.matmul(d_scores, gathered.rows)
-        else:
-            own_slots = gathered.own.unsqueeze(1)
-            d_earlier[block] = torch.matmul(d_scores.masked_fill(own_slots, 0.0), gathered.rows)
-            d_q_own[block] = torch.matmul(d_scores.masked_fill(~own_slots, 0.0), gathered.rows)
-        # each row is a key and a value at once: its gradient sums both parts, per selected slot [b * k, W]
-        d_rows = torch.matmul(d_scores.transpose(1, 2), qs[block]) + torch.matmul(probs.transpose(1, 2), d_o[block])
-        d_rows = d_rows.flatten(0, 1)
-        for rows, offset, sink in (*spans, (own, start, d_own)):
-            if sink is not None:
-                slots, index = _placed(selected[block].flatten(), rows.shape[0], offset)
-                sink.index_add_(0, index, d_rows.index_select(0, slots).to(sink.dtype))
-    return d_earlier, d_q_own

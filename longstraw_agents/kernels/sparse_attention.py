@@ -101,12 +101,22 @@ def sparse_backward(
 
 
 @triton.jit
-def _tile(ROWS, rel, ok, c1, m1, c2, m2, W1: tl.constexpr, W2: tl.constexpr, FAST, EMULATE, ACC):
-    """A tile's rows ``[BK, BW1]`` and ``[BK, BW2]`` (latent and rope parts), zero where not seen, as operands."""
+def _tile_scores(
+    q1, q2, ROWS, SEL, t, i, lo, query_position, scale, K, M, c1, m1, c2, m2,
+    W1: tl.constexpr, W2: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, EMULATE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The tile of query ``i``'s selected positions from ``t``: which of them this span holds and the query sees
+    (``ok``), their rows as operands (latent and rope parts, zero where not seen), their row offsets, and the
+    scaled scores ``[BH, BK]`` (unmasked)."""
+    rk = t + tl.arange(0, BK)
+    position = tl.load(SEL + i * K + rk, mask=rk < K, other=-1)
+    rel = position - lo
+    ok = (rk < K) & (rel >= 0) & (rel < M) & (position <= query_position) & (position >= 0)
     at = ROWS + rel[:, None] * (W1 + W2)
-    r1 = tl.load(at + c1[None, :], mask=ok[:, None] & m1[None, :], other=0.0)
-    r2 = tl.load(at + W1 + c2[None, :], mask=ok[:, None] & m2[None, :], other=0.0)
-    return operand(r1, FAST, EMULATE, ACC), operand(r2, FAST, EMULATE, ACC)
+    r1 = operand(tl.load(at + c1[None, :], mask=ok[:, None] & m1[None, :], other=0.0), FAST, EMULATE, ACC)
+    r2 = operand(tl.load(at + W1 + c2[None, :], mask=ok[:, None] & m2[None, :], other=0.0), FAST, EMULATE, ACC)
+    s = (dot(q1, tl.trans(r1), FAST, EMULATE) + dot(q2, tl.trans(r2), FAST, EMULATE)).to(ACC) * scale
+    return ok, rel, r1, r2, s
 
 
 @triton.jit
@@ -129,12 +139,9 @@ def _sparse_forward_kernel(
     acc1 = tl.zeros([BH, BW1], dtype=ACC)
     acc2 = tl.zeros([BH, BW2], dtype=ACC)
     for t in tl.range(0, K, BK):
-        rk = t + tl.arange(0, BK)
-        position = tl.load(SEL + i * K + rk, mask=rk < K, other=-1)
-        rel = position - lo
-        ok = (rk < K) & (rel >= 0) & (rel < M) & (position <= query_position) & (position >= 0)
-        r1, r2 = _tile(ROWS, rel, ok, c1, m1, c2, m2, W1, W2, FAST, EMULATE, ACC)
-        s = (dot(q1, tl.trans(r1), FAST, EMULATE) + dot(q2, tl.trans(r2), FAST, EMULATE)).to(ACC) * scale
+        ok, _, r1, r2, s = _tile_scores(
+            q1, q2, ROWS, SEL, t, i, lo, query_position, scale, K, M, c1, m1, c2, m2, W1, W2, BK, FAST, EMULATE, ACC
+        )
         s = tl.where(ok[None, :], s, float("-inf"))
         new_best = tl.maximum(best, tl.max(s, 1))
         shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a row that has seen nothing: no nan
@@ -177,12 +184,9 @@ def _sparse_backward_kernel(
     dq1 = tl.zeros([BH, BW1], dtype=ACC)
     dq2 = tl.zeros([BH, BW2], dtype=ACC)
     for t in tl.range(0, K, BK):
-        rk = t + tl.arange(0, BK)
-        position = tl.load(SEL + i * K + rk, mask=rk < K, other=-1)
-        rel = position - lo
-        ok = (rk < K) & (rel >= 0) & (rel < M) & (position <= query_position) & (position >= 0)
-        r1, r2 = _tile(ROWS, rel, ok, c1, m1, c2, m2, W1, W2, FAST, EMULATE, ACC)
-        s = (dot(q1, tl.trans(r1), FAST, EMULATE) + dot(q2, tl.trans(r2), FAST, EMULATE)).to(ACC) * scale
+        ok, rel, r1, r2, s = _tile_scores(
+            q1, q2, ROWS, SEL, t, i, lo, query_position, scale, K, M, c1, m1, c2, m2, W1, W2, BK, FAST, EMULATE, ACC
+        )
         p = tl.where(ok[None, :] & mh[:, None], tl.exp(s - lse[:, None]), 0.0)
         dp = (dot(do1, tl.trans(r1), FAST, EMULATE) + dot(do2, tl.trans(r2), FAST, EMULATE)).to(ACC)
         ds = p * (dp - delta[:, None]) * scale
