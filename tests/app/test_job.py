@@ -204,6 +204,17 @@ def test_the_plan_of_a_run_without_fsdp_holds_the_whole_model_on_every_gpu() -> 
     assert detached["backward"]["gathered gradients"] == 0  # (every cp rank computes every branch: nothing summed)
 
 
+def test_the_time_model_times_the_layout_the_job_runs() -> None:
+    """Over whole weights each cp rank's AdamW steps every parameter, not its shard (``Schedule(sharded=...)``)."""
+    from longstraw_agents.timing import ModelWork, step_work
+
+    run = job_request(tiny_config("runs/x", parallel={"cp": 2}))
+    model = ModelWork(run.model, torch.float32, 1e6, 0.0, 1e3, 4e6, 4e6, root_bytes=1e6)  # type: ignore[arg-type]
+    whole = step_work(run, model, rollout=False).phases["optimizer"]
+    shards = step_work(dataclasses.replace(run, fsdp=True), model, rollout=False).phases["optimizer"]
+    assert whole.memory == 7 * 4e6 == 2 * shards.memory
+
+
 def plan_table(out: str) -> str:
     """A plan's table, from its header line (the model's) to its last note."""
     lines = out.splitlines()
