@@ -48,11 +48,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict, InstanceOf, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from longstraw_agents.engine import Engine, EngineConfig, LayerInputs, checkpoint_spacing, layer_inputs_spacing
+from longstraw_agents.engine.wavefront import GRADIENT_BUCKET_BYTES
+from longstraw_agents.job import JobSpec, engine_problem
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
@@ -76,23 +78,99 @@ NAMED_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 PER_LAYER_LISTS = ("layer_types", "indexer_types", "mlp_layer_types")
 CONTEXT_SEARCH_LIMIT = 1 << 26  # longest_context tries lengths below this (67M positions)
-# The engine a full-scale step plans with: 4K-token chunks, activation checkpointing (at these sizes a branch's full
-# graph would dominate: see the README) and a GPU's budget for DSA index scores (512 MiB fp32, not a CPU test's 4 MiB)
+# The engine `longstraw plan` assumes without a run config (the published configuration; printed with every plan,
+# as each setting that differs from EngineConfig's defaults): 4K-token chunks, activation checkpointing (at these
+# sizes a branch's full graph would dominate: see the README) and a GPU's budget for DSA index scores (512 MiB fp32,
+# not a CPU test's 4 MiB). A run config's plan (`plan --config`, `PlanRequest.of_job`) takes the run's `engine:`.
 PLAN_ENGINE = EngineConfig(chunk_size=4096, activation_checkpointing=True, max_score_elements=1 << 27)
 
 
-@pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True, strict=True))
+@pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True, strict=True, extra="forbid"))
 class PlanRequest(PlanShape):
     """What to plan: a ``PlanShape`` (the step's sizes and how the GPUs split, checked without torch) and the dtype
-    and engine the step runs.
+    and engine the step runs. ``of_job`` makes the request of a job (``JobSpec``: model, parallel, engine, trainer)
+    for a workload's shape and a GPU: what ``longstraw plan --config`` and ``train --check`` plan.
 
     Validated on construction (and by ``dataclasses.replace``) as ``PlanShape`` is, and mixed precision needs a dtype
-    narrower than fp32; a bad value raises pydantic's ``ValidationError``."""
+    narrower than fp32; a bad value raises pydantic's ``ValidationError``, an unknown keyword a ``TypeError`` of one
+    line (an engine setting is named as ``engine=EngineConfig(...)``'s)."""
 
+    # a name of NAMED_MODELS, a transformers config.json (or its folder), or the config itself (a run's model; a
+    # dataclass in transformers 5, taken as an instance rather than validated field by field). (Wider than
+    # PlanShape's str, which has no transformers: sound, the request being frozen.)
+    model: str | InstanceOf[PretrainedConfig] = "qwen3.6-27b"  # type: ignore[assignment]
     dtype: torch.dtype = torch.bfloat16
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
+
+    @classmethod
+    def of_job(
+        cls,
+        job: JobSpec,
+        model: PretrainedConfig,
+        *,
+        context: int,
+        completion: int,
+        gpu_mem_bytes: int,
+        history: int = 0,
+        turns: int = 1,
+        groups_per_rank: int = 1,
+        cp_rank: int | None = None,
+    ) -> PlanRequest:
+        """The plan of ``job`` — the model of ``model`` (its transformers config, as the run builds it), the job's
+        layout (``parallel``: FSDP2 only where it shards), engine, dtype (``model.dtype``, or the compute dtype of
+        ``trainer.mixed_precision`` over its masters), mode, group size, KL weight and AdamW — for a workload's shape
+        (a shared ``context``, each member's ``completion``, or an agent's ``history`` over ``turns``; the groups a dp
+        rank trains per optimizer step) on GPUs of ``gpu_mem_bytes``, ``dp x cp`` of them."""
+        trainer, parallel = job.trainer, job.parallel
+        if trainer.mode == "naive":
+            raise ValueError(
+                "trainer.mode naive builds one graph per member over the whole sequence: the planner plans detached "
+                "and exact modes"
+            )
+        precision = trainer.mixed_precision
+        if precision is not None and job.model.dtype != "float32":
+            raise ValueError(
+                f"the planner plans mixed precision over float32 masters, not model.dtype {job.model.dtype}"
+            )
+        return cls(
+            model=model,
+            context=context,
+            group=trainer.group_size,
+            completion=completion,
+            history=history,
+            turns=turns,
+            gpus=parallel.dp * parallel.cp,
+            gpu_mem_bytes=gpu_mem_bytes,
+            dp=parallel.dp,
+            cp=parallel.cp,
+            fsdp=parallel.fsdp,
+            mode=trainer.mode,
+            optimizer="adamw",
+            offload=parallel.offload,
+            hsdp=parallel.hsdp,
+            expert_parallel=parallel.expert_parallel,
+            expert_dispatch=parallel.expert_dispatch,
+            beta=trainer.loss.beta,
+            cp_rank=cp_rank,
+            groups_per_rank=groups_per_rank,
+            dtype=getattr(torch, precision.compute_dtype if precision is not None else job.model.dtype),
+            mixed_precision=precision is not None,
+            engine=job.engine,
+        )
+
+    @classmethod
+    def _elsewhere(cls) -> dict[str, str]:
+        """Settings of the engine a misplaced keyword may mean (``engine=EngineConfig(chunk_size=...)``)."""
+        return {name: f"engine=EngineConfig({name}=...)" for name in EngineConfig.model_fields}
+
+    @property
+    def model_name(self) -> str:
+        """The model as a plan names it: its name or path, or a config's own name (its type when it has none)."""
+        if isinstance(self.model, str):
+            return self.model
+        return getattr(self.model, "name_or_path", "") or self.model.model_type
 
     @property
     def sharded_history(self) -> int:
@@ -182,11 +260,11 @@ class PlanRequest(PlanShape):
 
     @property
     def paced_walk(self) -> bool:
-        """Whether exact mode's wavefront walk runs a balanced cut over sharded weights (``walk_events``): every
-        rank recomputes each segment when the first run enters it, so a later run holds its inputs up to
-        ``cp - 1`` layers longer, and a rank keeps each cell's layer gradient until its wave's reduction (up to
-        ``cp - 1`` layers' more)."""
-        return self.wavefront and self.balanced_context and self.context_parallel > 1
+        """Whether exact mode's wavefront walk runs a balanced cut over sharded weights (``walk_events``; over whole
+        weights it is not paced: ``WavefrontWalk.paced``): every rank recomputes each segment when the first run
+        enters it, so a later run holds its inputs up to ``cp - 1`` layers longer, and a rank keeps each cell's layer
+        gradient until its wave's reduction (up to ``cp - 1`` layers' more)."""
+        return self.wavefront and self.balanced_context and self.context_parallel > 1 and self.sharded
 
     def step_capture_cuts(self) -> list[bool]:
         """How the step's sharded captures are cut (balanced or not): the context's, and a member's history's."""
@@ -233,8 +311,9 @@ class PlanRequest(PlanShape):
     def _precision_and_engine_fit(self) -> PlanRequest:
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
-        if self.expert_dispatch and not self.engine.sharded_extends:
-            raise ValueError("expert_dispatch shards long extends: it needs EngineConfig(sharded_extends=True)")
+        problem = engine_problem(self.expert_parallel, self.expert_dispatch, self.engine)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -281,13 +360,15 @@ class Plan:
     def table(self) -> str:
         r = self.request
         lines = [
-            f"{r.model}: {r.context:,} positions, G={r.group} x "
+            f"{r.model_name}: {r.context:,} positions, G={r.group} x "
             + (f"{r.history:,}-token histories over {r.turns} turns, " if r.history else f"{r.completion} tokens, ")
             + f"{r.mode}, "
             f"{str(r.dtype).removeprefix('torch.')}, {r.gpus} GPUs x {r.gpu_mem_bytes / 1e9:.0f} GB "
-            f"(dp={r.data_parallel}, cp={r.context_parallel}), optimizer {r.optimizer}"
+            f"(dp={r.data_parallel}, cp={r.context_parallel}{'' if r.sharded or r.gpus == 1 else ', no fsdp'}), "
+            f"optimizer {r.optimizer}"
             + (", offloaded to the host" if r.offload else "")
             + (f", beta={r.beta}" if r.beta else ""),
+            engine_text(r.engine),
             f"{'per GPU':<{CATEGORY_WIDTH + 2}} {'GiB':>9}",
         ]
         lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.categories.items()]
@@ -307,6 +388,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def engine_text(engine: EngineConfig) -> str:
+    """The engine a plan plans, as its table prints it: each setting that differs from ``EngineConfig``'s defaults
+    (a run config's ``engine:`` section gives them as written here)."""
+    changed = engine.model_dump(exclude_defaults=True)
+    said = ", ".join(f"{name}={value!r}" for name, value in changed.items())
+    return f"engine: {said} (EngineConfig's defaults otherwise)" if said else "engine: EngineConfig's defaults"
+
+
 def _against(total: int, capacity: int, not_fitting: str = "") -> str:
     """``total`` bytes against a GPU's ``capacity`` as the table prints them: both in GiB to the same two decimals
     (rounding both alike never shows a total that fits above its capacity, nor one that does not below it), the
@@ -324,8 +413,11 @@ def _margin(subtotal: int) -> int:
     return int(MARGIN_FRACTION * subtotal) + MARGIN_FIXED
 
 
-def load_config(model: str) -> PretrainedConfig:
-    """The config of a model named in ``NAMED_MODELS``, or of a transformers ``config.json`` (or a folder with one)."""
+def load_config(model: str | PretrainedConfig) -> PretrainedConfig:
+    """The config of a model named in ``NAMED_MODELS``, or of a transformers ``config.json`` (or a folder with one);
+    a config itself as it is (a run's: ``PlanRequest.of_job``)."""
+    if isinstance(model, PretrainedConfig):
+        return model
     if model in NAMED_MODELS:
         return NAMED_MODELS[model]()
     problem = model_problem(model, NAMED_MODELS)
@@ -691,7 +783,7 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     of a layer while it lasts, (dp - 1) times at once at worst) comes and goes with the other dp ranks' progress,
     and is not planned; the rows they reduce to it wait on the host (``host_terms``)."""
     dp = request.data_parallel
-    if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not request.wavefront):
+    if request.hsdp or dp == 1 or not request.sharded or (phase == BACKWARD and not request.wavefront):
         return 0
     window = reductions = request.walk_gathers_ahead
     if request.paced_walk:
@@ -710,18 +802,18 @@ def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
     what the step holds whole in the compute dtype — the root unit (the step gathers a layer at a time: its layers are
     whole only while it scores, never at the policy's peak)."""
     shards = _reference_shards(probed, request)
-    if request.beta == 0 or request.gpus == 1:
+    if request.beta == 0 or not request.sharded:
         return shards
     return shards + probed.root * _itemsize(request.dtype)
 
 
 def _reference_shards(probed: _Probe, request: PlanRequest) -> int:
-    """What a GPU keeps of the KL reference between steps (beta > 0): on one GPU the whole frozen copy; sharded,
+    """What a GPU keeps of the KL reference between steps (beta > 0): unsharded the whole frozen copy; sharded,
     FSDP2 shards it as the policy (``trainer._reference_sharding``): its shards in the compute dtype (frozen, it
     needs no master weights), on the host when offloaded (``host_terms``)."""
     if request.beta == 0:
         return 0
-    if request.gpus == 1:
+    if not request.sharded:
         return probed.parameters * request.master_itemsize
     return 0 if request.offload else _reference_shard(probed, request)
 
@@ -737,7 +829,7 @@ def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
     over every rank at dp > 1 (``parallel.lanes``), the rows of the gradient each other dp rank reduced to it, summed
     there until the step's end (in one order, whatever the timing)."""
     shard = -(-probed.parameters // request.shard_ranks) * request.master_itemsize
-    lanes = 0 if request.hsdp or request.gpus == 1 else (request.data_parallel - 1) * shard
+    lanes = 0 if request.hsdp or not request.sharded else (request.data_parallel - 1) * shard
     host = {"other dp ranks' gradient rows": lanes} if lanes else {}
     if not request.offload:
         return host
@@ -747,26 +839,29 @@ def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
 
 def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:
     """Per phase of the step, by the trainer's schedule: the weights and gradients whole at once, and how many
-    parameters' gradient shards are held beside them. One GPU: with mixed precision the compute copy (its gradients
-    handed to the masters as they accumulate). Sharded, a layer at a time (``parallel.fsdp``; at dp > 1 without HSDP
-    each dp rank for itself, ``parallel.lanes``): the root unit (embeddings, final norm, LM head) for the step, its
-    gradient whole until the step ends (so only the decoder layers' gradient shards exist beside it); in a sharded
-    capture over the cp ranks the cell's layer and the gathers started ahead of it
-    (``PlanRequest.capture_layers_whole``; a replicated one gathers each layer as it computes); in the
-    backward passes one layer and its gradient (branch replays;
-    copied to the master dtype before its reduction under mixed precision), or in exact mode's wavefront walk the
-    window's layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype),
-    each with the root's gradient. Under expert parallelism a gather leaves out the routed experts, and a MoE call
-    holds the rank's own experts of the layer in the compute dtype where they are cast (mixed precision, offload),
-    and its backward the copy again, then (the copy freed) the gradient's master copy and the shard's gradient plus
-    it, a stacked weight at a time (counted as gradients; the gradient itself is part of the measured graph). A step
-    starts with no gradient: a capture holds one only after another group's backward in the same step
-    (``groups_per_rank`` > 1)."""
+    parameters' gradient shards are held beside them. Unsharded (one GPU, or no ``fsdp``): with mixed precision the
+    compute copy (its gradients handed to the masters as they accumulate); over cp ranks, exact mode's wavefront walk
+    sums the gradient over them in flat buckets (``GRADIENT_BUCKET_BYTES``), the largest a copy of the gradient's
+    first parameters (counted as gathered gradients). Sharded, a layer at a time
+    (``parallel.fsdp``; at dp > 1 without HSDP each dp rank for itself, ``parallel.lanes``): the root unit
+    (embeddings, final norm, LM head) for the step, its gradient whole until the step ends (so only the decoder
+    layers' gradient shards exist beside it); in a sharded capture over the cp ranks the cell's layer and the
+    gathers started ahead of it (``PlanRequest.capture_layers_whole``; a replicated one gathers each layer as it
+    computes); in the backward passes one layer and its gradient (branch replays; copied to the master dtype before
+    its reduction under mixed precision), or in exact mode's wavefront walk the window's layers and their gradients
+    on their way to the shards (reduced asynchronously, in the master dtype), each with the root's gradient. Under
+    expert parallelism a gather leaves out the routed experts, and a MoE call holds the rank's own experts of the
+    layer in the compute dtype where they are cast (mixed precision, offload), and its backward the copy again, then
+    (the copy freed) the gradient's master copy and the shard's gradient plus it, a stacked weight at a time
+    (counted as gradients; the gradient itself is part of the measured graph). A step starts with no gradient: a
+    capture holds one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
     compute, master = _itemsize(request.dtype), request.master_itemsize
     later = request.groups_per_rank > 1  # a capture after another group's backward, in the same step
-    if request.gpus == 1:
+    if not request.sharded:
         copy = probed.parameters * compute if request.mixed else 0
-        return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, 0, probed.parameters)}
+        # over whole weights the wavefront walk ends summing the parameter gradient over cp, a flat bucket at a time
+        summed = min(probed.parameters * compute, GRADIENT_BUCKET_BYTES) if request.wavefront else 0
+        return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, summed, probed.parameters)}
     layer, experts = probed.whole_layer(request)
     # expert parallelism: what a MoE call holds of the rank's own experts beyond what the probe measures (their
     # gradient in the compute dtype, one stacked tensor per projection): their compute copy where they are cast
@@ -886,19 +981,19 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
     before they join the root's gradient: part of the measured graph term) and a decoder layer with its gradient
     are never whole at once — the head's backward ends before any layer's begins — so the backward phase holds the
     larger of the two, not both: the smaller comes off its graph term."""
-    if request.gpus == 1:
+    if not request.sharded:
         return 0
     head = config.vocab_size * config.hidden_size * (4 + _itemsize(request.dtype))
     return min(head, 2 * probed.whole_layer(request)[0] * _itemsize(request.dtype))
 
 
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
-    """The parameters whole while a rank samples (``Run.sampling_weights``) — on one GPU none (mixed precision: the
+    """The parameters whole while a rank samples (``Run.sampling_weights``) — unsharded none (mixed precision: the
     compute copy); sharded, the root unit and the layers a sharded capture gathers ahead (``prefetch_window``; one
     over one cp rank) — and, in compute-dtype parameters, what the layer computing adds for a moment: the buffer of
     its gather (FSDP2's all-gather output its weights are copied from) or, after it, under expert parallelism the
     MoE's copy of the rank's experts (``_expert_copies``; the layer with the most of either)."""
-    if request.gpus == 1:
+    if not request.sharded:
         return (probed.parameters if request.mixed else 0), 0
     # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
     layers = _layers_whole(request, probed.layers, request.sampler_shards, request.engine.balanced_captures)
@@ -1002,9 +1097,10 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
 def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     master = "fp32 master weights" if request.mixed else f"{str(request.dtype).removeprefix('torch.')} weights"
     adam = f"AdamW state (2 x {request.master_itemsize} B)" if request.optimizer == "adamw" else "no optimizer state"
-    if request.gpus == 1:
+    if not request.sharded:
         copy = ", a compute copy" if request.mixed else ""
-        return f"one GPU: {master}{copy}, their gradients and {adam}"
+        where = "one GPU:" if request.gpus == 1 else "not sharded (no fsdp): every GPU holds the"
+        return f"{where} {master}{copy}, their gradients and {adam}"
     layers = _step_layers_whole(request, layers_in_model)
     if request.wavefront:
         layers = max(layers, _walk_layers_whole(request, layers_in_model))
@@ -1042,7 +1138,8 @@ def expert_parallel_alternative(request: PlanRequest) -> PlanRequest | None:
         return None
     if not is_mixture_of_experts(load_config(request.model)):
         return None
-    return replace(request, expert_parallel=True, offload=True, hsdp=request.hsdp or request.data_parallel > 1)
+    hsdp = request.hsdp or request.data_parallel > 1
+    return replace(request, fsdp=True, expert_parallel=True, offload=True, hsdp=hsdp)
 
 
 def longest_context(request: PlanRequest, low: int = 1024, high: int = CONTEXT_SEARCH_LIMIT) -> tuple[int, Plan]:

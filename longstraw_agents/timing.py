@@ -323,7 +323,7 @@ def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: boo
     backward), in exact mode ``walk`` (the reverse walk over the prefix), and with an optimizer ``optimizer`` (its
     step over the rank's shard, once per optimizer step)."""
     model = model or ModelWork.of(load_config(request.model), request.dtype)
-    schedule = Schedule(request, model)
+    schedule = Schedule(request, model, sharded=request.sharded)
     phases = {"rollout": schedule.rollout()} if rollout else {}
     if request.beta > 0:
         phases["scoring"] = schedule.scoring()

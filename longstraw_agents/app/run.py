@@ -35,7 +35,6 @@ import torch
 from longstraw_agents.app.config import (
     ConfigError,
     ModelSpec,
-    ParallelSpec,
     TrainConfig,
     check_env,
     check_model,
@@ -47,7 +46,7 @@ from longstraw_agents.app.records import EvalRecord, MetricsRecord, WarmStartRec
 from longstraw_agents.app.reporting import Reporter
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.app.served import ServedPolicy
-from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine import Engine
 from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.presets import build_model
@@ -333,19 +332,18 @@ class Run:
         )
 
     def _trainer(self, ref_model: torch.nn.Module | None) -> GRPOTrainer:
-        """The GRPO trainer over the run's mesh: with cp > 1 its engine spreads each group's state over the cp
-        ranks (``parallel.BalancedOwnership``); with ``parallel.fsdp`` the policy is sharded over every rank first
-        (its compute dtype: ``trainer.mixed_precision``'s)."""
+        """The GRPO trainer over the run's mesh, its engine the config's (``engine``): with cp > 1 it spreads each
+        group's state over the cp ranks (``parallel.BalancedOwnership``); with ``parallel.fsdp`` the policy is
+        sharded over every rank first (its compute dtype: ``trainer.mixed_precision``'s)."""
         mesh, spec = self.ranks.mesh, self.config.parallel
         if mesh is not None and spec.fsdp:
             precision = self.config.trainer.mixed_precision
             dtype = None if precision is None else precision.dtype
             mesh.fully_shard(self.model, dtype, spec.offload, expert_parallel=spec.expert_parallel)
-        policy: torch.nn.Module | Engine = self.model
+        shards = None
         if mesh is not None and spec.cp > 1:
-            chunk = self.config.trainer.chunk_size
             shards = mesh.context_parallel(host_staged=spec.host_staged_messages)
-            policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=shards)
+        policy = Engine(self.model, self.config.engine, shards=shards)
         return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
 
     def _warm_start(self) -> None:
@@ -385,19 +383,6 @@ class Run:
         elif self.ranks.writes:  # the others hold the same weights (same_weights)
             save_model(reference, str(path))
         return reference
-
-
-def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConfig:
-    """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk;
-    ``parallel.balanced_captures``: how a capture is cut; ``parallel.sharded_extend_tokens``: which extends are
-    computed sharded; none under ``expert_parallel`` unless ``expert_dispatch``)."""
-    return EngineConfig(
-        chunk_size=chunk,
-        wavefront_walk=spec.wavefront_walk,
-        balanced_captures=spec.balanced_captures,
-        sharded_extend_tokens=spec.sharded_extend_tokens,
-        sharded_extends=spec.expert_dispatch or not spec.expert_parallel,
-    )
 
 
 def _evaluated_steps(metrics: Path) -> set[int]:

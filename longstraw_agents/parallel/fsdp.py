@@ -46,11 +46,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Placement
 
+from longstraw_agents.layout import HSDP_WITHOUT_CP as HSDP_WITHOUT_CP  # (`longstraw plan` checks them without torch)
+from longstraw_agents.layout import HSDP_WITHOUT_DP as HSDP_WITHOUT_DP
 from longstraw_agents.memory import host_placement
-from longstraw_agents.plan_shape import (
-    HSDP_WITHOUT_CP as HSDP_WITHOUT_CP,
-)  # (`longstraw plan` checks them without torch)
-from longstraw_agents.plan_shape import HSDP_WITHOUT_DP as HSDP_WITHOUT_DP
 
 if TYPE_CHECKING:
     from longstraw_agents.engine.weights import ExpertRounds

@@ -26,10 +26,9 @@ from transformers import AutoModelForCausalLM
 from longstraw_agents.app.config import ConfigError, ParallelSpec, TrainConfig
 from longstraw_agents.app.distributed import SHARED_MARK, Ranks, directory_problem, merged_step_metrics
 from longstraw_agents.app.export import export_hf
-from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.seeds import task_seed
 from longstraw_agents.cli import main
-from longstraw_agents.engine import Engine
+from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.engine.sharded_capture import ShardedCapture
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import BalancedOwnership
@@ -245,36 +244,15 @@ def test_merged_metrics_pool_the_ranks_members(summed: bool) -> None:
     assert merged.loss_tokens == 14 and merged.sequence_tokens == 28 and merged.grad_norm == 0.5
 
 
-def test_parallel_wavefront_walk_reaches_the_engine() -> None:
-    """``parallel.wavefront_walk`` picks exact mode's walk over the cp ranks (docs/distributed.md)."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).wavefront_walk
-    replicated = context_parallel_engine_config(ParallelSpec(cp=2, wavefront_walk=False), 64)
-    assert not replicated.wavefront_walk and replicated.chunk_size == 64
-
-
-def test_parallel_sharded_extend_tokens_reaches_the_engine() -> None:
-    """``parallel.sharded_extend_tokens`` says which extends the cp ranks compute sharded."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).sharded_extend_tokens is None
-    assert (
-        context_parallel_engine_config(ParallelSpec(cp=2, sharded_extend_tokens=4096), 64).sharded_extend_tokens == 4096
-    )
-
-
-def test_parallel_expert_parallel_makes_every_extend_replicated() -> None:
-    """Under ``parallel.expert_parallel`` every rank makes the same MoE calls: no extend is computed sharded."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).sharded_extends
-    assert not context_parallel_engine_config(ParallelSpec(cp=2, fsdp=True, expert_parallel=True), 64).sharded_extends
-
-
 def test_parallel_balanced_captures_reaches_the_engine_and_cuts_the_capture() -> None:
-    """``parallel.balanced_captures`` (on by default) cuts a capture in 2cp parts, rank r the r-th and the
+    """``engine.balanced_captures`` (on by default) cuts a capture in 2cp parts, rank r the r-th and the
     (2cp - 1 - r)-th; off, in rank order — a capture exact mode's wavefront walk will walk back (its state keeps
     checkpoints, so the capture keeps layer inputs) too."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).balanced_captures
+    assert EngineConfig().balanced_captures
     model = tiny_model("llama", seed=0)
     owners = {}
     for balanced in (True, False):
-        config = context_parallel_engine_config(ParallelSpec(cp=2, balanced_captures=balanced), 8)
+        config = EngineConfig(chunk_size=8, balanced_captures=balanced)
         engine = Engine(model, config, shards=_OneRanksView(BalancedOwnership(0, 2)))  # type: ignore[arg-type]
         for checkpoints in (False, True):
             capture = ShardedCapture(engine, engine.shards, engine.empty_state(checkpoints), torch.arange(64), 8)
