@@ -27,6 +27,7 @@ from pydantic_core import InitErrorDetails
 
 from longstraw_agents.app.reporting import TrackerName, install_command, missing_trackers
 from longstraw_agents.app.seeds import TASK_STEP_STRIDE
+from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, HSDP_WITHOUT_DP
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.trainer import GRPOConfig
@@ -64,6 +65,10 @@ class ModelSpec(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict, description="preset arguments, e.g. hidden, layers")
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     max_context: int | None = Field(None, ge=16, description="context limit (default: the config's)")
+    lora: LoraSpec | None = Field(
+        None, description="train LoRA adapters (PEFT) on the frozen model instead of its weights: {r, alpha, "
+        "target_modules, dropout}"
+    )
 
     @model_validator(mode="before")
     @classmethod
