@@ -569,3 +569,20 @@ def test_a_balanced_cut_evens_every_ranks_capture_work_and_state(published_hybri
     # the time model charges the capture's slowest rank: the balanced one unless its layer inputs are kept
     slowest = max(share.work.flops for share in schedule.rank_captures(balanced=True))
     assert schedule.capture().flops == pytest.approx(slowest)
+
+
+@pytest.mark.parametrize("step", ["detached", "exact"])
+def test_a_lora_policys_flops_match_torchs_count(step):
+    """A LoRA policy: its adapters' matmuls added, a frozen weight's backward one product (its input's gradient),
+    the frozen LM head's three: within 2 % of torch's count of the real step."""
+    from longstraw_agents.models.lora import LoraSpec, apply_lora
+
+    lora = LoraSpec(r=4, target_modules="all-linear")
+    config, model, engine, prompt, completions = _step_inputs("llama")
+    engine = Engine(apply_lora(model, lora), EngineConfig(chunk_size=CHUNK))
+    counted, _ = _counted(lambda: grpo_backward(engine, prompt, completions, [0.0, 1.0, 0.5], step))
+    request = replace(_request("llama", step), lora=lora)
+    phases = step_work(request, ModelWork.of(config, torch.float32, lora), rollout=False).phases
+    assert counted == pytest.approx(_modelled(phases, STEPS[step]).flops, rel=0.02)
+    full = step_work(_request("llama", step), ModelWork.of(config, torch.float32), rollout=False).phases
+    assert _modelled(phases, STEPS[step]).flops < _modelled(full, STEPS[step]).flops

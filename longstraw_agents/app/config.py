@@ -66,8 +66,9 @@ class ModelSpec(BaseModel):
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     max_context: int | None = Field(None, ge=16, description="context limit (default: the config's)")
     lora: LoraSpec | None = Field(
-        None, description="train LoRA adapters (PEFT) on the frozen model instead of its weights: {r, alpha, "
-        "target_modules, dropout}"
+        None,
+        description="train LoRA adapters (PEFT) on the frozen model instead of its weights: {r, alpha, "
+        "target_modules, dropout}",
     )
 
     @model_validator(mode="before")

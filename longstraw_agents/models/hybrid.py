@@ -32,13 +32,13 @@ from longstraw_agents.models.base import (
 )
 from longstraw_agents.models.batch import DecodeInput
 from longstraw_agents.models.delta_rule import delta_rule, delta_rule_flops
-from longstraw_agents.models.lora import base_module, effective_weight
 from longstraw_agents.models.dense import (
     KEY_VALUE_PARAMETERS,
     AttentionMixer,
     attention_pair_flops,
     kv_bytes_per_token,
 )
+from longstraw_agents.models.lora import base_module, effective_weight
 
 
 def depthwise_conv(full: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

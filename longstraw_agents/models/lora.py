@@ -234,7 +234,9 @@ def check_same_settings(saved: dict[str, Any] | None, model: nn.Module) -> None:
     if saved is None or now is None:
         written = "without LoRA" if saved is None else f"with LoRA ({_described(saved)})"
         given = "without LoRA" if now is None else f"with LoRA ({_described(now)})"
-        raise LoraTargetError(f"the checkpoint was written {written} and the model is {given}: resume as it was written")
+        raise LoraTargetError(
+            f"the checkpoint was written {written} and the model is {given}: resume as it was written"
+        )
     raise LoraTargetError(
         f"the checkpoint's LoRA settings ({_described(saved)}) differ from the model's ({_described(now)}): resume "
         "with the model.lora it was written with"
@@ -345,7 +347,7 @@ def save_adapter(model: nn.Module, directory: Path, base_model: str | None) -> P
     ``PeftModel.from_pretrained(base, directory)`` loads (``base_model``: the base's path, recorded in the config)."""
     from safetensors.torch import save_file
 
-    config = copy.deepcopy(getattr(model, "peft_config")[ADAPTER])
+    config = copy.deepcopy(model.peft_config[ADAPTER])
     config.base_model_name_or_path = base_model
     config.inference_mode = True
     directory.mkdir(parents=True, exist_ok=True)
