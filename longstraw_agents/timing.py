@@ -27,9 +27,10 @@ The work of each phase is counted for one rank from the model's config and the s
 A backward pass costs twice its forward in matmuls, the delta rule and elementwise work and 2.5 times in attention
 (the fused backward recomputes the scores: five products to the forward's two); activation checkpointing adds one
 forward. A LoRA policy (``PlanRequest.lora``) adds its adapters' matmuls, and a frozen weight's backward is one
-product (its input's gradient), not two: its matmuls' backward costs ``1 + trained share`` forwards; gradients are
-reduced and AdamW steps for the adapters alone. Attention's and the delta rule's backward are classes of their own,
-each at its own rate (their kernels are not their forwards').
+product (its input's gradient), not two (``ModelWork.backward_products``); gradients are reduced and AdamW steps for
+the adapters alone. (Autograd skips the input gradient of the first layer's input projections too, the embeddings
+being frozen: not counted, a share of about 1 / (3 x layers) of a layer's matmuls.) Attention's and the delta rule's
+backward are classes of their own, each at its own rate (their kernels are not their forwards').
 
 ``HardwareProfile`` turns work into seconds: each class at its own achieved rate (peak x efficiency) plus the host's
 latency per layer call on each path, summed (no overlap: an upper estimate where communication hides behind
@@ -58,7 +59,7 @@ from transformers import PretrainedConfig
 from longstraw_agents.engine import capture_waves, checkpoint_spacing
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.base import LayerWork
-from longstraw_agents.models.lora import LoraSpec, lora_layers
+from longstraw_agents.models.lora import LoraSpec, lora_layers, transformers_name
 from longstraw_agents.parallel.context import cut_runs
 from longstraw_agents.planner import PlanRequest, load_config, meta_model
 
@@ -111,13 +112,14 @@ class Work:
     def scaled(self, factor: float) -> Work:
         return Work(**{name: getattr(self, name) * factor for name in WORK_CLASSES})
 
-    def backward(self, trained: float = 1.0) -> Work:
-        """The backward pass of this forward work (its communication counted by the caller); ``trained``: the share
-        of its matmul FLOPs whose weights take a gradient (a frozen weight's backward is its input's product alone)."""
+    def backward(self, matmul: float = BACKWARD["matmul"]) -> Work:
+        """The backward pass of this forward work (its communication counted by the caller); ``matmul``: the products
+        its matmuls' backward takes per forward one (two: the input's gradient and the weight's; fewer where weights
+        are frozen, ``ModelWork.backward_products``)."""
         work = Work(**{name: getattr(self, name) * BACKWARD[name] for name in WORK_CLASSES})
         return replace(
             work,
-            matmul=self.matmul * (1.0 + trained),
+            matmul=self.matmul * matmul,
             attention_backward=2.5 * self.attention + self.attention_backward,
             recurrent_backward=2.0 * self.recurrent + self.recurrent_backward,
         )
@@ -215,7 +217,7 @@ class ModelWork:
                 trained_linear += 2.0 * p.numel() * share if p.requires_grad else 0.0
                 packed_experts = p.dim() == 3 and ".experts." in f".{name}"  # [experts, out, in]
                 outputs += p.shape[1 if packed_experts else 0] * share
-                is_last = last in name and not name.endswith(state)
+                is_last = last in name and not transformers_name(name).endswith(state)
                 if is_last:
                     skipped += 2.0 * p.numel() * share
                 if packed_experts:
@@ -237,6 +239,12 @@ class ModelWork:
     @property
     def root_gradient_bytes(self) -> float:
         return self.root_bytes if self.trained_root_bytes is None else self.trained_root_bytes
+
+    @property
+    def backward_products(self) -> float:
+        """The products the layers' matmuls take in backward per forward one: the input's gradient, and the weight's
+        where it trains (2 when everything trains)."""
+        return 1.0 + self.trained_share
 
     @property
     def head_products(self) -> float:
@@ -620,7 +628,7 @@ class Schedule:
         forward = self._extend(request.completion)
         forwards = 2.0 if request.engine.activation_checkpointing else 1.0
         head = self.model.head(request.completion).scaled(self.model.head_products)
-        member = forward.scaled(forwards) + forward.backward(self.model.trained_share) + head
+        member = forward.scaled(forwards) + forward.backward(self.model.backward_products) + head
         member = member + self._merges(request.completion).scaled(2.0)  # the queries' gradient, all-reduced
         member = member + self._expert_sums(request.completion, forwards=0.0, backwards=1.0)
         member = member + self.model.routed_recompute(request.completion)
@@ -653,7 +661,7 @@ class Schedule:
         else:
             recompute = self.model.chunked(0, self.captured, chunk)  # every layer whole (its hidden states too)
             backward = self.model.chunked(0, self.captured, chunk, entries_only=True).backward(
-                self.model.trained_share
+                self.model.backward_products
             )  # what feeds the state
             backward = backward + self.model.routed_recompute(self.captured, entries_only=True)
             received = self.first  # (the state gradient broadcast from its owners, as counted before the last rank)
@@ -683,7 +691,7 @@ class Schedule:
             mine = [(lo, hi) for lo, hi, owner in cut if owner == rank]
             recompute = total(self.model.chunked(lo, hi, chunk) for lo, hi in mine)
             backward = total(self.model.chunked(lo, hi, chunk, entries_only=True) for lo, hi in mine).backward(
-                self.model.trained_share
+                self.model.backward_products
             )
             backward = backward + self.model.routed_recompute(sum(hi - lo for lo, hi in mine), entries_only=True)
             held, received = 0, 0

@@ -658,7 +658,7 @@ def test_serving_the_policy_is_offered_only_for_a_step_that_fits() -> None:
     assert neither[-1].endswith("does NOT fit") and "serve the policy" not in "\n".join(neither)
 
 
-LORA = {"r": 4, "alpha": 8.0, "target_modules": "all-linear"}
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
 
 
 def measured_lora_peak(family: str, mode: str, group: int, context: int) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -53,7 +54,7 @@ class LoraSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     r: int = Field(8, ge=1, description="the adapters' rank")
-    alpha: float = Field(16.0, gt=0, description="scaling numerator: an adapter adds (alpha / r)·B A to its weight")
+    alpha: int = Field(16, ge=1, description="scaling numerator: an adapter adds (alpha / r)·B A to its weight")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
         description="module names (each matches modules whose name is it or ends with '.' + it), or 'all-linear' "
@@ -61,7 +62,7 @@ class LoraSpec(BaseModel):
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on an adapter's input (not with exact mode)")
 
-    def peft_config(self, init: bool | str = True) -> Any:
+    def peft_config(self, init: bool = True) -> Any:
         """PEFT's ``LoraConfig`` of these settings. ``init``: PEFT's ``init_lora_weights`` (True: B = 0, so the
         adapted model starts as the base; False: both random, for tests that must see the adapters act)."""
         from peft import LoraConfig
@@ -76,7 +77,7 @@ class LoraSpec(BaseModel):
         )
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, init: bool | str = True) -> nn.Module:
+def apply_lora(model: nn.Module, spec: LoraSpec, init: bool = True) -> nn.Module:
     """Inject ``spec``'s adapters into ``model`` (a transformers CausalLM, changed in place and returned): every
     parameter but the adapters' is frozen. Raises ``LoraTargetError`` for what the engine cannot train."""
     from peft import inject_adapter_in_model
@@ -102,6 +103,9 @@ def _check_targets_match(model: nn.Module, spec: LoraSpec) -> None:
     if isinstance(spec.target_modules, str):
         return
     modules = dict(model.named_modules())
+    names: dict[int, int] = {}  # how many names each parameter has (tied weights have several)
+    for _, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)] = names.get(id(p), 0) + 1
     for target in spec.target_modules:
         matched = [m for name, m in modules.items() if name == target or name.endswith(f".{target}")]
         if not matched:
@@ -112,6 +116,11 @@ def _check_targets_match(model: nn.Module, spec: LoraSpec) -> None:
             )
         for module in matched:
             _check_not_grouped(target, module)
+            if any(names[id(p)] > 1 for p in module.parameters(recurse=False)):
+                raise LoraTargetError(
+                    f"model.lora.target_modules: {target}'s weight is tied to another module's (tie_word_embeddings): "
+                    "its adapter could not be merged without changing that one too; leave it out"
+                )
 
 
 def _check_not_grouped(name: str, module: nn.Module) -> None:
@@ -201,7 +210,8 @@ def low_rank_factors(module: nn.Module, name: str) -> list[tuple[Tensor, Tensor,
             lhs, rhs, scale = layer.get_delta_factors(adapter)
             if lhs.shape[-1] != rhs.shape[-2] or lhs.shape[1] != getattr(base_module(module), name).shape[1]:
                 raise LoraTargetError(f"model.lora: {name}'s adapter is not laid out as its [experts, out, in] weight")
-            factors.append((lhs, rhs, float(scale)))
+            # contiguous (PEFT's are views): torch's grouped kernel takes contiguous weights only
+            factors.append((lhs.contiguous(), rhs.contiguous(), float(scale)))
     return factors
 
 
@@ -214,13 +224,13 @@ def lora_layers(model: nn.Module) -> dict[str, Any]:
 def lora_settings(model: nn.Module) -> dict[str, Any] | None:
     """What a checkpoint records of ``model``'s LoRA adapters (None: it has none): rank, alpha, dropout and the
     modules adapted. A resume with other settings is refused (``check_same_settings``)."""
-    config = getattr(model, "peft_config", {}).get(ADAPTER)
+    config = _peft_config(model)
     layers = lora_layers(model)
     if config is None or not layers:
         return None
     return {
         "r": int(config.r),
-        "alpha": float(config.lora_alpha),
+        "alpha": int(config.lora_alpha),
         "dropout": float(config.lora_dropout),
         "adapted": sorted(layers),
     }
@@ -241,6 +251,11 @@ def check_same_settings(saved: dict[str, Any] | None, model: nn.Module) -> None:
         f"the checkpoint's LoRA settings ({_described(saved)}) differ from the model's ({_described(now)}): resume "
         "with the model.lora it was written with"
     )
+
+
+def _peft_config(model: nn.Module) -> Any:
+    """PEFT's ``LoraConfig`` of the model's adapter (``inject_adapter_in_model`` keeps it on the model), or None."""
+    return getattr(model, "peft_config", {}).get(ADAPTER)
 
 
 def _described(settings: dict[str, Any]) -> str:
@@ -289,14 +304,14 @@ def merged_tensors(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Te
     layers = lora_layers(model)
     if not layers:
         return tensors
-    out = {_transformers_name(name): t for name, t in tensors.items() if ".lora_" not in name}
+    out = {transformers_name(name): t for name, t in tensors.items() if ".lora_" not in name}
     for name, layer in layers.items():
         prefix = f"{name}."
         own = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
         if not any(k.startswith("lora_") for k in own):  # (a nested wrapper's adapters are under its own name)
             continue
         param = getattr(layer, "parameter_name", "weight")
-        target = _transformers_name(f"{name}.{param}")
+        target = transformers_name(f"{name}.{param}")
         deltas = _deltas(layer, own, param)
         for delta in deltas:
             out[target] = out[target] + delta.to(out[target].dtype)
@@ -325,9 +340,10 @@ class _Delta(nn.Module):
         return [self.layer.get_delta_weight(a) for a in self.adapters]
 
 
-def _transformers_name(name: str) -> str:
-    """A parameter's name without PEFT's wrappers (``….q_proj.base_layer.weight`` → ``….q_proj.weight``)."""
-    return name.replace(".base_layer", "")
+def transformers_name(name: str) -> str:
+    """A parameter's name without PEFT's wrappers (``….q_proj.base_layer.weight`` → ``….q_proj.weight``); an
+    adapter's, that of the weight it adapts (``….q_proj.lora_A.default.weight`` → ``….q_proj.weight``)."""
+    return re.sub(r"\.lora_(embedding_)?[AB]\.[^.]+(\.weight)?$", ".weight", name.replace(".base_layer", ""))
 
 
 def adapter_state(model: nn.Module, tensors: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
@@ -347,7 +363,9 @@ def save_adapter(model: nn.Module, directory: Path, base_model: str | None) -> P
     ``PeftModel.from_pretrained(base, directory)`` loads (``base_model``: the base's path, recorded in the config)."""
     from safetensors.torch import save_file
 
-    config = copy.deepcopy(model.peft_config[ADAPTER])
+    config = copy.deepcopy(_peft_config(model))
+    if config is None:
+        raise ValueError("the model has no LoRA adapter to save")
     config.base_model_name_or_path = base_model
     config.inference_mode = True
     directory.mkdir(parents=True, exist_ok=True)

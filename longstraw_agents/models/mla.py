@@ -496,7 +496,7 @@ class MoE:
         gate_up: Tensor,
         down: Tensor,
         first: int = 0,
-        adapters: tuple[LowRank, LowRank] = ([], []),
+        adapters: tuple[LowRank, LowRank] | None = None,
     ) -> Tensor:
         """The sum over each token's chosen experts among ``first .. first + len(gate_up)`` (whose weights are
         ``gate_up`` and ``down``, stacked by expert) of its routing weight times the expert's output, added in expert
@@ -506,11 +506,12 @@ class MoE:
         every expert's, so only with every expert here)."""
         held = gate_up.shape[0]
         routing = Routing.of(top_idx, first, held, others=held < self.num_experts)
+        gate_up_adapters, down_adapters = adapters if adapters is not None else ([], [])
         rows = routing.rows(x)
-        hidden = grouped_linear(rows, gate_up, routing.groups) + low_rank(rows, adapters[0], routing.groups)
+        hidden = grouped_linear(rows, gate_up, routing.groups) + low_rank(rows, gate_up_adapters, routing.groups)
         g, u = hidden.chunk(2, dim=-1)
         inner = self.experts.act_fn(g) * u
-        out = grouped_linear(inner, down, routing.groups) + low_rank(inner, adapters[1], routing.groups)
+        out = grouped_linear(inner, down, routing.groups) + low_rank(inner, down_adapters, routing.groups)
         return routing.combine(out, weights, x.dtype)
 
 

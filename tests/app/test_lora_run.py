@@ -62,7 +62,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_example_validates_as_shipped():
     config = load_config(EXAMPLE)
-    assert config.model.lora == LoraSpec(r=16, alpha=32.0, target_modules="all-linear", dropout=0.0)
+    assert config.model.lora == LoraSpec(r=16, alpha=32, target_modules="all-linear", dropout=0.0)
     assert config.trainer.mode == "exact" and config.model.preset == "qwen3_5"
 
 
@@ -138,3 +138,16 @@ def test_a_served_policy_is_pushed_the_merged_weights(tmp_path: Path):
         assert all(torch.equal(got[name], expected[name]) for name in expected)
         assert any(not torch.equal(got[name], base.state_dict()[name]) for name in expected)
         served.close()
+
+
+def test_check_injects_the_adapters_on_the_meta_device(tmp_path: Path, capsys):
+    """``longstraw train --check``: the adapters the run would train, counted without weights; a target that matches
+    nothing is one line naming model.lora, before anything is written."""
+    settings = tiny_settings(tmp_path / "run", steps=1)
+    assert main(["train", "--check", str(write(settings, tmp_path / "ok.yaml"))]) == 0
+    assert "r=16, alpha 32: " in capsys.readouterr().out
+    settings["model"]["lora"]["target_modules"] = ["q_proj", "qkv"]
+    assert main(["train", "--check", str(write(settings, tmp_path / "bad.yaml"))]) == 2
+    err = capsys.readouterr().err
+    assert "model.lora.target_modules: 'qkv' matches no module" in err
+    assert not (tmp_path / "run").exists()

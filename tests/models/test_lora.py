@@ -67,7 +67,7 @@ READS = [
 def test_engine_computes_as_the_merged_model(family: str, targets):
     """The engine over the adapted model equals the engine over PEFT's merge of it (plain transformers modules, no
     adapter code on the engine's side), in fp64, and the adapters change the logits."""
-    model = adapted(family, r=4, alpha=8.0, target_modules=targets)
+    model = adapted(family, r=4, alpha=8, target_modules=targets)
     tokens = ids()
     logits = engine_logits(model, tokens)
     assert torch.allclose(logits, engine_logits(merged_copy(model), tokens), rtol=0, atol=1e-12)
@@ -104,8 +104,9 @@ def test_only_the_adapters_train():
         ("qwen3_5", {"target_modules": ["conv1d"]}, r"grouped \(depthwise\) convolution"),
         ("glm_moe_dsa", {"target_modules": ["kv_b_proj"], "dropout": 0.1}, "dropout on its input cannot apply"),
         ("llama", {"target_modules": ["input_layernorm"]}, "PEFT refuses"),
+        ("qwen3", {"target_modules": ["lm_head"]}, "tied to another module's"),
     ],
-    ids=["no-match", "depthwise-conv", "dropout-on-a-read-weight", "not-adaptable"],
+    ids=["no-match", "depthwise-conv", "dropout-on-a-read-weight", "not-adaptable", "tied-head"],
 )
 def test_refused_in_one_line(family: str, spec: dict, said: str):
     with pytest.raises(LoraTargetError, match=said) as caught:
@@ -119,7 +120,7 @@ def test_settings_must_match_to_resume():
     check_same_settings(saved, model)
     for other, said in [
         (adapted("llama", r=2, target_modules=["q_proj"]), "differ from the model's"),
-        (adapted("llama", r=4, alpha=4.0, target_modules=["q_proj"]), "alpha=4"),
+        (adapted("llama", r=4, alpha=4, target_modules=["q_proj"]), "alpha=4"),
         (adapted("llama", r=4, target_modules=["k_proj"]), "the first model.layers.0.self_attn.k_proj"),
         (base("llama"), "the model is without LoRA"),
     ]:

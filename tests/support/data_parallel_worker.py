@@ -59,7 +59,7 @@ def make_trainer(
     if lora:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            apply_lora(model, LoraSpec(r=4, alpha=8.0, target_modules="all-linear"), init=False)
+            apply_lora(model, LoraSpec(r=4, alpha=8, target_modules="all-linear"), init=False)
     if routed_to_first_half:
         for layer in model.model.layers:
             if hasattr(layer.mlp, "experts"):

@@ -44,7 +44,7 @@ def policy(family: str) -> nn.Module:
     """A tiny fp64 model with random adapters (B ≠ 0: each adapter acts)."""
     torch.manual_seed(0)
     model = tiny_model(family, dtype=torch.float64)
-    return apply_lora(model, LoraSpec(r=4, alpha=8.0, target_modules=CASES[family]), init=False)
+    return apply_lora(model, LoraSpec(r=4, alpha=8, target_modules=CASES[family]), init=False)
 
 
 @functools.cache
@@ -111,7 +111,7 @@ def test_exact_mode_differs_from_detached_on_adapters():
 
 
 # --- the trainer ------------------------------------------------------------------------------------------------------
-def lora_model(r: int = 4, alpha: float = 8.0, seed: int = 0) -> nn.Module:
+def lora_model(r: int = 4, alpha: int = 8, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = tiny_model("llama", dtype=torch.float64)
     return apply_lora(model, LoraSpec(r=r, alpha=alpha, target_modules=["q_proj", "v_proj"]))
@@ -164,7 +164,7 @@ def test_checkpoints_keep_and_resume_the_adapters(tmp_path):
     ("model", "said"),
     [
         (lambda: lora_model(r=2), "differ from the model's"),
-        (lambda: lora_model(alpha=4.0), "alpha=4"),
+        (lambda: lora_model(alpha=4), "alpha=4"),
         (lambda: tiny_model("llama", dtype=torch.float64), "the model is without LoRA"),
     ],
     ids=["rank", "alpha", "no-lora"],
