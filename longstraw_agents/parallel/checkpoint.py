@@ -54,12 +54,19 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
 
 
 def load_full_model(model: nn.Module, directory: Path) -> None:
-    """Fill a whole (unsharded) ``model`` with the weights ``save_sharded`` wrote, in this process alone: what
-    trains (and the buffers; frozen weights stay as the model was built).
+    """Fill a whole (unsharded) ``model`` with the weights ``save_sharded`` wrote, in this process alone: every
+    tensor the checkpoint holds (what trained, and the buffers: a LoRA policy's frozen weights stay as the model was
+    built). A parameter of the model that trains but is not in the checkpoint is an error naming it.
 
     DCP assembles each parameter from the ranks' pieces; the model's parameter names are the sharded model's."""
-    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    state = {"model": {name: t for name, t in model.state_dict().items() if name not in frozen}}
+    saved = {
+        key.removeprefix("model.")
+        for key in dcp.FileSystemReader(str(directory / SHARDED)).read_metadata().state_dict_metadata
+    }
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in saved]
+    if missing:
+        raise ValueError(f"the checkpoint in {directory} holds no {missing[0]} ({len(missing)} parameters missing)")
+    state = {"model": {name: t for name, t in model.state_dict().items() if name in saved}}
     with _single_process_is_fine():
         dcp.load(state, checkpoint_id=directory / SHARDED, no_dist=True)  # in place
 
