@@ -191,10 +191,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from longstraw_agents.app.export import export_hf
 
     try:
-        out = export_hf(args.run_dir, args.out, force=args.force)
+        out = export_hf(args.run_dir, args.out, force=args.force, merged=args.merged)
     except (ConfigError, FileNotFoundError, FileExistsError) as err:
         return _fail(str(err))
-    print(f"Hugging Face model directory: {out}")
+    adapter = (out / "adapter_config.json").is_file()
+    print(f"{'PEFT adapter' if adapter else 'Hugging Face model'} directory: {out}")
     return 0
 
 
@@ -759,6 +760,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the directory to write: model and tokenizer (from_pretrained reads both)")
     p.add_argument(
         "--force", action="store_true", help="write into a non-empty OUT (files of the same name are replaced)"
+    )
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run: write the model with the adapter merged in (default: the adapter, in PEFT's format)",
     )
     p.set_defaults(func=_cmd_export)
 

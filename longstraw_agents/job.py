@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from longstraw_agents.engine.config import EngineConfig
 from longstraw_agents.layout import ParallelSpec
+from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.trainer import GRPOConfig
 
 DEFAULT_PRESET = "llama"
@@ -44,6 +45,11 @@ class ModelSpec(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict, description="preset arguments, e.g. hidden, layers")
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     max_context: int | None = Field(None, ge=16, description="context limit (default: the config's)")
+    lora: LoraSpec | None = Field(
+        None,
+        description="train LoRA adapters (PEFT) on the frozen model instead of its weights: {r, alpha, "
+        "target_modules, dropout}",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -14,7 +14,9 @@ of their layer pattern, and extrapolates:
 - what does not — one chunk's graph, one branch's graph, the LM head's log-prob tiles and the head's weight gradient —
   is measured on the cut models (peak minus the exact terms) and extrapolated linearly in the number of layer
   periods;
-- weights, gradients and AdamW state are counted from the model's parameters as the trainer holds them
+- weights, gradients and AdamW state are counted from the model's parameters as the trainer holds them (a LoRA
+  policy, ``PlanRequest.lora``: every weight, frozen or not, but gradients and AdamW state for the adapters only, the
+  probes' models carrying the adapters, so that the graphs hold no weight gradient of a frozen weight)
   (``parameter_phases``): shards over all ``dp x cp`` GPUs in the master dtype (fp32 with mixed precision), and what
   the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit, the decoder layers a sharded
   capture holds (the cell's and the gathers started as they fall due: cp balanced, 1 + r on rank r in rank order)
@@ -58,6 +60,7 @@ from longstraw_agents.job import JobSpec, engine_problem
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
+from longstraw_agents.models.lora import LoraSpec, apply_lora, lora_layers
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
 from longstraw_agents.parallel.experts import PlannedExchange
 from longstraw_agents.parallel.fsdp import prefetch_window
@@ -103,6 +106,7 @@ class PlanRequest(PlanShape):
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
+    lora: LoraSpec | None = None  # LoRA adapters train instead of the weights (model.lora)
 
     @classmethod
     def of_job(
@@ -120,7 +124,8 @@ class PlanRequest(PlanShape):
     ) -> PlanRequest:
         """The plan of ``job`` — the model of ``model`` (its transformers config, as the run builds it), the job's
         layout (``parallel``: FSDP2 only where it shards), engine, dtype (``model.dtype``, or the compute dtype of
-        ``trainer.mixed_precision`` over its masters), mode, group size, KL weight and AdamW — for a workload's shape
+        ``trainer.mixed_precision`` over its masters), LoRA adapters, mode, group size, KL weight and AdamW — for a
+        workload's shape
         (a shared ``context``, each member's ``completion``, or an agent's ``history`` over ``turns``; the groups a dp
         rank trains per optimizer step) on GPUs of ``gpu_mem_bytes``, ``dp x cp`` of them."""
         trainer, parallel = job.trainer, job.parallel
@@ -152,6 +157,7 @@ class PlanRequest(PlanShape):
             hsdp=parallel.hsdp,
             expert_parallel=parallel.expert_parallel,
             expert_dispatch=parallel.expert_dispatch,
+            lora=job.model.lora,
             beta=trainer.loss.beta,
             cp_rank=cp_rank,
             groups_per_rank=groups_per_rank,
@@ -465,19 +471,22 @@ def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 # --- one simulated step on the meta device ----------------------------------------------------------------------
 
 
-def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> Any:
-    """A transformers CausalLM of ``config`` on the meta device (no storage)."""
+def meta_model(config: PretrainedConfig, dtype: torch.dtype, lora: LoraSpec | None = None) -> Any:
+    """A transformers CausalLM of ``config`` on the meta device (no storage), with ``lora``'s adapters."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
         )
-    return model.to(dtype)
+    model = model.to(dtype)
+    return apply_lora(model, lora) if lora is not None else model
 
 
 def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> int:
-    """Peak bytes of one GRPO step of ``request.mode`` (parameter gradients allocated beforehand, not counted)."""
+    """Peak bytes of one GRPO step of ``request.mode`` (the gradients of the parameters that train allocated
+    beforehand, not counted)."""
     for p in model.parameters():
-        p.grad = torch.empty_like(p)
+        if p.requires_grad:
+            p.grad = torch.empty_like(p)
     engine = _engine(model, request)
     ref_engine = _engine(model, request) if request.beta > 0 else None  # same shapes as the policy
     vocab = model.config.vocab_size
@@ -644,6 +653,23 @@ class _Probe:
     capture: int = 0  # a capture's working set beyond its state (``capture_working_set``)
     routed: tuple[int, ...] = ()  # per decoder layer, its routed experts' parameters (a mixture of experts')
     in_layers: tuple[int, ...] = ()  # per decoder layer, its parameters
+    trained: int | None = None  # of ``parameters``, those that train (a LoRA policy's adapters; None: all)
+    trained_root: int | None = None  # of ``root``, those that train
+    trained_layer: int | None = None  # the most that train in one decoder layer
+    head_trains: bool = True  # the LM head's weight takes a gradient (its own, or an adapter's through it)
+
+    @property
+    def gradients(self) -> int:
+        """The parameters that take a gradient and optimizer state."""
+        return self.parameters if self.trained is None else self.trained
+
+    @property
+    def root_gradients(self) -> int:
+        return self.root if self.trained_root is None else self.trained_root
+
+    def layer_gradients(self, request: PlanRequest) -> int:
+        """The most gradient one decoder layer holds whole (``whole_layer``'s gather, all of it trained)."""
+        return self.whole_layer(request)[0] if self.trained_layer is None else self.trained_layer
 
     def whole_layer(self, request: PlanRequest) -> tuple[int, int]:
         """The layer whose parameters are the most at once while it computes, as (what its gather makes whole,
@@ -670,7 +696,7 @@ class _Probe:
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     """Simulate a step of ``group`` members on ``config`` over two chunks of context, and a capture of them."""
-    model = meta_model(config, request.dtype)
+    model = meta_model(config, request.dtype, request.lora)
     routed = [_routed_experts(layer) for layer in model.model.layers]
     if request.expert_parallel and not any(routed):
         raise ValueError("expert parallelism needs a mixture of experts; the model has no MoE layer (mlp.experts)")
@@ -680,7 +706,14 @@ def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     capture = capture_working_set(model, request, _probe_prompt(request))
     root = parameters - sum(in_layers)
     layers = len(in_layers)
-    return _Probe(graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers))
+    trained_in = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in model.model.layers]
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    head = model.lm_head
+    head_trains = bool(lora_layers(head)) or head.weight.requires_grad
+    return _Probe(
+        graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers),
+        trained, trained - sum(trained_in), max(trained_in), head_trains,
+    )  # fmt: skip
 
 
 def _routed_experts(layer: Any) -> int:
@@ -718,12 +751,18 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
         scale = (full - n1) / period
         how = f"simulated {n1} and {n2} of {full} layers (period {period}) and extrapolated linearly"
     growth = (
-        _graphs(meta_model(small, request.dtype), request, request.group) - t1.graphs if request.group > pair else 0
+        _graphs(meta_model(small, request.dtype, request.lora), request, request.group) - t1.graphs
+        if request.group > pair
+        else 0
     )
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
+    trained = int(t1.gradients + (t2.gradients - t1.gradients) * scale)
     capture = _capture_extrapolated(config, request, t2.capture, n2, period)
-    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full, capture, t2.routed, t2.in_layers)
+    probed = _Probe(
+        graphs, parameters, t2.largest_layer, t2.root, full, capture, t2.routed, t2.in_layers,
+        trained, t2.trained_root, t2.trained_layer, t2.head_trains,
+    )  # fmt: skip
     return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
 
 
@@ -737,7 +776,7 @@ def _capture_extrapolated(config: PretrainedConfig, request: PlanRequest, at_n2:
     if full <= n2 or request.sharded_extends:
         return at_n2
     at_n3 = capture_working_set(
-        meta_model(with_layers(config, n2 + period), request.dtype), request, _probe_prompt(request)
+        meta_model(with_layers(config, n2 + period), request.dtype, request.lora), request, _probe_prompt(request)
     )
     return int(at_n2 + (at_n3 - at_n2) * (full - n2) / period)
 
@@ -753,6 +792,7 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
     (``_whole_at_once``); and the KL reference (``_reference_weights``). The phases: a capture (no gradient of its
     own) and the backward passes."""
     shard = -(-probed.parameters // request.shard_ranks)
+    trained = -(-probed.gradients // request.shard_ranks)
     master = request.master_itemsize
     adam = request.optimizer == "adamw"
     on_gpu = 0 if request.offload else 1  # offloaded: the shards, their gradients and AdamW's state are the host's
@@ -763,7 +803,7 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
             "gathered weights": whole_weights,
             "gradients": -(-gradient_shards // request.shard_ranks) * master * on_gpu,
             "gathered gradients": whole_gradients,
-            "optimizer state": 2 * master * shard * on_gpu if adam else 0,
+            "optimizer state": 2 * master * trained * on_gpu if adam else 0,
             "reference weights": _reference_weights(probed, request),
             "lane buffers (dp > 1)": _lane_buffers(probed, request, phase),
         }
@@ -829,11 +869,13 @@ def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
     over every rank at dp > 1 (``parallel.lanes``), the rows of the gradient each other dp rank reduced to it, summed
     there until the step's end (in one order, whatever the timing)."""
     shard = -(-probed.parameters // request.shard_ranks) * request.master_itemsize
-    lanes = 0 if request.hsdp or not request.sharded else (request.data_parallel - 1) * shard
+    trained = -(-probed.gradients // request.shard_ranks) * request.master_itemsize
+    lanes = 0 if request.hsdp or not request.sharded else (request.data_parallel - 1) * trained
     host = {"other dp ranks' gradient rows": lanes} if lanes else {}
     if not request.offload:
         return host
-    host |= {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
+    adam = 2 * trained if request.optimizer == "adamw" else 0
+    host |= {"weights": shard, "gradients": trained, "optimizer state": adam}
     return host | {"reference weights": _reference_shard(probed, request) if request.beta > 0 else 0}
 
 
@@ -860,30 +902,31 @@ def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int,
     if not request.sharded:
         copy = probed.parameters * compute if request.mixed else 0
         # over whole weights the wavefront walk ends summing the parameter gradient over cp, a flat bucket at a time
-        summed = min(probed.parameters * compute, GRADIENT_BUCKET_BYTES) if request.wavefront else 0
-        return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, summed, probed.parameters)}
+        summed = min(probed.gradients * compute, GRADIENT_BUCKET_BYTES) if request.wavefront else 0
+        return {CAPTURE: (copy, 0, probed.gradients if later else 0), BACKWARD: (copy, summed, probed.gradients)}
     layer, experts = probed.whole_layer(request)
+    graded, root_graded = probed.layer_gradients(request), probed.root_gradients  # (a LoRA policy: its adapters')
     # expert parallelism: what a MoE call holds of the rank's own experts beyond what the probe measures (their
     # gradient in the compute dtype, one stacked tensor per projection): their compute copy where they are cast
     # (mixed precision, offload), in forward and again in backward; then their gradient on its way into the shards
     cast = int(_expert_copies(request) * experts * compute)
-    expert_gradient = max(cast, _expert_gradient_into_shards(request, experts))
+    expert_gradient = max(cast, _expert_gradient_into_shards(request, experts) if request.lora is None else 0)
     ahead = _step_layers_whole(request, probed.layers)
     capture = (ahead * layer + probed.root) * compute + cast
     if request.wavefront:
         weights = (_walk_layers_whole(request, probed.layers) * layer + probed.root) * compute + cast
-        in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
+        in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * graded * master
         if request.paced_walk:  # the gradients a rank keeps until their waves' reductions, and one in flight: under
             # mixed precision a master-dtype copy; otherwise a kept gradient handed over, freed as the reduction
             # completes (every rank posts it once it is done with it; measured: tests/test_planner_distributed.py)
-            kept = min(request.context_parallel - 1, probed.layers - 1) * layer * compute
-            in_flight = kept + (layer * master if request.mixed else 0)
+            kept = min(request.context_parallel - 1, probed.layers - 1) * graded * compute
+            in_flight = kept + (graded * master if request.mixed else 0)
     else:
         weights = (layer + probed.root) * compute
-        in_flight = layer * master if request.mixed else 0
-    gradients = in_flight + (layer + probed.root) * compute + expert_gradient
-    layers_only = probed.parameters - probed.root
-    earlier = (probed.root * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
+        in_flight = graded * master if request.mixed else 0
+    gradients = in_flight + (graded + root_graded) * compute + expert_gradient
+    layers_only = probed.gradients - root_graded
+    earlier = (root_graded * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
     return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
 
 
@@ -956,6 +999,7 @@ class _Measured:
     capture: int = 0  # a capture's working set (``capture_working_set``)
     reference: int = 0  # the KL reference's shards kept between steps (``_reference_shards``)
     rollout_lanes: int = 0  # the sampler's capture's lane buffers at dp > 1 (``_lane_buffers``)
+    gradient_shards: int | None = None  # the gradients' shards a GPU keeps (None: as many bytes as its weights')
 
 
 def _measure(request: PlanRequest) -> _Measured:
@@ -973,6 +1017,7 @@ def _measure(request: PlanRequest) -> _Measured:
         probed.capture,
         _reference_shards(probed, request),
         _lane_buffers(probed, request, SAMPLING) if request.sampler_shards else 0,
+        -(-probed.gradients // request.shard_ranks) * request.master_itemsize * (0 if request.offload else 1),
     )
 
 
@@ -981,10 +1026,10 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
     before they join the root's gradient: part of the measured graph term) and a decoder layer with its gradient
     are never whole at once — the head's backward ends before any layer's begins — so the backward phase holds the
     larger of the two, not both: the smaller comes off its graph term."""
-    if not request.sharded:
+    if not request.sharded or not probed.head_trains:
         return 0
     head = config.vocab_size * config.hidden_size * (4 + _itemsize(request.dtype))
-    return min(head, 2 * probed.whole_layer(request)[0] * _itemsize(request.dtype))
+    return min(head, (probed.whole_layer(request)[0] + probed.layer_gradients(request)) * _itemsize(request.dtype))
 
 
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
@@ -1048,7 +1093,8 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     held = math.ceil(request.context / cp) + math.ceil(request.group * request.own_tokens / cp)
     return {
         "weights": parameters["weights"],
-        "gradients": parameters["weights"],  # every shard's, kept until the next step zeroes them
+        # every shard's, kept until the next step zeroes them (a LoRA policy's: its adapters')
+        "gradients": parameters["weights"] if measured.gradient_shards is None else measured.gradient_shards,
         "optimizer state": parameters["optimizer state"],
         "reference weights": measured.reference,  # (its root, whole for a step, resharded after it)
         "gathered weights": whole + max(0, buffer - rows),
@@ -1078,13 +1124,19 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
     notes = [
         f"graphs: {measured.how}, 2 chunks of {request.engine.chunk_size} positions on the meta device; they include "
         "the LM head's log-prob tiles and its fp32 weight gradient "
-        f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
+        f"({logits_bytes(measured.config, request) / GIB:.2f} GiB; none where the head is frozen)",
         f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically"
         + ("; the shared context and one member's history, both spread over the ranks" if request.history else "")
         + "); "
         + _sharding_note(request, measured.config.num_hidden_layers),
         _phase_note(peak, sum(categories.values()), other),
     ]
+    if request.lora is not None:
+        lora = request.lora
+        notes.append(
+            f"LoRA r={lora.r} on {lora.target_modules}: gradients and AdamW state for the adapters alone "
+            f"({(measured.gradient_shards or 0) / GIB:.3f} GiB of gradient shards a GPU); every weight kept, frozen"
+        )
     if request.mode == "exact":
         spacing = checkpoint_spacing(measured.config, request.dtype, request.engine)
         notes.append(f"recurrent checkpoints every {spacing} chunks; the state gradient in fp32")

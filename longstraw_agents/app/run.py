@@ -49,6 +49,7 @@ from longstraw_agents.app.served import ServedPolicy
 from longstraw_agents.engine import Engine
 from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
+from longstraw_agents.models.lora import LoraTargetError, apply_lora, lora_layers, merged_copy
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.rollout import make_env_factory, reset_prompt
@@ -71,17 +72,26 @@ OnMetrics = Callable[[MetricsRecord], None]
 
 
 def build_policy(spec: ModelSpec, config: PretrainedConfig, seed: int) -> torch.nn.Module:
-    """The policy: ``spec.path``'s weights, or a random-init model of the preset's ``config`` (from ``check_model``)."""
+    """The policy: ``spec.path``'s weights, or a random-init model of the preset's ``config`` (from ``check_model``);
+    with ``spec.lora``, its LoRA adapters injected (drawn from ``seed``), every other weight frozen."""
     dtype = getattr(torch, spec.dtype)
     if spec.path is not None:
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, local_files_only=True).eval()
         except OSError as err:  # a config.json without weights, a truncated safetensors file...
             raise ConfigError(f"model.path: cannot load the weights in {spec.path}: {err}") from None
-        return model.eval()
-    return build_model(config, dtype=dtype, seed=seed)
+    else:
+        model = build_model(config, dtype=dtype, seed=seed)
+    if spec.lora is not None:
+        with torch.random.fork_rng(devices=[]):  # (PEFT draws A from the global generator)
+            torch.manual_seed(seed)
+            try:
+                apply_lora(model, spec.lora)
+            except LoraTargetError as err:
+                raise ConfigError(str(err)) from None
+    return model
 
 
 def _evicts(env_config: ToolEnvConfig) -> bool:
@@ -373,7 +383,9 @@ class Run:
             return None
         from safetensors.torch import load_model, save_model
 
-        reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # a LoRA policy's reference is its adapter merged in: a plain model, the same whatever the LoRA settings
+        policy = merged_copy(self.model) if lora_layers(self.model) else copy.deepcopy(self.model)
+        reference = policy.eval().requires_grad_(False)
         path = self.dir / REFERENCE
         if source is not None and self.ranks.writes:
             shutil.copyfile(source, path)
@@ -412,6 +424,8 @@ def _refusal(run_dir: Path, before: TrainConfig | None, now: TrainConfig) -> str
 def _layout(config: TrainConfig) -> str:
     """A run's model and mesh, as a refused resume names them."""
     model = config.model.path or f"preset {config.model.preset} {config.model.overrides or ''}".rstrip()
+    if config.model.lora is not None:
+        model += f" with LoRA {config.model.lora.model_dump(mode='json')}"
     parallel = config.parallel
     sharding = f"fsdp={parallel.fsdp} hsdp={parallel.hsdp} offload={parallel.offload}"
     sharding += " expert_parallel=True" if parallel.expert_parallel else ""
