@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import typing
 from dataclasses import dataclass, field
@@ -419,16 +420,22 @@ def _arm_kill(trainer: GRPOTrainer, when: str) -> None:
 
 def _run_in_forks(specs: dict[str, dict]) -> dict[str, int]:
     """Run the writers in parallel, each in a process forked from this one (they need no fresh process: only the
-    resumes do, and the children skip re-importing torch); their exit codes by name. A writer that fails leaves
-    its traceback in ``spec["out"] + ".err"``."""
+    resumes do, and the children skip re-importing torch); their exit codes by name (None: still running after
+    300 s, then killed). A writer that fails leaves its traceback in ``spec["out"] + ".err"``."""
     # spawn once CUDA is initialised here (a forked child could not use it)
     context = multiprocessing.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     procs = {name: context.Process(target=_logged_worker, args=(spec,)) for name, spec in specs.items()}
     for proc in procs.values():
         proc.start()
+    deadline = time.monotonic() + 300
     for proc in procs.values():
-        proc.join(timeout=300)
-    return {name: proc.exitcode for name, proc in procs.items()}
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    exits = {name: proc.exitcode for name, proc in procs.items()}
+    for proc in procs.values():
+        if proc.is_alive():  # no writer outlives the test
+            proc.kill()
+            proc.join()
+    return exits
 
 
 def _logged_worker(spec: dict) -> None:
