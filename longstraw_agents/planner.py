@@ -710,6 +710,8 @@ def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     head = model.lm_head
     head_trains = bool(lora_layers(head)) or head.weight.requires_grad
+    if request.lora is None:  # all trains: the layer's gradient is what its gather makes whole (``whole_layer``)
+        return _Probe(graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers))
     return _Probe(
         graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers),
         trained, trained - sum(trained_in), max(trained_in), head_trains,

@@ -507,11 +507,9 @@ class MoE:
         held = gate_up.shape[0]
         routing = Routing.of(top_idx, first, held, others=held < self.num_experts)
         gate_up_adapters, down_adapters = adapters if adapters is not None else ([], [])
-        rows = routing.rows(x)
-        hidden = grouped_linear(rows, gate_up, routing.groups) + low_rank(rows, gate_up_adapters, routing.groups)
+        hidden = expert_product(routing.rows(x), gate_up, gate_up_adapters, routing.groups)
         g, u = hidden.chunk(2, dim=-1)
-        inner = self.experts.act_fn(g) * u
-        out = grouped_linear(inner, down, routing.groups) + low_rank(inner, down_adapters, routing.groups)
+        out = expert_product(self.experts.act_fn(g) * u, down, down_adapters, routing.groups)
         return routing.combine(out, weights, x.dtype)
 
 
@@ -519,14 +517,16 @@ LowRank = list[tuple[Tensor, Tensor, float]]
 """A stacked projection's LoRA adapters: ``(B [E, out, r], A [E, r, in], scale)`` each (``lora.low_rank_factors``)."""
 
 
-def low_rank(rows: Tensor, adapters: LowRank, groups: Groups) -> Tensor | float:
-    """``Σ s·B_e A_e x`` for each row ``x`` of group ``e``: two grouped products per adapter (0 without adapters)."""
-    total: Tensor | float = 0.0
+def expert_product(rows: Tensor, weight: Tensor, adapters: LowRank, groups: Groups) -> Tensor:
+    """Each row ``x`` of group ``e`` through expert ``e``'s stacked ``weight``, plus ``Σ s·B_e A_e x`` over its LoRA
+    adapters (two grouped products each). Its operands are arguments, so that nothing outlives the product where no
+    graph keeps it (the planner's capture working set)."""
+    out = grouped_linear(rows, weight, groups)
     for lhs, rhs, scale in adapters:
         if lhs.shape[0] != groups.count:
             raise ValueError("LoRA adapters on routed experts need every expert here (not with expert parallelism)")
-        total = total + grouped_linear(grouped_linear(rows, rhs, groups), lhs, groups) * scale
-    return total
+        out = out + grouped_linear(grouped_linear(rows, rhs, groups), lhs, groups) * scale
+    return out
 
 
 class MLAAdapter(FamilyAdapter):
