@@ -59,6 +59,7 @@ from longstraw_agents.engine.wavefront import GRADIENT_BUCKET_BYTES
 from longstraw_agents.job import JobSpec, engine_problem
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
+from longstraw_agents.meta_cache import MetaOpCache
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.lora import LoraSpec, apply_lora, lora_layers
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
@@ -1006,7 +1007,8 @@ class _Measured:
 
 def _measure(request: PlanRequest) -> _Measured:
     config = load_config(request.model)
-    probed, how = extrapolated(config, request)
+    with MetaOpCache():  # the probes' meta ops answered once per layout: the same bytes, a fraction of the time
+        probed, how = extrapolated(config, request)
     phases = parameter_phases(probed, request)
     return _Measured(
         config,
