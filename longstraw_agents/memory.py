@@ -37,6 +37,7 @@ machine, where host and device are one memory, the tag is what tells them apart.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -108,12 +109,19 @@ class MemoryTracker(TorchDispatchMode):
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not types and _only_views(func):  # a plain tensor's view allocates nothing: nothing to count
+            return func(*args, **(kwargs or {}))
         before = {id(t): _storage_key(t) for t in _tensors((args, kwargs))}
         inputs = set(before.values())
         out = func(*args, **(kwargs or {}))
         with self._lock:
             self._count_outputs(out, before, inputs)
         return out
+
+    def count_fresh(self, out: Any) -> None:
+        """Count the tensors of ``out`` as an op's outputs on storages of their own (no input's: made for it)."""
+        with self._lock:
+            self._count_outputs(out, {}, set())
 
     def _count_outputs(self, out: Any, before: dict[int, int], inputs: set[int]) -> None:
         for item in _tensors(out):
@@ -230,6 +238,16 @@ class _StorageResizes:
 
 
 _STORAGE_RESIZES = _StorageResizes()
+
+
+@functools.cache
+def _only_views(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` returns only views of its inputs (each return aliases an argument, per its schema) and
+    writes nothing: on plain tensors its outputs are on its inputs' storages, which it neither starts nor resizes."""
+    schema = func._schema
+    if not schema.returns or any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
+        return False
+    return all(ret.alias_info is not None and not ret.alias_info.is_write for ret in schema.returns)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -1,15 +1,16 @@
-"""``MetaOpCache``: the planner's meta-device ops answered from a cache of their outputs' layouts.
+"""A ``MemoryTracker`` whose meta-device ops are answered from a cache of their outputs' layouts: the planner's.
 
 The planner (``planner.py``) runs the real engine and trainer on the meta device, where a tensor has a shape and a
 size but no storage. Torch computes most meta results in Python (``torch._refs`` and ``torch._prims``: broadcasting,
 type promotion, stride propagation), some 0.1–0.3 ms an op; a plan runs hundreds of thousands of them, most with the
 same inputs again and again (every block of a delta-rule scan, every layer of a period, every chunk). On the meta
-device an op's result can depend on nothing but its inputs' layouts and its other arguments, so an op that returns
-fresh tensors has its first answer's layouts kept, and the next call with the same layouts gets new meta tensors of
-those layouts (``torch.empty_strided``, which C++ answers at once): the same shapes, strides, dtypes and storage
-sizes, so a ``MemoryTracker`` above it counts the same bytes.
+device an op's result can depend on nothing but its inputs' layouts, its other arguments and the default dtype, so an
+op that returns fresh tensors has its first answer's layouts kept (``MetaLayouts``), and the next call with the same
+ones gets new meta tensors of those layouts (``torch.empty_strided``, which C++ answers at once): the same shapes,
+strides, dtypes and storage sizes, which ``CachedMemoryTracker`` counts as its ``MemoryTracker`` counts an op's
+outputs — one Python dispatch per op, not two.
 
-What passes through untouched, computed by torch every time:
+What torch computes every time (and the tracker counts as ever):
 - views, in-place and ``out=`` ops (any argument or return with an alias annotation in the op's schema), and an op
   whose first answer shared a storage with an input or another output (``_unsafe_view`` does without saying so);
 - ops with side effects or without tensor results: outside ``aten``/``prims`` (collectives), seeded random ops, an
@@ -23,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from longstraw_agents.memory import MemoryTracker
 
 Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]  # (shape, stride, dtype) of a fresh output
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose ops this cache may answer (no subclass dispatch)
@@ -45,6 +47,8 @@ def _key(value: Any) -> Any:
         return (value.shape, value.stride(), value.dtype, value.storage_offset())
     if kind is tuple or kind is list:
         return (kind, *[_key(v) for v in value])
+    if kind is int or kind is float or kind is bool:
+        return (kind, value)
     if isinstance(value, torch.Tensor | list | tuple | dict):  # a subclass, or keywords
         if kind is not dict:
             raise _Uncacheable
@@ -115,41 +119,72 @@ def _aliases(out: Any, inputs: Any) -> bool:
     return len(set(keys)) < len(keys) or bool(set(keys) & _storages(inputs))
 
 
-class MetaOpCache(TorchDispatchMode):
-    """Answers a meta op that returns fresh tensors from the layouts its first call with the same inputs gave (see
-    the module's docstring for what passes through). ``hits`` and ``misses`` count the answers; a miss is computed
-    by torch and, where it may be, remembered. Enter it outside a ``MemoryTracker``: the tracker then sees each op's
-    outputs, computed or remade."""
+class MetaLayouts:
+    """The layouts of meta ops' first answers, by op, input layouts and arguments: what ``CachedMemoryTracker``
+    answers from (one for any number of trackers and plans; emptied when it holds ``limit`` answers). ``hits`` and
+    ``misses`` count the ops answered and those torch computed that could have been."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, limit: int = 1_000_000) -> None:
+        self.limit = limit
         self._known: dict[Any, tuple[type | None, tuple[Layout | None, ...]]] = {}
-        self._answerable: dict[torch._ops.OpOverload, bool] = {}
+        # by the op's id: an OpOverload lives as long as torch (and its Python __hash__ cost more than the lookup)
+        self._answerable: dict[int, bool] = {}
         self.hits = self.misses = 0
+
+    def key(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any | None:
+        """What identifies this call of ``func`` to the cache, or None where it must be computed."""
+        op = id(func)
+        answerable = self._answerable.get(op)
+        if answerable is None:
+            answerable = self._answerable[op] = answers_fresh(func)
+        if not answerable:
+            return None
+        try:  # (a factory op without a dtype makes the default one)
+            return (op, torch.get_default_dtype(), _key(args), _key(kwargs))
+        except _Uncacheable:
+            return None
+
+    def remade(self, key: Any) -> Any | None:
+        """New meta tensors laid out as the first answer to ``key``'s call, or None before there was one."""
+        known = self._known.get(key)
+        if known is None:
+            return None
+        self.hits += 1
+        return _remade(*known)
+
+    def remember(self, key: Any, out: Any, inputs: Any) -> None:
+        """Keep the layouts of ``out``, torch's answer to ``key``'s call on ``inputs``, where they may be remade."""
+        self.misses += 1
+        if _aliases(out, inputs):
+            self._answerable[key[0]] = False  # an alias its schema does not declare: never answered for the op
+            return
+        layouts = _layouts(out)
+        if layouts is None:
+            return
+        if len(self._known) >= self.limit:
+            self._known.clear()
+        self._known[key] = (type(out) if isinstance(out, tuple | list) else None, layouts)
+
+
+class CachedMemoryTracker(MemoryTracker):
+    """A ``MemoryTracker`` that answers meta ops from ``layouts`` where it may (see the module's docstring), counting
+    the tensors it makes as the fresh storages torch's own answer would have been; every other op as its base."""
+
+    def __init__(self, layouts: MetaLayouts, **tracker: Any) -> None:
+        super().__init__(**tracker)
+        self.layouts = layouts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        answerable = self._answerable.get(func)
-        if answerable is None:
-            answerable = self._answerable[func] = answers_fresh(func)
-        if not answerable:
-            return func(*args, **kwargs)
-        try:
-            key = (func, _key(args), _key(kwargs))
-        except _Uncacheable:
-            return func(*args, **kwargs)
-        known = self._known.get(key)
-        if known is not None:
-            self.hits += 1
-            return _remade(*known)
-        self.misses += 1
-        out = func(*args, **kwargs)
-        if _aliases(out, (args, kwargs)):
-            self._answerable[func] = False  # an alias its schema does not declare: never answered for it
+        key = None if types else self.layouts.key(func, args, kwargs)  # (types: a tensor subclass dispatches)
+        if key is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        out = self.layouts.remade(key)
+        if out is not None:
+            self.count_fresh(out)
             return out
-        layouts = _layouts(out)
-        if layouts is not None:
-            self._known[key] = (type(out) if isinstance(out, tuple | list) else None, layouts)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.layouts.remember(key, out, (args, kwargs))
         return out
 
 

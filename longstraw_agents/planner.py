@@ -1,7 +1,8 @@
 """The memory planner: the peak per GPU of a GRPO step before renting the GPUs (``longstraw plan``).
 
 It runs the project's real engine and trainer code — capture, branch replay, exact mode's reverse walk — on the meta
-device under ``MemoryTracker``: tensors have shapes and byte sizes but no storage and no arithmetic (attention takes
+device under ``MemoryTracker`` (``CachedMemoryTracker``: an op computed once per layout of its inputs, the same bytes
+in about half the time): tensors have shapes and byte sizes but no storage and no arithmetic (attention takes
 the ``meta`` backend, a fused kernel's allocations without its work; a MoE's experts the grouped kernel's, which
 do not depend on the routing, except a dispatched round's rows, taken as balanced). Walking
 2M tokens x 64 layers in Python would take long, so it simulates a few chunks on models cut to one and two periods
@@ -59,7 +60,7 @@ from longstraw_agents.engine.wavefront import GRADIENT_BUCKET_BYTES
 from longstraw_agents.job import JobSpec, engine_problem
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
-from longstraw_agents.meta_cache import MetaOpCache
+from longstraw_agents.meta_cache import CachedMemoryTracker, MetaLayouts
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.lora import LoraSpec, apply_lora, lora_layers
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
@@ -482,6 +483,17 @@ def meta_model(config: PretrainedConfig, dtype: torch.dtype, lora: LoraSpec | No
     return apply_lora(model, lora) if lora is not None else model
 
 
+# The probes' meta ops answered from the layouts of their first answers (``meta_cache``: the same bytes in about half
+# the time), kept for the process: every plan's probes repeat the same ops. False: torch computes each (tests, bench).
+CACHE_META_OPS = True
+PROBE_LAYOUTS = MetaLayouts()
+
+
+def probe_tracker() -> MemoryTracker:
+    """The memory tracker a probe runs under: answering its meta ops from ``PROBE_LAYOUTS`` (``CACHE_META_OPS``)."""
+    return CachedMemoryTracker(PROBE_LAYOUTS) if CACHE_META_OPS else MemoryTracker()
+
+
 def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> int:
     """Peak bytes of one GRPO step of ``request.mode`` (the gradients of the parameters that train allocated
     beforehand, not counted)."""
@@ -497,7 +509,7 @@ def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> 
     config = LossConfig(beta=request.beta)
     grouped = make_group(members, [float(k % 2) for k in range(group)], config)  # rewards that differ
     runner = MODES[request.mode](engine, config, ref_engine)
-    with MemoryTracker() as tracker:
+    with probe_tracker() as tracker:
         runner.run(grouped)
     return tracker.peak_bytes
 
@@ -522,7 +534,7 @@ def capture_working_set(model: Any, request: PlanRequest, prompt_len: int) -> in
     engine = _engine(model, request, exchange)
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, prompt_len)
     with torch.no_grad(), exchange.dispatching() if exchange is not None else contextlib.nullcontext():
-        with MemoryTracker() as tracker:
+        with probe_tracker() as tracker:
             state = engine.capture(prompt.tolist())
             kept = tracker.current_bytes
     del state
@@ -1007,8 +1019,7 @@ class _Measured:
 
 def _measure(request: PlanRequest) -> _Measured:
     config = load_config(request.model)
-    with MetaOpCache():  # the probes' meta ops answered once per layout: the same bytes, a fraction of the time
-        probed, how = extrapolated(config, request)
+    probed, how = extrapolated(config, request)
     phases = parameter_phases(probed, request)
     return _Measured(
         config,

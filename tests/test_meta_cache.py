@@ -1,9 +1,8 @@
-"""The planner's meta-op cache (meta_cache.py): an answered op's outputs are laid out as torch's own, what must pass
-through does, and a plan is the same to the byte with the cache and without it."""
+"""The planner's meta-op cache (meta_cache.py): an answered op's outputs are laid out as torch's own and counted as
+its own, what must be computed is, and a plan is the same to the byte with the cache and without it."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 import longstraw_agents.planner as planner
 from longstraw_agents.engine import EngineConfig
 from longstraw_agents.memory import MemoryTracker
-from longstraw_agents.meta_cache import MetaOpCache, answers_fresh
+from longstraw_agents.meta_cache import CachedMemoryTracker, MetaLayouts, answers_fresh
 from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.planner import PlanRequest, plan_memory
 
@@ -42,9 +41,10 @@ OPS = [
 @pytest.mark.parametrize("op", OPS)
 def test_an_answered_op_lays_out_its_outputs_as_torch_does(op) -> None:
     expected = op()
-    with MetaOpCache() as cache:
+    layouts = MetaLayouts()
+    with CachedMemoryTracker(layouts):
         first, again = op(), op()
-    assert cache.hits > 0
+    assert layouts.hits > 0
     for out in (first, again):
         assert type(out) is type(expected)
         got, want = (out, expected) if isinstance(out, torch.Tensor) else (list(out), list(expected))
@@ -55,70 +55,78 @@ def test_an_answered_op_lays_out_its_outputs_as_torch_does(op) -> None:
 
 def test_views_in_place_and_out_ops_pass_through() -> None:
     x, y, out = meta(4, 6), meta(4, 6), meta(4, 6)
-    with MetaOpCache() as cache:
+    layouts = MetaLayouts()
+    with CachedMemoryTracker(layouts):
         for _ in range(2):
             view = x.view(6, 4)
             assert view.untyped_storage()._cdata == x.untyped_storage()._cdata
             assert x.add_(y) is x
             assert torch.mul(x, y, out=out) is out
             assert x.detach().untyped_storage()._cdata == x.untyped_storage()._cdata
-    assert cache.hits == 0
+    assert layouts.hits == 0
     assert not any(answers_fresh(op) for op in (aten.view.default, aten.add_.Tensor, aten.mul.out, aten.detach.default))
     assert answers_fresh(aten.mul.Tensor) and answers_fresh(aten.bmm.default)
 
 
 def test_an_op_that_aliases_without_declaring_it_is_never_answered() -> None:
     x = meta(2, 3, 4)
-    with MetaOpCache() as cache:
+    layouts = MetaLayouts()
+    with CachedMemoryTracker(layouts) as tracker:
         for _ in range(3):
             flat = aten._unsafe_view(x, [6, 4])  # declares a fresh tensor, returns a view of x's storage
             assert flat.untyped_storage()._cdata == x.untyped_storage()._cdata
-    assert cache.hits == 0
+    assert layouts.hits == 0 and tracker.peak_bytes == 0
 
 
 def test_side_effects_randomness_and_other_devices_pass_through() -> None:
     cpu = torch.ones(3)
-    with MetaOpCache() as cache:
+    layouts = MetaLayouts()
+    with CachedMemoryTracker(layouts):
         for _ in range(2):
             assert torch.equal(cpu + 1, torch.full((3,), 2.0))  # computed, not remade on the meta device
             torch.rand(3, device="meta")
-    assert cache.hits == 0
+    assert layouts.hits == 0
     assert not answers_fresh(aten.rand.default) and not answers_fresh(aten._assert_async.msg)
 
 
-def test_a_tracker_inside_the_cache_counts_what_it_counts_without() -> None:
-    def work() -> int:
-        with MemoryTracker() as tracker:
+def test_the_cached_tracker_counts_what_the_tracker_counts() -> None:
+    def peaks(tracker: MemoryTracker) -> tuple[int, int]:
+        with tracker:
             a, b = meta(64, 32), meta(32, 16)
             for _ in range(3):
                 c = (a @ b).relu() + 1
                 d = c.t().contiguous()
+                kept = c[1:].clone()
                 del c
             del d
-        return tracker.peak_bytes
+            now = tracker.current_bytes
+        del kept
+        return tracker.peak_bytes, now
 
-    without = work()
-    with MetaOpCache() as cache:
-        assert work() == without
-    assert cache.hits > 0
+    layouts = MetaLayouts()
+    assert peaks(CachedMemoryTracker(layouts)) == peaks(MemoryTracker())
+    assert layouts.hits > 0
+
+
+def test_the_cache_is_bounded() -> None:
+    layouts = MetaLayouts(limit=2)
+    with CachedMemoryTracker(layouts):
+        for n in range(1, 6):
+            meta(n) + 1
+    assert len(layouts._known) <= 2
 
 
 def plans(request: PlanRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[planner.Plan, planner.Plan]:
-    """``request`` planned with the planner's cache (which answered some ops) and without it."""
-    caches: list[MetaOpCache] = []
-
-    class Recorded(MetaOpCache):
-        def __init__(self) -> None:
-            super().__init__()
-            caches.append(self)
-
+    """``request`` planned with the planner's cache (which answered ops) and without it."""
     with monkeypatch.context() as patched:
-        patched.setattr(planner, "MetaOpCache", Recorded)
+        layouts = MetaLayouts()
+        patched.setattr(planner, "PROBE_LAYOUTS", layouts)
         cached = plan_memory(request)
-    assert caches and all(cache.hits > 0 for cache in caches)
-    with monkeypatch.context() as patched:
-        patched.setattr(planner, "MetaOpCache", contextlib.nullcontext)
+        answered = layouts.hits
+        assert answered > 0
+        patched.setattr(planner, "CACHE_META_OPS", False)
         computed = plan_memory(request)
+        assert layouts.hits == answered  # (torch computed every op)
     return cached, computed
 
 
