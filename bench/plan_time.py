@@ -85,7 +85,7 @@ def main() -> None:
     rows = []
     for flags in CONFIGURATIONS:
         times = {("cache" if cache else "no_cache"): timed_plan(flags, cache) for cache in modes}
-        outputs = {t["output"] for t in times.values()}
+        outputs = {t.pop("output") for t in times.values()}
         row = {"flags": flags, **times, "same_plan": len(outputs) == 1}
         print(json.dumps(row), flush=True)
         rows.append(row)

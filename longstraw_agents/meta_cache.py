@@ -49,10 +49,10 @@ def _key(value: Any) -> Any:
         return (kind, *[_key(v) for v in value])
     if kind is int or kind is float or kind is bool:
         return (kind, value)
-    if isinstance(value, torch.Tensor | list | tuple | dict):  # a subclass, or keywords
-        if kind is not dict:
-            raise _Uncacheable
-        return (dict, *((k, _key(v)) for k, v in sorted(value.items())))
+    if kind is dict:  # (the keyword arguments)
+        return (dict, *((name, _key(value[name])) for name in sorted(value)))
+    if isinstance(value, torch.Tensor | list | tuple | dict):  # a tensor subclass, a container's subclass
+        raise _Uncacheable
     try:
         hash(value)  # a SymInt is not hashable: no key
     except TypeError as err:
@@ -174,7 +174,7 @@ class CachedMemoryTracker(MemoryTracker):
         super().__init__(**tracker)
         self.layouts = layouts
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         key = None if types else self.layouts.key(func, args, kwargs)  # (types: a tensor subclass dispatches)
         if key is None:
