@@ -8,16 +8,20 @@ turns of 6 tokens, 2-3 steps) on ``coin_env``, whose rewards are mixed from the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import coin_env
+import httpx
 import numpy as np
 import pytest
 import torch
 import yaml
+from launches import launch
 from tiny_runs import assert_same_weights, checkpoint_weights, tiny_config
 
 from longstraw_agents.app.async_rollouts import (
@@ -33,7 +37,12 @@ from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.replay import ReplayConfig, select_logged_groups
 from longstraw_agents.app.training import train
 from longstraw_agents.cli import main
+from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.sampler import OpenAISampler, SamplerError
+from longstraw_agents.serving import CompletionServer, RequestError
 from longstraw_agents.store import Store
+from longstraw_agents.tokenizer import load_tokenizer
+from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOTrainer
 from longstraw_agents.trajectory import Segment, Trajectory
 
@@ -298,3 +307,109 @@ def test_the_rollout_threads_sampler_stops_between_turns_and_the_gate_releases_i
     assert results == [True]
     gate.close()
     assert gate.wait_for(5) is False  # closed: nobody waits for a version that will not come
+
+
+# --- a served policy ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def server() -> Iterator[CompletionServer]:
+    """A server of the runs' architecture (its first weights do not matter: an asynchronous run pushes its own)."""
+    tokenizer = load_tokenizer()
+    model = tiny_model("llama", vocab_size=tokenizer.vocab_size, hidden=32, layers=1).eval()
+    with CompletionServer(TorchSampler(model, [tokenizer.eos_token_id]), model_name="tiny") as running:
+        yield running
+
+
+def served(run_dir: Path, server: CompletionServer, **updates: Any) -> TrainConfig:
+    spec = {"base_url": server.url, "model": "tiny", "max_retries": 0}
+    return async_config(run_dir, policy={"served": spec}, **updates)
+
+
+def test_an_async_run_pushes_to_the_served_policy_while_it_samples(tmp_path: Path, server: CompletionServer) -> None:
+    """Each turn records the version the server answered with, within the bound of the step that trained on it, and
+    after the run the server holds the trainer's last weights."""
+    train(served(tmp_path / "run", server, steps=2, max_staleness=1))
+    for group_id, members in stored(tmp_path / "run").items():
+        for t in members:
+            versions = [s.policy_version for s in t.segments if s.role == "assistant"]
+            assert all(v is not None and 0 <= t.info[TRAIN_VERSION] - v <= 1 for v in versions), group_id
+    assert server.policy_version == 2
+    served_now = {name: t.clone() for name, t in server.sampler.engine.model.state_dict().items()}
+    assert_same_weights(served_now, checkpoint_weights(tmp_path / "run"))
+
+
+def test_an_async_run_refuses_a_server_that_cannot_update_its_weights(
+    tmp_path: Path, server: CompletionServer, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    def no_route(self: CompletionServer, body: Any) -> dict[str, Any]:
+        raise RequestError("no such route", status=404)
+
+    monkeypatch.setattr(CompletionServer, "update_weights_from_disk", no_route)
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(served(tmp_path / "run", server, max_staleness=1).model_dump(mode="json")))
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err  # (above it: the bar of transformers' save_pretrained, writing the push)
+    assert err.count("error:") == 1
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: max_staleness: asynchronous GRPO loads each step's weights into the server while it samples, but "
+            f"{server.url} cannot update its weights: {server.url}/update_weights_from_disk: no such endpoint (HTTP 404)"
+        )
+    )
+    assert not (tmp_path / "run" / "checkpoint").exists()  # no step ran: the same command runs once it is fixed
+
+
+def test_a_served_sampler_of_an_async_run_refuses_completions_without_a_version() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        choice = {"token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}, "finish_reason": "length"}
+        return httpx.Response(200, json={"choices": [choice]})  # (vLLM: no metadata.weight_version)
+
+    client = httpx.Client(transport=httpx.MockTransport(answer))
+    sampler = OpenAISampler("http://server", [0], client=client, versioned=True)
+    with pytest.raises(SamplerError, match="says with no completion which weights sampled it"):
+        sampler.generate(sampler.fork([1, 2], 1)[0])
+    plain = OpenAISampler("http://server", [0], client=client, policy_version=3)
+    assert plain.generate(plain.fork([1, 2], 1)[0]).policy_version == 3  # synchronous: the version it was given
+
+
+# --- on a mesh ------------------------------------------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_async_run_on_two_fsdp_ranks_stores_each_group_once_and_resumes_from_its_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dp=2 with FSDP2, launched by torchrun: each rank's rollout thread samples with weights assembled from the
+    shards after every step, and the writer stores both ranks' groups of a step together. Resumed from the checkpoint
+    of step 1 with step 2 stored, the writer sends each rank its stored groups of step 2: the uninterrupted run's
+    weights again, nothing stored twice."""
+    support = str(Path(coin_env.__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [support, os.environ.get("PYTHONPATH")])))
+    run_dir, config = tmp_path / "run", tmp_path / "train.yaml"
+    env = {"id": f"coin_env:{coin_env.ENV_ID}", "kwargs": dict(coin_env.KWARGS)}
+    settings = async_config(run_dir, steps=1, max_staleness=1).model_dump(mode="json")
+    config.write_text(yaml.safe_dump(settings | {"env": env, "parallel": {"dp": 2, "fsdp": True}}))
+    for extra in ((), ("--resume", "--steps", "2")):
+        done = launch("torchrun", config, *extra, processes="2")
+        assert done.returncode == 0, done.stderr[-3000:]
+        if not extra:
+            shutil.copytree(run_dir / "checkpoint", tmp_path / "checkpoint-1")
+    groups = stored(run_dir)
+    assert sorted(groups) == [f"step{s}-dp{r}-g0" for s in (1, 2) for r in (0, 1)]
+    for group_id, members in groups.items():
+        assert len(members) == 4
+        for t in members:
+            versions = [s.policy_version for s in t.segments if s.role == "assistant"]
+            assert t.info[TRAIN_VERSION] == int(group_id[4]) - 1
+            assert all(v is not None and 0 <= t.info[TRAIN_VERSION] - v <= 1 for v in versions), group_id
+    lines = grpo_lines(run_dir)
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(sum(line["finish_reasons"].values()) == 8 and line["groups_dropped_stale"] == 0 for line in lines)
+    uninterrupted = checkpoint_weights(run_dir)
+
+    shutil.rmtree(run_dir / "checkpoint")
+    shutil.copytree(tmp_path / "checkpoint-1", run_dir / "checkpoint")
+    again = launch("torchrun", config, "--resume", "--steps", "2", processes="2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_same_weights(checkpoint_weights(run_dir), uninterrupted)
+    assert {k: len(v) for k, v in stored(run_dir).items()} == {k: len(v) for k, v in groups.items()}
