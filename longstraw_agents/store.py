@@ -139,6 +139,9 @@ ESCAPED_SURROGATES = "store_escaped_surrogates"
 """The ``info`` key listing the id / reason fields whose lone surrogates ``add_episodes`` escaped (absent when none
 were)."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
+TRAIN_VERSION = "train_version"
+"""The ``info`` key of an episode a training run stored: the policy version that trained on it (a turn's staleness is
+that minus the version that sampled the turn, ``Segment.policy_version``)."""
 
 
 class StoreError(Exception):

@@ -60,6 +60,7 @@ from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.fsdp import compute_dtype, is_sharded, whole_parts
 from longstraw_agents.rollout import RolloutLimits, rollout_groups
 from longstraw_agents.sampler import Generation
+from longstraw_agents.store import TRAIN_VERSION
 from longstraw_agents.torch_sampler import TorchHandle, TorchSampler
 from longstraw_agents.trajectory import Trajectory
 from longstraw_agents.weight_sync import WeightSyncError
@@ -71,8 +72,6 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 60.0
 """How long closing waits for the rollout thread to reach its next turn (it checks between turns)."""
-TRAIN_VERSION = "train_version"
-"""The ``info`` key of a stored episode that says which policy version trained on it."""
 
 
 # --- staleness ------------------------------------------------------------------------------------------------------
