@@ -25,8 +25,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow"
 
+# The demo's threads: README's figures are at THREADS=1 (the default) and THREADS=2. Idle OpenMP threads sleep
+# (OMP_WAIT_POLICY=PASSIVE) instead of spinning until the next parallel region: on a busy machine spinning threads
+# burn CPU that the demo's tiny matrices cannot use (2 threads spinning: 4x the CPU time of 2 sleeping in the warm
+# start, 10x in an evaluation).
+THREADS ?= 1
 demo: $(STAMP)
-	$(PY) -m longstraw_agents.app.demo --out runs/demo
+	OMP_NUM_THREADS=$(THREADS) OMP_WAIT_POLICY=PASSIVE $(PY) -m longstraw_agents.app.demo --out runs/demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

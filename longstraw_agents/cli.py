@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from longstraw_agents import __version__
 
 if TYPE_CHECKING:
+    from longstraw_agents.planner import PlanRequest
     from longstraw_agents.timing import HardwareProfile
 
 
@@ -121,7 +122,27 @@ def _check(config, args: argparse.Namespace) -> int:
         return _fail(f"{args.config} would not run:\n" + "\n".join(f"  {line}" for line in report.errors))
     if Place.here().rank == 0:
         print(f"{args.config}: OK, nothing was written. `longstraw train` would run:\n{report.summary()}")
+        if args.plan:
+            print(_check_plan(config, args.config), flush=True)
     return 0
+
+
+def _check_plan(config, path: str) -> str:
+    """``train --check``'s memory plan of the run's step: the table ``longstraw plan --config`` prints for the same
+    file, or why there is none (a job the planner does not plan: naive mode...)."""
+    from pydantic import ValidationError
+
+    from longstraw_agents.app.config import ConfigError
+    from longstraw_agents.app.planning import run_plan_request
+    from longstraw_agents.planner import plan_memory
+
+    header = f"its step's peak memory per GPU (`longstraw plan --config {path}`, which takes --context and --gpu-mem):"
+    try:
+        return f"{header}\n{plan_memory(run_plan_request(config)).table()}"
+    except ValidationError as err:
+        return f"{header} not planned:\n" + _plan_errors(err).removeprefix("invalid plan:\n")
+    except (ConfigError, ValueError) as err:
+        return f"{header} not planned: {err}"
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -170,10 +191,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from longstraw_agents.app.export import export_hf
 
     try:
-        out = export_hf(args.run_dir, args.out, force=args.force)
+        out = export_hf(args.run_dir, args.out, force=args.force, merged=args.merged)
     except (ConfigError, FileNotFoundError, FileExistsError) as err:
         return _fail(str(err))
-    print(f"Hugging Face model directory: {out}")
+    adapter = (out / "adapter_config.json").is_file()
+    print(f"{'PEFT adapter' if adapter else 'Hugging Face model'} directory: {out}")
     return 0
 
 
@@ -356,48 +378,170 @@ def _plan_errors(err) -> str:
     return "invalid plan:\n" + "\n".join(lines)
 
 
+# `longstraw plan`'s flags that describe the job (not its workload or GPUs): where a run config (`--config`) says
+# each, and what a plan without one assumes — the published configuration (the engine's flags: PLAN_ENGINE's)
+_JOB_FLAGS: dict[str, tuple[str, Any]] = {
+    "model": ("model", "qwen3.6-27b"),
+    "group": ("trainer.group_size", 8),
+    "groups_per_rank": ("groups_per_step / parallel.dp", 1),
+    "completion": ("sampling.max_new_tokens", 1024),
+    "gpus": ("parallel.dp x parallel.cp", 8),
+    "dp": ("parallel.dp", None),
+    "cp": ("parallel.cp", None),
+    "fsdp": ("parallel.fsdp", True),
+    "hsdp": ("parallel.hsdp", False),
+    "offload": ("parallel.offload", False),
+    "expert_parallel": ("parallel.expert_parallel", False),
+    "expert_dispatch": ("parallel.expert_dispatch", False),
+    "mode": ("trainer.mode", "detached"),
+    "dtype": ("model.dtype and trainer.mixed_precision", "bfloat16"),
+    "no_mixed_precision": ("trainer.mixed_precision", False),
+    "optimizer": ("the trainer's AdamW", "adamw"),
+    "beta": ("trainer.beta", 0.0),
+    "chunk": ("engine.chunk_size", None),
+    "checkpoint_every": ("engine.checkpoint_every", None),
+    "graph_budget": ("engine.graph_budget_bytes", None),
+    "activation_checkpointing": ("engine.activation_checkpointing", None),
+    "walk": ("engine.wavefront_walk", None),
+    "capture": ("engine.balanced_captures", None),
+}
+
+
+def _given_job_flags(args: argparse.Namespace) -> list[str]:
+    """The job's flags given on the command line (each defaults to None: given, it is set)."""
+    return [name for name in _JOB_FLAGS if getattr(args, name) is not None]
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.longest and args.context is not None:
+        return _fail("--longest searches the context length itself: give --context or --longest, not both")
+    if args.config is None:
+        return _plan_flags(args)
+    given = _given_job_flags(args)
+    if given:
+        said = ", ".join(f"{_flag(name)} ({_JOB_FLAGS[name][0]})" for name in given)
+        return _fail(
+            f"--config {args.config} describes the job: {said} {'is' if len(given) == 1 else 'are'} set there; with "
+            "--config, plan takes --context, --history, --turns, --gpu-mem, --cp-rank, --longest and --time"
+        )
+    return _plan_config(args)
+
+
+def _plan_flags(args: argparse.Namespace) -> int:
+    """``longstraw plan`` without a run config: the job of the flags, the published configuration where they are
+    silent (said in a note of the plan)."""
     from pydantic import ValidationError
 
     from longstraw_agents.plan_shape import PlanShape, model_problem
 
-    if args.longest and args.context is not None:
-        return _fail("--longest searches the context length itself: give --context or --longest, not both")
-    problem = model_problem(args.model)
+    job = {
+        name: default if getattr(args, name) is None else getattr(args, name)
+        for name, (_, default) in _JOB_FLAGS.items()
+    }
+    problem = model_problem(job["model"])
     if problem is not None:
         return _fail(f"invalid plan:\n  --model: {problem}")
     shape = dict(
-        model=args.model, context=_quantity("2.1M") if args.context is None else args.context, group=args.group,
-        completion=args.completion, history=args.history, turns=args.turns, gpus=args.gpus, gpu_mem_bytes=args.gpu_mem,
-        cp=args.cp, dp=args.dp, mode=args.mode, optimizer=args.optimizer, offload=args.offload, beta=args.beta,
-        cp_rank=args.cp_rank, groups_per_rank=args.groups_per_rank, hsdp=args.hsdp,
-        expert_parallel=args.expert_parallel, expert_dispatch=args.expert_dispatch,
+        model=job["model"], context=_quantity("2.1M") if args.context is None else args.context, group=job["group"],
+        completion=job["completion"], history=args.history, turns=args.turns, gpus=job["gpus"],
+        gpu_mem_bytes=args.gpu_mem, cp=job["cp"], dp=job["dp"], fsdp=job["fsdp"], mode=job["mode"],
+        optimizer=job["optimizer"], offload=job["offload"], beta=job["beta"], cp_rank=args.cp_rank,
+        groups_per_rank=job["groups_per_rank"], hsdp=job["hsdp"], expert_parallel=job["expert_parallel"],
+        expert_dispatch=job["expert_dispatch"],
     )  # fmt: skip
     try:  # the arguments first, without torch: importing it and transformers takes seconds of CPU
         PlanShape(**shape)
     except ValidationError as err:
         return _fail(_plan_errors(err))
-    return _run_plan(args, shape)
+
+    def request() -> PlanRequest:
+        import torch
+
+        from longstraw_agents.planner import PLAN_ENGINE, PlanRequest
+
+        engine = PLAN_ENGINE.updated(
+            **_engine_flags(args), sharded_extends=shape["expert_dispatch"] or not shape["expert_parallel"]
+        )
+        return PlanRequest(
+            **shape, dtype=getattr(torch, job["dtype"]), engine=engine,
+            mixed_precision=False if job["no_mixed_precision"] else None,
+        )  # fmt: skip
+
+    return _run_plan(args, request, assumed=_assumed(args, job))
 
 
-def _run_plan(args: argparse.Namespace, shape: dict[str, Any]) -> int:
-    import torch
+def _engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings the flags give (the others: ``PLAN_ENGINE``'s)."""
+    given = {
+        "chunk_size": args.chunk,
+        "checkpoint_every": args.checkpoint_every,
+        "graph_budget_bytes": args.graph_budget,
+        "activation_checkpointing": args.activation_checkpointing,
+        "wavefront_walk": None if args.walk is None else args.walk == "wavefront",
+        "balanced_captures": None if args.capture is None else args.capture == "balanced",
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def _assumed(args: argparse.Namespace, job: dict[str, Any]) -> str:
+    """The note that says what a plan without ``--config`` assumed of the job (the flags not given)."""
+    silent = set(_JOB_FLAGS) - set(_given_job_flags(args))
+    assumed = []
+    if "fsdp" in silent:
+        assumed.append("FSDP2 over the GPUs (--no-fsdp: every GPU holds the whole model, as parallel.fsdp: false)")
+    if silent & {"chunk", "checkpoint_every", "graph_budget", "activation_checkpointing", "walk", "capture"}:
+        assumed.append("the engine line's settings (--chunk, --activation-checkpointing...)")
+    if silent & {"dtype", "no_mixed_precision"}:
+        assumed.append(f"{job['dtype']} compute" + ("" if job["no_mixed_precision"] else " over fp32 masters"))
+    if "mode" in silent:
+        assumed.append(f"{job['mode']} mode")
+    said = f": {'; '.join(assumed)}" if assumed else ""
+    return (
+        f"no --config: the job of the flags, the published configuration where they are silent{said}; "
+        "`longstraw plan --config RUN.yaml` plans the job a run config describes, as `longstraw train` runs it"
+    )
+
+
+def _plan_config(args: argparse.Namespace) -> int:
+    """``longstraw plan --config RUN.yaml``: the step ``longstraw train RUN.yaml`` would run."""
     from pydantic import ValidationError
 
-    from longstraw_agents.planner import CONTEXT_SEARCH_LIMIT, PLAN_ENGINE, PlanRequest, longest_context, plan_memory
+    from longstraw_agents.app.config import TrainConfig, load_config
+    from longstraw_agents.app.planning import run_plan_request
 
     try:
-        engine = PLAN_ENGINE.updated(
-            chunk_size=args.chunk, checkpoint_every=args.checkpoint_every, graph_budget_bytes=args.graph_budget,
-            activation_checkpointing=args.activation_checkpointing, wavefront_walk=args.walk == "wavefront",
-            balanced_captures=args.capture == "balanced",
-            sharded_extends=args.expert_dispatch or not args.expert_parallel,
-        )  # fmt: skip
-        request = PlanRequest(
-            **shape, dtype=getattr(torch, args.dtype), engine=engine,
-            mixed_precision=False if args.no_mixed_precision else None,
-        )  # fmt: skip
-        timed_on = _time_profile(args) if args.time or args.profile is not None else None  # (before the plan)
+        config = load_config(args.config)
+    except ValidationError as err:
+        return _fail(_validation_message(err, TrainConfig))
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+
+    def request() -> PlanRequest:  # (a ConfigError, the model or tokenizer unreadable, is a ValueError)
+        workload = {"context": args.context, "history": args.history, "turns": args.turns, "cp_rank": args.cp_rank}
+        return run_plan_request(config, gpu_mem_bytes=args.gpu_mem, **workload)
+
+    return _run_plan(args, request, config_path=args.config)
+
+
+def _run_plan(
+    args: argparse.Namespace,
+    make_request: Callable[[], PlanRequest],
+    assumed: str | None = None,
+    config_path: str | None = None,
+) -> int:
+    """Plan ``make_request()`` (a ``PlanRequest``), print its table (with the ``assumed`` note), what would fit and
+    the time model's phases where asked."""
+    from pydantic import ValidationError
+
+    from longstraw_agents.planner import CONTEXT_SEARCH_LIMIT, longest_context, plan_memory
+
+    try:
+        request = make_request()
+        timed_on = _time_profile(args, request.model) if args.time or args.profile is not None else None
         if args.longest:
             longest, plan = longest_context(request, high=CONTEXT_SEARCH_LIMIT)
             print(_longest_text(longest, CONTEXT_SEARCH_LIMIT))
@@ -408,9 +552,11 @@ def _run_plan(args: argparse.Namespace, shape: dict[str, Any]) -> int:
         return _fail(_plan_errors(err))
     except ValueError as err:
         return _fail(str(err))
+    if assumed is not None:
+        plan.notes.append(assumed)
     print(plan.table())
     if not plan.fits and not args.longest:
-        _print_what_fits(request)
+        _print_what_fits(request, config_path)
     if timed_on is not None:
         from longstraw_agents.timing import step_time
 
@@ -423,9 +569,10 @@ def _run_plan(args: argparse.Namespace, shape: dict[str, Any]) -> int:
     return 0
 
 
-def _print_what_fits(request) -> None:
+def _print_what_fits(request, config_path: str | None = None) -> None:
     """For a step that does not fit: the layout that does, where there is one to suggest (a mixture of experts
-    planned without expert parallelism: expert parallelism and offload, as the published runs)."""
+    planned without expert parallelism: expert parallelism and offload, as the published runs), as the flags to add
+    or, planning a run config, its settings."""
     from longstraw_agents.planner import GIB, expert_parallel_alternative, plan_memory
 
     alternative = expert_parallel_alternative(request)
@@ -435,20 +582,25 @@ def _print_what_fits(request) -> None:
     if not plan.fits:
         return
     added = {
-        "--expert-parallel": True,
-        "--offload": not request.offload,
-        "--hsdp": alternative.hsdp and not request.hsdp,
+        "expert_parallel": True,
+        "offload": not request.offload,
+        "hsdp": alternative.hsdp and not request.hsdp,
+        "fsdp": not request.fsdp,
     }
-    flags = " ".join(flag for flag, needed in added.items() if needed)
+    needed = [name for name, needed in added.items() if needed]
+    if config_path is None:
+        flags, how = " ".join(_flag(name) for name in needed), "add the flags for its plan"
+    else:
+        flags, how = ", ".join(f"parallel.{name}: true" for name in needed), f"set them in {config_path}"
     print(
         f"with expert parallelism ({flags}) it fits: {plan.total / GIB:.2f} GiB per GPU, each cp rank holding whole "
-        "experts, never gathered (add the flags for its plan)"
+        f"experts, never gathered ({how})"
     )
 
 
-def _time_profile(args: argparse.Namespace) -> HardwareProfile:
-    """``--hardware``'s profile, or with ``--profile`` the one measured there for the model's family (its links
-    ``--hardware``'s)."""
+def _time_profile(args: argparse.Namespace, model: Any) -> HardwareProfile:
+    """``--hardware``'s profile, or with ``--profile`` the one measured there for ``model``'s family (its links
+    ``--hardware``'s; ``model``: the plan's, a name, a config file or a transformers config)."""
     from longstraw_agents.timing import PROFILES
 
     named = PROFILES[args.hardware]
@@ -467,7 +619,7 @@ def _time_profile(args: argparse.Namespace) -> HardwareProfile:
         record = json.loads(Path(args.profile).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"--profile {args.profile}: {err}") from None
-    family = adapter_class(load_config(args.model)).family
+    family = adapter_class(load_config(model)).family
     try:
         return measured_profile(record, family, named)
     except (ValueError, TypeError, ValidationError) as err:
@@ -485,6 +637,37 @@ def _longest_text(longest: int, limit: int) -> str:
     return f"longest context that fits: {longest:,} positions"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog may be written when its help is printed (``epilog_from``): ``train``'s lists
+    the engine's settings, which takes importing torch, and no other command should pay for that."""
+
+    def __init__(self, *args: Any, epilog_from: Callable[[], str] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.epilog_from = epilog_from
+
+    def format_help(self) -> str:
+        if self.epilog_from is not None:
+            self.epilog = self.epilog_from()
+        return super().format_help()
+
+
+def _engine_section_help() -> str:
+    """The run config's ``engine:`` section, a setting a paragraph: ``EngineConfig``'s fields, defaults and
+    descriptions (the source of truth, so this cannot go stale)."""
+    import textwrap
+
+    from longstraw_agents.engine import EngineConfig
+
+    lines = [
+        "the config's engine: section (EngineConfig; e.g. `engine: {chunk_size: 4096, activation_checkpointing: "
+        "true}`; `longstraw plan --config CONFIG` plans it):"
+    ]
+    for name, field in EngineConfig.model_fields.items():
+        entry = f"{name} (default {field.default!r}): {field.description}"
+        lines.append(textwrap.fill(entry, width=100, initial_indent="  ", subsequent_indent="      "))
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longstraw",
@@ -493,7 +676,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", help="what to do (`longstraw COMMAND --help`: its options)"
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="what to do (`longstraw COMMAND --help`: its options)",
+        parser_class=_Parser,
     )
 
     p = sub.add_parser("envs", help="list the registered LongStraw environments")
@@ -511,7 +698,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-text", type=int, default=120, help="cut segment text to this many characters (0: never)")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("train", help="online GRPO: rollout -> store -> GRPO step -> metrics -> checkpoint")
+    p = sub.add_parser(
+        "train",
+        help="online GRPO: rollout -> store -> GRPO step -> metrics -> checkpoint",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog_from=_engine_section_help,
+    )
     p.add_argument("config", help="YAML or TOML training config (see README)")
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
     p.add_argument("--output-dir", default=None, help="override the config's output_dir")
@@ -521,7 +713,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="dry run: validate the config (schema, paths, vocabularies, env, output_dir, parallel against this "
         "launch, showing the mesh, the served policy's server) without a GPU, loading no weights and writing "
-        "nothing; exit 0 if it would run, 2 otherwise",
+        "nothing, and print the step's memory plan (`longstraw plan --config`'s); exit 0 if it would run, 2 otherwise",
+    )
+    p.add_argument(
+        "--no-plan",
+        dest="plan",
+        action="store_false",
+        help="--check without the memory plan (seconds for a large model)",
     )
     p.set_defaults(func=_cmd_train)
 
@@ -562,6 +760,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the directory to write: model and tokenizer (from_pretrained reads both)")
     p.add_argument(
         "--force", action="store_true", help="write into a non-empty OUT (files of the same name are replaced)"
+    )
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA run: write the model with the adapter merged in (default: the adapter, in PEFT's format)",
     )
     p.set_defaults(func=_cmd_export)
 
@@ -622,40 +825,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="decode tokens with this tokenizer instead of the run's")
     p.set_defaults(func=_cmd_view)
 
-    p = sub.add_parser("plan", help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed)")
-    p.add_argument("--model", default="qwen3.6-27b", help="qwen3.6-27b | glm-5.2 | tiny-<preset> | CONFIG.json")
+    p = sub.add_parser(
+        "plan",
+        help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed): of a run config (--config), or "
+        "of the job the flags describe",
+    )
+    p.add_argument(
+        "--config", default=None,
+        help="plan the step `longstraw train CONFIG` would run (its model, parallel layout, engine, dtype, mode, G, "
+        "completions of sampling.max_new_tokens; the model's context unless --context): the flags that describe the "
+        "job are then the file's",
+    )  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="qwen3.6-27b (default) | glm-5.2 | tiny-<preset> | CONFIG.json (a transformers config)",
+    )
     p.add_argument(
         "--context",
         type=_quantity,
         default=None,
-        help="shared prompt positions, e.g. 2.1M (default 2.1M; not with --longest)",
+        help="shared prompt positions, e.g. 2.1M (default 2.1M, with --config the model's context; not with --longest)",
     )
-    p.add_argument("--group", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--group", type=int, default=None, help="G: completions per prompt (default 8)")
     p.add_argument(
-        "--groups-per-rank", type=int, default=1,
+        "--groups-per-rank", type=int, default=None,
         help="groups a dp rank trains in one optimizer step (a later group's capture holds the earlier gradients)",
     )  # fmt: skip
-    p.add_argument("--completion", type=_quantity, default=1024, help="tokens per completion (agents: per answer)")
+    p.add_argument(
+        "--completion", type=_quantity, default=None, help="tokens per completion (agents: per answer; default 1024)"
+    )
     p.add_argument(
         "--history", type=_quantity, default=0,
         help="agents: each member's own history after the shared context (tool outputs and answers), e.g. 1M",
     )  # fmt: skip
     p.add_argument("--turns", type=int, default=1, help="agents: turns in which the history grows")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs in all: dp x cp (default 8)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in all: dp x cp (default 8)")
     p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: gpus / dp)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: gpus / cp, or 1)")
     p.add_argument(
-        "--hsdp", action="store_true",
+        "--fsdp", action=argparse.BooleanOptionalAction, default=None,
+        help="FSDP2 over the GPUs (parallel.fsdp; default on, the published layout); --no-fsdp: every GPU holds the "
+        "whole model, its gradients and AdamW's state",
+    )  # fmt: skip
+    p.add_argument(
+        "--hsdp", action="store_true", default=None,
         help="shard over each dp rank's cp GPUs, replicated over dp (parallel.hsdp): a layer at a time at dp > 1 too",
     )  # fmt: skip
     p.add_argument(
-        "--expert-parallel", action="store_true",
+        "--expert-parallel", action="store_true", default=None,
         help="each cp rank holds whole experts, never gathered, and computes every extend replicated unless "
         "--expert-dispatch (parallel.expert_parallel; a mixture of experts, dp = 1 or --hsdp)",
     )  # fmt: skip
     p.add_argument(
-        "--expert-dispatch", action="store_true",
+        "--expert-dispatch", action="store_true", default=None,
         help="with --expert-parallel: long extends sharded, each MoE call sending its tokens to their experts' "
         "ranks by all-to-all (parallel.expert_dispatch); exact mode walks replicated",
     )  # fmt: skip
@@ -665,45 +889,57 @@ def build_parser() -> argparse.ArgumentParser:
         "last in rank order)",
     )  # fmt: skip
     p.add_argument(
-        "--mode", choices=["detached", "exact"], default="detached",
+        "--mode", choices=["detached", "exact"], default=None,
         help="the prefix's gradient: dropped (detached, as published; the default) or exact (the reverse walk)",
     )  # fmt: skip
     p.add_argument(
-        "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+        "--dtype", choices=["bfloat16", "float16", "float32"], default=None,
         help="the compute dtype (default bfloat16; narrower than fp32: fp32 master weights, see --no-mixed-precision)",
     )  # fmt: skip
     p.add_argument(
-        "--optimizer", choices=["adamw", "none"], default="adamw",
+        "--optimizer", choices=["adamw", "none"], default=None,
         help="adamw: its two moments per parameter, in the masters' dtype (default); none: no optimizer state",
     )  # fmt: skip
     p.add_argument(
-        "--offload", action="store_true",
+        "--offload", action="store_true", default=None,
         help="FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW state on the host",
     )  # fmt: skip
     p.add_argument(
         "--no-mixed-precision",
         action="store_true",
+        default=None,
         help="AdamW steps the --dtype weights themselves (default for bf16/fp16: fp32 master weights, as "
         "trainer.mixed_precision runs)",
     )
-    p.add_argument("--beta", type=float, default=0.0, help="KL weight: > 0 plans the reference model too")
-    p.add_argument("--chunk", type=_quantity, default=4096, help="engine chunk size")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="recurrent checkpoint spacing (exact)")
-    p.add_argument("--graph-budget", type=_quantity, default=0, help="exact mode's kept-graph budget in bytes")
+    p.add_argument("--beta", type=float, default=None, help="KL weight: > 0 plans the reference model too")
     p.add_argument(
-        "--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-        help="recompute layers in backward (default on: large models' branch graphs otherwise dominate)",
+        "--chunk", type=_quantity, default=None, help="engine chunk size (engine.chunk_size; default 4096 in plans)"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="recurrent checkpoint spacing (exact; engine.checkpoint_every)",
+    )
+    p.add_argument(
+        "--graph-budget", type=_quantity, default=None, help="exact mode's kept-graph budget in bytes (default 0)"
+    )
+    p.add_argument(
+        "--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+        help="recompute layers in backward (default on in plans: large models' branch graphs otherwise dominate; "
+        "engine.activation_checkpointing, off in a run unless its config sets it)",
     )  # fmt: skip
     p.add_argument(
-        "--walk", choices=["wavefront", "replicated"], default="wavefront",
-        help="exact mode over cp ranks: sharded walk keeping layer inputs, or every rank recomputing every chunk",
+        "--walk", choices=["wavefront", "replicated"], default=None,
+        help="exact mode over cp ranks: sharded walk keeping layer inputs (default), or every rank recomputing every "
+        "chunk (engine.wavefront_walk)",
     )  # fmt: skip
     p.add_argument(
-        "--capture", choices=["balanced", "rank-order"], default="balanced",
+        "--capture", choices=["balanced", "rank-order"], default=None,
         help="how a sharded capture, and exact mode's wavefront walk, is cut over cp ranks: even attention work "
-        "(each layer gathered once per wave of runs: cp layers whole on every rank; the walk's segments and "
-        "gradients held up to cp - 1 layers longer), or in rank order (the last rank's work up to twice the mean; "
-        "1 + r layers whole on rank r)",
+        "(the default; each layer gathered once per wave of runs: cp layers whole on every rank; the walk's segments "
+        "and gradients held up to cp - 1 layers longer), or in rank order (the last rank's work up to twice the "
+        "mean; 1 + r layers whole on rank r; engine.balanced_captures)",
     )  # fmt: skip
     p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")
     p.add_argument("--time", action="store_true", help="also the step's time by phase (the time model)")

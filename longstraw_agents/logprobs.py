@@ -85,8 +85,10 @@ class _HeadLogprobs(torch.autograd.Function):
         rows, cols = _tiles(n, vocab, ctx.max_tile_elements)
         g = grad.to(dt) / temperature  # d logp / d logits = onehot(target) - softmax, each over the temperature
         d_hidden = g.unsqueeze(-1) * weight[targets].to(dt)
-        d_weight = torch.zeros(weight.shape, dtype=dt, device=weight.device)
-        d_weight.index_add_(0, targets, g.unsqueeze(-1) * hidden.to(dt))
+        d_weight = None  # (a frozen head, as a LoRA policy's: no [V, H] gradient and no product for it)
+        if ctx.needs_input_grad[1]:
+            d_weight = torch.zeros(weight.shape, dtype=dt, device=weight.device)
+            d_weight.index_add_(0, targets, g.unsqueeze(-1) * hidden.to(dt))
         d_bias = None
         if bias is not None:
             d_bias = torch.zeros(bias.shape, dtype=dt, device=bias.device).index_add_(0, targets, g)
@@ -97,12 +99,13 @@ class _HeadLogprobs(torch.autograd.Function):
                 d_logits = _logits(h, weight, bias, c0, c0 + cols, temperature)
                 d_logits.sub_(lse[r0 : r0 + rows, None]).exp_().mul_(g_rows)
                 d_hidden[r0 : r0 + rows] -= d_logits @ weight[c0 : c0 + cols].to(dt)
-                d_weight[c0 : c0 + cols] -= d_logits.T @ h
+                if d_weight is not None:
+                    d_weight[c0 : c0 + cols] -= d_logits.T @ h
                 if d_bias is not None:
                     d_bias[c0 : c0 + cols] -= d_logits.sum(0)
         return (
             d_hidden.to(hidden.dtype),
-            d_weight.to(weight.dtype),
+            None if d_weight is None else d_weight.to(weight.dtype),
             None if d_bias is None or bias is None else d_bias.to(bias.dtype),
             None,
             None,

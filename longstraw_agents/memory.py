@@ -46,7 +46,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 OTHER = "other"
 
@@ -109,7 +108,7 @@ class MemoryTracker(TorchDispatchMode):
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = {id(t): _storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        before = {id(t): _storage_key(t) for t in _tensors((args, kwargs))}
         inputs = set(before.values())
         out = func(*args, **(kwargs or {}))
         with self._lock:
@@ -117,9 +116,7 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _count_outputs(self, out: Any, before: dict[int, int], inputs: set[int]) -> None:
-        for item in tree_flatten(out)[0]:
-            if not isinstance(item, torch.Tensor):
-                continue
+        for item in _tensors(out):
             key = _storage_key(item)
             entry = self._live.get(key)
             if entry is not None:
@@ -233,6 +230,26 @@ class _StorageResizes:
 
 
 _STORAGE_RESIZES = _StorageResizes()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results, in order: what ``tree_flatten`` finds there (tensors, possibly in
+    lists and tuples — a ``torch.return_types`` result is one — or a dict's values), without its generic traversal,
+    which cost the tracker's ops more than the ops themselves."""
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _collect(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, found)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

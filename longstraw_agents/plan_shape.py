@@ -1,31 +1,28 @@
 """What a memory plan describes — the step's sizes and how the GPUs split — checked without torch.
 
 ``PlanShape`` holds the fields of ``planner.PlanRequest`` that need no model and no engine, with their checks (counts
-and sizes positive, the GPUs splitting into ``dp x cp``, settings that need one another); ``PlanRequest`` extends it
-with the dtype and the engine. ``longstraw plan`` checks its arguments here before it imports torch and transformers
-(seconds of CPU), so that a bad flag fails at once.
+and sizes positive, the GPUs splitting into ``dp x cp``, a layout the run config's ``parallel:`` section would take:
+``layout.layout_problem``, the same rules); ``PlanRequest`` extends it with the dtype and the engine.
+``longstraw plan`` checks its arguments here before it imports torch and transformers (seconds of CPU), so that a bad
+flag fails at once. An unknown keyword is a ``TypeError`` of one line naming the closest field.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic_core import ArgsKwargs
+
+from longstraw_agents.layout import layout_problem
 
 Positive = Annotated[int, Field(ge=1)]
-
-HSDP_WITHOUT_CP = (
-    "hsdp shards over each dp rank's cp ranks: with cp = 1 it shards nothing, every GPU holding the whole model, its "
-    "gradient and optimizer state (plain data parallelism); shard over every rank instead (fsdp without hsdp)"
-)
-HSDP_WITHOUT_DP = (
-    "hsdp replicates over the dp ranks: with dp = 1 there is nothing to replicate over, and it would shard over "
-    "the cp ranks exactly as fsdp without hsdp does; drop hsdp"
-)
 
 
 # The models ``longstraw plan`` knows by name: ``planner.NAMED_MODELS`` as shipped (whose configs need transformers; a
@@ -54,7 +51,7 @@ def model_problem(model: str, names: Iterable[str] = MODEL_NAMES) -> str | None:
     return f"unknown model {model!r}: give one of {sorted(names)} or a config.json path"
 
 
-@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True))
+@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class PlanShape:
     """A plan's sizes and layout. ``context`` counts the shared prompt's positions; ``completion`` each member's own
     tokens — or, for agents whose members grow long after they part (``history``), the tokens of one answer.
@@ -76,6 +73,9 @@ class PlanShape:
     gpu_mem_bytes: Positive = 96 * 10**9
     cp: Positive | None = None  # context-parallel ranks (default: gpus / dp)
     dp: Positive | None = None  # data-parallel ranks (default: gpus / cp, or 1 when cp is not given either)
+    # FSDP2 over the GPUs (parallel.fsdp; on by default: the published layout). False: every GPU holds the whole
+    # model, its gradients and AdamW's state, as a run without parallel.fsdp does
+    fsdp: bool = True
     mode: Literal["detached", "exact"] = "detached"
     optimizer: Literal["adamw", "none"] = "adamw"
     # FSDP2's CPU offload (parallel.offload): master shards, their gradients and AdamW's state on the host
@@ -112,14 +112,42 @@ class PlanShape:
         return self.history or self.completion
 
     @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the model (``fsdp`` over 2 or more GPUs; on one it leaves the model whole)."""
+        return self.fsdp and self.gpus > 1
+
+    @property
     def shard_ranks(self) -> int:
-        """The GPUs one parameter is sharded over: all of them, or with ``hsdp`` one dp rank's cp ranks."""
+        """The GPUs one parameter is sharded over: all of them, with ``hsdp`` one dp rank's cp ranks, unsharded 1."""
+        if not self.sharded:
+            return 1
         return self.context_parallel if self.hsdp else self.gpus
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        """An unknown keyword is a TypeError of one line (as a function's), naming the closest field of each."""
+        given = data.kwargs if isinstance(data, ArgsKwargs) else data
+        if not isinstance(given, dict):
+            return data
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = [name for name in given if name not in names]
+        if unknown:
+            meant = {name: repr(name) for name in names} | cls._elsewhere()
+            said = ", ".join(f"{name!r}{_did_you_mean(name, meant)}" for name in unknown)
+            raise TypeError(f"{cls.__name__} got unknown fields {said}")
+        return data
+
+    @classmethod
+    def _elsewhere(cls) -> dict[str, str]:
+        """Settings that are not fields but which an unknown keyword may mean, with how to give them (none here:
+        ``PlanRequest`` names its engine's)."""
+        return {}
 
     @field_validator("model")
     @classmethod
     def _model_file_exists(cls, model: str) -> str:
-        problem = model_file_problem(model)
+        problem = model_file_problem(model) if isinstance(model, str) else None  # (PlanRequest takes a config too)
         if problem is not None:
             raise ValueError(problem)
         return model
@@ -134,12 +162,17 @@ class PlanShape:
                 raise ValueError(f"gpus ({self.gpus}) is not a multiple of {name} ({ranks})")
         if self.cp_rank is not None and self.cp_rank >= self.context_parallel:
             raise ValueError(f"cp_rank ({self.cp_rank}) must be below cp ({self.context_parallel})")
-        if self.hsdp and self.context_parallel == 1:
-            raise ValueError(HSDP_WITHOUT_CP)
-        if self.hsdp and self.data_parallel == 1:
-            raise ValueError(HSDP_WITHOUT_DP)
-        if self.offload and self.gpus == 1:
-            raise ValueError("offload runs through FSDP2 (parallel.fsdp), which shards over 2 or more GPUs")
+        layout = layout_problem(
+            self.data_parallel,
+            self.context_parallel,
+            self.fsdp,
+            self.hsdp,
+            self.offload,
+            self.expert_parallel,
+            self.expert_dispatch,
+        )
+        if layout is not None:
+            raise ValueError(layout)
         if self.turns > 1 and not self.history:
             raise ValueError(f"turns ({self.turns}) describe a history: give history as well")
         if self.history and self.history < self.turns * (self.completion + 1):
@@ -147,11 +180,12 @@ class PlanShape:
                 f"a history of {self.history} tokens cannot hold {self.turns} turns of a tool output and a "
                 f"{self.completion}-token answer (completion) each"
             )
-        if self.expert_dispatch and not self.expert_parallel:
-            raise ValueError("expert_dispatch sends tokens to their experts' ranks: it needs expert_parallel")
-        if self.expert_parallel:
-            if self.context_parallel == 1:
-                raise ValueError("expert parallelism cuts the experts over the cp ranks: it needs cp > 1")
-            if self.data_parallel > 1 and not self.hsdp:
-                raise ValueError("expert parallelism at dp > 1 needs hsdp (each dp rank's MoE calls are its own)")
         return self
+
+
+def _did_you_mean(name: str, meant: dict[str, str]) -> str:
+    """`` (did you mean X?)`` for the setting of ``meant`` closest to ``name`` (and a second nearly as close: ``X or
+    Y``), each given as its value says; nothing when none is close."""
+    scored = sorted(((difflib.SequenceMatcher(None, name, other).ratio(), other) for other in meant), reverse=True)
+    close = [other for score, other in scored[:2] if score >= max(0.5, scored[0][0] - 0.15)]
+    return f" (did you mean {' or '.join(meant[other] for other in close)}?)" if close else ""

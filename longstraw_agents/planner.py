@@ -14,7 +14,9 @@ of their layer pattern, and extrapolates:
 - what does not — one chunk's graph, one branch's graph, the LM head's log-prob tiles and the head's weight gradient —
   is measured on the cut models (peak minus the exact terms) and extrapolated linearly in the number of layer
   periods;
-- weights, gradients and AdamW state are counted from the model's parameters as the trainer holds them
+- weights, gradients and AdamW state are counted from the model's parameters as the trainer holds them (a LoRA
+  policy, ``PlanRequest.lora``: every weight, frozen or not, but gradients and AdamW state for the adapters only, the
+  probes' models carrying the adapters, so that the graphs hold no weight gradient of a frozen weight)
   (``parameter_phases``): shards over all ``dp x cp`` GPUs in the master dtype (fp32 with mixed precision), and what
   the schedule of ``parallel.fsdp`` holds whole at once — at dp = 1 the root unit, the decoder layers a sharded
   capture holds (the cell's and the gathers started as they fall due: cp balanced, 1 + r on rank r in rank order)
@@ -48,14 +50,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict, InstanceOf, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from longstraw_agents.engine import Engine, EngineConfig, LayerInputs, checkpoint_spacing, layer_inputs_spacing
+from longstraw_agents.engine.wavefront import GRADIENT_BUCKET_BYTES
+from longstraw_agents.job import JobSpec, engine_problem
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import adapter_class, state_size
+from longstraw_agents.models.lora import LoraSpec, apply_lora, lora_layers
 from longstraw_agents.models.presets import TINY_PRESETS, glm_5_2_like, qwen3_6_27b_like
 from longstraw_agents.parallel.experts import PlannedExchange
 from longstraw_agents.parallel.fsdp import prefetch_window
@@ -76,23 +81,102 @@ NAMED_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 PER_LAYER_LISTS = ("layer_types", "indexer_types", "mlp_layer_types")
 CONTEXT_SEARCH_LIMIT = 1 << 26  # longest_context tries lengths below this (67M positions)
-# The engine a full-scale step plans with: 4K-token chunks, activation checkpointing (at these sizes a branch's full
-# graph would dominate: see the README) and a GPU's budget for DSA index scores (512 MiB fp32, not a CPU test's 4 MiB)
+# The engine `longstraw plan` assumes without a run config (the published configuration; printed with every plan,
+# as each setting that differs from EngineConfig's defaults): 4K-token chunks, activation checkpointing (at these
+# sizes a branch's full graph would dominate: see the README) and a GPU's budget for DSA index scores (512 MiB fp32,
+# not a CPU test's 4 MiB). A run config's plan (`plan --config`, `PlanRequest.of_job`) takes the run's `engine:`.
 PLAN_ENGINE = EngineConfig(chunk_size=4096, activation_checkpointing=True, max_score_elements=1 << 27)
 
 
-@pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True, strict=True))
+@pydantic_dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True, strict=True, extra="forbid"))
 class PlanRequest(PlanShape):
     """What to plan: a ``PlanShape`` (the step's sizes and how the GPUs split, checked without torch) and the dtype
-    and engine the step runs.
+    and engine the step runs. ``of_job`` makes the request of a job (``JobSpec``: model, parallel, engine, trainer)
+    for a workload's shape and a GPU: what ``longstraw plan --config`` and ``train --check`` plan.
 
     Validated on construction (and by ``dataclasses.replace``) as ``PlanShape`` is, and mixed precision needs a dtype
-    narrower than fp32; a bad value raises pydantic's ``ValidationError``."""
+    narrower than fp32; a bad value raises pydantic's ``ValidationError``, an unknown keyword a ``TypeError`` of one
+    line (an engine setting is named as ``engine=EngineConfig(...)``'s)."""
 
+    # a name of NAMED_MODELS, a transformers config.json (or its folder), or the config itself (a run's model; a
+    # dataclass in transformers 5, taken as an instance rather than validated field by field). (Wider than
+    # PlanShape's str, which has no transformers: sound, the request being frozen.)
+    model: str | InstanceOf[PretrainedConfig] = "qwen3.6-27b"  # type: ignore[assignment]
     dtype: torch.dtype = torch.bfloat16
     # master weights in fp32, compute in ``dtype`` (GRPOConfig.mixed_precision); None: on when ``dtype`` is narrower
     mixed_precision: bool | None = None
     engine: EngineConfig = PLAN_ENGINE  # the engine the step runs (its chunk, checkpoints, walk, graph budget)
+    lora: LoraSpec | None = None  # LoRA adapters train instead of the weights (model.lora)
+
+    @classmethod
+    def of_job(
+        cls,
+        job: JobSpec,
+        model: PretrainedConfig,
+        *,
+        context: int,
+        completion: int,
+        gpu_mem_bytes: int,
+        history: int = 0,
+        turns: int = 1,
+        groups_per_rank: int = 1,
+        cp_rank: int | None = None,
+    ) -> PlanRequest:
+        """The plan of ``job`` — the model of ``model`` (its transformers config, as the run builds it), the job's
+        layout (``parallel``: FSDP2 only where it shards), engine, dtype (``model.dtype``, or the compute dtype of
+        ``trainer.mixed_precision`` over its masters), LoRA adapters, mode, group size, KL weight and AdamW — for a
+        workload's shape
+        (a shared ``context``, each member's ``completion``, or an agent's ``history`` over ``turns``; the groups a dp
+        rank trains per optimizer step) on GPUs of ``gpu_mem_bytes``, ``dp x cp`` of them."""
+        trainer, parallel = job.trainer, job.parallel
+        if trainer.mode == "naive":
+            raise ValueError(
+                "trainer.mode naive builds one graph per member over the whole sequence: the planner plans detached "
+                "and exact modes"
+            )
+        precision = trainer.mixed_precision
+        if precision is not None and job.model.dtype != "float32":
+            raise ValueError(
+                f"the planner plans mixed precision over float32 masters, not model.dtype {job.model.dtype}"
+            )
+        return cls(
+            model=model,
+            context=context,
+            group=trainer.group_size,
+            completion=completion,
+            history=history,
+            turns=turns,
+            gpus=parallel.dp * parallel.cp,
+            gpu_mem_bytes=gpu_mem_bytes,
+            dp=parallel.dp,
+            cp=parallel.cp,
+            fsdp=parallel.fsdp,
+            mode=trainer.mode,
+            optimizer="adamw",
+            offload=parallel.offload,
+            hsdp=parallel.hsdp,
+            expert_parallel=parallel.expert_parallel,
+            expert_dispatch=parallel.expert_dispatch,
+            lora=job.model.lora,
+            beta=trainer.loss.beta,
+            cp_rank=cp_rank,
+            groups_per_rank=groups_per_rank,
+            dtype=getattr(torch, precision.compute_dtype if precision is not None else job.model.dtype),
+            mixed_precision=precision is not None,
+            engine=job.engine,
+        )
+
+    @classmethod
+    def _elsewhere(cls) -> dict[str, str]:
+        """Settings of the engine a misplaced keyword may mean (``engine=EngineConfig(chunk_size=...)``)."""
+        return {name: f"engine=EngineConfig({name}=...)" for name in EngineConfig.model_fields}
+
+    @property
+    def model_name(self) -> str:
+        """The model as a plan names it: its name or path, or a config's own name (its type when it has none)."""
+        if isinstance(self.model, str):
+            return self.model
+        return getattr(self.model, "name_or_path", "") or self.model.model_type
 
     @property
     def sharded_history(self) -> int:
@@ -182,11 +266,11 @@ class PlanRequest(PlanShape):
 
     @property
     def paced_walk(self) -> bool:
-        """Whether exact mode's wavefront walk runs a balanced cut over sharded weights (``walk_events``): every
-        rank recomputes each segment when the first run enters it, so a later run holds its inputs up to
-        ``cp - 1`` layers longer, and a rank keeps each cell's layer gradient until its wave's reduction (up to
-        ``cp - 1`` layers' more)."""
-        return self.wavefront and self.balanced_context and self.context_parallel > 1
+        """Whether exact mode's wavefront walk runs a balanced cut over sharded weights (``walk_events``; over whole
+        weights it is not paced: ``WavefrontWalk.paced``): every rank recomputes each segment when the first run
+        enters it, so a later run holds its inputs up to ``cp - 1`` layers longer, and a rank keeps each cell's layer
+        gradient until its wave's reduction (up to ``cp - 1`` layers' more)."""
+        return self.wavefront and self.balanced_context and self.context_parallel > 1 and self.sharded
 
     def step_capture_cuts(self) -> list[bool]:
         """How the step's sharded captures are cut (balanced or not): the context's, and a member's history's."""
@@ -233,8 +317,9 @@ class PlanRequest(PlanShape):
     def _precision_and_engine_fit(self) -> PlanRequest:
         if self.mixed_precision and _itemsize(self.dtype) >= 4:
             raise ValueError(f"mixed precision computes in a dtype narrower than its fp32 masters, not {self.dtype}")
-        if self.expert_dispatch and not self.engine.sharded_extends:
-            raise ValueError("expert_dispatch shards long extends: it needs EngineConfig(sharded_extends=True)")
+        problem = engine_problem(self.expert_parallel, self.expert_dispatch, self.engine)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -281,13 +366,15 @@ class Plan:
     def table(self) -> str:
         r = self.request
         lines = [
-            f"{r.model}: {r.context:,} positions, G={r.group} x "
+            f"{r.model_name}: {r.context:,} positions, G={r.group} x "
             + (f"{r.history:,}-token histories over {r.turns} turns, " if r.history else f"{r.completion} tokens, ")
             + f"{r.mode}, "
             f"{str(r.dtype).removeprefix('torch.')}, {r.gpus} GPUs x {r.gpu_mem_bytes / 1e9:.0f} GB "
-            f"(dp={r.data_parallel}, cp={r.context_parallel}), optimizer {r.optimizer}"
+            f"(dp={r.data_parallel}, cp={r.context_parallel}{'' if r.sharded or r.gpus == 1 else ', no fsdp'}), "
+            f"optimizer {r.optimizer}"
             + (", offloaded to the host" if r.offload else "")
             + (f", beta={r.beta}" if r.beta else ""),
+            engine_text(r.engine),
             f"{'per GPU':<{CATEGORY_WIDTH + 2}} {'GiB':>9}",
         ]
         lines += [f"  {name:<{CATEGORY_WIDTH}} {value / GIB:>9.2f}" for name, value in self.categories.items()]
@@ -307,6 +394,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def engine_text(engine: EngineConfig) -> str:
+    """The engine a plan plans, as its table prints it: each setting that differs from ``EngineConfig``'s defaults
+    (a run config's ``engine:`` section gives them as written here)."""
+    changed = engine.model_dump(exclude_defaults=True)
+    said = ", ".join(f"{name}={value!r}" for name, value in changed.items())
+    return f"engine: {said} (EngineConfig's defaults otherwise)" if said else "engine: EngineConfig's defaults"
+
+
 def _against(total: int, capacity: int, not_fitting: str = "") -> str:
     """``total`` bytes against a GPU's ``capacity`` as the table prints them: both in GiB to the same two decimals
     (rounding both alike never shows a total that fits above its capacity, nor one that does not below it), the
@@ -324,8 +419,11 @@ def _margin(subtotal: int) -> int:
     return int(MARGIN_FRACTION * subtotal) + MARGIN_FIXED
 
 
-def load_config(model: str) -> PretrainedConfig:
-    """The config of a model named in ``NAMED_MODELS``, or of a transformers ``config.json`` (or a folder with one)."""
+def load_config(model: str | PretrainedConfig) -> PretrainedConfig:
+    """The config of a model named in ``NAMED_MODELS``, or of a transformers ``config.json`` (or a folder with one);
+    a config itself as it is (a run's: ``PlanRequest.of_job``)."""
+    if isinstance(model, PretrainedConfig):
+        return model
     if model in NAMED_MODELS:
         return NAMED_MODELS[model]()
     problem = model_problem(model, NAMED_MODELS)
@@ -373,19 +471,22 @@ def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 # --- one simulated step on the meta device ----------------------------------------------------------------------
 
 
-def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> Any:
-    """A transformers CausalLM of ``config`` on the meta device (no storage)."""
+def meta_model(config: PretrainedConfig, dtype: torch.dtype, lora: LoraSpec | None = None) -> Any:
+    """A transformers CausalLM of ``config`` on the meta device (no storage), with ``lora``'s adapters."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
         )
-    return model.to(dtype)
+    model = model.to(dtype)
+    return apply_lora(model, lora) if lora is not None else model
 
 
 def step_peak(model: Any, request: PlanRequest, prompt_len: int, group: int) -> int:
-    """Peak bytes of one GRPO step of ``request.mode`` (parameter gradients allocated beforehand, not counted)."""
+    """Peak bytes of one GRPO step of ``request.mode`` (the gradients of the parameters that train allocated
+    beforehand, not counted)."""
     for p in model.parameters():
-        p.grad = torch.empty_like(p)
+        if p.requires_grad:
+            p.grad = torch.empty_like(p)
     engine = _engine(model, request)
     ref_engine = _engine(model, request) if request.beta > 0 else None  # same shapes as the policy
     vocab = model.config.vocab_size
@@ -552,6 +653,23 @@ class _Probe:
     capture: int = 0  # a capture's working set beyond its state (``capture_working_set``)
     routed: tuple[int, ...] = ()  # per decoder layer, its routed experts' parameters (a mixture of experts')
     in_layers: tuple[int, ...] = ()  # per decoder layer, its parameters
+    trained: int | None = None  # of ``parameters``, those that train (a LoRA policy's adapters; None: all)
+    trained_root: int | None = None  # of ``root``, those that train
+    trained_layer: int | None = None  # the most that train in one decoder layer
+    head_trains: bool = True  # the LM head's weight takes a gradient (its own, or an adapter's through it)
+
+    @property
+    def gradients(self) -> int:
+        """The parameters that take a gradient and optimizer state."""
+        return self.parameters if self.trained is None else self.trained
+
+    @property
+    def root_gradients(self) -> int:
+        return self.root if self.trained_root is None else self.trained_root
+
+    def layer_gradients(self, request: PlanRequest) -> int:
+        """The most gradient one decoder layer holds whole (``whole_layer``'s gather, all of it trained)."""
+        return self.whole_layer(request)[0] if self.trained_layer is None else self.trained_layer
 
     def whole_layer(self, request: PlanRequest) -> tuple[int, int]:
         """The layer whose parameters are the most at once while it computes, as (what its gather makes whole,
@@ -578,7 +696,7 @@ class _Probe:
 
 def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     """Simulate a step of ``group`` members on ``config`` over two chunks of context, and a capture of them."""
-    model = meta_model(config, request.dtype)
+    model = meta_model(config, request.dtype, request.lora)
     routed = [_routed_experts(layer) for layer in model.model.layers]
     if request.expert_parallel and not any(routed):
         raise ValueError("expert parallelism needs a mixture of experts; the model has no MoE layer (mlp.experts)")
@@ -588,7 +706,16 @@ def probe(config: PretrainedConfig, request: PlanRequest, group: int) -> _Probe:
     capture = capture_working_set(model, request, _probe_prompt(request))
     root = parameters - sum(in_layers)
     layers = len(in_layers)
-    return _Probe(graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers))
+    trained_in = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in model.model.layers]
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    head = model.lm_head
+    head_trains = bool(lora_layers(head)) or head.weight.requires_grad
+    if request.lora is None:  # all trains: the layer's gradient is what its gather makes whole (``whole_layer``)
+        return _Probe(graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers))
+    return _Probe(
+        graphs, parameters, max(in_layers), root, layers, capture, tuple(routed), tuple(in_layers),
+        trained, trained - sum(trained_in), max(trained_in), head_trains,
+    )  # fmt: skip
 
 
 def _routed_experts(layer: Any) -> int:
@@ -626,12 +753,18 @@ def extrapolated(config: PretrainedConfig, request: PlanRequest) -> tuple[_Probe
         scale = (full - n1) / period
         how = f"simulated {n1} and {n2} of {full} layers (period {period}) and extrapolated linearly"
     growth = (
-        _graphs(meta_model(small, request.dtype), request, request.group) - t1.graphs if request.group > pair else 0
+        _graphs(meta_model(small, request.dtype, request.lora), request, request.group) - t1.graphs
+        if request.group > pair
+        else 0
     )
     graphs = int(t1.graphs + (t2.graphs - t1.graphs) * scale) + growth
     parameters = int(t1.parameters + (t2.parameters - t1.parameters) * scale)
+    trained = int(t1.gradients + (t2.gradients - t1.gradients) * scale)
     capture = _capture_extrapolated(config, request, t2.capture, n2, period)
-    probed = _Probe(graphs, parameters, t2.largest_layer, t2.root, full, capture, t2.routed, t2.in_layers)
+    probed = _Probe(
+        graphs, parameters, t2.largest_layer, t2.root, full, capture, t2.routed, t2.in_layers,
+        trained, t2.trained_root, t2.trained_layer, t2.head_trains,
+    )  # fmt: skip
     return probed, how + f"; G={request.group} adds {growth / GIB:.3f} GiB"
 
 
@@ -645,7 +778,7 @@ def _capture_extrapolated(config: PretrainedConfig, request: PlanRequest, at_n2:
     if full <= n2 or request.sharded_extends:
         return at_n2
     at_n3 = capture_working_set(
-        meta_model(with_layers(config, n2 + period), request.dtype), request, _probe_prompt(request)
+        meta_model(with_layers(config, n2 + period), request.dtype, request.lora), request, _probe_prompt(request)
     )
     return int(at_n2 + (at_n3 - at_n2) * (full - n2) / period)
 
@@ -661,6 +794,7 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
     (``_whole_at_once``); and the KL reference (``_reference_weights``). The phases: a capture (no gradient of its
     own) and the backward passes."""
     shard = -(-probed.parameters // request.shard_ranks)
+    trained = -(-probed.gradients // request.shard_ranks)
     master = request.master_itemsize
     adam = request.optimizer == "adamw"
     on_gpu = 0 if request.offload else 1  # offloaded: the shards, their gradients and AdamW's state are the host's
@@ -671,7 +805,7 @@ def parameter_phases(probed: _Probe, request: PlanRequest) -> dict[str, dict[str
             "gathered weights": whole_weights,
             "gradients": -(-gradient_shards // request.shard_ranks) * master * on_gpu,
             "gathered gradients": whole_gradients,
-            "optimizer state": 2 * master * shard * on_gpu if adam else 0,
+            "optimizer state": 2 * master * trained * on_gpu if adam else 0,
             "reference weights": _reference_weights(probed, request),
             "lane buffers (dp > 1)": _lane_buffers(probed, request, phase),
         }
@@ -691,7 +825,7 @@ def _lane_buffers(probed: _Probe, request: PlanRequest, phase: str) -> int:
     of a layer while it lasts, (dp - 1) times at once at worst) comes and goes with the other dp ranks' progress,
     and is not planned; the rows they reduce to it wait on the host (``host_terms``)."""
     dp = request.data_parallel
-    if request.hsdp or dp == 1 or request.gpus == 1 or (phase == BACKWARD and not request.wavefront):
+    if request.hsdp or dp == 1 or not request.sharded or (phase == BACKWARD and not request.wavefront):
         return 0
     window = reductions = request.walk_gathers_ahead
     if request.paced_walk:
@@ -710,18 +844,18 @@ def _reference_weights(probed: _Probe, request: PlanRequest) -> int:
     what the step holds whole in the compute dtype — the root unit (the step gathers a layer at a time: its layers are
     whole only while it scores, never at the policy's peak)."""
     shards = _reference_shards(probed, request)
-    if request.beta == 0 or request.gpus == 1:
+    if request.beta == 0 or not request.sharded:
         return shards
     return shards + probed.root * _itemsize(request.dtype)
 
 
 def _reference_shards(probed: _Probe, request: PlanRequest) -> int:
-    """What a GPU keeps of the KL reference between steps (beta > 0): on one GPU the whole frozen copy; sharded,
+    """What a GPU keeps of the KL reference between steps (beta > 0): unsharded the whole frozen copy; sharded,
     FSDP2 shards it as the policy (``trainer._reference_sharding``): its shards in the compute dtype (frozen, it
     needs no master weights), on the host when offloaded (``host_terms``)."""
     if request.beta == 0:
         return 0
-    if request.gpus == 1:
+    if not request.sharded:
         return probed.parameters * request.master_itemsize
     return 0 if request.offload else _reference_shard(probed, request)
 
@@ -737,58 +871,64 @@ def host_terms(probed: _Probe, request: PlanRequest) -> dict[str, int]:
     over every rank at dp > 1 (``parallel.lanes``), the rows of the gradient each other dp rank reduced to it, summed
     there until the step's end (in one order, whatever the timing)."""
     shard = -(-probed.parameters // request.shard_ranks) * request.master_itemsize
-    lanes = 0 if request.hsdp or request.gpus == 1 else (request.data_parallel - 1) * shard
+    trained = -(-probed.gradients // request.shard_ranks) * request.master_itemsize
+    lanes = 0 if request.hsdp or not request.sharded else (request.data_parallel - 1) * trained
     host = {"other dp ranks' gradient rows": lanes} if lanes else {}
     if not request.offload:
         return host
-    host |= {"weights": shard, "gradients": shard, "optimizer state": 2 * shard if request.optimizer == "adamw" else 0}
+    adam = 2 * trained if request.optimizer == "adamw" else 0
+    host |= {"weights": shard, "gradients": trained, "optimizer state": adam}
     return host | {"reference weights": _reference_shard(probed, request) if request.beta > 0 else 0}
 
 
 def _whole_at_once(probed: _Probe, request: PlanRequest) -> dict[str, tuple[int, int, int]]:
     """Per phase of the step, by the trainer's schedule: the weights and gradients whole at once, and how many
-    parameters' gradient shards are held beside them. One GPU: with mixed precision the compute copy (its gradients
-    handed to the masters as they accumulate). Sharded, a layer at a time (``parallel.fsdp``; at dp > 1 without HSDP
-    each dp rank for itself, ``parallel.lanes``): the root unit (embeddings, final norm, LM head) for the step, its
-    gradient whole until the step ends (so only the decoder layers' gradient shards exist beside it); in a sharded
-    capture over the cp ranks the cell's layer and the gathers started ahead of it
-    (``PlanRequest.capture_layers_whole``; a replicated one gathers each layer as it computes); in the
-    backward passes one layer and its gradient (branch replays;
-    copied to the master dtype before its reduction under mixed precision), or in exact mode's wavefront walk the
-    window's layers and their gradients on their way to the shards (reduced asynchronously, in the master dtype),
-    each with the root's gradient. Under expert parallelism a gather leaves out the routed experts, and a MoE call
-    holds the rank's own experts of the layer in the compute dtype where they are cast (mixed precision, offload),
-    and its backward the copy again, then (the copy freed) the gradient's master copy and the shard's gradient plus
-    it, a stacked weight at a time (counted as gradients; the gradient itself is part of the measured graph). A step
-    starts with no gradient: a capture holds one only after another group's backward in the same step
-    (``groups_per_rank`` > 1)."""
+    parameters' gradient shards are held beside them. Unsharded (one GPU, or no ``fsdp``): with mixed precision the
+    compute copy (its gradients handed to the masters as they accumulate); over cp ranks, exact mode's wavefront walk
+    sums the gradient over them in flat buckets (``GRADIENT_BUCKET_BYTES``), the largest a copy of the gradient's
+    first parameters (counted as gathered gradients). Sharded, a layer at a time
+    (``parallel.fsdp``; at dp > 1 without HSDP each dp rank for itself, ``parallel.lanes``): the root unit
+    (embeddings, final norm, LM head) for the step, its gradient whole until the step ends (so only the decoder
+    layers' gradient shards exist beside it); in a sharded capture over the cp ranks the cell's layer and the
+    gathers started ahead of it (``PlanRequest.capture_layers_whole``; a replicated one gathers each layer as it
+    computes); in the backward passes one layer and its gradient (branch replays; copied to the master dtype before
+    its reduction under mixed precision), or in exact mode's wavefront walk the window's layers and their gradients
+    on their way to the shards (reduced asynchronously, in the master dtype), each with the root's gradient. Under
+    expert parallelism a gather leaves out the routed experts, and a MoE call holds the rank's own experts of the
+    layer in the compute dtype where they are cast (mixed precision, offload), and its backward the copy again, then
+    (the copy freed) the gradient's master copy and the shard's gradient plus it, a stacked weight at a time
+    (counted as gradients; the gradient itself is part of the measured graph). A step starts with no gradient: a
+    capture holds one only after another group's backward in the same step (``groups_per_rank`` > 1)."""
     compute, master = _itemsize(request.dtype), request.master_itemsize
     later = request.groups_per_rank > 1  # a capture after another group's backward, in the same step
-    if request.gpus == 1:
+    if not request.sharded:
         copy = probed.parameters * compute if request.mixed else 0
-        return {CAPTURE: (copy, 0, probed.parameters if later else 0), BACKWARD: (copy, 0, probed.parameters)}
+        # over whole weights the wavefront walk ends summing the parameter gradient over cp, a flat bucket at a time
+        summed = min(probed.gradients * compute, GRADIENT_BUCKET_BYTES) if request.wavefront else 0
+        return {CAPTURE: (copy, 0, probed.gradients if later else 0), BACKWARD: (copy, summed, probed.gradients)}
     layer, experts = probed.whole_layer(request)
+    graded, root_graded = probed.layer_gradients(request), probed.root_gradients  # (a LoRA policy: its adapters')
     # expert parallelism: what a MoE call holds of the rank's own experts beyond what the probe measures (their
     # gradient in the compute dtype, one stacked tensor per projection): their compute copy where they are cast
     # (mixed precision, offload), in forward and again in backward; then their gradient on its way into the shards
     cast = int(_expert_copies(request) * experts * compute)
-    expert_gradient = max(cast, _expert_gradient_into_shards(request, experts))
+    expert_gradient = max(cast, _expert_gradient_into_shards(request, experts) if request.lora is None else 0)
     ahead = _step_layers_whole(request, probed.layers)
     capture = (ahead * layer + probed.root) * compute + cast
     if request.wavefront:
         weights = (_walk_layers_whole(request, probed.layers) * layer + probed.root) * compute + cast
-        in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * layer * master
+        in_flight = min(prefetch_window(request.context_parallel), probed.layers - 1) * graded * master
         if request.paced_walk:  # the gradients a rank keeps until their waves' reductions, and one in flight: under
             # mixed precision a master-dtype copy; otherwise a kept gradient handed over, freed as the reduction
             # completes (every rank posts it once it is done with it; measured: tests/test_planner_distributed.py)
-            kept = min(request.context_parallel - 1, probed.layers - 1) * layer * compute
-            in_flight = kept + (layer * master if request.mixed else 0)
+            kept = min(request.context_parallel - 1, probed.layers - 1) * graded * compute
+            in_flight = kept + (graded * master if request.mixed else 0)
     else:
         weights = (layer + probed.root) * compute
-        in_flight = layer * master if request.mixed else 0
-    gradients = in_flight + (layer + probed.root) * compute + expert_gradient
-    layers_only = probed.parameters - probed.root
-    earlier = (probed.root * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
+        in_flight = graded * master if request.mixed else 0
+    gradients = in_flight + (graded + root_graded) * compute + expert_gradient
+    layers_only = probed.gradients - root_graded
+    earlier = (root_graded * compute, layers_only) if later else (0, 0)  # the root's gradient whole, the layers' shards
     return {CAPTURE: (capture, *earlier), BACKWARD: (weights, gradients, layers_only)}
 
 
@@ -861,6 +1001,7 @@ class _Measured:
     capture: int = 0  # a capture's working set (``capture_working_set``)
     reference: int = 0  # the KL reference's shards kept between steps (``_reference_shards``)
     rollout_lanes: int = 0  # the sampler's capture's lane buffers at dp > 1 (``_lane_buffers``)
+    gradient_shards: int | None = None  # the gradients' shards a GPU keeps (None: as many bytes as its weights')
 
 
 def _measure(request: PlanRequest) -> _Measured:
@@ -878,6 +1019,7 @@ def _measure(request: PlanRequest) -> _Measured:
         probed.capture,
         _reference_shards(probed, request),
         _lane_buffers(probed, request, SAMPLING) if request.sampler_shards else 0,
+        -(-probed.gradients // request.shard_ranks) * request.master_itemsize * (0 if request.offload else 1),
     )
 
 
@@ -886,19 +1028,19 @@ def _never_beside_a_layer(config: PretrainedConfig, probed: _Probe, request: Pla
     before they join the root's gradient: part of the measured graph term) and a decoder layer with its gradient
     are never whole at once — the head's backward ends before any layer's begins — so the backward phase holds the
     larger of the two, not both: the smaller comes off its graph term."""
-    if request.gpus == 1:
+    if not request.sharded or not probed.head_trains:
         return 0
     head = config.vocab_size * config.hidden_size * (4 + _itemsize(request.dtype))
-    return min(head, 2 * probed.whole_layer(request)[0] * _itemsize(request.dtype))
+    return min(head, (probed.whole_layer(request)[0] + probed.layer_gradients(request)) * _itemsize(request.dtype))
 
 
 def _whole_in_rollouts(probed: _Probe, request: PlanRequest) -> tuple[int, int]:
-    """The parameters whole while a rank samples (``Run.sampling_weights``) — on one GPU none (mixed precision: the
+    """The parameters whole while a rank samples (``Run.sampling_weights``) — unsharded none (mixed precision: the
     compute copy); sharded, the root unit and the layers a sharded capture gathers ahead (``prefetch_window``; one
     over one cp rank) — and, in compute-dtype parameters, what the layer computing adds for a moment: the buffer of
     its gather (FSDP2's all-gather output its weights are copied from) or, after it, under expert parallelism the
     MoE's copy of the rank's experts (``_expert_copies``; the layer with the most of either)."""
-    if request.gpus == 1:
+    if not request.sharded:
         return (probed.parameters if request.mixed else 0), 0
     # the prompt's sharded capture gathers ahead, as the step's (``_whole_at_once``)
     layers = _layers_whole(request, probed.layers, request.sampler_shards, request.engine.balanced_captures)
@@ -953,7 +1095,8 @@ def rollout_terms(measured: _Measured, request: PlanRequest) -> dict[str, int]:
     held = math.ceil(request.context / cp) + math.ceil(request.group * request.own_tokens / cp)
     return {
         "weights": parameters["weights"],
-        "gradients": parameters["weights"],  # every shard's, kept until the next step zeroes them
+        # every shard's, kept until the next step zeroes them (a LoRA policy's: its adapters')
+        "gradients": parameters["weights"] if measured.gradient_shards is None else measured.gradient_shards,
         "optimizer state": parameters["optimizer state"],
         "reference weights": measured.reference,  # (its root, whole for a step, resharded after it)
         "gathered weights": whole + max(0, buffer - rows),
@@ -983,13 +1126,19 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
     notes = [
         f"graphs: {measured.how}, 2 chunks of {request.engine.chunk_size} positions on the meta device; they include "
         "the LM head's log-prob tiles and its fp32 weight gradient "
-        f"({logits_bytes(measured.config, request) / GIB:.2f} GiB)",
+        f"({logits_bytes(measured.config, request) / GIB:.2f} GiB; none where the head is frozen)",
         f"context per rank {positions:,} (cp = {request.context_parallel}, taken analytically"
         + ("; the shared context and one member's history, both spread over the ranks" if request.history else "")
         + "); "
         + _sharding_note(request, measured.config.num_hidden_layers),
         _phase_note(peak, sum(categories.values()), other),
     ]
+    if request.lora is not None:
+        lora = request.lora
+        notes.append(
+            f"LoRA r={lora.r} on {lora.target_modules}: gradients and AdamW state for the adapters alone "
+            f"({(measured.gradient_shards or 0) / GIB:.3f} GiB of gradient shards a GPU); every weight kept, frozen"
+        )
     if request.mode == "exact":
         spacing = checkpoint_spacing(measured.config, request.dtype, request.engine)
         notes.append(f"recurrent checkpoints every {spacing} chunks; the state gradient in fp32")
@@ -1002,9 +1151,10 @@ def _plan(request: PlanRequest, measured: _Measured) -> Plan:
 def _sharding_note(request: PlanRequest, layers_in_model: int) -> str:
     master = "fp32 master weights" if request.mixed else f"{str(request.dtype).removeprefix('torch.')} weights"
     adam = f"AdamW state (2 x {request.master_itemsize} B)" if request.optimizer == "adamw" else "no optimizer state"
-    if request.gpus == 1:
+    if not request.sharded:
         copy = ", a compute copy" if request.mixed else ""
-        return f"one GPU: {master}{copy}, their gradients and {adam}"
+        where = "one GPU:" if request.gpus == 1 else "not sharded (no fsdp): every GPU holds the"
+        return f"{where} {master}{copy}, their gradients and {adam}"
     layers = _step_layers_whole(request, layers_in_model)
     if request.wavefront:
         layers = max(layers, _walk_layers_whole(request, layers_in_model))
@@ -1042,7 +1192,8 @@ def expert_parallel_alternative(request: PlanRequest) -> PlanRequest | None:
         return None
     if not is_mixture_of_experts(load_config(request.model)):
         return None
-    return replace(request, expert_parallel=True, offload=True, hsdp=request.hsdp or request.data_parallel > 1)
+    hsdp = request.hsdp or request.data_parallel > 1
+    return replace(request, fsdp=True, expert_parallel=True, offload=True, hsdp=hsdp)
 
 
 def longest_context(request: PlanRequest, low: int = 1024, high: int = CONTEXT_SEARCH_LIMIT) -> tuple[int, Plan]:

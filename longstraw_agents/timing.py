@@ -26,8 +26,11 @@ The work of each phase is counted for one rank from the model's config and the s
 
 A backward pass costs twice its forward in matmuls, the delta rule and elementwise work and 2.5 times in attention
 (the fused backward recomputes the scores: five products to the forward's two); activation checkpointing adds one
-forward. Attention's and the delta rule's backward are classes of their own, each at its own rate (their kernels
-are not their forwards').
+forward. A LoRA policy (``PlanRequest.lora``) adds its adapters' matmuls, and a frozen weight's backward is one
+product (its input's gradient), not two (``ModelWork.backward_products``); gradients are reduced and AdamW steps for
+the adapters alone. (Autograd skips the input gradient of the first layer's input projections too, the embeddings
+being frozen: not counted, a share of about 1 / (3 x layers) of a layer's matmuls.) Attention's and the delta rule's
+backward are classes of their own, each at its own rate (their kernels are not their forwards').
 
 ``HardwareProfile`` turns work into seconds: each class at its own achieved rate (peak x efficiency) plus the host's
 latency per layer call on each path, summed (no overlap: an upper estimate where communication hides behind
@@ -56,6 +59,7 @@ from transformers import PretrainedConfig
 from longstraw_agents.engine import capture_waves, checkpoint_spacing
 from longstraw_agents.models import adapter_class, state_size
 from longstraw_agents.models.base import LayerWork
+from longstraw_agents.models.lora import LoraSpec, lora_layers, transformers_name
 from longstraw_agents.parallel.context import cut_runs
 from longstraw_agents.planner import PlanRequest, load_config, meta_model
 
@@ -108,11 +112,14 @@ class Work:
     def scaled(self, factor: float) -> Work:
         return Work(**{name: getattr(self, name) * factor for name in WORK_CLASSES})
 
-    def backward(self) -> Work:
-        """The backward pass of this forward work (its communication counted by the caller)."""
+    def backward(self, matmul: float = BACKWARD["matmul"]) -> Work:
+        """The backward pass of this forward work (its communication counted by the caller); ``matmul``: the products
+        its matmuls' backward takes per forward one (two: the input's gradient and the weight's; fewer where weights
+        are frozen, ``ModelWork.backward_products``)."""
         work = Work(**{name: getattr(self, name) * BACKWARD[name] for name in WORK_CLASSES})
         return replace(
             work,
+            matmul=self.matmul * matmul,
             attention_backward=2.5 * self.attention + self.attention_backward,
             recurrent_backward=2.0 * self.recurrent + self.recurrent_backward,
         )
@@ -181,30 +188,69 @@ class ModelWork:
     # the share of the routed experts' work a rank does: 1, or 1 / cp under expert parallelism (each rank its own
     # experts on every token; routing assumed even over the experts), whose backward recomputes that share's forward
     experts: float = 1.0
+    # a LoRA policy: the bytes of the parameters that train (of ``weight_bytes``; of ``root_bytes``), the share of
+    # the layers' matmul FLOPs whose weights train, and whether the LM head's weight takes a gradient
+    trained_bytes: float | None = None
+    trained_root_bytes: float | None = None
+    trained_share: float = 1.0
+    head_trains: bool = True
 
     @classmethod
-    def of(cls, config: PretrainedConfig, dtype: torch.dtype) -> ModelWork:
+    def of(cls, config: PretrainedConfig, dtype: torch.dtype, lora: LoraSpec | None = None) -> ModelWork:
         adapter = adapter_class(config)
         itemsize = torch.empty((), dtype=dtype).element_size()
         last = f".layers.{config.num_hidden_layers - 1}."
         state = adapter.state_parameters(config)
-        linear = skipped = outputs = weights = active = root = 0.0
+        linear = skipped = outputs = weights = active = root = trained = trained_root = trained_linear = 0.0
         routed = RoutedWork()
-        for name, p in meta_model(config, dtype).named_parameters():
+        model = meta_model(config, dtype, lora)
+        for name, p in model.named_parameters():
             share = adapter.active_fraction(config, name)
             weights += p.numel() * itemsize
             root += 0.0 if ".layers." in name else p.numel() * itemsize
             active += p.numel() * itemsize * share
+            if p.requires_grad:
+                trained += p.numel() * itemsize
+                trained_root += 0.0 if ".layers." in name else p.numel() * itemsize
             if ".layers." in name and p.dim() >= 2:  # matrices (and the depthwise convolution's kernel)
                 linear += 2.0 * p.numel() * share
+                trained_linear += 2.0 * p.numel() * share if p.requires_grad else 0.0
                 packed_experts = p.dim() == 3 and ".experts." in f".{name}"  # [experts, out, in]
                 outputs += p.shape[1 if packed_experts else 0] * share
-                is_last = last in name and not name.endswith(state)
+                is_last = last in name and not transformers_name(name).endswith(state)
                 if is_last:
                     skipped += 2.0 * p.numel() * share
                 if packed_experts:
                     routed = routed.adding(name, p, share, itemsize, is_last)
-        return cls(config, dtype, linear, skipped, outputs, weights, active, root, routed)
+        if lora is None:
+            return cls(config, dtype, linear, skipped, outputs, weights, active, root, routed)
+        head = model.lm_head
+        return cls(
+            config, dtype, linear, skipped, outputs, weights, active, root, routed,
+            trained_bytes=trained, trained_root_bytes=trained_root, trained_share=trained_linear / linear,
+            head_trains=bool(lora_layers(head)) or head.weight.requires_grad,
+        )  # fmt: skip
+
+    @property
+    def gradient_bytes(self) -> float:
+        """The bytes of the parameters that take a gradient (``weight_bytes``'s, all of them unless LoRA)."""
+        return self.weight_bytes if self.trained_bytes is None else self.trained_bytes
+
+    @property
+    def root_gradient_bytes(self) -> float:
+        return self.root_bytes if self.trained_root_bytes is None else self.trained_root_bytes
+
+    @property
+    def backward_products(self) -> float:
+        """The products the layers' matmuls take in backward per forward one: the input's gradient, and the weight's
+        where it trains (2 when everything trains)."""
+        return 1.0 + self.trained_share
+
+    @property
+    def head_products(self) -> float:
+        """The LM head's products per scored token in a replay: forward, its tiles again in backward, the hidden
+        states' gradient, and its weight's where it trains."""
+        return 4.0 if self.head_trains else 3.0
 
     @property
     def layers(self) -> int:
@@ -322,8 +368,8 @@ def step_work(request: PlanRequest, model: ModelWork | None = None, rollout: boo
     reference model's log-probs when ``beta > 0``), ``capture``, ``replay`` (each member's branch forward and
     backward), in exact mode ``walk`` (the reverse walk over the prefix), and with an optimizer ``optimizer`` (its
     step over the rank's shard, once per optimizer step)."""
-    model = model or ModelWork.of(load_config(request.model), request.dtype)
-    schedule = Schedule(request, model)
+    model = model or ModelWork.of(load_config(request.model), request.dtype, request.lora)
+    schedule = Schedule(request, model, sharded=request.sharded)
     phases = {"rollout": schedule.rollout()} if rollout else {}
     if request.beta > 0:
         phases["scoring"] = schedule.scoring()
@@ -424,8 +470,9 @@ class Schedule:
     def _layer_reductions(self) -> Work:
         """A backward pass's reductions of the decoder layers' gradient; under expert parallelism the routed
         experts' gradient goes into the rank's shards where it is (to the host where they are offloaded)."""
-        if not self.request.expert_parallel:
-            return self._reduced(self.model.layer_bytes)
+        layers = self.model.gradient_bytes - self.model.root_gradient_bytes  # (a LoRA policy: its adapters')
+        if not self.request.expert_parallel or self.model.trained_bytes is not None:  # (LoRA: the experts frozen)
+            return self._reduced(layers)
         experts = self.model.routed.weight_bytes / self.model.dtype.itemsize * self.request.master_itemsize
         return self._reduced(self._gathered_layer_bytes) + self._host_copy(experts)
 
@@ -580,7 +627,8 @@ class Schedule:
         request = self.request
         forward = self._extend(request.completion)
         forwards = 2.0 if request.engine.activation_checkpointing else 1.0
-        member = forward.scaled(forwards) + forward.backward() + self.model.head(request.completion).scaled(4.0)
+        head = self.model.head(request.completion).scaled(self.model.head_products)
+        member = forward.scaled(forwards) + forward.backward(self.model.backward_products) + head
         member = member + self._merges(request.completion).scaled(2.0)  # the queries' gradient, all-reduced
         member = member + self._expert_sums(request.completion, forwards=0.0, backwards=1.0)
         member = member + self.model.routed_recompute(request.completion)
@@ -589,10 +637,10 @@ class Schedule:
         if self.sharded and self.ranks > 1:
             # each layer's gradient reduced as its backward ends; the root's (whole for the step) at the end
             per_member_gathers = per_member_gathers + self._layer_reductions()
-            step = self._reduced(self.model.root_bytes)
+            step = self._reduced(self.model.root_gradient_bytes)
         if self.sharded and self.request.hsdp and request.data_parallel > 1:  # the replicas' gradient shards summed
             dp = request.data_parallel
-            step = step + Work(comm=2 * (dp - 1) / dp * self.model.weight_bytes / self.ranks)
+            step = step + Work(comm=2 * (dp - 1) / dp * self.model.gradient_bytes / self.ranks)
         return (member + per_member_gathers).scaled(request.group) + step
 
     def walk(self) -> Work:
@@ -612,7 +660,9 @@ class Schedule:
             weights = self._gathers(1 + waves) + self._layer_reductions().scaled(waves)
         else:
             recompute = self.model.chunked(0, self.captured, chunk)  # every layer whole (its hidden states too)
-            backward = self.model.chunked(0, self.captured, chunk, entries_only=True).backward()  # what feeds the state
+            backward = self.model.chunked(0, self.captured, chunk, entries_only=True).backward(
+                self.model.backward_products
+            )  # what feeds the state
             backward = backward + self.model.routed_recompute(self.captured, entries_only=True)
             received = self.first  # (the state gradient broadcast from its owners, as counted before the last rank)
             weights = (self._gathers(2) + self._layer_reductions()).scaled(self._chunks)
@@ -627,7 +677,8 @@ class Schedule:
                 merged = self._merges(self.captured).scaled(2.0) + self._expert_sums(self.captured + recomputed)
                 merged = merged + self._expert_sums(self.captured, forwards=0.0, backwards=1.0, entries_only=True)
         if self.cp > 1 and not (self.sharded and self.ranks > 1):  # the walk's gradient all-reduced over cp, fp32
-            weights = Work(comm=self.model.weight_bytes / self.model.dtype.itemsize * 4 * 2 * (self.cp - 1) / self.cp)
+            gradient = self.model.gradient_bytes / self.model.dtype.itemsize
+            weights = Work(comm=gradient * 4 * 2 * (self.cp - 1) / self.cp)
         return recompute + backward + state_gradient + merged + weights
 
     def _walked_rank(self) -> tuple[Work, Work, int]:
@@ -639,7 +690,9 @@ class Schedule:
         for rank in range(self.cp):
             mine = [(lo, hi) for lo, hi, owner in cut if owner == rank]
             recompute = total(self.model.chunked(lo, hi, chunk) for lo, hi in mine)
-            backward = total(self.model.chunked(lo, hi, chunk, entries_only=True) for lo, hi in mine).backward()
+            backward = total(self.model.chunked(lo, hi, chunk, entries_only=True) for lo, hi in mine).backward(
+                self.model.backward_products
+            )
             backward = backward + self.model.routed_recompute(sum(hi - lo for lo, hi in mine), entries_only=True)
             held, received = 0, 0
             for lo, hi in mine:
@@ -652,7 +705,7 @@ class Schedule:
         """AdamW's step over the rank's shard of the parameters (all of them unsharded): each parameter, its
         gradient and its two moments read and three of them written, in the master dtype — device memory, or with
         ``offload`` host memory (FSDP2's CPU offload steps there)."""
-        parameters = self.model.weight_bytes / self.model.dtype.itemsize
+        parameters = self.model.gradient_bytes / self.model.dtype.itemsize  # (those that train)
         if self.sharded:
             parameters /= self.ranks
         nbytes = 7 * parameters * self.request.master_itemsize

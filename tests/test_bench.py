@@ -659,3 +659,24 @@ def test_timing_bench_cp_sets_each_phase_share_beside_the_model(tmp_path: Path) 
     assert sum(p["modelled_share"] for p in phases.values()) == pytest.approx(1.0)
     assert all(p["modelled_s"] > 0 for p in phases.values()) and phases["capture"]["comm_s"] > 0
     assert "dense    2 walk" in stdout
+
+
+def test_demo_bench_reads_a_finished_demo_run_and_refuses_an_unfinished_one(tmp_path: Path) -> None:
+    """bench/demo.py takes README's demo figures from the run's metrics: the warm start, the held-out rewards before
+    and after GRPO, the steps between."""
+    from bench.demo import run_figures
+    from longstraw_agents.app.records import EvalRecord, WarmStartRecord
+
+    warm_start = WarmStartRecord(episodes=512, steps=700, loss_first=7.5, loss_last=0.002, seconds=300.0)
+    before = EvalRecord(step=0, reward_mean=0.25, episodes=128, policy_version=0)
+    after = EvalRecord(step=2, reward_mean=0.75, episodes=128, policy_version=2)
+    steps = [json.dumps({"phase": "grpo", "step": k}) for k in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join([warm_start.to_json(), before.to_json(), *steps]) + "\n")
+    with pytest.raises(ValueError, match="not a finished demo run"):
+        run_figures(tmp_path)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(after.to_json() + "\n")
+    figures = run_figures(tmp_path)
+    assert figures["warm_start"] == {"steps": 700, "loss_first": 7.5, "loss_last": 0.002, "seconds": 300.0}
+    assert (figures["reward_before"], figures["reward_after"], figures["rise"]) == (0.25, 0.75, 0.5)
+    assert figures["grpo_steps"] == 2 and figures["eval_episodes"] == 128

@@ -656,3 +656,68 @@ def test_serving_the_policy_is_offered_only_for_a_step_that_fits() -> None:
     assert step_fits[-1].endswith("does NOT fit: serve the policy instead (policy.served)")
     neither = planner.Plan(request, {"weights": 20 * 2**30}, rollout=rollouts_over).table().splitlines()
     assert neither[-1].endswith("does NOT fit") and "serve the policy" not in "\n".join(neither)
+
+
+LORA = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+
+
+def measured_lora_peak(family: str, mode: str, group: int, context: int) -> int:
+    """As ``measured_peak``, for a LoRA policy: only the adapters have gradients (allocated beforehand)."""
+    from longstraw_agents.models.lora import LoraSpec, apply_lora
+
+    config = TINY_PRESETS[family](layers=LAYERS[family])
+    model = apply_lora(build_model(config, dtype=torch.float32), LoraSpec(**LORA))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, config.vocab_size, context)
+    completions = [rng.integers(0, config.vocab_size, COMPLETION) for _ in range(group)]
+    engine = Engine(model, EngineConfig(chunk_size=CHUNK))
+    peak = grpo_backward(engine, prompt, completions, [float(k % 2) for k in range(group)], mode, track_memory=True)
+    assert peak.peak_bytes is not None
+    return peak.peak_bytes
+
+
+def test_a_lora_policys_planned_peak_is_within_ten_percent_of_the_measured_one() -> None:
+    """The probes carry the adapters: a frozen weight's backward holds no weight gradient (the LM head's fp32 one
+    included), which the planned graph must not count either."""
+    from longstraw_agents.models.lora import LoraSpec
+
+    family, mode, group, context = "llama", "exact", 2, 512
+    request = PlanRequest(
+        model=f"test-{family}", context=context, group=group, completion=COMPLETION, gpus=1, mode=mode,
+        dtype=torch.float32, optimizer="none", engine=EngineConfig(chunk_size=CHUNK), lora=LoraSpec(**LORA),
+    )  # fmt: skip
+    plan = plan_memory(request)
+    planned = sum(v for k, v in plan.categories.items() if k not in STATIC)
+    measured = measured_lora_peak(family, mode, group, context)
+    assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
+    assert any(note.startswith("LoRA r=4") for note in plan.notes)
+
+
+def test_a_lora_policy_plans_gradients_and_adamw_state_for_its_adapters_only() -> None:
+    """Every weight is kept (frozen, in its shard); the gradients, their shards and AdamW's moments are the
+    adapters' (the third case of the schedule test above, with 800 of the 8,000 parameters training, 80 at most
+    in a layer, none in the root)."""
+    from longstraw_agents.models.lora import LoraSpec
+
+    probe = dataclasses.replace(PROBE, trained=800, trained_root=0, trained_layer=80, head_trains=False)
+    request = PlanRequest(gpus=8, mode="detached", mixed_precision=False, dtype=torch.bfloat16, lora=LoraSpec())
+    assert parameter_phases(probe, request)["backward"] == {
+        "weights": 2_000, "optimizer state": 2 * 2 * 100, "reference weights": 0, **NO_LANES,
+        "gathered weights": (700 + 1_000) * 2, "gathered gradients": (80 + 0) * 2, "gradients": 800 // 8 * 2,
+    }  # fmt: skip
+
+
+def test_a_lora_probe_counts_the_adapters_that_train() -> None:
+    from longstraw_agents.models.lora import LoraSpec
+
+    config = load_config("test-llama")
+    model = planner.meta_model(config, torch.float32, LoraSpec(**LORA))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    h, mlp, r = config.hidden_size, config.intermediate_size, LORA["r"]
+    kv = config.num_key_value_heads * h // config.num_attention_heads
+    # r x (in + out) for each of q, k, v, o, gate, up, down: A, then B
+    per_layer = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + mlp) + (mlp + h))
+    assert trained == config.num_hidden_layers * per_layer and not model.lm_head.weight.requires_grad

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -38,6 +39,22 @@ def test_readme_names_the_two_commands_and_every_cli_subcommand() -> None:
     subcommands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps them here
     for name in subcommands:
         assert f"longstraw {name}" in README, name
+
+
+def test_readme_quotes_the_demo_figures_that_bench_demo_measured() -> None:
+    """README's demo table is bench/results/demo.json (`python -m bench.demo`, which runs `make demo` itself), and
+    each run it quotes met the demo's target."""
+    results = json.loads((ROOT / "bench" / "results" / "demo.json").read_text())
+    assert sorted(results["runs"]) == ["1", "2"]
+    for threads, run in results["runs"].items():
+        assert run["command"] == f"make demo THREADS={threads}" and run["date"] in README
+        [row] = [line for line in README.splitlines() if line.startswith(f"| `{run['command']}` |")]
+        loss = run["warm_start"]
+        assert f"| {loss['loss_first']:.3f} → {loss['loss_last']:.3f} |" in row
+        assert f"{run['reward_before']:.3f} → {run['reward_after']:.3f} ({run['rise']:+.2f})" in row
+        assert f"| {run['cpu_minutes']:.1f} min | {run['wall_minutes']:.1f} min |" in row
+        target = results["target"]
+        assert run["rise"] >= target["rise"] and run["cpu_minutes"] <= target["cpu_minutes"] and run["meets_target"]
 
 
 def test_readme_has_no_unfilled_template_fields() -> None:

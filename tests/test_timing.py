@@ -569,3 +569,22 @@ def test_a_balanced_cut_evens_every_ranks_capture_work_and_state(published_hybri
     # the time model charges the capture's slowest rank: the balanced one unless its layer inputs are kept
     slowest = max(share.work.flops for share in schedule.rank_captures(balanced=True))
     assert schedule.capture().flops == pytest.approx(slowest)
+
+
+@pytest.mark.parametrize("step", ["detached", "exact"])
+def test_a_lora_policys_flops_match_torchs_count(step):
+    """A LoRA policy: its adapters' matmuls added, a frozen weight's backward one product (its input's gradient),
+    the frozen LM head's three: within 5 % of torch's count of the real step (the model leaves the first layer's
+    input projections their input gradient, which autograd skips under frozen embeddings: 4 % of this 2-layer model's
+    exact step, a share of about 1 / (3 x layers)); counted as a full model's, the step would be 14-17 % over."""
+    from longstraw_agents.models.lora import LoraSpec, apply_lora
+
+    lora = LoraSpec(r=4, target_modules="all-linear")
+    config, model, engine, prompt, completions = _step_inputs("llama")
+    engine = Engine(apply_lora(model, lora), EngineConfig(chunk_size=CHUNK))
+    counted, _ = _counted(lambda: grpo_backward(engine, prompt, completions, [0.0, 1.0, 0.5], step))
+    request = replace(_request("llama", step), lora=lora)
+    phases = step_work(request, ModelWork.of(config, torch.float32, lora), rollout=False).phases
+    assert counted == pytest.approx(_modelled(phases, STEPS[step]).flops, rel=0.05)
+    full = step_work(_request("llama", step), ModelWork.of(config, torch.float32), rollout=False).phases
+    assert _modelled(full, STEPS[step]).flops > 1.1 * counted

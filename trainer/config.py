@@ -114,7 +114,12 @@ class GRPOConfig(BaseModel):
         8, ge=1, description="G: completions per prompt; GRPOTrainer.group_from_completions checks it"
     )
     mode: ModeName = Field("exact", description="naive | detached | exact (see longstraw_agents.trainer.modes)")
-    chunk_size: int = Field(512, ge=1, description="tokens per prefill chunk (bounds activation memory)")
+    chunk_size: int = Field(
+        512,
+        ge=1,
+        description="tokens per prefill chunk (bounds activation memory): the engine's (a run config sets it as "
+        "engine.chunk_size, which this follows)",
+    )
     loss: LossConfig = Field(default_factory=LossConfig, description="the GRPO objective")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW, warmup and clipping")
     track_memory: bool = Field(False, description="record peak live tensor bytes per step (slower)")

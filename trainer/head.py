@@ -5,25 +5,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from longstraw_agents.engine import Engine
 from longstraw_agents.logprobs import DEFAULT_TILE_ELEMENTS, head_logprobs
+from longstraw_agents.models.lora import base_module, effective_weight
 
 
 @dataclass(frozen=True)
 class Head:
-    """An LM head's weight ``[V, H]`` (and bias) with the tile budget of its log-probs."""
+    """An LM head (its weight ``[V, H]`` and bias, read at each call: a LoRA adapter's included) with the tile budget
+    of its log-probs."""
 
-    weight: Tensor
-    bias: Tensor | None = None
+    module: nn.Module
     max_tile_elements: int = DEFAULT_TILE_ELEMENTS
 
     @classmethod
     def of(cls, engine: Engine, max_tile_elements: int = DEFAULT_TILE_ELEMENTS) -> Head:
-        module = engine.adapter.model.lm_head
-        return cls(module.weight, getattr(module, "bias", None), max_tile_elements)
+        return cls(engine.adapter.model.lm_head, max_tile_elements)
 
     def logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
         """``log_softmax(head(hidden) / temperature)[target]`` per row ``[n]``, in at least fp32."""
-        return head_logprobs(hidden, self.weight, targets, self.bias, temperature, self.max_tile_elements)
+        weight, bias = effective_weight(self.module), getattr(base_module(self.module), "bias", None)
+        return head_logprobs(hidden, weight, targets, bias, temperature, self.max_tile_elements)

@@ -33,6 +33,7 @@ from torch import nn
 
 from longstraw_agents.engine import Engine, EngineConfig, LayerWeights, StateShards
 from longstraw_agents.memory import host_placement
+from longstraw_agents.models.lora import check_exact, check_same_settings, lora_settings, trainable
 from longstraw_agents.parallel import ParallelMesh
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
 from longstraw_agents.parallel.experts import experts_sharded
@@ -57,6 +58,7 @@ TRAINER_STATE = "trainer_state.json"
 OWNERSHIP_STATE = "ownership_{}.json"  # per process: where its cp group places the next pieces (context parallelism)
 SAVED_FILES = "files"  # trainer_state.json's listing of every file the save wrote, with its size in bytes
 NAMED_AT_MOST = 3  # files an incomplete checkpoint's message names before counting the rest
+LORA_STATE = "lora"  # trainer_state.json's record of the policy's LoRA adapters (None: trained whole)
 
 
 class IncompleteCheckpoint(FileNotFoundError):
@@ -109,8 +111,15 @@ class GRPOTrainer:
         engine_config = self._engine_config(model)
         module = model.model if isinstance(model, Engine) else model
         optim = self.config.optim
+        if self.config.mode == "exact":
+            check_exact(module)
+        # the parameters that train: a LoRA policy's adapters (its frozen weights get no gradient and no state)
         optimizer = torch.optim.AdamW(
-            module.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+            trainable(module.parameters()),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
         )
         warmup = optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
@@ -346,6 +355,7 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()
         if main:  # every process's files are written (the barrier): list them, so that a load can check them
             state = {**self.counters.state_dict(), "config": self.config.model_dump(mode="json")}
+            state[LORA_STATE] = lora_settings(self.accelerator.unwrap_model(self.model))
             (tmp / TRAINER_STATE).write_text(json.dumps({**state, SAVED_FILES: _file_sizes(tmp)}, indent=2))
             old = final.with_name(final.name + ".old")
             if final.exists():
@@ -360,6 +370,7 @@ class GRPOTrainer:
         """Restore a checkpoint written on any mesh (DCP reshards the model and optimizer state to this one's)."""
         path = self.resolve_checkpoint(directory)
         self.check_complete(path)
+        check_same_settings(self.checkpoint_info(path).get(LORA_STATE), self.accelerator.unwrap_model(self.model))
         self.accelerator.load_state(str(path))
         load_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, path)
         self._load_ownership(path)

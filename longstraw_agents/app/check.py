@@ -7,8 +7,9 @@ every failure is reported, as a line that names the setting, not only the first:
 - ``tokenizer``: loads it (the shipped BPE, or a local directory's files) and checks the chat tokens;
 - ``env``: makes one environment of ``env.id`` (a registered id, or ``module:Id``) and ``env.kwargs``;
 - ``model``: reads ``model.path``'s ``config.json`` (or builds the preset's config): a supported family, a
-  vocabulary that covers the tokenizer's ids, a weights file beside it (not read); the first task's prompt fits the
-  context;
+  vocabulary that covers the tokenizer's ids, a weights file beside it (not read), ``model.lora``'s adapters on the
+  model (injected on the meta device: a target that matches nothing, or that the engine cannot train); the first
+  task's prompt fits the context;
 - ``output_dir``: a new run must not find a run there, ``--resume`` must find one;
 - ``parallel``: ``dp * cp`` is the number of processes this one was launched with (1 without a launcher: run the
   check under the run's ``torchrun`` command to check a distributed layout) and the in-node groups fit its nodes, as
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from longstraw_agents.app.config import (
     ConfigError,
+    ModelSpec,
     ServedPolicySpec,
     TrainConfig,
     check_env,
@@ -126,7 +128,29 @@ def _check_model_source(
             f"model.path: {spec.path} has a config.json but no weights ({' or '.join(WEIGHT_FILES[:2])})"
         )
     report.fact("model", _model_text(config, model_config))
+    if spec.lora is not None:
+        trained = _attempt(report, lambda: lora_parameters(spec, model_config))
+        if trained is not False:
+            report.fact("lora", f"r={spec.lora.r}, alpha {spec.lora.alpha:g}: {trained:,} parameters train")
     return model_config
+
+
+def lora_parameters(spec: ModelSpec, model_config: PretrainedConfig) -> int:
+    """The parameters ``spec.lora``'s adapters add to the model (built on the meta device: no weights), which are
+    those that train; ``ConfigError`` for targets the engine cannot train."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longstraw_agents.models.lora import LoraTargetError, apply_lora
+
+    assert spec.lora is not None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    try:
+        apply_lora(model, spec.lora)
+    except LoraTargetError as err:
+        raise ConfigError(str(err)) from None
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def check_prompt_fits(config: TrainConfig, model_config: PretrainedConfig, tokenizer: Tokenizer) -> None:

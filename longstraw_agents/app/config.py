@@ -27,17 +27,16 @@ from pydantic_core import InitErrorDetails
 
 from longstraw_agents.app.reporting import TrackerName, install_command, missing_trackers
 from longstraw_agents.app.seeds import TASK_STEP_STRIDE
-from longstraw_agents.parallel.fsdp import HSDP_WITHOUT_CP, HSDP_WITHOUT_DP
+from longstraw_agents.job import JobSpec
+from longstraw_agents.job import ModelSpec as ModelSpec  # (the run config's sections, where they were)
+from longstraw_agents.layout import ParallelSpec as ParallelSpec
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.trainer import GRPOConfig
 from longstraw_agents.trainer.sft import SFTConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from longstraw_agents.tokenizer import Tokenizer
-
-DEFAULT_PRESET = "llama"
 
 
 class ConfigError(ValueError):
@@ -50,36 +49,6 @@ class EnvSpec(BaseModel):
 
     id: str = Field(description="a registered environment id, e.g. LongStraw/Calculator-v0")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to gymnasium.make")
-
-
-class ModelSpec(BaseModel):
-    """A tiny preset built from scratch, or a local transformers checkpoint directory."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    preset: Literal["llama", "qwen3", "qwen3_5", "glm_moe_dsa"] | None = Field(
-        None, description=f"tiny preset ({DEFAULT_PRESET} when neither preset nor path is given)"
-    )
-    path: str | None = Field(None, description="local HF model directory (instead of a preset)")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="preset arguments, e.g. hidden, layers")
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
-    max_context: int | None = Field(None, ge=16, description="context limit (default: the config's)")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_preset(cls, data: Any) -> Any:
-        # The default source is the preset only when no path is given: `model: {path: DIR}` alone is complete.
-        if isinstance(data, dict) and "preset" not in data and data.get("path") is None:
-            return {**data, "preset": DEFAULT_PRESET}
-        return data
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSpec:
-        if (self.preset is None) == (self.path is None):
-            raise ValueError("give exactly one of model.preset and model.path")
-        if self.path is not None and self.overrides:
-            raise ValueError("model.overrides are preset arguments; a model.path is used as saved")
-        return self
 
 
 class WeightSyncSpec(BaseModel):
@@ -139,122 +108,16 @@ class WarmStartSpec(BaseModel):
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
 
-class ParallelSpec(BaseModel):
-    """How the run spreads over the processes of ``torchrun`` / ``accelerate launch`` (``dp * cp`` must equal
-    their number, ``WORLD_SIZE``; checked when the run starts)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    dp: int = Field(1, ge=1, description="data-parallel ranks: each rolls out and trains on its share of the groups")
-    cp: int = Field(1, ge=1, description="context-parallel ranks per dp rank: they shard one prompt's state")
-    fsdp: bool = Field(
-        False, description="shard parameters, gradients and optimizer state over every rank, dp x cp (FSDP2)"
-    )
-    hsdp: bool = Field(
-        False,
-        description="with fsdp: shard over each dp rank's cp ranks and replicate over dp (FSDP2's hybrid sharding). "
-        "Each GPU holds 1/cp of the model, gradients and optimizer state instead of 1/(dp x cp), and in exchange a "
-        "gather spans a dp rank's cp ranks only (without it each dp rank gathers a layer at a time on a communicator "
-        "of its own over every rank, which the other dp ranks serve: parallel.lanes); see `longstraw plan --hsdp`",
-    )
-    offload: bool = Field(
-        False,
-        description="with fsdp: FSDP2's CPU offload — the master shards, their gradients and AdamW's state live on "
-        "the host and AdamW steps there; each layer's gradient shard is copied to the host as its reduction "
-        "completes, and a gather copies the shards to the GPU first (see `longstraw plan --offload`)",
-    )
-    expert_parallel: bool = Field(
-        False,
-        description="with fsdp and cp > 1 (dp = 1, or hsdp): each cp rank holds whole experts of every MoE layer "
-        "(glm_moe_dsa; the expert count a multiple of cp), computes them and never gathers the others'; every "
-        "extend is then computed replicated (each rank's experts' share of each token, added over the ranks), and "
-        "exact mode walks replicated (parallel.experts)",
-    )
-    expert_dispatch: bool = Field(
-        False,
-        description="with expert_parallel: compute long extends (the prompt's capture) sharded, each rank its own "
-        "chunks, every MoE call a round of all-to-alls that sends each token to the ranks holding its experts and "
-        "brings their outputs back (exact mode still walks replicated; `longstraw plan --expert-dispatch`); see "
-        "docs/distributed.md",
-    )
-    wavefront_walk: bool = Field(
-        True,
-        description="exact mode with cp > 1: keep layer inputs and walk the context sharded (False: every cp rank "
-        "recomputes every chunk, keeping no layer inputs; see docs/distributed.md and `longstraw plan --walk`)",
-    )
-    balanced_captures: bool = Field(
-        True,
-        description="cp > 1: cut a capture so that every rank's attention work is even (rank r the r-th and the "
-        "(2cp - 1 - r)-th of 2cp parts; with fsdp each layer is gathered once per wave of runs, cp layers whole on "
-        "every rank), and exact mode's wavefront walk walks that cut (with fsdp a rank then holds up to cp - 1 more "
-        "layers' recomputed inputs and gradients); False: in rank order (EngineConfig.balanced_captures; "
-        "`longstraw plan --capture`)",
-    )
-    sharded_extend_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="cp > 1: an extend of at least this many tokens (a long tool output, a member's long history) "
-        "is computed sharded like a capture even when shorter than the context before it "
-        "(EngineConfig.sharded_extend_tokens; None: only extends at least as long as their context)",
-    )
-    host_staged_messages: bool = Field(
-        False,
-        description="cp > 1 on GPUs: stage the point-to-point messages of a sharded capture and of exact mode's "
-        "wavefront walk through host memory and send them "
-        "over gloo (matched by tag), instead of device to device over NCCL (matched in posting order, which the "
-        "schedule keeps: parallel.discipline checks it on CPU). On CPUs both are the same messages",
-    )
-    timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="seconds the processes of every node wait for each other to join, and a process may go without "
-        "a heartbeat before the others take it for dead (its node lost or unreachable) and stop with a RankFailure "
-        "naming it; a slow process that still beats is waited for (parallel.collective_timeout_s)",
-    )
-    heartbeat_s: float | None = Field(
-        None,
-        gt=0,
-        description="seconds between a process's heartbeats: a thread beside training adds one to its counter in the "
-        "job's store and reads the other processes' (at most half of timeout_s; default a quarter of it, at most 5)",
-    )
-    collective_timeout_s: float = Field(
-        1800.0,
-        gt=0,
-        description="seconds a collective waits while every process sends its heartbeat: longer than a healthy run's "
-        "longest gap between collectives (a rollout's slow tool calls, a checkpoint); only a rank that hangs without "
-        "dying reaches it (torch's own default on gloo)",
-    )
-    across_nodes: Literal["dp", "cp"] = Field(
-        "dp",
-        description="on several nodes, the mesh dimension that spans them; the other's groups stay inside a node. dp "
-        "(default): a dp rank's cp ranks share a node, whose links carry their every-layer messages",
-    )
-
-    @property
-    def heartbeat_every_s(self) -> float:
-        """``heartbeat_s``, or its default."""
-        return self.heartbeat_s if self.heartbeat_s is not None else min(self.timeout_s / 4, 5.0)
-
-    @model_validator(mode="after")
-    def _two_heartbeats_within_the_timeout(self) -> ParallelSpec:
-        if self.heartbeat_s is not None and 2 * self.heartbeat_s > self.timeout_s:
-            raise ValueError(
-                f"heartbeat_s ({self.heartbeat_s:g}) must be at most half of timeout_s ({self.timeout_s:g}): a process "
-                "is taken for dead after timeout_s without a heartbeat, so one late beat must not be enough"
-            )
-        return self
-
-
-class TrainConfig(BaseModel):
-    """``longstraw train CONFIG`` (YAML or TOML, validated here).
+class TrainConfig(JobSpec):
+    """``longstraw train CONFIG`` (YAML or TOML, validated here): the job (``JobSpec``: ``model``, ``parallel``,
+    ``engine``, ``trainer``) with its environments, sampling, output and seeds.
 
     Its own fields are strict (``steps: "3"`` is an error, not 3); ``load_config`` refuses strings for numbers in
-    the nested parts (trainer, sampling, warm start) as well."""
+    the nested parts (engine, trainer, sampling, warm start) as well."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     env: EnvSpec
-    model: ModelSpec = Field(default_factory=ModelSpec)
     tokenizer: str = Field("longstraw-bpe", description="'longstraw-bpe' or a local HF tokenizer directory")
     policy: PolicySpec = Field(default_factory=PolicySpec)
     groups_per_step: int = Field(4, ge=1, le=TASK_STEP_STRIDE, description="GRPO groups (tasks) per optimizer step")
@@ -265,7 +128,6 @@ class TrainConfig(BaseModel):
         "its own weights, the synchronous loop's run); None: the synchronous loop",
     )
     steps: int = Field(20, ge=0, description="optimizer steps")
-    trainer: GRPOConfig = Field(default_factory=GRPOConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     warm_start: WarmStartSpec | None = None
     output_dir: str = Field("runs/train", description="run directory")
@@ -273,7 +135,6 @@ class TrainConfig(BaseModel):
     eval_episodes: int = Field(0, ge=0, description="held-out episodes scored before GRPO and after the last step")
     seed: int = Field(0, description="the run's seed: every task seed and sampling seed derives from it")
     progress: bool = True
-    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     report_to: list[TrackerName] = Field(
         default_factory=list,
         description="experiment trackers that also get the metrics.jsonl records (accelerate's): tensorboard, wandb, "
@@ -313,53 +174,6 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"parallel.dp ({self.parallel.dp}) data-parallel ranks split groups_per_step ({self.groups_per_step}) "
                 "groups: each rank needs at least one; raise groups_per_step or lower parallel.dp"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _mixed_precision_over_wider_masters(self) -> TrainConfig:
-        precision = self.trainer.mixed_precision
-        if precision is None:
-            return self
-        if precision.compute_dtype == self.model.dtype:
-            raise ValueError(
-                f"trainer.mixed_precision computes in {precision.compute_dtype}, model.dtype's own: the model's dtype "
-                "is the master weights' (float32 for a bfloat16 run)"
-            )
-        if self.parallel.cp > 1 and not self.parallel.fsdp:
-            raise ValueError("trainer.mixed_precision with parallel.cp > 1 needs parallel.fsdp: true")
-        return self
-
-    @model_validator(mode="after")
-    def _hsdp_and_offload_are_ways_of_sharding(self) -> TrainConfig:
-        if self.parallel.hsdp and not self.parallel.fsdp:
-            raise ValueError("parallel.hsdp shards the model over each dp rank's cp ranks: it needs parallel.fsdp")
-        if self.parallel.hsdp and self.parallel.cp == 1:
-            raise ValueError(f"parallel.{HSDP_WITHOUT_CP}")
-        if self.parallel.hsdp and self.parallel.dp == 1:
-            raise ValueError(f"parallel.{HSDP_WITHOUT_DP}")
-        if self.parallel.offload and not self.parallel.fsdp:
-            raise ValueError("parallel.offload is FSDP2's CPU offload of the shards: it needs parallel.fsdp: true")
-        return self
-
-    @model_validator(mode="after")
-    def _expert_parallel_over_lockstep_cp_ranks(self) -> TrainConfig:
-        parallel = self.parallel
-        if parallel.expert_dispatch and not parallel.expert_parallel:
-            raise ValueError("parallel.expert_dispatch sends tokens to their experts' ranks: it needs expert_parallel")
-        if not parallel.expert_parallel:
-            return self
-        if not parallel.fsdp or parallel.cp == 1:
-            raise ValueError("parallel.expert_parallel cuts the experts over the cp ranks: it needs fsdp: true, cp > 1")
-        if parallel.dp > 1 and not parallel.hsdp:
-            raise ValueError(
-                "parallel.expert_parallel at dp > 1 needs hsdp: true (each dp rank's groups differ in shape, so its "
-                "MoE calls cannot meet the other dp ranks')"
-            )
-        if parallel.sharded_extend_tokens is not None and not parallel.expert_dispatch:
-            raise ValueError(
-                "parallel.expert_parallel computes every extend replicated: parallel.sharded_extend_tokens would "
-                "shard none; leave it out, or dispatch tokens to their experts (parallel.expert_dispatch: true)"
             )
         return self
 
@@ -433,19 +247,36 @@ def _yaml_loader() -> type:
 
 def validation_lines(err: ValidationError, prefix: str = "", schema: type[BaseModel] | None = None) -> str:
     """A pydantic ValidationError as indented ``field.path: message`` lines (paths after ``prefix``). Given the
-    ``schema`` that was validated, an unknown key also gets the closest key its section takes ("did you mean")."""
+    ``schema`` that was validated, an unknown key also gets where it belongs ("did you mean"): the section of
+    ``schema`` that takes it (``trainer.activation_checkpointing`` -> ``engine.activation_checkpointing``), else the
+    closest key its own section takes."""
     return "\n".join(_error_line(error, prefix, schema) for error in err.errors())
 
 
 def _error_line(error: Any, prefix: str, schema: type[BaseModel] | None) -> str:
     location = error["loc"]
     line = f"  {prefix}{'.'.join(str(p) for p in location) or '(config)'}: {error['msg']}"
-    section = _section_schema(schema, location[:-1]) if error["type"] == "extra_forbidden" else None
-    if section is not None:
+    if error["type"] != "extra_forbidden" or not location:
+        return line
+    meant = _other_section(schema, location)
+    section = _section_schema(schema, location[:-1])
+    if meant is None and section is not None:
         close = difflib.get_close_matches(str(location[-1]), sorted(_accepted_keys(section)), n=1)
-        if close:
-            line += f"; did you mean {close[0]!r}?"
-    return line
+        meant = close[0] if close else None
+    return line + (f"; did you mean {meant!r}?" if meant else "")
+
+
+def _other_section(schema: type[BaseModel] | None, location: tuple[Any, ...]) -> str | None:
+    """``section.key`` where another top-level section of ``schema`` takes the unknown key at ``location`` (the
+    first in the schema's order: ``engine`` before ``trainer``, whose ``chunk_size`` is the engine's old place)."""
+    if schema is None:
+        return None
+    key, here = str(location[-1]), location[0] if len(location) > 1 else None
+    for name, field in schema.model_fields.items():
+        section = _model_in(field.annotation)
+        if section is not None and name != here and key in _accepted_keys(section):
+            return f"{name}.{key}"
+    return None
 
 
 def _section_schema(schema: type[BaseModel] | None, path: tuple[Any, ...]) -> type[BaseModel] | None:

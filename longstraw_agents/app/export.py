@@ -7,6 +7,11 @@ the checkpoint's weights: ``model.safetensors`` of a replicated run, or the shar
 token for token as the run did, or the run's own Hugging Face tokenizer. Only the weights are exported: the
 optimizer state and the counters stay in the checkpoint.
 
+A LoRA run (``model.lora``) is exported as its adapter in PEFT's format (``adapter_config.json`` and
+``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, out)`` loads it onto the base, which the config names
+when the run's model was a ``model.path``) with the tokenizer beside it; ``merged=True`` (``--merged``) writes the
+model with the adapter merged into its weights instead, a plain Hugging Face model directory.
+
 What a transformers user needs to chat with the policy comes with it, as a Qwen instruct checkpoint has it:
 
 - the chat format the run trained on as the tokenizer's chat template (``app.chat_template``), so that
@@ -36,6 +41,7 @@ from longstraw_agents.app.chat_template import JINJA_CHAT_TEMPLATE
 from longstraw_agents.app.config import ConfigError, TrainConfig, check_model, check_tokenizer, validation_lines
 from longstraw_agents.app.run import CHECKPOINT, build_policy
 from longstraw_agents.chat import ChatFormatter
+from longstraw_agents.models.lora import lora_layers, merged_copy, save_adapter
 from longstraw_agents.parallel.checkpoint import SHARDED, load_full_model
 from longstraw_agents.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 from longstraw_agents.trainer import GRPOTrainer
@@ -73,18 +79,25 @@ def load_run_policy(run_dir: str | Path) -> RunPolicy:
     return RunPolicy(config, tokenizer, model, version)
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
+def export_hf(run_dir: str | Path, out_dir: str | Path, *, force: bool = False, merged: bool = False) -> Path:
     """Write the policy of ``run_dir``'s checkpoint and the run's tokenizer to ``out_dir`` as a Hugging Face model
-    directory (see the module docstring). A non-empty ``out_dir`` is refused (``FileExistsError``) unless ``force``:
-    the export's files then replace those of the same name (``save_pretrained`` also removes weight shards of an
-    earlier save)."""
+    directory (see the module docstring), or a LoRA run's adapter in PEFT's format (``merged``: the model with the
+    adapter merged in). A non-empty ``out_dir`` is refused (``FileExistsError``) unless ``force``: the export's files
+    then replace those of the same name (``save_pretrained`` also removes weight shards of an earlier save)."""
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, force)
     with quiet_transformers():
         policy = load_run_policy(run_dir)
-        transformers_model: Any = policy.model  # a transformers PreTrainedModel (build_policy types it as a Module)
+        lora = bool(lora_layers(policy.model))
+        if merged and not lora:
+            raise ConfigError(f"--merged: the run in {run_dir} trains no LoRA adapter (its export is the whole model)")
+        transformers_model: Any = merged_copy(policy.model) if merged else policy.model  # a transformers model
         stop_at_end_of_turn(transformers_model, policy.tokenizer)
-        transformers_model.save_pretrained(out_dir)
+        if lora and not merged:
+            save_adapter(transformers_model, out_dir, policy.config.model.path)
+            transformers_model.generation_config.save_pretrained(out_dir)
+        else:
+            transformers_model.save_pretrained(out_dir)
         save_tokenizer(policy.tokenizer, out_dir)
     return out_dir
 

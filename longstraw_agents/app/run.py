@@ -35,7 +35,6 @@ import torch
 from longstraw_agents.app.config import (
     ConfigError,
     ModelSpec,
-    ParallelSpec,
     TrainConfig,
     check_env,
     check_model,
@@ -47,9 +46,10 @@ from longstraw_agents.app.records import EvalRecord, MetricsRecord, WarmStartRec
 from longstraw_agents.app.reporting import Reporter
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.app.served import ServedPolicy
-from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine import Engine
 from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
+from longstraw_agents.models.lora import LoraTargetError, apply_lora, lora_layers, merged_copy
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.rollout import make_env_factory, reset_prompt
@@ -72,17 +72,26 @@ OnMetrics = Callable[[MetricsRecord], None]
 
 
 def build_policy(spec: ModelSpec, config: PretrainedConfig, seed: int) -> torch.nn.Module:
-    """The policy: ``spec.path``'s weights, or a random-init model of the preset's ``config`` (from ``check_model``)."""
+    """The policy: ``spec.path``'s weights, or a random-init model of the preset's ``config`` (from ``check_model``);
+    with ``spec.lora``, its LoRA adapters injected (drawn from ``seed``), every other weight frozen."""
     dtype = getattr(torch, spec.dtype)
     if spec.path is not None:
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype, local_files_only=True).eval()
         except OSError as err:  # a config.json without weights, a truncated safetensors file...
             raise ConfigError(f"model.path: cannot load the weights in {spec.path}: {err}") from None
-        return model.eval()
-    return build_model(config, dtype=dtype, seed=seed)
+    else:
+        model = build_model(config, dtype=dtype, seed=seed)
+    if spec.lora is not None:
+        with torch.random.fork_rng(devices=[]):  # (PEFT draws A from the global generator)
+            torch.manual_seed(seed)
+            try:
+                apply_lora(model, spec.lora)
+            except LoraTargetError as err:
+                raise ConfigError(str(err)) from None
+    return model
 
 
 def _evicts(env_config: ToolEnvConfig) -> bool:
@@ -335,19 +344,18 @@ class Run:
         )
 
     def _trainer(self, ref_model: torch.nn.Module | None) -> GRPOTrainer:
-        """The GRPO trainer over the run's mesh: with cp > 1 its engine spreads each group's state over the cp
-        ranks (``parallel.BalancedOwnership``); with ``parallel.fsdp`` the policy is sharded over every rank first
-        (its compute dtype: ``trainer.mixed_precision``'s)."""
+        """The GRPO trainer over the run's mesh, its engine the config's (``engine``): with cp > 1 it spreads each
+        group's state over the cp ranks (``parallel.BalancedOwnership``); with ``parallel.fsdp`` the policy is
+        sharded over every rank first (its compute dtype: ``trainer.mixed_precision``'s)."""
         mesh, spec = self.ranks.mesh, self.config.parallel
         if mesh is not None and spec.fsdp:
             precision = self.config.trainer.mixed_precision
             dtype = None if precision is None else precision.dtype
             mesh.fully_shard(self.model, dtype, spec.offload, expert_parallel=spec.expert_parallel)
-        policy: torch.nn.Module | Engine = self.model
+        shards = None
         if mesh is not None and spec.cp > 1:
-            chunk = self.config.trainer.chunk_size
             shards = mesh.context_parallel(host_staged=spec.host_staged_messages)
-            policy = Engine(self.model, context_parallel_engine_config(spec, chunk), shards=shards)
+        policy = Engine(self.model, self.config.engine, shards=shards)
         return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
 
     def _warm_start(self) -> None:
@@ -377,7 +385,9 @@ class Run:
             return None
         from safetensors.torch import load_model, save_model
 
-        reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # a LoRA policy's reference is its adapter merged in: a plain model, the same whatever the LoRA settings
+        policy = merged_copy(self.model) if lora_layers(self.model) else copy.deepcopy(self.model)
+        reference = policy.eval().requires_grad_(False)
         path = self.dir / REFERENCE
         if source is not None and self.ranks.writes:
             shutil.copyfile(source, path)
@@ -387,19 +397,6 @@ class Run:
         elif self.ranks.writes:  # the others hold the same weights (same_weights)
             save_model(reference, str(path))
         return reference
-
-
-def context_parallel_engine_config(spec: ParallelSpec, chunk: int) -> EngineConfig:
-    """The policy engine's settings under context parallelism (``parallel.wavefront_walk``: exact mode's walk;
-    ``parallel.balanced_captures``: how a capture is cut; ``parallel.sharded_extend_tokens``: which extends are
-    computed sharded; none under ``expert_parallel`` unless ``expert_dispatch``)."""
-    return EngineConfig(
-        chunk_size=chunk,
-        wavefront_walk=spec.wavefront_walk,
-        balanced_captures=spec.balanced_captures,
-        sharded_extend_tokens=spec.sharded_extend_tokens,
-        sharded_extends=spec.expert_dispatch or not spec.expert_parallel,
-    )
 
 
 def _check_same_staleness(run_dir: Path, now: TrainConfig) -> None:
@@ -444,6 +441,8 @@ def _refusal(run_dir: Path, before: TrainConfig | None, now: TrainConfig) -> str
 def _layout(config: TrainConfig) -> str:
     """A run's model and mesh, as a refused resume names them."""
     model = config.model.path or f"preset {config.model.preset} {config.model.overrides or ''}".rstrip()
+    if config.model.lora is not None:
+        model += f" with LoRA {config.model.lora.model_dump(mode='json')}"
     parallel = config.parallel
     sharding = f"fsdp={parallel.fsdp} hsdp={parallel.hsdp} offload={parallel.offload}"
     sharding += " expert_parallel=True" if parallel.expert_parallel else ""

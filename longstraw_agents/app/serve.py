@@ -7,7 +7,7 @@ What is served comes from one directory:
   writes) with the model's tokenizer next to it (``tokenizer.json``, loaded by ``tokenizer.load_tokenizer``);
 - a ``longstraw train`` run directory: the policy of its checkpoint (``export.load_run_policy``) with the run's own
   tokenizer, turn length (``sampling.max_new_tokens``: a chat reply's default ``max_completion_tokens``) and policy
-  version (reported as ``weight_version``).
+  version (reported as ``weight_version``); a LoRA run's adapter merged into the weights in process.
 
 Turns end at the tokenizer's end-of-turn token, as in training. The model runs on the GPU when there is one. What a
 request may ask and what the requests in flight may hold are ``ServingLimits`` (``serving`` says what happens at
@@ -31,6 +31,7 @@ from longstraw_agents.app.config import ConfigError, ModelSpec, check_model, che
 from longstraw_agents.app.export import load_run_policy
 from longstraw_agents.app.run import build_policy
 from longstraw_agents.models import context_limit
+from longstraw_agents.models.lora import lora_layers, merged_copy
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.serving import CompletionServer
 from longstraw_agents.serving_limits import ServingLimits
@@ -131,8 +132,9 @@ def _model_directory(path: Path, dtype: Dtype | None) -> LoadedPolicy:
 
 def _run_directory(path: Path, dtype: Dtype | None) -> LoadedPolicy:
     run = load_run_policy(path)
-    model = run.model if dtype is None else run.model.to(getattr(torch, dtype))
-    source = f"run directory (policy version {run.policy_version})"
+    model = merged_copy(run.model) if lora_layers(run.model) else run.model  # a LoRA run: its adapter merged in
+    model = model if dtype is None else model.to(getattr(torch, dtype))
+    source = f"run directory (policy version {run.policy_version}{', LoRA merged' if model is not run.model else ''})"
     return LoadedPolicy(
         model, run.tokenizer, run.config.sampling, run.policy_version, source, run.config.model.max_context
     )

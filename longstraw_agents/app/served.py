@@ -18,6 +18,10 @@ sampler (``following_sampler``) follows the versions the responses report, each 
 On a mesh (``ranks``) the writer (global rank 0) alone talks to the server; every rank takes part in assembling the
 weights a part at a time from their FSDP2 shards (``parallel.fsdp.whole_parts``: no device ever holds the whole
 model), and learns the writer's outcome. The first cp rank of each dp rank samples from the server.
+
+A LoRA policy (``model.lora``) is pushed as merged weights (``W + s·B A`` under the transformers names, merged a part
+at a time: ``lora.merged_tensors``): the disk protocol loads a whole model, so the server needs no LoRA support.
+SGLang's and vLLM's own LoRA loading (an adapter beside the base) are not used.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from longstraw_agents.app.config import ServedPolicySpec
 from longstraw_agents.app.distributed import Ranks
+from longstraw_agents.models.lora import lora_layers, merged_tensors
 from longstraw_agents.parallel.fsdp import whole_parts
 from longstraw_agents.sampler import OpenAISampler, SamplingConfig
 from longstraw_agents.weight_sync import DiskWeightSync, SyncResult, WeightSyncError
@@ -125,10 +130,13 @@ class ServedPolicy:
         """Write ``model`` as ``policy_version`` and have the server load it (on a mesh: assembled a part at a time
         from the shards, every rank taking part; the writer's outcome on every rank)."""
         self._retire_sampler()
-        if self.ranks.mesh is None:
+        lora = bool(lora_layers(model))
+        if self.ranks.mesh is None and not lora:
             result = self.sync.push(model, policy_version)
         else:  # (the writer writes the parts; the others take part in their gathers, keeping nothing)
-            parts = whole_parts(model, keep=self.ranks.writes)
+            parts: Iterable[dict[str, torch.Tensor]] = whole_parts(model, keep=self.ranks.writes)
+            if lora:  # the adapters merged into their weights, part by part
+                parts = (merged_tensors(model, part) for part in parts)
             result = self._writers(lambda: self.sync.push(model, policy_version, parts), parts)
         self.version, self.weights_changed, self.last_push = policy_version, False, result
         log.info(

@@ -83,8 +83,7 @@ class ReverseWalk:
                 if loss is not None:
                     outputs.append(loss)
                     grads.append(torch.ones_like(loss))
-            if outputs:
-                torch.autograd.backward(outputs, grads)
+            backpropagate(outputs, grads)
         self._release(chunk, after)
 
     def _block_upstream(
@@ -107,6 +106,14 @@ class ReverseWalk:
                 self.grad.release_arena(block.arena)
             if rec is not None:
                 self.grad.release_recurrent(rec)
+
+
+def backpropagate(outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """``torch.autograd.backward`` over the outputs that need a gradient: with frozen weights (a LoRA policy) a
+    chunk's early state entries may depend on nothing that trains (the embeddings and an unadapted first layer)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 class RecurrentStates:

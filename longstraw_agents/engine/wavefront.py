@@ -251,7 +251,8 @@ class WavefrontWalk:
                     start = self.state.chunks[run.chunks[0]].start
                     ids = self.ids[start - self.base : start - self.base + self._length(run)]
                     h, _, _ = engine.adapter.embed(ids, start)
-                    h.backward(g[run.index])
+                    if h.requires_grad:  # (frozen embeddings, as a LoRA policy's, take no gradient)
+                        h.backward(g[run.index])
         assert not any(self.outbox.values())  # every message sent
         self._exchange_context_grads()
         self.transport.flush()

@@ -58,6 +58,12 @@ def _grid(terms: BlockTerms, sizes: dict[str, Any]) -> tuple[int, int]:
     return terms.shape[0], triton.cdiv(sizes["DV"], sizes["BV"])
 
 
+def _warps(sizes: dict[str, Any]) -> int:
+    """8 warps where a block's key tiles are large ([64, 128]: three of them live at once), so that a thread's share
+    stays in registers; 4 otherwise."""
+    return 8 if sizes["BC"] * sizes["BK"] >= 64 * 128 else 4
+
+
 def scan_forward(
     terms: BlockTerms, initial: Tensor | None, *, save_states: bool = False
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -71,7 +77,7 @@ def scan_forward(
     _scan_forward_kernel[_grid(terms, sizes)](
         terms.w, terms.u, terms.q, terms.a, terms.k, terms.decay,
         final if initial is None else initial.contiguous(), out, final, states,
-        HAS_INITIAL=initial is not None, SAVE_STATES=save_states, **sizes,
+        HAS_INITIAL=initial is not None, SAVE_STATES=save_states, num_warps=_warps(sizes), **sizes,
     )  # fmt: skip
     return out, final, states if save_states else None
 
@@ -95,7 +101,7 @@ def scan_backward(
         terms.w, terms.u, terms.q, terms.a, terms.k, terms.decay, states, d_out.contiguous(),
         d_initial if d_final is None else d_final.contiguous(),
         d_initial, d_w, d_u, d_q, d_a, d_k, d_decay, heads,
-        HAS_D_FINAL=d_final is not None, **sizes,
+        HAS_D_FINAL=d_final is not None, num_warps=_warps(sizes), **sizes,
     )  # fmt: skip
     grads = BlockTerms(d_w.sum(0), d_u, d_q.sum(0), d_a.sum(0), d_k.sum(0), d_decay.sum(0))
     return grads, d_initial

@@ -48,7 +48,9 @@ def _launch(q: Tensor, rows: Tensor, selected: Tensor, split: int, fast: bool) -
             "BH": block_heads, "BK": BLOCK_KEYS, "BW1": _block(split), "BW2": _block(width - split),
             "FAST": fast, "EMULATE": interpreted(), "ACC": tl.float64 if q.dtype == torch.float64 else tl.float32,
         },
-        "num_warps": 4 if block_heads <= 16 else 8,
+        # 8 warps once a head block's accumulator and a tile of rows are wide (512 latent columns), so that a
+        # thread's share stays in registers
+        "num_warps": 4 if block_heads * _block(split) <= 16 * 128 else 8,
     }  # fmt: skip
 
 

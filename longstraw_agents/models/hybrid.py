@@ -38,6 +38,7 @@ from longstraw_agents.models.dense import (
     attention_pair_flops,
     kv_bytes_per_token,
 )
+from longstraw_agents.models.lora import base_module, effective_weight
 
 
 def depthwise_conv(full: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -72,9 +73,13 @@ class GatedDeltaNetMixer(Mixer):
         if tail is None:
             tail = mixed.new_zeros(self.kernel - 1, self.conv_dim)
         full = torch.cat([tail, mixed], dim=0)  # [K-1+n, C]
-        out = depthwise_conv(full, self.mod.conv1d.weight[:, 0, :], self.mod.conv1d.bias)
+        out = depthwise_conv(full, *self._conv_weights())
         # the tail is copied: a view would keep the whole [K-1+n, C] input alive for as long as the state holds it
         return F.silu(out), full[full.shape[0] - (self.kernel - 1) :].clone()
+
+    def _conv_weights(self) -> tuple[Tensor, Tensor | None]:
+        """The depthwise conv's weight ``[C, K]`` and bias, read (``lora.effective_weight``) rather than called."""
+        return effective_weight(self.mod.conv1d)[:, 0, :], base_module(self.mod.conv1d).bias
 
     def _gated_norm(self, core: Tensor, gate: Tensor) -> Tensor:
         """Qwen3.5's RMSNormGated: norm in compute precision, scale, then multiply by SiLU(gate)."""
@@ -135,9 +140,10 @@ class GatedDeltaNetMixer(Mixer):
         x, batch = inp.x, inp.x.shape[0]
         tails, states = inp.context.recurrent
         window = torch.cat([tails, self.mod.in_proj_qkv(x).unsqueeze(1)], dim=1)  # [B, K, C]
-        conv = (window.transpose(1, 2) * self.mod.conv1d.weight[:, 0, :]).sum(dim=-1)
-        if self.mod.conv1d.bias is not None:
-            conv = conv + self.mod.conv1d.bias
+        weight, bias = self._conv_weights()
+        conv = (window.transpose(1, 2) * weight).sum(dim=-1)
+        if bias is not None:
+            conv = conv + bias
         q, k, v = self._heads(F.silu(conv))
         g, beta = self._gates(x)
         dt = g.dtype

@@ -48,7 +48,8 @@ from longstraw_agents.models.batch import (
     cascade_attention,
     write_session,
 )
-from longstraw_agents.models.grouped import Routing, grouped_linear
+from longstraw_agents.models.grouped import Groups, Routing, grouped_linear
+from longstraw_agents.models.lora import base_module, effective_weight, low_rank_factors
 
 SELECTION_KEY = "dsa_selection"
 Selection = tuple[Tensor, Tensor]
@@ -320,8 +321,8 @@ class MLAMixer(Mixer):
         return torch.cat([self.kv_norm(kv_pass), k_rot], dim=-1)
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
-        """``W_uk [H, nope, rank]`` and ``W_uv [H, v, rank]`` of the up-projection."""
-        w_kv = self.attn.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        """``W_uk [H, nope, rank]`` and ``W_uv [H, v, rank]`` of the up-projection (a LoRA adapter's included)."""
+        w_kv = effective_weight(self.attn.kv_b_proj).view(self.heads, self.nope + self.v_dim, self.rank)
         return w_kv[:, : self.nope], w_kv[:, self.nope :]
 
     def _output(self, out: Tensor) -> Tensor:
@@ -445,11 +446,15 @@ class MoE:
     decoding can be captured in a CUDA graph. ``routed`` computes the routed experts' sum for the tokens: ``local``
     (every expert here), or what parallel code puts in its place (``parallel.experts``: each rank its own experts,
     the sums combined over the ranks) — the model holds no parallelism of its own.
+
+    LoRA (``models.lora``): the router's weight is read with its adapter, and the routed experts' adapters (PEFT's
+    ``target_parameters`` on ``gate_up_proj`` / ``down_proj``) run as two grouped low-rank products per projection.
     """
 
     def __init__(self, moe: HFModule):
         self.moe = moe
-        self.gate, self.experts = moe.gate, moe.experts
+        # the transformers modules (their settings and weights), beneath PEFT's wrappers where it adapted them
+        self.gate, self.experts = base_module(moe.gate), base_module(moe.experts)
         self.routed: Callable[[Tensor, Tensor, Tensor], Tensor] = self.local
 
     @property
@@ -459,7 +464,7 @@ class MoE:
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         gate = self.gate
         dt = compute_dtype(x.dtype)
-        scores = F.linear(x.to(dt), gate.weight.to(dt)).sigmoid()
+        scores = F.linear(x.to(dt), effective_weight(self.moe.gate).to(dt)).sigmoid()
         choice = scores + gate.e_score_correction_bias.to(dt)
         per_group = gate.num_experts // gate.num_group
         group_scores = choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
@@ -478,23 +483,50 @@ class MoE:
         return self.routed(x, top_idx, weights) + self.moe.shared_experts(x)
 
     def local(self, x: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
-        """Every routed expert, from the model's own weights."""
-        return self.experts_of(x, top_idx, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        """Every routed expert, from the model's own weights (and their LoRA adapters)."""
+        experts = self.moe.experts
+        adapters = (low_rank_factors(experts, "gate_up_proj"), low_rank_factors(experts, "down_proj"))
+        return self.experts_of(x, top_idx, weights, self.experts.gate_up_proj, self.experts.down_proj, 0, adapters)
 
     def experts_of(
-        self, x: Tensor, top_idx: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, first: int = 0
+        self,
+        x: Tensor,
+        top_idx: Tensor,
+        weights: Tensor,
+        gate_up: Tensor,
+        down: Tensor,
+        first: int = 0,
+        adapters: tuple[LowRank, LowRank] | None = None,
     ) -> Tensor:
         """The sum over each token's chosen experts among ``first .. first + len(gate_up)`` (whose weights are
         ``gate_up`` and ``down``, stacked by expert) of its routing weight times the expert's output, added in expert
         order; zeros for a token that chose none of them. The slots of other experts sort last and take no part in
         the products (``Groups.partial``). On the meta device (the memory planner) it allocates what the grouped
-        kernel does, whatever the routing."""
+        kernel does, whatever the routing. ``adapters``: each projection's LoRA factors (``lora.low_rank_factors``:
+        every expert's, so only with every expert here)."""
         held = gate_up.shape[0]
         routing = Routing.of(top_idx, first, held, others=held < self.num_experts)
-        hidden = grouped_linear(routing.rows(x), gate_up, routing.groups)
+        gate_up_adapters, down_adapters = adapters if adapters is not None else ([], [])
+        hidden = expert_product(routing.rows(x), gate_up, gate_up_adapters, routing.groups)
         g, u = hidden.chunk(2, dim=-1)
-        out = grouped_linear(self.experts.act_fn(g) * u, down, routing.groups)
+        out = expert_product(self.experts.act_fn(g) * u, down, down_adapters, routing.groups)
         return routing.combine(out, weights, x.dtype)
+
+
+LowRank = list[tuple[Tensor, Tensor, float]]
+"""A stacked projection's LoRA adapters: ``(B [E, out, r], A [E, r, in], scale)`` each (``lora.low_rank_factors``)."""
+
+
+def expert_product(rows: Tensor, weight: Tensor, adapters: LowRank, groups: Groups) -> Tensor:
+    """Each row ``x`` of group ``e`` through expert ``e``'s stacked ``weight``, plus ``Σ s·B_e A_e x`` over its LoRA
+    adapters (two grouped products each). Its operands are arguments, so that nothing outlives the product where no
+    graph keeps it (the planner's capture working set)."""
+    out = grouped_linear(rows, weight, groups)
+    for lhs, rhs, scale in adapters:
+        if lhs.shape[0] != groups.count:
+            raise ValueError("LoRA adapters on routed experts need every expert here (not with expert parallelism)")
+        out = out + grouped_linear(grouped_linear(rows, rhs, groups), lhs, groups) * scale
+    return out
 
 
 class MLAAdapter(FamilyAdapter):

@@ -46,11 +46,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Placement
 
+from longstraw_agents.layout import HSDP_WITHOUT_CP as HSDP_WITHOUT_CP  # (`longstraw plan` checks them without torch)
+from longstraw_agents.layout import HSDP_WITHOUT_DP as HSDP_WITHOUT_DP
 from longstraw_agents.memory import host_placement
-from longstraw_agents.plan_shape import (
-    HSDP_WITHOUT_CP as HSDP_WITHOUT_CP,
-)  # (`longstraw plan` checks them without torch)
-from longstraw_agents.plan_shape import HSDP_WITHOUT_DP as HSDP_WITHOUT_DP
+from longstraw_agents.models.lora import is_lora_layer
 
 if TYPE_CHECKING:
     from longstraw_agents.engine.weights import ExpertRounds
@@ -80,6 +79,11 @@ def shard_model(
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=master)
     placement: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     backbone: Any = model.model  # transformers' decoder (typed dynamically, as in the adapters)
+    if experts and any(is_lora_layer(unit) for unit in expert_units(model)):
+        raise ValueError(
+            "expert parallelism with LoRA adapters on the routed experts is not supported (each rank holds whole "
+            "experts, their adapters are cut otherwise): leave the experts out of model.lora.target_modules"
+        )
     with host_placement(offload):
         for unit in expert_units(model) if experts else []:
             fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=placement)
@@ -403,7 +407,7 @@ class LayerGather:
         meet the others' collective), and which ranks had one is settled later."""
         flight = []
         for name, shard in shards.items():
-            if not isinstance(shard, DTensor):
+            if not isinstance(shard, DTensor) or not shard.requires_grad:  # (frozen: a LoRA policy's weights)
                 continue
             param = whole[name]
             had = param.grad is not None

@@ -43,9 +43,11 @@ def server() -> Iterator[CompletionServer]:
 
 
 def check(tmp_path: Path, config: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``train --check`` of ``config``, without the memory plan it prints after the checks (a second each: tested in
+    tests/app/test_job.py)."""
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    code = main(["train", "--check", str(path)])
+    code = main(["train", "--check", "--no-plan", str(path)])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -142,7 +144,7 @@ def resume_check(tmp_path: Path, steps_done: int, steps: int, capsys) -> str:
     (checkpoint / "trainer_state.json").write_text(json.dumps({"step": steps_done, "policy_version": steps_done}))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path / "run", steps=steps)))
-    assert main(["train", "--check", "--resume", str(path)]) == 0
+    assert main(["train", "--check", "--no-plan", "--resume", str(path)]) == 0
     return capsys.readouterr().out
 
 

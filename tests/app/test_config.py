@@ -23,7 +23,6 @@ from longstraw_agents.app.config import (
     load_config,
     validation_lines,
 )
-from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.training import train
 from longstraw_agents.tokenizer import ENDOFTEXT, load_tokenizer
 
@@ -324,13 +323,13 @@ def test_mixed_precision_needs_wider_master_weights_and_fsdp_under_cp() -> None:
 
 
 def test_hsdp_and_offload_need_fsdp() -> None:
-    with pytest.raises(pydantic.ValidationError, match=r"parallel\.offload .* needs parallel\.fsdp"):
+    with pytest.raises(pydantic.ValidationError, match=r"parallel\n.*offload runs through FSDP2 \(fsdp\)"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"cp": 2, "offload": True}))
-    with pytest.raises(pydantic.ValidationError, match=r"parallel\.hsdp .* needs parallel\.fsdp"):
+    with pytest.raises(pydantic.ValidationError, match=r"hsdp shards the model .*: it needs fsdp"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "hsdp": True}))
-    with pytest.raises(pydantic.ValidationError, match=r"parallel\.hsdp .* with cp = 1 it shards nothing"):
+    with pytest.raises(pydantic.ValidationError, match=r"hsdp .* with cp = 1 it shards nothing"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"dp": 2, "fsdp": True, "hsdp": True}))
-    with pytest.raises(pydantic.ValidationError, match=r"parallel\.hsdp replicates over the dp ranks: with dp = 1"):
+    with pytest.raises(pydantic.ValidationError, match=r"hsdp replicates over the dp ranks: with dp = 1"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"cp": 2, "fsdp": True, "hsdp": True}))
     config = TrainConfig.model_validate(
         tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "fsdp": True, "hsdp": True})
@@ -348,9 +347,9 @@ def test_two_heartbeats_fit_in_the_liveness_timeout() -> None:
 
 
 def test_expert_parallel_needs_fsdp_over_lockstep_cp_ranks() -> None:
-    with pytest.raises(pydantic.ValidationError, match=r"expert_parallel .* needs fsdp: true, cp > 1"):
+    with pytest.raises(pydantic.ValidationError, match=r"expert_parallel .* FSDP2 shards: it needs fsdp"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"cp": 2, "expert_parallel": True}))
-    with pytest.raises(pydantic.ValidationError, match=r"expert_parallel .* needs fsdp: true, cp > 1"):
+    with pytest.raises(pydantic.ValidationError, match=r"expert_parallel .*: it needs cp > 1"):
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel={"fsdp": True, "expert_parallel": True}))
     with pytest.raises(pydantic.ValidationError, match=r"expert_parallel at dp > 1 needs hsdp"):
         flat = {"dp": 2, "cp": 2, "fsdp": True, "expert_parallel": True}
@@ -362,7 +361,7 @@ def test_expert_parallel_needs_fsdp_over_lockstep_cp_ranks() -> None:
         tiny_config_dict("runs/x", parallel={"dp": 2, "cp": 2, "fsdp": True, "hsdp": True, "expert_parallel": True})
     )
     assert config.parallel.expert_parallel
-    assert not context_parallel_engine_config(config.parallel, 64).sharded_extends  # (every extend replicated)
+    assert not config.engine.sharded_extends  # (every extend replicated: the engine follows the layout)
 
 
 def test_expert_dispatch_shards_long_extends_under_expert_parallelism() -> None:
@@ -371,5 +370,4 @@ def test_expert_dispatch_shards_long_extends_under_expert_parallelism() -> None:
         TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=alone))
     parallel = {"cp": 2, "fsdp": True, "expert_parallel": True, "expert_dispatch": True, "sharded_extend_tokens": 64}
     config = TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=parallel))
-    engine = context_parallel_engine_config(config.parallel, 64)
-    assert engine.sharded_extends and engine.sharded_extend_tokens == 64
+    assert config.engine.sharded_extends and config.engine.sharded_extend_tokens == 64  # (read from parallel.)

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from longstraw_agents.app import demo
 from longstraw_agents.app.replay import ReplayConfig, select_logged_groups
 from longstraw_agents.store import Store
+
+ROOT = Path(__file__).parents[2]
 
 
 def test_scripted_demo_stores_one_solved_episode_per_env(tmp_path: Path) -> None:
@@ -73,7 +79,10 @@ def test_a_new_demo_says_what_it_replaces_and_keeps_what_it_did_not_write(
 
     monkeypatch.setattr(demo, "run_training_demo", training)
     assert demo.main(["--out", str(out)]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    printed = capsys.readouterr().out
+    threads = torch.get_num_threads()
+    assert f"(SFT warm start, then GRPO in exact mode) on {threads} thread" in printed and "CPU-minutes" in printed
+    first = printed.splitlines()[0]
     assert first.startswith(f"replacing the earlier demo in {out}: removing ")
     removed, kept = first.split(": removing ")[1].split("; keeping ")
     assert set(removed.split(", ")) == {"trajectories.db", "metrics.jsonl", "config.json", "checkpoint/", "reward.png"}
@@ -106,11 +115,15 @@ def test_the_suggested_replay_learns_from_groups_with_reward_differences(tmp_pat
 
 
 @pytest.mark.slow
-def test_quick_training_demo_writes_what_the_demo_promises(tmp_path: Path) -> None:
+def test_quick_training_demo_writes_what_the_demo_promises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The small version of `make demo`: warm start, held-out evaluation, GRPO steps, evaluation again, then the run
-    directory the demo describes. (Its few steps cannot show learning on every machine: test_learning does.)"""
+    directory the demo describes, with the phases' progress shown as it goes (not a terminal here: plain lines, each
+    bar's last one at least). (Its few steps cannot show learning on every machine: test_learning does.)"""
     lines: list[str] = []
     result = demo.run_training_demo(tmp_path, quick=True, echo=lines.append)
+    progress = capsys.readouterr().err.splitlines()
+    for bar, steps in (("warm start", demo.QUICK.sft_steps), ("GRPO", demo.QUICK.steps)):
+        assert any(line.startswith(f"{bar}: 100% {steps}/{steps}") for line in progress), bar
     for name in ("trajectories.db", "metrics.jsonl", "checkpoint", "reward.png", "config.json"):
         assert (tmp_path / name).exists(), name
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -121,3 +134,20 @@ def test_quick_training_demo_writes_what_the_demo_promises(tmp_path: Path) -> No
     assert any(line.startswith("held-out reward before GRPO") for line in lines)
     with Store.open(tmp_path / demo.STORE, create=False) as store:
         assert store.count() == demo.QUICK.steps * demo.QUICK.groups_per_step * demo.DEMO_TRAINER["G"]
+
+
+def test_make_demo_sets_the_threads_and_lets_idle_threads_sleep() -> None:
+    """README's figures are `make demo` at 1 thread (the default) and at `THREADS=2`; OpenMP threads that spin
+    between parallel regions would cost a busy machine's CPU time for nothing."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # as from a shell, not as a sub-make of `make test` (which would pass its flags and print "Entering directory")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "THREADS")}
+
+    def command(*args: str) -> str:  # what `make demo` runs, taking the installed venv as up to date
+        make = ["make", "--dry-run", "--old-file", ".venv/.installed", "demo", *args]
+        return subprocess.run(make, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+    demo_module = ".venv/bin/python -m longstraw_agents.app.demo --out runs/demo"
+    assert command() == f"OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE {demo_module}"
+    assert command("THREADS=2") == f"OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE {demo_module}"

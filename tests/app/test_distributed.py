@@ -26,10 +26,9 @@ from transformers import AutoModelForCausalLM
 from longstraw_agents.app.config import ConfigError, ParallelSpec, TrainConfig
 from longstraw_agents.app.distributed import SHARED_MARK, Ranks, directory_problem, merged_step_metrics
 from longstraw_agents.app.export import export_hf
-from longstraw_agents.app.run import context_parallel_engine_config
 from longstraw_agents.app.seeds import task_seed
 from longstraw_agents.cli import main
-from longstraw_agents.engine import Engine
+from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.engine.sharded_capture import ShardedCapture
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import BalancedOwnership
@@ -37,6 +36,7 @@ from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
 
 GROUPS_PER_STEP, GROUP_SIZE, PROCESSES = 2, 4, "4"
+STEPS = 2  # of the dp x cp run: one launched, one resumed
 
 
 def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
@@ -52,13 +52,14 @@ def _stored_groups(run_dir: Path) -> dict[str, list[int | None]]:
 @pytest.mark.slow
 def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> None:
     """dp=2 x cp=2 with FSDP2 (the replicated checkpoint's resume is tested on the trainer,
-    tests/trainer/test_data_parallel.py): 2 steps launched by torchrun, sharded over all four ranks, then --resume to
-    3 by accelerate launch with HSDP (each dp rank's cp ranks shard the model, gathering a layer at a time; DCP
-    reshards the checkpoint). The trainer spreads each group's shared context over both cp ranks, so the shard
-    boundary falls inside it."""
+    tests/trainer/test_data_parallel.py): a step launched by torchrun, sharded over all four ranks, then --resume to
+    2 by accelerate launch with HSDP (each dp rank's cp ranks shard the model, gathering a layer at a time; DCP
+    reshards the checkpoint, and the resumed run saves over it). The trainer spreads each group's shared context over
+    both cp ranks, so the shard boundary falls inside it. (A second step within one launch adds nothing the resumed
+    step does not run: each launch trains, stores, reports and checkpoints a step the same way.)"""
     run_dir = tmp_path / "run"
     config = tmp_path / "train.yaml"
-    settings = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True})
+    settings = tiny_config_dict(run_dir, parallel={"dp": 2, "cp": 2, "fsdp": True}, steps=1)
     settings["model"] = {**settings["model"], "max_context": 1024}
     # weight decay moves the weights even without a reward signal, so the export is told apart from a fresh init
     # bf16 mixed precision: FSDP2 gathers bf16 weights for compute, AdamW steps the fp32 shards (exported as fp32)
@@ -70,19 +71,19 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     assert done.stdout.count("step    1 ") == 1  # one metrics line per step, printed by the writer only
     settings["parallel"] = {**settings["parallel"], "hsdp": True}
     config.write_text(yaml.safe_dump(settings))
-    resumed = launch("accelerate", config, "--resume", "--steps", "3", processes=PROCESSES)
+    resumed = launch("accelerate", config, "--resume", "--steps", str(STEPS), processes=PROCESSES)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     groups = _stored_groups(run_dir)
-    assert sorted(groups) == [f"step{s}-dp{r}-g0" for s in range(1, 4) for r in range(2)]
+    assert sorted(groups) == [f"step{s}-dp{r}-g0" for s in range(1, STEPS + 1) for r in range(2)]
     for group_id, seeds in groups.items():
         assert len(seeds) == GROUP_SIZE and len(set(seeds)) == 1, group_id  # each group once, whole
-    for step in range(3):  # the dp ranks split the step's tasks: every task once
+    for step in range(STEPS):  # the dp ranks split the step's tasks: every task once
         seeds = sorted(groups[f"step{step + 1}-dp{r}-g0"][0] for r in range(2))  # ids count steps from 1
         assert seeds == [task_seed(0, step, g) for g in range(GROUPS_PER_STEP)]
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
     for line in lines:  # a step's line covers both ranks' groups
         assert sum(line["finish_reasons"].values()) == GROUPS_PER_STEP * GROUP_SIZE
         assert line["episode_tokens_mean"] > 512  # the episodes cross the cp shard boundary
@@ -92,7 +93,7 @@ def test_dp_and_cp_ranks_store_each_group_once_and_resume(tmp_path: Path) -> Non
     checkpoint = {p.name for p in (run_dir / "checkpoint").iterdir()}
     assert {f"random_states_{r}.pkl" for r in range(4)} | {"trainer_state.json"} <= checkpoint
     assert "sharded" in checkpoint and "model.safetensors" not in checkpoint
-    assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == 3
+    assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == STEPS
     assert json.loads((run_dir / "config.json").read_text())["parallel"]["hsdp"]  # the settings it now runs with
 
     # The sharded checkpoint exported as a Hugging Face directory holds what torch's own DCP converter reads.
@@ -245,36 +246,15 @@ def test_merged_metrics_pool_the_ranks_members(summed: bool) -> None:
     assert merged.loss_tokens == 14 and merged.sequence_tokens == 28 and merged.grad_norm == 0.5
 
 
-def test_parallel_wavefront_walk_reaches_the_engine() -> None:
-    """``parallel.wavefront_walk`` picks exact mode's walk over the cp ranks (docs/distributed.md)."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).wavefront_walk
-    replicated = context_parallel_engine_config(ParallelSpec(cp=2, wavefront_walk=False), 64)
-    assert not replicated.wavefront_walk and replicated.chunk_size == 64
-
-
-def test_parallel_sharded_extend_tokens_reaches_the_engine() -> None:
-    """``parallel.sharded_extend_tokens`` says which extends the cp ranks compute sharded."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).sharded_extend_tokens is None
-    assert (
-        context_parallel_engine_config(ParallelSpec(cp=2, sharded_extend_tokens=4096), 64).sharded_extend_tokens == 4096
-    )
-
-
-def test_parallel_expert_parallel_makes_every_extend_replicated() -> None:
-    """Under ``parallel.expert_parallel`` every rank makes the same MoE calls: no extend is computed sharded."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).sharded_extends
-    assert not context_parallel_engine_config(ParallelSpec(cp=2, fsdp=True, expert_parallel=True), 64).sharded_extends
-
-
 def test_parallel_balanced_captures_reaches_the_engine_and_cuts_the_capture() -> None:
-    """``parallel.balanced_captures`` (on by default) cuts a capture in 2cp parts, rank r the r-th and the
+    """``engine.balanced_captures`` (on by default) cuts a capture in 2cp parts, rank r the r-th and the
     (2cp - 1 - r)-th; off, in rank order — a capture exact mode's wavefront walk will walk back (its state keeps
     checkpoints, so the capture keeps layer inputs) too."""
-    assert context_parallel_engine_config(ParallelSpec(cp=2), 64).balanced_captures
+    assert EngineConfig().balanced_captures
     model = tiny_model("llama", seed=0)
     owners = {}
     for balanced in (True, False):
-        config = context_parallel_engine_config(ParallelSpec(cp=2, balanced_captures=balanced), 8)
+        config = EngineConfig(chunk_size=8, balanced_captures=balanced)
         engine = Engine(model, config, shards=_OneRanksView(BalancedOwnership(0, 2)))  # type: ignore[arg-type]
         for checkpoints in (False, True):
             capture = ShardedCapture(engine, engine.shards, engine.empty_state(checkpoints), torch.arange(64), 8)

@@ -2,8 +2,8 @@
 in exact and detached mode equal one process (fp64, tiny models of every family), with shard boundaries inside a
 GatedDeltaNet block and DSA's top-k drawing keys from several shards; each rank holds its share of the state.
 
-The workers run once per mesh (``tests/support/context_parallel_worker.py`` writes each rank's results); each test
-below checks one property of them, per family."""
+The workers run once per mesh (``tests/support/context_parallel_worker.py`` writes each rank's results), against one
+process's results computed once for both meshes; each test below checks one property of them, per family."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from context_parallel_worker import OVERRIDES, PROMPT, run
+from context_parallel_worker import OVERRIDES, PROMPT, references, run
 
 from longstraw_agents.parallel.context import _header, _parse
 
@@ -56,11 +56,20 @@ def _computed(mesh_results: dict[str, Any], what: str) -> bool:
     return mesh_results["world"] == 2 or what not in CP2_ONLY
 
 
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, dict[str, Any]]:
+    """One process's results, per family: what every rank of every mesh compares with."""
+    return {family: references(family) for family in FAMILIES}
+
+
 @pytest.fixture(scope="module", params=MESHES)
-def mesh_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def mesh_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, one_process: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     world = request.param
     out = tmp_path_factory.mktemp(f"cp{world}")
-    mp.start_processes(run, args=(world, str(out / "store"), str(out)), nprocs=world, start_method="fork")
+    args = (world, str(out / "store"), str(out), one_process)
+    mp.start_processes(run, args=args, nprocs=world, start_method="fork")
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return {"world": world, "ranks": ranks}
 

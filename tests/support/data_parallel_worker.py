@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.lora import LoraSpec, apply_lora
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
 from longstraw_agents.parallel.experts import expert_units
@@ -43,6 +44,7 @@ def make_trainer(
     mode: str | None = None,
     routed_to_first_half: bool = False,
     dispatched: bool = False,
+    lora: bool = False,
 ) -> GRPOTrainer:
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
     ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
@@ -51,8 +53,13 @@ def make_trainer(
     rank holds and computes its own experts (every extend replicated); ``mode``: the trainer's (None: its
     default); ``routed_to_first_half``: every token's experts among the first half of each MoE layer's (a router
     bias: the first of two cp ranks' under expert parallelism, the other's never chosen); ``dispatched``: under
-    expert parallelism, the prompt's capture sharded, its tokens dispatched to their experts' ranks."""
+    expert parallelism, the prompt's capture sharded, its tokens dispatched to their experts' ranks; ``lora``: LoRA
+    adapters (random, the same in every process) on every linear layer train instead of the weights."""
     model = tiny_model(family, dtype=torch.float64, seed=0)
+    if lora:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            apply_lora(model, LoraSpec(r=4, alpha=8, target_modules="all-linear"), init=False)
     if routed_to_first_half:
         for layer in model.model.layers:
             if hasattr(layer.mlp, "experts"):
@@ -193,6 +200,11 @@ def _expert_rounds(trainer: GRPOTrainer) -> int:
     return sum(ex.calls for ex in exchanges.values() if ex is not None)
 
 
+def _optimized(trainer: GRPOTrainer) -> set[int]:
+    """The parameters AdamW holds state for."""
+    return {id(p) for p in trainer.optimizer.state}
+
+
 def _listing(directory: Path) -> list[str]:
     return sorted(str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file())
 
@@ -226,6 +238,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
         spec.get("mode"),
         spec.get("routed_to_first_half", False),
         spec.get("dispatched", False),
+        spec.get("lora", False),
     )
     if "load" in spec:  # a checkpoint another mesh wrote
         trainer.load_checkpoint(spec["load"])
@@ -255,6 +268,7 @@ def run(rank: int, world: int, port: int, out_dir: str, spec: dict[str, Any]) ->
             "expert_rounds": _expert_rounds(trainer),
             "resumed": resumed,
             # (the dtypes AdamW steps in: the parameters it holds and its moments)
+            "optimized": sorted(name for name, p in model.named_parameters() if id(p) in _optimized(trainer)),
             "stepped_dtypes": sorted(
                 {str(p.dtype) for p in trainer.optimizer.param_groups[0]["params"]}
                 | {str(state["exp_avg"].dtype) for state in trainer.optimizer.state.values()}

@@ -8,6 +8,7 @@ import math
 import socket
 from pathlib import Path
 
+import peft  # noqa: F401  (imported before the ranks fork, which then need not import it each)
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -36,9 +37,11 @@ def _spawn(tmp_path: Path, world: int, **spec) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-def _one_process(normalization: str, family: str = "llama", beta: float = 0.0) -> tuple[dict[str, torch.Tensor], float]:
+def _one_process(
+    normalization: str, family: str = "llama", beta: float = 0.0, lora: bool = False
+) -> tuple[dict[str, torch.Tensor], float]:
     """Parameters after the step and the gradient norm it reported (before clipping to 1)."""
-    trainer = make_trainer(normalization, family=family, beta=beta)
+    trainer = make_trainer(normalization, family=family, beta=beta, lora=lora)
     metrics = trainer.train_step(step_groups(trainer))
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, metrics.grad_norm
 
@@ -258,3 +261,26 @@ def test_a_checkpoint_resumes_on_another_mesh(tmp_path):
     for rank, result in enumerate(cp2):
         assert relative_l2(result["params"], expected) <= 1e-10, rank
         assert result["counters"] == (2, 2), rank
+
+
+@pytest.mark.parametrize(("family", "dp", "cp"), [("llama", 1, 2), ("glm_moe_dsa", 2, 1)])
+def test_a_lora_policy_sharded_with_fsdp2_equals_one_process(tmp_path, family, dp, cp):
+    """LoRA adapters (every linear layer; on glm_moe_dsa the MLA projections, the router and the routed experts too)
+    on a model FSDP2 shards over every rank: the frozen weights stay sharded and are gathered a layer at a time as a
+    fully trained model's (exact mode's wavefront walk at cp 2; each dp rank's lanes at dp 2), only the adapters'
+    gradients are reduced and only they get AdamW state; the step equals one process's (fp64), the frozen weights
+    unchanged."""
+    ranks = _spawn(tmp_path, dp * cp, dp=dp, cp=cp, normalization="group", fsdp=True, family=family, lora=True)
+    expected, _ = _one_process("group", family, lora=True)
+    initial = make_trainer("group", family=family, lora=True).model
+    frozen = {name for name, p in initial.named_parameters() if not p.requires_grad}
+    for rank, result in enumerate(ranks):
+        assert relative_l2(result["params"], expected) <= 1e-10, rank
+        assert result["stray_collectives"] == [], rank
+        assert all(torch.equal(result["params"][n], initial.get_parameter(n)) for n in frozen), rank
+        assert result["optimized"] and all(".lora_" in name for name in result["optimized"]), rank
+        assert 1 <= result["most_gathered"] <= min(prefetch_window(cp) + 1, 4), rank
+    adapters = [name for name in ranks[0]["sizes"] if ".lora_" in name]
+    for name in adapters:  # the adapters sharded too (dim 0 over every rank)
+        held, shape = [r["sizes"][name][0] for r in ranks], ranks[0]["sizes"][name][1]
+        assert held == [n * math.prod(shape[1:]) for n in held_rows(shape, dp * cp)], name

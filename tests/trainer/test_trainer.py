@@ -4,12 +4,15 @@ process — also when the process that wrote them was SIGKILLed right after, or 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import time
+import traceback
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -415,23 +418,55 @@ def _arm_kill(trainer: GRPOTrainer, when: str) -> None:
         raise ValueError(f"unknown kill point {when!r}")
 
 
-def _launch(spec: dict) -> subprocess.Popen:
+def _run_in_forks(specs: dict[str, dict]) -> dict[str, int]:
+    """Run the writers in parallel, each in a process forked from this one (they need no fresh process: only the
+    resumes do, and the children skip re-importing torch); their exit codes by name (None: still running after
+    300 s, then killed). A writer that fails leaves its traceback in ``spec["out"] + ".err"``."""
+    # spawn once CUDA is initialised here (a forked child could not use it)
+    context = multiprocessing.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    procs = {name: context.Process(target=_logged_worker, args=(spec,)) for name, spec in specs.items()}
+    for proc in procs.values():
+        proc.start()
+    deadline = time.monotonic() + 300
+    for proc in procs.values():
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    exits = {name: proc.exitcode for name, proc in procs.items()}
+    for proc in procs.values():
+        if proc.is_alive():  # no writer outlives the test
+            proc.kill()
+            proc.join()
+    return exits
+
+
+def _logged_worker(spec: dict) -> None:
+    try:
+        _worker(spec)
+    except BaseException:
+        Path(spec["out"] + ".err").write_text(traceback.format_exc())
+        raise
+
+
+def _resume_in_a_fresh_process(specs: dict[str, dict]) -> dict[str, str]:
+    """Run the resumes one after another in one fresh process (a new interpreter: nothing of the writers' processes
+    but the checkpoints reaches it); the tracebacks of those that failed, by name. Each resume builds a new trainer
+    and reseeds the global generators before loading, so what one leaves behind cannot stand in for what the next
+    one's checkpoint must restore: its RNG states, counters, parameters and AdamW state."""
     code = (
-        "import json, sys; sys.path[:0] = sys.argv[1:3]; "
-        "import test_trainer; test_trainer._worker(json.loads(sys.argv[3]))"
+        "import json, sys, traceback; sys.path[:0] = sys.argv[1:3]; import test_trainer\n"
+        "for spec in json.loads(sys.argv[3]):\n"
+        "    try:\n"
+        "        test_trainer._worker(spec)\n"
+        "    except Exception:\n"
+        "        open(spec['out'] + '.err', 'w').write(traceback.format_exc())\n"
     )
     paths = [str(TESTS), str(TESTS.parent / "support")]
-    return subprocess.Popen([sys.executable, "-c", code, *paths, json.dumps(spec)], stderr=subprocess.PIPE)
-
-
-def _run_all(specs: dict[str, dict]) -> dict[str, tuple[int, str]]:
-    """Run the workers in parallel; their exit codes and the tail of their stderr, by name."""
-    procs = {name: _launch(spec) for name, spec in specs.items()}
-    outcomes = {}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        outcomes[name] = (proc.returncode, err.decode()[-3000:])
-    return outcomes
+    done = subprocess.run(
+        [sys.executable, "-c", code, *paths, json.dumps(list(specs.values()))],
+        stderr=subprocess.PIPE, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = {name: Path(spec["out"] + ".err") for name, spec in specs.items()}
+    return {name: error.read_text()[-3000:] for name, error in errors.items() if error.exists()}
 
 
 KILL_POINTS = ["after_save", "in_state", "between_renames"]
@@ -442,7 +477,7 @@ class ResumeRuns:
     """Parameters and counters each finished worker wrote, by worker name; the uninterrupted run's checkpoint."""
 
     results: dict[str, tuple[dict[str, torch.Tensor], dict]] = field(repr=False)
-    failures: dict[str, str] = field(repr=False)  # resume workers that exited with an error: their stderr
+    failures: dict[str, str] = field(repr=False)  # resume workers that exited with an error: their traceback
     checkpoint: Path
 
     def finished(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -452,9 +487,10 @@ class ResumeRuns:
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory) -> ResumeRuns:
-    """Phase 1 (in parallel): an uninterrupted run that also saves at SAVE_AT, and one run per kill point that
-    is SIGKILLed at its save (for the mid-save kills, the save at SAVE_AT is complete and the next one is cut).
-    Phase 2 (in parallel): a fresh process per checkpoint resumes and runs to TOTAL_STEPS."""
+    """Phase 1 (in parallel, forked): an uninterrupted run that also saves at SAVE_AT, and one run per kill point
+    that is SIGKILLed at its save (for the mid-save kills, the save at SAVE_AT is complete and the next one is cut).
+    Phase 2: a fresh process resumes from each checkpoint in turn (the uninterrupted run's first) and runs to
+    TOTAL_STEPS."""
     root = tmp_path_factory.mktemp("resume")
     first = {"uninterrupted": {"steps": TOTAL_STEPS, "save_at": [SAVE_AT]}}
     for kill in KILL_POINTS:
@@ -462,16 +498,17 @@ def resume_runs(tmp_path_factory) -> ResumeRuns:
         first[kill] = {"steps": TOTAL_STEPS, "save_at": save_at, "kill": kill}
     for name, spec in first.items():
         spec.update(ckpt=str(root / name / "ckpt"), load=False, out=str(root / f"{name}.pt"))
-    outcomes = _run_all(first)
-    assert outcomes["uninterrupted"][0] == 0, outcomes["uninterrupted"][1]
+    exits = _run_in_forks(first)
+    uninterrupted_error = Path(first["uninterrupted"]["out"] + ".err")
+    assert exits["uninterrupted"] == 0, uninterrupted_error.read_text() if uninterrupted_error.exists() else exits
     for kill in KILL_POINTS:
-        assert outcomes[kill][0] == -signal.SIGKILL, outcomes[kill]
+        assert exits[kill] == -signal.SIGKILL, (kill, exits[kill])
 
     second = {
         f"resume-{name}": {**spec, "load": True, "save_at": [], "kill": None, "out": str(root / f"resume-{name}.pt")}
         for name, spec in first.items()
     }
-    failures = {name: err for name, (code, err) in _run_all(second).items() if code != 0}
+    failures = _resume_in_a_fresh_process(second)
     results = {
         name: (torch.load(spec["out"]), json.loads(Path(spec["out"] + ".json").read_text()))
         for name, spec in {**first, **second}.items()
