@@ -8,7 +8,14 @@ training time T, its rollout's own time R0 and its environment steps S; the dela
 rollout take about as long as a training step (2x is the ceiling of overlapping the two). ``longstraw train``'s loop
 then runs the same config ``--steps`` steps synchronously and with ``max_staleness`` 1 and 2 (``--rounds`` rounds,
 the order alternating), one after the other in this process, and compares their steps per minute: the loop's wall
-time from its start to its last metrics line (the first step's rollout, which nothing overlaps, included).
+time from its start to its last metrics line (the first step's rollout, which nothing overlaps, included). The
+speed-up is the median over rounds of each round's ratio to its synchronous loop (the shared machine's load moves
+from minute to minute; each run records its load average).
+
+Every loop trains with truncated importance weights (``trainer.loss.importance: tis``; ``--importance``). With the
+default, PPO's ratio clipped against the behaviour logprobs (``ratio``), the asynchronous loops stalled at this
+learning rate: a step moves most sampled tokens' probabilities past the clip range, so a step-old token whose
+advantage points the way the policy already moved gives no gradient.
 
 Held-out reward vs wall time: the policy's weights are copied every ``--eval-every`` steps (instrumentation, a few
 milliseconds), and after the runs each copy plays ``--eval-episodes`` held-out tasks (without the delay); the point is
