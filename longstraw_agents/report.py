@@ -122,11 +122,11 @@ def transcript_text(record: EpisodeRecord, max_text: int = 120) -> str:
         rows.append([*cells, _preview(seg.text, max_text)])
         if seg.tool_calls is not None:
             rows.append([""] * len(cells) + [f"tool_calls {_preview(_json(seg.tool_calls), max_text, quote=False)}"])
-    header = ["#", "role", "turn", "tokens", "loss", "logp", "text"]
+    columns = ["#", "role", "turn", "tokens", "loss", "logp", "text"]
     if versioned:
-        header[3:3] = ["version", "stale"]
+        columns[3:3] = ["version", "stale"]
     align = "rlr" + "rr" * versioned + "rrr"
-    lines.extend(_table(header, rows, align=align, indent="  "))
+    lines.extend(_table(columns, rows, align=align, indent="  "))
     if t.is_edited:
         lines.extend(_edits_lines(t))
     return "\n".join(lines)

@@ -56,7 +56,10 @@ class Generation:
 class Sampler(Protocol):
     """What the rollout loop needs of a policy."""
 
-    policy_version: int
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights it samples with (read only: the rollout loop records it)."""
+        ...
 
     def fork(self, prompt_ids: Sequence[int], n: int) -> list[Any]: ...
 
