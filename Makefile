@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # two workers, each taking whole test files: a module fixture (e.g. the 8 processes of the trainer's resume tests)
-# is then built once, not once per worker
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# is then built once, not once per worker; in the order tests/conftest.py puts them (the heavy files first), not
+# xdist's default of the files with the most tests first (it left one worker alone with the longest files at the end)
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: test test-fast demo lint format bench clean constraints gpu-wheels
 

@@ -376,7 +376,7 @@ def prefix_geometry(run: Run, name: str, task: Task, policy: str, settings: Sett
     loss, chunk = run.config.trainer.loss, run.config.trainer.chunk_size
     for length in lengths:
         kwargs = {**task.kwargs, task.prompt_length_argument: length}
-        env_factory = make_env_factory(task.env_id, kwargs, run.max_context)
+        env_factory = make_env_factory(task.env_id, kwargs, limits)
         cosines, distances, norms, own = [], [], [], 0
         for g in range(groups):
             with run.sampling(seed=eval_sampling_seed() + g) as sampler:

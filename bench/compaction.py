@@ -6,10 +6,16 @@ aggregated over the group as TRL's "dapo" — side by side in one run, on the sa
 The episodes come from the environment's own context policy (``ToolEnvConfig.context``): ``evict`` clears the
 oldest tool outputs, ``summary`` asks for a summary turn at a threshold. Each member plays the scripted solution with
 detours (before a scripted turn it opens a random document with probability ``--detour``, from its own generator),
-so the members of a group diverge and edit at different times; a member that runs out of turns gets reward 0.
-Printed per strategy: the episodes' logged tokens, their physical sequences and summed length (what the baseline
-evaluates), the forest's positions, both step times (the fastest of ``--repeats``) and the gradients' relative
-distance (they must agree).
+so the members of a group diverge and edit at different times; a member that runs out of turns gets reward 0. GRPO
+needs rewards that differ: where every episode earned the same reward (none solved the task, say) the bench says so
+and trains on a synthetic reward, 1 for even members and 0 for odd ones, recorded as such in the JSON.
+
+Printed per strategy: the episodes' logged tokens, their physical sequences and summed length, the forest's
+positions, and what each side actually evaluates, counted at the model's input embedding (every evaluation starts
+there): tokens run forward the first time, tokens run forward again inside exact mode's reverse walk
+(``Engine.backward``: recomputed), and tokens whose gradient reached the embedding (backward). Then both step times
+(the fastest of ``--repeats``), both peaks of live tensor bytes (``MemoryTracker``, a separate untimed run, the
+parameters' gradients excluded) and the gradients' relative distance (they must agree).
 
     python -m bench.compaction [--group 8] [--budget 4096] [--quick] [--out bench/results/compaction.json]
 """
@@ -17,10 +23,17 @@ distance (they must agree).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
+import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import gymnasium
 import numpy as np
@@ -28,10 +41,11 @@ import torch
 from transformers import PreTrainedModel
 
 import longstraw_agents.envs  # noqa: F401 - registers the LongStraw ids
-from bench.common import bench_model, flat_grad
+from bench.common import bench_model, flat_grad, materialise_grads
 from bench.peers import attention_implementation
-from longstraw_agents.engine import Engine
+from longstraw_agents.engine import Backward, Engine
 from longstraw_agents.envs import ToolEnv, run_episode, unwrap_tool_env
+from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.tools import format_tool_call
 from longstraw_agents.trainer import BackwardResult, LossConfig, grpo_backward_trajectories
 from longstraw_agents.trainer.loss import group_advantages
@@ -102,42 +116,155 @@ def per_sequence_backward(model: PreTrainedModel, episodes: list[Trajectory], re
             ((per_token * mask).sum() / total).backward()
 
 
-def timed(step: Callable[[], object], model: PreTrainedModel, repeats: int) -> tuple[float, object, torch.Tensor]:
-    """The fastest of ``repeats`` runs of ``step`` from zero gradients: seconds, its result, the gradient."""
-    best, result = float("inf"), None
+class TokenCounter:
+    """The tokens a model evaluates, counted at its input embedding, where every evaluation starts (the engine's and
+    transformers'): ``forward`` (first evaluations), ``recomputed`` (evaluations while ``recomputing``: exact mode's
+    reverse walk) and ``backward`` (tokens whose gradient reached the embedding: backpropagated through every
+    layer)."""
+
+    PHASES = ("forward", "recomputed", "backward")
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.embedding = model.get_input_embeddings()
+        self.counts: Counter[str] = Counter()
+        self.recomputing = False
+
+    @contextmanager
+    def counting(self) -> Iterator[Counter[str]]:
+        """Count the tokens evaluated inside the block (from zero)."""
+        self.counts = counts = Counter(dict.fromkeys(self.PHASES, 0))
+        handle = self.embedding.register_forward_hook(self._embedded)
+        try:
+            yield counts
+        finally:
+            handle.remove()
+
+    def _embedded(self, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        tokens, counts = inputs[0].numel(), self.counts
+        counts["recomputed" if self.recomputing else "forward"] += tokens
+        if output.requires_grad:
+            output.register_hook(lambda grad: counts.update(backward=tokens))
+
+
+class CountingEngine(Engine):
+    """The engine, telling ``counter`` when it evaluates inside a reverse walk (``backward``): those are
+    recomputations of tokens its captures evaluated before."""
+
+    def __init__(self, model: PreTrainedModel, counter: TokenCounter, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.counter = counter
+
+    def backward(self, *args: Any, **kwargs: Any) -> Backward:
+        self.counter.recomputing = True
+        try:
+            return super().backward(*args, **kwargs)
+        finally:
+            self.counter.recomputing = False
+
+
+def group_rewards(episodes: list[Trajectory]) -> dict:
+    """The rewards the group trains on: the episodes' own where they differ; otherwise (no advantage to train on)
+    a synthetic reward, 1 for even members and 0 for odd ones, with why."""
+    earned = [float(t.reward or 0.0) for t in episodes]
+    if len(set(earned)) > 1:
+        return {"earned": earned, "trained": earned, "synthetic": None}
+    why = "no episode earned a reward" if earned[0] == 0.0 else f"every episode earned the same reward {earned[0]:g}"
+    synthetic = [float(k % 2 == 0) for k in range(len(episodes))]
+    return {"earned": earned, "trained": synthetic, "synthetic": f"{why}: 1 for even members, 0 for odd ones"}
+
+
+def timed(step: Callable[[], object], model: PreTrainedModel, repeats: int) -> tuple[float, torch.Tensor]:
+    """The fastest of ``repeats`` runs of ``step`` from zero gradients: seconds, the gradient."""
+    best = float("inf")
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        result = step()
+        step()
         best = min(best, time.perf_counter() - start)
-    return best, result, flat_grad(model).double().clone()
+    return best, flat_grad(model).double().clone()
+
+
+def work_and_peak(step: Callable[[], object], model: PreTrainedModel, counter: TokenCounter) -> dict:
+    """One untimed run of ``step``: the tokens it evaluated per phase and its peak of live tensor bytes (the
+    parameters' gradients allocated before, so that neither side counts them)."""
+    materialise_grads(model)
+    with counter.counting() as counts, MemoryTracker() as tracker:
+        step()
+    return {"tokens": {phase: counts[phase] for phase in TokenCounter.PHASES}, "peak_bytes": tracker.peak_bytes}
+
+
+def evaluated(work: dict) -> int:
+    """Tokens run through the model, recomputations included."""
+    return work["tokens"]["forward"] + work["tokens"]["recomputed"]
 
 
 def measure(model: PreTrainedModel, strategy: str, episodes: list[Trajectory], chunk: int, repeats: int) -> dict:
-    rewards = [float(t.reward or 0.0) for t in episodes]
-    if len(set(rewards)) == 1:  # every member solved it (or none did): no advantage to train on
-        rewards[0] = 1.0 - rewards[0]
-    engine = Engine(model, chunk_size=chunk)
-    forest_seconds, stats, forest = timed(
-        lambda: grpo_backward_trajectories(engine, episodes, rewards, mode="exact", config=LossConfig()),
-        model,
-        repeats,
-    )
-    assert isinstance(stats, BackwardResult)
-    baseline_seconds, _, baseline = timed(lambda: per_sequence_backward(model, episodes, rewards), model, repeats)
+    rewards = group_rewards(episodes)
+    trained = rewards["trained"]
+    counter = TokenCounter(model)
+    engine = CountingEngine(model, counter, chunk_size=chunk)
+    result: list[BackwardResult] = []
+
+    def forest_step() -> None:
+        result[:] = [grpo_backward_trajectories(engine, episodes, trained, mode="exact", config=LossConfig())]
+
+    def per_sequence_step() -> None:
+        per_sequence_backward(model, episodes, trained)
+
+    forest_work = work_and_peak(forest_step, model, counter)
+    per_sequence_work = work_and_peak(per_sequence_step, model, counter)
+    forest_seconds, forest = timed(forest_step, model, repeats)
+    per_sequence_seconds, per_sequence = timed(per_sequence_step, model, repeats)
+    [stats] = result
     return {
         "strategy": strategy,
         "episodes": len(episodes),
+        "rewards": rewards,
         "edits": sum(len(t.edits) for t in episodes),
         "logged_tokens": sum(t.num_tokens for t in episodes),
         "longest_sequence": max(t.num_tokens_of(s.segments) for t in episodes for s in t.physical_sequences()),
         "sequences": stats.sequences,
         "sequence_tokens": stats.sequence_tokens,
-        "forest_tokens": stats.unique_tokens,
-        "forest_seconds": forest_seconds,
-        "per_sequence_seconds": baseline_seconds,
-        "gradient_distance": float((forest - baseline).norm() / baseline.norm()),
+        "forest_positions": stats.unique_tokens,
+        "forest_mode_forward_tokens": stats.forward_tokens,  # exact mode's own count, to check the counted one
+        "forest": forest_work | {"seconds": forest_seconds},
+        "per_sequence": per_sequence_work | {"seconds": per_sequence_seconds},
+        "gradient_distance": float((forest - per_sequence).norm() / per_sequence.norm()),
     }
+
+
+def tables(record: dict) -> list[str]:
+    """The markdown tables of a run's JSON: what each side evaluates, then its time and peak."""
+    lines = [
+        "| strategy | logged tokens | edits | physical sequences | their tokens | forest positions |"
+        " per-sequence forward / backward | forest forward / recomputed / backward |"
+        " evaluated, forest / per-sequence |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in record["rows"]:
+        ours, theirs = r["forest"]["tokens"], r["per_sequence"]["tokens"]
+        lines.append(
+            f"| {r['strategy']} | {r['logged_tokens']:,} | {r['edits']} | {r['sequences']} | "
+            f"{r['sequence_tokens']:,} | {r['forest_positions']:,} | {theirs['forward']:,} / {theirs['backward']:,} | "
+            f"{ours['forward']:,} / {ours['recomputed']:,} / {ours['backward']:,} | "
+            f"{evaluated(r['forest']) / evaluated(r['per_sequence']):.2f}× |"
+        )
+    lines += [
+        "",
+        "| strategy | per-sequence s | forest s | time, forest / per-sequence | per-sequence peak MiB |"
+        " forest peak MiB | peak, forest / per-sequence | gradient distance | rewards trained |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in record["rows"]:
+        ours, theirs = r["forest"], r["per_sequence"]
+        trained = "synthetic" if r["rewards"]["synthetic"] else "earned"
+        lines.append(
+            f"| {r['strategy']} | {theirs['seconds']:.1f} | {ours['seconds']:.1f} | "
+            f"{ours['seconds'] / theirs['seconds']:.2f}× | {theirs['peak_bytes'] / 2**20:.1f} | "
+            f"{ours['peak_bytes'] / 2**20:.1f} | {ours['peak_bytes'] / theirs['peak_bytes']:.2f}× | "
+            f"{r['gradient_distance']:.1e} | {trained} |"
+        )
+    return lines
 
 
 def main() -> None:
@@ -159,21 +286,22 @@ def main() -> None:
     for strategy, size in (QUICK if args.quick else FULL).items():
         episodes = compacting_group(strategy, size, budget, args.group, args.detour, args.seed)
         rows.append(measure(model, strategy, episodes, args.chunk, args.repeats))
+    record = {
+        "command": " ".join(["python -m bench.compaction", *sys.argv[1:]]),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"torch threads: {args.threads}",
+        "budget": budget,
+        "group": args.group,
+        "rows": rows,
+    }
     print(f"G = {args.group} NeedleSearch episodes, context budget {budget:,} tokens, tiny llama, exact mode")
-    print(
-        "| strategy | logged tokens | edits | physical sequences | their tokens | forest tokens | fewer |"
-        " per-sequence s | forest s | speed-up | gradient distance |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(
-            f"| {r['strategy']} | {r['logged_tokens']:,} | {r['edits']} | {r['sequences']} | "
-            f"{r['sequence_tokens']:,} | {r['forest_tokens']:,} | {r['sequence_tokens'] / r['forest_tokens']:.1f}× | "
-            f"{r['per_sequence_seconds']:.1f} | {r['forest_seconds']:.1f} | "
-            f"{r['per_sequence_seconds'] / r['forest_seconds']:.1f}× | {r['gradient_distance']:.1e} |"
-        )
+        if r["rewards"]["synthetic"]:
+            print(f"{r['strategy']}: {r['rewards']['synthetic']} (a synthetic reward, so that GRPO has a gradient)")
+    print("\n".join(tables(record)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"budget": budget, "group": args.group, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -45,14 +45,15 @@ class RolloutLimits:
     max_context: int | None = None
 
 
-def make_env_factory(env_id: str, env_kwargs: dict | None = None, max_context: int | None = None) -> EnvFactory:
-    """Environments of ``env_id``; with ``max_context``, their token budget never exceeds the model's context, so
-    an observation that would not fit ends the episode in the env (finish reason "max_tokens")."""
+def make_env_factory(env_id: str, env_kwargs: dict | None = None, limits: RolloutLimits | None = None) -> EnvFactory:
+    """Environments of ``env_id``; with ``limits.max_context``, their budget never exceeds what the model's context
+    allows (``model_budget``), so an observation that would not fit ends the episode in the env (finish reason
+    "max_tokens") or, with a context policy, makes the env edit its context while a turn still fits."""
     kwargs = dict(env_kwargs or {})
 
     def factory() -> gymnasium.Env:
         env = gymnasium.make(env_id, **kwargs)
-        capped = None if max_context is None else _capped_budget(unwrap_tool_env(env).config, max_context)
+        capped = None if limits is None else _capped_budget(unwrap_tool_env(env).config, limits)
         if capped is not None:
             env.close()
             env = gymnasium.make(env_id, **{**kwargs, **capped})
@@ -61,22 +62,42 @@ def make_env_factory(env_id: str, env_kwargs: dict | None = None, max_context: i
     return factory
 
 
-def _capped_budget(config: ToolEnvConfig, max_context: int) -> dict[str, Any] | None:
-    """The env kwargs that keep what the model holds within ``max_context`` (None: it already is): the whole
+def model_budget(config: ToolEnvConfig, limits: RolloutLimits) -> int | None:
+    """The largest budget the model's context allows the env (None: unlimited). Without a context policy the budget
+    is the whole episode's ``max_tokens``, turns included, so it may fill the context. A context policy's
+    ``max_context_tokens`` bounds the context after an observation, before the next turn: it leaves room for that
+    turn (``max_new_tokens``), else the turn after an edit that fills the budget is cut short."""
+    if limits.max_context is None:
+        return None
+    if config.context is None:
+        return limits.max_context
+    room = limits.max_context - limits.max_new_tokens
+    if room < 1:
+        raise ContextLimitError(
+            f"max_new_tokens={limits.max_new_tokens} leaves no room for a context budget in the model's context "
+            f"limit of {limits.max_context} tokens; lower sampling.max_new_tokens"
+        )
+    return room
+
+
+def _capped_budget(config: ToolEnvConfig, limits: RolloutLimits) -> dict[str, Any] | None:
+    """The env kwargs that keep what the model holds within the model's context (None: it already is): the whole
     episode's ``max_tokens``, or with a context policy its ``max_context_tokens`` (the episode may be longer)."""
+    cap = model_budget(config, limits)
+    if cap is None or _context_budget(config) <= cap:
+        return None
     context = config.context
     if context is None:
-        return None if config.max_tokens <= max_context else {"max_tokens": max_context}
-    if context.max_context_tokens <= max_context:
-        return None
+        return {"max_tokens": cap}
     strategy = context.strategy
-    if isinstance(strategy, SummaryTurn) and (strategy.highest_threshold() or 0) >= max_context:
+    if isinstance(strategy, SummaryTurn) and (strategy.highest_threshold() or 0) >= cap:
         raise ContextLimitError(
-            f"the summary threshold ({strategy.threshold}) is not below the model's context limit of {max_context} "
-            "tokens (model.max_context or the model config's max_position_embeddings), which caps "
-            f"context.max_context_tokens={context.max_context_tokens}; lower the threshold or max_context_tokens"
+            f"the summary threshold ({strategy.threshold}) is not below the model's context limit of "
+            f"{limits.max_context} tokens (model.max_context or the model config's max_position_embeddings) less a "
+            f"turn (max_new_tokens={limits.max_new_tokens}): {cap} tokens, which cap context.max_context_tokens="
+            f"{context.max_context_tokens}; lower the threshold or max_context_tokens"
         )
-    return {"context": {**context.model_dump(), "max_context_tokens": max_context}}
+    return {"context": {**context.model_dump(), "max_context_tokens": cap}}
 
 
 def _context_budget(config: ToolEnvConfig) -> int:
@@ -103,33 +124,39 @@ def start_group(
 ) -> list[_Member]:
     """``group_size`` environments reset to the task ``seed`` and the sampler's fork of their (shared) prompt."""
     envs = [unwrap_tool_env(env_factory()) for _ in range(group_size)]
-    if limits.max_context is not None and _context_budget(envs[0].config) > limits.max_context:
+    budget, cap = _context_budget(envs[0].config), model_budget(envs[0].config, limits)
+    if cap is not None and budget > cap:
         raise ValueError(
-            f"{envs[0].env_id}: the environment's context budget={_context_budget(envs[0].config)} exceeds the model's "
-            f"max_context={limits.max_context}, so observations could overflow the context; build the envs with "
-            "make_env_factory(env_id, kwargs, max_context)"
+            f"{envs[0].env_id}: the environment's context budget={budget} exceeds the {cap} tokens the model's "
+            f"max_context={limits.max_context} allows it (a context policy's budget leaves room for a turn of "
+            f"max_new_tokens={limits.max_new_tokens}), so observations could overflow the context; build the envs "
+            "with make_env_factory(env_id, kwargs, limits)"
         )
     options = {"group_id": group_id, "policy_version": sampler.policy_version}
-    prompts = [reset_prompt(env, seed, options, limits.max_context) for env in envs]
+    prompts = [reset_prompt(env, seed, options, limits) for env in envs]
     if any(not np.array_equal(p, prompts[0]) for p in prompts[1:]):
         raise RuntimeError(f"{envs[0].env_id}: reset(seed={seed}) gave different prompts; the env is not seeded")
     handles = sampler.fork(prompts[0].tolist(), group_size)
     return [_Member(env, handle) for env, handle in zip(envs, handles, strict=True)]
 
 
-def reset_prompt(env: ToolEnv, seed: int, options: dict | None = None, max_context: int | None = None) -> np.ndarray:
-    """``env.reset(seed=seed, options=options)``'s prompt. When the env's budget is the model's context (capped by
-    ``make_env_factory``), a prompt over it is a ContextLimitError that names the model's limit: the env's own
-    advice, "raise max_tokens", would have no effect."""
+def reset_prompt(
+    env: ToolEnv, seed: int, options: dict | None = None, limits: RolloutLimits | None = None
+) -> np.ndarray:
+    """``env.reset(seed=seed, options=options)``'s prompt. When the env's budget is what the model's context allows
+    (capped by ``make_env_factory``), a prompt over it is a ContextLimitError that names the model's limit: the env's
+    own advice, "raise max_tokens", would have no effect."""
     try:
         return env.reset(seed=seed, options=options)[0]
     except ValueError as err:
-        if max_context is None or _context_budget(env.config) < max_context:  # the env's own budget binds
+        cap = None if limits is None else model_budget(env.config, limits)
+        if limits is None or cap is None or _context_budget(env.config) < cap:  # the env's own budget binds
             raise
+        room = "" if env.config.context is None else f" less a turn (max_new_tokens={limits.max_new_tokens})"
         raise ContextLimitError(
-            f"{env.env_id}: the task's prompt does not fit the model's context limit of {max_context} tokens (set by "
-            "model.max_context or the model config's max_position_embeddings; it caps the env's max_tokens, so "
-            f"raising max_tokens has no effect). The environment said: {err}"
+            f"{env.env_id}: the task's prompt does not fit the model's context limit of {limits.max_context} tokens"
+            f"{room} (set by model.max_context or the model config's max_position_embeddings; it caps the env's "
+            f"budget, so raising max_tokens has no effect). The environment said: {err}"
         ) from err
 
 

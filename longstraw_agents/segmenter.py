@@ -309,9 +309,13 @@ def _fuse(node: Node, max_context: int, live: set[int]) -> tuple[Node, Node]:
 
 
 def episode_members(trajectory: Trajectory) -> list[Member]:
-    """One member per physical sequence of the episode (one for an episode that only appended): the sequence's
-    tokens, with loss on the assistant tokens generated under it."""
-    return [Member.from_rendered(trajectory.render_sequence(seq)) for seq in trajectory.physical_sequences()]
+    """One member per physical sequence of the episode that carries loss (one for an episode that only appended):
+    the sequence's tokens, with loss on the assistant tokens generated under it. A sequence without a loss token
+    (its turns' masks cleared) adds nothing to the loss and is left out of the forest; an episode with no loss token
+    at all keeps its last sequence, so that it stays a sample of its group."""
+    members = [Member.from_rendered(trajectory.render_sequence(seq)) for seq in trajectory.physical_sequences()]
+    with_loss = [member for member in members if member.num_loss_tokens]
+    return with_loss or members[-1:]
 
 
 def tree_from_trajectories(trajectories: Sequence[Trajectory]) -> PrefixTree:

@@ -282,10 +282,11 @@ class Trajectory:
 
     def physical_sequences(self, keep_empty: bool = False) -> list[PhysicalSequence]:
         """The contexts the policy conditioned on, in time order: one per edit plus the last. A context an edit
-        closed ends with the last segment generated under it (an assistant segment, or any with loss); one under
-        which nothing was generated (two edits in a row, an episode that ends on an edit) is left out (with nothing
-        generated at all, the last context alone is). ``keep_empty``: every context whole, as it was before each edit
-        and at the end."""
+        closed ends with the last segment generated under it (an assistant segment the policy wrote, or any with
+        loss); one under which nothing was generated (two edits in a row, such as a summary the environment wrote in
+        the assistant role followed at once by another edit, or an episode that ends on an edit) is left out (with
+        nothing generated at all, the last context alone is). ``keep_empty``: every context whole, as it was before
+        each edit and at the end."""
         edits = sorted(self.edits, key=lambda e: e.before)
         context: list[int] = []
         sequences: list[PhysicalSequence] = []
@@ -309,21 +310,28 @@ class Trajectory:
         sequences.append(PhysicalSequence(tuple(context), opened, len(self.segments)))
         if keep_empty:
             return sequences
-        generating = [self._conditioned(seq) for seq in sequences[:-1] if self._generated_under(seq)]
+        written = self._written_by_edits()
+        generating = [self._conditioned(seq, written) for seq in sequences[:-1] if self._generated_under(seq, written)]
         last = sequences[-1]
-        return [*generating, last] if self._generated_under(last) or not generating else generating
+        return [*generating, last] if self._generated_under(last, written) or not generating else generating
 
-    def _generates(self, segment: int) -> bool:
-        """An assistant segment, or any that carries loss: something the policy wrote."""
-        return self.segments[segment].role == "assistant" or bool(self.segments[segment].loss_mask.any())
+    def _written_by_edits(self) -> set[int]:
+        """The log segments an edit wrote (placeholders, summaries the environment wrote): context, whatever role."""
+        return {e.replacement for e in self.edits if e.replacement is not None and e.replacement == e.before}
 
-    def _generated_under(self, sequence: PhysicalSequence) -> bool:
-        return any(self._generates(k) for k in sequence.own())
+    def _generates(self, segment: int, written: set[int]) -> bool:
+        """Something the policy wrote: a segment that carries loss, or an assistant segment no edit wrote."""
+        if self.segments[segment].loss_mask.any():
+            return True
+        return self.segments[segment].role == "assistant" and segment not in written
 
-    def _conditioned(self, sequence: PhysicalSequence) -> PhysicalSequence:
+    def _generated_under(self, sequence: PhysicalSequence, written: set[int]) -> bool:
+        return any(self._generates(k, written) for k in sequence.own())
+
+    def _conditioned(self, sequence: PhysicalSequence, written: set[int]) -> PhysicalSequence:
         """A sequence an edit closed, up to its last generated segment: what was logged after it (the observation
         the edit answered) was never conditioned on there; it is read in the next sequence."""
-        last = max(k for k in sequence.own() if self._generates(k))
+        last = max(k for k in sequence.own() if self._generates(k, written))
         segments = sequence.segments[: sequence.segments.index(last) + 1]
         return PhysicalSequence(segments, sequence.opened, sequence.closed)
 

@@ -64,8 +64,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _heavy_files_first(items: list[pytest.Item]) -> None:
     """The files with a test marked ``distributed`` or ``slow`` first, each file's tests in their order: xdist
-    (``--dist loadfile``) hands out whole files in this order, so the long ones start early instead of leaving one
-    worker alone with the last of them."""
+    (``--dist loadfile --no-loadscope-reorder``, the Makefile's) hands out whole files in this order, so the long
+    ones start early instead of leaving one worker alone with the last of them."""
     heavy = {item.path for item in items if {"distributed", "slow"} & set(item.keywords)}
     items.sort(key=lambda item: item.path not in heavy)
 

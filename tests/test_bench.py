@@ -123,17 +123,39 @@ def test_capture_reuse_bench_measures_drift_per_step(tmp_path: Path) -> None:
 
 
 def test_compaction_bench_trains_the_forest_and_the_per_sequence_baseline_to_one_gradient(tmp_path: Path) -> None:
-    """Both strategies edit, the forest evaluates fewer tokens than the physical sequences hold, and the baseline
-    (transformers' forward per sequence) reaches the forest's gradient."""
+    """Both strategies edit; the baseline (transformers' forward per sequence) reaches the forest's gradient; the
+    tokens each side evaluates are counted at the embedding (exact mode's own count agrees, the baseline recomputes
+    nothing, the forest's shared prefixes run forward once and its reverse walk recomputes); both peaks are
+    measured; rewards are the episodes' own unless they all agree, and then a labelled synthetic one."""
     out = tmp_path / "compaction.json"
     stdout = run_module("bench.compaction", "--quick", "--group", "3", "--threads", "1", "--out", str(out))
-    assert "| strategy | logged tokens |" in stdout
-    rows = json.loads(out.read_text())["rows"]
+    assert "| strategy | logged tokens |" in stdout and "| strategy | per-sequence s |" in stdout
+    record = json.loads(out.read_text())
+    assert record["command"].startswith("python -m bench.compaction --quick") and record["date"] and record["machine"]
+    rows = record["rows"]
     assert [r["strategy"] for r in rows] == ["evict", "summary"]
     for r in rows:
-        assert r["edits"] > 0 and r["sequences"] > r["episodes"]
-        assert r["forest_tokens"] < r["sequence_tokens"] and r["logged_tokens"] > json.loads(out.read_text())["budget"]
+        assert r["edits"] > 0 and r["sequences"] > r["episodes"] and r["logged_tokens"] > record["budget"]
+        assert r["forest_positions"] < r["sequence_tokens"]
         assert r["gradient_distance"] < 1e-4
+        ours, theirs = r["forest"]["tokens"], r["per_sequence"]["tokens"]
+        assert theirs == {
+            "forward": r["sequence_tokens"] - r["sequences"],
+            "recomputed": 0,
+            "backward": theirs["forward"],
+        }
+        assert ours["forward"] + ours["recomputed"] == r["forest_mode_forward_tokens"]
+        assert ours["forward"] < theirs["forward"] and 0 < ours["recomputed"] < ours["forward"]
+        assert ours["backward"] == ours["forward"]
+        assert 0 < r["forest"]["peak_bytes"] < r["per_sequence"]["peak_bytes"]
+        assert r["forest"]["seconds"] > 0 and r["per_sequence"]["seconds"] > 0
+        rewards = r["rewards"]
+        assert len(set(rewards["trained"])) > 1 and len(rewards["earned"]) == r["episodes"]
+        if rewards["synthetic"] is None:
+            assert rewards["trained"] == rewards["earned"]
+        else:  # every episode earned the same: said, and trained on the synthetic reward
+            assert len(set(rewards["earned"])) == 1 and rewards["trained"] == [1.0, 0.0, 1.0]
+            assert f"{r['strategy']}: {rewards['synthetic']} (a synthetic reward" in stdout
 
 
 @pytest.fixture(scope="module")

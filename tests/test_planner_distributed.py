@@ -20,6 +20,7 @@ from rank_memory_worker import run
 
 import longstraw_agents.planner as planner
 from longstraw_agents.engine import EngineConfig
+from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.models.presets import TINY_PRESETS
 from longstraw_agents.planner import PlanRequest, plan_memory
 
@@ -56,6 +57,7 @@ def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -
             ),
             cp_rank=cp_rank, hsdp=spec["hsdp"], offload=spec["offload"], beta=spec.get("beta", 0.0),
             expert_parallel=spec.get("expert_parallel", False), expert_dispatch=spec.get("dispatched", False),
+            lora=LoraSpec(**spec["lora"]) if spec.get("lora") else None,
         )
     )  # fmt: skip
 
@@ -74,6 +76,8 @@ CASES = [
     pytest.param(STATE, 1, 2, "exact", "offload-replicated-walk", id="state-dp1xcp2-exact-offload-replicated-walk"),
     pytest.param(WEIGHTS, 1, 2, "detached", "kl-bfloat16", id="weights-dp1xcp2-detached-kl-mixed"),
     pytest.param(STATE, 1, 2, "exact", "kl", id="state-dp1xcp2-exact-kl"),
+    # (LoRA where weights dominate: 0.91 on rank 0, the step's graph over-planned; measured, not kept)
+    pytest.param(STATE, 1, 2, "exact", "lora", id="state-dp1xcp2-exact-lora"),
 ]  # fmt: skip
 
 
@@ -83,13 +87,15 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
     its state spread over the cp ranks; "kl-bfloat16" with mixed precision: its shards in bf16); "hsdp" (sharded
     over each dp rank's cp ranks); or "offload" (the shards, their gradients and AdamW's state on the host: the
     device's peak and the host's compared apart), with exact mode's replicated walk (every cp rank recomputes every
-    chunk, keeping no layer inputs) or not."""
+    chunk, keeping no layer inputs) or not; or "lora" (LoRA adapters r = 4 on every linear layer: the weights
+    frozen in their shards, gradients and AdamW's state for the adapters alone: 0.98 of the plan on rank 0)."""
     spec = {"family": "llama", "completion": 8, "group": 2, "dp": dp, "cp": cp, "mode": mode}
     spec |= {"hsdp": variant == "hsdp", "offload": str(variant).startswith("offload")}
     spec |= {"wavefront_walk": not str(variant).endswith("replicated-walk")}
     spec |= shape | {
         "compute_dtype": "bfloat16" if str(variant).endswith("bfloat16") else None,
         "beta": 0.1 if str(variant).startswith("kl") else 0.0,
+        "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"} if variant == "lora" else None,
     }
     _assert_as_planned(_measure(tmp_path, spec), [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(cp)])
 
@@ -110,7 +116,9 @@ def _assert_as_planned(ranks: list[dict], plans: list[planner.Plan]) -> None:
             assert abs(held[role] - planned) <= 0.15 * planned, (rank, role, held[role], planned)
         # gradient shards: one per parameter once the step has reduced them all (the size of the weight shards);
         # at the peak the plan holds only the decoder layers' (the root's gradient is whole until the step ends)
-        assert abs(held["gradients"] - plan.categories["weights"]) <= 0.15 * plan.categories["weights"], rank
+        # (a LoRA policy's: its adapters', as many as the rollout keeps between steps)
+        shards = plan.categories["weights"] if plan.request.lora is None else plan.rollout["gradients"]
+        assert abs(held["gradients"] - shards) <= 0.15 * shards, (rank, held["gradients"], shards)
         host = sum(plan.host.values())  # (offloaded: what the host holds, not the device)
         assert abs(measured["host_peak"] - host) <= 0.15 * max(host, measured["host_peak"]), (rank, measured, host)
         # the rollout between steps: the cp ranks sample together, each holding its share of the state

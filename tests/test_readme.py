@@ -207,3 +207,14 @@ def test_the_context_policy_snippet_builds_its_environment() -> None:
     built = gymnasium.make(env["id"], **env["kwargs"])
     solved = run_episode(built, ScriptedPolicy(built), seed=0)  # its default max_turns counts the summary turns
     assert solved.reward == 1.0 and sum(e.kind == "summary" for e in solved.edits) > 5
+
+
+def test_readme_quotes_the_compaction_tables_that_bench_compaction_measured() -> None:
+    """README's compaction tables are bench/results/compaction.json as ``bench.compaction`` prints them, with the
+    command and the date that produced it."""
+    from bench.compaction import tables
+
+    record = json.loads((ROOT / "bench" / "results" / "compaction.json").read_text())
+    assert f"`{record['command']}`" in README and record["date"] in README
+    for line in tables(record):
+        assert line in README, line

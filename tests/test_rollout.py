@@ -230,8 +230,8 @@ def test_groups_are_stored_whole_as_each_finishes(model, tokenizer, tmp_path: Pa
 def test_a_tight_context_ends_episodes_explicitly_and_the_store_records_why(model, tokenizer, tmp_path: Path):
     prompt_len = len(unwrap_tool_env(make_env_factory(ENV_ID, ENV_KWARGS)()).reset(seed=1)[0])
     max_context = prompt_len + MAX_NEW_TOKENS + 8  # room for one turn, not for its observation
-    factory = make_env_factory(ENV_ID, {**ENV_KWARGS, "max_turns": 3}, max_context)
     limits = RolloutLimits(MAX_NEW_TOKENS, max_context)
+    factory = make_env_factory(ENV_ID, {**ENV_KWARGS, "max_turns": 3}, limits)
     with Store.open(tmp_path / "trajectories.db") as store:
         groups = rollout_groups(factory, make_sampler(model, tokenizer), [1], G, limits, store=store, progress=False)
     db = sqlite_utils.Database(tmp_path / "trajectories.db")  # any SQLite reader can read the store
@@ -250,13 +250,14 @@ def test_envs_whose_budget_exceeds_the_model_context_are_refused(model, tokenize
     limits = RolloutLimits(MAX_NEW_TOKENS, max_context=1000)
     with pytest.raises(ValueError, match="max_context"):
         rollout_group(make_env_factory(ENV_ID, ENV_KWARGS), sampler, G, 1, "g0", limits)  # env budget 2048
-    fitted = rollout_group(make_env_factory(ENV_ID, ENV_KWARGS, 1000), sampler, G, 1, "g0", limits)
+    fitted = rollout_group(make_env_factory(ENV_ID, ENV_KWARGS, limits), sampler, G, 1, "g0", limits)
     assert all(t.num_tokens <= 1000 for t in fitted)
 
 
 def test_make_env_factory_caps_the_env_budget_at_the_context_and_never_raises_it():
     def budget(kwargs, max_context):
-        return unwrap_tool_env(make_env_factory(ENV_ID, kwargs, max_context)()).config.max_tokens
+        limits = RolloutLimits(MAX_NEW_TOKENS, max_context)
+        return unwrap_tool_env(make_env_factory(ENV_ID, kwargs, limits)()).config.max_tokens
 
     default = unwrap_tool_env(make_env_factory(ENV_ID, ENV_KWARGS)()).config.max_tokens
     assert budget(ENV_KWARGS, 500) == 500
@@ -314,7 +315,9 @@ def test_a_failure_mid_group_stores_no_part_of_that_group(model, tokenizer, tmp_
 
 def test_a_prompt_over_the_model_context_names_the_model_limit(model, tokenizer):
     sampler = make_sampler(model, tokenizer)
-    factory = make_env_factory(ENV_ID, ENV_KWARGS, max_context=16)  # the env budget is capped at the context
+    factory = make_env_factory(
+        ENV_ID, ENV_KWARGS, RolloutLimits(MAX_NEW_TOKENS, 16)
+    )  # the env budget is capped at the context
     with pytest.raises(ContextLimitError, match="model's context limit of 16 tokens"):
         rollout_group(factory, sampler, G, 0, "g", RolloutLimits(MAX_NEW_TOKENS, 16))
     with pytest.raises(ValueError, match="raise max_tokens") as err:  # the env's own budget: its advice stands
@@ -323,11 +326,39 @@ def test_a_prompt_over_the_model_context_names_the_model_limit(model, tokenizer)
     # a context budget of the env's own below the model's: its advice stands, whatever max_tokens is
     kwargs = {**ENV_KWARGS, "max_tokens": 100_000, "context": {"max_context_tokens": 16}}
     with pytest.raises(ValueError, match="more than context.max_context_tokens=16") as err:
-        rollout_group(make_env_factory(ENV_ID, kwargs, 4096), sampler, G, 0, "g", RolloutLimits(8, 4096))
+        rollout_group(
+            make_env_factory(ENV_ID, kwargs, RolloutLimits(8, 4096)), sampler, G, 0, "g", RolloutLimits(8, 4096)
+        )
     assert not isinstance(err.value, ContextLimitError)
     # the model's context caps a larger context budget (not max_tokens: the episode may be longer than the context)
-    capped = unwrap_tool_env(make_env_factory(ENV_ID, {**kwargs, "context": {"max_context_tokens": 9000}}, 512)())
-    assert capped.config.context.max_context_tokens == 512 and capped.config.max_tokens == 100_000
+    # and leaves room for the turn after an observation: the context less max_new_tokens
+    wide = {**kwargs, "context": {"max_context_tokens": 9000}}
+    capped = unwrap_tool_env(make_env_factory(ENV_ID, wide, RolloutLimits(MAX_NEW_TOKENS, 512))())
+    assert capped.config.context.max_context_tokens == 512 - MAX_NEW_TOKENS and capped.config.max_tokens == 100_000
+
+
+def test_a_context_policy_capped_by_the_model_leaves_room_for_the_next_turn(model, tokenizer):
+    """Capped at the whole context, an edit that fills the budget left the next turn no room (it was cut short);
+    capped at the context less max_new_tokens, every turn after an edit gets its full length."""
+    prompt = len(unwrap_tool_env(make_env_factory(ENV_ID, ENV_KWARGS)()).reset(seed=3)[0])
+    limits = RolloutLimits(MAX_NEW_TOKENS, prompt + 3 * MAX_NEW_TOKENS)
+    kwargs = {**ENV_KWARGS, "context": {"max_context_tokens": 100_000}}
+    env = unwrap_tool_env(make_env_factory(ENV_ID, kwargs, limits)())
+    assert env.config.context.max_context_tokens == limits.max_context - MAX_NEW_TOKENS
+    assert env.config.max_tokens == ENV_KWARGS.get("max_tokens", env.config.max_tokens)  # the episode may be longer
+    with pytest.raises(ContextLimitError, match="max_new_tokens=16 leaves no room"):
+        make_env_factory(ENV_ID, kwargs, RolloutLimits(MAX_NEW_TOKENS, MAX_NEW_TOKENS))()
+    summary = {
+        **ENV_KWARGS,
+        "context": {"max_context_tokens": 100_000, "strategy": {"kind": "summary", "threshold": 500}},
+    }
+    limit = r"not below the model's context limit of 20 tokens .* less a turn \(max_new_tokens=16\): 4 tokens"
+    with pytest.raises(ContextLimitError, match=limit):
+        make_env_factory(ENV_ID, summary, RolloutLimits(MAX_NEW_TOKENS, 20))()
+    sampler = make_sampler(model, tokenizer)
+    with pytest.raises(ValueError, match="leaves room for a turn"):  # an env built at the whole context is refused
+        whole = {**ENV_KWARGS, "context": {"max_context_tokens": limits.max_context}}
+        rollout_group(make_env_factory(ENV_ID, whole), sampler, G, 3, "g", limits)
 
 
 def test_an_unreachable_server_writes_no_episode(tokenizer, tmp_path: Path):

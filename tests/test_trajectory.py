@@ -214,6 +214,21 @@ def test_a_segment_the_environment_writes_into_an_edit_is_context() -> None:
     assert [s.segments for s in trajectory.physical_sequences()] == [(0, 1), (0, 3, 4)]
 
 
+def test_a_summary_the_environment_writes_followed_at_once_by_another_edit_opens_no_sequence() -> None:
+    """The summary is context (no loss, whatever its role); nothing was generated under the context it opened before
+    the next edit closed it, so that context is no physical sequence: every sequence left carries loss."""
+    trajectory = Trajectory(
+        [Segment("user", [1, 2]), Segment("assistant", [3, 4]), Segment("tool", [5]), Segment("tool", [6])]
+    )
+    trajectory.summarize([1, 2], Segment("assistant", [7, 8]))  # logged as 4
+    trajectory.evict([3], Segment("tool", [9]))  # logged as 5, at once
+    trajectory.append(Segment("assistant", [10]))
+    sequences = trajectory.physical_sequences()
+    assert [s.segments for s in sequences] == [(0, 1), (0, 4, 5, 6)]
+    assert all(trajectory.render_sequence(s).loss_mask.any() for s in sequences)
+    assert len(trajectory.physical_sequences(keep_empty=True)) == 3  # the store still replays every context
+
+
 def test_loss_on_a_segment_of_any_role_stays_in_the_sequence_it_was_written_under() -> None:
     trajectory = Trajectory([Segment("user", [1, 2]), Segment("assistant", [3, 4]), Segment("tool", [5, 6])])
     trajectory.evict([2], Segment("tool", [9]))

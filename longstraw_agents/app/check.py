@@ -158,16 +158,16 @@ def check_prompt_fits(config: TrainConfig, model_config: PretrainedConfig, token
     from longstraw_agents.app.seeds import task_seed
     from longstraw_agents.envs import unwrap_tool_env
     from longstraw_agents.models import context_limit
-    from longstraw_agents.rollout import make_env_factory, reset_prompt
+    from longstraw_agents.rollout import RolloutLimits, make_env_factory, reset_prompt
 
-    max_context = context_limit(model_config, config.model.max_context)
+    limits = RolloutLimits(config.sampling.max_new_tokens, context_limit(model_config, config.model.max_context))
     kwargs = {**config.env.kwargs, "tokenizer": tokenizer}
     try:  # the model's context caps the env's budget: a summary threshold above it cannot be kept
-        env = unwrap_tool_env(make_env_factory(config.env.id, kwargs, max_context)())
+        env = unwrap_tool_env(make_env_factory(config.env.id, kwargs, limits)())
     except ValueError as err:
         raise ConfigError(f"env: {err}") from None
     try:
-        reset_prompt(env, task_seed(config.seed, 0, 0), max_context=max_context)
+        reset_prompt(env, task_seed(config.seed, 0, 0), limits=limits)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     finally:

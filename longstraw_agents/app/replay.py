@@ -376,7 +376,8 @@ class Replayer:
         """``fork_group_size`` fresh envs of the logged episode's own env, each replayed to the start of ``turn``."""
         logged = record.trajectory
         kwargs = self.run.env_kwargs(logged_env_kwargs(logged, run_config))  # the policy's tokenizer
-        factory = make_env_factory(logged.env_id, kwargs, self.run.max_context)
+        limits = RolloutLimits(self.run.config.sampling.max_new_tokens, self.run.max_context)
+        factory = make_env_factory(logged.env_id, kwargs, limits)
         envs: list[ToolEnv] = []
         try:
             for _ in range(self.config.fork_group_size):

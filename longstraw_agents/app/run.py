@@ -52,7 +52,7 @@ from longstraw_agents.models import context_limit
 from longstraw_agents.models.lora import LoraTargetError, apply_lora, lora_layers, merged_copy
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
-from longstraw_agents.rollout import make_env_factory, reset_prompt
+from longstraw_agents.rollout import RolloutLimits, make_env_factory, reset_prompt
 from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import Store
 from longstraw_agents.torch_sampler import TorchSampler
@@ -155,7 +155,8 @@ class Run:
         model_config = check_model(config.model, self.tokenizer.vocab_size)
         self.model = build_policy(config.model, model_config, config.seed)
         self.max_context = max_context_of(self.model, config.model)
-        self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), self.max_context)
+        limits = RolloutLimits(config.sampling.max_new_tokens, self.max_context)
+        self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), limits)
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
         self.keep_marks = _evicts(self._check_prompt_fits())
         # Nothing is written before the configuration is known to run: a config error leaves no run directory, and a
@@ -327,7 +328,9 @@ class Run:
         the env's config, as the model's context capped it."""
         env = unwrap_tool_env(self.env_factory())
         try:
-            reset_prompt(env, self.task_seeds(0)[0], max_context=self.max_context)
+            reset_prompt(
+                env, self.task_seeds(0)[0], limits=RolloutLimits(self.config.sampling.max_new_tokens, self.max_context)
+            )
         except ValueError as err:
             raise ConfigError(str(err)) from None
         finally:

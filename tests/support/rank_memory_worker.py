@@ -22,6 +22,7 @@ from torch import nn
 from bench.agent_scale import agent_members
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
+from longstraw_agents.models.lora import LoraSpec, apply_lora
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
 from longstraw_agents.parallel.roles import step_roles
@@ -35,6 +36,8 @@ from longstraw_agents.trainer.group import Group, make_group
 def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelerator) -> GRPOTrainer:
     config = TINY_PRESETS[spec["family"]](**spec["model"])
     model = build_model(config, dtype=torch.float32, seed=0)
+    if spec.get("lora"):  # (as Run applies them: before the reference's copy and the sharding)
+        model = apply_lora(model, LoraSpec(**spec["lora"]))
     reference = copy.deepcopy(model) if spec.get("beta") else None  # (as Run copies it: before sharding)
     compute = getattr(torch, spec["compute_dtype"]) if spec["compute_dtype"] else None
     experts = spec.get("expert_parallel", False)

@@ -242,6 +242,25 @@ def test_batch_normalisation_pools_episodes_not_sequences():
     assert [len(g.members) for g in pooled] == [6, 5] and [len(g.rewards) for g in pooled] == [3, 3]
 
 
+def test_a_physical_sequence_without_loss_tokens_is_no_member_of_the_forest():
+    """A sequence whose turns carry no loss (masks cleared) adds nothing to the loss: it is left out of the forest
+    and of the counts; an episode without any loss token stays one member, a sample of its group."""
+    tokens = block_tokens()
+    shared = [Segment(BLOCKS[b][0], tokens[b]) for b in ("system", "task")]
+    masked = Segment("assistant", tokens["a1"], loss_mask=np.zeros(len(tokens["a1"]), bool))
+    episode = Trajectory([*shared, masked, Segment("tool", tokens["tool1"])])
+    episode.evict([3], Segment("tool", tokens["evicted"]))
+    episode.append(Segment("assistant", tokens["a2"]))
+    assert len(episode.physical_sequences()) == 2  # both were contexts the policy wrote under
+    [member] = episode_members(episode)
+    assert member.num_loss_tokens == len(tokens["a2"])
+    silent = Trajectory([*shared, masked])
+    assert len(episode_members(silent)) == 1
+    group = trajectory_group([episode, silent], [1.0, 0.0], LossConfig())
+    assert len(group.members) == 2 and group.episodes == [0, 1]
+    assert group.episode_loss_tokens() == [len(tokens["a2"]), 0]
+
+
 def test_an_edited_episode_is_never_taken_as_one_sequence():
     trajectory = play(SCRIPTS[0], block_tokens())
     with pytest.raises(ValueError, match="edited its context .* it is 2 physical sequences"):
