@@ -33,7 +33,9 @@ sequences are the contexts the policy conditioned on.
 The observation that ends an episode is empty: nothing follows the final action. A turn that does not end with a
 stop token (the sampler hit its length limit) is closed by the environment: the next observation starts with
 ``<|im_end|>``, so the context stays well-formed ChatML. Behaviour logprobs of an action can be given with
-``record_logprobs`` before ``step`` or in a dict action ``{"token_ids": ids, "logprobs": lps}``.
+``record_logprobs`` before ``step`` or in a dict action ``{"token_ids": ids, "logprobs": lps}``; the dict may also
+say which ``policy_version`` sampled the action (recorded on its segment: asynchronous GRPO's episodes hold turns of
+several versions).
 
 A task is a subclass that fills in a few hooks: ``make_task(rng)`` (deterministic given the generator),
 ``user_prompt(task)``, ``score(task, answer)`` and usually ``tools(task)``; ``system_prompt(task)`` and
@@ -42,6 +44,7 @@ A task is a subclass that fills in a few hooks: ``make_task(rng)`` (deterministi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -65,7 +68,8 @@ from .context import ContextChange, ContextConfig, Eviction, SummaryTurn, evicta
 TaskT = TypeVar("TaskT")
 
 Action = Sequence[int] | np.ndarray | Mapping[str, Any]
-"""Token ids of one assistant turn, or ``{"token_ids": ids, "logprobs": behaviour_logprobs}``."""
+"""Token ids of one assistant turn, or ``{"token_ids": ids, "logprobs": behaviour_logprobs, "policy_version": v}``
+(both optional)."""
 
 ToolExecutor = Callable[[ToolCall | ToolCallError], ToolResult]
 """What answers a parsed tool call (or a malformed one) with a result: the episode's registry by default."""
@@ -341,6 +345,9 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         action_segment = self.formatter.assistant(
             ids, turn, logprobs, tool_calls=[call.to_record() for call in calls] or None
         )
+        version = _action_version(action)
+        if version is not None:
+            action_segment = dataclasses.replace(action_segment, policy_version=version)
 
         # Everything is computed before the episode changes, so an error in a hook leaves the episode intact.
         if episode.num_tokens + len(action_segment) > self.config.max_tokens:  # over budget: even an answer
@@ -434,10 +441,11 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
     def _read_action(self, action: Action, episode: _Episode[TaskT]) -> tuple[np.ndarray, np.ndarray | None]:
         logprobs = episode.pending_logprobs
         if isinstance(action, Mapping):
-            unknown = sorted(set(action) - {"token_ids", "logprobs"})
+            unknown = sorted(set(action) - {"token_ids", "logprobs", "policy_version"})
             if unknown or "token_ids" not in action:
                 raise ValueError(
-                    f'a dict action has the keys "token_ids" and optionally "logprobs"; got {sorted(action)}'
+                    'a dict action has the keys "token_ids" and optionally "logprobs" and "policy_version"; got '
+                    f"{sorted(action)}"
                 )
             if action.get("logprobs") is not None:
                 if logprobs is not None:
@@ -667,3 +675,11 @@ def _as_score(value: float | Score) -> Score:
     if not math.isfinite(reward):
         raise ValueError(f"score() must return a finite reward, got {score.reward!r}")
     return Score(reward, score.details)
+
+
+def _action_version(action: Action) -> int | None:
+    """The policy version a dict action says sampled it (None: not said)."""
+    version = action.get("policy_version") if isinstance(action, Mapping) else None
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int | np.integer)):
+        raise TypeError(f"an action's policy_version is an integer, got {version!r}")
+    return None if version is None else int(version)

@@ -2,7 +2,9 @@
 
 The store answers the queries (``Store.totals``, ``env_totals``, ``finish_reasons``, ``records``...); this module only
 lays their answers out: aligned tables, one line per segment with its role, turn, token count, loss fraction, mean
-behaviour logprob and text (cut to ``max_text`` characters with its head and tail kept), tool calls under their turn.
+behaviour logprob and text (cut to ``max_text`` characters with its head and tail kept), tool calls under their turn;
+for an episode whose turns record the policy version that sampled them, that version and the turn's staleness
+(versions between it and the one that trained on the episode, ``info["train_version"]``).
 An episode that edited its context lists its physical sequences and one line per edit: where in the log it happened,
 what left the context and what took its place.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from longstraw_agents.store import EpisodeRecord, RunRecord, Store, StoreError
+from longstraw_agents.store import TRAIN_VERSION, EpisodeRecord, RunRecord, Store, StoreError
 from longstraw_agents.trajectory import ContextEdit, EditKind, Segment, Trajectory
 
 
@@ -112,15 +114,32 @@ def transcript_text(record: EpisodeRecord, max_text: int = 120) -> str:
     if t.info:
         lines.append(f"  info {_preview(_json(t.info), max_text, quote=False)}")
     rows = []
+    versioned = any(seg.policy_version is not None for seg in t.segments)
     for idx, seg in enumerate(t.segments):
         cells = [str(idx), seg.role, str(seg.turn), f"{len(seg):,}", _loss_fraction(seg), _mean_logprob(seg)]
+        if versioned:
+            cells[3:3] = _version_cells(seg, t.info.get(TRAIN_VERSION))
         rows.append([*cells, _preview(seg.text, max_text)])
         if seg.tool_calls is not None:
             rows.append([""] * len(cells) + [f"tool_calls {_preview(_json(seg.tool_calls), max_text, quote=False)}"])
-    lines.extend(_table(["#", "role", "turn", "tokens", "loss", "logp", "text"], rows, align="rlrrrr", indent="  "))
+    columns = ["#", "role", "turn", "tokens", "loss", "logp", "text"]
+    if versioned:
+        columns[3:3] = ["version", "stale"]
+    align = "rlr" + "rr" * versioned + "rrr"
+    lines.extend(_table(columns, rows, align=align, indent="  "))
     if t.is_edited:
         lines.extend(_edits_lines(t))
     return "\n".join(lines)
+
+
+def _version_cells(segment: Segment, trained_at: Any) -> list[str]:
+    """The version of the weights that sampled the segment, and how many versions older it was than those that
+    trained on it (asynchronous GRPO: a turn's staleness); "-" where unknown."""
+    version = segment.policy_version
+    if version is None:
+        return ["-", "-"]
+    stale = str(trained_at - version) if isinstance(trained_at, int) else "-"
+    return [str(version), stale]
 
 
 def _edits_lines(trajectory: Trajectory) -> list[str]:

@@ -248,7 +248,9 @@ def _budget(member: _Member, sampler: Sampler, limits: RolloutLimits) -> int:
 def _step(member: _Member, generation: Generation) -> tuple[list[int], dict[str, Any] | None] | None:
     """Step the member's env with its generation: None when its episode ended, else the observation and the
     context edit the env reports (``info["context_edit"]``, None when it only appended)."""
-    action = {"token_ids": generation.token_ids, "logprobs": generation.logprobs}
+    action: dict[str, Any] = {"token_ids": generation.token_ids, "logprobs": generation.logprobs}
+    if generation.policy_version is not None:
+        action["policy_version"] = generation.policy_version
     observation, _, terminated, truncated, info = member.env.step(action)
     if terminated or truncated:
         return None

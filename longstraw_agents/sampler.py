@@ -8,9 +8,10 @@ OpenAI-compatible completions server (vLLM, SGLang) with token-id prompts; ``Tor
 Served policy versions: SGLang (and ``CompletionServer``) report the version of the weights they serve, a string, as
 ``metadata.weight_version`` in every completion and from ``GET /model_info`` (older SGLang: ``GET
 /get_weight_version``); the trainer sets it to its policy version when it pushes weights (``weight_sync``). An
-``OpenAISampler``'s ``policy_version`` follows the versions its responses report, so an episode records the version
-that was served when it started; with ``pinned_version`` a response of another version is a ``SamplerError`` (a
-rollout is one policy's). A server that reports none (vLLM) leaves ``policy_version`` as given.
+``OpenAISampler``'s ``policy_version`` follows the versions its responses report, so an episode records the version that
+was served when it started and each turn (``Generation.policy_version``) the version that sampled it; with
+``pinned_version`` a response of another version is a ``SamplerError`` (a synchronous rollout is one policy's). A server
+that reports none (vLLM) leaves ``policy_version`` as given.
 
 Behaviour logprobs are the log-probabilities of the sampled tokens under the temperature-scaled distribution
 (before top-p truncation); train with ``LossConfig(temperature=...)`` equal to the sampling temperature.
@@ -43,17 +44,22 @@ class SamplingConfig(BaseModel):
 
 @dataclass
 class Generation:
-    """One assistant turn: the sampled ids (incl. the stop token when one was sampled) and their logprobs."""
+    """One assistant turn: the sampled ids (incl. the stop token when one was sampled), their logprobs and the
+    version of the weights that sampled them (None: unknown)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    policy_version: int | None = None
 
 
 class Sampler(Protocol):
     """What the rollout loop needs of a policy."""
 
-    policy_version: int
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights it samples with (read only: the rollout loop records it)."""
+        ...
 
     def fork(self, prompt_ids: Sequence[int], n: int) -> list[Any]: ...
 
@@ -85,6 +91,8 @@ class OpenAISampler:
     ``return_token_ids=true`` (SGLang), ``return_tokens_as_token_ids=true`` (vLLM), ``stop_token_ids``,
     ``skip_special_tokens=false``. The sampled ids are the choice's ``token_ids`` (SGLang) or else read from
     ``choices[0].logprobs.tokens`` (``"token_id:123"``, vLLM); ``token_logprobs`` are the behaviour logprobs.
+    ``versioned``: a response that does not report the weight version that sampled it is a ``SamplerError``
+    (asynchronous GRPO attributes every turn to a version).
     Transient failures (connection errors, timeouts, HTTP 429/5xx) are retried with exponential backoff; then a
     ``SamplerError`` says what failed. Point it at vLLM with
     ``vllm serve MODEL --port 8000`` and ``OpenAISampler("http://127.0.0.1:8000", model="MODEL", ...)``.
@@ -107,6 +115,7 @@ class OpenAISampler:
         client: Any | None = None,
         max_concurrency: int = 64,
         pinned_version: int | None = None,
+        versioned: bool = False,
     ):
         import httpx
 
@@ -117,6 +126,7 @@ class OpenAISampler:
         self.policy_version = policy_version
         self.served_versions: set[int] = set()  # the weight versions the responses reported
         self.pinned_version = pinned_version
+        self.versioned = versioned  # every response must say which weights sampled it
         self.max_retries, self.backoff_s = max_retries, backoff_s
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
@@ -235,14 +245,21 @@ class OpenAISampler:
             raise SamplerError(f"malformed completions response ({err!r}): {str(payload)[:300]}") from None
         if len(ids) != len(values):
             raise SamplerError(f"{len(ids)} tokens but {len(values)} logprobs in the response")
-        self._follow_version(payload.get("metadata"))
-        return Generation(ids, values, finish)
+        version = self._follow_version(payload.get("metadata"))
+        return Generation(ids, values, finish, self.policy_version if version is None else version)
 
-    def _follow_version(self, metadata: Any) -> None:
-        """Take the weight version a response reports (SGLang's ``metadata.weight_version``) as the policy version."""
+    def _follow_version(self, metadata: Any) -> int | None:
+        """Take the weight version a response reports (SGLang's ``metadata.weight_version``) as the policy version;
+        returns it (None: the response reports none)."""
         version = weight_version_number(metadata.get("weight_version")) if isinstance(metadata, dict) else None
         if version is None:
-            return
+            if self.versioned:
+                raise SamplerError(
+                    f"{self.base_url} says with no completion which weights sampled it (metadata.weight_version, a "
+                    "number): asynchronous GRPO (max_staleness) records each turn's version, so it needs a server that "
+                    "reports it (SGLang, CompletionServer)"
+                )
+            return None
         self.served_versions.add(version)
         if self.pinned_version is not None and version != self.pinned_version:
             raise SamplerError(
@@ -250,6 +267,7 @@ class OpenAISampler:
                 "changed during the rollout (something else loaded weights into the server)"
             )
         self.policy_version = version
+        return version
 
 
 def check_kept(old: Sequence[int], new: Sequence[int], kept: int) -> None:

@@ -7,7 +7,8 @@ Layout (plain column types, so ``sqlite-utils rows trajectories.db episodes`` an
   segment counts, ``info`` (JSON). Indexed on ``group_id``, ``run_id`` and ``policy_version`` for offline replay.
 - ``segments``: one row per segment, primary key ``(episode_id, idx)``. ``token_ids`` is a little-endian int32
   blob, ``loss_mask`` a uint8 blob (0/1), ``logprobs`` a little-endian float32 blob (NULL when unknown),
-  ``tool_calls`` JSON. Read a blob back with ``np.frombuffer(blob, "<i4")`` / ``"<f4"``. Nothing is pickled.
+  ``tool_calls`` JSON, ``policy_version`` the version of the weights that sampled the segment (an assistant turn;
+  NULL when unknown). Read a blob back with ``np.frombuffer(blob, "<i4")`` / ``"<f4"``. Nothing is pickled.
 - ``context_edits``: one row per ``ContextEdit`` of an episode that edited its context, primary key
   ``(episode_id, idx)`` with ``idx`` its place in ``Trajectory.edits``: ``before`` (the log length when it
   happened), ``removed`` (a JSON list of segment indices), ``replacement`` (a segment index, NULL for none), ``kind``.
@@ -62,7 +63,7 @@ from sqlite_utils import Database
 
 from longstraw_agents.trajectory import ROLES, ContextEdit, EditKind, Segment, Trajectory
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # "LSTR" in the SQLite header: marks the file as a longstraw store for `file(1)` and for `Store.open`.
 APPLICATION_ID = int.from_bytes(b"LSTR", "big")
 # Writers wait this long for the write lock before giving up; a commit takes milliseconds, so only a stuck
@@ -125,8 +126,11 @@ CREATE TABLE context_edits (
     PRIMARY KEY (episode_id, idx)
 );
 """
-_SCHEMA = _VERSION_1_SCHEMA + _CONTEXT_EDITS_SCHEMA
-_UPGRADES = {2: _CONTEXT_EDITS_SCHEMA}
+_TURN_VERSIONS_SCHEMA = """
+ALTER TABLE segments ADD COLUMN policy_version INTEGER;
+"""
+_SCHEMA = _VERSION_1_SCHEMA + _CONTEXT_EDITS_SCHEMA + _TURN_VERSIONS_SCHEMA
+_UPGRADES = {2: _CONTEXT_EDITS_SCHEMA, 3: _TURN_VERSIONS_SCHEMA}
 """The statements that turn a store of version ``v - 1`` into one of version ``v`` (a new store runs ``_SCHEMA``:
 version 1's tables and every upgrade's)."""
 
@@ -135,6 +139,9 @@ ESCAPED_SURROGATES = "store_escaped_surrogates"
 """The ``info`` key listing the id / reason fields whose lone surrogates ``add_episodes`` escaped (absent when none
 were)."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
+TRAIN_VERSION = "train_version"
+"""The ``info`` key of an episode a training run stored: the policy version that trained on it (a turn's staleness is
+that minus the version that sampled the turn, ``Segment.policy_version``)."""
 
 
 class StoreError(Exception):
@@ -374,6 +381,7 @@ def _segment_row(idx: int, segment: Segment) -> dict[str, Any]:
         "logprobs": _logprobs_to_blob(segment.logprobs),
         "text": _text_value(segment.text),
         "tool_calls": None if calls is None else _to_json(calls, what=f"segment {idx}"),
+        "policy_version": _int64(segment.policy_version, what=f"segment {idx} policy_version", optional=True),
     }
 
 
@@ -443,6 +451,7 @@ def _segment_from_row(episode_id: int, row: Mapping[str, Any]) -> Segment:
             turn=_stored_int(row["turn"], "turn"),
             text=text,
             tool_calls=_stored_tool_calls(row["tool_calls"]),
+            policy_version=_stored_version(row.get("policy_version")),  # (absent from a store read as version < 3)
         )
     except _Damaged as err:
         raise StoreError(f"episode {episode_id} segment {row['idx']} is damaged: {err}") from None
@@ -452,6 +461,10 @@ def _stored_int(value: Any, what: str) -> int:
     if not isinstance(value, int):
         raise _Damaged(f"{what} is {_sql_type(value)} where an integer belongs")
     return value
+
+
+def _stored_version(value: Any) -> int | None:
+    return None if value is None else _stored_int(value, "policy_version")
 
 
 def _stored_json(value: Any, what: str) -> Any:

@@ -19,6 +19,7 @@ top-p truncation); train with ``LossConfig(temperature=...)`` equal to the sampl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -166,7 +167,7 @@ class TorchSampler:
                 )
         handle.history.extend(turn.ids)
         self._mark(handle)
-        return turn.generation()
+        return turn.generation(self.policy_version)
 
     def generate_batch(
         self, handles: Sequence[TorchHandle], max_new_tokens: Sequence[int | None] | int | None = None
@@ -177,7 +178,7 @@ class TorchSampler:
         decoding = BatchDecoding(self, handles, max_new_tokens)
         while not decoding.done:
             decoding.step()
-        return decoding.generations()
+        return [dataclasses.replace(g, policy_version=self.policy_version) for g in decoding.generations()]
 
     def append(self, handle: TorchHandle, ids: Sequence[int]) -> None:
         """Extend the member's state with ``ids`` (an observation); with context parallelism, one long enough for
@@ -388,5 +389,5 @@ class _Turn:
             self.finish = "stop"
         self.done = stop or len(self.ids) >= self.limit
 
-    def generation(self) -> Generation:
-        return Generation(self.ids, self.logprobs, self.finish)
+    def generation(self, policy_version: int | None = None) -> Generation:
+        return Generation(self.ids, self.logprobs, self.finish, policy_version)

@@ -49,6 +49,8 @@ class Segment:
     others). ``logprobs`` are the behaviour policy's log-probabilities of the tokens when known (NaN where unknown).
     ``turn`` is the index of the agent turn the segment belongs to. ``text`` is the decoded text, for people;
     ``tool_calls`` records parsed calls (assistant) or results (tool), for people and for replay.
+    ``policy_version`` is the version of the weights that sampled the segment (an assistant turn; None when unknown or
+    not sampled): an episode that goes on across weight updates (asynchronous GRPO) holds turns of several versions.
     """
 
     role: Role
@@ -58,6 +60,7 @@ class Segment:
     turn: int = 0
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
+    policy_version: int | None = None
 
     # Written out (not generated with a __post_init__) so that the fields have their validated types: the arguments
     # may be lists or None, the fields are arrays (``loss_mask`` always).
@@ -70,6 +73,7 @@ class Segment:
         turn: int = 0,
         text: str = "",
         tool_calls: list[dict[str, Any]] | None = None,
+        policy_version: int | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
@@ -92,6 +96,7 @@ class Segment:
         object.__setattr__(self, "turn", turn)
         object.__setattr__(self, "text", text)
         object.__setattr__(self, "tool_calls", tool_calls)
+        object.__setattr__(self, "policy_version", None if policy_version is None else int(policy_version))
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -104,6 +109,7 @@ class Segment:
             and self.turn == other.turn
             and self.text == other.text
             and self.tool_calls == other.tool_calls
+            and self.policy_version == other.policy_version
             and np.array_equal(self.token_ids, other.token_ids)
             and np.array_equal(self.loss_mask, other.loss_mask)
             and _logprobs_equal(self.logprobs, other.logprobs)
@@ -134,6 +140,7 @@ class SegmentSpan:
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
     has_logprobs: bool = False
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -358,6 +365,7 @@ class Trajectory:
                     text=seg.text,
                     tool_calls=seg.tool_calls,
                     has_logprobs=seg.logprobs is not None,
+                    policy_version=seg.policy_version,
                 )
             )
             pos += len(seg)
@@ -389,6 +397,7 @@ class Trajectory:
                     turn=span.turn,
                     text=span.text,
                     tool_calls=span.tool_calls,
+                    policy_version=span.policy_version,
                 )
             )
             expected_start = span.end
@@ -413,4 +422,5 @@ def _as_context(segment: Segment) -> Segment:
         segment.turn,
         segment.text,
         segment.tool_calls,
+        segment.policy_version,
     )

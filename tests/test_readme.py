@@ -57,6 +57,20 @@ def test_readme_quotes_the_demo_figures_that_bench_demo_measured() -> None:
         assert run["rise"] >= target["rise"] and run["cpu_minutes"] <= target["cpu_minutes"] and run["meets_target"]
 
 
+def test_readme_quotes_the_async_grpo_speedups_that_bench_async_rollouts_measured() -> None:
+    """README's asynchronous GRPO table is bench/results/async.json (`python -m bench.async_rollouts`): each loop's
+    steps per minute in every round, its speed-up over the synchronous loop, and the run's date and tool delay."""
+    result = json.loads((ROOT / "bench" / "results" / "async.json").read_text())
+    assert "python -m bench.async_rollouts" in README and result["date"] in README
+    assert f"{1000 * result['tool_delay_s']:.0f} ms" in README
+    loops = {"sync": "synchronous", "async-1": "max_staleness 1", "async-2": "max_staleness 2"}
+    for mode, name in loops.items():
+        [row] = [line for line in README.splitlines() if line.startswith(f"| {name} |")]
+        rates = ", ".join(f"{runs[mode]['steps_per_minute']:.1f}" for runs in result["rounds"])
+        speedups = f"{result['speedup'][mode]:.2f}x | {result['steady_speedup'][mode]:.2f}x"
+        assert row.startswith(f"| {name} | {rates} | {speedups} |"), row
+
+
 def test_readme_has_no_unfilled_template_fields() -> None:
     assert not re.search(r"\{\{[A-Z_]+\}\}", README)
 

@@ -84,6 +84,24 @@ def test_transcript_of_an_episode(store: Store) -> None:
     assert "middle" in summary_text(store, episode=episode_id, max_text=0)
 
 
+def test_the_transcript_shows_each_turns_version_and_staleness(store: Store) -> None:
+    """An episode of asynchronous GRPO: its first turn sampled by version 3, its second by 4, trained on at 4."""
+    trajectory = Trajectory(
+        [
+            Segment("user", [1, 2], text="q"),
+            Segment("assistant", [3], logprobs=[-1.0], policy_version=3, text="a"),
+            Segment("tool", [4], text="r"),
+            Segment("assistant", [5], logprobs=[-2.0], policy_version=4, text="b"),
+        ],
+        group_id="g",
+        policy_version=3,
+        info={"train_version": 4},
+    )
+    lines = summary_text(store, episode=store.add_episode(trajectory)).splitlines()
+    assert lines[2].split() == ["#", "role", "turn", "version", "stale", "tokens", "loss", "logp", "text"]
+    assert [line.split()[3:5] for line in lines[3:]] == [["-", "-"], ["3", "1"], ["-", "-"], ["4", "0"]]
+
+
 def test_the_transcript_of_an_edited_episode_lists_its_sequences_and_edits(store: Store) -> None:
     trajectory = edited_trajectory()
     lines = summary_text(store, episode=store.add_episode(trajectory)).splitlines()

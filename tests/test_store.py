@@ -100,7 +100,7 @@ def test_wal_mode_schema_version_and_integrity(store: Store) -> None:
     store.add_episodes([make_trajectory(n) for n in range(5)])
     assert raw_query(store.path, "PRAGMA journal_mode") == [("wal",)]
     assert raw_query(store.path, "PRAGMA integrity_check") == [("ok",)]
-    assert raw_query(store.path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] and store.schema_version == 2
+    assert raw_query(store.path, "PRAGMA user_version") == [(SCHEMA_VERSION,)] and store.schema_version == 3
     assert raw_query(store.path, "PRAGMA application_id") == [(APPLICATION_ID,)]
     indexed = raw_query(
         store.path,
@@ -613,8 +613,27 @@ def test_a_store_missing_its_context_edits_table_is_damaged(tmp_path: Path) -> N
     path = tmp_path / "store.db"
     Store.open(path).close()
     raw_query(path, "DROP TABLE context_edits")
-    with pytest.raises(StoreError, match=r"damaged longstraw store: missing tables \['context_edits'\], version 2"):
+    with pytest.raises(StoreError, match=r"damaged longstraw store: missing tables \['context_edits'\], version 3"):
         Store.open(path)
+
+
+def test_each_turn_keeps_the_policy_version_that_sampled_it(store: Store) -> None:
+    """An episode that went on across weight updates (asynchronous GRPO): its turns' versions read back as written,
+    and a segment no policy sampled has none."""
+    trajectory = Trajectory(
+        segments=[
+            Segment("user", [1, 2]),
+            Segment("assistant", [3], logprobs=[-0.5], policy_version=4),
+            Segment("tool", [5]),
+            Segment("assistant", [6, 7], logprobs=[-1.0, -2.0], policy_version=5),
+        ],
+        group_id="g",
+        policy_version=4,
+    )
+    stored = store.get_episode(store.add_episode(trajectory))
+    assert stored == trajectory
+    assert [s.policy_version for s in stored.segments] == [None, 4, None, 5]
+    assert raw_query(store.path, "SELECT policy_version FROM segments ORDER BY idx") == [(None,), (4,), (None,), (5,)]
 
 
 # -- upgrading a store of schema version 1 -------------------------------------------------------------------------
@@ -698,13 +717,13 @@ def test_a_version_1_store_is_upgraded_in_place_when_opened(tmp_path: Path, crea
     originals = [make_trajectory(n) for n in range(6)]
     write_version_1_store(path, originals)
     with Store.open(path, create=create) as store:
-        assert store.schema_version == SCHEMA_VERSION == 2
+        assert store.schema_version == SCHEMA_VERSION == 3
         assert list(store.episodes()) == originals
         edited = edited_trajectory()
         assert store.get_episode(store.add_episode(edited, run_id="r1")) == edited
     Store.open(tmp_path / "new.db").close()
     assert schema(path) == schema(tmp_path / "new.db")  # exactly a new store's tables and indexes
-    assert raw_query(path, "PRAGMA user_version") == [(2,)]
+    assert raw_query(path, "PRAGMA user_version") == [(3,)]
     assert raw_query(path, "PRAGMA integrity_check") == [("ok",)]
     assert raw_query(path, "PRAGMA foreign_key_check") == []
     with Store.open(path, create=False) as store:  # and it opens as any store of this version

@@ -13,7 +13,7 @@ records), ``grpo`` (``backward_group``, ``grpo_backward``, ``grpo_backward_traje
 from longstraw_agents.trainer.config import GRPOConfig, OptimizerConfig
 from longstraw_agents.trainer.group import Group, make_group
 from longstraw_agents.trainer.grpo import backward_group, grpo_backward, grpo_backward_trajectories
-from longstraw_agents.trainer.loss import GRPOLoss, LossConfig, RatioLoss, TISLoss, group_advantages
+from longstraw_agents.trainer.loss import GRPOLoss, IcePopLoss, LossConfig, RatioLoss, TISLoss, group_advantages
 from longstraw_agents.trainer.metrics import BackwardResult, StepMetrics
 from longstraw_agents.trainer.modes import MODES, ModeName
 from longstraw_agents.trainer.trainer import GRPOTrainer
@@ -25,6 +25,7 @@ __all__ = [
     "GRPOLoss",
     "GRPOTrainer",
     "Group",
+    "IcePopLoss",
     "LossConfig",
     "ModeName",
     "OptimizerConfig",

@@ -14,10 +14,12 @@ value on-policy but differentiable, so each token's KL gradient gains ``beta * k
 that makes the k3 estimate unbiased for samples of the behaviour policy); ``use_bias_correction_kl=False`` gives
 plain k3, as TRL before 1.16.
 
-Off-policy data (offline replay) can instead use truncated importance sampling (``importance="tis"``, as verl's
-TIS): the ratio is taken w.r.t. the current policy (``l_old = l.detach()``) and each token's loss is weighted by
-``min(exp(l.detach() - l_behaviour), tis_cap)``. Log-probs are of ``softmax(logits / temperature)``, the
-distribution the sampler drew from.
+Off-policy data (offline replay, asynchronous GRPO) can instead use truncated importance sampling
+(``importance="tis"``, as verl's TIS): the ratio is taken w.r.t. the current policy (``l_old = l.detach()``) and each
+token's loss is weighted by ``min(exp(l.detach() - l_behaviour), tis_cap)``; or IcePop's masking
+(``importance="icepop"``, Ring-1T): the same weight where it lies within ``[icepop_low, icepop_high]`` and 0 outside,
+so a token the two policies disagree on too much contributes nothing instead of a truncated share. Log-probs are of
+``softmax(logits / temperature)``, the distribution the sampler drew from.
 
 The group's loss is ``Σ_i c_i Σ_t per_token``, where the aggregation sets the member weight ``c_i``:
 token-mean ``1 / Σ_j n_j`` (default), seq-mean ``1 / (G n_i)``, dr-grpo ``1 / (G L)`` with L a fixed
@@ -88,10 +90,14 @@ class LossConfig(BaseModel):
         description="multiply the k3 term by the differentiable ratio (TRL 1.16's default): adds beta·k3·∇logp",
     )
     temperature: float = Field(1.0, gt=0.0, description="log-probs of softmax(logits / temperature), as sampled")
-    importance: Literal["ratio", "tis"] = Field(
-        "ratio", description="ratio: behaviour logprobs as l_old; tis: truncated importance weights (offline)"
+    importance: Literal["ratio", "tis", "icepop"] = Field(
+        "ratio",
+        description="ratio: behaviour logprobs as l_old; tis: truncated importance weights; icepop: importance "
+        "weights masked to 0 outside [icepop_low, icepop_high] (off-policy data: offline replay, max_staleness)",
     )
     tis_cap: float = Field(2.0, gt=0.0, description="cap of the truncated importance weight (importance='tis')")
+    icepop_low: float = Field(0.5, gt=0.0, description="importance='icepop': smallest weight kept (IcePop's alpha)")
+    icepop_high: float = Field(5.0, gt=0.0, description="importance='icepop': largest weight kept (IcePop's beta)")
 
     @model_validator(mode="before")
     @classmethod
@@ -100,6 +106,12 @@ class LossConfig(BaseModel):
         if isinstance(data, dict) and data.get("aggregation") in TRL_LOSS_TYPES and "normalization" not in data:
             return {**data, "normalization": "batch"}
         return data
+
+    @model_validator(mode="after")
+    def _icepop_bounds_in_order(self) -> LossConfig:
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(f"icepop_low ({self.icepop_low:g}) must be below icepop_high ({self.icepop_high:g})")
+        return self
 
     @field_validator("aggregation", mode="before")
     @classmethod
@@ -274,7 +286,23 @@ class TISLoss(GRPOLoss):
         return loss * torch.clamp(torch.exp(current - behaviour), max=self.config.tis_cap)
 
 
-LOSSES: dict[str, type[GRPOLoss]] = {cls.importance: cls for cls in (RatioLoss, TISLoss)}
+class IcePopLoss(TISLoss):
+    """``importance="icepop"`` (IcePop, from Ring-1T): TIS's weight ``exp(l - l_behaviour)`` where it lies within
+    ``[icepop_low, icepop_high]``, and 0 outside (the token is masked, not truncated): a token whose behaviour
+    probability the current policy no longer agrees with carries no gradient."""
+
+    importance = "icepop"
+
+    def policy_loss(self, logp: Tensor, advantage: float | Tensor, behaviour: Tensor | None) -> Tensor:
+        loss = self.clipped(self.log_ratio(logp, behaviour), advantage)
+        if behaviour is None:
+            return loss
+        weight = torch.exp(logp.detach() - behaviour)
+        kept = (weight >= self.config.icepop_low) & (weight <= self.config.icepop_high)
+        return loss * torch.where(kept, weight, torch.zeros_like(weight))
+
+
+LOSSES: dict[str, type[GRPOLoss]] = {cls.importance: cls for cls in (RatioLoss, TISLoss, IcePopLoss)}
 
 
 def clip_fraction(logp: Tensor, old_logp: Tensor, config: LossConfig) -> Tensor:

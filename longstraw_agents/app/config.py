@@ -121,6 +121,12 @@ class TrainConfig(JobSpec):
     tokenizer: str = Field("longstraw-bpe", description="'longstraw-bpe' or a local HF tokenizer directory")
     policy: PolicySpec = Field(default_factory=PolicySpec)
     groups_per_step: int = Field(4, ge=1, le=TASK_STEP_STRIDE, description="GRPO groups (tasks) per optimizer step")
+    max_staleness: int | None = Field(
+        None,
+        description="asynchronous GRPO (app/async_rollouts.py): the next steps' rollouts overlap training, no token "
+        "trained on more than this many policy versions after the weights that sampled it (0: each step sampled by "
+        "its own weights, the synchronous loop's run); None: the synchronous loop",
+    )
     steps: int = Field(20, ge=0, description="optimizer steps")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     warm_start: WarmStartSpec | None = None
@@ -138,6 +144,16 @@ class TrainConfig(JobSpec):
     @property
     def group_size(self) -> int:
         return self.trainer.group_size
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_counts_versions(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(
+                f"max_staleness counts policy versions between the weights that sample a token and those that train "
+                f"on it: 0 or more, not {value} (leave it out for the synchronous loop)"
+            )
+        return value
 
     @field_validator("report_to", mode="before")
     @classmethod

@@ -93,12 +93,17 @@ class StepRecord(MetricsRecord):
 
     metrics: StepMetrics
     episode_tokens_mean: float
-    rollout_seconds: float | None = None  # online training: sampling the step's groups
+    rollout_seconds: float | None = None  # online training: sampling the step's groups (async: waiting for them)
     replay_seconds: float | None = None  # offline replay: the whole step
     solved_fraction: float | None = None
     finish_reasons: dict[str, int] | None = None
     rss_peak_bytes: int | None = None
     cuda_peak_bytes: int | None = None
+    # asynchronous GRPO (max_staleness): versions between the oldest weights that sampled a group's tokens and the
+    # step's (mean and max over the groups trained on), and the groups dropped beyond the bound
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    groups_dropped_stale: int | None = None
 
     def to_json(self) -> str:
         measured = self.model_dump(mode="json", exclude={"metrics"})

@@ -144,6 +144,8 @@ class Run:
             raise FileExistsError(f"{self.dir} already holds a run; pass --resume or choose another output_dir")
         if resume and not existing:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.dir}")
+        if resume:
+            _check_same_staleness(self.dir, config)
         if reference is not None and config.trainer.loss.beta > 0.0 and not reference.exists():
             raise FileNotFoundError(f"the run uses a KL penalty (beta > 0) but {reference} is missing")
         # cheap checks first, before any weights are built
@@ -398,6 +400,21 @@ class Run:
         elif self.ranks.writes:  # the others hold the same weights (same_weights)
             save_model(reference, str(path))
         return reference
+
+
+def _check_same_staleness(run_dir: Path, now: TrainConfig) -> None:
+    """A resumed run keeps the ``max_staleness`` it was started with: the steps it stored ahead of its checkpoint
+    (asynchronous GRPO trains them again from the store) were sampled under that bound, and a synchronous run's
+    store holds none of them."""
+    earlier = run_dir / "config.json"
+    if not earlier.is_file():
+        return
+    before = TrainConfig.model_validate_json(earlier.read_text()).max_staleness
+    if before != now.max_staleness:
+        raise ConfigError(
+            f"--resume: the run in {run_dir} was started with max_staleness={before}, this config says "
+            f"{now.max_staleness}: resume with max_staleness={before}, or start a new run in another output_dir"
+        )
 
 
 def _evaluated_steps(metrics: Path) -> set[int]:

@@ -1,6 +1,6 @@
 """A policy served by another process (``policy.served``): its sampler, and its weights kept equal to the trainer's.
 
-The loop stays synchronous, so every episode of a step is sampled by one weight version, the trainer's current one:
+In the synchronous loop every episode of a step is sampled by one weight version, the trainer's current one:
 
 - before anything is sampled (``ServedPolicy.sampler``) the server must serve the trainer's weights: they are pushed
   unless the server already reports the trainer's policy version and nothing in this process changed the weights
@@ -11,6 +11,9 @@ The loop stays synchronous, so every episode of a step is sampled by one weight 
   (``OpenAISampler`` follows the version each response reports);
 - the sampler is pinned to the version pushed: a response of another version (something else changed the
   server's weights) fails the rollout, so the run stops before training on it (``SamplerError``).
+
+Asynchronous GRPO (``max_staleness``, ``app.async_rollouts``) pushes while the server samples the next steps: its
+sampler (``following_sampler``) follows the versions the responses report, each turn recording its own.
 
 On a mesh (``ranks``) the writer (global rank 0) alone talks to the server; every rank takes part in assembling the
 weights a part at a time from their FSDP2 shards (``parallel.fsdp.whole_parts``: no device ever holds the whole
@@ -93,6 +96,25 @@ class ServedPolicy:
             pinned_version=policy_version,
         )
         return self._sampler
+
+    def following_sampler(
+        self, policy_version: int, stop_ids: Sequence[int], sampling: SamplingConfig
+    ) -> OpenAISampler:
+        """A sampler that follows the weight versions the server reports, each turn recording the one that sampled it,
+        and refuses a response that reports none: asynchronous GRPO's, whose pushes land while it samples. The
+        caller closes it (a push does not retire it)."""
+        spec = self.spec
+        return OpenAISampler(
+            spec.base_url,
+            stop_ids,
+            sampling,
+            model=spec.model,
+            policy_version=policy_version,
+            timeout_s=spec.timeout_s,
+            max_retries=spec.max_retries,
+            max_concurrency=spec.max_concurrency,
+            versioned=True,
+        )
 
     def bring_up_to_date(self, model: torch.nn.Module, policy_version: int) -> None:
         """Push ``model`` unless the server is known, or reports, to serve it at ``policy_version`` already."""

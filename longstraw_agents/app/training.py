@@ -9,6 +9,11 @@ groups it had already written.
 With a served policy (``policy.served``, ``app.served``) each step ends by pushing the new weights to the server,
 before its metrics line and checkpoint are written.
 
+With ``max_staleness`` set (``app.async_rollouts``) the next steps' rollouts run in a thread while a step trains; the
+loop takes each step's groups from it, stores them (one transaction per step, stale groups too), trains on those
+within the bound and hands the thread the new weights. Its metrics line says how stale the step's groups were
+and how many were dropped; ``rollout_seconds`` is then the time the loop waited for them.
+
 Under ``torchrun`` (``config.parallel``, ``app.distributed``): each dp rank rolls out its share of the step's tasks
 (every dp-th task seed, its own sampling seed) and trains on it; the groups are gathered to the writer, which stores
 each once (group ids ``step{k}-dp{r}-g{i}``, k counted from 1 as in the metrics) and writes one metrics line for the
@@ -24,12 +29,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from longstraw_agents.app.async_rollouts import AsyncRollouts, StepGroups, async_rollouts, stamp_train_version
 from longstraw_agents.app.config import TrainConfig
 from longstraw_agents.app.distributed import merged_step_metrics
 from longstraw_agents.app.records import EvalRecord, StepRecord
@@ -68,15 +74,21 @@ def _train(run: Run, config: TrainConfig, resume: bool) -> Path:
         with logging_redirect_tqdm():  # warnings print above the bars instead of through them
             if config.eval_episodes and completed == 0 and 0 not in evaluated:
                 run.emit(evaluate(run, config.eval_episodes))
-            for step in range(run.trainer.step_count, config.steps):
-                record = rollout_and_train(run, step, watch)
-                run.push_weights()  # a served policy: the server samples the new weights from the next step on
-                run.emit(record)
-                bar.set_postfix_str(step_postfix(record), refresh=False)
-                bar.update(1)
-                completed = step + 1
-                if completed % config.checkpoint_every == 0 or completed == config.steps:
-                    run.save_checkpoint()
+            steps = range(run.trainer.step_count, config.steps)
+            with async_rollouts(run, steps, lambda step, dp_rank: group_prefix(run, step, dp_rank)) as rollouts:
+                for step in steps:
+                    if rollouts is None:
+                        record = rollout_and_train(run, step, watch)
+                        run.push_weights()  # a served policy: the server samples the new weights from the next step on
+                    else:
+                        record = take_and_train(run, step, rollouts, watch)
+                        rollouts.publish()  # the rollout thread samples them from its next turn on
+                    run.emit(record)
+                    bar.set_postfix_str(step_postfix(record), refresh=False)
+                    bar.update(1)
+                    completed = step + 1
+                    if completed % config.checkpoint_every == 0 or completed == config.steps:
+                        run.save_checkpoint()
     except KeyboardInterrupt as interrupt:
         with _sigint_deferred():  # a second Ctrl-C must not cut the metrics line or the checkpoint short
             if isinstance(interrupt, _DeferredInterrupt) and interrupt.record is not None:
@@ -185,15 +197,56 @@ def rollout_and_train(run: Run, step: int, watch: LearningSignalWatch | None = N
     all_groups = groups if everyone is None else [g for part in everyone for g in part]
     if run.ranks.writes and watch is not None:
         watch.observe(all_groups, step)
+    return _train_on(run, groups, lambda metrics: _step_record(metrics, all_groups, rollout_s))
+
+
+def take_and_train(
+    run: Run, step: int, rollouts: AsyncRollouts, watch: LearningSignalWatch | None = None
+) -> StepRecord:
+    """Take the step's groups from the rollout thread (or, resumed, from the store), store them (the writer, one
+    transaction for the whole step, dropped groups too), then one optimizer step on the groups within the bound."""
+    taken = rollouts.take(step)
+    everyone = run.ranks.to_writer(taken) if run.ranks.mesh is not None else [taken]
+    if everyone is not None and not taken.stored:  # (a step read from the store is there already)
+        episodes = [t for part in everyone for g in part.every for t in g]
+        run.store.add_episodes(stamp_train_version(episodes, run.trainer.policy_version), run_id=run.run_id)
+    kept = taken.kept if everyone is None else [g for part in everyone for g in part.kept]
+    if run.ranks.writes and watch is not None:
+        watch.observe(kept, step)
+    if not taken.kept:
+        raise RuntimeError(
+            f"step {step + 1}: every group of this rank was sampled more than max_staleness="
+            f"{run.config.max_staleness} versions before version {run.trainer.policy_version}: nothing to train on"
+        )
+    return _train_on(run, taken.kept, lambda metrics: _async_step_record(metrics, kept, taken, everyone))
+
+
+def _train_on(run: Run, groups: list[list[Trajectory]], record: Callable[[StepMetrics], StepRecord]) -> StepRecord:
+    """One optimizer step on ``groups`` (an update is applied whole or not at all) and its metrics line."""
     try:
         with _sigint_deferred():  # an update is applied whole or not at all
             metrics = run.trainer.train_step([run.trainer.group_from_trajectories(g) for g in groups])
             metrics = _step_metrics(run, metrics, len(groups))
     except _DeferredInterrupt as interrupt:
         # The update was applied and the checkpoint will record it: its metrics line must not be lost.
-        interrupt.record = _step_record(metrics, all_groups, rollout_s)
+        interrupt.record = record(metrics)
         raise
-    return _step_record(metrics, all_groups, rollout_s)
+    return record(metrics)
+
+
+def _async_step_record(
+    metrics: StepMetrics, kept: list[list[Trajectory]], taken: StepGroups, everyone: list[StepGroups] | None
+) -> StepRecord:
+    """The step's line with its staleness: over every dp rank's groups on the writer (elsewhere this rank's)."""
+    parts = everyone if everyone is not None else [taken]
+    staleness = [s for part in parts for s in part.staleness]
+    return _step_record(metrics, kept, max(part.waited for part in parts)).model_copy(
+        update={
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "groups_dropped_stale": sum(len(part.dropped) for part in parts),
+        }
+    )
 
 
 def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
@@ -202,6 +255,7 @@ def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
     config, ranks = run.config, run.ranks
     prefix = group_prefix(run, step, ranks.dp_rank)
     groups: list[list[Trajectory]] = []
+    sink = _SkipStored(run.store, run.run_id, prefix, run.trainer.policy_version) if ranks.mesh is None else None
     with run.sampling(step) as sampler:  # every rank enters together (FSDP2's gathers, the cp ranks' engine)
         if sampler is not None:
             groups = rollout_groups(
@@ -211,7 +265,7 @@ def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
                 config.group_size,
                 RolloutLimits(config.sampling.max_new_tokens, run.max_context),
                 group_prefix=prefix,
-                store=_SkipStored(run.store, run.run_id, prefix) if ranks.mesh is None else None,
+                store=sink,
                 run_id=run.run_id,
                 progress=config.progress and ranks.writes,
             )
@@ -221,7 +275,7 @@ def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
 def _store_gathered(run: Run, step: int, everyone: list[list[list[Trajectory]]]) -> None:
     """The writer stores every dp rank's groups, each whole in one transaction (on resume, only what is not yet)."""
     for dp_rank, groups in enumerate(everyone):
-        sink = _SkipStored(run.store, run.run_id, group_prefix(run, step, dp_rank))
+        sink = _SkipStored(run.store, run.run_id, group_prefix(run, step, dp_rank), run.trainer.policy_version)
         for group in groups:
             sink.add_episodes(group, run_id=run.run_id)
 
@@ -316,9 +370,10 @@ class _SkipStored:
     """On resume, the interrupted step is rolled out again and reproduces the episodes already stored: write only
     the ones that are not (per group, in finishing order)."""
 
-    def __init__(self, store: Store, run_id: str, group_prefix: str):
+    def __init__(self, store: Store, run_id: str, group_prefix: str, train_version: int):
         self.store = store
         self.stored = store.group_sizes(run_id, group_prefix)
+        self.train_version = train_version
 
     def add_episodes(self, trajectories: list[Trajectory], run_id: str | None = None) -> list[int]:
         fresh = []
@@ -327,4 +382,4 @@ class _SkipStored:
                 self.stored[trajectory.group_id] -= 1
             else:
                 fresh.append(trajectory)
-        return self.store.add_episodes(fresh, run_id=run_id) if fresh else []
+        return self.store.add_episodes(stamp_train_version(fresh, self.train_version), run_id=run_id) if fresh else []

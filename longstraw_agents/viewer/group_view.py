@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from longstraw_agents.segmenter import Member, Node, PrefixTree, build_tree
-from longstraw_agents.store import EpisodeRecord
+from longstraw_agents.store import TRAIN_VERSION, EpisodeRecord
 from longstraw_agents.trajectory import SegmentSpan
 from longstraw_agents.viewer.tokens import TokenText
 
@@ -97,6 +97,8 @@ class Piece:
     segment_end: bool
     tool_calls: list[Any] | None  # the segment's calls (assistant) or results (tool), on the piece that ends it
     windows: list[Window]
+    policy_version: int | None = None  # the weights that sampled the segment (an assistant turn), when recorded
+    staleness: int | None = None  # versions between those and the weights that trained on the episode
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class MemberRow:
     advantage: float | None
     finish_reason: str
     policy_version: int
+    turn_versions: list[int]  # the versions that sampled its turns (asynchronous GRPO: several), in order
+    staleness: int | None  # versions between the oldest of them and the one that trained on it (None: unknown)
     seed: int | None
     tokens: int
     loss_tokens: int
@@ -369,7 +373,8 @@ def _branches(
     for k, cut in enumerate(cuts):
         member = group.members[shown_member[cut.branch]]
         shown = [member_window(member, lo, hi, text) for lo, hi in windows.get(k, [])]
-        pieces[cut.branch].append(_piece(cut, shown, limits))
+        trained_at = group.records[shown_member[cut.branch]].trajectory.info.get(TRAIN_VERSION)
+        pieces[cut.branch].append(_piece(cut, shown, limits, trained_at))
     children: list[list[int]] = [[] for _ in chains]
     for b, (parent, _) in enumerate(chains):
         if parent is not None:
@@ -401,7 +406,12 @@ def _branches(
     return branches, embedded
 
 
-def _piece(cut: _Cut, windows: list[Window], limits: ViewLimits) -> Piece:
+def _staleness(trained_at: Any, version: int | None) -> int | None:
+    """Versions between the weights that sampled a turn and those that trained on it (None: either unknown)."""
+    return trained_at - version if isinstance(trained_at, int) and version is not None else None
+
+
+def _piece(cut: _Cut, windows: list[Window], limits: ViewLimits, trained_at: Any = None) -> Piece:
     span = cut.span
     segment_end = cut.end == span.end
     calls = span.tool_calls if segment_end and span.tool_calls else None
@@ -416,6 +426,8 @@ def _piece(cut: _Cut, windows: list[Window], limits: ViewLimits) -> Piece:
         segment_end=segment_end,
         tool_calls=None if calls is None else _trimmed(calls, limits.tool_value_chars),
         windows=windows,
+        policy_version=span.policy_version,
+        staleness=_staleness(trained_at, span.policy_version),
     )
 
 
@@ -428,6 +440,7 @@ def _member_row(index: int, record: EpisodeRecord, group: LoadedGroup, advantage
         for result in segment.tool_calls or []
         if isinstance(result, dict) and result.get("truncated")
     )
+    versions = [s.policy_version for s in trajectory.segments if s.policy_version is not None]
     return MemberRow(
         index=index,
         episode=record.id,
@@ -435,6 +448,8 @@ def _member_row(index: int, record: EpisodeRecord, group: LoadedGroup, advantage
         advantage=advantage,
         finish_reason=trajectory.finish_reason,
         policy_version=trajectory.policy_version,
+        turn_versions=versions,
+        staleness=_staleness(trajectory.info.get(TRAIN_VERSION), min(versions, default=None)),
         seed=trajectory.seed,
         tokens=trajectory.num_tokens,
         loss_tokens=group.members[index].num_loss_tokens,

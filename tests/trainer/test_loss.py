@@ -12,6 +12,7 @@ from longstraw_agents.trainer.loss import (
     AGGREGATIONS,
     LOSSES,
     GRPOLoss,
+    IcePopLoss,
     LossConfig,
     RatioLoss,
     TISLoss,
@@ -182,9 +183,10 @@ def test_per_token_loss_broadcasts_advantages_per_member_row():
 
 def test_each_importance_variant_is_one_loss_class_chosen_from_the_config():
     names = set(LossConfig.model_fields["importance"].annotation.__args__)
-    assert names == set(LOSSES) == {"ratio", "tis"}
+    assert names == set(LOSSES) == {"ratio", "tis", "icepop"}
     assert type(GRPOLoss.from_config(LossConfig())) is RatioLoss
     assert type(GRPOLoss.from_config(LossConfig(importance="tis"))) is TISLoss
+    assert type(GRPOLoss.from_config(LossConfig(importance="icepop"))) is IcePopLoss
 
 
 # --- truncated importance sampling (offline replay) ------------------------------------------------------------
@@ -204,6 +206,21 @@ def test_truncated_importance_weights_an_on_policy_ratio():
 def test_truncated_importance_without_behaviour_logprobs_is_plain_on_policy():
     logp = torch.tensor([-0.5, -2.0], dtype=torch.float64)
     assert per_token(logp, 1.0, LossConfig(importance="tis")).tolist() == [-1.0, -1.0]
+
+
+def test_icepop_masks_the_tokens_whose_importance_weight_leaves_its_bounds():
+    """importance="icepop": TIS's weight exp(l - l_behaviour) inside [icepop_low, icepop_high], 0 outside (no
+    gradient at all from such a token, where TIS would truncate it to its cap)."""
+    config = LossConfig(importance="icepop", icepop_low=0.5, icepop_high=2.0)
+    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0], dtype=torch.float64, requires_grad=True)
+    behaviour = torch.tensor([-1.0, -1.5, -4.0, 0.0, float("nan")], dtype=torch.float64)
+    loss = per_token(logp, 2.0, config, old_logp=behaviour)
+    weights = [1.0, math.exp(0.5), 0.0, 0.0, 1.0]  # equal, inside, far above (e^3), below (e^-1), unknown: on-policy
+    assert loss.tolist() == pytest.approx([-2.0 * w for w in weights], rel=1e-12)
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-2.0 * w for w in weights], rel=1e-12)
+    with pytest.raises(pydantic.ValidationError, match="icepop_low"):
+        LossConfig(importance="icepop", icepop_low=2.0, icepop_high=2.0)
 
 
 # --- KL ---------------------------------------------------------------------------------------------------------

@@ -114,6 +114,22 @@ def test_pieces_follow_the_segments_and_show_tool_calls_where_a_segment_ends() -
     assert all(p.tool_calls is None for b in page.branches for p in b.pieces if p.role in ("system", "user"))
 
 
+def test_pieces_and_members_show_the_versions_that_sampled_their_turns_and_how_stale() -> None:
+    """Asynchronous GRPO: a member whose first turn version 3 sampled and its second version 4, trained on at 4."""
+    trajectories = calculator_group()
+    for t in trajectories:
+        turns = [k for k, s in enumerate(t.segments) if s.role == "assistant"]
+        for k, version in zip(turns, (3, 4), strict=False):
+            t.segments[k] = dataclasses.replace(t.segments[k], policy_version=version)
+        t.info["train_version"] = 4
+    page = group_page(loaded(trajectories), TEXT, ViewLimits())
+    shown = {(p.role, p.segment, p.policy_version, p.staleness) for b in page.branches for p in b.pieces}
+    assert ("assistant", 2, 3, 1) in shown and ("assistant", 4, 4, 0) in shown and ("tool", 3, None, None) in shown
+    assert [(m.turn_versions, m.staleness) for m in page.members][:2] == [([3, 4], 1), ([3, 4], 1)]
+    plain = group_page(loaded(calculator_group()), TEXT, ViewLimits())
+    assert {(m.staleness, tuple(m.turn_versions)) for m in plain.members} == {(None, ())}
+
+
 def test_windows_hold_the_members_text_loss_mask_and_logprobs() -> None:
     trajectories = calculator_group()
     page = group_page(loaded(trajectories), TEXT, ViewLimits())

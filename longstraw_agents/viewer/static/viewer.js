@@ -272,6 +272,13 @@
     applyFocus();
   }
 
+  // the versions that sampled a member's turns: one, or the range an episode spanned across weight updates
+  function versionsText(m) {
+    const versions = m.turn_versions.length ? m.turn_versions : [m.policy_version];
+    const lo = Math.min(...versions), hi = Math.max(...versions);
+    return lo === hi ? `${lo}` : `${lo}–${hi}`;
+  }
+
   function membersTable(g) {
     const rows = g.members.map((m) => el('tr', {
       'data-member': m.index, onclick: () => toggleFocus(m.index),
@@ -279,11 +286,12 @@
     el('td', { text: `#${m.index}` }), el('td', { text: m.episode }), el('td', { text: num(m.reward) }),
     el('td', { class: advClass(m.advantage), text: signed(m.advantage) }),
     el('td', {}, el('span', { class: 'finish ' + m.finish_reason, text: m.finish_reason })),
-    el('td', { text: m.policy_version }), el('td', { text: count(m.tokens) }), el('td', { text: count(m.loss_tokens) }),
+    el('td', { text: versionsText(m) }), el('td', { text: m.staleness ?? '—' }),
+    el('td', { text: count(m.tokens) }), el('td', { text: count(m.loss_tokens) }),
     el('td', { text: m.has_logprobs ? 'yes' : 'no' }),
     el('td', { class: m.truncated_tool_outputs ? 'adv-neg' : '', text: m.truncated_tool_outputs })));
     const table = el('table', { class: 'members' },
-      el('thead', {}, el('tr', {}, ['member', 'episode', 'reward', 'advantage', 'finish', 'version', 'tokens', 'loss tokens', 'logprobs', 'truncated tool outputs'].map((h) => el('th', { text: h })))),
+      el('thead', {}, el('tr', {}, ['member', 'episode', 'reward', 'advantage', 'finish', 'version', 'stale', 'tokens', 'loss tokens', 'logprobs', 'truncated tool outputs'].map((h) => el('th', { text: h })))),
       el('tbody', {}, rows));
     // a large group's table starts closed: the tree's leaves show each member's reward and advantage too
     return el('details', { class: 'members-box', open: g.members.length <= OPEN_MEMBER_ROWS },
@@ -379,6 +387,8 @@
       },
     }, toggle, el('span', { class: 'role', text: what }), ` · turn ${piece.turn} · segment ${piece.segment} · ${count(length)} tokens`,
     piece.loss_tokens ? ` · ${count(piece.loss_tokens)} loss` : '',
+    piece.policy_version === null ? '' : ` · sampled by v${piece.policy_version}`
+      + (piece.staleness === null ? '' : ` (${piece.staleness} stale)`),
     piece.segment_start ? null : el('span', { class: 'badge', text: 'continues' }),
     calls.length ? el('span', { class: 'badge', text: piece.role === 'tool' ? `${calls.length} result${calls.length > 1 ? 's' : ''}` : `${calls.length} tool call${calls.length > 1 ? 's' : ''}` }) : null,
     truncated.length ? el('span', { class: 'badge warn', text: `truncated (${truncated.map((c) => count(c.original_length ?? 0)).join(', ')} chars)` }) : null);
