@@ -349,13 +349,11 @@ def test_an_async_run_refuses_a_server_that_cannot_update_its_weights(
     assert main(["train", str(config)]) == 2
     err = capsys.readouterr().err  # (above it: the bar of transformers' save_pretrained, writing the push)
     assert err.count("error:") == 1
-    assert (
-        err.strip()
-        .splitlines()[-1]
-        .startswith(
-            f"error: max_staleness: asynchronous GRPO loads each step's weights into the server while it samples, but "
-            f"{server.url} cannot update its weights: {server.url}/update_weights_from_disk: no such endpoint (HTTP 404)"
-        )
+    said = err.strip().splitlines()[-1]
+    assert said.startswith(
+        "error: max_staleness: asynchronous GRPO loads each step's weights into the server while it samples, but "
+        f"{server.url} cannot update its weights: {server.url}/update_weights_from_disk: no such endpoint "
+        "(HTTP 404)"
     )
     assert not (tmp_path / "run" / "checkpoint").exists()  # no step ran: the same command runs once it is fixed
 
