@@ -27,7 +27,7 @@ from viewer_stores import write_run_directory
 
 from longstraw_agents.app import run as app_run
 from longstraw_agents.cli import EXIT_BROKEN_PIPE, build_parser, main
-from longstraw_agents.store import Store
+from longstraw_agents.store import SCHEMA_VERSION, Store
 from longstraw_agents.trajectory import Segment, Trajectory
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -379,7 +379,7 @@ def run_inspect(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
 def test_inspect_summarises_the_store(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_inspect(capsys, str(db))
     assert code == 0 and err == ""
-    assert f"store {db} (schema v2)" in out
+    assert f"store {db} (schema v{SCHEMA_VERSION})" in out
     assert "episodes 4  groups 2  tokens 40  policy versions 0..2" in out
     env_line = next(line for line in out.splitlines() if line.startswith("LongStraw/Calculator-v0"))
     assert env_line.split()[1:] == ["4", "2", "40", "0.625", "0.000", "1.000"]
