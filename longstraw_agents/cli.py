@@ -438,14 +438,37 @@ def _plan_flags(args: argparse.Namespace) -> int:
 
     from longstraw_agents.plan_shape import PlanShape, model_problem
 
-    job = {
-        name: default if getattr(args, name) is None else getattr(args, name)
-        for name, (_, default) in _JOB_FLAGS.items()
-    }
+    job = _flags_job(args)
     problem = model_problem(job["model"])
     if problem is not None:
         return _fail(f"invalid plan:\n  --model: {problem}")
-    shape = dict(
+    try:  # the arguments first, without torch: importing it and transformers takes seconds of CPU
+        PlanShape(**_flags_shape(args, job))
+    except ValidationError as err:
+        return _fail(_plan_errors(err))
+    return _run_plan(args, lambda: _flags_request(args, job), assumed=_assumed(args, job))
+
+
+def flags_plan_request(argv: Sequence[str]) -> PlanRequest:
+    """The ``PlanRequest`` that ``longstraw plan ARGV`` (without ``--config``) plans: for scripts that tabulate plans,
+    such as ``bench.planner``, so that their rows are the commands README shows."""
+    args = build_parser().parse_args(["plan", *argv])
+    if args.config is not None:
+        raise ValueError("flags_plan_request: the flags' job only (no --config)")
+    return _flags_request(args, _flags_job(args))
+
+
+def _flags_job(args: argparse.Namespace) -> dict[str, Any]:
+    """The job of the flags: each given flag, the published configuration's value where it is silent."""
+    return {
+        name: default if getattr(args, name) is None else getattr(args, name)
+        for name, (_, default) in _JOB_FLAGS.items()
+    }
+
+
+def _flags_shape(args: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any]:
+    """The workload's shape and the mesh (``PlanShape``'s fields), checked without torch."""
+    return dict(
         model=job["model"], context=_quantity("2.1M") if args.context is None else args.context, group=job["group"],
         completion=job["completion"], history=args.history, turns=args.turns, gpus=job["gpus"],
         gpu_mem_bytes=args.gpu_mem, cp=job["cp"], dp=job["dp"], fsdp=job["fsdp"], mode=job["mode"],
@@ -453,25 +476,21 @@ def _plan_flags(args: argparse.Namespace) -> int:
         groups_per_rank=job["groups_per_rank"], hsdp=job["hsdp"], expert_parallel=job["expert_parallel"],
         expert_dispatch=job["expert_dispatch"],
     )  # fmt: skip
-    try:  # the arguments first, without torch: importing it and transformers takes seconds of CPU
-        PlanShape(**shape)
-    except ValidationError as err:
-        return _fail(_plan_errors(err))
 
-    def request() -> PlanRequest:
-        import torch
 
-        from longstraw_agents.planner import PLAN_ENGINE, PlanRequest
+def _flags_request(args: argparse.Namespace, job: dict[str, Any]) -> PlanRequest:
+    import torch
 
-        engine = PLAN_ENGINE.updated(
-            **_engine_flags(args), sharded_extends=shape["expert_dispatch"] or not shape["expert_parallel"]
-        )
-        return PlanRequest(
-            **shape, dtype=getattr(torch, job["dtype"]), engine=engine,
-            mixed_precision=False if job["no_mixed_precision"] else None,
-        )  # fmt: skip
+    from longstraw_agents.planner import PLAN_ENGINE, PlanRequest
 
-    return _run_plan(args, request, assumed=_assumed(args, job))
+    shape = _flags_shape(args, job)
+    engine = PLAN_ENGINE.updated(
+        **_engine_flags(args), sharded_extends=shape["expert_dispatch"] or not shape["expert_parallel"]
+    )
+    return PlanRequest(
+        **shape, dtype=getattr(torch, job["dtype"]), engine=engine,
+        mixed_precision=False if job["no_mixed_precision"] else None,
+    )  # fmt: skip
 
 
 def _engine_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -218,3 +218,24 @@ def test_readme_quotes_the_compaction_tables_that_bench_compaction_measured() ->
     assert f"`{record['command']}`" in README and record["date"] in README
     for line in tables(record):
         assert line in README, line
+
+
+def test_readme_quotes_the_agent_target_that_bench_planner_planned() -> None:
+    """README's agent table is what ``bench.planner --agents`` wrote, each row planned from a command README's shape
+    names (the JSON holds each row's request: the CLI's parser must still make the same one of the command)."""
+    from dataclasses import asdict
+
+    from bench.planner import AGENT_COMMANDS, agent_table
+    from longstraw_agents.cli import flags_plan_request
+
+    record = json.loads((ROOT / "bench" / "results" / "planner_agents.json").read_text())
+    assert agent_table(record) in README
+    assert {label: row["command"] for label, row in record["rows"].items()} == AGENT_COMMANDS
+    for row in record["rows"].values():
+        request = asdict(flags_plan_request(row["command"].split()))
+        stored = row["request"]
+        assert {k: stored[k] for k in ("context", "history", "turns", "group", "gpus", "mode", "offload")} == {
+            k: request[k] for k in ("context", "history", "turns", "group", "gpus", "mode", "offload")
+        }
+        assert stored["engine"]["wavefront_walk"] == request["engine"].wavefront_walk
+    assert "python -m bench.planner --agents" in README
