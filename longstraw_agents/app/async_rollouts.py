@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from longstraw_agents.app.config import ConfigError
 from longstraw_agents.app.seeds import sampling_seed
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.models.lora import with_adapters_of
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.fsdp import compute_dtype, is_sharded, whole_parts
 from longstraw_agents.rollout import RolloutLimits, rollout_groups
@@ -81,9 +82,21 @@ def oldest_version(trajectory: Trajectory) -> int:
     return min(turns, default=trajectory.policy_version)
 
 
+def newest_version(trajectory: Trajectory) -> int:
+    """The newest weights that sampled a turn of ``trajectory`` (its start's version when no turn says)."""
+    turns = [s.policy_version for s in trajectory.segments if s.policy_version is not None]
+    return max(turns, default=trajectory.policy_version)
+
+
 def group_staleness(group: Sequence[Trajectory], version: int) -> int:
     """Policy versions between the oldest weights that sampled a token of ``group`` and ``version``."""
     return version - min(oldest_version(t) for t in group)
+
+
+def from_the_future(group: Sequence[Trajectory], version: int) -> bool:
+    """A turn of ``group`` was sampled by weights newer than ``version``: weights this run has not made (another
+    trainer pushed to the same server)."""
+    return max(newest_version(t) for t in group) > version
 
 
 @dataclass
@@ -104,19 +117,20 @@ class StepGroups:
 
 
 def within_bound(groups: Sequence[list[Trajectory]], version: int, max_staleness: int) -> StepGroups:
-    """Split ``groups`` at ``version``: those sampled within ``max_staleness`` versions, and the others."""
+    """Split ``groups`` at ``version``: those sampled within ``max_staleness`` versions, and the others (beyond the
+    bound, or sampled in part by weights newer than ``version``, which this run has not made)."""
     out = StepGroups(kept=[])
     for group in groups:
         staleness = group_staleness(group, version)
-        if staleness > max_staleness:
+        if staleness > max_staleness or from_the_future(group, version):
             out.dropped.append(group)
         else:
             out.kept.append(group)
             out.staleness.append(staleness)
     if out.dropped:
         log.warning(
-            "dropped %d of %d groups sampled more than max_staleness=%d versions before version %d (were the served "
-            "weights changed by someone else?)",
+            "dropped %d of %d groups sampled more than max_staleness=%d versions before version %d, or after it (were "
+            "the served weights changed by someone else?)",
             len(out.dropped),
             len(groups),
             max_staleness,
@@ -200,7 +214,14 @@ def sampling_copy(computed: nn.Module, device: torch.device | str) -> nn.Module:
     if not is_sharded(computed):
         return copy.deepcopy(computed).eval().requires_grad_(False)
     dtype = compute_dtype(computed) or next(computed.parameters()).dtype
-    return build_model(computed.config, dtype=dtype).to(device).requires_grad_(False)  # type: ignore[arg-type]
+    return architecture_copy(computed, dtype).to(device)
+
+
+def architecture_copy(computed: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen model of ``computed``'s architecture in ``dtype``, LoRA adapters included (PEFT's parameter names:
+    ``publish`` copies ``computed``'s tensors in by name), its values not yet set."""
+    model = build_model(computed.config, dtype=dtype)  # type: ignore[arg-type]
+    return with_adapters_of(model, computed).requires_grad_(False)
 
 
 # --- the rollout thread's samplers ----------------------------------------------------------------------------------

@@ -253,6 +253,21 @@ def check_same_settings(saved: dict[str, Any] | None, model: nn.Module) -> None:
     )
 
 
+def with_adapters_of(model: nn.Module, like: nn.Module) -> nn.Module:
+    """``model`` (a base model of ``like``'s architecture, changed in place and returned) with adapters laid out as
+    ``like``'s — PEFT's names, ranks and targets — and their values still to be copied in; ``model`` as it is when
+    ``like`` has none. For a copy whose weights come by name from ``like``'s (the asynchronous rollout thread's)."""
+    from peft import inject_adapter_in_model
+
+    config = _peft_config(like)
+    if config is None or not lora_layers(like):
+        return model
+    with warnings.catch_warnings():  # (as in ``apply_lora``: the experts' pattern keys PEFT reports unmatched)
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match")
+        inject_adapter_in_model(copy.deepcopy(config), model, adapter_name=ADAPTER)
+    return model.requires_grad_(False)
+
+
 def _peft_config(model: nn.Module) -> Any:
     """PEFT's ``LoraConfig`` of the model's adapter (``inject_adapter_in_model`` keeps it on the model), or None."""
     return getattr(model, "peft_config", {}).get(ADAPTER)

@@ -30,7 +30,9 @@ from longstraw_agents.app.async_rollouts import (
     Stopped,
     VersionGate,
     WorkerSampler,
+    architecture_copy,
     group_staleness,
+    publishable,
     within_bound,
 )
 from longstraw_agents.app.config import TrainConfig
@@ -284,6 +286,9 @@ def test_a_groups_staleness_is_its_oldest_turns_and_groups_beyond_the_bound_are_
     taken = within_bound([fresh, old, unversioned], version=4, max_staleness=1)
     assert taken.kept == [fresh, unversioned] and taken.staleness == [1, 1]
     assert taken.dropped == [old] and taken.every == [fresh, unversioned, old]
+    # a turn of version 5 at version 4: weights this run never made (another trainer pushed to the server)
+    future = [_episode(4, 5), _episode(4)]
+    assert within_bound([fresh, future], version=4, max_staleness=1).dropped == [future]
 
 
 def test_the_rollout_threads_sampler_stops_between_turns_and_the_gate_releases_its_waiter() -> None:
@@ -310,6 +315,26 @@ def test_the_rollout_threads_sampler_stops_between_turns_and_the_gate_releases_i
 
 
 # --- a served policy ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "glm_moe_dsa"])
+def test_a_sharded_policys_sampling_copy_takes_its_weights_by_name_lora_adapters_included(family: str) -> None:
+    """Over FSDP2 the rollout thread's model is one of the policy's architecture whose weights ``publish`` copies
+    in by name: with LoRA adapters, PEFT's names (``base_layer``, ``lora_A``...), and it then computes as the
+    policy does."""
+    from longstraw_agents.models.lora import LoraSpec, apply_lora
+    from longstraw_agents.models.presets import TINY_PRESETS, build_model
+
+    policy = apply_lora(build_model(TINY_PRESETS[family](), dtype=torch.float64), LoraSpec(r=4, alpha=8), init=False)
+    copied = architecture_copy(policy, torch.float64)
+    weights, into = publishable(policy), publishable(copied)
+    assert into.keys() == weights.keys() and any(".lora_A." in name for name in into)
+    with torch.no_grad():
+        for name, tensor in into.items():
+            tensor.copy_(weights[name])
+        ids = torch.arange(12).unsqueeze(0)
+        torch.testing.assert_close(copied(ids).logits, policy(ids).logits, rtol=0, atol=0)
+    assert not any(p.requires_grad for p in copied.parameters())
+
+
 @pytest.fixture
 def server() -> Iterator[CompletionServer]:
     """A server of the runs' architecture (its first weights do not matter: an asynchronous run pushes its own)."""
