@@ -405,16 +405,34 @@ class Run:
 def _check_same_staleness(run_dir: Path, now: TrainConfig) -> None:
     """A resumed run keeps the ``max_staleness`` it was started with: the steps it stored ahead of its checkpoint
     (asynchronous GRPO trains them again from the store) were sampled under that bound, and a synchronous run's
-    store holds none of them."""
+    store holds none of them. An asynchronous one keeps the shape of its steps too (groups per step, group size,
+    dp ranks), by which it finds them in the store."""
     earlier = run_dir / "config.json"
     if not earlier.is_file():
         return
-    before = TrainConfig.model_validate_json(earlier.read_text()).max_staleness
+    started = TrainConfig.model_validate_json(earlier.read_text())
+    before = started.max_staleness
     if before != now.max_staleness:
         raise ConfigError(
             f"--resume: the run in {run_dir} was started with max_staleness={before}, this config says "
             f"{now.max_staleness}: resume with max_staleness={before}, or start a new run in another output_dir"
         )
+    if before is None:
+        return
+    # the stored steps are found by their groups' ids (step, dp rank, group): another shape would take a stored step
+    # for a missing one and roll it out again, or train a step's stored groups beside those of another shape
+    shape = {
+        "groups_per_step": lambda c: c.groups_per_step,
+        "trainer.group_size": lambda c: c.trainer.group_size,
+        "parallel.dp": lambda c: c.parallel.dp,
+    }
+    for name, of in shape.items():
+        if of(started) != of(now):
+            raise ConfigError(
+                f"--resume: the asynchronous run in {run_dir} stored steps ahead of its checkpoint with {name}="
+                f"{of(started)}, this config says {of(now)}: resume with {name}={of(started)}, or start a new run in "
+                "another output_dir"
+            )
 
 
 def _evaluated_steps(metrics: Path) -> set[int]:

@@ -254,6 +254,15 @@ def test_resuming_with_another_max_staleness_is_refused_and_changes_nothing(tmp_
             f"error: --resume: the run in {run_dir} was started with max_staleness=1, this config says {other}: "
             "resume with max_staleness=1, or start a new run in another output_dir"
         )
+    # the steps stored ahead of the checkpoint are found by their shape: another one is refused as well
+    groups = settings["groups_per_step"]
+    config.write_text(yaml.safe_dump({**settings, "groups_per_step": groups + 1}))
+    assert main(["train", str(config), "--resume", "--steps", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --resume: the asynchronous run in {run_dir} stored steps ahead of its checkpoint with "
+        f"groups_per_step={groups}, this config says {groups + 1}: resume with groups_per_step={groups}, or start a "
+        "new run in another output_dir"
+    )
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
 
 
