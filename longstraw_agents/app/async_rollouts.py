@@ -342,6 +342,8 @@ class RolloutWorker:
     ):
         self.roll_out, self.gate, self.steps, self.max_staleness = roll_out, gate, steps, max_staleness
         self.results: queue.Queue[_Rolled | BaseException] = queue.Queue()
+        # the current CUDA device is a thread's own: the thread samples on its rank's, not on GPU 0
+        self.cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self.thread = threading.Thread(target=self._run, name="longstraw-rollouts", daemon=True)
 
     def start(self) -> None:
@@ -349,6 +351,8 @@ class RolloutWorker:
 
     def _run(self) -> None:
         try:
+            if self.cuda_device is not None:
+                torch.cuda.set_device(self.cuda_device)
             for step in self.steps:
                 if not self.gate.wait_for(step - self.max_staleness):
                     return

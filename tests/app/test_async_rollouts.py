@@ -26,6 +26,7 @@ from tiny_runs import assert_same_weights, checkpoint_weights, tiny_config
 
 from longstraw_agents.app.async_rollouts import (
     TRAIN_VERSION,
+    RolloutWorker,
     SnapshotSampler,
     Stopped,
     VersionGate,
@@ -321,6 +322,21 @@ def test_the_rollout_threads_sampler_stops_between_turns_and_the_gate_releases_i
     assert results == [True]
     gate.close()
     assert gate.wait_for(5) is False  # closed: nobody waits for a version that will not come
+
+
+def test_the_rollout_thread_samples_on_the_cuda_device_of_the_thread_that_made_it(monkeypatch) -> None:
+    """The current CUDA device is a thread's own: under torchrun each rank's rollout thread would sample on GPU 0
+    (a CUDA graph's capture synchronises the current device) unless it takes its rank's."""
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d)))
+    gate = VersionGate(0)
+    worker = RolloutWorker(lambda step: [], gate, range(1), max_staleness=0)
+    worker.start()
+    assert worker.get(0) == []
+    worker.thread.join(WAIT_S)
+    assert seen == [("longstraw-rollouts", 3)]
 
 
 # --- a served policy ---------------------------------------------------------------------------------------------
