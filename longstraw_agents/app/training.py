@@ -213,10 +213,12 @@ def take_and_train(
     kept = taken.kept if everyone is None else [g for part in everyone for g in part.kept]
     if run.ranks.writes and watch is not None:
         watch.observe(kept, step)
-    if not taken.kept:
+    empty = run.ranks.from_writer(None if everyone is None else [r for r, part in enumerate(everyone) if not part.kept])
+    if empty:  # (every rank raises alike: one that trained alone would wait for the others in a collective)
         raise RuntimeError(
-            f"step {step + 1}: every group of this rank was sampled more than max_staleness="
-            f"{run.config.max_staleness} versions before version {run.trainer.policy_version}: nothing to train on"
+            f"step {step + 1}: every group of dp rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+            f"was sampled more than max_staleness={run.config.max_staleness} versions from version "
+            f"{run.trainer.policy_version}: nothing to train on"
         )
     return _train_on(run, taken.kept, lambda metrics: _async_step_record(metrics, kept, taken, everyone))
 

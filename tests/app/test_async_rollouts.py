@@ -339,6 +339,29 @@ def test_the_rollout_thread_samples_on_the_cuda_device_of_the_thread_that_made_i
     assert seen == [("longstraw-rollouts", 3)]
 
 
+def test_a_step_whose_groups_were_all_dropped_stores_them_and_stops_naming_the_dp_rank() -> None:
+    """Every rank raises alike (the writer says which dp ranks have nothing, to all): a rank that trained alone would
+    wait for the others in its step's collectives."""
+    from types import SimpleNamespace
+
+    from longstraw_agents.app.async_rollouts import StepGroups
+    from longstraw_agents.app.training import take_and_train
+
+    stored: list[Trajectory] = []
+    old = [_episode(1), _episode(1)]
+    run = SimpleNamespace(
+        ranks=SimpleNamespace(mesh=None, writes=True, from_writer=lambda obj: obj),
+        store=SimpleNamespace(add_episodes=lambda episodes, run_id: stored.extend(episodes)),
+        trainer=SimpleNamespace(policy_version=4),
+        config=SimpleNamespace(max_staleness=1),
+        run_id="run",
+    )
+    rollouts = SimpleNamespace(take=lambda step: StepGroups(kept=[], dropped=[old]))
+    with pytest.raises(RuntimeError, match=r"^step 5: every group of dp rank 0 was sampled more than max_staleness=1"):
+        take_and_train(run, 4, rollouts)  # type: ignore[arg-type]
+    assert stored == old  # (stored before it stops: nothing lost)
+
+
 # --- a served policy ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "glm_moe_dsa"])
 def test_a_sharded_policys_sampling_copy_takes_its_weights_by_name_lora_adapters_included(family: str) -> None:
