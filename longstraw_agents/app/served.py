@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -83,18 +83,7 @@ class ServedPolicy:
         """A sampler of the server, once it serves ``model`` at ``policy_version`` (pushed first if need be)."""
         self._retire_sampler()
         self.bring_up_to_date(model, policy_version)
-        spec = self.spec
-        self._sampler = OpenAISampler(
-            spec.base_url,
-            stop_ids,
-            sampling,
-            model=spec.model,
-            policy_version=policy_version,
-            timeout_s=spec.timeout_s,
-            max_retries=spec.max_retries,
-            max_concurrency=spec.max_concurrency,
-            pinned_version=policy_version,
-        )
+        self._sampler = self._open(policy_version, stop_ids, sampling, pinned_version=policy_version)
         return self._sampler
 
     def following_sampler(
@@ -103,6 +92,13 @@ class ServedPolicy:
         """A sampler that follows the weight versions the server reports, each turn recording the one that sampled it,
         and refuses a response that reports none: asynchronous GRPO's, whose pushes land while it samples. The
         caller closes it (a push does not retire it)."""
+        return self._open(policy_version, stop_ids, sampling, versioned=True)
+
+    def _open(
+        self, policy_version: int, stop_ids: Sequence[int], sampling: SamplingConfig, **version_rule: Any
+    ) -> OpenAISampler:
+        """An ``OpenAISampler`` of the server under the spec's limits; ``version_rule``: a pinned version, or
+        versions followed as the server reports them."""
         spec = self.spec
         return OpenAISampler(
             spec.base_url,
@@ -113,7 +109,7 @@ class ServedPolicy:
             timeout_s=spec.timeout_s,
             max_retries=spec.max_retries,
             max_concurrency=spec.max_concurrency,
-            versioned=True,
+            **version_rule,
         )
 
     def bring_up_to_date(self, model: torch.nn.Module, policy_version: int) -> None:
