@@ -442,11 +442,18 @@ def _check_member(engine: Engine, member: Member) -> None:
         raise ValueError("a member's state was not made by this engine (Engine.capture / extend / a Decoder)")
     if state.num_tokens == 0:
         raise ValueError("a member's state is empty: capture at least one token before decoding")
-    if prefix is not None and prefix.chunks:
-        # a child re-creates its parent's last record without the recurrent state; the blocks stay the same
-        at, last = len(prefix.chunks) - 1, prefix.chunks[-1]
-        if at >= len(state.chunks) or state.chunks[at].blocks is not last.blocks or state.chunks[at].end != last.end:
-            raise ValueError("a member's prefix is not an ancestor of its state")
+    if prefix is not None and not holds_prefix(state, prefix):
+        raise ValueError("a member's prefix is not an ancestor of its state")
+
+
+def holds_prefix(state: State, prefix: State) -> bool:
+    """Whether ``state`` descends from ``prefix`` and still holds its blocks: what a member's shared prefix must
+    be. The same tokens captured again (a context edit resumed by a new capture) are not: their blocks differ."""
+    if not prefix.chunks:
+        return True
+    # a child re-creates its parent's last record without the recurrent state; the blocks stay the same
+    at, last = len(prefix.chunks) - 1, prefix.chunks[-1]
+    return at < len(state.chunks) and state.chunks[at].blocks is last.blocks and state.chunks[at].end == last.end
 
 
 def _groups(members: Sequence[Member]) -> tuple[list[State], list[int]]:

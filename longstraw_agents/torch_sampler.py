@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw_agents.decoding import Decoder, Member
+from longstraw_agents.decoding import Decoder, Member, holds_prefix
 from longstraw_agents.engine import Engine
 from longstraw_agents.sampler import FinishReason, Generation, SamplingConfig, check_kept, request_seed
 from longstraw_agents.state import State
@@ -236,8 +236,10 @@ class TorchSampler:
             )
             handle.marks = [*kept_marks, handle.state] if self.keep_marks else list(kept_marks)
             handle.history = request.ids
-            if handle.prefix is not None and handle.prefix.num_tokens > mark.num_tokens:
-                handle.prefix = None  # the edit reached into the shared prompt: decode without it
+            if handle.prefix is not None and not holds_prefix(handle.state, handle.prefix):
+                # the edit reached into the shared prompt, or the member resumed from another member's mark with
+                # the same tokens (another group's copy of the same prompt): decode without it
+                handle.prefix = None
 
     def num_tokens(self, handle: TorchHandle) -> int:
         return handle.state.num_tokens
