@@ -31,6 +31,7 @@ from .calculator import EASY_CALCULATOR_KWARGS, CalculatorConfig, CalculatorEnv
 from .context import ContextChange, ContextConfig, Eviction, SummaryTurn
 from .key_value import FormatOnlyPolicy, KeyValueRecallConfig, KeyValueRecallEnv
 from .needle_search import NeedleSearchConfig, NeedleSearchEnv
+from .page_recall import PageRecallConfig, PageRecallEnv
 from .policy import Policy, ScriptedPolicy, run_episode, unwrap_tool_env
 from .python_task import PythonTaskConfig, PythonTaskEnv
 
@@ -57,6 +58,8 @@ __all__ = [
     "KeyValueRecallEnv",
     "NeedleSearchConfig",
     "NeedleSearchEnv",
+    "PageRecallConfig",
+    "PageRecallEnv",
     "Policy",
     "PythonTaskConfig",
     "PythonTaskEnv",

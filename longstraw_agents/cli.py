@@ -74,7 +74,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        updates = {k: v for k, v in (("output_dir", args.output_dir), ("steps", args.steps)) if v is not None}
+        overrides = (("output_dir", args.output_dir), ("steps", args.steps), ("seed", args.seed))
+        updates = {k: v for k, v in overrides if v is not None}
         if updates:
             config = TrainConfig.model_validate({**config.model_dump(), **updates})
     except ValidationError as err:
@@ -727,6 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its checkpoint")
     p.add_argument("--output-dir", default=None, help="override the config's output_dir")
     p.add_argument("--steps", type=int, default=None, help="override the config's number of steps")
+    p.add_argument("--seed", type=int, default=None, help="override the config's seed (a run of another seed)")
     p.add_argument(
         "--check",
         action="store_true",

@@ -11,6 +11,7 @@ ENV_IDS: dict[str, str] = {
     f"{NAMESPACE}/Calculator-v0": "longstraw_agents.envs.calculator:CalculatorEnv",
     f"{NAMESPACE}/KeyValueRecall-v0": "longstraw_agents.envs.key_value:KeyValueRecallEnv",
     f"{NAMESPACE}/NeedleSearch-v0": "longstraw_agents.envs.needle_search:NeedleSearchEnv",
+    f"{NAMESPACE}/PageRecall-v0": "longstraw_agents.envs.page_recall:PageRecallEnv",
     f"{NAMESPACE}/PythonTask-v0": "longstraw_agents.envs.python_task:PythonTaskEnv",
 }
 

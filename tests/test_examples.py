@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium
 import yaml
 
 from longstraw_agents.cli import main
+from longstraw_agents.envs import ScriptedPolicy, run_episode
 from longstraw_agents.store import Store
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -124,11 +126,31 @@ def test_context_edits_example_logs_edited_episodes_and_trains_over_their_sequen
 
 
 def test_the_full_size_compaction_config_would_run(tmp_path: Path, capsys) -> None:
-    """``longstraw train --check`` on the full-size NeedleSearch compaction example: the env builds with its
-    context policy, the model's context holds the budget (the run itself takes minutes: README's figures)."""
+    """``longstraw train --check`` on the full-size compaction example: the env builds with its context policy, the
+    model's context holds the budget, and the scripted solution reads 32K tokens or more through contexts of 4K
+    (the run itself takes about an hour: README's figures)."""
     config = yaml.safe_load((EXAMPLES / "train_needle_compaction.yaml").read_text())
-    assert config["env"]["kwargs"]["target_tokens"] >= 32_768
+    env = gymnasium.make(config["env"]["id"], **config["env"]["kwargs"])
+    trajectory = run_episode(env, ScriptedPolicy(env), seed=0)
+    assert trajectory.reward == 1.0 and trajectory.num_tokens >= 32_768
+    assert max(trajectory.num_tokens_of(list(s.segments)) for s in trajectory.physical_sequences()) <= 4096
     assert config["env"]["kwargs"]["context"]["max_context_tokens"] == 4096
     config["output_dir"] = str(tmp_path / "run")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--check", str(tmp_path / "config.yaml")]) == 0, capsys.readouterr().err
+
+
+def test_the_compaction_learning_bench_runs_the_example_at_the_suites_size(tmp_path: Path) -> None:
+    """``python -m bench.compaction_learning --quick``: the example's pipeline (warm start on scripted traces with
+    summaries, GRPO through ``longstraw train --seed``, held-out evaluations) at a small size, and the figures README
+    reads from its results (the full size: README's table)."""
+    from bench.compaction_learning import main as bench
+
+    result = bench(["--quick", "--seeds", "3", "--threads", "1"])
+    [run] = result["runs"]
+    assert run["seed"] == 3 and run["grpo_steps"] == 2 and run["eval_episodes"] == 4
+    assert run["warm_start"]["loss_last"] < run["warm_start"]["loss_first"]
+    assert run["summaries_per_episode"] >= 1  # the episodes were compacted...
+    assert run["context_tokens_max"] <= 1024 < run["history_tokens_max"]  # ...and read more than a context holds
+    assert 0 <= run["reward_before"] <= 1 and run["rise"] == run["reward_after"] - run["reward_before"]
+    assert result["config"]["env"]["id"] == "LongStraw/PageRecall-v0" and "meets_target" in result

@@ -9,7 +9,7 @@ import torch
 from longstraw_agents.envs import ScriptedPolicy, run_episode
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.tokenizer import load_tokenizer
-from longstraw_agents.trainer.sft import SFTConfig, masked_nll, supervised_warm_start
+from longstraw_agents.trainer.sft import SFTConfig, fused_attention, masked_nll, supervised_warm_start
 from longstraw_agents.trajectory import Segment, Trajectory
 
 
@@ -91,3 +91,21 @@ def test_an_edited_trajectory_is_learned_in_the_contexts_it_was_written_in() -> 
     assert count == expected_count == int(trace.loss_mask()[1:].sum())
     assert float(nll) == pytest.approx(float(expected), rel=1e-9)
     assert float(nll) != pytest.approx(float(log), rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "glm_moe_dsa"])
+def test_the_warm_start_runs_fused_attention_and_gives_the_model_back_as_it_was(family: str) -> None:
+    """Inside ``fused_attention`` the model runs torch's SDPA where transformers has it for the family (the warm
+    start's long sequences: eager attention keeps [heads, T, T] for the backward), with the eager loss; after it,
+    the model's own attention again (the engine and the tests read eager)."""
+    traces = scripted_traces(2)
+    model = tiny_model(family, vocab_size=load_tokenizer("longstraw-bpe").vocab_size, dtype=torch.float64)
+    before = model.config._attn_implementation
+    with torch.no_grad():
+        eager, _ = masked_nll(model, traces)
+        with fused_attention(model):
+            inside = model.config._attn_implementation
+            fused, _ = masked_nll(model, traces)
+    assert model.config._attn_implementation == before == "eager"
+    assert inside in ({"sdpa"} if family != "glm_moe_dsa" else {"sdpa", "eager"})
+    assert float(fused) == pytest.approx(float(eager), rel=1e-7)  # (transformers takes some norms in fp32)

@@ -1,0 +1,173 @@
+"""Does compaction learn? ``longstraw train examples/train_needle_compaction.yaml`` once per seed, as README quotes it.
+
+Each seed is the command itself (``--seed S --output-dir runs/needle_compaction/seed-S``), run as a child process
+whose CPU time (user + system) is taken from its own resource usage, so seeds may run side by side (``--jobs``,
+each on ``--threads`` threads). From each run: the warm start's loss, the held-out reward before and after GRPO
+(the run's ``eval`` records), and from its store how long the solving episodes' histories grew and the longest
+context any episode held. Writes ``bench/results/compaction_learning.json``; README's table is rendered from it.
+
+    python -m bench.compaction_learning [--seeds 0 1 2] [--jobs 2] [--threads 1] [--quick]
+
+``--quick`` (the test suite's) runs a shrunken copy of the config (3 short pages, a 1K context, a few steps) into a
+temporary directory: it checks the pipeline, not the learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.demo import run_figures
+from longstraw_agents.store import Store
+
+CONFIG = Path("examples/train_needle_compaction.yaml")
+RESULTS = Path("bench/results/compaction_learning.json")
+TARGET_RISE = 0.15
+"""The issue's bar: held-out reward up by at least this much on average, and up on every seed..."""
+TARGET_CPU_HOURS = 2.0
+"""...within this many CPU-hours per seed on the 2-core machine."""
+QUICK = {
+    "env": {"kwargs": {"pages": 3, "page_tokens": 300, "codes": 4}},
+    "context": {"max_context_tokens": 1024, "strategy": {"threshold": 600}},
+    "groups_per_step": 1,
+    "steps": 2,
+    "trainer": {"G": 4},
+    "warm_start": {"episodes": 4, "sft": {"steps": 4}},
+    "eval_episodes": 4,
+    "checkpoint_every": 2,
+}
+
+
+@dataclass(frozen=True)
+class SeedRun:
+    seed: int
+    run_dir: Path
+    process: subprocess.Popen[bytes]
+    started: float
+
+
+def quick_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` at the suite's size (``QUICK``), its context policy kept."""
+    config = json.loads(json.dumps(config))
+    kwargs = config["env"]["kwargs"]
+    kwargs.update(QUICK["env"]["kwargs"])
+    kwargs.pop("max_tokens", None)
+    kwargs.pop("max_turns", None)
+    kwargs["context"]["max_context_tokens"] = QUICK["context"]["max_context_tokens"]
+    kwargs["context"]["strategy"]["threshold"] = QUICK["context"]["strategy"]["threshold"]
+    for key in ("groups_per_step", "steps", "eval_episodes", "checkpoint_every"):
+        config[key] = QUICK[key]
+    config["trainer"]["G"] = QUICK["trainer"]["G"]
+    config["warm_start"]["episodes"] = QUICK["warm_start"]["episodes"]
+    config["warm_start"]["sft"]["steps"] = QUICK["warm_start"]["sft"]["steps"]
+    config["progress"] = False
+    return config
+
+
+def start(config_path: Path, seed: int, run_dir: Path, threads: int) -> SeedRun:
+    command = [sys.executable, "-m", "longstraw_agents.cli", "train", str(config_path)]
+    command += ["--seed", str(seed), "--output-dir", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    log = (run_dir.parent / f"{run_dir.name}.log").open("wb")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return SeedRun(seed, run_dir, process, time.perf_counter())
+
+
+def wait(run: SeedRun) -> dict[str, Any]:
+    """The seed's figures once its process ends (its own CPU time, from ``wait4``)."""
+    _, status, usage = os.wait4(run.process.pid, 0)
+    run.process.returncode = os.waitstatus_to_exitcode(status)
+    if run.process.returncode != 0:
+        log = (run.run_dir.parent / f"{run.run_dir.name}.log").read_text(errors="replace")
+        raise RuntimeError(f"seed {run.seed} failed (exit {run.process.returncode}); its output ends:\n{log[-2000:]}")
+    return {
+        "seed": run.seed,
+        "cpu_hours": (usage.ru_utime + usage.ru_stime) / 3600,
+        "wall_minutes": (time.perf_counter() - run.started) / 60,
+        **run_figures(run.run_dir),
+        **episode_figures(run.run_dir / "trajectories.db"),
+    }
+
+
+def episode_figures(store_path: Path) -> dict[str, Any]:
+    """How long the training episodes grew: the solving ones' whole histories, and the longest context (physical
+    sequence) of any episode, which the context budget bounds."""
+    with Store.open(store_path, create=False) as store:
+        episodes = list(store.episodes())
+    solved = [t.num_tokens for t in episodes if t.reward > 0]
+    contexts = [t.num_tokens_of(list(s.segments)) for t in episodes for s in t.physical_sequences()]
+    return {
+        "episodes": len(episodes),
+        "solved": len(solved),
+        "solved_history_tokens_median": statistics.median(solved) if solved else None,
+        "history_tokens_max": max(t.num_tokens for t in episodes),
+        "context_tokens_max": max(contexts),
+        "summaries_per_episode": statistics.mean(len(t.edits) for t in episodes),
+    }
+
+
+def run(config: dict[str, Any], seeds: list[int], out_dir: Path, jobs: int, threads: int) -> list[dict[str, Any]]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    pending, running, finished = list(seeds), [], []
+    while pending or running:
+        while pending and len(running) < jobs:
+            seed = pending.pop(0)
+            running.append(start(config_path, seed, out_dir / f"seed-{seed}", threads))
+        done = running.pop(0)  # seeds take about as long as each other: wait in order
+        finished.append(wait(done))
+        print(json.dumps(finished[-1]), flush=True)
+    return sorted(finished, key=lambda r: r["seed"])
+
+
+def summary(runs: list[dict[str, Any]], config: dict[str, Any], command: str) -> dict[str, Any]:
+    rises = [r["rise"] for r in runs]
+    return {
+        "command": command,
+        "date": datetime.now(UTC).date().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "config": config,
+        "runs": runs,
+        "rise_mean": statistics.mean(rises),
+        "meets_target": statistics.mean(rises) >= TARGET_RISE
+        and all(rise > 0 for rise in rises)
+        and all(r["cpu_hours"] <= TARGET_CPU_HOURS for r in runs),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per seed")
+    parser.add_argument("--runs", type=Path, default=Path("runs/needle_compaction"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="a shrunken config into a temporary directory")
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(args.config.read_text())
+    command = "python -m bench.compaction_learning " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.quick:
+        with tempfile.TemporaryDirectory() as tmp:
+            return summary(run(quick_config(config), args.seeds, Path(tmp), args.jobs, args.threads), config, command)
+    result = summary(run(config, args.seeds, args.runs, args.jobs, args.threads), config, command)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""``LongStraw/PageRecall-v0``: carry a code read on the first page through a long read to the end.
+
+The agent reads ``pages`` pages one ``read_page`` call at a time (each about ``page_tokens`` tokens of filler),
+then answers the code that page 1 states in one line (``The code is pac.``) among its filler. A call after the last
+page says that none is left. Reward 1 for exactly the code, else 0.
+
+It is the long-horizon task for context policies: at the defaults a solving episode reads ~34K tokens, and under a
+4K context budget with summary turns (`envs.context.SummaryTurn`) every page past the budget asks for a summary
+that replaces the turns so far. After page 1 has left the context, the code exists only in the policy's own
+summaries, so the reward depends on every summary the policy wrote carrying it: a summary that loses the code loses
+the episode. The scripted solution's summary is the code's line itself.
+
+The code is one word from `key_value.word_pools`' value pool and the filler from its filler pool (single tokens,
+disjoint), so the code's token appears nowhere else in an episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from longstraw_agents.tools import Tool, format_tool_call, tool
+
+from .answers import ANSWER_CLOSE, ANSWER_OPEN
+from .base import ToolEnv, ToolEnvConfig
+from .key_value import FILLER_WORDS_PER_LINE, word_pools
+
+NO_PAGE_LEFT = "No pages left. Answer with the code."
+TOKENS_PER_LINE = FILLER_WORDS_PER_LINE + 1
+"""A filler line's tokens: its single-token words, then the full stop and the newline (one token)."""
+
+
+class PageRecallConfig(ToolEnvConfig):
+    pages: int = Field(default=12, ge=1, le=4096, description="Pages to read; page 1 states the code.")
+    page_tokens: int = Field(default=2800, ge=TOKENS_PER_LINE, description="About how many tokens a page holds.")
+    codes: int | None = Field(
+        default=None, ge=2, description="Draw the code from the first this many code words (None: all of them)."
+    )
+    max_turns: int = Field(
+        default=16,
+        ge=1,
+        description="Assistant turns per episode (default: the reads, one past the last page, the answer and as many "
+        "summary turns as pages, plus 2).",
+    )
+    max_tokens: int = Field(
+        default=40_960, ge=1, description="Token budget of the episode (default: pages * (page_tokens + 256) + 4096)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _budgets_follow_the_pages(cls, data: Any) -> Any:
+        """Unless given, the budgets leave room for the scripted solution with a summary after every page."""
+        if isinstance(data, dict):
+            data = dict(data)
+            pages, page_tokens = data.get("pages", 12), data.get("page_tokens", 2800)
+            if isinstance(pages, int) and "max_turns" not in data:
+                data["max_turns"] = 2 * pages + 4
+            if isinstance(pages, int) and isinstance(page_tokens, int) and "max_tokens" not in data:
+                data["max_tokens"] = pages * (page_tokens + 256) + 4096
+        return data
+
+
+@dataclass(frozen=True)
+class PageRecallTask:
+    code: str
+    """The code with its leading space, as page 1 states it (``" pac"``)."""
+    pages: tuple[str, ...]
+    """Each page's text, header included."""
+
+    @property
+    def answer(self) -> str:
+        return self.code.strip()
+
+    @property
+    def code_line(self) -> str:
+        return f"The code is{self.code}."
+
+
+class PageRecallEnv(ToolEnv[PageRecallTask]):
+    """Read every page, then answer the code stated on page 1; reward 1 for exactly that code, else 0."""
+
+    config_class = PageRecallConfig
+    config: PageRecallConfig
+    instructions: ClassVar[str] = (
+        "Read all the pages with read_page, one call at a time. Page 1 states a code. When no page is left, answer "
+        "with the code."
+    )
+
+    def make_task(self, rng: np.random.Generator) -> PageRecallTask:
+        pools = word_pools(self.tokenizer)
+        codes = self.config.codes or len(pools.values)
+        if codes > len(pools.values):
+            raise ValueError(f"codes={codes} exceeds the {len(pools.values)} single-token code words")
+        code = pools.values[int(rng.integers(codes))]
+        lines_per_page = max(1, self.config.page_tokens // TOKENS_PER_LINE)
+        pages = []
+        for number in range(1, self.config.pages + 1):
+            words = rng.integers(len(pools.filler), size=(lines_per_page, FILLER_WORDS_PER_LINE))
+            lines = ["".join(pools.filler[i] for i in row) + "." for row in words]
+            if number == 1:
+                lines.insert(int(rng.integers(lines_per_page + 1)), f"The code is{code}.")
+            pages.append("\n".join([f"Page {number} of {self.config.pages}.", *lines]))
+        return PageRecallTask(code=code, pages=tuple(pages))
+
+    def tools(self, task: PageRecallTask) -> list[Tool]:
+        unread = iter(task.pages)
+
+        def read_page() -> str:
+            """Return the next page, or say that none is left."""
+            return next(unread, NO_PAGE_LEFT)
+
+        longest = max(len(page) for page in task.pages)
+        return [tool(read_page, max_output_chars=longest + 64)]
+
+    def user_prompt(self, task: PageRecallTask) -> str:
+        return f"There are {len(task.pages)} pages. Read them all, then answer the code stated on page 1."
+
+    def score(self, task: PageRecallTask, answer: str) -> float:
+        return float(answer.strip() == task.answer)
+
+    def scripted_turns(self, task: PageRecallTask) -> list[str]:
+        read = format_tool_call("read_page", {})
+        # The leading space keeps the answer's token the code's token on page 1 (the score strips it).
+        return [read] * (len(task.pages) + 1) + [f"{ANSWER_OPEN}{task.code}{ANSWER_CLOSE}"]
+
+    def scripted_summary(self, task: PageRecallTask, played: int) -> str:
+        """The code's line: all that the rest of the episode needs (the page count is in the pages' headers)."""
+        return task.code_line

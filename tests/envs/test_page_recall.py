@@ -1,0 +1,94 @@
+"""``LongStraw/PageRecall-v0`` (envs/page_recall.py): the long-horizon task that only summaries can solve."""
+
+from __future__ import annotations
+
+import gymnasium
+import numpy as np
+import pytest
+
+from longstraw_agents.envs import PageRecallConfig, PageRecallEnv, ScriptedPolicy, run_episode, unwrap_tool_env
+from longstraw_agents.envs.key_value import word_pools
+from longstraw_agents.envs.page_recall import NO_PAGE_LEFT
+from longstraw_agents.tools import format_tool_call, parse_tool_calls
+
+SUMMARY_4K = {"max_context_tokens": 4096, "strategy": {"kind": "summary", "threshold": 2560}}
+
+
+def code_token(env: PageRecallEnv) -> int:
+    [token] = env.tokenizer.encode(env.task.code)
+    return token
+
+
+def test_the_scripted_solution_reads_32k_tokens_through_4k_contexts_and_answers() -> None:
+    for seed in range(3):
+        env = PageRecallEnv(context=SUMMARY_4K)
+        trajectory = run_episode(env, ScriptedPolicy(env), seed=seed)
+        assert trajectory.reward == 1.0 and trajectory.finish_reason == "answered"
+        assert trajectory.num_tokens >= 32_768
+        sequences = trajectory.physical_sequences()
+        assert len(sequences) == env.config.pages + 1  # a summary after every page
+        assert max(trajectory.num_tokens_of(list(s.segments)) for s in sequences) <= 4096
+        assert env.summary_turns == env.config.pages
+
+
+def test_after_page_one_the_code_lives_only_in_the_summaries() -> None:
+    """The code's token is in page 1 and nowhere else the environment wrote: past the first summary, only what
+    the policy wrote carries it."""
+    env = PageRecallEnv(context=SUMMARY_4K)
+    trajectory = run_episode(env, ScriptedPolicy(env), seed=4)
+    code = code_token(env)
+    holders = [s for s in trajectory.segments if code in s.token_ids.tolist()]
+    assert holders[0].role == "tool" and holders[0].text.count(env.task.code_line) == 1
+    assert {s.role for s in holders[1:]} == {"assistant"}
+    assert len(holders) == 1 + env.config.pages + 1  # page 1, every summary, the answer
+
+
+def test_a_summary_that_drops_the_code_loses_it_for_good() -> None:
+    """Play the script but write summaries without the code: no context after the first holds the code's token,
+    and the best the policy can then do is guess."""
+    env = PageRecallEnv(context=SUMMARY_4K, pages=3)
+    script = ScriptedPolicy(env)
+    observation, _ = env.reset(seed=1)
+    code = code_token(env)
+    while not env.awaiting_summary:
+        observation, *_ = env.step(script(observation))
+    forgot = len(env.trajectory.segments)
+    guess = next(v for v in word_pools(env.tokenizer).values if v != env.task.code)
+    while not env.done:
+        if env.awaiting_summary:
+            text = "I read a page."
+        elif NO_PAGE_LEFT in env.trajectory.segments[-1].text:
+            text = f"<answer>{guess}</answer>"
+        else:
+            text = format_tool_call("read_page", {})
+        observation, *_ = env.step(env.formatter.assistant(text, env.turn).token_ids)
+    assert all(code not in s.token_ids.tolist() for s in env.trajectory.segments[forgot:])
+    assert env.trajectory.reward == 0.0 and env.trajectory.finish_reason == "answered"
+
+
+def test_reading_past_the_last_page_says_none_is_left() -> None:
+    env = PageRecallEnv(pages=2, page_tokens=100)
+    env.reset(seed=0)
+    [call] = parse_tool_calls(format_tool_call("read_page", {}))
+    outputs = [env.registry.call(call).content for _ in range(3)]
+    assert outputs[0].startswith("Page 1 of 2.") and env.task.code_line in outputs[0]
+    assert outputs[1].startswith("Page 2 of 2.") and env.task.code_line not in outputs[1]
+    assert outputs[2] == NO_PAGE_LEFT
+
+
+def test_tasks_follow_the_seed_and_budgets_follow_the_pages() -> None:
+    first, second = PageRecallEnv(), PageRecallEnv()
+    first.reset(seed=7)
+    second.reset(seed=7)
+    assert first.task == second.task
+    config = PageRecallConfig(pages=5, page_tokens=1000)
+    assert (config.max_turns, config.max_tokens) == (14, 5 * 1256 + 4096)
+    assert PageRecallConfig(pages=5, max_turns=3).max_turns == 3
+    with pytest.raises(ValueError):
+        PageRecallConfig(pages=0)
+
+
+def test_registered_with_gymnasium() -> None:
+    env = gymnasium.make("LongStraw/PageRecall-v0", pages=2, page_tokens=200)
+    observation, _ = env.reset(seed=0)
+    assert isinstance(unwrap_tool_env(env), PageRecallEnv) and isinstance(observation, np.ndarray)
