@@ -10,8 +10,9 @@ that replaces the turns so far. After page 1 has left the context, the code exis
 summaries, so the reward depends on every summary the policy wrote carrying it: a summary that loses the code loses
 the episode. The scripted solution's summary is the code's line itself.
 
-The code is one word from `key_value.word_pools`' value pool and the filler from its filler pool (single tokens,
-disjoint), so the code's token appears nowhere else in an episode.
+The code is one word of `key_value.word_pools`' value pool that no text of the environment holds (``code_words``),
+and the filler comes from its filler pool (single tokens, disjoint), so the code's token appears nowhere else in an
+episode: in page 1's line, then only where the policy wrote it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field, model_validator
 
-from longstraw_agents.tools import Tool, format_tool_call, tool
+from longstraw_agents.tools import Tool, ToolRegistry, format_tool_call, tool
 
 from .answers import ANSWER_CLOSE, ANSWER_OPEN
-from .base import ToolEnv, ToolEnvConfig
+from .base import ToolEnv, ToolEnvConfig, system_prompt_with_tools
+from .context import SummaryTurn
 from .key_value import FILLER_WORDS_PER_LINE, word_pools
 
 NO_PAGE_LEFT = "No pages left. Answer with the code."
@@ -84,17 +86,18 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
 
     config_class = PageRecallConfig
     config: PageRecallConfig
+    _code_words: tuple[str, ...] | None = None
     instructions: ClassVar[str] = (
         "Read all the pages with read_page, one call at a time. Page 1 states a code. When no page is left, answer "
         "with the code."
     )
 
     def make_task(self, rng: np.random.Generator) -> PageRecallTask:
-        pools = word_pools(self.tokenizer)
-        codes = self.config.codes or len(pools.values)
-        if codes > len(pools.values):
-            raise ValueError(f"codes={codes} exceeds the {len(pools.values)} single-token code words")
-        code = pools.values[int(rng.integers(codes))]
+        pools, words = word_pools(self.tokenizer), self.code_words()
+        codes = self.config.codes or len(words)
+        if codes > len(words):
+            raise ValueError(f"codes={codes} exceeds the {len(words)} code words the tokenizer has")
+        code = words[int(rng.integers(codes))]
         lines_per_page = max(1, self.config.page_tokens // TOKENS_PER_LINE)
         pages = []
         for number in range(1, self.config.pages + 1):
@@ -104,6 +107,27 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
                 lines.insert(int(rng.integers(lines_per_page + 1)), f"The code is{code}.")
             pages.append("\n".join([f"Page {number} of {self.config.pages}.", *lines]))
         return PageRecallTask(code=code, pages=tuple(pages))
+
+    def code_words(self) -> tuple[str, ...]:
+        """The value pool's words that no text of the environment's own holds (its system and user prompts, the
+        context policy's requests, the calls and summaries of the script), so that in an episode the code's token
+        is the code and nothing else. Cached per environment."""
+        if self._code_words is None:
+            empty = PageRecallTask(code="", pages=("",))
+            texts = [
+                system_prompt_with_tools(self.instructions, ToolRegistry(self.tools(empty)).schemas()),
+                self.user_prompt(empty),
+                *self.scripted_turns(empty),
+                self.scripted_summary(empty, 0),
+                NO_PAGE_LEFT,
+            ]
+            strategy = self.config.context.strategy if self.config.context is not None else None
+            if isinstance(strategy, SummaryTurn):
+                texts += [strategy.request, strategy.resume]
+            taken = {token for text in texts for token in self.tokenizer.encode(text)}
+            words = word_pools(self.tokenizer).values
+            self._code_words = tuple(w for w in words if self.tokenizer.encode(w)[0] not in taken)
+        return self._code_words
 
     def tools(self, task: PageRecallTask) -> list[Tool]:
         unread = iter(task.pages)

@@ -92,3 +92,22 @@ def test_registered_with_gymnasium() -> None:
     env = gymnasium.make("LongStraw/PageRecall-v0", pages=2, page_tokens=200)
     observation, _ = env.reset(seed=0)
     assert isinstance(unwrap_tool_env(env), PageRecallEnv) and isinstance(observation, np.ndarray)
+
+
+def test_no_code_word_is_in_a_text_of_the_environments_own() -> None:
+    """The prompts, the summary request and the script's calls hold none of the words a code is drawn from (the
+    first 8 of the value pool were ' in', ' at', ' st', ' then'...: a copy could not tell the code from the prompt)."""
+    env = PageRecallEnv(context={**SUMMARY_4K, "strategy": {"kind": "summary", "request": "Summarise the code."}})
+    trajectory = run_episode(env, ScriptedPolicy(env), seed=0)
+    words = env.code_words()
+    assert len(words) >= 32
+    codes = {token for word in words for token in env.tokenizer.encode(word)}
+    assert len(codes) == len(words)
+    written = [s for s in trajectory.segments if s.role in ("system", "user")]
+    assert not codes & {int(t) for s in written for t in s.token_ids}
+    few = PageRecallEnv(codes=4)
+    drawn = set()
+    for seed in range(40):
+        few.reset(seed=seed)
+        drawn.add(few.task.code)
+    assert drawn == set(few.code_words()[:4])
