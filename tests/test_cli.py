@@ -703,3 +703,11 @@ def test_view_serves_until_ctrl_c(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_train_seed_overrides_the_configs_seed(tmp_path: Path, capsys) -> None:
+    """``--seed`` runs the config under another seed (bench.compaction_learning runs an example per seed so)."""
+    config = write_yaml(tmp_path / "run.yaml", tiny_config_dict(tmp_path / "run", seed=1))
+    code, _, err = run_cli(capsys, "train", config, "--seed", "5", "--steps", "0")
+    assert code == 0, err
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == 5
