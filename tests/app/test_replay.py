@@ -231,11 +231,12 @@ def test_truncated_importance_weights_come_from_the_stored_behaviour_logprobs(
 
 
 def test_fork_at_replays_the_logged_turns_and_trains_on_new_continuations(source: Path, tmp_path: Path) -> None:
-    where = "group_id = 'step2-g1'"
+    where = "group_id LIKE 'step%'"  # every logged episode
     originals = logged(source, where)
-    # 4 continuations per logged episode: with 2, whether some pair of this tiny policy's answers differ in reward
-    # (what training needs) turned on which ids the prompts encode to
-    fork = 4
+    # 8 continuations of each of the 16 logged episodes: training needs some group whose answers differ in reward,
+    # and this tiny policy solves about one in ten (with one group of 4 forks, whether it did turned on which ids
+    # the prompts encode to, and then on the warm start's attention kernel)
+    fork = 8
     config = ReplayConfig(where=where, fork_at=1, fork_group_size=fork, recorded_tools=False)
     out = replay(source / "trajectories.db", config, out_dir=tmp_path / "fork")
 

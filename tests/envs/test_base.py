@@ -71,6 +71,10 @@ def test_check_env_passes_without_warnings(env_id: str) -> None:
     env.close()
 
 
+# PageRecall's task is in its pages, which the agent reads with a tool: every task's prompt is the same
+SAME_PROMPT_FOR_EVERY_TASK = {"LongStraw/PageRecall-v0"}
+
+
 @pytest.mark.parametrize("env_id", ALL_IDS)
 def test_reset_is_deterministic_by_seed_and_records_it(env_id: str) -> None:
     env = gymnasium.make(env_id)
@@ -78,7 +82,8 @@ def test_reset_is_deterministic_by_seed_and_records_it(env_id: str) -> None:
     again, _ = env.reset(seed=7)
     np.testing.assert_array_equal(first, again)
     assert env.unwrapped.trajectory.seed == 7 and info["seed"] == 7
-    assert any(not np.array_equal(first, env.reset(seed=seed)[0]) for seed in range(8, 12))
+    if env_id not in SAME_PROMPT_FOR_EVERY_TASK:
+        assert any(not np.array_equal(first, env.reset(seed=seed)[0]) for seed in range(8, 12))
     unseeded, info = env.reset()  # the drawn episode seed is recorded and reproduces the episode
     np.testing.assert_array_equal(env.reset(seed=info["seed"])[0], unseeded)
     assert first.dtype == np.int64 and first.ndim == 1
