@@ -15,6 +15,7 @@ temporary directory: it checks the pipeline, not the learning.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -39,16 +40,6 @@ TARGET_RISE = 0.15
 """The issue's bar: held-out reward up by at least this much on average, and up on every seed..."""
 TARGET_CPU_HOURS = 2.0
 """...within this many CPU-hours per seed on the 2-core machine."""
-QUICK = {
-    "env": {"kwargs": {"pages": 3, "page_tokens": 300, "codes": 4}},
-    "context": {"max_context_tokens": 1024, "strategy": {"threshold": 600}},
-    "groups_per_step": 1,
-    "steps": 2,
-    "trainer": {"G": 4},
-    "warm_start": {"episodes": 4, "sft": {"steps": 4}},
-    "eval_episodes": 4,
-    "checkpoint_every": 2,
-}
 
 
 @dataclass(frozen=True)
@@ -60,20 +51,18 @@ class SeedRun:
 
 
 def quick_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` at the suite's size (``QUICK``), its context policy kept."""
-    config = json.loads(json.dumps(config))
+    """``config`` at the suite's size (3 short pages, a 1K context, a few steps), its context policy kept."""
+    config = copy.deepcopy(config)
     kwargs = config["env"]["kwargs"]
-    kwargs.update(QUICK["env"]["kwargs"])
-    kwargs.pop("max_tokens", None)
-    kwargs.pop("max_turns", None)
-    kwargs["context"]["max_context_tokens"] = QUICK["context"]["max_context_tokens"]
-    kwargs["context"]["strategy"]["threshold"] = QUICK["context"]["strategy"]["threshold"]
-    for key in ("groups_per_step", "steps", "eval_episodes", "checkpoint_every"):
-        config[key] = QUICK[key]
-    config["trainer"]["G"] = QUICK["trainer"]["G"]
-    config["warm_start"]["episodes"] = QUICK["warm_start"]["episodes"]
-    config["warm_start"]["sft"]["steps"] = QUICK["warm_start"]["sft"]["steps"]
-    config["progress"] = False
+    kwargs.update(pages=3, page_tokens=300, codes=4)
+    for budget in ("max_tokens", "max_turns"):  # (they follow the pages unless given)
+        kwargs.pop(budget, None)
+    kwargs["context"]["max_context_tokens"] = 1024
+    kwargs["context"]["strategy"]["threshold"] = 600
+    config.update(groups_per_step=1, steps=2, eval_episodes=4, checkpoint_every=2, progress=False)
+    config["trainer"]["G"] = 4
+    config["warm_start"]["episodes"] = 4
+    config["warm_start"]["sft"]["steps"] = 4
     return config
 
 

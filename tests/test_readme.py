@@ -220,6 +220,18 @@ def test_readme_quotes_the_compaction_tables_that_bench_compaction_measured() ->
         assert line in README, line
 
 
+def test_readme_quotes_the_compaction_learning_runs_that_bench_compaction_learning_measured() -> None:
+    """README's table of the long-horizon compaction task is bench/results/compaction_learning.json as
+    ``bench.compaction_learning`` renders it, with its command and date, run on the example README names."""
+    from bench.compaction_learning import table
+
+    record = json.loads((ROOT / "bench" / "results" / "compaction_learning.json").read_text())
+    assert f"`{record['command']}`" in README and record["date"] in README
+    assert table(record) in README
+    example = yaml.safe_load((ROOT / "examples" / "train_needle_compaction.yaml").read_text())
+    assert record["config"] == example
+
+
 def test_readme_quotes_the_agent_target_that_bench_planner_planned() -> None:
     """README's agent table is what ``bench.planner --agents`` wrote, each row planned from a command README's shape
     names (the JSON holds each row's request: the CLI's parser must still make the same one of the command)."""
