@@ -150,7 +150,8 @@ def test_the_compaction_learning_bench_runs_the_example_at_the_suites_size(tmp_p
     [run] = result["runs"]
     assert run["seed"] == 3 and run["grpo_steps"] == 2 and run["eval_episodes"] == 4
     assert run["warm_start"]["loss_last"] < run["warm_start"]["loss_first"]
-    assert run["summaries_per_episode"] >= 1  # the episodes were compacted...
-    assert run["context_tokens_max"] <= 1024 < run["history_tokens_max"]  # ...and read more than a context holds
+    assert run["summaries_per_episode"] >= 1  # the episodes were compacted: no context held a whole history
+    assert run["context_tokens_max"] < run["history_tokens_max"]
+    assert run["context_tokens_max"] <= 1024 + result["config"]["sampling"]["max_new_tokens"]  # (a last turn)
     assert 0 <= run["reward_before"] <= 1 and run["rise"] == run["reward_after"] - run["reward_before"]
     assert result["config"]["env"]["id"] == "LongStraw/PageRecall-v0" and "meets_target" in result
