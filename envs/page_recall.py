@@ -101,8 +101,8 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
         lines_per_page = max(1, self.config.page_tokens // TOKENS_PER_LINE)
         pages = []
         for number in range(1, self.config.pages + 1):
-            words = rng.integers(len(pools.filler), size=(lines_per_page, FILLER_WORDS_PER_LINE))
-            lines = ["".join(pools.filler[i] for i in row) + "." for row in words]
+            drawn = rng.integers(len(pools.filler), size=(lines_per_page, FILLER_WORDS_PER_LINE))
+            lines = ["".join(pools.filler[i] for i in row) + "." for row in drawn]
             if number == 1:
                 lines.insert(int(rng.integers(lines_per_page + 1)), f"The code is{code}.")
             pages.append("\n".join([f"Page {number} of {self.config.pages}.", *lines]))
