@@ -71,17 +71,24 @@ def start(config_path: Path, seed: int, run_dir: Path, threads: int) -> SeedRun:
     command += ["--seed", str(seed), "--output-dir", str(run_dir)]
     # passive OpenMP threads, as `make demo` runs: spinning ones burn CPU that tiny matrices cannot use
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    log = (run_dir.parent / f"{run_dir.name}.log").open("wb")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with log_path(run_dir).open("wb") as log:  # the child holds its own copy of the descriptor
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     return SeedRun(seed, run_dir, process, time.perf_counter())
 
 
-def wait(run: SeedRun) -> dict[str, Any]:
-    """The seed's figures once its process ends (its own CPU time, from ``wait4``)."""
-    _, status, usage = os.wait4(run.process.pid, 0)
+def log_path(run_dir: Path) -> Path:
+    return run_dir.parent / f"{run_dir.name}.log"
+
+
+def wait_any(running: list[SeedRun]) -> dict[str, Any]:
+    """The figures of whichever seed ends first (its own CPU time and wall time, from ``wait4``); it leaves
+    ``running``."""
+    pid, status, usage = os.wait4(-1, 0)
+    [run] = [r for r in running if r.process.pid == pid]
+    running.remove(run)
     run.process.returncode = os.waitstatus_to_exitcode(status)
     if run.process.returncode != 0:
-        log = (run.run_dir.parent / f"{run.run_dir.name}.log").read_text(errors="replace")
+        log = log_path(run.run_dir).read_text(errors="replace")
         raise RuntimeError(f"seed {run.seed} failed (exit {run.process.returncode}); its output ends:\n{log[-2000:]}")
     return {
         "seed": run.seed,
@@ -103,6 +110,7 @@ def episode_figures(store_path: Path) -> dict[str, Any]:
         "episodes": len(episodes),
         "solved": len(solved),
         "solved_history_tokens_median": statistics.median(solved) if solved else None,
+        "solved_history_tokens_min": min(solved) if solved else None,
         "history_tokens_max": max(t.num_tokens for t in episodes),
         "context_tokens_max": max(contexts),
         "summaries_per_episode": statistics.mean(len(t.edits) for t in episodes),
@@ -114,13 +122,17 @@ def run(config: dict[str, Any], seeds: list[int], out_dir: Path, jobs: int, thre
     config_path = out_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     pending, running, finished = list(seeds), [], []
-    while pending or running:
-        while pending and len(running) < jobs:
-            seed = pending.pop(0)
-            running.append(start(config_path, seed, out_dir / f"seed-{seed}", threads))
-        done = running.pop(0)  # seeds take about as long as each other: wait in order
-        finished.append(wait(done))
-        print(json.dumps(finished[-1]), flush=True)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                seed = pending.pop(0)
+                running.append(start(config_path, seed, out_dir / f"seed-{seed}", threads))
+            finished.append(wait_any(running))
+            print(json.dumps(finished[-1]), flush=True)
+    finally:  # a failed seed (or ^C) leaves no run behind
+        for left in running:
+            left.process.kill()
+            left.process.wait()
     return sorted(finished, key=lambda r: r["seed"])
 
 
@@ -142,13 +154,14 @@ def summary(runs: list[dict[str, Any]], config: dict[str, Any], command: str) ->
 def table(record: dict[str, Any]) -> str:
     """README's table of ``record`` (what ``main`` wrote): a row per seed, then the mean rise."""
     lines = [
-        "| seed | warm start loss | held-out reward, before → after GRPO | solving episodes' history, median tokens "
-        "| longest context | summaries per episode | CPU-hours | wall |",
+        "| seed | warm start loss | held-out reward, before → after GRPO | solved episodes' history, min / median "
+        "tokens | longest context | summaries per episode | CPU-hours | wall |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in record["runs"]:
         loss = r["warm_start"]
-        history = f"{r['solved_history_tokens_median']:,.0f}" if r["solved_history_tokens_median"] else "none solved"
+        solved = r["solved_history_tokens_median"]
+        history = f"{r['solved_history_tokens_min']:,} / {solved:,.0f}" if solved else "none solved"
         lines.append(
             f"| {r['seed']} | {loss['loss_first']:.3f} → {loss['loss_last']:.3f} "
             f"| {r['reward_before']:.3f} → {r['reward_after']:.3f} ({r['rise']:+.3f}) | {history} "
@@ -173,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     command = "python -m bench.compaction_learning " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.quick:
         with tempfile.TemporaryDirectory() as tmp:
-            return summary(run(quick_config(config), args.seeds, Path(tmp), args.jobs, args.threads), config, command)
+            quick = quick_config(config)
+            return summary(run(quick, args.seeds, Path(tmp), args.jobs, args.threads), quick, command)
     result = summary(run(config, args.seeds, args.runs, args.jobs, args.threads), config, command)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

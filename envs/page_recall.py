@@ -2,7 +2,7 @@
 
 The agent reads ``pages`` pages one ``read_page`` call at a time (each about ``page_tokens`` tokens of filler),
 then answers the code that page 1 states in one line (``The code is pac.``) among its filler. A call after the last
-page says that none is left. Reward 1 for exactly the code, else 0.
+page says that none is left. Reward 1 for exactly the code once every page was read, else 0.
 
 It is the long-horizon task for context policies: at the defaults a solving episode reads ~34K tokens, and under a
 4K context budget with summary turns (`envs.context.SummaryTurn`) every page past the budget asks for a summary
@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 from longstraw_agents.tools import Tool, ToolRegistry, format_tool_call, tool
 
 from .answers import ANSWER_CLOSE, ANSWER_OPEN
-from .base import ToolEnv, ToolEnvConfig, system_prompt_with_tools
+from .base import Score, ToolEnv, ToolEnvConfig, system_prompt_with_tools
 from .context import SummaryTurn
 from .key_value import FILLER_WORDS_PER_LINE, word_pools
 
@@ -142,8 +142,12 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
     def user_prompt(self, task: PageRecallTask) -> str:
         return f"There are {len(task.pages)} pages. Read them all, then answer the code stated on page 1."
 
-    def score(self, task: PageRecallTask, answer: str) -> float:
-        return float(answer.strip() == task.answer)
+    def score(self, task: PageRecallTask, answer: str) -> Score:
+        """1 for the code, once every page was read (the last page's header is in a tool output of the episode);
+        an answer before that scores 0, else a guess after few summaries would beat carrying the code through all."""
+        last = f"Page {len(task.pages)} of {len(task.pages)}."
+        read_all = any(s.role == "tool" and last in s.text for s in self.trajectory.segments)
+        return Score(float(read_all and answer.strip() == task.answer), {"read_all_pages": read_all})
 
     def scripted_turns(self, task: PageRecallTask) -> list[str]:
         read = format_tool_call("read_page", {})

@@ -238,8 +238,10 @@ class TorchSampler:
             handle.history = request.ids
             if handle.prefix is not None and not holds_prefix(handle.state, handle.prefix):
                 # the edit reached into the shared prompt, or the member resumed from another member's mark with
-                # the same tokens (another group's copy of the same prompt): decode without it
-                handle.prefix = None
+                # the same tokens (another group's copy of the same prompt): share that member's prompt if its
+                # state holds it, else decode without one
+                leader = requests[0].handle.prefix
+                handle.prefix = leader if leader is not None and holds_prefix(handle.state, leader) else None
 
     def num_tokens(self, handle: TorchHandle) -> int:
         return handle.state.num_tokens

@@ -128,7 +128,7 @@ def test_context_edits_example_logs_edited_episodes_and_trains_over_their_sequen
 def test_the_full_size_compaction_config_would_run(tmp_path: Path, capsys) -> None:
     """``longstraw train --check`` on the full-size compaction example: the env builds with its context policy, the
     model's context holds the budget, and the scripted solution reads 32K tokens or more through contexts of 4K
-    (the run itself takes about an hour: README's figures)."""
+    (the run itself takes about half an hour on 2 cores: README's figures)."""
     config = yaml.safe_load((EXAMPLES / "train_needle_compaction.yaml").read_text())
     env = gymnasium.make(config["env"]["id"], **config["env"]["kwargs"])
     trajectory = run_episode(env, ScriptedPolicy(env), seed=0)

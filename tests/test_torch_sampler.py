@@ -258,14 +258,15 @@ def test_members_resuming_from_one_mark_capture_what_they_share_once(model, monk
 def test_members_of_two_groups_resuming_from_one_prompt_decode_together(model):
     """Two groups forked apart from the same prompt (held-out episodes of a task whose prompt does not vary), edited
     in one batch back to that prompt: both resume from the first group's mark, so the second member's own prompt
-    capture is no longer in its state. It decodes without it, with the model's distribution (it was refused)."""
+    capture is no longer in its state (the decoder refused the batch). It shares the first member's prompt instead,
+    and decodes with the model's distribution."""
     sampler = TorchSampler(model, [STOP], SamplingConfig(max_new_tokens=4, seed=2), chunk_size=4)
     prompt = list(range(20, 31))
     handles = [*sampler.fork(prompt, 1), *sampler.fork(prompt, 1)]
     sampler.generate_batch(handles)
     contexts = [prompt + [60, 61, 62], prompt + [63, 64]]
     sampler.replace_batch(handles, contexts, [len(prompt), len(prompt)])
-    assert handles[0].prefix is not None and handles[1].prefix is None
+    assert handles[0].prefix is not None and handles[1].prefix is handles[0].prefix
     generations = sampler.generate_batch(handles)
     for context, generation in zip(contexts, generations, strict=True):
         reference = full_logprobs(model, context + generation.token_ids)

@@ -80,21 +80,24 @@ def supervised_warm_start(
 
 @contextmanager
 def fused_attention(model: nn.Module) -> Iterator[None]:
-    """The model's attention as torch's fused SDPA while the block runs, where transformers offers it for the
-    model. The warm start's forwards are whole physical sequences of thousands of tokens: eager attention keeps
-    their [heads, T, T] probabilities for the backward (8.6 GB and 8x the time for one PageRecall episode). The
-    rows are right-padded and no mask is passed, so SDPA runs causal, as eager does."""
+    """A model built with eager attention runs torch's fused SDPA while the block runs, where transformers offers it
+    for the family. The warm start's forwards are whole physical sequences of thousands of tokens: eager attention
+    keeps their [heads, T, T] probabilities for the backward (8.6 GB and 8x the time for one PageRecall episode).
+    The rows are right-padded and no mask is passed, so SDPA runs causal, as eager does. Any other implementation
+    (flash, flex, a kernel) is left as it is."""
     config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
+    if getattr(config, "_attn_implementation", None) != "eager" or getattr(config, "sub_configs", None):
+        yield  # not eager, or a composite model whose parts may differ: nothing to switch back to
+        return
     try:
         model.set_attn_implementation("sdpa")  # type: ignore[operator]
     except (AttributeError, ValueError, ImportError):  # no such switch, or no SDPA for this family
-        before = None
+        yield
+        return
     try:
         yield
     finally:
-        if before is not None:
-            model.set_attn_implementation(before)  # type: ignore[operator]
+        model.set_attn_implementation("eager")  # type: ignore[operator]
 
 
 def _learn(

@@ -63,7 +63,7 @@ def test_a_summary_that_drops_the_code_loses_it_for_good() -> None:
             text = format_tool_call("read_page", {})
         observation, *_ = env.step(env.formatter.assistant(text, env.turn).token_ids)
     assert all(code not in s.token_ids.tolist() for s in env.trajectory.segments[forgot:])
-    assert env.trajectory.reward == 0.0 and env.trajectory.finish_reason == "answered"
+    assert env.trajectory.finish_reason == "answered"
 
 
 def test_reading_past_the_last_page_says_none_is_left() -> None:
@@ -111,3 +111,17 @@ def test_no_code_word_is_in_a_text_of_the_environments_own() -> None:
         few.reset(seed=seed)
         drawn.add(few.task.code)
     assert drawn == set(few.code_words()[:4])
+
+
+def test_an_answer_before_the_last_page_scores_nothing() -> None:
+    """The right code after page 1 scores 0: the task is carrying it through every page (the scripted solution,
+    which reads them all, scores 1 above)."""
+    env = PageRecallEnv(context=SUMMARY_4K, pages=3)
+    script = ScriptedPolicy(env)
+    observation, _ = env.reset(seed=2)
+    while not env.awaiting_summary:
+        observation, *_ = env.step(script(observation))
+    observation, *_ = env.step(script(observation))  # the summary, with the code
+    answer = env.formatter.assistant(f"<answer>{env.task.code}</answer>", env.turn).token_ids
+    _, reward, terminated, _, _ = env.step(answer)
+    assert terminated and reward == 0.0 and env.trajectory.info["score"] == {"read_all_pages": False}

@@ -109,3 +109,14 @@ def test_the_warm_start_runs_fused_attention_and_gives_the_model_back_as_it_was(
     assert model.config._attn_implementation == before == "eager"
     assert inside in ({"sdpa"} if family != "glm_moe_dsa" else {"sdpa", "eager"})
     assert float(fused) == pytest.approx(float(eager), rel=1e-7)  # (transformers takes some norms in fp32)
+
+
+def test_a_model_not_on_eager_attention_keeps_its_own() -> None:
+    model = tiny_model("llama", vocab_size=load_tokenizer("longstraw-bpe").vocab_size)
+    model.set_attn_implementation("sdpa")
+    with fused_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("flex_attention")
+    with fused_attention(model):
+        assert model.config._attn_implementation == "flex_attention"  # (no downgrade to SDPA)
+    assert model.config._attn_implementation == "flex_attention"
