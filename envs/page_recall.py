@@ -35,6 +35,11 @@ TOKENS_PER_LINE = FILLER_WORDS_PER_LINE + 1
 """A filler line's tokens: its single-token words, then the full stop and the newline (one token)."""
 
 
+def page_header(number: int, pages: int) -> str:
+    """A page's first line; the last page's is how ``score`` knows every page was read."""
+    return f"Page {number} of {pages}."
+
+
 class PageRecallConfig(ToolEnvConfig):
     pages: int = Field(default=12, ge=1, le=4096, description="Pages to read; page 1 states the code.")
     page_tokens: int = Field(default=2800, ge=TOKENS_PER_LINE, description="About how many tokens a page holds.")
@@ -105,7 +110,7 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
             lines = ["".join(pools.filler[i] for i in row) + "." for row in drawn]
             if number == 1:
                 lines.insert(int(rng.integers(lines_per_page + 1)), f"The code is{code}.")
-            pages.append("\n".join([f"Page {number} of {self.config.pages}.", *lines]))
+            pages.append("\n".join([page_header(number, self.config.pages), *lines]))
         return PageRecallTask(code=code, pages=tuple(pages))
 
     def code_words(self) -> tuple[str, ...]:
@@ -145,7 +150,7 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
     def score(self, task: PageRecallTask, answer: str) -> Score:
         """1 for the code, once every page was read (the last page's header is in a tool output of the episode);
         an answer before that scores 0, else a guess after few summaries would beat carrying the code through all."""
-        last = f"Page {len(task.pages)} of {len(task.pages)}."
+        last = page_header(len(task.pages), len(task.pages))
         read_all = any(s.role == "tool" and last in s.text for s in self.trajectory.segments)
         return Score(float(read_all and answer.strip() == task.answer), {"read_all_pages": read_all})
 

@@ -73,7 +73,27 @@ def supervised_warm_start(
     model.train()
     losses: list[float] = []
     with fused_attention(model):
-        _learn(model, trajectories, config, optimizer, rng, losses, on_step, progress)
+        bar = progress_bar(total=config.steps, desc="warm start", unit="step", enabled=progress)
+        started, tokens = time.perf_counter(), 0
+        try:
+            for step in range(config.steps):
+                batch = [trajectories[rng.randrange(len(trajectories))] for _ in range(config.batch_size)]
+                optimizer.zero_grad(set_to_none=True)
+                total, count = masked_nll(model, batch)
+                tokens += sum(trajectory.num_tokens for trajectory in batch)
+                loss = total / max(count, 1)
+                loss.backward()
+                if config.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                optimizer.step()
+                losses.append(float(loss.detach()))
+                rate = tokens / max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix_str(f"loss {losses[-1]:.3f}, {rate:,.0f} tok/s", refresh=False)
+                bar.update(1)
+                if on_step is not None:
+                    on_step(step, losses[-1])
+        finally:
+            bar.close()
     model.eval()
     return losses
 
@@ -98,36 +118,3 @@ def fused_attention(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation("eager")  # type: ignore[operator]
-
-
-def _learn(
-    model: nn.Module,
-    trajectories: Sequence[Trajectory],
-    config: SFTConfig,
-    optimizer: torch.optim.Optimizer,
-    rng: random.Random,
-    losses: list[float],
-    on_step: Callable[[int, float], None] | None,
-    progress: bool | None,
-) -> None:
-    bar = progress_bar(total=config.steps, desc="warm start", unit="step", enabled=progress)
-    started, tokens = time.perf_counter(), 0
-    try:
-        for step in range(config.steps):
-            batch = [trajectories[rng.randrange(len(trajectories))] for _ in range(config.batch_size)]
-            optimizer.zero_grad(set_to_none=True)
-            total, count = masked_nll(model, batch)
-            tokens += sum(trajectory.num_tokens for trajectory in batch)
-            loss = total / max(count, 1)
-            loss.backward()
-            if config.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            rate = tokens / max(time.perf_counter() - started, 1e-9)
-            bar.set_postfix_str(f"loss {losses[-1]:.3f}, {rate:,.0f} tok/s", refresh=False)
-            bar.update(1)
-            if on_step is not None:
-                on_step(step, losses[-1])
-    finally:
-        bar.close()
