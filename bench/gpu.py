@@ -74,8 +74,8 @@ from bench.gpu_record import BudgetSpent, Deadline, Record, now
 from bench.gpu_tests import DECODE_GRAPHS_ENV, KernelSwitch, attention_backend, read_junit, switched_off, verdicts
 from bench.peers_gpu import PeerWork, Transformers
 from longstraw_agents.attention import BACKEND_NAMES
-from longstraw_agents.decoding import Decoder, Member
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine.decoding import Decoder, Member
 from longstraw_agents.models import state_size
 from longstraw_agents.models.presets import build_model, hybrid_layer_types
 from longstraw_agents.state import State

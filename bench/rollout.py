@@ -1,7 +1,8 @@
 """Rollout benchmark: batched decoding against per-member decoding on the demo model, measured side by side.
 
 Batched: ``TorchSampler.generate_batch`` through the rollout loop — one forward per generated token for every live
-member of every group, each group's prompt attended once per step for all its members (``longstraw_agents.decoding``).
+member of every group, each group's prompt attended once per step for all its members
+(``longstraw_agents.engine.decoding``).
 Per-member: the same sampler seen through the plain ``Sampler`` protocol (no ``generate_batch``), so the loop asks
 member by member and each token is one ``Engine.step`` of one member (a sampler without batching). Both
 draw the same tokens (every member has its own generator), so they generate the same number of tokens.

@@ -10,14 +10,18 @@ their memory is spaced independently of the chunk size.
 
 Forking is free: a child state is the parent's tuple plus new records, sharing every tensor; the parent's
 positions are never written again, so the parent stays valid. ``StateGrad`` holds the gradient with respect to a
-state's tensors (same shapes, allocated lazily) for the exact-gradient backward walk.
+state's tensors (same shapes, allocated lazily) for the exact-gradient backward walk. A state made by a sharded
+capture under context parallelism may carry this rank's ``LayerInputs``: what exact mode's wavefront walk over it
+reads instead of recomputing every layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -123,6 +127,65 @@ class ChunkRecord:
 MergedBlocks = tuple[tuple[tuple[int, Block], ...], ...]
 
 
+@dataclass(eq=False)
+class LayerInputs:
+    """What a sharded capture (``engine.ShardedCapture``) keeps on a rank for exact mode's wavefront walk
+    (``engine.WavefrontWalk``), carried by the state it made (``State.layer_inputs``): the input hidden states
+    ``[n, hidden]`` of the rank's chunks at every ``every``-th layer (the walk recomputes the layers between), each
+    chunk's forward scratch before every layer (DSA's selection), the recurrent state before each of the rank's runs
+    (recurrent layers), and the last layer's output: ``L / every + 1`` hidden vectors per position of the shard."""
+
+    positions: Tensor
+    rope: tuple[Tensor, Tensor]
+    every: int = 1
+    base: int = 0  # the first position of the extend whose inputs these are
+    hidden: dict[int, Tensor] = field(default_factory=dict)
+    scratch: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # layer -> the rank's chunk -> it
+    recurrent: dict[int, list[tuple[Tensor, ...] | None]] = field(default_factory=dict)  # layer -> per run
+    final: Tensor | None = None
+
+    @classmethod
+    def empty(cls, device: torch.device, every: int, base: int) -> LayerInputs:
+        """The inputs of a rank without chunks (filled in when it has some) of an extend from ``base``."""
+        nothing = torch.empty(0, device=device)
+        return cls(nothing.long(), (nothing, nothing), every, base)
+
+    def add_cell(
+        self,
+        i: int,
+        rows: slice,
+        h: Tensor,
+        scratch: dict[int, dict[str, Any]],
+        recurrent: tuple[Tensor, ...] | None,
+    ) -> None:
+        """Layer ``i``'s inputs of one of the rank's runs (its ``rows`` of ``h``, its chunks' scratch by index among
+        the rank's chunks, the recurrent state before it), kept before the layer computes them; the rank's runs
+        come in position order at each layer."""
+        if i % self.every == 0:
+            if i not in self.hidden:
+                self.hidden[i] = torch.empty_like(h)
+            self.hidden[i][rows] = h[rows]
+        self.scratch.setdefault(i, {}).update({k: dict(s) for k, s in scratch.items()})
+        self.recurrent.setdefault(i, []).append(None if recurrent is None else tuple(t.clone() for t in recurrent))
+
+    @staticmethod
+    def planned_nbytes(positions: int, hidden_size: int, itemsize: int, layers: int, every: int) -> int:
+        """What a rank keeps for ``positions`` of its shard, analytically: one hidden vector per position at every
+        ``every``-th layer and after the last. (The recurrent states before the rank's runs and DSA's selections
+        add a few per layer, not per position.)"""
+        return positions * hidden_size * itemsize * (math.ceil(layers / every) + 1)
+
+    @property
+    def nbytes(self) -> int:
+        states = [t for per_run in self.recurrent.values() for r in per_run if r is not None for t in r]
+        tensors = [*self.hidden.values(), *states, *([] if self.final is None else [self.final])]
+        scratch = {
+            id(v): v for layer in self.scratch.values() for chunk in layer.values() for v in chunk.values()
+            if torch.is_tensor(v)
+        }  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
+
+
 # called with every State made while they are registered (``observe_states``: memory attribution by role)
 _STATE_OBSERVERS: list[Callable[[State], None]] = []
 
@@ -145,9 +208,9 @@ class State:
     num_layers: int
     checkpoints: int = 0  # keep the recurrent state after every k-th chunk (0: only after the last)
     owner: int = field(default=0, repr=False)  # id of the engine that made it (a state is tied to its model)
-    # a sharded capture's inputs for exact mode's wavefront walk over exactly these chunks (engine.wavefront's
-    # LayerInputs, this rank's); children do not inherit them
-    layer_inputs: object | None = field(default=None, repr=False)
+    # a sharded capture's inputs for exact mode's wavefront walk over exactly these chunks (this rank's); children
+    # do not inherit them
+    layer_inputs: LayerInputs | None = field(default=None, repr=False)
     _merged: MergedBlocks | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -169,7 +232,7 @@ class State:
         object.__setattr__(twin, "_merged", self._merged)
         return twin
 
-    def with_layer_inputs(self, inputs: object) -> State:
+    def with_layer_inputs(self, inputs: LayerInputs) -> State:
         """The same state carrying ``inputs`` (what its reverse walk reads instead of recomputing every layer)."""
         twin = State(self.chunks, self.num_layers, self.checkpoints, self.owner, inputs)
         object.__setattr__(twin, "_merged", self._merged)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw_agents.decoding import Decoder, Member, holds_prefix
 from longstraw_agents.engine import Engine
+from longstraw_agents.engine.decoding import Decoder, Member, holds_prefix
 from longstraw_agents.sampler import FinishReason, Generation, SamplingConfig, check_kept, request_seed
 from longstraw_agents.state import State
 

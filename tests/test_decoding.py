@@ -1,4 +1,4 @@
-"""Batched decoding (decoding.py, models/batch.py): one forward for a batch of members equals each member stepped
+"""Batched decoding (engine/decoding.py, models/batch.py): one forward for a batch of members equals each member stepped
 alone with ``Engine.step`` — logits, and the states it leaves behind — for every family, with groups sharing a
 prefix, a member in no group, members dropping out mid-batch and tool turns between generations."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from decoding_cases import GROUPS, PROMPTS, VOCAB, decode_both_ways
 
-from longstraw_agents.decoding import Decoder, Member, decode_step
 from longstraw_agents.engine import Engine, EngineConfig
+from longstraw_agents.engine.decoding import Decoder, Member, decode_step
 from longstraw_agents.models.presets import tiny_model
 
 FAMILIES = ["llama", "qwen3", "qwen3_5", "glm_moe_dsa"]

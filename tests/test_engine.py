@@ -79,9 +79,9 @@ def test_state_entries_without_hidden_states_equal_the_forwards(family):
     state = engine.capture(random_ids(12, 3))
     ids = random_ids(7, 4)
     with torch.no_grad():
-        contexts = engine.contexts(state, len(state.chunks), None)
-        _, expected = engine.forward(ids, state.num_tokens, contexts)
-        entries = engine.state_entries(ids, state.num_tokens, contexts)
+        contexts = engine.kit.contexts(state, len(state.chunks), None)
+        _, expected = engine.kit.forward(ids, state.num_tokens, contexts)
+        entries = engine.kit.state_entries(ids, state.num_tokens, contexts)
     assert len(entries) == len(expected) == len(engine.adapter.layers)
     for got, want in zip(entries, expected, strict=True):
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
@@ -351,3 +351,49 @@ def test_gradient_buckets_keep_order_and_hold_a_larger_tensor_alone():
     buckets = _buckets(tensors, limit=80)
     assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [30], [5, 5, 5]]
     assert [t for b in buckets for t in b] == tensors and _buckets([], 80) == []
+
+
+def test_message_tags_are_unique_across_kinds_and_refuse_what_they_cannot_hold():
+    """A sharded capture's and the wavefront walk's messages share a transport (gloo matches by tag): no two kinds,
+    runs or layers may share a tag, and a schedule too large for the fields is refused before it sends anything."""
+    from longstraw_agents.engine.tags import MAX_LAYERS, MAX_RUNS, MessageKind, check_tag_bounds, message_tag
+
+    cells = [(0, 0), (1, 0), (0, 1), (MAX_RUNS - 1, MAX_LAYERS - 1), (MAX_RUNS - 1, 0), (0, MAX_LAYERS - 1)]
+    tags = [message_tag(kind, run, layer) for kind in MessageKind for run, layer in cells]
+    assert len(set(tags)) == len(tags) and 0 < min(tags) and max(tags) < 2**31
+    check_tag_bounds(MAX_RUNS, MAX_LAYERS)
+    for runs, layers in ((MAX_RUNS + 1, 4), (4, MAX_LAYERS + 1)):
+        with pytest.raises(ValueError, match="message tags hold at most"):
+            check_tag_bounds(runs, layers)
+    for run, layer in ((MAX_RUNS, 0), (0, MAX_LAYERS), (-1, 0)):
+        with pytest.raises(ValueError, match="a message tag holds"):
+            message_tag(MessageKind.WALK_ROWS, run, layer)
+
+
+def test_the_schedules_refuse_more_runs_than_the_tags_hold_before_sending(monkeypatch):
+    """A sharded capture and the wavefront walk check their runs and layers against the tags' fields as they are
+    built (on every rank alike, before a message is sent): here fields narrowed below the schedule's sizes."""
+    from dataclasses import dataclass
+
+    from longstraw_agents.engine import LayerInputs, tags
+    from longstraw_agents.engine.sharded_capture import ShardedCapture
+    from longstraw_agents.engine.wavefront import WavefrontWalk
+    from longstraw_agents.parallel import BalancedOwnership
+
+    @dataclass
+    class OneRanksView:  # what an engine over 2 ranks holds; neither schedule gets as far as its transport
+        ownership: BalancedOwnership
+        transport: None = None
+
+    model = tiny_model("llama", dtype=torch.float64)
+    shards = OneRanksView(BalancedOwnership(0, 2))
+    engine = Engine(model, EngineConfig(chunk_size=4), shards=shards)  # type: ignore[arg-type]
+    monkeypatch.setattr(tags, "MAX_RUNS", 2)  # a balanced cut over 2 ranks makes 3 runs: rank 0's, 1's, 0's
+    with pytest.raises(ValueError, match="this schedule has 3 runs over 2 layers"):
+        ShardedCapture(engine.kit, shards, engine.empty_state(), torch.arange(16), 4)  # type: ignore[arg-type]
+    state = Engine(model, EngineConfig(chunk_size=4)).capture(torch.arange(16))
+    walked = state.with_layer_inputs(LayerInputs.empty(torch.device("cpu"), 1, 0))
+    monkeypatch.setattr(tags, "MAX_RUNS", 4)
+    monkeypatch.setattr(tags, "MAX_LAYERS", 1)  # (the one process's chunks: one run)
+    with pytest.raises(ValueError, match="this schedule has 1 runs over 2 layers"):
+        WavefrontWalk(engine.kit, shards, walked, engine.new_grad(), torch.arange(16), None)  # type: ignore[arg-type]

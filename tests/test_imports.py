@@ -1,7 +1,10 @@
-"""DESIGN.md's import rules hold (the import-linter contracts of pyproject.toml), and the check catches a breach."""
+"""DESIGN.md's import rules hold (the import-linter contracts of pyproject.toml), and the check catches a breach;
+inside the engine no module imports back into itself through others, type hints and function-level imports
+included."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import shutil
 import sys
@@ -52,3 +55,86 @@ def test_the_viewer_may_not_import_torch(tmp_path: Path) -> None:
     assert result.returncode != 0, result.stdout
     assert "longstraw_agents.viewer is not allowed to import torch:" in result.stdout
     assert "longstraw_agents.viewer.page -> longstraw_agents.trainer.loss" in result.stdout
+
+
+ENGINE = "longstraw_agents.engine"
+
+
+def engine_imports(package_dir: Path) -> dict[str, set[str]]:
+    """Each module of the engine package in ``package_dir`` (``__init__`` included) → the modules of the package it
+    imports anywhere in its source: at the top, under ``TYPE_CHECKING``, inside functions."""
+    modules = {path.stem for path in package_dir.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse((package_dir / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                parent = ENGINE.rsplit(".", node.level - 1)[0] if node.level else ""  # (every module sits in ENGINE)
+                base = ".".join(part for part in (parent, node.module) if part)
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)  # ``from . import kit``
+        found = {_engine_module(target, modules) for target in targets}
+        graph[name] = {module for module in found if module is not None and module != name}
+    return graph
+
+
+def _engine_module(target: str, modules: set[str]) -> str | None:
+    """The engine module ``target`` names (the package itself: ``__init__``), or None outside the engine."""
+    if target == ENGINE:
+        return "__init__"
+    prefix = f"{ENGINE}."
+    if not target.startswith(prefix):
+        return None
+    name = target[len(prefix) :].split(".")[0]
+    return name if name in modules else "__init__"  # (a name the package exports, not a module of its own)
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports in ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the path walked, "done" once every import below it was walked
+    path: list[str] = []
+
+    def walk(module: str) -> list[str] | None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return [*path[path.index(target) :], target]
+            if target not in state and (circle := walk(target)) is not None:
+                return circle
+        state[module] = "done"
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (circle := walk(module)) is not None:
+            return circle
+    return None
+
+
+def test_the_engine_has_no_import_circle_not_even_for_type_hints() -> None:
+    graph = engine_imports(REPO / "longstraw_agents" / "engine")
+    assert {"engine", "kit", "tags", "decoding", "wavefront", "sharded_capture", "reverse_walk"} <= set(graph)
+    assert import_circle(graph) is None, " -> ".join(import_circle(graph) or [])
+    schedules = {"chunked_extend", "reverse_walk", "sharded_capture", "wavefront", "decoding", "engine"}
+    assert not graph["kit"] & schedules, "the execution kit imports a schedule"
+
+
+@pytest.mark.parametrize(
+    "breach",
+    [
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .wavefront import WavefrontWalk\n",
+        "def _late() -> None:\n    from longstraw_agents.engine import wavefront\n",
+        "from longstraw_agents.engine import Engine\n",
+    ],
+    ids=["type-hint", "in-a-function", "through-the-package"],
+)
+def test_an_import_circle_inside_the_engine_is_found(tmp_path: Path, breach: str) -> None:
+    """The walk sees a circle however the import back is written: the kit importing what imports it."""
+    engine = tmp_path / "engine"
+    shutil.copytree(REPO / "longstraw_agents" / "engine", engine, ignore=shutil.ignore_patterns("__pycache__"))
+    (engine / "kit.py").write_text((engine / "kit.py").read_text() + "\n" + breach)
+    circle = import_circle(engine_imports(engine))
+    assert circle is not None and "kit" in circle and circle[0] == circle[-1], circle

@@ -20,9 +20,9 @@ import torch
 from scripted_models import distinct_spelling, scripted_llama
 from waiting import WAIT_S, started, wait_until
 
-import longstraw_agents.engine.engine as engine_module
+import longstraw_agents.engine.kit as kit_module
 from longstraw_agents.app.chat_template import QwenChatTemplate
-from longstraw_agents.decoding import Decoder
+from longstraw_agents.engine.decoding import Decoder
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
 from longstraw_agents.serving import ChatMessage, CompletionServer, FunctionCall
@@ -670,7 +670,7 @@ def test_an_allocation_that_fails_is_a_500_and_the_server_goes_on(
     def no_room(*args: object, **kwargs: object) -> None:
         raise failure
 
-    monkeypatch.setattr(engine_module, "Arena", no_room)  # the prompt's capture cannot store its state
+    monkeypatch.setattr(kit_module, "Arena", no_room)  # the prompt's capture cannot store its state
     response = post(server, {"prompt": [3, 4, 5], "max_tokens": 4})
     assert response.status_code == 500, response.text
     error = response.json()["error"]

@@ -13,10 +13,10 @@ import pytest
 import torch
 from decoding_cases import GROUPS, PROMPTS, decode_both_ways, max_logprob_gap
 
-import longstraw_agents.decoding as decoding
+import longstraw_agents.engine.decoding as decoding
 import longstraw_agents.models.mla as mla
-from longstraw_agents.decoding import Decoder, Member
 from longstraw_agents.engine import Engine
+from longstraw_agents.engine.decoding import Decoder, Member
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.state import State
 from longstraw_agents.step_graph import CudaGraphStep, EagerStep, host_syncs

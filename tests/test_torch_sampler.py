@@ -172,7 +172,7 @@ def test_stop_and_length_finish_reasons(model):
 def count_forward_tokens(sampler: TorchSampler, monkeypatch) -> list[int]:
     """Every token the engine evaluates from now on (forward and state-only pieces), as a list of piece sizes."""
     pieces: list[int] = []
-    forward, entries = sampler.engine.forward, sampler.engine.state_entries
+    forward, entries = sampler.engine.kit.forward, sampler.engine.kit.state_entries
 
     def counted_forward(ids, start, contexts):
         pieces.append(int(ids.shape[0]))
@@ -182,8 +182,8 @@ def count_forward_tokens(sampler: TorchSampler, monkeypatch) -> list[int]:
         pieces.append(int(ids.shape[0]))
         return entries(ids, start, contexts)
 
-    monkeypatch.setattr(sampler.engine, "forward", counted_forward)
-    monkeypatch.setattr(sampler.engine, "state_entries", counted_entries)
+    monkeypatch.setattr(sampler.engine.kit, "forward", counted_forward)
+    monkeypatch.setattr(sampler.engine.kit, "state_entries", counted_entries)
     return pieces
 
 

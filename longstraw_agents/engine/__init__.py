@@ -13,23 +13,29 @@ recurrent state checkpointed at its start, and backpropagating into the paramete
 The package, one concern a module:
 
 - ``config``: ``EngineConfig`` and the spacings derived from it;
-- ``engine``: ``Engine`` (the public API) and the layer-context helpers the schedules share;
+- ``engine``: ``Engine``, the public front: it picks the schedule each call runs;
+- ``kit``: the execution kit every schedule runs layers with (``ExecutionKit``: the adapter, attention, the weights'
+  gathers, chunk bookkeeping) and the layer-context helpers they share; it depends on no schedule;
+- ``chunked_extend``: an extend chunk by chunk (in one process, or replicated on every context-parallel rank);
 - ``reverse_walk``: exact mode's walk in one process (or replicated on every context-parallel rank);
 - ``graphs``: kept chunk graphs within a memory budget (``GraphBank``);
 - ``shards``: context parallelism as the engine sees it — who stores which positions (``Ownership``) and the
   messages between ranks (``Transport``), implemented by ``longstraw_agents.parallel``;
-- ``sharded_capture``: a capture computed shard by shard, layer by layer, in a wavefront over the ranks;
-- ``wavefront``: the layer inputs such a capture keeps, and exact mode's walk over it in a wavefront.
+- ``tags``: the tags of those messages, one range per kind;
+- ``sharded_capture``: a capture computed shard by shard, layer by layer, in a wavefront over the ranks, keeping
+  its layer inputs (``state.LayerInputs``);
+- ``wavefront``: exact mode's walk over such a capture in a wavefront;
+- ``decoding``: batched decoding over engine states (``Decoder``), a forward per generated token for a batch.
 """
 
 from longstraw_agents.models import StateSize, state_size
-from longstraw_agents.state import State, StateGrad
+from longstraw_agents.state import LayerInputs, State, StateGrad
 
 from .config import EngineConfig, GradAccumulation, checkpoint_spacing, layer_inputs_spacing
-from .engine import Backward, ChunkLoss, Engine
+from .engine import Backward, Engine
 from .graphs import GraphBank, KeptGraph
+from .kit import ChunkLoss, ExecutionKit
 from .shards import Ownership, StateShards, Transport, capture_waves
-from .wavefront import LayerInputs
 from .weights import LayerWeights
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "ChunkLoss",
     "Engine",
     "EngineConfig",
+    "ExecutionKit",
     "GradAccumulation",
     "GraphBank",
     "KeptGraph",

@@ -1,33 +1,29 @@
-"""``Engine``: capture / extend / logits / backward over a model's own state objects, and the layer-context helpers
-the engine's schedules share (public within the package: ``reverse_walk``, ``sharded_capture``, ``wavefront``)."""
+"""``Engine``: capture / extend / logits / backward over a model's own state objects — the public front. It picks
+the schedule each call runs (``ChunkedExtend`` or ``ShardedCapture``; ``ReverseWalk`` or ``WavefrontWalk``) and hands
+it the execution kit they all run layers with (``ExecutionKit``)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from longstraw_agents.attention import Attention
-from longstraw_agents.models import FamilyAdapter, adapter_for
-from longstraw_agents.models.base import LayerContext, PastBlock
-from longstraw_agents.state import Arena, Block, ChunkRecord, RecurrentState, State, StateGrad, leaf_into
+from longstraw_agents.models import FamilyAdapter
+from longstraw_agents.state import State, StateGrad
 from longstraw_agents.token_ids import as_token_ids
 
-from .config import EngineConfig, checkpoint_spacing, layer_inputs_spacing
+from .chunked_extend import ChunkedExtend
+from .config import EngineConfig
 from .graphs import GraphBank
+from .kit import ChunkLoss, ExecutionKit
 from .reverse_walk import ReverseWalk
 from .sharded_capture import ShardedCapture
 from .shards import StateShards, Transport
-from .wavefront import LayerInputs, WavefrontWalk
-from .weights import ExpertRounds, LayerWeights
-
-# loss_fn(hidden [n, hidden], start, end) -> scalar loss for the tokens at positions [start, end), or None; it gets
-# the final-normed hidden states, not logits, so that it can apply the LM head in tiles (longstraw_agents.logprobs)
-ChunkLoss = Callable[[Tensor, int, int], Tensor | None]
+from .wavefront import WavefrontWalk
+from .weights import LayerWeights
 
 
 @dataclass(frozen=True)
@@ -71,57 +67,35 @@ class Engine:
         shards: StateShards | None = None,
         weights: LayerWeights | None = None,
     ):
-        self.model = model
-        self.adapter: FamilyAdapter = adapter_for(model)
         config = config or EngineConfig()
         if chunk_size is not None:
             config = config.updated(chunk_size=chunk_size)
-        self.config = config
-        self.shards = shards
-        self.weights = weights
-        if weights is not None:
-            if weights.lockstep and weights.rounds is None and shards is not None and config.sharded_extends:
-                raise ValueError(
-                    "the weights' sharding needs every rank to make the same layer calls, so no extend may be "
-                    "sharded: EngineConfig(sharded_extends=False)"
-                )
-            weights.bind(self.adapter.layers)
-        transport = shards.transport if shards is not None else None
-        # a state block's dK/dV are computed a chunk of positions at a time: the transient stays below a chunk's graph
-        budget, exact = config.max_score_elements, config.exact_products
-        self.attention = Attention(config.attention, budget, config.chunk_size, transport, exact_products=exact)
-        self.local_attention = Attention(config.attention, budget, config.chunk_size, exact_products=exact)
-
-    def gathered(self, layer: int | None, partial: bool = False, reduce: bool = True) -> AbstractContextManager[None]:
-        """Layer ``layer``'s weights whole for a block (``LayerWeights.gathered``; nothing to do unsharded)."""
-        if self.weights is None:
-            return contextlib.nullcontext()
-        return self.weights.gathered(layer, partial, reduce)
-
-    def reduce(self, layer: int) -> None:
-        """``LayerWeights.reduce`` (nothing to do unsharded)."""
-        if self.weights is not None:
-            self.weights.reduce(layer)
-
-    def announce(self, layers: Sequence[int], ahead: int | None = None) -> None:
-        """The order of the coming ``gathered`` blocks (``LayerWeights.announce``; nothing to do unsharded)."""
-        if self.weights is not None:
-            self.weights.announce(layers, ahead)
+        self.kit = ExecutionKit(model, config, shards, weights)
 
     @property
-    def rounds(self) -> ExpertRounds | None:
-        """Under expert parallelism, a sharded extend's MoE calls as rounds (``LayerWeights.rounds``)."""
-        return self.weights.rounds if self.weights is not None else None
+    def model(self) -> nn.Module:
+        return self.kit.model
 
-    def start_gather(self) -> None:
-        """``LayerWeights.start_next`` (nothing to do unsharded)."""
-        if self.weights is not None:
-            self.weights.start_next()
+    @property
+    def adapter(self) -> FamilyAdapter:
+        return self.kit.adapter
 
-    def settle(self) -> None:
-        """``LayerWeights.settle`` (nothing to do unsharded)."""
-        if self.weights is not None:
-            self.weights.settle()
+    @property
+    def config(self) -> EngineConfig:
+        return self.kit.config
+
+    @property
+    def shards(self) -> StateShards | None:
+        return self.kit.shards
+
+    @property
+    def weights(self) -> LayerWeights | None:
+        return self.kit.weights
+
+    @property
+    def attention(self) -> Attention:
+        """The attention ops the layers run with (merging the ranks' partial results under context parallelism)."""
+        return self.kit.attention
 
     @property
     def family(self) -> str:
@@ -129,17 +103,12 @@ class Engine:
 
     @property
     def num_layers(self) -> int:
-        return len(self.adapter.layers)
+        return self.kit.num_layers
 
     @property
     def checkpoint_spacing(self) -> int:
         """k: exact-mode states keep the recurrent state after every k-th chunk (see ``EngineConfig``)."""
-        return checkpoint_spacing(self.model.config, self.adapter.dtype, self.config)
-
-    @property
-    def layer_inputs_spacing(self) -> int:
-        """k: the wavefront walk's layer inputs are kept every k layers (see ``EngineConfig``)."""
-        return layer_inputs_spacing(self.num_layers, self.config)
+        return self.kit.checkpoint_spacing
 
     # --- public API -----------------------------------------------------------------------------------------
     def empty_state(self, checkpoints: bool | int = False) -> State:
@@ -203,8 +172,8 @@ class Engine:
         ``longstraw_agents.logprobs`` turns them into log-probabilities without a [n, V] tensor)."""
         self._check_state(state)
         ids = self._check_ids(ids)
-        contexts = self.contexts(state, len(state.chunks), grad)
-        hidden, _ = self.forward(ids, state.num_tokens, contexts)
+        contexts = self.kit.contexts(state, len(state.chunks), grad)
+        hidden, _ = self.kit.forward(ids, state.num_tokens, contexts)
         return hidden
 
     def backward(
@@ -242,116 +211,13 @@ class Engine:
         if first < len(state.chunks) and state.chunks[first].start != base:
             raise ValueError("`since` must be an ancestor of `state` (its end must fall on a chunk boundary)")
         inputs = state.layer_inputs
-        if self.shards is not None and isinstance(inputs, LayerInputs) and inputs.base == base:
-            WavefrontWalk(self, self.shards, state, grad, ids, loss_fn, since, into_since).run()
+        if self.shards is not None and inputs is not None and inputs.base == base:
+            WavefrontWalk(self.kit, self.shards, state, grad, ids, loss_fn, since, into_since).run()
             return Backward(sharded=True, transport=self.shards.transport)
-        ReverseWalk(self, state, grad, ids, since, first, loss_fn, into_since, kept).run()
+        ReverseWalk(self.kit, state, grad, ids, since, first, loss_fn, into_since, kept).run()
         return Backward()
 
-    # --- what the schedules share -----------------------------------------------------------------------------
-    def forward(self, ids: Tensor, start: int, contexts: list[LayerContext]) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
-        """Every layer over ``ids`` at positions from ``start``, reading ``contexts``: the final-normed hidden states
-        and each layer's new state entries."""
-        return self.adapter.forward(
-            ids,
-            start,
-            contexts,
-            attention=self.attention,
-            checkpoint_layers=self.config.activation_checkpointing,
-            runner=self.weights.run if self.weights is not None else None,
-        )
-
-    def state_entries(self, ids: Tensor, start: int, contexts: list[LayerContext]) -> list[tuple[Tensor, ...]]:
-        """``forward``'s state entries without its hidden states (no grad: a capture, a recomputed chunk)."""
-        runner = self.weights.run if self.weights is not None else None
-        return self.adapter.state_entries(ids, start, contexts, attention=self.attention, runner=runner)
-
-    def contexts(
-        self,
-        state: State,
-        upto: int,
-        grad: StateGrad | None,
-        recurrent_before: Sequence[RecurrentState | None] | None = None,
-        frozen_before: int = 0,
-    ) -> list[LayerContext]:
-        """What each layer reads of the first ``upto`` chunks. With ``grad``, attention blocks carry their slices of
-        the state's gradient buffers (the attention backward adds into them) and recurrent states enter the graph
-        as leaves whose gradients are added into theirs — except positions before ``frozen_before``, which stay
-        constants. ``recurrent_before``: the recurrent states to start from (default: the state's own)."""
-        contexts = []
-        for i, layer in enumerate(self.adapter.layers):
-            if layer.mixer.grows:
-                blocks = state.positioned_blocks(i, upto)
-                contexts.append(LayerContext(past=self.past_blocks(blocks, grad, frozen_before)))
-                continue
-            start = state.chunks[upto].start if upto < len(state.chunks) else state.num_tokens
-            rec = (
-                recurrent_before[i]
-                if recurrent_before is not None
-                else (state.recurrent(i, upto - 1) if upto else None)
-            )
-            tensors = None
-            if rec is not None:
-                tensors = rec.tensors
-                if grad is not None and start > frozen_before:
-                    tensors = tuple(leaf_into(t, g) for t, g in zip(tensors, grad.recurrent_grads(rec), strict=True))
-            contexts.append(LayerContext(recurrent=tensors))
-        return contexts
-
-    @staticmethod
-    def past_blocks(blocks: list[tuple[int, Block]], grad: StateGrad | None, frozen_before: int = 0) -> list[PastBlock]:
-        """The blocks (with the position each starts at) as the mixers read them, with gradient sinks from ``grad``
-        for positions >= ``frozen_before`` (a block straddling it is split)."""
-        past = []
-        for position, block in blocks:
-            views, end = block.views(), position + block.length
-            if grad is None or end <= frozen_before:
-                past.append(PastBlock(views, None, position))
-            elif position >= frozen_before:
-                past.append(PastBlock(views, grad.block_grads(block), position))
-            else:
-                cut = frozen_before - position
-                sinks = grad.block_grads(block)
-                past.append(PastBlock(tuple(v[:cut] for v in views), None, position))
-                past.append(PastBlock(tuple(v[cut:] for v in views), tuple(g[cut:] for g in sinks), frozen_before))
-        return past
-
-    def arenas_for(self, state: State, n: int, reserve: int) -> list[Arena | None]:
-        """Per growing layer, the arena to append ``n`` positions to: the last one in place, or a new one with room
-        for ``reserve`` more (none when this rank stores nothing of them: no block would hold on to its room)."""
-        arenas: list[Arena | None] = []
-        for i, layer in enumerate(self.adapter.layers):
-            if not layer.mixer.grows or n == 0:
-                arenas.append(None)
-                continue
-            blocks = state.blocks(i)
-            last = blocks[-1] if blocks else None
-            if last is not None and last.arena.can_append(last.hi, n):
-                arenas.append(last.arena)
-            else:
-                shapes = layer.mixer.state_shapes()
-                arenas.append(Arena(shapes, n + reserve, self.adapter.dtype, self.adapter.device))
-        return arenas
-
-    def pieces(
-        self, state: State, n: int, chunk: int, sharded: bool = False, balanced: bool = True
-    ) -> list[tuple[int, int, int]]:
-        """``(lo, hi, owner)``: offsets of the chunks of ``n`` tokens after ``state`` (at most ``chunk`` long) and the
-        rank that will store each (context parallelism; 0 without). ``sharded``: a sharded extend's cut
-        (``Ownership.cut``, ``balanced`` or in rank order); otherwise each chunk goes to the rank holding the least
-        of the path (``Ownership.assign``)."""
-        runs = [(0, n, 0)] if self.shards is None or not sharded else self.shards.ownership.cut(n, balanced)
-        pieces = [(lo, min(lo + chunk, hi), owner) for a, hi, owner in runs for lo in range(a, hi, chunk)]
-        if self.shards is not None and not sharded:
-            ownership = self.shards.ownership
-            owners = ownership.assign(state.positions_held(ownership.size), [hi - lo for lo, hi, _ in pieces])
-            pieces = [(lo, hi, owner) for (lo, hi, _), owner in zip(pieces, owners, strict=True)]
-        return pieces
-
-    def reserve_share(self, reserve: int) -> int:
-        """The room each rank reserves for ``reserve`` later positions: they spread over the ranks too."""
-        return reserve if self.shards is None else -(-reserve // self.shards.ownership.size)
-
+    # --- which schedule an extend runs ---------------------------------------------------------------------
     def sharded(self, state: State, n: int) -> bool:
         """Whether an extend of ``n`` tokens after ``state`` runs sharded (``ShardedCapture``): with context
         parallelism, when it is at least as long as the state (a capture: moving the earlier rows costs no more than
@@ -361,27 +227,6 @@ class Engine:
         if self.shards is None or not self.config.sharded_extends or n == 0:
             return False
         return n >= state.num_tokens or (least is not None and n >= least)
-
-    def owns(self, owner: int) -> bool:
-        """Whether this rank stores the state of chunks of ``owner`` (always, without context parallelism)."""
-        return self.shards is None or owner == self.shards.ownership.rank
-
-    def record(
-        self, start: int, n: int, new: list[tuple[Tensor, ...]], arenas: list[Arena | None], owner: int
-    ) -> ChunkRecord:
-        """The chunk's record: growing layers' entries appended to their arenas — on its ``owner`` (context
-        parallelism: elsewhere the chunk has no block) — and recurrent layers' new states."""
-        store = self.owns(owner)
-        blocks: list[Block | None] = []
-        recurrent: list[RecurrentState | None] = []
-        for entry, arena, layer in zip(new, arenas, self.adapter.layers, strict=True):
-            if layer.mixer.grows:
-                blocks.append(arena.append(entry) if store and arena is not None else None)
-                recurrent.append(None)
-            else:
-                blocks.append(None)
-                recurrent.append(RecurrentState.owning(entry))
-        return ChunkRecord(start, n, tuple(blocks), tuple(recurrent), owner=owner)
 
     # --- internals ------------------------------------------------------------------------------------------
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:
@@ -409,33 +254,5 @@ class Engine:
         if not keeping and not want_logits and self.sharded(state, ids.shape[0]):
             # a long extend (a capture): each rank computes its own shard, layer by layer (see ShardedCapture)
             assert self.shards is not None  # (only context parallelism shards an extend)
-            return ShardedCapture(self, self.shards, state, ids, chunk).run(reserve), None
-        pieces = self.pieces(state, ids.shape[0], chunk)
-        owned = sum(hi - lo for lo, hi, owner in pieces if self.owns(owner))
-        arenas = self.arenas_for(state, owned, self.reserve_share(reserve))
-        # a kept chunk's graph reads the recurrent state before it: keep every one (the graph holds it anyway)
-        current = state.with_checkpoints(1) if keeping else state
-        last_logits = None
-        for lo, hi, owner in pieces:
-            piece = ids[lo:hi]
-            logits_here = want_logits and hi == ids.shape[0]
-            hidden: Tensor | None = None
-            if keeping and keep is not None:
-                with torch.enable_grad(), keep.measuring() as measured:
-                    contexts = self.contexts(current, len(current.chunks), keep.grad)
-                    hidden, new = self.forward(piece, current.num_tokens, contexts)
-            else:
-                with torch.no_grad():
-                    contexts = self.contexts(current, len(current.chunks), None)
-                    if logits_here:
-                        hidden, new = self.forward(piece, current.num_tokens, contexts)
-                    else:  # nothing reads this chunk's hidden states
-                        new = self.state_entries(piece, current.num_tokens, contexts)
-            with torch.no_grad():
-                record = self.record(current.num_tokens, piece.shape[0], new, arenas, owner)
-                current = current.append(record)
-                if logits_here and hidden is not None:
-                    last_logits = self.adapter.lm_head(hidden[-1:])[0]
-            if keeping and keep is not None and hidden is not None:
-                keep.add(record, new, hidden, measured.current_bytes)
-        return current.with_checkpoints(state.checkpoints), last_logits
+            return ShardedCapture(self.kit, self.shards, state, ids, chunk).run(reserve), None
+        return ChunkedExtend(self.kit, state, ids, chunk, reserve, want_logits, keep).run()

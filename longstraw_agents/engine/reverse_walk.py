@@ -9,7 +9,6 @@ entries' and ``loss_fn``'s — is backpropagated into the parameters and into ea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,9 +16,7 @@ from torch import Tensor
 from longstraw_agents.state import Block, ChunkRecord, RecurrentState, State, StateGrad
 
 from .graphs import GraphBank, KeptGraph
-
-if TYPE_CHECKING:
-    from .engine import ChunkLoss, Engine
+from .kit import ChunkLoss, ExecutionKit
 
 
 class ReverseWalk:
@@ -29,7 +26,7 @@ class ReverseWalk:
 
     def __init__(
         self,
-        engine: Engine,
+        kit: ExecutionKit,
         state: State,
         grad: StateGrad,
         ids: Tensor,
@@ -39,11 +36,11 @@ class ReverseWalk:
         into_since: bool,
         kept: GraphBank | None,
     ):
-        self.engine, self.state, self.grad, self.ids, self.first = engine, state, grad, ids, first
+        self.kit, self.state, self.grad, self.ids, self.first = kit, state, grad, ids, first
         self.loss_fn, self.kept = loss_fn, kept
         self.base = since.num_tokens if since is not None else 0
         self.frozen_before = 0 if into_since else self.base
-        self.recurrent = RecurrentStates(engine, state, since, ids, self.base, first)
+        self.recurrent = RecurrentStates(kit, state, since, ids, self.base, first)
 
     def run(self) -> None:
         for j in reversed(range(self.first, len(self.state.chunks))):
@@ -60,17 +57,17 @@ class ReverseWalk:
         graph: KeptGraph | None,
     ) -> None:
         """Recompute chunk ``j`` (or take its kept graph) and backpropagate what waits for its outputs."""
-        engine, chunk = self.engine, self.state.chunks[j]
+        kit, chunk = self.kit, self.state.chunks[j]
         outputs: list[Tensor] = []
         grads: list[Tensor] = []
         with torch.enable_grad():
             if graph is None:
-                contexts = engine.contexts(self.state, j, self.grad, before, self.frozen_before)
+                contexts = kit.contexts(self.state, j, self.grad, before, self.frozen_before)
                 ids = self.ids[chunk.start - self.base : chunk.end - self.base]
-                hidden, new = engine.forward(ids, chunk.start, contexts)
+                hidden, new = kit.forward(ids, chunk.start, contexts)
             else:
                 hidden, new = graph.hidden, graph.new
-            for entry, block, rec, layer in zip(new, chunk.blocks, after, engine.adapter.layers, strict=True):
+            for entry, block, rec, layer in zip(new, chunk.blocks, after, kit.adapter.layers, strict=True):
                 if layer.mixer.grows:
                     upstream = self._block_upstream(chunk, block, entry)
                 else:
@@ -91,7 +88,7 @@ class ReverseWalk:
     ) -> tuple[Tensor, ...] | None:
         """The gradient waiting for a chunk's new state entries; with context parallelism it lives on the chunk's
         owner and is broadcast, so that every rank's recomputation backpropagates the same thing."""
-        shards = self.engine.shards
+        shards = self.kit.shards
         if shards is None:
             return None if block is None else self.grad.existing_block_grads(block)
         owner = chunk.owner
@@ -121,8 +118,8 @@ class RecurrentStates:
     between checkpoints — recomputed forward without a graph from the nearest one, a segment at a time (at most
     ``checkpoints - 1`` of them live at once)."""
 
-    def __init__(self, engine: Engine, state: State, since: State | None, ids: Tensor, base: int, first: int):
-        self.engine, self.state, self.since, self.ids, self.base, self.first = engine, state, since, ids, base, first
+    def __init__(self, kit: ExecutionKit, state: State, since: State | None, ids: Tensor, base: int, first: int):
+        self.kit, self.state, self.since, self.ids, self.base, self.first = kit, state, since, ids, base, first
         self.none: tuple[RecurrentState | None, ...] = (None,) * state.num_layers
         self.cache: dict[int, tuple[RecurrentState | None, ...]] = {}
 
@@ -146,9 +143,9 @@ class RecurrentStates:
         for t in range(start + 1, m + 1):
             chunk = self.state.chunks[t]
             with torch.no_grad():
-                contexts = self.engine.contexts(self.state, t, None, self.after(t - 1))
+                contexts = self.kit.contexts(self.state, t, None, self.after(t - 1))
                 ids = self.ids[chunk.start - self.base : chunk.end - self.base]
-                new = self.engine.state_entries(ids, chunk.start, contexts)
+                new = self.kit.state_entries(ids, chunk.start, contexts)
             self.cache[t] = tuple(
                 None if block is not None else RecurrentState.owning(entry)
                 for entry, block in zip(new, chunk.blocks, strict=True)

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from longstraw_agents.models.base import LayerContext, PastBlock
-from longstraw_agents.state import Arena, Block, ChunkRecord, RecurrentState, State
+from longstraw_agents.state import Arena, Block, ChunkRecord, LayerInputs, RecurrentState, State
 
+from .kit import ExecutionKit, past_blocks
 from .shards import (
     RUNS_HEADER,
     ChunkOwners,
@@ -28,10 +29,9 @@ from .shards import (
     wavefront_cells,
     waves,
 )
-from .wavefront import LayerInputs
+from .tags import MessageKind, check_tag_bounds, message_tag
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .weights import ExpertRounds
 
 
@@ -46,8 +46,8 @@ class _Message:
 
     @property
     def tag(self) -> int:
-        # (< 4096 layers; above the wavefront walk's tags, wavefront.py, whose kinds are 1 to 5 << 12)
-        return (8 + self.run.index) << 12 | self.layer
+        kind = MessageKind.CAPTURE_ROWS if self.rows else MessageKind.CAPTURE_RECURRENT
+        return message_tag(kind, self.run.index, self.layer)
 
 
 class _Shard:
@@ -92,19 +92,20 @@ class ShardedCapture:
     ``EngineConfig.wavefront_walk``, keeps this rank's layer inputs on the child state (``State.layer_inputs``) for
     the wavefront walk instead of sharing checkpoints: the walk back to the parent then runs sharded too."""
 
-    def __init__(self, engine: Engine, shards: StateShards, state: State, ids: Tensor, chunk: int):
-        self.engine, self.state, self.ids = engine, state, ids
+    def __init__(self, kit: ExecutionKit, shards: StateShards, state: State, ids: Tensor, chunk: int):
+        self.kit, self.state, self.ids = kit, state, ids
         self.ownership, self.transport = shards.ownership, shards.transport
         self.base = state.num_tokens
-        self.rounds = engine.rounds  # (expert parallelism: the MoE calls are rounds every rank takes part in)
+        self.rounds = kit.rounds  # (expert parallelism: the MoE calls are rounds every rank takes part in)
         # (the wavefront walk computes with a gradient, which expert rounds do not carry: a replicated walk)
-        self.keeps_inputs = engine.config.wavefront_walk and state.checkpoints > 0 and self.rounds is None
-        balanced = engine.config.balanced_captures
-        pieces = engine.pieces(state, ids.shape[0], chunk, sharded=True, balanced=balanced)
+        self.keeps_inputs = kit.config.wavefront_walk and state.checkpoints > 0 and self.rounds is None
+        balanced = kit.config.balanced_captures
+        pieces = kit.pieces(state, ids.shape[0], chunk, sharded=True, balanced=balanced)
         self.pieces = [(self.base + lo, self.base + hi) for lo, hi, _ in pieces]
         chunks = ChunkOwners.of([owner for _, _, owner in pieces], self.ownership.rank)
         self.owners, self.mine = chunks.owners, chunks.mine
         self.runs = runs_of(self.owners)
+        check_tag_bounds(len(self.runs), kit.num_layers)
         rank = self.ownership.rank
         self.my_runs = [run for run in self.runs if run.owner == rank]
         self.parent_holders = {c.owner for c in state.chunks}  # the ranks holding rows of the parent
@@ -118,26 +119,24 @@ class ShardedCapture:
         self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, own runs before) -> that rows message
         self.outbox = {dst: collections.deque(self._messages(dst)) for dst in range(self.ownership.size) if dst != rank}
         # a layer's weights are gathered once per wave of runs (``capture_gathers``): (wave, layer) this rank computes
-        self.gathers = collections.deque(capture_gathers(self.runs, engine.num_layers))
+        self.gathers = collections.deque(capture_gathers(self.runs, kit.num_layers))
         wave_of = {run.index: w for w, wave in enumerate(waves(self.runs)) for run in wave}
-        self.computes = {(wave_of[run.index], i) for run in self.my_runs for i in range(engine.num_layers)}
+        self.computes = {(wave_of[run.index], i) for run in self.my_runs for i in range(kit.num_layers)}
 
     def run(self, reserve: int) -> State:
         """The child state."""
-        engine, adapter = self.engine, self.engine.adapter
+        kit, adapter = self.kit, self.kit.adapter
         width = sum(b - a for a, b in (self.pieces[j] for j in self.mine))
-        arenas = engine.arenas_for(self.state, width, engine.reserve_share(reserve))
+        arenas = kit.arenas_for(self.state, width, kit.reserve_share(reserve))
         # every rank keeps inputs (empty without chunks), so that every rank picks the wavefront walk
-        inputs = (
-            LayerInputs.empty(adapter.device, engine.layer_inputs_spacing, self.base) if self.keeps_inputs else None
-        )
-        engine.announce([g.layer for g in self.gathers], ahead=0)  # (started as they fall due: ``_start_gathers``)
+        inputs = LayerInputs.empty(adapter.device, kit.layer_inputs_spacing, self.base) if self.keeps_inputs else None
+        kit.announce([g.layer for g in self.gathers], ahead=0)  # (started as they fall due: ``_start_gathers``)
         with torch.no_grad(), self.rounds.dispatching() if self.rounds else contextlib.nullcontext():
-            shard = _Shard(*self._embedded(), arenas, len(self.mine), engine.num_layers)
+            shard = _Shard(*self._embedded(), arenas, len(self.mine), kit.num_layers)
             if inputs is not None and self.mine:
                 inputs.positions, inputs.rope = shard.positions, shard.rope
             self._post()  # (the parent's rows, sent before any computing)
-            cells = wavefront_cells(self.runs, engine.num_layers, self.ownership.rank)
+            cells = wavefront_cells(self.runs, kit.num_layers, self.ownership.rank)
             if self.rounds is None:
                 for run, i in cells:
                     self._start_gathers(run.index + i)
@@ -155,7 +154,7 @@ class ShardedCapture:
 
     def _computed(self, shard: _Shard, run: Run, i: int, inputs: LayerInputs | None) -> None:
         """Cell ``(run, i)`` computed with its layer whole, and the messages it readies posted."""
-        with self.engine.gathered(i):
+        with self.kit.gathered(i):
             self._cell(shard, run, i, inputs)
         self.done.add((run.index, i))
         self._post(shard.blocks)
@@ -167,7 +166,7 @@ class ShardedCapture:
         """Under expert parallelism: every rank walks every wavefront step, making at each as many MoE rounds as
         the rank with the most MoE calls in it (a call per chunk of a cell at a MoE layer), idle ones after its
         own cells."""
-        steps = len(self.runs) + self.engine.num_layers - 1
+        steps = len(self.runs) + self.kit.num_layers - 1
         calls = [[0] * self.ownership.size for _ in range(steps)]
         for run in self.runs:
             for i in rounds.routed:
@@ -191,15 +190,15 @@ class ShardedCapture:
         runs, and starts each gather before it can wait on anything a peer computes after that gather is due."""
         while self.gathers and (step is None or self.gathers[0].due <= step):
             gather = self.gathers.popleft()
-            self.engine.start_gather()
+            self.kit.start_gather()
             if (gather.wave, gather.layer) not in self.computes:
-                with self.engine.gathered(gather.layer):
+                with self.kit.gathered(gather.layer):
                     pass
 
     def _cell(self, shard: _Shard, run: Run, i: int, inputs: LayerInputs | None) -> None:
         """Layer ``i`` over ``run``'s chunks: what it reads of earlier positions received, its rows appended to the
         rank's arena (a growing layer) or the state after it kept for the next run (a recurrent one)."""
-        adapter, h = self.engine.adapter, shard.h
+        adapter, h = self.kit.adapter, shard.h
         layer = adapter.layers[i]
         past = self._past(run, i, shard.blocks) if layer.mixer.grows else None
         carried = None if layer.mixer.grows else self._recurrent_before(run, i)
@@ -211,7 +210,7 @@ class ShardedCapture:
             ctx = LayerContext(past=list(past)) if past is not None else LayerContext(recurrent=carried)
             rope = (shard.rope[0][rows], shard.rope[1][rows])
             h[rows], new = adapter.run_layer(
-                layer, h[rows], shard.positions[rows], rope, ctx, shard.scratch[k], self.engine.local_attention, a
+                layer, h[rows], shard.positions[rows], rope, ctx, shard.scratch[k], self.kit.local_attention, a
             )
             if past is not None:
                 arena = shard.arenas[i]
@@ -227,9 +226,9 @@ class ShardedCapture:
 
     def _embedded(self) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """This rank's runs embedded back to back: hidden states, positions and rotations (empty without chunks)."""
-        parts = [self.engine.adapter.embed(self.ids[a - self.base : b - self.base], a) for a, b in self._spans()]
+        parts = [self.kit.adapter.embed(self.ids[a - self.base : b - self.base], a) for a, b in self._spans()]
         if not parts:
-            return self.engine.adapter.embed(self.ids[:0], self.base)
+            return self.kit.adapter.embed(self.ids[:0], self.base)
         h = torch.cat([p[0] for p in parts])
         positions = torch.cat([p[1] for p in parts])
         rope = (torch.cat([p[2][0] for p in parts]), torch.cat([p[2][1] for p in parts]))
@@ -252,8 +251,8 @@ class ShardedCapture:
     def _past(self, run: Run, i: int, blocks: list[list[Block | None]]) -> list[PastBlock]:
         """Layer ``i``'s rows before ``run``: received from the ranks that hold them, this rank's own of the parent
         and of its earlier runs."""
-        device = self.engine.adapter.device
-        past = self.engine.past_blocks(self._own_rows(i, self._runs_before(run), blocks), None)
+        device = self.kit.adapter.device
+        past = past_blocks(self._own_rows(i, self._runs_before(run), blocks), None)
         tag = _Message(run, i, rows=True).tag
         for src in self._senders(run):
             message = self.transport.recv(src, tag, device, on_host=RUNS_HEADER)
@@ -265,14 +264,14 @@ class ShardedCapture:
         if run.index == 0:
             return self.state.recurrent(i).tensors if self.state.chunks else None  # type: ignore[union-attr]
         source = self.runs[run.index - 1].owner
-        return self.transport.recv(source, _Message(run, i, rows=False).tag, self.engine.adapter.device)
+        return self.transport.recv(source, _Message(run, i, rows=False).tag, self.kit.adapter.device)
 
     # --- what this rank sends ---------------------------------------------------------------------------------
     def _messages(self, dst: int) -> list[_Message]:
         """Every message this rank sends ``dst``, in the order ``dst`` takes them."""
         rank, messages = self.ownership.rank, []
-        for run, i in wavefront_cells(self.runs, self.engine.num_layers, dst):
-            if self.engine.adapter.layers[i].mixer.grows:
+        for run, i in wavefront_cells(self.runs, self.kit.num_layers, dst):
+            if self.kit.adapter.layers[i].mixer.grows:
                 if rank in self._senders(run):
                     messages.append(_Message(run, i, rows=True))
             elif run.index > 0 and self.runs[run.index - 1].owner == rank:
@@ -324,13 +323,13 @@ class ShardedCapture:
     def _records(self, blocks: list[list[Block | None]], recurrent: list[list[RecurrentState | None]]) -> State:
         """The child state; recurrent states another rank computed are broadcast by it where this rank's later work
         reads them (the last chunk's, and the checkpoints exact mode's replicated reverse walk starts from)."""
-        engine, state = self.engine, self.state
-        recurrent_layers = [i for i, layer in enumerate(engine.adapter.layers) if not layer.mixer.grows]
+        kit, state = self.kit, self.state
+        recurrent_layers = [i for i, layer in enumerate(kit.adapter.layers) if not layer.mixer.grows]
         current = state
         for j, (a, b) in enumerate(self.pieces):
             mine = self.owners[j] == self.ownership.rank
-            nothing: list[RecurrentState | None] = [None] * engine.num_layers
-            record_blocks = blocks[self.index[j]] if mine else [None] * engine.num_layers
+            nothing: list[RecurrentState | None] = [None] * kit.num_layers
+            record_blocks = blocks[self.index[j]] if mine else [None] * kit.num_layers
             states = recurrent[self.index[j]] if mine else nothing
             needed = self._keeps(j)
             if recurrent_layers and needed:
@@ -354,13 +353,13 @@ class ShardedCapture:
     ) -> list[RecurrentState | None]:
         mine = src == self.ownership.rank
         flat = [t for i in layers for t in states[i].tensors] if mine else None  # type: ignore[union-attr]
-        received = self.transport.broadcast_tensors(flat, src, self.engine.adapter.device)
+        received = self.transport.broadcast_tensors(flat, src, self.kit.adapter.device)
         if mine:
             return states
-        out: list[RecurrentState | None] = [None] * self.engine.num_layers
+        out: list[RecurrentState | None] = [None] * self.kit.num_layers
         at = 0
         for i in layers:
-            count = len(self.engine.adapter.layers[i].mixer.state_shapes())
+            count = len(self.kit.adapter.layers[i].mixer.state_shapes())
             out[i] = RecurrentState(received[at : at + count])
             at += count
         return out

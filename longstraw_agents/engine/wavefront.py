@@ -4,10 +4,9 @@ layer inputs the capture kept (``LayerInputs``). docs/distributed.md writes the 
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, State, StateGrad
 
+from .kit import ChunkLoss, ExecutionKit, past_blocks
 from .shards import (
     RUNS_HEADER,
     Run,
@@ -31,96 +31,31 @@ from .shards import (
     walk_schedule,
     waves,
 )
+from .tags import MessageKind, check_tag_bounds, message_tag
 
 # The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat
 # copy of a whole model's gradient would hold a second gradient at once.
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 
-if TYPE_CHECKING:
-    from .engine import ChunkLoss, Engine
-
-
-@dataclass(eq=False)
-class LayerInputs:
-    """What a sharded capture keeps on a rank for exact mode's wavefront walk: the input hidden states ``[n, hidden]``
-    of the rank's chunks at every ``every``-th layer (the walk recomputes the layers between), each chunk's forward
-    scratch before every layer (DSA's selection), the recurrent state before each of the rank's runs (recurrent
-    layers), and the last layer's output: ``L / every + 1`` hidden vectors per position of the shard."""
-
-    positions: Tensor
-    rope: tuple[Tensor, Tensor]
-    every: int = 1
-    base: int = 0  # the first position of the extend whose inputs these are
-    hidden: dict[int, Tensor] = field(default_factory=dict)
-    scratch: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # layer -> the rank's chunk -> it
-    recurrent: dict[int, list[tuple[Tensor, ...] | None]] = field(default_factory=dict)  # layer -> per run
-    final: Tensor | None = None
-
-    @classmethod
-    def empty(cls, device: torch.device, every: int, base: int) -> LayerInputs:
-        """The inputs of a rank without chunks (filled in when it has some) of an extend from ``base``."""
-        nothing = torch.empty(0, device=device)
-        return cls(nothing.long(), (nothing, nothing), every, base)
-
-    def add_cell(
-        self,
-        i: int,
-        rows: slice,
-        h: Tensor,
-        scratch: dict[int, dict[str, Any]],
-        recurrent: tuple[Tensor, ...] | None,
-    ) -> None:
-        """Layer ``i``'s inputs of one of the rank's runs (its ``rows`` of ``h``, its chunks' scratch by index among
-        the rank's chunks, the recurrent state before it), kept before the layer computes them; the rank's runs
-        come in position order at each layer."""
-        if i % self.every == 0:
-            if i not in self.hidden:
-                self.hidden[i] = torch.empty_like(h)
-            self.hidden[i][rows] = h[rows]
-        self.scratch.setdefault(i, {}).update({k: dict(s) for k, s in scratch.items()})
-        self.recurrent.setdefault(i, []).append(None if recurrent is None else tuple(t.clone() for t in recurrent))
-
-    @staticmethod
-    def planned_nbytes(positions: int, hidden_size: int, itemsize: int, layers: int, every: int) -> int:
-        """What a rank keeps for ``positions`` of its shard, analytically: one hidden vector per position at every
-        ``every``-th layer and after the last. (The recurrent states before the rank's runs and DSA's selections
-        add a few per layer, not per position.)"""
-        return positions * hidden_size * itemsize * (math.ceil(layers / every) + 1)
-
-    @property
-    def nbytes(self) -> int:
-        states = [t for per_run in self.recurrent.values() for r in per_run if r is not None for t in r]
-        tensors = [*self.hidden.values(), *states, *([] if self.final is None else [self.final])]
-        scratch = {
-            id(v): v for layer in self.scratch.values() for chunk in layer.values() for v in chunk.values()
-            if torch.is_tensor(v)
-        }  # fmt: skip
-        return sum(t.numel() * t.element_size() for t in [*tensors, *scratch.values()])
-
-
-# a message's kind, above its run (<< 12) and layer (< 4096 layers; < 128 runs): rows for a cell's backward, for
-# its segment's recomputation, the gradient a cell gives another rank's rows, the recurrent state's gradient before a
-# run, the gradient of a rank's context rows (sent when the walk is done)
-_ROWS, _RECOMPUTE_ROWS, _ROW_GRADS, _RECURRENT_GRAD, _CONTEXT_GRADS = 1, 2, 3, 4, 5
-_ROWS_KINDS = (_ROWS, _RECOMPUTE_ROWS)
+# the messages that carry state rows (ready before the walk), not gradients
+_ROWS_KINDS = (MessageKind.WALK_ROWS, MessageKind.WALK_RECOMPUTE_ROWS)
 
 
 @dataclass(frozen=True)
 class _Message:
     """A message of the walk, named by the cell it serves: ``src``'s rows of layer ``layer`` before run ``run`` (for
     the cell's backward, or its segment's recomputation), the gradient cell ``(run, layer)`` gives ``src``'s rows
-    before it (``_ROW_GRADS``: sent by the run's owner, ``src``), or the gradient of the recurrent state before run
-    ``run`` (``_RECURRENT_GRAD``, from its owner)."""
+    before it (``ROW_GRADS``: sent by the run's owner, ``src``), or the gradient of the recurrent state before run
+    ``run`` (``RECURRENT_GRAD``, from its owner)."""
 
-    kind: int
+    kind: MessageKind
     run: int
     layer: int
     src: int
 
     @property
     def tag(self) -> int:
-        # (above the capture's tags, sharded_capture.py, which are below 128 << 12)
-        return self.kind << 19 | self.run << 12 | self.layer
+        return message_tag(self.kind, self.run, self.layer)
 
 
 class WavefrontWalk:
@@ -162,7 +97,7 @@ class WavefrontWalk:
 
     def __init__(
         self,
-        engine: Engine,
+        kit: ExecutionKit,
         shards: StateShards,
         state: State,
         grad: StateGrad,
@@ -171,16 +106,17 @@ class WavefrontWalk:
         since: State | None = None,
         into_since: bool = True,
     ):
-        self.engine, self.state, self.grad, self.ids, self.loss_fn = engine, state, grad, ids, loss_fn
+        self.kit, self.state, self.grad, self.ids, self.loss_fn = kit, state, grad, ids, loss_fn
         self.ownership, self.transport = shards.ownership, shards.transport
         inputs = state.layer_inputs
-        assert isinstance(inputs, LayerInputs)  # the engine walks only states a sharded capture gave inputs
+        assert inputs is not None  # the engine walks only states a sharded capture gave inputs
         self.inputs, self.since = inputs, since
         self.base = since.num_tokens if since is not None else 0
         self.into_since = into_since and self.base > 0  # (nothing before position 0)
         self.first = next(j for j, chunk in enumerate(state.chunks) if chunk.start >= self.base)  # the extend's first
         extend = runs_of([c.owner for c in state.chunks[self.first :]])
         self.runs = [Run(r.index, r.owner, tuple(self.first + j for j in r.chunks)) for r in extend]
+        check_tag_bounds(len(self.runs), kit.num_layers)
         self.waves = waves(self.runs)
         rank = self.ownership.rank
         self.my_runs = [run for run in self.runs if run.owner == rank]
@@ -198,10 +134,10 @@ class WavefrontWalk:
                 at += n
         self.context_holders = sorted({c.owner for c in state.chunks[: self.first]})
         self.computing = sorted({run.owner for run in self.runs})
-        self.grows = [layer.mixer.grows for layer in engine.adapter.layers]
+        self.grows = [layer.mixer.grows for layer in kit.adapter.layers]
         # sharded weights and a rank with several runs: gathers, reductions and recomputations in one order of their
         # own (``walk_events``); otherwise a cell gathers its layer (in rank order the same order on every rank)
-        self.paced = engine.weights is not None and len(self.runs) > len(self.computing)
+        self.paced = kit.weights is not None and len(self.runs) > len(self.computing)
         self.done: set[tuple[int, int]] = set()  # this rank's cells walked: (run index, layer)
         self.pending: dict[tuple[int, int, int], tuple[Tensor, ...]] = {}  # (run, layer, dst) -> a gradient to send
         self.staged: dict[tuple[int, int], list[Tensor]] = {}  # (layer, own chunks before) -> this rank's rows
@@ -218,19 +154,19 @@ class WavefrontWalk:
         self.since_recurrent: dict[int, tuple[Tensor, ...]] = {}  # per layer, the gradient of since's last state
 
     def run(self) -> None:
-        engine = self.engine
+        kit = self.kit
         # Every rank ends the walk with the whole parameter gradient: its own share of the walk added to the
         # replicated part (the branch replays every rank ran), divided by the ranks now and summed over them after.
         # With sharded weights, a layer's gradient is reduced into its shards (a sum over the ranks) as its step of
         # the walk ends: only the root's (embeddings, final norm, LM head), whole through the step, is summed here.
-        params = engine.weights.root_parameters() if engine.weights is not None else list(engine.model.parameters())
+        params = kit.weights.root_parameters() if kit.weights is not None else list(kit.model.parameters())
         params = [p for p in params if p.requires_grad]
         had_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
         for p in params:
             if p.grad is not None:
                 p.grad.div_(self.ownership.size)
         self._post()  # (the rows: state, ready at once)
-        engine.announce(self._gather_order(), ahead=0 if self.paced else None)
+        kit.announce(self._gather_order(), ahead=0 if self.paced else None)
         g = {run.index: self._seed(run) for run in self.my_runs}
         if not self.my_runs and not self.paced:
             self._gathers_only()
@@ -238,7 +174,7 @@ class WavefrontWalk:
             if isinstance(item, tuple):
                 run, i = item
                 # each rank adds its share of the layer's gradient (paced: reduced in its wave's turn)
-                with engine.gathered(i, partial=True, reduce=not self.paced):
+                with kit.gathered(i, partial=True, reduce=not self.paced):
                     g[run.index] = self._cell(run, i, g[run.index])
                 self.done.add((run.index, i))
                 self._post()
@@ -250,20 +186,20 @@ class WavefrontWalk:
                 with torch.enable_grad():
                     start = self.state.chunks[run.chunks[0]].start
                     ids = self.ids[start - self.base : start - self.base + self._length(run)]
-                    h, _, _ = engine.adapter.embed(ids, start)
+                    h, _, _ = kit.adapter.embed(ids, start)
                     if h.requires_grad:  # (frozen embeddings, as a LoRA policy's, take no gradient)
                         h.backward(g[run.index])
         assert not any(self.outbox.values())  # every message sent
         self._exchange_context_grads()
         self.transport.flush()
         self._into_since_recurrent()
-        engine.settle()
+        kit.settle()
         self._sum_parameter_grads(params, had_grad)
 
     def _schedule(self, rank: int) -> list[tuple[Run, int] | WalkEvent]:
         """What ``rank`` does, in order: its cells ``(run, layer)`` (``walk_cells``), paced with the walk's events
         (``walk_events``: each due by a cell's step before it, the rest at the end)."""
-        layers = self.engine.num_layers
+        layers = self.kit.num_layers
         if not self.paced:
             return list(walk_cells(self.runs, layers, rank))
         return walk_schedule(self.runs, layers, self.inputs.every, rank)
@@ -271,25 +207,25 @@ class WavefrontWalk:
     def _event(self, event: WalkEvent) -> None:
         """One of the paced walk's events on this rank: a segment's recomputation for its runs, a wave's gather
         started (taken and freed at once where this rank has no run in the wave), a wave's reduction."""
-        engine = self.engine
+        kit = self.kit
         if isinstance(event, SegmentRecompute):
             takes = collections.deque(self._segment_takes(event, self.my_runs))
             self._recompute_segment(event.first, event.top, self.my_runs, takes)
             assert not takes  # (it takes what ``_segment_takes`` says, in its order)
         elif isinstance(event, WaveGather):
-            engine.start_gather()
+            kit.start_gather()
             if not any(run.owner == self.ownership.rank for run in self.waves[event.wave]):
-                with engine.gathered(event.layer, partial=True, reduce=False):
+                with kit.gathered(event.layer, partial=True, reduce=False):
                     pass
         else:
-            engine.reduce(event.layer)
+            kit.reduce(event.layer)
 
     def _gather_order(self) -> list[int]:
         """The layers the walk gathers, in order. Paced, as its events say (a segment's recomputed layers, each
         wave's gather of a layer). Otherwise per segment from the last, its top (whose block is open while the
         segment's inputs are recomputed), the layers below it ascending (the recomputation), then descending (the
         backward)."""
-        every, layers = self.inputs.every, self.engine.num_layers
+        every, layers = self.inputs.every, self.kit.num_layers
         if self.paced:
             order: list[int] = []
             for event in walk_events(self.runs, layers, every):
@@ -307,17 +243,17 @@ class WavefrontWalk:
     def _gathers_only(self) -> None:
         """A rank without chunks takes part in every gather (a collective when the weights are sharded), in the
         order of the ranks walking: per layer from the last, a segment's recomputed layers as it is entered."""
-        for i in reversed(range(self.engine.num_layers)):
-            with self.engine.gathered(i, partial=True):
+        for i in reversed(range(self.kit.num_layers)):
+            with self.kit.gathered(i, partial=True):
                 for layer in self._recomputed(i):
-                    with self.engine.gathered(layer):
+                    with self.kit.gathered(layer):
                         pass
 
     def _recomputed(self, i: int) -> range:
         """The layers whose inputs a run recomputes as its walk enters a segment at layer ``i`` (none elsewhere)."""
         every = self.inputs.every
         first = i - i % every
-        return range(first, i) if i == min(first + every, self.engine.num_layers) - 1 else range(0)
+        return range(first, i) if i == min(first + every, self.kit.num_layers) - 1 else range(0)
 
     def _length(self, run: Run) -> int:
         return sum(self.state.chunks[j].length for j in run.chunks)
@@ -336,20 +272,30 @@ class WavefrontWalk:
         rows for the backward; at a recurrent layer the state gradient after the run."""
         k, senders = run.index, self._senders(run)
         recomputed = range(0) if self.paced else self._recomputed(i)
-        takes = [_Message(_RECOMPUTE_ROWS, k, layer, s) for layer in recomputed if self.grows[layer] for s in senders]
+        takes = [
+            _Message(MessageKind.WALK_RECOMPUTE_ROWS, k, layer, s)
+            for layer in recomputed
+            if self.grows[layer]
+            for s in senders
+        ]
         if self.grows[i]:
             later = [r.index for r in self.runs if r.owner == run.owner and r.index > k]
             upto = later[0] if later else len(self.runs)
-            takes += [_Message(_ROW_GRADS, r, i, self.runs[r].owner) for r in reversed(range(k + 1, upto))]
-            takes += [_Message(_ROWS, k, i, s) for s in senders]
+            takes += [_Message(MessageKind.ROW_GRADS, r, i, self.runs[r].owner) for r in reversed(range(k + 1, upto))]
+            takes += [_Message(MessageKind.WALK_ROWS, k, i, s) for s in senders]
         elif k + 1 < len(self.runs):
-            takes.append(_Message(_RECURRENT_GRAD, k + 1, i, self.runs[k + 1].owner))
+            takes.append(_Message(MessageKind.RECURRENT_GRAD, k + 1, i, self.runs[k + 1].owner))
         return takes
 
     def _segment_takes(self, event: SegmentRecompute, runs: Sequence[Run]) -> list[_Message]:
         """What a paced segment's recomputation for ``runs`` receives, in order: per layer, per run, per sender."""
         layers = [layer for layer in range(event.first, event.top) if self.grows[layer]]
-        return [_Message(_RECOMPUTE_ROWS, run.index, i, s) for i in layers for run in runs for s in self._senders(run)]
+        return [
+            _Message(MessageKind.WALK_RECOMPUTE_ROWS, run.index, i, s)
+            for i in layers
+            for run in runs
+            for s in self._senders(run)
+        ]
 
     def _takes(self, rank: int) -> list[_Message]:
         """Every message ``rank`` receives in the walk, in the order it takes them."""
@@ -364,7 +310,7 @@ class WavefrontWalk:
 
     def _receive(self, message: _Message) -> tuple[Tensor, ...]:
         on_host = RUNS_HEADER if message.kind in _ROWS_KINDS else 0
-        return self.transport.recv(message.src, message.tag, self.engine.adapter.device, on_host=on_host)
+        return self.transport.recv(message.src, message.tag, self.kit.adapter.device, on_host=on_host)
 
     def _ready(self, message: _Message) -> bool:
         """Whether this rank has what ``message`` carries: rows at once (state), a gradient once its cell is walked."""
@@ -446,17 +392,17 @@ class WavefrontWalk:
         if not self.into_since:
             return
         rank = self.ownership.rank
-        growing = [i for i in reversed(range(self.engine.num_layers)) if self.grows[i]]
+        growing = [i for i in reversed(range(self.kit.num_layers)) if self.grows[i]]
         if self.my_runs:
             for dst in (holder for holder in self.context_holders if holder != rank):
                 for i in growing:
                     grads = self.context_grads.pop((dst, i))
-                    self.transport.send(grads, dst, _Message(_CONTEXT_GRADS, 0, i, rank).tag, "state_grad")
+                    self.transport.send(grads, dst, _Message(MessageKind.CONTEXT_GRADS, 0, i, rank).tag, "state_grad")
         if rank not in self.context_holders:
             return
         for src in (q for q in self.computing if q != rank):
             for i in growing:
-                message = self._receive(_Message(_CONTEXT_GRADS, 0, i, src))
+                message = self._receive(_Message(MessageKind.CONTEXT_GRADS, 0, i, src))
                 self._add_into_own(message, self._own_rows(i, context_only=True))
 
     def _into_since_recurrent(self) -> None:
@@ -468,7 +414,7 @@ class WavefrontWalk:
         src = self.runs[0].owner
         mine = src == self.ownership.rank
         flat = [t for i in recurrent for t in self.since_recurrent[i]] if mine else None
-        received = self.transport.broadcast_tensors(flat, src, self.engine.adapter.device)
+        received = self.transport.broadcast_tensors(flat, src, self.kit.adapter.device)
         at = 0
         for i in recurrent:
             rec = self.since.chunks[-1].recurrent[i]
@@ -496,9 +442,9 @@ class WavefrontWalk:
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         rows, inputs = self.rows[j], self.inputs
         rope = (inputs.rope[0][rows], inputs.rope[1][rows])
-        layer, start = self.engine.adapter.layers[i], self.state.chunks[j].start
-        return self.engine.adapter.run_layer(
-            layer, x, inputs.positions[rows], rope, ctx, dict(scratch), self.engine.local_attention, start
+        layer, start = self.kit.adapter.layers[i], self.state.chunks[j].start
+        return self.kit.adapter.run_layer(
+            layer, x, inputs.positions[rows], rope, ctx, dict(scratch), self.kit.local_attention, start
         )
 
     def _seed(self, run: Run) -> Tensor | None:
@@ -511,7 +457,7 @@ class WavefrontWalk:
             chunk = self.state.chunks[j]
             with torch.enable_grad():
                 x = self.inputs.final[self.rows[j]].detach().requires_grad_(True)
-                loss = self.loss_fn(self.engine.adapter.final_norm(x), chunk.start, chunk.end)
+                loss = self.loss_fn(self.kit.adapter.final_norm(x), chunk.start, chunk.end)
                 if loss is None:
                     continue
                 loss.backward()
@@ -536,7 +482,7 @@ class WavefrontWalk:
             for run in runs:
                 self.segment[run.index, layer] = h[run.index]
             if layer < top:
-                with self.engine.gathered(layer):
+                with self.kit.gathered(layer):
                     for run in runs:
                         h[run.index] = self._recompute_layer(run, layer, h[run.index], takes)
 
@@ -545,7 +491,7 @@ class WavefrontWalk:
         return slice(self.rows[run.chunks[0]].start, self.rows[run.chunks[-1]].stop)
 
     def _received_rows(
-        self, kind: int, run: Run, i: int, takes: collections.deque[_Message], sinks: bool
+        self, kind: MessageKind, run: Run, i: int, takes: collections.deque[_Message], sinks: bool
     ) -> list[tuple[int, PastBlock]]:
         """The rows the next messages of ``takes`` carry of layer ``i`` before ``run`` (``kind``: for the backward
         or a recomputation), each with the rank that sent it."""
@@ -557,16 +503,18 @@ class WavefrontWalk:
 
     def _recompute_layer(self, run: Run, i: int, h: Tensor, takes: collections.deque[_Message]) -> Tensor:
         """Layer ``i`` over the run's chunks without a graph (recomputing a segment's inputs)."""
-        layer, out = self.engine.adapter.layers[i], torch.empty_like(h)
+        layer, out = self.kit.adapter.layers[i], torch.empty_like(h)
         carried = self.inputs.recurrent[i][self.my_runs.index(run)]
         befores: list[tuple[Tensor, ...] | None] = []
         remote = []
         if layer.mixer.grows:
-            remote = [block for _, block in self._received_rows(_RECOMPUTE_ROWS, run, i, takes, sinks=False)]
+            remote = [
+                block for _, block in self._received_rows(MessageKind.WALK_RECOMPUTE_ROWS, run, i, takes, sinks=False)
+            ]
         with torch.no_grad():
             for j in run.chunks:
                 if layer.mixer.grows:
-                    own = self.engine.past_blocks(self.state.positioned_blocks(i, j), None)
+                    own = past_blocks(self.state.positioned_blocks(i, j), None)
                     ctx = LayerContext(past=in_position_order([*remote, *own]))
                 else:
                     befores.append(carried)
@@ -583,17 +531,19 @@ class WavefrontWalk:
         self, run: Run, i: int, g: Tensor | None, layer_input: Tensor, takes: collections.deque[_Message]
     ) -> Tensor:
         """Layer ``i`` (attention / MLA) of the run's chunks, last chunk first; returns the gradient of its input."""
-        while takes and takes[0].kind == _ROW_GRADS:  # the later runs' queries' gradient for this rank's rows
+        # the later runs' queries' gradient for this rank's rows
+        while takes and takes[0].kind == MessageKind.ROW_GRADS:
             message = takes.popleft()
             rows = self._own_rows(i, self.runs[message.run].chunks[0])
             self._add_into_own(self._receive(message), [(p, b) for p, b in rows if p >= self.base])
-        received = self._received_rows(_ROWS, run, i, takes, sinks=True)  # sinks of their own, back to the owners
+        # with sinks of their own, whose gradients go back to the owners
+        received = self._received_rows(MessageKind.WALK_ROWS, run, i, takes, sinks=True)
         remote = [block for _, block in received]
         frozen_before = 0 if self.into_since else self.base
         g_in = torch.zeros_like(layer_input)
         for j in reversed(run.chunks):
             block = self.state.chunks[j].blocks[i]
-            own = self.engine.past_blocks(self.state.positioned_blocks(i, j), self.grad, frozen_before)
+            own = past_blocks(self.state.positioned_blocks(i, j), self.grad, frozen_before)
             upstream = self.grad.existing_block_grads(block) if block is not None else None
             with torch.enable_grad():
                 x = layer_input[self.local[j]].detach().requires_grad_(True)
@@ -617,7 +567,7 @@ class WavefrontWalk:
         before the run, then each chunk backpropagated last first, the state gradient carried back."""
         carry = self._recurrent_grad_after(run, i, takes)
         if (run.index, i) not in self.states_before:  # the top of a segment: not recomputed yet
-            with self.engine.gathered(i):
+            with self.kit.gathered(i):
                 self._recompute_layer(run, i, layer_input, takes)
         befores = self.states_before.pop((run.index, i))
         g_in = torch.zeros_like(layer_input)

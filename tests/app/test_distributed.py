@@ -257,7 +257,7 @@ def test_parallel_balanced_captures_reaches_the_engine_and_cuts_the_capture() ->
         config = EngineConfig(chunk_size=8, balanced_captures=balanced)
         engine = Engine(model, config, shards=_OneRanksView(BalancedOwnership(0, 2)))  # type: ignore[arg-type]
         for checkpoints in (False, True):
-            capture = ShardedCapture(engine, engine.shards, engine.empty_state(checkpoints), torch.arange(64), 8)
+            capture = ShardedCapture(engine.kit, engine.shards, engine.empty_state(checkpoints), torch.arange(64), 8)
             owners[balanced, checkpoints] = capture.owners
     assert owners[True, False] == owners[True, True] == [0, 0, 1, 1, 1, 1, 0, 0]
     assert owners[False, False] == owners[False, True] == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw_agents.decoding import Decoder, Member
 from longstraw_agents.engine import Engine
+from longstraw_agents.engine.decoding import Decoder, Member
 from longstraw_agents.state import State
 
 VOCAB = 256

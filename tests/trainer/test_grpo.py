@@ -32,7 +32,7 @@ from reference_dsa import reference_logits as dsa_reference_logits
 from torch import Tensor, nn
 
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.engine import engine as engine_module
+from longstraw_agents.engine import kit as kit_module
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.state import Arena
 from longstraw_agents.trainer import BackwardResult, LossConfig, grpo_backward, grpo_backward_trajectories, modes
@@ -643,7 +643,7 @@ def test_the_walk_is_iterative_and_a_chain_lands_in_one_arena_per_layer(mode: st
             super().__init__(*args, **kwargs)
             arenas.append(self)
 
-    monkeypatch.setattr(engine_module, "Arena", CountedArena)
+    monkeypatch.setattr(kit_module, "Arena", CountedArena)
     net = model("llama", torch.float64)
     trajectories = many_turns(300)
     net.zero_grad(set_to_none=True)

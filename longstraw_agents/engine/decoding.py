@@ -34,12 +34,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from longstraw_agents.engine import Engine
 from longstraw_agents.models.base import FamilyAdapter
 from longstraw_agents.models.batch import DecodeBatch, DecodeContext, DecodeGroup, PositionedBlock
 from longstraw_agents.state import Block, State
 from longstraw_agents.step_graph import CudaGraphStep, EagerStep, StepGraph
 from longstraw_agents.token_ids import as_token_ids
+
+from .engine import Engine
+from .kit import ExecutionKit
 
 # per model: whether its first capture was checked (``step_graph.host_syncs``; later ones are not), why its step was
 # refused a capture, what was said about decoding it without graphs
@@ -80,19 +82,20 @@ class Decoder:
     With context parallelism (an engine with ``shards``) every rank of the group makes the same calls in the same
     order: a step is computed on every rank (each reads the prefix and own positions it stores, the partial results
     merged over the ranks), and a leaving member's new positions are stored by one rank, the one holding the least
-    of its path (``Engine.pieces``), as a replicated extend's are.
+    of its path (``ExecutionKit.pieces``), as a replicated extend's are.
     """
 
     def __init__(self, engine: Engine, members: Sequence[Member], *, reserve: int = 0, graphs: bool | None = None):
         if not members:
             raise ValueError("a decoder needs at least one member")
+        kit = engine.kit
         for member in members:
-            _check_member(engine, member)
-        self.engine, self.reserve = engine, reserve
+            _check_member(kit, member)
+        self.kit, self.reserve = kit, reserve
         self.members = list(members)
         self.live = list(range(len(members)))  # the members in the batch, in the order ``step`` takes tokens
-        self.device = engine.adapter.device
-        self.graphs = _static_steps(engine, graphs)
+        self.device = kit.adapter.device
+        self.graphs = _static_steps(kit, graphs)
         self.shape_classes = 0  # shape classes the static steps entered (on CUDA: graphs captured)
         self._rows = list(range(len(members)))  # the batch row of each live member
         self._prefixes, self._group_of = _groups(members)
@@ -102,14 +105,14 @@ class Decoder:
         # positions are contiguous: they are loaded into its session buffers instead (one batched read per step,
         # not a kernel call per member)
         sources = [(prefix.positioned_blocks, 0) for prefix in self._prefixes]
-        if engine.shards is not None:
+        if kit.shards is not None:
             sources += [(m.state.positioned_blocks, start) for m, start in zip(members, starts, strict=True)]
         self._blocks = [
             [_views_after(blocks(i), start) for blocks, start in sources] if grows else []
             for i, grows in enumerate(self._grows())
         ]
         loaded = [m.state.num_tokens - start for m, start in zip(members, starts, strict=True)]
-        self._loaded = loaded if engine.shards is None else [0] * len(members)  # own positions in the buffers
+        self._loaded = loaded if kit.shards is None else [0] * len(members)  # own positions in the buffers
         self._stepped = [0] * len(members)  # tokens given to each member in this session
         capacity = max(self._loaded) + 1 + reserve
         self._session = [
@@ -124,7 +127,7 @@ class Decoder:
         """One token for each live member (in ``live`` order); returns their next-token logits ``[len(live), V]``."""
         if not self.live:
             raise ValueError("every member has left the decoder")
-        adapter = self.engine.adapter
+        adapter = self.kit.adapter
         ids = as_token_ids(tokens, vocab_size=adapter.vocab_size).to(self.device)
         if ids.shape[0] != len(self.live):
             raise ValueError(f"{len(self.live)} members in the batch but {ids.shape[0]} tokens")
@@ -180,12 +183,12 @@ class Decoder:
             self._groups = self._batch_groups()
         present, groups = self._groups
         batch = DecodeBatch(positions, groups, session_start, session_lengths, visible, regime)
-        runner = self.engine.weights.run if self.engine.weights is not None else None
-        hidden, new = self.engine.adapter.decode(
-            ids, batch, self._contexts(present), attention=self.engine.attention, runner=runner
+        runner = self.kit.weights.run if self.kit.weights is not None else None
+        hidden, new = self.kit.adapter.decode(
+            ids, batch, self._contexts(present), attention=self.kit.attention, runner=runner
         )
         self._recurrent = [() if grows else entry for grows, entry in zip(self._grows(), new, strict=True)]
-        return self.engine.adapter.lm_head(hidden)
+        return self.kit.adapter.lm_head(hidden)
 
     def _static_step(self, ids: Tensor, regime: int) -> Tensor:
         """The step of the batch's shape class (entered first if needed): the tokens go into its static input, the
@@ -197,7 +200,7 @@ class Decoder:
         shape.feed(ids)
         logits = shape.graph()
         if shape.graph.refused is not None:  # not capturable: the eager step from now on (the graph said why)
-            _REFUSED[self.engine.adapter] = shape.graph.refused
+            _REFUSED[self.kit.adapter] = shape.graph.refused
             self.graphs, self._class = False, None
             self._compact()
         return shape.live_rows_of(logits)
@@ -220,7 +223,7 @@ class Decoder:
             regime=regime,
         )
         contexts = self._contexts(present)
-        adapter, attention = self.engine.adapter, self.engine.attention
+        adapter, attention = self.kit.adapter, self.kit.attention
 
         def step() -> Tensor:
             hidden, new = adapter.decode(inputs.ids, inputs.batch(), contexts, attention=attention)
@@ -241,7 +244,7 @@ class Decoder:
 
     # --- internals ------------------------------------------------------------------------------------------
     def _grows(self) -> list[bool]:
-        return [layer.mixer.grows for layer in self.engine.adapter.layers]
+        return [layer.mixer.grows for layer in self.kit.adapter.layers]
 
     def _position(self, k: int) -> int:
         """The position of member ``k``'s next token."""
@@ -286,7 +289,7 @@ class Decoder:
     def _load_session(self, layer: int, capacity: int, starts: list[int]) -> tuple[Tensor, ...]:
         """Session buffers ``[B, capacity, *shape]`` of ``layer``, each member's first ``_loaded`` slots holding its
         own positions after its prefix (``starts``)."""
-        adapter = self.engine.adapter
+        adapter = self.kit.adapter
         buffers = tuple(
             torch.zeros((len(self.members), capacity, *shape), dtype=adapter.dtype, device=self.device)
             for shape in adapter.layers[layer].mixer.state_shapes()
@@ -319,19 +322,19 @@ class Decoder:
 
     def _state(self, k: int, row: int) -> State:
         """Member ``k``'s state plus the positions it was given, as one chunk (row ``row`` of the buffers), stored
-        by the rank that ``Engine.pieces`` names (every rank without context parallelism)."""
+        by the rank that ``ExecutionKit.pieces`` names (every rank without context parallelism)."""
         state, n = self.members[k].state, self._stepped[k]
         if n == 0:
             return state
-        engine = self.engine
-        [(_, _, owner)] = engine.pieces(state, n, n)
-        arenas = engine.arenas_for(state, n if engine.owns(owner) else 0, engine.reserve_share(self.reserve))
+        kit = self.kit
+        [(_, _, owner)] = kit.pieces(state, n, n)
+        arenas = kit.arenas_for(state, n if kit.owns(owner) else 0, kit.reserve_share(self.reserve))
         lo = self._loaded[k]
         entries = [  # (``record`` copies a recurrent state out of the batch's tensor)
             tuple(b[row, lo : lo + n] for b in session) if session else tuple(t[row] for t in stacked)
             for session, stacked in zip(self._session, self._recurrent, strict=True)
         ]
-        return state.append(engine.record(state.num_tokens, n, entries, arenas, owner))
+        return state.append(kit.record(state.num_tokens, n, entries, arenas, owner))
 
     def _compact(self) -> None:
         """Keep only the live members' rows of the batch buffers, in ``live`` order."""
@@ -415,13 +418,13 @@ def decode_step(
     return decoder.leave(range(len(members))), logits
 
 
-def _static_steps(engine: Engine, graphs: bool | None) -> bool:
-    """Whether a decoder over ``engine`` runs static steps (``Decoder``'s ``graphs``): not where its step cannot be
+def _static_steps(kit: ExecutionKit, graphs: bool | None) -> bool:
+    """Whether a decoder over ``kit`` runs static steps (``Decoder``'s ``graphs``): not where its step cannot be
     captured, which a RuntimeWarning says once per model."""
-    adapter = engine.adapter
+    adapter = kit.adapter
     if graphs is False or (graphs is None and adapter.device.type != "cuda"):
         return False
-    if engine.shards is not None or engine.weights is not None:
+    if kit.shards is not None or kit.weights is not None:
         reason = "with context parallelism or sharded weights, a step gathers and merges over the ranks"
     elif adapter.decode_graph_blocker is not None:
         reason = f"the {adapter.family} family's step {adapter.decode_graph_blocker}"
@@ -436,9 +439,9 @@ def _static_steps(engine: Engine, graphs: bool | None) -> bool:
     return False
 
 
-def _check_member(engine: Engine, member: Member) -> None:
+def _check_member(kit: ExecutionKit, member: Member) -> None:
     state, prefix = member.state, member.prefix
-    if not isinstance(state, State) or state.owner != id(engine.model) or state.num_layers != engine.num_layers:
+    if not isinstance(state, State) or state.owner != id(kit.model) or state.num_layers != kit.num_layers:
         raise ValueError("a member's state was not made by this engine (Engine.capture / extend / a Decoder)")
     if state.num_tokens == 0:
         raise ValueError("a member's state is empty: capture at least one token before decoding")
