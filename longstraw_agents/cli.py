@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 from longstraw_agents import __version__
 
 if TYPE_CHECKING:
-    from longstraw_agents.planner import PlanRequest
-    from longstraw_agents.timing import HardwareProfile
+    from longstraw_agents.plan import HardwareProfile, PlanRequest
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
@@ -135,7 +134,7 @@ def _check_plan(config, path: str) -> str:
 
     from longstraw_agents.app.config import ConfigError
     from longstraw_agents.app.planning import run_plan_request
-    from longstraw_agents.planner import plan_memory
+    from longstraw_agents.plan import plan_memory
 
     header = f"its step's peak memory per GPU (`longstraw plan --config {path}`, which takes --context and --gpu-mem):"
     try:
@@ -214,7 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from longstraw_agents.app.config import ConfigError
     from longstraw_agents.app.serve import load_policy, policy_server, quiet_transformers
-    from longstraw_agents.serving_limits import ServingLimits
+    from longstraw_agents.serving import ServingLimits
 
     given = {"max_tokens": args.max_tokens, "memory_budget": args.memory_budget, "queue_timeout_s": args.queue_timeout}
     try:
@@ -437,7 +436,7 @@ def _plan_flags(args: argparse.Namespace) -> int:
     silent (said in a note of the plan)."""
     from pydantic import ValidationError
 
-    from longstraw_agents.plan_shape import PlanShape, model_problem
+    from longstraw_agents.plan import PlanShape, model_problem
 
     job = _flags_job(args)
     problem = model_problem(job["model"])
@@ -482,7 +481,7 @@ def _flags_shape(args: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any
 def _flags_request(args: argparse.Namespace, job: dict[str, Any]) -> PlanRequest:
     import torch
 
-    from longstraw_agents.planner import PLAN_ENGINE, PlanRequest
+    from longstraw_agents.plan import PLAN_ENGINE, PlanRequest
 
     shape = _flags_shape(args, job)
     engine = PLAN_ENGINE.updated(
@@ -557,7 +556,7 @@ def _run_plan(
     the time model's phases where asked."""
     from pydantic import ValidationError
 
-    from longstraw_agents.planner import CONTEXT_SEARCH_LIMIT, longest_context, plan_memory
+    from longstraw_agents.plan import CONTEXT_SEARCH_LIMIT, longest_context, plan_memory
 
     try:
         request = make_request()
@@ -578,7 +577,7 @@ def _run_plan(
     if not plan.fits and not args.longest:
         _print_what_fits(request, config_path)
     if timed_on is not None:
-        from longstraw_agents.timing import step_time
+        from longstraw_agents.plan import step_time
 
         try:
             timed = step_time(request, timed_on)
@@ -593,7 +592,7 @@ def _print_what_fits(request, config_path: str | None = None) -> None:
     """For a step that does not fit: the layout that does, where there is one to suggest (a mixture of experts
     planned without expert parallelism: expert parallelism and offload, as the published runs), as the flags to add
     or, planning a run config, its settings."""
-    from longstraw_agents.planner import GIB, expert_parallel_alternative, plan_memory
+    from longstraw_agents.plan import GIB, expert_parallel_alternative, plan_memory
 
     alternative = expert_parallel_alternative(request)
     if alternative is None:
@@ -621,7 +620,7 @@ def _print_what_fits(request, config_path: str | None = None) -> None:
 def _time_profile(args: argparse.Namespace, model: Any) -> HardwareProfile:
     """``--hardware``'s profile, or with ``--profile`` the one measured there for ``model``'s family (its links
     ``--hardware``'s; ``model``: the plan's, a name, a config file or a transformers config)."""
-    from longstraw_agents.timing import PROFILES
+    from longstraw_agents.plan import PROFILES
 
     named = PROFILES[args.hardware]
     if args.profile is None:
@@ -632,8 +631,7 @@ def _time_profile(args: argparse.Namespace, model: Any) -> HardwareProfile:
     from pydantic import ValidationError
 
     from longstraw_agents.models import adapter_class
-    from longstraw_agents.planner import load_config
-    from longstraw_agents.timing import measured_profile
+    from longstraw_agents.plan import load_config, measured_profile
 
     try:
         record = json.loads(Path(args.profile).read_text())
