@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from longstraw_agents import planner
+from longstraw_agents import plan as planning
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
@@ -100,14 +100,14 @@ def worker(rank: int, world: int, store: str, out: str, mode: str) -> None:
     dist.destroy_process_group()
 
 
-def plan(world: int, mode: str, cp_rank: int) -> planner.Plan:
-    planner.NAMED_MODELS["bench-agent"] = lambda: TINY_PRESETS["llama"](**MODEL)
-    request = planner.PlanRequest(
+def plan(world: int, mode: str, cp_rank: int) -> planning.Plan:
+    planning.NAMED_MODELS["bench-agent"] = lambda: TINY_PRESETS["llama"](**MODEL)
+    request = planning.PlanRequest(
         model="bench-agent", context=SHAPE["shared"], group=SHAPE["group"], completion=SHAPE["answer"],
         history=SHAPE["history"], turns=SHAPE["turns"], gpus=world, cp=world, mode=mode, dtype=torch.float32,
         engine=EngineConfig(chunk_size=CHUNK), cp_rank=cp_rank,
     )  # fmt: skip
-    return planner.plan_memory(request)
+    return planning.plan_memory(request)
 
 
 def measure(world: int, mode: str) -> dict[str, Any]:

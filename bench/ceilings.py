@@ -39,8 +39,7 @@ from longstraw_agents.attention import Attention
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.delta_rule import delta_rule, delta_rule_flops
 from longstraw_agents.models.mla import stable_topk
-from longstraw_agents.planner import PlanRequest
-from longstraw_agents.timing import Efficiency, HardwareProfile, ModelWork, Schedule, Work
+from longstraw_agents.plan import Efficiency, HardwareProfile, ModelWork, PlanRequest, Schedule, Work
 
 
 def seconds(fn: Callable[[], object], device: torch.device, repeats: int = 9) -> float:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import PretrainedConfig
 
-from longstraw_agents import planner
+from longstraw_agents import plan as planning
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.engine.wavefront import WavefrontWalk
 from longstraw_agents.memory import MemoryTracker
@@ -287,15 +287,15 @@ def sharded_step(world: int, args: dict) -> dict:
     parameters = sum(p.numel() for p in build_model(step_model_config(args)).parameters()) * 4  # fp32
     shard_ranks = cp if hsdp else world
     share = (shard_ranks - 1) / shard_ranks
-    planner.NAMED_MODELS["bench-step"] = lambda: step_model_config(args)
+    planning.NAMED_MODELS["bench-step"] = lambda: step_model_config(args)
     rows = []
     for rank, measured in enumerate(ranks):
-        request = planner.PlanRequest(
+        request = planning.PlanRequest(
             model="bench-step", context=args["prompt"], group=args["group"], completion=16, gpus=world, dp=dp, cp=cp,
             hsdp=hsdp, mode=MODE, dtype=torch.float32, engine=EngineConfig(chunk_size=args["chunk"]),
             cp_rank=measured["cp_rank"],
         )  # fmt: skip
-        plan = planner.plan_memory(request)
+        plan = planning.plan_memory(request)
         rows.append({"rank": rank, "sent": sent[rank], "peak": measured["peak"], "roles": measured["roles"],
                      "planned": plan.subtotal, "planned_categories": plan.categories})  # fmt: skip
     minimum = {"allgather": 2 * parameters * share, "reduce_scatter": parameters * share}

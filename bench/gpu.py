@@ -30,7 +30,7 @@ the engine's time (``Beside``):
   (``bench/peers_gpu.py``: capture <-> ``model.model`` with ``use_cache=True``, scoring and replay <-> the G
   completions over the context's cache, decode <-> ``generate``), its kernels and workarounds in ``peer_impl``, and
   ``peer_ratio`` = engine / transformers (the target: at most 1);
-- ``model_flops``: the phase's FLOPs as the time model counts them (``longstraw_agents.timing`` through
+- ``model_flops``: the phase's FLOPs as the time model counts them (``longstraw_agents.plan.timing`` through
   ``bench.timing.row_work``), ``flops_per_s`` and ``of_matmul``, that rate over the run's bf16 matmul rate
   (``bench.ceilings.matmul_rate`` at a chunk x hidden x 3 hidden product, measured once at the start);
 - ``predicted_s`` and ``predicted_over_measured``: the time model's seconds from the family's profile, measured op
@@ -78,8 +78,8 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.engine.decoding import Decoder, Member
 from longstraw_agents.models import state_size
 from longstraw_agents.models.presets import build_model, hybrid_layer_types
+from longstraw_agents.plan import HardwareProfile, ModelWork
 from longstraw_agents.state import State
-from longstraw_agents.timing import HardwareProfile, ModelWork
 from longstraw_agents.trainer import LossConfig, backward_group, grpo_backward, make_group
 from longstraw_agents.trainer.group import Group, completion_members, token_array
 from longstraw_agents.trainer.head import Head
@@ -424,7 +424,7 @@ PEER_PHASES = ("capture", "scoring", "replay", "decode")
 class Beside:
     """What each of a family's rows gets beside the engine's time: transformers' seconds for the same work on the same
     device (``bench/peers_gpu.py``; ``peer_ratio`` = engine / transformers), the model FLOPs the time model counts for
-    the phase (``bench.timing.row_work``: ``longstraw_agents.timing``'s count) per second and against the run's
+    the phase (``bench.timing.row_work``: ``longstraw_agents.plan.timing``'s count) per second and against the run's
     matmul rate, the time model's seconds from the family's micro-benchmarked profile (``predicted_over_measured``)
     and the kernels switched off by a failed GPU test."""
 

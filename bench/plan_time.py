@@ -1,5 +1,5 @@
 """How long ``longstraw plan`` takes for each configuration README plans, with the planner's meta-op cache
-(``longstraw_agents.meta_cache``) and without it, and that both print the same plan.
+(``longstraw_agents.plan.meta_cache``) and without it, and that both print the same plan.
 
 Each plan runs in a fresh process (imports included, as a user runs it) at ``OMP_NUM_THREADS=1``; the figures are
 the process's CPU seconds (user + system: on a shared machine the wall clock measures the neighbours) and, apart,
@@ -40,14 +40,14 @@ CONFIGURATIONS = [
 
 def _one(flags: str, cache: bool) -> None:
     """In this process: ``longstraw plan FLAGS``; prints one JSON line of its times and its output."""
-    from longstraw_agents import planner
     from longstraw_agents.cli import main
+    from longstraw_agents.plan import PlanRequest, planner, probes
 
-    planner.CACHE_META_OPS = cache
+    probes.CACHE_META_OPS = cache
     measure = planner._measure
     measuring = [0.0]
 
-    def timed(request: planner.PlanRequest) -> object:
+    def timed(request: PlanRequest) -> object:
         start = time.process_time()
         try:
             return measure(request)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from longstraw_agents.cli import flags_plan_request
-from longstraw_agents.planner import GIB, PLAN_ENGINE, Plan, PlanRequest, longest_context, plan_memory
+from longstraw_agents.plan import GIB, PLAN_ENGINE, Plan, PlanRequest, longest_context, plan_memory
 
 RESULTS = Path(__file__).parent / "results"
 QWEN = PlanRequest(model="qwen3.6-27b", context=2_100_000, gpus=8, completion=1024)

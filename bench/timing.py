@@ -1,4 +1,4 @@
-"""The time model (``longstraw_agents.timing``) against measured phase times.
+"""The time model (``longstraw_agents.plan.timing``) against measured phase times.
 
 Each measured row of ``bench.gpu`` (capture, scoring, replay, decode, a detached and an exact step, and the walk
 between them) gets the work the model counts for that phase of that configuration (``Schedule``), turned into
@@ -8,7 +8,7 @@ seconds by a profile:
   kernels on a chunk's block, the delta rule over a chunk, DSA's scores and top-k, a matrix-vector product, the host's
   latency per layer call on each path at a width of 64): no phase of a step is used, so **every row is held out**;
 - **fitted** otherwise (an older record without micro-benchmarks: ``bench/results/gpu.json``, one H200): least
-  squares at the shortest length, the longer lengths held out — what ``longstraw_agents.timing.H200_MEASURED`` holds.
+  squares at the shortest length, the longer lengths held out — what ``plan.hardware.H200_MEASURED`` holds.
 
 Default: runs ``bench.gpu`` on this CPU first (fp32, three families of hidden 256 at 1K–8K positions, every phase;
 rows in ``bench/results/phases_cpu.json``); ``--rows FILE`` evaluates a record already measured. Prints measured vs
@@ -42,7 +42,7 @@ from bench.gpu import main as measure
 from bench.gpu import parse_args as gpu_args
 from longstraw_agents.engine import Engine
 from longstraw_agents.parallel import ParallelMesh
-from longstraw_agents.timing import H200_PRIOR, HardwareProfile, ModelWork, Work, calibrate, total
+from longstraw_agents.plan import H200_PRIOR, HardwareProfile, ModelWork, Work, calibrate, total
 from longstraw_agents.trainer import grpo_backward
 
 RESULTS = Path(__file__).parent / "results"

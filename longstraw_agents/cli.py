@@ -8,13 +8,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from longstraw_agents import __version__
 
 if TYPE_CHECKING:
-    from longstraw_agents.planner import PlanRequest
-    from longstraw_agents.timing import HardwareProfile
+    from longstraw_agents.plan import HardwareProfile, PlanRequest
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
@@ -135,7 +134,7 @@ def _check_plan(config, path: str) -> str:
 
     from longstraw_agents.app.config import ConfigError
     from longstraw_agents.app.planning import run_plan_request
-    from longstraw_agents.planner import plan_memory
+    from longstraw_agents.plan import plan_memory
 
     header = f"its step's peak memory per GPU (`longstraw plan --config {path}`, which takes --context and --gpu-mem):"
     try:
@@ -214,7 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from longstraw_agents.app.config import ConfigError
     from longstraw_agents.app.serve import load_policy, policy_server, quiet_transformers
-    from longstraw_agents.serving_limits import ServingLimits
+    from longstraw_agents.serving import ServingLimits
 
     given = {"max_tokens": args.max_tokens, "memory_budget": args.memory_budget, "queue_timeout_s": args.queue_timeout}
     try:
@@ -437,7 +436,7 @@ def _plan_flags(args: argparse.Namespace) -> int:
     silent (said in a note of the plan)."""
     from pydantic import ValidationError
 
-    from longstraw_agents.plan_shape import PlanShape, model_problem
+    from longstraw_agents.plan import PlanShape, model_problem
 
     job = _flags_job(args)
     problem = model_problem(job["model"])
@@ -482,7 +481,7 @@ def _flags_shape(args: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any
 def _flags_request(args: argparse.Namespace, job: dict[str, Any]) -> PlanRequest:
     import torch
 
-    from longstraw_agents.planner import PLAN_ENGINE, PlanRequest
+    from longstraw_agents.plan import PLAN_ENGINE, PlanRequest
 
     shape = _flags_shape(args, job)
     engine = PLAN_ENGINE.updated(
@@ -557,7 +556,7 @@ def _run_plan(
     the time model's phases where asked."""
     from pydantic import ValidationError
 
-    from longstraw_agents.planner import CONTEXT_SEARCH_LIMIT, longest_context, plan_memory
+    from longstraw_agents.plan import CONTEXT_SEARCH_LIMIT, longest_context, plan_memory
 
     try:
         request = make_request()
@@ -578,7 +577,7 @@ def _run_plan(
     if not plan.fits and not args.longest:
         _print_what_fits(request, config_path)
     if timed_on is not None:
-        from longstraw_agents.timing import step_time
+        from longstraw_agents.plan import step_time
 
         try:
             timed = step_time(request, timed_on)
@@ -593,7 +592,7 @@ def _print_what_fits(request, config_path: str | None = None) -> None:
     """For a step that does not fit: the layout that does, where there is one to suggest (a mixture of experts
     planned without expert parallelism: expert parallelism and offload, as the published runs), as the flags to add
     or, planning a run config, its settings."""
-    from longstraw_agents.planner import GIB, expert_parallel_alternative, plan_memory
+    from longstraw_agents.plan import GIB, expert_parallel_alternative, plan_memory
 
     alternative = expert_parallel_alternative(request)
     if alternative is None:
@@ -621,7 +620,7 @@ def _print_what_fits(request, config_path: str | None = None) -> None:
 def _time_profile(args: argparse.Namespace, model: Any) -> HardwareProfile:
     """``--hardware``'s profile, or with ``--profile`` the one measured there for ``model``'s family (its links
     ``--hardware``'s; ``model``: the plan's, a name, a config file or a transformers config)."""
-    from longstraw_agents.timing import PROFILES
+    from longstraw_agents.plan import PROFILES
 
     named = PROFILES[args.hardware]
     if args.profile is None:
@@ -632,8 +631,7 @@ def _time_profile(args: argparse.Namespace, model: Any) -> HardwareProfile:
     from pydantic import ValidationError
 
     from longstraw_agents.models import adapter_class
-    from longstraw_agents.planner import load_config
-    from longstraw_agents.timing import measured_profile
+    from longstraw_agents.plan import load_config, measured_profile
 
     try:
         record = json.loads(Path(args.profile).read_text())
@@ -671,6 +669,10 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
 
+# What ``build_parser`` hands each ``add_*_parser``: the subcommands, each parsed by a ``_Parser``.
+Subparsers: TypeAlias = "argparse._SubParsersAction[_Parser]"
+
+
 def _engine_section_help() -> str:
     """The run config's ``engine:`` section, a setting a paragraph: ``EngineConfig``'s fields, defaults and
     descriptions (the source of truth, so this cannot go stale)."""
@@ -695,18 +697,35 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect and view trajectory stores, plot runs, export and serve policies.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(
+    subparsers = parser.add_subparsers(
         dest="command",
         required=True,
         metavar="COMMAND",
         help="what to do (`longstraw COMMAND --help`: its options)",
         parser_class=_Parser,
     )
+    for add_parser in (
+        add_envs_parser,
+        add_inspect_parser,
+        add_train_parser,
+        add_replay_parser,
+        add_plot_parser,
+        add_export_parser,
+        add_serve_parser,
+        add_view_parser,
+        add_plan_parser,
+    ):
+        add_parser(subparsers)
+    return parser
 
-    p = sub.add_parser("envs", help="list the registered LongStraw environments")
+
+def add_envs_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser("envs", help="list the registered LongStraw environments")
     p.set_defaults(func=_cmd_envs)
 
-    p = sub.add_parser("inspect", help="summarise a trajectory store (SQLite)")
+
+def add_inspect_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser("inspect", help="summarise a trajectory store (SQLite)")
     p.add_argument("db", help="path to a store written by longstraw")
     shown = p.add_mutually_exclusive_group()
     shown.add_argument("--episode", type=int, default=None, help="show one episode's transcript")
@@ -718,7 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-text", type=int, default=120, help="cut segment text to this many characters (0: never)")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser(
+
+def add_train_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
         "train",
         help="online GRPO: rollout -> store -> GRPO step -> metrics -> checkpoint",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -744,7 +765,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("replay", help="offline GRPO over logged episodes of a store")
+
+def add_replay_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser("replay", help="offline GRPO over logged episodes of a store")
     p.add_argument("db", help="trajectories.db of a run")
     p.add_argument(
         "--where",
@@ -771,12 +794,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_replay)
 
-    p = sub.add_parser("plot", help="reward / loss / length / memory curves of a run directory")
+
+def add_plot_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser("plot", help="reward / loss / length / memory curves of a run directory")
     p.add_argument("run_dir", help="a run directory (its metrics.jsonl)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: the run directory)")
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser("export", help="write a run's checkpoint (also an FSDP2 run's shards) as a Hugging Face model")
+
+def add_export_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
+        "export", help="write a run's checkpoint (also an FSDP2 run's shards) as a Hugging Face model"
+    )
     p.add_argument("run_dir", help="a run directory (config.json + checkpoint/)")
     p.add_argument("out", help="the directory to write: model and tokenizer (from_pretrained reads both)")
     p.add_argument(
@@ -789,7 +818,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser(
+
+def add_serve_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
         "serve", help="serve a policy over the OpenAI API (chat completions with tool calls, completions)"
     )
     p.add_argument(
@@ -827,7 +858,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser(
+
+def add_view_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
         "view", help="groups as prefix trees in the browser: a self-contained HTML page, or a loopback server"
     )
     p.add_argument("path", metavar="RUN_DIR|DB", help="a run directory (its store and metrics.jsonl) or a store")
@@ -846,11 +879,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="decode tokens with this tokenizer instead of the run's")
     p.set_defaults(func=_cmd_view)
 
-    p = sub.add_parser(
+
+def add_plan_parser(subparsers: Subparsers) -> None:
+    p = subparsers.add_parser(
         "plan",
         help="plan the peak memory per GPU of a GRPO step (no GPU, no weights needed): of a run config (--config), or "
         "of the job the flags describe",
     )
+    _add_plan_job_arguments(p)
+    _add_plan_layout_arguments(p)
+    _add_plan_training_arguments(p)
+    _add_plan_engine_arguments(p)
+    _add_plan_answer_arguments(p)
+    p.set_defaults(func=_cmd_plan)
+
+
+def _add_plan_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The job: the model, the step's sizes (context, group, completions, an agent's history), or a run config."""
     p.add_argument(
         "--config", default=None,
         help="plan the step `longstraw train CONFIG` would run (its model, parallel layout, engine, dtype, mode, G, "
@@ -881,6 +926,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="agents: each member's own history after the shared context (tool outputs and answers), e.g. 1M",
     )  # fmt: skip
     p.add_argument("--turns", type=int, default=1, help="agents: turns in which the history grows")
+
+
+def _add_plan_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """How the GPUs split: dp x cp, FSDP2 or not, expert parallelism, the cp rank planned."""
     p.add_argument("--gpus", type=int, default=None, help="GPUs in all: dp x cp (default 8)")
     p.add_argument("--gpu-mem", type=_quantity, default=_quantity("96GB"), help="memory per GPU, e.g. 96GB")
     p.add_argument("--cp", type=int, default=None, help="context-parallel ranks (default: gpus / dp)")
@@ -909,6 +958,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cp rank to plan (default: per term the rank holding the most: rank 0 of a balanced capture, the "
         "last in rank order)",
     )  # fmt: skip
+
+
+def _add_plan_training_arguments(p: argparse.ArgumentParser) -> None:
+    """The step: its mode, dtype and precision, optimizer (and its offload) and KL weight."""
     p.add_argument(
         "--mode", choices=["detached", "exact"], default=None,
         help="the prefix's gradient: dropped (detached, as published; the default) or exact (the reverse walk)",
@@ -933,6 +986,10 @@ def build_parser() -> argparse.ArgumentParser:
         "trainer.mixed_precision runs)",
     )
     p.add_argument("--beta", type=float, default=None, help="KL weight: > 0 plans the reference model too")
+
+
+def _add_plan_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's settings (``PLAN_ENGINE``'s where the flags are silent)."""
     p.add_argument(
         "--chunk", type=_quantity, default=None, help="engine chunk size (engine.chunk_size; default 4096 in plans)"
     )
@@ -962,6 +1019,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and gradients held up to cp - 1 layers longer), or in rank order (the last rank's work up to twice the "
         "mean; 1 + r layers whole on rank r; engine.balanced_captures)",
     )  # fmt: skip
+
+
+def _add_plan_answer_arguments(p: argparse.ArgumentParser) -> None:
+    """What to answer besides the plan: the longest context that fits, the step's time."""
     p.add_argument("--longest", action="store_true", help="search the longest context that fits instead")
     p.add_argument("--time", action="store_true", help="also the step's time by phase (the time model)")
     p.add_argument(
@@ -973,8 +1034,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="--time with the rates measured in this record of bench/gpu.py (e.g. bench/results/gpu.json: the "
         "model family's profile; --hardware gives the links)",
     )
-    p.set_defaults(func=_cmd_plan)
-    return parser
 
 
 # What a shell reports for a program killed by SIGPIPE (128 + 13): `longstraw inspect DB | head` ends like `cat`.

@@ -2,7 +2,7 @@
 that evaluates its context (``engine``) and the GRPO trainer (``trainer``) — validated once, each rule in one place.
 
 ``longstraw train`` runs a ``TrainConfig`` (a ``JobSpec`` with environments, sampling, output and seeds); ``longstraw
-plan --config`` and ``train --check`` plan the same job (``planner.PlanRequest.of_job``). The engine the run builds is
+plan --config`` and ``train --check`` plan the same job (``plan.PlanRequest.of_job``). The engine the run builds is
 ``JobSpec.engine`` itself: every ``EngineConfig`` field, validated by ``EngineConfig``. Where one section's setting
 follows from another's, it is set here, once: the trainer's ``chunk_size`` is the engine's, and under expert
 parallelism every extend is computed replicated (``engine.sharded_extends`` false) unless ``parallel.expert_dispatch``.
@@ -70,7 +70,7 @@ class ModelSpec(BaseModel):
 
 def engine_problem(expert_parallel: bool, expert_dispatch: bool, engine: EngineConfig) -> str | None:
     """What keeps ``engine`` from running under the layout's expert parallelism, in one line, or None (the rules
-    ``JobSpec`` and ``planner.PlanRequest`` share)."""
+    ``JobSpec`` and ``plan.PlanRequest`` share)."""
     if expert_dispatch and not engine.sharded_extends:
         return "parallel.expert_dispatch shards long extends: it needs engine.sharded_extends"
     if expert_parallel and not expert_dispatch and engine.sharded_extend_tokens is not None:

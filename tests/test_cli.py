@@ -582,7 +582,7 @@ def test_plan_time_prints_each_phase_on_the_chosen_gpu(capsys: pytest.CaptureFix
 def test_plan_time_takes_the_rates_a_gpu_run_measured(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """``--profile``: the model family's profile of a bench/gpu.py record (implies --time); a record without it, or
     no record, is one line of error."""
-    from longstraw_agents.timing import PROFILES
+    from longstraw_agents.plan import PROFILES
 
     measured = PROFILES["h100"].model_copy(update={"name": "NVIDIA H100 80GB HBM3", "measured_on": "micro-benchmarks"})
     record = tmp_path / "gpu.json"
@@ -614,13 +614,13 @@ def test_plan_of_a_mixture_of_experts_that_needs_expert_parallelism_says_so(
     """A MoE step that does not fit as asked but fits with expert parallelism and offload (GLM-5.2 on 32 GPUs): the
     plan names the flags, and does not offer serving the policy, which helps only a step that fits. (The plans'
     figures are set here: measuring them takes seconds; tests/test_planner.py checks the alternative itself.)"""
-    import longstraw_agents.planner as planner
+    import longstraw_agents.plan as planning
 
-    def plan_memory(request: planner.PlanRequest) -> planner.Plan:
+    def plan_memory(request: planning.PlanRequest) -> planning.Plan:
         held = (40 if request.expert_parallel else 120) * 2**30
-        return planner.Plan(request, {"weights": held}, rollout={"sampler state": 2 * held})
+        return planning.Plan(request, {"weights": held}, rollout={"sampler state": 2 * held})
 
-    monkeypatch.setattr(planner, "plan_memory", plan_memory)
+    monkeypatch.setattr(planning, "plan_memory", plan_memory)
     code, out, _ = run_cli(capsys, "plan", "--model", "tiny-glm_moe_dsa", "--gpus", "2")
     assert code == 0 and out.count("does NOT fit") == 2 and "serve the policy" not in out
     assert out.splitlines()[-1] == (

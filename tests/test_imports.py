@@ -5,8 +5,10 @@ included."""
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,14 +33,25 @@ def test_every_import_contract_is_kept(tmp_path: Path) -> None:
     ("module", "source", "message"),
     [
         ("rollout.py", "import torch\n", "longstraw_agents.rollout is not allowed to import torch"),
-        ("store.py", "from longstraw_agents.envs import ToolEnv\n", "longstraw_agents.store is not allowed to import"),
+        (
+            "store/queries.py",
+            "from longstraw_agents.envs import ToolEnv\n",
+            "longstraw_agents.store is not allowed to import",
+        ),
+        ("plan/shape.py", "import torch\n", "longstraw_agents.plan.shape is not allowed to import torch"),
         ("state.py", "import longstraw_agents.trainer\n", "longstraw_agents.state is not allowed to import"),
         ("report.py", "from longstraw_agents.app import run\n", "longstraw_agents.report is not allowed to import"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, source: str, message: str) -> None:
     root = package_view.installed_view(tmp_path)
-    (root / module).unlink()  # the view's link to the real module, replaced by a breach
+    package, _, _ = module.rpartition("/")
+    if package:  # the view's link to the real package, replaced by a copy
+        (root / package).unlink()
+        shutil.copytree(
+            REPO / "longstraw_agents" / package, root / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    (root / module).unlink()  # the view's link to the real module (or the copy), replaced by a breach
     (root / module).write_text(source)
     result = lint_imports.lint(tmp_path, capture=True)
     assert result.returncode != 0 and message in result.stdout, result.stdout
@@ -138,3 +151,21 @@ def test_an_import_circle_inside_the_engine_is_found(tmp_path: Path, breach: str
     (engine / "kit.py").write_text((engine / "kit.py").read_text() + "\n" + breach)
     circle = import_circle(engine_imports(engine))
     assert circle is not None and "kit" in circle and circle[0] == circle[-1], circle
+
+
+def test_the_plan_package_imports_torch_only_for_the_names_that_need_it() -> None:
+    """``longstraw_agents.plan`` imports no torch until a name that needs it is used (``longstraw plan`` checks its
+    flags first); each such name is its module's own object, and the names type checkers see (the ``TYPE_CHECKING``
+    imports) are the ones imported at run time."""
+    code = "import sys, longstraw_agents.plan; sys.exit(sorted({'torch', 'transformers'} & set(sys.modules)) or 0)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    import longstraw_agents.plan as plan
+
+    source = ast.parse((REPO / "longstraw_agents" / "plan" / "__init__.py").read_text())
+    [checked] = [node for node in source.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    typed = {node.module.rsplit(".", 1)[1]: {alias.name for alias in node.names} for node in checked.body}
+    assert typed == {module: set(names) for module, names in plan._HOMES.items()}
+    assert set(plan.__all__) == {"MODEL_NAMES", "PlanShape", "model_problem", *plan._MODULE_OF}
+    for name, module in plan._MODULE_OF.items():
+        assert getattr(plan, name) is getattr(importlib.import_module(f"longstraw_agents.plan.{module}"), name)

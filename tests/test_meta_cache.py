@@ -1,4 +1,4 @@
-"""The planner's meta-op cache (meta_cache.py): an answered op's outputs are laid out as torch's own and counted as
+"""The planner's meta-op cache (``meta_cache``): an answered op's outputs are laid out as torch's own and counted as
 its own, what must be computed is, and a plan is the same to the byte with the cache and without it."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-import longstraw_agents.planner as planner
+import longstraw_agents.plan.probes as probes
 from longstraw_agents.engine import EngineConfig
 from longstraw_agents.memory import MemoryTracker
-from longstraw_agents.meta_cache import CachedMemoryTracker, MetaLayouts, answers_fresh
 from longstraw_agents.models.lora import LoraSpec
-from longstraw_agents.planner import PlanRequest, plan_memory
+from longstraw_agents.plan import Plan, PlanRequest, plan_memory
+from longstraw_agents.plan.meta_cache import CachedMemoryTracker, MetaLayouts, answers_fresh
 
 aten = torch.ops.aten
 
@@ -116,15 +116,15 @@ def test_the_cache_is_bounded() -> None:
     assert len(layouts._known) <= 2
 
 
-def plans(request: PlanRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[planner.Plan, planner.Plan]:
+def plans(request: PlanRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[Plan, Plan]:
     """``request`` planned with the planner's cache (which answered ops) and without it."""
     with monkeypatch.context() as patched:
         layouts = MetaLayouts()
-        patched.setattr(planner, "PROBE_LAYOUTS", layouts)
+        patched.setattr(probes, "PROBE_LAYOUTS", layouts)
         cached = plan_memory(request)
         answered = layouts.hits
         assert answered > 0
-        patched.setattr(planner, "CACHE_META_OPS", False)
+        patched.setattr(probes, "CACHE_META_OPS", False)
         computed = plan_memory(request)
         assert layouts.hits == answered  # (torch computed every op)
     return cached, computed

@@ -1,4 +1,4 @@
-"""The memory planner (planner.py) against measurement: on tiny models of every family, the planned peak of a GRPO
+"""The memory planner (``plan``) against measurement: on tiny models of every family, the planned peak of a GRPO
 step (state, its gradient, checkpoints, graphs — simulated on the meta device on models cut to one and two layer
 periods, then extrapolated) is within 10 % of the peak the memory tracker measures running the real step on CPU."""
 
@@ -13,7 +13,7 @@ import pydantic
 import pytest
 import torch
 
-import longstraw_agents.planner as planner
+import longstraw_agents.plan as planning
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.engine.shards import (
     Run,
@@ -28,18 +28,22 @@ from longstraw_agents.engine.shards import (
 )
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel.context import cut_runs
-from longstraw_agents.plan_shape import MODEL_NAMES, model_problem
-from longstraw_agents.planner import (
+from longstraw_agents.plan import (
+    MODEL_NAMES,
     PLAN_ENGINE,
     PlanRequest,
     layer_inputs_bytes,
     layer_period,
     load_config,
     longest_context,
+    model_problem,
     parameter_phases,
     plan_memory,
     with_layers,
 )
+from longstraw_agents.plan.memory_plan import _margin
+from longstraw_agents.plan.planner import _Measured, _phase_categories, _plan
+from longstraw_agents.plan.probes import Probe
 from longstraw_agents.trainer import grpo_backward
 
 # more layers than the presets' defaults, so that the plan extrapolates from cut models
@@ -59,7 +63,7 @@ CHUNK, COMPLETION = 64, 16
 def tiny_models(monkeypatch: pytest.MonkeyPatch) -> None:
     for family, layers in LAYERS.items():
         monkeypatch.setitem(
-            planner.NAMED_MODELS, f"test-{family}", lambda f=family, n=layers: TINY_PRESETS[f](layers=n)
+            planning.NAMED_MODELS, f"test-{family}", lambda f=family, n=layers: TINY_PRESETS[f](layers=n)
         )
 
 
@@ -227,7 +231,7 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
 
 
 # parameters, the largest decoder layer's and the root unit's (embeddings, final norm, LM head), 10 layers
-PROBE = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000, layers=10)
+PROBE = Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000, layers=10)
 # what is whole (weights, gradients) and the gradient shards, per phase; bf16 compute with fp32 masters unless said
 NO_LANES = {"lane buffers (dp > 1)": 0}
 BF16_CP8 = {"weights": 4_000, "optimizer state": 8_000, "reference weights": 0, **NO_LANES}
@@ -351,10 +355,10 @@ def test_offload_moves_the_shards_their_gradients_and_adamw_to_the_host() -> Non
     shard = -(-PROBE.parameters // 8) * 4
     offloaded = dataclasses.replace(request, offload=True)
     host = {"weights": shard, "gradients": shard, "optimizer state": 2 * shard, "reference weights": 0}
-    assert planner.host_terms(PROBE, offloaded) == host
+    assert planning.host_terms(PROBE, offloaded) == host
     with_reference = dataclasses.replace(offloaded, beta=0.04)  # the reference's shards on the host too, in bf16
-    assert planner.host_terms(PROBE, with_reference) == host | {"reference weights": shard // 2}
-    assert planner.host_terms(PROBE, request) == {}
+    assert planning.host_terms(PROBE, with_reference) == host | {"reference weights": shard // 2}
+    assert planning.host_terms(PROBE, request) == {}
     with pytest.raises(pydantic.ValidationError, match="offload runs through FSDP2"):
         PlanRequest(gpus=1, offload=True)
 
@@ -365,9 +369,9 @@ def test_a_plan_is_the_phase_that_holds_the_most() -> None:
     config = TINY_PRESETS["llama"]()
     for context, phase in ((1 << 20, "capture"), (64, "backward")):
         request = PlanRequest(model="tiny-llama", context=context, gpus=2, dtype=torch.bfloat16)
-        measured = planner._Measured(config, parameter_phases(PROBE, request), 0, "", (PROBE.parameters, 0), {})
-        plan = planner._plan(request, measured)
-        phases = planner._phase_categories(measured, planner.exact_terms(config, request, context // 2))
+        measured = _Measured(config, parameter_phases(PROBE, request), 0, "", (PROBE.parameters, 0), {})
+        plan = _plan(request, measured)
+        phases = _phase_categories(measured, planning.exact_terms(config, request, context // 2))
         assert plan.categories == phases[phase] and sum(phases[phase].values()) > sum(
             phases["backward" if phase == "capture" else "capture"].values()
         )
@@ -473,7 +477,7 @@ def test_a_capture_cell_reads_the_other_ranks_rows_before_it() -> None:
             model="tiny-llama", context=1_000_000, gpus=4, mode=mode, cp_rank=rank, dtype=torch.bfloat16,
             engine=PLAN_ENGINE.updated(balanced_captures=balanced),
         )  # fmt: skip
-        return planner.capture_rows_bytes(config, request) - 250_000 * config.hidden_size * 2
+        return planning.capture_rows_bytes(config, request) - 250_000 * config.hidden_size * 2
 
     shard = rows("exact", 1, balanced=False)
     assert [rows("exact", r, balanced=False) for r in range(4)] == [r * shard for r in range(4)]
@@ -585,9 +589,9 @@ def test_the_paced_walk_keeps_one_order_and_holds_what_the_planner_counts(cp: in
 
 
 def test_the_shipped_model_names_are_known_without_torch() -> None:
-    """``longstraw plan`` checks ``--model`` against ``plan_shape.MODEL_NAMES`` before importing torch: the names
+    """``longstraw plan`` checks ``--model`` against ``plan.shape.MODEL_NAMES`` before importing torch: the names
     ``NAMED_MODELS`` ships with (tests add ``test-*`` ones)."""
-    shipped = {name for name in planner.NAMED_MODELS if not name.startswith("test-")}
+    shipped = {name for name in planning.NAMED_MODELS if not name.startswith("test-")}
     assert shipped == set(MODEL_NAMES)
     assert model_problem("qwen3.6-27b") is None and "unknown model 'qwen9'" in str(model_problem("qwen9"))
 
@@ -604,17 +608,17 @@ def test_a_model_file_that_does_not_exist_is_named_as_such(tmp_path) -> None:
     assert load_config(str(tmp_path)).model_type == "llama"
 
 
-def plan_of_total(total: int, gpu_mem_bytes: int) -> planner.Plan:
+def plan_of_total(total: int, gpu_mem_bytes: int) -> planning.Plan:
     """A plan on one GPU whose total (its one category and the allocator margin) is ``total`` bytes, or just below."""
     low, high = 0, total
     while low < high - 1:  # the largest category whose total does not pass ``total`` (the margin rounds down)
         middle = (low + high) // 2
-        low, high = (middle, high) if middle + planner._margin(middle) <= total else (low, middle)
+        low, high = (middle, high) if middle + _margin(middle) <= total else (low, middle)
     request = PlanRequest(model="tiny-llama", gpus=1, gpu_mem_bytes=gpu_mem_bytes)
-    return planner.Plan(request, {"weights": low})
+    return planning.Plan(request, {"weights": low})
 
 
-def total_line(plan: planner.Plan) -> str:
+def total_line(plan: planning.Plan) -> str:
     [line] = [line for line in plan.table().splitlines() if line.strip().startswith("total")]
     return line.split(maxsplit=1)[1]
 
@@ -638,23 +642,23 @@ def test_a_mixture_of_experts_that_fits_only_with_expert_parallelism_is_told_so(
     GPUs: the published layout): the alternative is that layout; serving the policy, which helps only a step that
     fits, is not offered."""
     dense = PlanRequest(model="tiny-llama", context=4000, gpus=2, engine=PLAN_ENGINE.updated(chunk_size=1000))
-    assert planner.expert_parallel_alternative(dense) is None
+    assert planning.expert_parallel_alternative(dense) is None
     moe = dataclasses.replace(dense, model="tiny-glm_moe_dsa", group=2, completion=16)
-    alternative = planner.expert_parallel_alternative(moe)
+    alternative = planning.expert_parallel_alternative(moe)
     assert alternative is not None
     assert (alternative.expert_parallel, alternative.offload, alternative.hsdp) == (True, True, False)
-    assert planner.expert_parallel_alternative(alternative) is None
-    at_dp_2 = planner.expert_parallel_alternative(dataclasses.replace(moe, gpus=4, dp=2))
+    assert planning.expert_parallel_alternative(alternative) is None
+    at_dp_2 = planning.expert_parallel_alternative(dataclasses.replace(moe, gpus=4, dp=2))
     assert at_dp_2 is not None and at_dp_2.hsdp
-    assert planner.expert_parallel_alternative(dataclasses.replace(moe, cp=1, dp=2)) is None
+    assert planning.expert_parallel_alternative(dataclasses.replace(moe, cp=1, dp=2)) is None
 
 
 def test_serving_the_policy_is_offered_only_for_a_step_that_fits() -> None:
     request = PlanRequest(model="tiny-llama", gpus=2, gpu_mem_bytes=10 * 2**30)
     rollouts_over = {"sampler state": 20 * 2**30}
-    step_fits = planner.Plan(request, {"weights": 2**30}, rollout=rollouts_over).table().splitlines()
+    step_fits = planning.Plan(request, {"weights": 2**30}, rollout=rollouts_over).table().splitlines()
     assert step_fits[-1].endswith("does NOT fit: serve the policy instead (policy.served)")
-    neither = planner.Plan(request, {"weights": 20 * 2**30}, rollout=rollouts_over).table().splitlines()
+    neither = planning.Plan(request, {"weights": 20 * 2**30}, rollout=rollouts_over).table().splitlines()
     assert neither[-1].endswith("does NOT fit") and "serve the policy" not in "\n".join(neither)
 
 
@@ -714,7 +718,7 @@ def test_a_lora_probe_counts_the_adapters_that_train() -> None:
     from longstraw_agents.models.lora import LoraSpec
 
     config = load_config("test-llama")
-    model = planner.meta_model(config, torch.float32, LoraSpec(**LORA))
+    model = planning.meta_model(config, torch.float32, LoraSpec(**LORA))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     h, mlp, r = config.hidden_size, config.intermediate_size, LORA["r"]
     kv = config.num_key_value_heads * h // config.num_attention_heads

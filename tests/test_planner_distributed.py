@@ -18,11 +18,10 @@ import torch
 import torch.multiprocessing as mp
 from rank_memory_worker import run
 
-import longstraw_agents.planner as planner
 from longstraw_agents.engine import EngineConfig
 from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.models.presets import TINY_PRESETS
-from longstraw_agents.planner import PlanRequest, plan_memory
+from longstraw_agents.plan import NAMED_MODELS, Plan, PlanRequest, plan_memory
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 16 configurations of 2-4 processes: ~130 s
 
@@ -43,8 +42,8 @@ def _measure(tmp_path: Path, spec: dict[str, Any]) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
-def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -> planner.Plan:
-    monkeypatch.setitem(planner.NAMED_MODELS, "measured", lambda: TINY_PRESETS[spec["family"]](**spec["model"]))
+def _plan(spec: dict[str, Any], cp_rank: int, monkeypatch: pytest.MonkeyPatch) -> Plan:
+    monkeypatch.setitem(NAMED_MODELS, "measured", lambda: TINY_PRESETS[spec["family"]](**spec["model"]))
     return plan_memory(
         PlanRequest(
             model="measured", context=spec["prompt"], group=spec["group"], completion=spec["completion"],
@@ -100,7 +99,7 @@ def test_each_ranks_peak_is_the_planned_one(tmp_path, monkeypatch, shape, dp, cp
     _assert_as_planned(_measure(tmp_path, spec), [_plan(spec, cp_rank, monkeypatch) for cp_rank in range(cp)])
 
 
-def _assert_as_planned(ranks: list[dict], plans: list[planner.Plan]) -> None:
+def _assert_as_planned(ranks: list[dict], plans: list[Plan]) -> None:
     """Each rank's peak within 10 % of its cp rank's plan, its shards and state within 15 % per category, the
     host's and the rollout's peaks too."""
     for rank, measured in enumerate(ranks):

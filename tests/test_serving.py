@@ -1,4 +1,4 @@
-"""``CompletionServer`` (serving.py): the official ``openai`` client against it (n choices, streaming, the models
+"""``CompletionServer`` (``serving``): the official ``openai`` client against it (n choices, streaming, the models
 list, null sampling fields, decoded text), vLLM's token-id extensions over raw HTTP, chat completions in the
 environments' format (tool calls read from the reply, streamed or not) and clear 4xx answers."""
 
@@ -25,8 +25,7 @@ from longstraw_agents.app.chat_template import QwenChatTemplate
 from longstraw_agents.engine.decoding import Decoder
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.serving import ChatMessage, CompletionServer, FunctionCall
-from longstraw_agents.serving_limits import ServingLimits
+from longstraw_agents.serving import ChatMessage, CompletionServer, FunctionCall, ServingLimits
 from longstraw_agents.tokenizer import load_tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 

@@ -1,4 +1,4 @@
-"""``serving_limits``: the engine's turns go first come first served, the memory budget admits requests in arrival
+"""``serving.limits``: the engine's turns go first come first served, the memory budget admits requests in arrival
 order, makes them wait or answers ``Busy``, and counts a request at no less than it holds."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import state_size
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.serving_limits import (
+from longstraw_agents.serving.limits import (
     Busy,
     MemoryBudget,
     ServingLimits,

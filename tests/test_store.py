@@ -23,8 +23,9 @@ from click.testing import CliRunner
 from sqlite_utils.cli import cli as sqlite_utils_cli
 from stored_episodes import LARGEST_ID, edge_case_trajectory, edited_trajectory, make_trajectory
 
-from longstraw_agents import store as store_module
-from longstraw_agents.store import APPLICATION_ID, SCHEMA_VERSION, Store, StoreError, _grouped_episodes
+from longstraw_agents.store import APPLICATION_ID, SCHEMA_VERSION, Store, StoreError
+from longstraw_agents.store import schema as store_schema
+from longstraw_agents.store.queries import _grouped_episodes
 from longstraw_agents.trajectory import ContextEdit, Segment, Trajectory
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -741,7 +742,7 @@ def test_a_version_1_store_this_process_cannot_write_is_read_as_it_is(
     def read_only(target: Path, create: bool) -> sqlite3.Connection:
         return sqlite3.connect(f"{target.absolute().as_uri()}?mode=ro", uri=True)
 
-    monkeypatch.setattr(store_module, "_connect", read_only)
+    monkeypatch.setattr(store_schema, "connect", read_only)
     with Store.open(path, create=False) as reader:
         assert reader.schema_version == 1
         assert list(reader.episodes()) == originals

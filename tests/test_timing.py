@@ -13,21 +13,21 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from longstraw_agents import planner
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.base import causal_pairs
 from longstraw_agents.models.mla import MoE
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
 from longstraw_agents.parallel.experts import ExpertShard
-from longstraw_agents.planner import PlanRequest
-from longstraw_agents.timing import (
+from longstraw_agents.plan import (
     PROFILES,
     Efficiency,
     HardwareProfile,
     ModelWork,
+    PlanRequest,
     Schedule,
     Work,
     calibrate,
+    load_config,
     measured_profile,
     step_time,
     step_work,
@@ -551,7 +551,7 @@ def test_dispatched_experts_shard_the_capture_and_send_each_token_to_its_experts
 
 @pytest.fixture(scope="module")
 def published_hybrid() -> ModelWork:
-    return ModelWork.of(planner.load_config("qwen3.6-27b"), torch.bfloat16)
+    return ModelWork.of(load_config("qwen3.6-27b"), torch.bfloat16)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from longstraw_agents.app.config import ConfigError, TrainConfig, check_model, check_tokenizer
 from longstraw_agents.models import context_limit
-from longstraw_agents.plan_shape import PlanShape
+from longstraw_agents.plan import PlanShape
 
 if TYPE_CHECKING:
-    from longstraw_agents.planner import PlanRequest
+    from longstraw_agents.plan import PlanRequest
 
 GPU_MEM_BYTES: int = PlanShape.gpu_mem_bytes  # what a plan assumes of a GPU unless told (`plan --gpu-mem`)
 
@@ -34,7 +34,7 @@ def run_plan_request(
     """The plan request of ``config``'s step (``PlanRequest.of_job``); ``context``: the shared prompt's positions
     (default: the model's limit), ``history`` / ``turns``: an agent's own history after it (``plan --history``). A
     model or tokenizer that cannot be read is a ``ConfigError``, a workload the job cannot plan a ``ValueError``."""
-    from longstraw_agents.planner import PlanRequest
+    from longstraw_agents.plan import PlanRequest
 
     tokenizer = check_tokenizer(config.tokenizer)
     model = check_model(config.model, tokenizer.vocab_size)

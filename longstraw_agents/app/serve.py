@@ -33,8 +33,7 @@ from longstraw_agents.app.run import build_policy
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.lora import lora_layers, merged_copy
 from longstraw_agents.sampler import SamplingConfig
-from longstraw_agents.serving import CompletionServer
-from longstraw_agents.serving_limits import ServingLimits
+from longstraw_agents.serving import CompletionServer, ServingLimits
 from longstraw_agents.tokenizer import Tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 

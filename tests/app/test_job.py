@@ -22,15 +22,14 @@ import yaml
 from paths import REPO
 from tiny_runs import tiny_config, tiny_config_dict
 
-import longstraw_agents.planner as planner
 from longstraw_agents.app.config import TrainConfig, load_config, validation_lines
 from longstraw_agents.app.run import Run
 from longstraw_agents.cli import main
 from longstraw_agents.engine import EngineConfig
 from longstraw_agents.job import JobSpec
 from longstraw_agents.models.presets import TINY_PRESETS
-from longstraw_agents.plan_shape import PlanShape
-from longstraw_agents.planner import PLAN_ENGINE, PlanRequest
+from longstraw_agents.plan import PLAN_ENGINE, PlanRequest, PlanShape, engine_text, parameter_phases
+from longstraw_agents.plan.probes import Probe
 
 BEFORE = Path(__file__).parent / "before_jobspec"
 # every EngineConfig setting away from its default
@@ -191,22 +190,22 @@ def test_the_plan_of_a_run_without_fsdp_holds_the_whole_model_on_every_gpu() -> 
     in exact mode the flat bucket in which the wavefront walk sums the gradient over cp. (Measured once, 2 gloo
     processes, tiny llama with 8 layers at dp 1 x cp 2 without FSDP2: 0.998 of the plan detached on both ranks and
     0.95 exact, against 1.70 and 1.73-1.89 of the FSDP2 plan; 2 layers over 2,048 tokens detached 1.01-1.02.)"""
-    probe = planner._Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000, layers=10)
+    probe = Probe(graphs=0, parameters=8_000, largest_layer=700, root=1_000, layers=10)
     run = job_request(tiny_config("runs/x", parallel={"cp": 2}))  # (exact mode: the trainer's default)
     published = dataclasses.replace(run, fsdp=True)
-    whole, shards = planner.parameter_phases(probe, run), planner.parameter_phases(probe, published)
+    whole, shards = parameter_phases(probe, run), parameter_phases(probe, published)
     for phase in ("capture", "backward"):
         assert whole[phase]["weights"] == 8_000 * 4 == 2 * shards[phase]["weights"]
         assert whole[phase]["optimizer state"] == 2 * 8_000 * 4 == 2 * shards[phase]["optimizer state"]
         assert whole[phase]["gathered weights"] == 0 < shards[phase]["gathered weights"]
     assert whole["backward"]["gradients"] == whole["backward"]["gathered gradients"] == 8_000 * 4
-    detached = planner.parameter_phases(probe, dataclasses.replace(run, mode="detached"))
+    detached = parameter_phases(probe, dataclasses.replace(run, mode="detached"))
     assert detached["backward"]["gathered gradients"] == 0  # (every cp rank computes every branch: nothing summed)
 
 
 def test_the_time_model_times_the_layout_the_job_runs() -> None:
     """Over whole weights each cp rank's AdamW steps every parameter, not its shard (``Schedule(sharded=...)``)."""
-    from longstraw_agents.timing import ModelWork, step_work
+    from longstraw_agents.plan import ModelWork, step_work
 
     run = job_request(tiny_config("runs/x", parallel={"cp": 2}))
     model = ModelWork(run.model, torch.float32, 1e6, 0.0, 1e3, 4e6, 4e6, root_bytes=1e6)  # type: ignore[arg-type]
@@ -254,7 +253,7 @@ def test_a_plan_without_a_config_says_what_it_assumed(capsys: pytest.CaptureFixt
     assert main([*tiny, "--chunk", "256"]) == 0
     out = capsys.readouterr().out
     engine = PLAN_ENGINE.updated(chunk_size=256)
-    assert f"\n{planner.engine_text(engine)}\n" in out
+    assert f"\n{engine_text(engine)}\n" in out
     assert "chunk_size=256, max_score_elements=134217728, activation_checkpointing=True" in out
     [assumed] = [line for line in out.splitlines() if line.startswith("note: no --config: ")]
     assert "FSDP2 over the GPUs (--no-fsdp:" in assumed and "bfloat16 compute over fp32 masters" in assumed

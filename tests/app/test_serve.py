@@ -29,7 +29,7 @@ from longstraw_agents.app.export import export_hf
 from longstraw_agents.app.serve import load_policy, policy_server
 from longstraw_agents.app.training import train
 from longstraw_agents.cli import main
-from longstraw_agents.serving_limits import ServingLimits
+from longstraw_agents.serving import ServingLimits
 from longstraw_agents.trainer import GRPOTrainer
 
 LONGSTRAW = Path(sys.executable).with_name("longstraw")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import ContextParallel, ParallelMesh
-from longstraw_agents.planner import PlanRequest, layer_inputs_bytes
+from longstraw_agents.plan import PlanRequest, layer_inputs_bytes
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer import LossConfig, backward_group, grpo_backward, make_group
 from longstraw_agents.trainer.trainer import reference_engine

@@ -149,7 +149,7 @@ def test_fsdp2_over_every_rank_with_context_parallel_equals_one_process(
         assert result["stray_collectives"] == [], rank
         assert result["grad_norm"] == pytest.approx(grad_norm, rel=1e-10), rank
         assert result["offloaded"] == offload, rank
-        # a layer at a time (what the planner counts: longstraw_agents/planner.py, _whole_at_once); at dp 2 without
+        # a layer at a time (what the planner counts: plan/parameters.py, _whole_at_once); at dp 2 without
         # HSDP each dp rank on a communicator of its own (``parallel.lanes``)
         # (a capture: one per cell, gathered once per wave of runs; the walk: the prefetch window + 1, balanced
         # under FSDP2 each wave's gathers started as they fall due and a segment's recomputation one at a time)

@@ -1,6 +1,6 @@
 """What a memory plan describes — the step's sizes and how the GPUs split — checked without torch.
 
-``PlanShape`` holds the fields of ``planner.PlanRequest`` that need no model and no engine, with their checks (counts
+``PlanShape`` holds the fields of ``request.PlanRequest`` that need no model and no engine, with their checks (counts
 and sizes positive, the GPUs splitting into ``dp x cp``, a layout the run config's ``parallel:`` section would take:
 ``layout.layout_problem``, the same rules); ``PlanRequest`` extends it with the dtype and the engine.
 ``longstraw plan`` checks its arguments here before it imports torch and transformers (seconds of CPU), so that a bad
@@ -25,7 +25,7 @@ from longstraw_agents.layout import layout_problem
 Positive = Annotated[int, Field(ge=1)]
 
 
-# The models ``longstraw plan`` knows by name: ``planner.NAMED_MODELS`` as shipped (whose configs need transformers; a
+# The models ``longstraw plan`` knows by name: ``configs.NAMED_MODELS`` as shipped (whose configs need transformers; a
 # test keeps the two equal; tests and benchmarks add models of their own to NAMED_MODELS)
 MODEL_NAMES = ("qwen3.6-27b", "glm-5.2", "tiny-llama", "tiny-qwen3", "tiny-qwen3_5", "tiny-glm_moe_dsa")
 
@@ -60,7 +60,7 @@ class PlanShape:
     not negative, a model file exists, and the GPUs split into ``dp x cp``; a bad value raises pydantic's
     ``ValidationError``."""
 
-    model: str = "qwen3.6-27b"  # a name of planner.NAMED_MODELS or a transformers config.json (or its folder)
+    model: str = "qwen3.6-27b"  # a name of configs.NAMED_MODELS or a transformers config.json (or its folder)
     context: Positive = 2_100_000
     group: Positive = 8
     completion: Positive = 1024

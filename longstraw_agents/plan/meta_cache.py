@@ -1,6 +1,6 @@
 """A ``MemoryTracker`` whose meta-device ops are answered from a cache of their outputs' layouts: the planner's.
 
-The planner (``planner.py``) runs the real engine and trainer on the meta device, where a tensor has a shape and a
+The planner (``plan.probes``) runs the real engine and trainer on the meta device, where a tensor has a shape and a
 size but no storage. Torch computes most meta results in Python (``torch._refs`` and ``torch._prims``: broadcasting,
 type promotion, stride propagation), some 0.1–0.3 ms an op; a plan runs hundreds of thousands of them, most with the
 same inputs again and again (every block of a delta-rule scan, every layer of a period, every chunk). On the meta
