@@ -67,7 +67,7 @@ class WanderingPolicy:
     def __call__(self, observation: object = None) -> np.ndarray:
         env = self.env
         script = env.scripted_turns(env.task)
-        if env.awaiting_summary:
+        if env.awaiting_context_reply:
             text = env.scripted_summary(env.task, self.played)
         elif self.played < len(script) - 1 and self.rng.random() < self.detour:
             documents = [document.id for document in env.task.corpus]

@@ -28,7 +28,20 @@ from .base import (
     tool_instructions,
 )
 from .calculator import EASY_CALCULATOR_KWARGS, CalculatorConfig, CalculatorEnv
-from .context import ContextChange, ContextConfig, Eviction, SummaryTurn
+from .context import (
+    Append,
+    ContextChange,
+    ContextConfig,
+    ContextPlan,
+    ContextPolicy,
+    ContextView,
+    Eviction,
+    EvictToolOutputs,
+    Replace,
+    SummarizeTurns,
+    SummaryTurn,
+    Unbounded,
+)
 from .key_value import FormatOnlyPolicy, KeyValueRecallConfig, KeyValueRecallEnv
 from .needle_search import NeedleSearchConfig, NeedleSearchEnv
 from .page_recall import PageRecallConfig, PageRecallEnv
@@ -48,10 +61,15 @@ __all__ = [
     "ENV_IDS",
     "NAMESPACE",
     "Action",
+    "Append",
     "CalculatorConfig",
     "CalculatorEnv",
     "ContextChange",
     "ContextConfig",
+    "ContextPlan",
+    "ContextPolicy",
+    "ContextView",
+    "EvictToolOutputs",
     "Eviction",
     "FormatOnlyPolicy",
     "KeyValueRecallConfig",
@@ -63,11 +81,14 @@ __all__ = [
     "Policy",
     "PythonTaskConfig",
     "PythonTaskEnv",
+    "Replace",
     "Score",
     "ScriptedPolicy",
+    "SummarizeTurns",
     "SummaryTurn",
     "ToolEnv",
     "ToolEnvConfig",
+    "Unbounded",
     "registered_env_ids",
     "run_episode",
     "schema_instructions",

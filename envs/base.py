@@ -23,12 +23,14 @@ follows:
 5. An observation that would take the episode past ``max_tokens`` is not appended: ``truncated``, finish reason
    ``"max_tokens"``, reward 0.
 
-With a context policy (``ToolEnvConfig.context``, ``envs.context``) the context may also be edited: an observation
-that takes it past its budget makes the environment evict old tool outputs, or ask for a summary turn that then
-replaces the turns so far. The step that edits returns the whole new context instead of the ids to append, and its
-``info["context_edit"]`` says how many leading tokens were kept; a context that cannot be brought under its budget
-ends the episode (``"context_limit"``, reward 0). The trajectory logs every segment and the edits, and its physical
-sequences are the contexts the policy conditioned on.
+With a context policy (``env.context_policy``: built from ``ToolEnvConfig.context``, or any ``ContextPolicy`` given
+as ``context_policy``; see ``envs.context``) the context may also be edited: at each tool turn the policy plans what
+follows the observation (evicting old tool outputs, asking for a summary turn...), and a turn that replies to its
+request goes to the policy instead of the tools (a summary then replaces the turns so far). The step that edits
+returns the whole new context instead of the ids to append, and its ``info["context_edit"]`` says how many leading
+tokens were kept; a plan that cannot keep the context under its budget ends the episode (``"context_limit"``,
+reward 0), and what a plan logs counts in ``max_tokens``. The trajectory logs every segment and the edits, and its
+physical sequences are the contexts the policy conditioned on.
 
 The observation that ends an episode is empty: nothing follows the final action. A turn that does not end with a
 stop token (the sampler hit its length limit) is closed by the environment: the next observation starts with
@@ -60,10 +62,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from longstraw_agents.chat import ChatFormatter
 from longstraw_agents.tokenizer import Tokenizer, load_tokenizer
 from longstraw_agents.tools import Tool, ToolCall, ToolCallError, ToolRegistry, ToolResult, parse_tool_calls
-from longstraw_agents.trajectory import FinishReason, Segment, Trajectory
+from longstraw_agents.trajectory import EditKind, FinishReason, Segment, Trajectory
 
 from .answers import ANSWER_CLOSE, ANSWER_OPEN, find_answer
-from .context import ContextChange, ContextConfig, Eviction, SummaryTurn, evictable, kept_tokens
+from .context import ContextChange, ContextConfig, ContextPlan, ContextPolicy, ContextView, Unbounded, kept_tokens
 
 TaskT = TypeVar("TaskT")
 
@@ -97,7 +99,7 @@ class ToolEnvConfig(BaseModel):
     context: ContextConfig | None = Field(
         default=None,
         description="Keep the context under a budget by evicting tool outputs or by summary turns (envs.context); "
-        "None: the context is the whole episode.",
+        "None: the context is the whole episode (unless the env is given a context_policy object).",
     )
 
 
@@ -111,22 +113,30 @@ class Score:
 
 @dataclass
 class _Episode(Generic[TaskT]):
+    """The running episode: the log, the current context, the budgets spent. A context plan applies to it
+    (``envs.context.ContextLog``)."""
+
     task: TaskT
     registry: ToolRegistry
     trajectory: Trajectory
+    seed: int
     turn: int = 0
     num_tokens: int = 0
     done: bool = False
     pending_logprobs: np.ndarray | None = None
     context: list[int] = field(default_factory=list)  # log indices of the current context
-    summary_threshold: int | None = None  # context tokens past which a summary is asked for (SummaryTurn)
-    awaiting_summary: bool = False  # the next action is the summary asked for
-    summaries: int = 0  # summary turns taken
+    awaiting_reply: bool = False  # the next action replies to the context policy's request
+    replies: int = 0  # turns that replied to the context policy
 
     def append(self, segment: Segment) -> None:
         self.context.append(len(self.trajectory.segments))
         self.trajectory.append(segment)
         self.num_tokens += len(segment)
+
+    def replace(self, removed: Sequence[int], replacement: Segment | int | None, kind: EditKind) -> None:
+        self.context = self.trajectory.edit(removed, replacement, kind).applied_to(self.context)
+        if isinstance(replacement, Segment):  # a new segment is logged (one reused was counted when it was)
+            self.num_tokens += len(replacement)
 
     @property
     def context_tokens(self) -> int:
@@ -135,12 +145,22 @@ class _Episode(Generic[TaskT]):
     def context_ids(self) -> np.ndarray:
         return np.concatenate([self.trajectory.segments[k].token_ids for k in self.context]).astype(np.int64)
 
-    def evict(self, segment: int, placeholder: Segment) -> None:
-        self.num_tokens += len(placeholder)
-        self.context = self.trajectory.evict([segment], placeholder).applied_to(self.context)
+    def draft(self) -> _Episode[TaskT]:
+        """A copy to try a turn on: what is logged and edited in it leaves this episode as it is."""
+        log = Trajectory(segments=list(self.trajectory.segments), edits=list(self.trajectory.edits))
+        return dataclasses.replace(self, trajectory=log, context=list(self.context))
 
-    def summarize(self, segments: list[int], summary: int) -> None:
-        self.context = self.trajectory.summarize(segments, summary).applied_to(self.context)
+    def log_turn(self, action_segment: Segment, observations: list[Segment], plan: ContextPlan) -> _Episode[TaskT]:
+        """Log a turn: the action, what answers it, then the context plan's steps; returns this episode."""
+        self.append(action_segment)
+        for segment in observations:
+            self.append(segment)
+        plan.apply(self)
+        return self
+
+    def view(self, formatter: ChatFormatter) -> ContextView:
+        """The episode as its context policy reads it."""
+        return ContextView(self.trajectory, tuple(self.context), self.turn, self.seed, formatter)
 
 
 class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
@@ -151,6 +171,8 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             ``gymnasium.make(env_id, max_turns=4)`` works. Invalid values raise pydantic's ``ValidationError``.
         tokenizer: A `Tokenizer` or a spec for ``load_tokenizer`` (the shipped BPE by default).
         render_mode: None or ``"ansi"`` (``render()`` returns the episode's text).
+        context_policy: A `ContextPolicy` object instead of ``config.context`` (a policy of one's own; one of the
+            two at most). Neither: the context is the whole episode.
     """
 
     # render_fps only matters to viewers that replay frames; 4 is what Gymnasium's own text environments declare.
@@ -165,12 +187,15 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         *,
         tokenizer: Tokenizer | str = DEFAULT_TOKENIZER,
         render_mode: str | None = None,
+        context_policy: ContextPolicy | None = None,
         **overrides: Any,
     ) -> None:
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be None or one of {self.metadata['render_modes']}, got {render_mode!r}")
         base = config.model_dump() if config is not None else {}
         self.config = self.config_class.model_validate({**base, **overrides})
+        self.context_policy: ContextPolicy = _context_policy(self.config.context, context_policy)
+        """Keeps the context under its budget (``envs.context``); `Unbounded` without one."""
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.formatter = ChatFormatter(self.tokenizer)
         self.render_mode = render_mode
@@ -179,7 +204,6 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             spaces.Discrete(self.tokenizer.vocab_size), stack=True
         )
         self.action_space = spaces.Sequence(spaces.Discrete(self.tokenizer.vocab_size), stack=True)
-        self._stop_ids = frozenset(self.formatter.stop_token_ids)
         self._episode: _Episode[TaskT] | None = None
         self.tool_executor: ToolExecutor | None = None
         """Answers the tool calls instead of the episode's registry when set (offline replay answers a logged
@@ -263,14 +287,14 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         return self._current().done
 
     @property
-    def awaiting_summary(self) -> bool:
-        """Whether the next action is the summary the context policy asked for (``SummaryTurn``)."""
-        return self._current().awaiting_summary
+    def awaiting_context_reply(self) -> bool:
+        """Whether the next action replies to the context policy's request (a summary it asked for)."""
+        return self._current().awaiting_reply
 
     @property
-    def summary_turns(self) -> int:
-        """Summary turns taken so far (they count as turns)."""
-        return self._current().summaries
+    def context_replies(self) -> int:
+        """Turns taken so far that replied to the context policy (summary turns; they count as turns)."""
+        return self._current().replies
 
     def _current(self) -> _Episode[TaskT]:
         if self._episode is None:
@@ -303,10 +327,7 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             policy_version=int(options.get("policy_version", 0)),
             info={"max_turns": self.config.max_turns, "max_tokens": self.config.max_tokens},
         )
-        episode = _Episode(task=task, registry=ToolRegistry(self.tools(task)), trajectory=trajectory)
-        context = self.config.context
-        if context is not None and isinstance(context.strategy, SummaryTurn):
-            episode.summary_threshold = context.strategy.draw_threshold(context.max_context_tokens, episode_seed)
+        episode = _Episode(task=task, registry=ToolRegistry(self.tools(task)), trajectory=trajectory, seed=episode_seed)
         self._episode = episode  # the prompt hooks may read self.registry and self.task
         try:
             self._append_prompt(episode)
@@ -357,38 +378,9 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             return self._finish(episode, action_segment, "answered", score, calls, [], answer.answer)
         if turn + 1 >= self.config.max_turns:
             return self._finish(episode, action_segment, "max_turns", Score(0.0), calls, [], None)
-        if episode.awaiting_summary:  # this turn is the summary asked for: it replaces the turns so far
-            return self._summarised(episode, action_segment, closes_turn=self._ends_turn(ids))
-        execute = self.tool_executor or episode.registry.call
-        results = [execute(call) for call in calls]
-        observation = self._observation(results, content, turn, closes_turn=self._ends_turn(ids))
-        request = self._summary_request(episode, len(action_segment) + len(observation), turn)
-        if request is not None:  # the observation hands over to the request, which ends with the generation prompt
-            observation = self._observation(
-                results, content, turn, closes_turn=self._ends_turn(ids), add_generation_prompt=False
-            )
-        added = [observation] if request is None else [observation, request]
-        adding = len(action_segment) + sum(len(s) for s in added)
-        evictions = self._evictions(episode, adding)  # planned before anything changes, placeholders included
-        if evictions is None:  # the context cannot be brought under its budget: the turn is the last
-            return self._finish(episode, action_segment, "context_limit", Score(0.0), calls, results, None)
-        if episode.num_tokens + adding + sum(len(p) for _, p in evictions) > self.config.max_tokens:
-            return self._finish(episode, action_segment, "max_tokens", Score(0.0), calls, results, None)
-
-        episode.append(action_segment)
-        for segment in added:
-            episode.append(segment)
-        before, edits = list(episode.context), len(episode.trajectory.edits)
-        for evicted, placeholder in evictions:
-            episode.evict(evicted, placeholder)
-        episode.turn += 1
-        episode.pending_logprobs = None
-        episode.awaiting_summary = request is not None
-        text = "".join(segment.text for segment in added)
-        info = self._step_info(episode, action_segment, text, calls, results, None, "running")
-        if not evictions:
-            return np.concatenate([s.token_ids for s in added]).astype(np.int64), 0.0, False, False, info
-        return self._changed_context(episode, before, edits, info)
+        if episode.awaiting_reply:  # this turn replies to the context policy's request (a summary): no tool runs
+            return self._reply_turn(episode, action_segment)
+        return self._tool_turn(episode, action_segment, content, calls)
 
     def end_episode(self, finish_reason: FinishReason = "aborted") -> Trajectory:
         """End the running episode from outside — e.g. the policy's context is full (``"context_limit"``): the
@@ -424,11 +416,10 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
                 f"{self.env_id}: the prompt has {episode.num_tokens} tokens, more than max_tokens="
                 f"{self.config.max_tokens}; raise max_tokens"
             )
-        context = self.config.context
-        if context is not None and episode.num_tokens > context.max_context_tokens:
+        if self.context_policy.over_budget(episode.num_tokens):
             raise ValueError(
                 f"{self.env_id}: the prompt has {episode.num_tokens} tokens, more than context.max_context_tokens="
-                f"{context.max_context_tokens}; raise it"
+                f"{self.context_policy.max_context_tokens}; raise it"
             )
 
     def _running(self) -> _Episode[TaskT]:
@@ -465,12 +456,9 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             raise ValueError(f"{logprobs.shape[0]} logprobs for an action of {ids.shape[0]} tokens")
         return ids.astype(np.int32), logprobs
 
-    def _ends_turn(self, ids: np.ndarray) -> bool:
-        return bool(ids.size) and int(ids[-1]) in self._stop_ids
-
     def _content(self, ids: np.ndarray) -> str:
         """The text of a turn without its final stop token (which is not part of what the assistant said)."""
-        return self.tokenizer.decode(ids[:-1] if self._ends_turn(ids) else ids)
+        return self.tokenizer.decode(ids[:-1] if self.formatter.ends_turn(ids) else ids)
 
     def _observation(
         self,
@@ -491,87 +479,72 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         else:
             correction = self._correction(content, self.registry)
             segment = self.formatter.observation("user", correction, turn, add_generation_prompt)
-        return segment if closes_turn else self._closing(segment)
-
-    def _closing(self, segment: Segment) -> Segment:
-        """``segment`` after an action the sampler cut at its length limit: ``<|im_end|>`` first closes the turn."""
-        ids = np.concatenate([np.array([self.tokenizer.eos_token_id], dtype=np.int32), segment.token_ids])
-        return Segment(
-            role=segment.role,
-            token_ids=ids,
-            turn=segment.turn,
-            text=self.tokenizer.decode(ids),
-            tool_calls=segment.tool_calls,
-        )
+        return segment if closes_turn else self.formatter.closing(segment)
 
     # ----------------------------------------------------------------------------------------------------------------
-    # The context policy (envs.context)
+    # A turn past the env's own rules: its tools and the context policy's plan (envs.context), or a reply to the policy
     # ----------------------------------------------------------------------------------------------------------------
 
-    def _summary_request(self, episode: _Episode[TaskT], adding: int, turn: int) -> Segment | None:
-        """The user message asking for a summary, when this turn's ``adding`` tokens take the context past the
-        episode's threshold (``SummaryTurn``); None otherwise."""
-        threshold, context = episode.summary_threshold, self.config.context
-        if threshold is None or context is None or episode.context_tokens + adding <= threshold:
-            return None
-        assert isinstance(context.strategy, SummaryTurn)  # the threshold is drawn for summary turns only
-        return self.formatter.observation("user", context.strategy.request, turn)
-
-    def _evictions(self, episode: _Episode[TaskT], adding: int) -> list[tuple[int, Segment]] | None:
-        """The tool outputs to evict, oldest first, each with its placeholder, so that the context fits its budget
-        once this turn's ``adding`` tokens are in (``Eviction``; an output whose placeholder is not shorter stays);
-        None when it cannot fit."""
-        context = self.config.context
-        if context is None:
-            return []
-        over = episode.context_tokens + adding - context.max_context_tokens
-        if over <= 0:
-            return []
-        if not isinstance(context.strategy, Eviction):
-            return None
-        plan = []
-        for candidate in evictable(episode.trajectory, episode.context):
-            placeholder = self._placeholder(episode.trajectory.segments[candidate], context.strategy)
-            saved = len(episode.trajectory.segments[candidate]) - len(placeholder)
-            if saved > 0:
-                plan.append((candidate, placeholder))
-                over -= saved
-                if over <= 0:
-                    return plan
-        return None
-
-    def _placeholder(self, evicted: Segment, strategy: Eviction) -> Segment:
-        """A tool message in place of ``evicted``, formed like it (closing an unclosed turn where it did)."""
-        text = strategy.placeholder.format(turn=evicted.turn, tokens=len(evicted))
-        segment = self.formatter.tool_observation([text], evicted.turn)
-        closes = int(evicted.token_ids[0]) == self.tokenizer.eos_token_id
-        return self._closing(segment) if closes else segment
-
-    def _summarised(
-        self, episode: _Episode[TaskT], summary: Segment, *, closes_turn: bool
+    def _tool_turn(
+        self, episode: _Episode[TaskT], action_segment: Segment, content: str, calls: list[ToolCall | ToolCallError]
     ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        """The step of the summary turn: the summary replaces every turn so far, then the episode resumes."""
-        context = self.config.context
-        assert context is not None and isinstance(context.strategy, SummaryTurn)  # a summary was asked for
-        resume = self.formatter.observation("user", context.strategy.resume, episode.turn)
-        resume = resume if closes_turn else self._closing(resume)
-        if episode.num_tokens + len(summary) + len(resume) > self.config.max_tokens:
-            return self._finish(episode, summary, "max_tokens", Score(0.0), [], [], None)
-        first_turn = next(k for k in episode.context if episode.trajectory.segments[k].role == "assistant")
-        kept = episode.context[: episode.context.index(first_turn)]
-        if episode.trajectory.num_tokens_of(kept) + len(summary) + len(resume) > context.max_context_tokens:
-            return self._finish(episode, summary, "context_limit", Score(0.0), [], [], None)
-        episode.append(summary)
-        before, edits = list(episode.context), len(episode.trajectory.edits)
-        replaced = before[len(kept) :]
-        episode.summarize(replaced, replaced[-1])
-        episode.append(resume)
+        """A turn answered by its tool calls (or a correction), then by what the context policy plans."""
+        turn, closes_turn = episode.turn, self.formatter.ends_turn(action_segment.token_ids)
+        execute = self.tool_executor or episode.registry.call
+        results = [execute(call) for call in calls]
+        observation = self._observation(results, content, turn, closes_turn=closes_turn)
+        plan = self.context_policy.plan(episode.view(self.formatter), (action_segment, observation))
+        if plan.messages:  # the observation hands over to the policy's messages, which end with the generation prompt
+            observation = self._observation(
+                results, content, turn, closes_turn=closes_turn, add_generation_prompt=False
+            )
+        draft = episode.draft().log_turn(action_segment, [observation], plan)  # tried before anything changes
+        if self.context_policy.over_budget(draft.context_tokens):  # it cannot be kept under: the turn is the last
+            return self._finish(episode, action_segment, "context_limit", Score(0.0), calls, results, None)
+        if draft.num_tokens > self.config.max_tokens:  # what the plan logs (placeholders...) counts
+            return self._finish(episode, action_segment, "max_tokens", Score(0.0), calls, results, None)
+        return self._commit(episode, action_segment, [observation], plan, calls, results)
+
+    def _reply_turn(
+        self, episode: _Episode[TaskT], reply: Segment
+    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """The turn that replies to the context policy's request: the policy's plan takes it (a summary replaces the
+        turns so far, then the episode resumes)."""
+        plan = self.context_policy.plan_reply(episode.view(self.formatter), reply)
+        draft = episode.draft().log_turn(reply, [], plan)
+        # the two budgets in the opposite order to a tool turn's, as the summary turn always checked them (so that
+        # episodes stay what they were): a reply past both ends at max_tokens
+        if draft.num_tokens > self.config.max_tokens:
+            return self._finish(episode, reply, "max_tokens", Score(0.0), [], [], None)
+        if self.context_policy.over_budget(draft.context_tokens):
+            return self._finish(episode, reply, "context_limit", Score(0.0), [], [], None)
+        return self._commit(episode, reply, [], plan, [], [])
+
+    def _commit(
+        self,
+        episode: _Episode[TaskT],
+        action_segment: Segment,
+        observations: list[Segment],
+        plan: ContextPlan,
+        calls: list[ToolCall | ToolCallError],
+        results: list[ToolResult],
+    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Log the turn (checked on a draft) and return its step: the ids to append, or the whole new context."""
+        before = [*episode.context, len(episode.trajectory)]  # the context the action ends
+        edits = len(episode.trajectory.edits)
+        episode.log_turn(action_segment, observations, plan)
         episode.turn += 1
         episode.pending_logprobs = None
-        episode.awaiting_summary = False
-        episode.summaries += 1
-        info = self._step_info(episode, summary, resume.text, [], [], None, "running")
-        return self._changed_context(episode, before, edits, info)
+        if episode.awaiting_reply:
+            episode.replies += 1
+        episode.awaiting_reply = plan.asks
+        appended = [*observations, *plan.messages]
+        text = "".join(segment.text for segment in appended)
+        info = self._step_info(episode, action_segment, text, calls, results, None, "running")
+        if plan.edits_context:
+            return self._changed_context(episode, before, edits, info)
+        ids = np.concatenate([segment.token_ids for segment in appended] or [np.zeros(0, np.int32)])
+        return ids.astype(np.int64), 0.0, False, False, info
 
     @staticmethod
     def _changed_context(
@@ -643,6 +616,15 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
             "num_tokens": episode.num_tokens,
             "finish_reason": finish_reason,
         }
+
+
+def _context_policy(config: ContextConfig | None, policy: ContextPolicy | None) -> ContextPolicy:
+    """The env's context policy: the one given, the one ``config`` builds, or `Unbounded`."""
+    if config is not None and policy is not None:
+        raise ValueError("give the context policy as config.context or as context_policy, not both")
+    if policy is not None:
+        return policy
+    return config.build() if config is not None else Unbounded()
 
 
 def tool_instructions(registry: ToolRegistry) -> str:

@@ -29,7 +29,7 @@ class ScriptedPolicy:
 
     It is an oracle: it reads the env's hidden task and plays ``env.scripted_turns(task)``, encoded as a policy
     would emit them (special tokens allowed, ``<|im_end|>`` appended), and ``env.scripted_summary`` when the
-    context policy asks for a summary. Used by ``make demo``, for supervised warm
+    context policy asks for a reply (a summary). Used by ``make demo``, for supervised warm
     starts and in tests; it ignores the observations, because the script already knows every answer.
     """
 
@@ -39,8 +39,8 @@ class ScriptedPolicy:
     def act(self, observation: np.ndarray | None = None) -> np.ndarray:
         env = self.env
         turns = env.scripted_turns(env.task)
-        played = env.turn - env.summary_turns  # summary turns are not in the script
-        if env.awaiting_summary:
+        played = env.turn - env.context_replies  # replies to the context policy are not in the script
+        if env.awaiting_context_reply:
             return env.formatter.assistant(env.scripted_summary(env.task, played), env.turn).token_ids.astype(np.int64)
         if played >= len(turns):
             raise RuntimeError(

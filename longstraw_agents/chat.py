@@ -94,6 +94,18 @@ class ChatFormatter:
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tokenizer.decode(ids)
 
+    def ends_turn(self, ids: Sequence[int] | np.ndarray) -> bool:
+        """Whether an assistant action ends with a stop token (one the sampler cut at its length limit does not)."""
+        return len(ids) > 0 and int(ids[-1]) in self.stop_token_ids
+
+    def closing(self, segment: Segment) -> Segment:
+        """``segment`` as the message after an action that did not end its turn: ``<|im_end|>`` first closes it, so
+        the context stays well-formed ChatML."""
+        ids = np.concatenate([np.array([self._tokenizer.eos_token_id], dtype=np.int32), segment.token_ids])
+        return Segment(
+            role=segment.role, token_ids=ids, turn=segment.turn, text=self.decode(ids), tool_calls=segment.tool_calls
+        )
+
     # ----------------------------------------------------------------------------------------------------------------
     # Segments of an episode, in the order an environment produces them
     # ----------------------------------------------------------------------------------------------------------------

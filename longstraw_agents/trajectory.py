@@ -259,15 +259,18 @@ class Trajectory:
     def evict(self, segments: Sequence[int], placeholder: Segment) -> ContextEdit:
         """Remove the consecutive context segments ``segments`` (log indices) and put ``placeholder`` (logged now,
         as context: the environment wrote it) in their place."""
-        return self._edit(segments, placeholder, "evict")
+        return self.edit(segments, placeholder, "evict")
 
     def summarize(self, segments: Sequence[int], summary: Segment | int) -> ContextEdit:
         """Replace the consecutive context segments ``segments`` by ``summary``: a new segment the environment
         writes (logged now, as context), or the log index of one already written (the policy's summary turn, reused
         verbatim; its loss stays in the sequence it was generated under)."""
-        return self._edit(segments, summary, "summary")
+        return self.edit(segments, summary, "summary")
 
-    def _edit(self, segments: Sequence[int], replacement: Segment | int | None, kind: EditKind) -> ContextEdit:
+    def edit(self, segments: Sequence[int], replacement: Segment | int | None, kind: EditKind) -> ContextEdit:
+        """Replace the consecutive context segments ``segments`` by ``replacement``: a new segment (logged now, as
+        context), the log index of one already written, or None (they leave the context, nothing takes their place).
+        Refused with what is wrong, and nothing changed, when the edit does not fit the current context."""
         index = len(self.segments) if isinstance(replacement, Segment) else replacement
         edit = ContextEdit(before=len(self.segments), removed=tuple(segments), replacement=index, kind=kind)
         edit.applied_to(self.context())  # validates against the current context before anything changes

@@ -417,7 +417,7 @@ class PagingEnv(ToolEnv[int]):
     def _observation(self, results, content, turn, *, closes_turn, add_generation_prompt=True):
         page = f"page {turn} of book {self.task}: " + "the river runs by the old mill " * 12
         segment = self.formatter.tool_observation([page], turn, add_generation_prompt)
-        return segment if closes_turn else self._closing(segment)
+        return segment if closes_turn else self.formatter.closing(segment)
 
 
 def test_evictions_resume_sampling_from_the_kept_turn_and_each_turn_was_sampled_from_its_sequence(model, tokenizer):

@@ -7,13 +7,28 @@ physical sequences are exactly those contexts, each action carrying loss in the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import gymnasium
 import pytest
 from pydantic import ValidationError
 
 import longstraw_agents.envs  # noqa: F401 - registers the LongStraw ids
-from longstraw_agents.envs import ScriptedPolicy, SummaryTurn, unwrap_tool_env
-from longstraw_agents.trajectory import Trajectory
+from longstraw_agents.envs import (
+    Append,
+    ContextConfig,
+    ContextPlan,
+    ContextPolicy,
+    ContextView,
+    EvictToolOutputs,
+    Replace,
+    ScriptedPolicy,
+    SummarizeTurns,
+    SummaryTurn,
+    Unbounded,
+    unwrap_tool_env,
+)
+from longstraw_agents.trajectory import Segment, Trajectory
 
 NEEDLE = "LongStraw/NeedleSearch-v0"
 # a scripted episode of about 8K tokens (two documents of ~3.3K) under a 5K budget
@@ -163,3 +178,91 @@ def test_the_reference_summary_of_an_env_without_its_own_says_what_its_turns_did
     first_call = unwrap_tool_env(env).scripted_turns(unwrap_tool_env(env).task)[0]
     assert summary.text == f"So far I have done this:\n- {first_call}<|im_end|>"
     assert generated_under(trajectory) == [(list(context), action) for context, action in turns]
+
+
+class DropOldestOutputs(ContextPolicy):
+    """A policy of the test's own: past the budget, the oldest tool outputs leave the context with nothing in their
+    place. Nothing in `ToolEnv` knows it."""
+
+    def plan(self, episode: ContextView, adding: Sequence[Segment]) -> ContextPlan:
+        assert self.max_context_tokens is not None
+        over = episode.tokens + sum(len(segment) for segment in adding) - self.max_context_tokens
+        outputs = [k for k in episode.context if episode.trajectory.segments[k].role == "tool"]
+        dropped = []
+        for k in outputs:
+            if over <= 0:
+                break
+            dropped.append(Replace((k,), None, "evict"))
+            over -= len(episode.trajectory.segments[k])
+        return ContextPlan(tuple(dropped))
+
+
+def test_a_policy_of_ones_own_runs_an_episode_token_in_token_out() -> None:
+    env = gymnasium.make(NEEDLE, **EPISODE, context_policy=DropOldestOutputs(BUDGET))
+    trajectory, turns, changes = play(env, seed=3)
+
+    assert trajectory.finish_reason == "answered" and trajectory.reward == 1.0
+    assert trajectory.num_tokens > 1.5 * BUDGET and changes
+    assert generated_under(trajectory) == [(list(context), action) for context, action in turns]
+    assert all(len(context) <= BUDGET for context, _ in turns)
+    dropped = [k for edit in trajectory.edits for k in edit.removed]
+    assert all(edit.replacement is None for edit in trajectory.edits)
+    assert all(trajectory.segments[k].role == "tool" for k in dropped) and dropped == sorted(dropped)
+
+
+class NoteOnce(ContextPolicy):
+    """Another of the test's own, without a budget: once the context passes ``at`` tokens it asks for a note; the
+    reply stays in the context (nothing is edited) and a message resumes the task."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(None)
+        self.at = at
+
+    def plan(self, episode: ContextView, adding: Sequence[Segment]) -> ContextPlan:
+        asked = any("Write a note." in segment.text for segment in episode.trajectory.segments)
+        if asked or episode.tokens + sum(len(segment) for segment in adding) <= self.at:
+            return ContextPlan()
+        return ContextPlan((Append(episode.formatter.observation("user", "Write a note.", episode.turn)),), asks=True)
+
+    def plan_reply(self, episode: ContextView, reply: Segment) -> ContextPlan:
+        return ContextPlan((Append(episode.formatter.observation("user", "Go on.", episode.turn)),))
+
+
+def test_a_policy_of_ones_own_may_ask_for_a_turn_that_then_goes_to_it() -> None:
+    env = gymnasium.make(NEEDLE, **EPISODE, context_policy=NoteOnce(at=BUDGET))
+    trajectory, turns, changes = play(env, seed=3)
+
+    assert trajectory.finish_reason == "answered" and trajectory.reward == 1.0
+    assert unwrap_tool_env(env).context_replies == 1 and not trajectory.is_edited and not changes
+    texts = [segment.text for segment in trajectory.segments]
+    asked = next(k for k, text in enumerate(texts) if "Write a note." in text)
+    assert texts[asked + 1].startswith("Facts found: ") and "Go on." in texts[asked + 2]  # NeedleSearch's summary
+    assert generated_under(trajectory) == [(list(context), action) for context, action in turns]
+
+
+class BrokenPolicy(ContextPolicy):
+    """Plans an edit that does not fit the context (a segment that is not in it)."""
+
+    def plan(self, episode: ContextView, adding: Sequence[Segment]) -> ContextPlan:
+        return ContextPlan((Replace((len(episode.trajectory) + 5,), None, "evict"),))
+
+
+def test_a_plan_that_does_not_fit_the_context_is_refused_and_the_episode_stays_as_it_was() -> None:
+    env = gymnasium.make(NEEDLE, **EPISODE, context_policy=BrokenPolicy(BUDGET))
+    env.reset(seed=3)
+    tool_env = unwrap_tool_env(env)
+    logged, tokens, turn = len(tool_env.trajectory), tool_env.num_tokens, tool_env.turn
+    with pytest.raises(ValueError, match="not in the context"):
+        env.step(ScriptedPolicy(env).act())
+    assert (len(tool_env.trajectory), tool_env.num_tokens, tool_env.turn) == (logged, tokens, turn)
+    assert not tool_env.trajectory.edits
+
+
+def test_the_yaml_kinds_build_their_policy_objects_and_one_policy_comes_one_way() -> None:
+    evict = ContextConfig.model_validate({"max_context_tokens": BUDGET, "strategy": {"kind": "evict"}}).build()
+    summary = ContextConfig.model_validate({"max_context_tokens": BUDGET, "strategy": {"kind": "summary"}}).build()
+    assert isinstance(evict, EvictToolOutputs) and evict.max_context_tokens == BUDGET
+    assert isinstance(summary, SummarizeTurns) and summary.settings == SummaryTurn()
+    assert isinstance(unwrap_tool_env(gymnasium.make(NEEDLE)).context_policy, Unbounded)
+    with pytest.raises(ValueError, match="not both"):
+        gymnasium.make(NEEDLE, context={"max_context_tokens": BUDGET}, context_policy=DropOldestOutputs(BUDGET))

@@ -28,7 +28,7 @@ def test_the_scripted_solution_reads_32k_tokens_through_4k_contexts_and_answers(
         sequences = trajectory.physical_sequences()
         assert len(sequences) == env.config.pages + 1  # a summary after every page
         assert max(trajectory.num_tokens_of(list(s.segments)) for s in sequences) <= 4096
-        assert env.summary_turns == env.config.pages
+        assert env.context_replies == env.config.pages
 
 
 def test_after_page_one_the_code_lives_only_in_the_summaries() -> None:
@@ -50,12 +50,12 @@ def test_a_summary_that_drops_the_code_loses_it_for_good() -> None:
     script = ScriptedPolicy(env)
     observation, _ = env.reset(seed=1)
     code = code_token(env)
-    while not env.awaiting_summary:
+    while not env.awaiting_context_reply:
         observation, *_ = env.step(script(observation))
     forgot = len(env.trajectory.segments)
     guess = next(v for v in word_pools(env.tokenizer).values if v != env.task.code)
     while not env.done:
-        if env.awaiting_summary:
+        if env.awaiting_context_reply:
             text = "I read a page."
         elif NO_PAGE_LEFT in env.trajectory.segments[-1].text:
             text = f"<answer>{guess}</answer>"
@@ -119,7 +119,7 @@ def test_an_answer_before_the_last_page_scores_nothing() -> None:
     env = PageRecallEnv(context=SUMMARY_4K, pages=3)
     script = ScriptedPolicy(env)
     observation, _ = env.reset(seed=2)
-    while not env.awaiting_summary:
+    while not env.awaiting_context_reply:
         observation, *_ = env.step(script(observation))
     observation, *_ = env.step(script(observation))  # the summary, with the code
     answer = env.formatter.assistant(f"<answer>{env.task.code}</answer>", env.turn).token_ids
