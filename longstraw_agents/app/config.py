@@ -446,7 +446,7 @@ def _preset_config(spec: ModelSpec, vocab_size: int) -> PretrainedConfig:
     if unknown:
         named = ", ".join(f"model.overrides.{name}" for name in unknown)
         raise ConfigError(f"{named}: not an argument of the {spec.preset} preset; valid: {', '.join(arguments)}")
-    small = [name for name, value in spec.overrides.items() if isinstance(value, int) and value < 1]
+    small = [name for name, value in spec.overrides.items() if isinstance(value, int | float) and value < 1]
     if small:
         raise ConfigError(f"model.overrides.{small[0]}: must be at least 1, got {spec.overrides[small[0]]}")
     checked = pydantic.validate_call(config=ConfigDict(strict=True))(factory)

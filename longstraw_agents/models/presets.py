@@ -7,6 +7,7 @@ Nothing here downloads weights; every model is built from its config.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -22,7 +23,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 Family = Literal["llama", "qwen3", "qwen3_5", "glm_moe_dsa"]
 
 
-def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2) -> LlamaConfig:
+def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2, rope_theta: float = 10_000.0) -> LlamaConfig:
+    """rope_theta: RoPE's base; long-context models raise it (Qwen3: 1e6) so that a head can match content
+    thousands of positions back, where the default base's low frequencies have turned by radians."""
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -32,6 +35,7 @@ def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2) -> Llam
         num_key_value_heads=2,
         max_position_embeddings=1 << 20,
         tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
     )
 
 
@@ -105,7 +109,7 @@ def tiny_glm_moe_dsa(vocab_size: int = 256, hidden: int = 64, layers: int = 3, i
     )
 
 
-TINY_PRESETS = {
+TINY_PRESETS: dict[str, Callable[..., PretrainedConfig]] = {
     "llama": tiny_llama,
     "qwen3": tiny_qwen3,
     "qwen3_5": tiny_qwen3_5,

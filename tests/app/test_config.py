@@ -20,9 +20,11 @@ from longstraw_agents.app.config import (
     ParallelSpec,
     TrainConfig,
     check_env,
+    check_model,
     load_config,
     validation_lines,
 )
+from longstraw_agents.app.run import build_policy
 from longstraw_agents.app.training import train
 from longstraw_agents.tokenizer import ENDOFTEXT, load_tokenizer
 
@@ -237,6 +239,7 @@ def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(
         ),
         ({"hidden": "128"}, r"model\.overrides\.hidden: Input should be a valid integer"),
         ({"hidden": 0}, r"model\.overrides\.hidden: must be at least 1"),
+        ({"rope_theta": 0.5}, r"model\.overrides\.rope_theta: must be at least 1"),
         ({"hidden": 30}, r"model\.overrides: the llama preset refuses them: The hidden size \(30\) is not a multiple"),
         ({"vocab_size": 100}, r"model\.overrides\.vocab_size: the model's vocabulary has 100 tokens, fewer than the"),
     ],
@@ -244,6 +247,15 @@ def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(
 def test_bad_preset_arguments_fail_before_writing(tmp_path: Path, overrides: dict, message: str) -> None:
     """A misspelt preset argument is a configuration error naming it, not a TypeError from the preset function."""
     fails_before_writing(tmp_path / "run", message, model={"preset": "llama", "overrides": overrides})
+
+
+def test_a_preset_takes_the_rope_base_that_long_contexts_use() -> None:
+    """``model.overrides.rope_theta`` sets the policy's RoPE base (Qwen3's 1e6 instead of Llama's 1e4 default)."""
+    spec = ModelSpec(preset="llama", overrides={"hidden": 64, "layers": 1, "rope_theta": 1.0e6})
+    rotary = build_policy(spec, check_model(spec, 512), seed=0).model.rotary_emb
+    head_dim = 64 // 4
+    expected = 1.0 / 1.0e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(rotary.inv_freq.double(), expected, rtol=1e-6, atol=0.0)
 
 
 def unusable_model_path(tmp_path: Path, kind: str) -> Path:
