@@ -27,7 +27,8 @@ from torch import nn
 
 from longstraw_agents.engine import Engine, StateShards
 from longstraw_agents.parallel.experts import experts_sharded
-from longstraw_agents.parallel.fsdp import WeightSharding, compute_dtype, is_sharded, offloaded
+from longstraw_agents.parallel.fsdp import WeightSharding, is_sharded, offloaded
+from longstraw_agents.parallel.fsdp import compute_dtype as gathered_dtype
 from longstraw_agents.parallel.mesh import ParallelMesh
 from longstraw_agents.parallel.mixed_precision import ComputeCopy
 
@@ -64,7 +65,7 @@ class Placement:
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype the policy computes in when it differs from its masters' (None: no mixed precision)."""
         if is_sharded(self.master):
-            return compute_dtype(self.master)
+            return gathered_dtype(self.master)
         return self.compute_copy.dtype if self.compute_copy is not None else None
 
 
@@ -108,28 +109,29 @@ def parallelize(
     sharding = mesh.sharding(master) if mesh is not None else WeightSharding(master)
     reference_sharding = None
     if frozen is not None:
-        frozen.eval().requires_grad_(False)
-        if sharded:
-            assert mesh is not None
-            reference_sharding = _shard_reference(frozen, master, mesh)
-        else:
-            frozen.to(device)
-            reference_sharding = WeightSharding(frozen)
+        reference_sharding = _place_reference(frozen, master, mesh if sharded else None, device)
     return Placement(policy, sharding, copy, reference, reference_sharding, mesh)
 
 
-def _shard_reference(reference: nn.Module, policy: nn.Module, mesh: ParallelMesh) -> WeightSharding:
-    """The frozen KL reference sharded as the (already sharded) ``policy`` — its shards in the policy's compute dtype,
-    offloaded where the policy's are, its experts held by the cp ranks where the policy's are — and reached as the
-    policy's weights are. A frozen copy whole on every GPU beside a sharded policy would cost the whole model in the
-    master dtype."""
-    dtype = compute_dtype(policy)
+def _place_reference(
+    reference: nn.Module, policy: nn.Module, shard_over: ParallelMesh | None, device: torch.device | str | None
+) -> WeightSharding:
+    """The KL reference frozen (eval mode, no gradients) and placed as the (already placed) ``policy``: on ``device``
+    beside an unsharded policy; beside a sharded one (``shard_over`` its mesh) sharded the same way — its shards in
+    the policy's compute dtype, offloaded where the policy's are, its experts held by the cp ranks where the
+    policy's are — and reached as the policy's weights are. A frozen copy whole on every GPU beside a sharded policy
+    would cost the whole model in the master dtype."""
+    reference.eval().requires_grad_(False)
+    if shard_over is None:
+        reference.to(device)
+        return WeightSharding(reference)
+    dtype = gathered_dtype(policy)
     if dtype is not None:  # frozen: its shards need not be master weights (a gather casts to the same values)
         for param in reference.parameters():  # (not its buffers: RoPE's inv_freq stays fp32, as the policy's)
             param.data = param.data.to(dtype)
-    mesh.fully_shard(reference, None, offloaded(policy), expert_parallel=experts_sharded(policy))
+    shard_over.fully_shard(reference, None, offloaded(policy), expert_parallel=experts_sharded(policy))
     reference.requires_grad_(False)  # (FSDP2's DTensor shards are new parameters)
-    return mesh.sharding(reference, role="reference")
+    return shard_over.sharding(reference, role="reference")
 
 
 def _compute_copy(master: nn.Module, dtype: torch.dtype | None, context_parallel: bool) -> ComputeCopy | None:
