@@ -31,7 +31,7 @@ from longstraw_agents import plan as planning
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
-from longstraw_agents.parallel import ParallelMesh
+from longstraw_agents.parallel import ParallelMesh, Placement, parallelize
 from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer
@@ -78,12 +78,12 @@ def worker(rank: int, world: int, store: str, out: str, mode: str) -> None:
     mesh = ParallelMesh.build(dp=1, cp=world) if world > 1 else None
     with MemoryTracker() as tracker:
         model = build_model(TINY_PRESETS["llama"](**MODEL), dtype=torch.float32, seed=0)
-        policy: torch.nn.Module | Engine = model
+        policy: torch.nn.Module | Engine | Placement = model
         if mesh is not None:
-            mesh.fully_shard(model)
-            policy = Engine(model, EngineConfig(chunk_size=CHUNK), shards=mesh.context_parallel())
+            engine = Engine(model, EngineConfig(chunk_size=CHUNK), shards=mesh.context_parallel())
+            policy = parallelize(engine, mesh=mesh, fsdp=True)
         config = GRPOConfig(G=SHAPE["group"], chunk_size=CHUNK, mode=mode)
-        trainer = GRPOTrainer(policy, config, mesh=mesh)
+        trainer = GRPOTrainer(policy, config)
         group = agent_group(trainer, SHAPE, seed=0)
         with step_roles(model, trainer.optimizer) as roles:
             tracker.roles = roles

@@ -54,7 +54,7 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.engine.wavefront import WavefrontWalk
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.presets import TINY_PRESETS, build_model, tiny_model
-from longstraw_agents.parallel import ParallelMesh
+from longstraw_agents.parallel import ParallelMesh, parallelize
 from longstraw_agents.parallel.discipline import Op, read_logs, record_to
 from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, grpo_backward
@@ -229,10 +229,10 @@ def sharded_worker(rank: int, world: int, store: str, out: str, args: dict) -> N
     mesh = ParallelMesh.build(dp=dp, cp=cp, hsdp=hsdp)
     with MemoryTracker() as tracker:
         model = build_model(step_model_config(args), dtype=torch.float32, seed=0)
-        mesh.fully_shard(model)
         shards = mesh.context_parallel() if cp > 1 else None
         engine = Engine(model, EngineConfig(chunk_size=args["chunk"]), shards=shards)
-        trainer = GRPOTrainer(engine, GRPOConfig(G=args["group"], chunk_size=args["chunk"], mode=MODE), mesh=mesh)
+        placement = parallelize(engine, mesh=mesh, fsdp=True)
+        trainer = GRPOTrainer(placement, GRPOConfig(G=args["group"], chunk_size=args["chunk"], mode=MODE))
         gen = torch.Generator().manual_seed(mesh.dp_rank)
         prompt = torch.randint(0, VOCAB_SIZE, (args["prompt"],), generator=gen)
         completions = [torch.randint(0, VOCAB_SIZE, (16,), generator=gen) for _ in range(args["group"])]

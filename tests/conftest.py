@@ -73,8 +73,8 @@ def _heavy_files_first(items: list[pytest.Item]) -> None:
 # --- NCCL's discipline on every distributed test ------------------------------------------------------------------
 # Gloo matches messages by tag; NCCL in posting order, one stream per communicator (longstraw_agents/parallel/
 # discipline.py). Every process group call of a test marked ``distributed`` is logged — in this process (and the
-# processes it forks) by patching, in spawned workers and torchrun children through $LONGSTRAW_COMM_LOG, which they
-# inherit and act on when they import longstraw_agents.parallel — and checked once the test body has run. Hooks
+# processes it forks) by patching, in torchrun children through $LONGSTRAW_COMM_LOG, which they inherit and act on
+# when they join the job (parallel.launch.init_from_env) — and checked once the test body has run. Hooks
 # rather than a fixture: the log must be in place before a module-scoped fixture starts the workers.
 
 

@@ -42,8 +42,8 @@ class MixedPrecision(BaseModel):
     """Mixed precision as FSDP2's policy and accelerate's ``mixed_precision="bf16"`` give it: the model's own
     parameters (in the dtype it was built with, fp32 for a bf16 run) are the master weights AdamW steps, with its
     moments in the same dtype; the engine computes with ``compute_dtype`` copies; gradients are reduced and
-    accumulated in the master dtype. A sharded model gets the policy from FSDP2 (``ParallelMesh.fully_shard``), an
-    unsharded one from a compute copy (``trainer.mixed_precision.ComputeCopy``)."""
+    accumulated in the master dtype. A sharded model gets the policy from FSDP2, an unsharded one a compute copy
+    (``parallel.mixed_precision.ComputeCopy``): both placed by ``parallel.parallelize``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -1,4 +1,4 @@
-"""GRPOTrainer: optimizer steps over groups, checkpoints that resume exactly, accelerate for placement.
+"""GRPOTrainer: optimizer steps over groups, checkpoints that resume exactly, on models ``parallelize`` placed.
 
 One step (``train_step``): for each of the ``num_iterations`` (μ) optimizer steps on the same groups, zero grads →
 ``backward_group`` for each group → mean over groups (over all processes' groups when data parallel; with batch
@@ -31,13 +31,12 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
-from longstraw_agents.engine import Engine, EngineConfig, LayerWeights, StateShards
+from longstraw_agents.engine import Engine, EngineConfig, StateShards
 from longstraw_agents.memory import host_placement
 from longstraw_agents.models.lora import check_exact, check_same_settings, lora_settings, trainable
-from longstraw_agents.parallel import ParallelMesh
+from longstraw_agents.parallel import ParallelMesh, Placement, parallelize
 from longstraw_agents.parallel.checkpoint import load_sharded, save_sharded
-from longstraw_agents.parallel.experts import experts_sharded
-from longstraw_agents.parallel.fsdp import WeightSharding, compute_dtype, is_sharded, offloaded
+from longstraw_agents.parallel.fsdp import WeightSharding, is_sharded, offloaded
 from longstraw_agents.token_ids import TokenIds
 from longstraw_agents.trainer.config import GRPOConfig
 from longstraw_agents.trainer.group import (
@@ -50,7 +49,6 @@ from longstraw_agents.trainer.group import (
 )
 from longstraw_agents.trainer.grpo import backward_group
 from longstraw_agents.trainer.metrics import BackwardResult, IterationMetrics, StepMetrics
-from longstraw_agents.trainer.mixed_precision import ComputeCopy
 from longstraw_agents.trainer.modes import PrefixCache
 from longstraw_agents.trajectory import Trajectory
 
@@ -83,21 +81,24 @@ class _Counters:
 class GRPOTrainer:
     """GRPO over prefix trees with one of the three execution modes.
 
-    model: a transformers CausalLM, or an ``Engine`` over one (to set e.g. ``max_score_elements``, or context
-        parallel ``shards``; its chunk size must equal ``config.chunk_size``). ref_model: the frozen KL reference
-        (needed when beta > 0); it is moved to the accelerator's device (sharded as the policy when FSDP2 shards
-        the policy), put in eval mode and frozen; with context parallelism its state spreads as the policy's.
-    mesh: the job's ``(dp, cp)`` mesh. The trainer's collectives (gradient sums, the batch pool) then run over its
-        ``dp`` group only: the ``cp`` ranks of one dp rank hold the same groups and compute the same gradients.
-        Without a mesh every process is a data-parallel rank (the default world group), as before. A model sharded
-        with ``mesh.fully_shard`` (FSDP2, over every rank of the mesh) is gathered for each optimizer step and its
-        gradients reduce-scattered (``ParallelMesh.gathered``); AdamW steps each rank's shard and checkpoints are
-        sharded (DCP).
+    model: the policy as ``parallel.parallelize`` placed it (a ``Placement``: FSDP2, mixed precision and the KL
+        reference decided there, before the trainer sees either model); or a transformers CausalLM, or an ``Engine``
+        over one (to set e.g. ``max_score_elements``, or context parallel ``shards``; its chunk size must equal
+        ``config.chunk_size``), which the trainer places through ``parallelize`` without sharding: on the
+        accelerator's device, with a compute copy when ``config.mixed_precision`` asks (for one process otherwise
+        the identity). ref_model: the frozen KL reference beside a plain model (needed when beta > 0; a
+        ``Placement`` holds its own); with context parallelism its state spreads as the policy's.
+    mesh: the job's ``(dp, cp)`` mesh (a ``Placement``'s own by default). The trainer's collectives (gradient sums,
+        the batch pool) then run over its ``dp`` group only: the ``cp`` ranks of one dp rank hold the same groups
+        and compute the same gradients. Without a mesh every process is a data-parallel rank (the default world
+        group), as before. A policy FSDP2 shards (``parallelize(..., fsdp=True)``) is gathered a layer at a time
+        inside each optimizer step's schedule and its gradients reduce-scattered (``Placement.sharding``); AdamW
+        steps each rank's shard and checkpoints are sharded (DCP).
     """
 
     def __init__(
         self,
-        model: nn.Module | Engine,
+        model: nn.Module | Engine | Placement,
         config: GRPOConfig | None = None,
         *,
         ref_model: nn.Module | Engine | None = None,
@@ -106,10 +107,12 @@ class GRPOTrainer:
     ):
         self.config = config or GRPOConfig()
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        self.placement = placement = self._placed(model, ref_model, mesh)
+        mesh = placement.mesh
         self.dp_group = _data_parallel_group(mesh, self.accelerator.num_processes)
         self.dp_size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
-        engine_config = self._engine_config(model)
-        module = model.model if isinstance(model, Engine) else model
+        engine_config = self._engine_config(placement.policy)
+        module = placement.master
         optim = self.config.optim
         if self.config.mode == "exact":
             check_exact(module)
@@ -124,7 +127,7 @@ class GRPOTrainer:
         warmup = optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         # Model and optimizer are checkpointed by the trainer (DCP, any layout), so accelerate checkpoints only what
-        # it is given here: the scheduler, the RNG states and the counters.
+        # it is given here: the scheduler, the RNG states and the counters. (The model is on its device already.)
         if mesh is None:
             self.model = self.accelerator.prepare_model(module)
         elif not is_sharded(module):  # no DDP wrapper: its construction broadcasts over the world group, not dp
@@ -134,45 +137,45 @@ class GRPOTrainer:
         self.accelerator.register_save_state_pre_hook(_save_no_model)
         self.accelerator.register_load_state_pre_hook(_load_no_model)
         self.optimizer, self.scheduler = optimizer, self.accelerator.prepare(scheduler)
-        # FSDP2: how a step reaches the weights (a layer at a time inside the engine, or the whole model for the step)
-        self.sharding = mesh.sharding(module) if mesh is not None else WeightSharding(module)
         self.counters = _Counters()
         self.accelerator.register_for_checkpointing(self.counters)
         # The engine calls the model's submodules directly (embeddings, layers, lm_head) and never the wrapper's
         # forward, so it gets the unwrapped model. With DDP that also bypasses the wrapper's gradient all-reduce
         # (its autograd hooks only fire after a wrapper forward): train_step all-reduces gradients itself.
-        shards = model.shards if isinstance(model, Engine) else None
-        self.compute = self._compute_copy(self.accelerator.unwrap_model(self.model), shards is not None)
-        computed = self.compute.compute if self.compute is not None else self.accelerator.unwrap_model(self.model)
-        self.engine = Engine(computed, engine_config, shards=shards, weights=self.sharding.weights)
-        self.ref_sharding = _reference_sharding(ref_model, module, mesh) if self.config.loss.beta > 0 else None
-        weights = self.ref_sharding.weights if self.ref_sharding is not None else None
-        self.ref_engine = reference_engine(ref_model, engine_config, module, shards, self.accelerator.device, weights)
+        shards = placement.policy.shards if isinstance(placement.policy, Engine) else None
+        self.engine = Engine(placement.computed, engine_config, shards=shards, weights=self.sharding.weights)
+        self.ref_engine = _reference_engine(placement, engine_config, shards)
         if self.config.loss.beta > 0 and self.ref_engine is None:
-            raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=...")
+            raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=... (or parallelize(policy, reference, ...))")
 
-    def _compute_copy(self, master: nn.Module, context_parallel: bool) -> ComputeCopy | None:
-        """Mixed precision for a model FSDP2 does not shard (a sharded one gets it from FSDP2's policy, which must
-        then compute in the configured dtype)."""
+    @property
+    def sharding(self) -> WeightSharding:
+        """How a step reaches the policy's weights (FSDP2: a layer at a time inside the engine's schedule)."""
+        return self.placement.sharding
+
+    def _placed(
+        self, model: nn.Module | Engine | Placement, ref_model: nn.Module | Engine | None, mesh: ParallelMesh | None
+    ) -> Placement:
+        """``model`` as ``parallelize`` placed it; a plain model (and its reference) placed here, unsharded, as
+        ``config.mixed_precision`` asks. A ``Placement`` must compute in the dtype the config asks for."""
         precision = self.config.mixed_precision
-        if is_sharded(master):
-            found = compute_dtype(master)
-            wanted = None if precision is None else precision.dtype
-            if found != wanted:
-                raise ValueError(
-                    f"the model is sharded to compute in {found or 'its own dtype'} but GRPOConfig.mixed_precision "
-                    f"asks for {wanted or 'none'}: shard it with mesh.fully_shard(model, compute_dtype={wanted})"
-                )
-            return None
-        if precision is None:
-            return None
-        if context_parallel:
+        wanted = None if precision is None else precision.dtype
+        if not isinstance(model, Placement):
+            return parallelize(model, ref_model, mesh=mesh, compute_dtype=wanted, device=self.accelerator.device)
+        if ref_model is not None:
             raise ValueError(
-                "mixed precision with context parallelism needs the model sharded (mesh.fully_shard(model, "
-                "compute_dtype=...); parallel.fsdp: true): the cp ranks sum the gradients of the weights they compute "
-                "with, which a compute copy hands to its masters before the sum"
+                "the Placement holds the KL reference: give it to parallelize(policy, reference, ...), not to "
+                "GRPOTrainer(ref_model=...)"
             )
-        return ComputeCopy(master, precision.dtype)
+        if mesh is not None and mesh is not model.mesh:
+            raise ValueError("mesh differs from the mesh the Placement was made over: leave mesh out")
+        found = model.compute_dtype
+        if found != wanted:
+            raise ValueError(
+                f"the policy is placed to compute in {found or 'its own dtype'} but GRPOConfig.mixed_precision asks "
+                f"for {wanted or 'none'}: place it with parallelize(..., compute_dtype={wanted})"
+            )
+        return model
 
     def _engine_config(self, model: nn.Module | Engine) -> EngineConfig:
         if not isinstance(model, Engine):
@@ -278,7 +281,8 @@ class GRPOTrainer:
     ) -> tuple[list[BackwardResult], IterationMetrics]:
         self.optimizer.zero_grad(set_to_none=True)
         config = self.config
-        reference = self.ref_sharding.step() if self.ref_sharding is not None else contextlib.nullcontext()
+        weights = self.placement.reference_sharding if config.loss.beta > 0 else None
+        reference = weights.step() if weights is not None else contextlib.nullcontext()
         # FSDP2: gathered for the step (the root, or all), gradients reduce-scattered after; the reference likewise
         with self.sharding.step(), reference:
             results = [
@@ -296,8 +300,8 @@ class GRPOTrainer:
             grad_norm = self._clip(params)
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
-        if self.compute is not None:
-            self.compute.refresh()
+        if self.placement.compute_copy is not None:
+            self.placement.compute_copy.refresh()
         self.scheduler.step()
         return results, IterationMetrics.of_groups(results, grad_norm=grad_norm, lr=lr, summed=summed)
 
@@ -374,8 +378,8 @@ class GRPOTrainer:
         self.accelerator.load_state(str(path))
         load_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, path)
         self._load_ownership(path)
-        if self.compute is not None:
-            self.compute.refresh()
+        if self.placement.compute_copy is not None:
+            self.placement.compute_copy.refresh()
 
     def _save_ownership(self, directory: Path) -> None:
         """With context parallelism, what this process's placements depend on of the earlier ones (each dp rank's
@@ -482,48 +486,14 @@ def _check_behaviour_logprobs(groups: Sequence[Group], num_iterations: int) -> N
                 )
 
 
-def reference_engine(
-    ref_model: nn.Module | Engine | None,
-    engine_config: EngineConfig,
-    policy: nn.Module,
-    shards: StateShards | None,
-    device: torch.device | str,
-    weights: LayerWeights | None = None,
-) -> Engine | None:
-    """The KL reference's engine on ``device``, in eval mode, without gradients; with context parallelism its state
-    is spread over the policy's cp ranks as the policy's is (``shards``), not whole on every rank; sharded with FSDP2
-    (``_reference_sharding``), its layers gathered as ``weights`` says."""
-    if ref_model is None:
+def _reference_engine(placement: Placement, engine_config: EngineConfig, shards: StateShards | None) -> Engine | None:
+    """The KL reference's engine over its placed module (its own engine settings when it was given as an
+    ``Engine``, else the policy's); with context parallelism its state spread over the policy's cp ranks as the
+    policy's is (``shards``), not whole on every rank; sharded, its layers gathered as the policy's are."""
+    reference = placement.reference
+    if reference is None:
         return None
-    module = ref_model.model if isinstance(ref_model, Engine) else ref_model
-    if module is policy:
-        raise ValueError("ref_model is the policy itself; pass a frozen copy (copy.deepcopy(model))")
-    if not is_sharded(module):  # (FSDP2 places a sharded one: its shards may live on the host)
-        module.to(device)
-    module.eval().requires_grad_(False)
-    config = ref_model.config if isinstance(ref_model, Engine) else engine_config
-    return Engine(module, config, shards=shards, weights=weights)
-
-
-def _reference_sharding(
-    ref_model: nn.Module | Engine | None, policy: nn.Module, mesh: ParallelMesh | None
-) -> WeightSharding | None:
-    """A policy FSDP2 shards gets its KL reference sharded the same way (its shards in the policy's compute dtype,
-    offloaded where the policy's are, its experts held by the cp ranks where the policy's are), reached as the
-    policy's weights are: a layer at a time where the step gathers so, else the whole model for the step. A frozen
-    copy whole on every GPU would cost the whole model in the master dtype."""
-    if ref_model is None:
-        return None
-    module = ref_model.model if isinstance(ref_model, Engine) else ref_model
-    if mesh is None or not is_sharded(policy):
-        if is_sharded(module):
-            raise ValueError("ref_model is sharded (FSDP2) but the policy is not: pass an unsharded frozen copy")
-        return None
-    if not is_sharded(module):
-        dtype = compute_dtype(policy)
-        if dtype is not None:  # frozen: its shards need not be master weights (a gather casts to the same values)
-            for param in module.parameters():  # (not its buffers: RoPE's inv_freq stays fp32, as the policy's)
-                param.data = param.data.to(dtype)
-        mesh.fully_shard(module, None, offloaded(policy), expert_parallel=experts_sharded(policy))
-        module.requires_grad_(False)
-    return mesh.sharding(module, role="reference")
+    module = reference.model if isinstance(reference, Engine) else reference
+    config = reference.config if isinstance(reference, Engine) else engine_config
+    sharding = placement.reference_sharding
+    return Engine(module, config, shards=shards, weights=sharding.weights if sharding is not None else None)

@@ -7,9 +7,10 @@ trackers' logs too (``app.reporting``: ``tensorboard/``, ``wandb/``, ``mlflow.db
 
 Under ``torchrun`` / ``accelerate launch`` (``config.parallel``, ``app.distributed``) every process builds a ``Run``:
 the writer (global rank 0) alone writes the run directory, the store, the metrics and the trackers; every rank runs
-the warm start and takes the writer's weights after it; the policy is then sharded (FSDP2) or replicated over the dp
-ranks. On several nodes every process must see the run directory (checked first: ``Ranks.share_directory``), and a
-process that dies or hangs while the run starts is a ``RankFailure`` on the others, as in a step.
+the warm start and takes the writer's weights after it; the policy and its KL reference are then placed in one step
+(``parallel.parallelize``: sharded with FSDP2, or replicated over the dp ranks). On several nodes every process must
+see the run directory (checked first: ``Ranks.share_directory``), and a process that dies or hangs while the run
+starts is a ``RankFailure`` on the others, as in a step.
 
 ``Run`` checks the configuration before anything is written (unknown env, bad env kwargs, a tokenizer without the chat
 tokens, bad preset arguments, a missing model directory, a model vocabulary smaller than the tokenizer's, a prompt over
@@ -51,6 +52,7 @@ from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_e
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.lora import LoraTargetError, apply_lora, lora_layers, merged_copy
 from longstraw_agents.models.presets import build_model
+from longstraw_agents.parallel import parallelize
 from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.rollout import RolloutLimits, make_env_factory, reset_prompt
 from longstraw_agents.sampler import Sampler
@@ -348,18 +350,24 @@ class Run:
 
     def _trainer(self, ref_model: torch.nn.Module | None) -> GRPOTrainer:
         """The GRPO trainer over the run's mesh, its engine the config's (``engine``): with cp > 1 it spreads each
-        group's state over the cp ranks (``parallel.BalancedOwnership``); with ``parallel.fsdp`` the policy is
-        sharded over every rank first (its compute dtype: ``trainer.mixed_precision``'s)."""
+        group's state over the cp ranks (``parallel.BalancedOwnership``). The policy and its KL reference are placed
+        first, in one step (``parallel.parallelize``): with ``parallel.fsdp`` sharded over every rank, in the compute
+        dtype ``trainer.mixed_precision`` asks for."""
         mesh, spec = self.ranks.mesh, self.config.parallel
-        if mesh is not None and spec.fsdp:
-            precision = self.config.trainer.mixed_precision
-            dtype = None if precision is None else precision.dtype
-            mesh.fully_shard(self.model, dtype, spec.offload, expert_parallel=spec.expert_parallel)
         shards = None
         if mesh is not None and spec.cp > 1:
             shards = mesh.context_parallel(host_staged=spec.host_staged_messages)
-        policy = Engine(self.model, self.config.engine, shards=shards)
-        return GRPOTrainer(policy, self.config.trainer, ref_model=ref_model, mesh=mesh)
+        precision = self.config.trainer.mixed_precision
+        placement = parallelize(
+            Engine(self.model, self.config.engine, shards=shards),
+            ref_model,
+            mesh=mesh,
+            fsdp=spec.fsdp,
+            compute_dtype=None if precision is None else precision.dtype,
+            offload=spec.offload,
+            expert_parallel=spec.expert_parallel,
+        )
+        return GRPOTrainer(placement, self.config.trainer)
 
     def _warm_start(self) -> None:
         spec = self.config.warm_start

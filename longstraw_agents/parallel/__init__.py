@@ -1,15 +1,24 @@
-"""Parallelism outside the model code: the device mesh and its process groups (``mesh``), and context parallelism
-for the engine's state (``context``: who stores which positions, ``BalancedOwnership``, and the messages between the
-ranks, ``GroupTransport``). Model code and adapters know nothing of it; the engine takes a ``ContextParallel``
-holding one of each (``Engine(model, shards=...)``) and the attention core merges the ranks' partial results.
+"""Parallelism outside the model code: the device mesh and its process groups (``mesh``), placement of a policy and
+its KL reference in one step (``parallelize``: FSDP2, mixed precision, the reference's sharding), and context
+parallelism for the engine's state (``context``: who stores which positions, ``BalancedOwnership``, and the messages
+between the ranks, ``GroupTransport``). Model code and adapters know nothing of it; the engine takes a
+``ContextParallel`` holding one of each (``Engine(model, shards=...)``) and the attention core merges the ranks'
+partial results.
 
-With ``LONGSTRAW_COMM_LOG=<dir>`` set, importing this package records every process group call into ``<dir>``
-(``discipline``: the checker of NCCL's matching discipline on CPU runs)."""
+Importing this package changes nothing in torch. Recording every process group call for the checker of NCCL's
+matching discipline (``discipline``) is an explicit call: ``discipline.record_to``, or joining a job
+(``launch.init_from_env``) with ``LONGSTRAW_COMM_LOG=<dir>`` set."""
 
 from longstraw_agents.parallel.context import BalancedOwnership, ContextParallel, GroupTransport, PairChannels
-from longstraw_agents.parallel.discipline import record_from_env
 from longstraw_agents.parallel.mesh import ParallelMesh
+from longstraw_agents.parallel.parallelize import Placement, parallelize
 
-record_from_env()
-
-__all__ = ["BalancedOwnership", "ContextParallel", "GroupTransport", "PairChannels", "ParallelMesh"]
+__all__ = [
+    "BalancedOwnership",
+    "ContextParallel",
+    "GroupTransport",
+    "PairChannels",
+    "ParallelMesh",
+    "Placement",
+    "parallelize",
+]

@@ -12,8 +12,9 @@ NCCL. This module finds such schedules in CPU runs:
   and ``batch_isend_irecv``. Every call appends one JSON line to ``log_dir/rank{global rank}-{pid}-….jsonl`` before it
   runs (so a hung or killed run leaves its log): the communicator (``group``: its name, common to its members, and
   ``ranks``: its global ranks), the operation, the peer (a rank of that communicator) or root, the reduction, the
-  tensors' shapes and dtypes, and the coalesced batch it belongs to. Setting ``LONGSTRAW_COMM_LOG=<dir>`` records
-  every process that imports ``longstraw_agents.parallel`` (spawned workers and ``torchrun`` children inherit it).
+  tensors' shapes and dtypes, and the coalesced batch it belongs to. ``record_from_env`` does the same into
+  ``$LONGSTRAW_COMM_LOG`` when it is set: every process that joins a job through ``launch.init_from_env`` calls it
+  (``torchrun`` children inherit the variable). Importing this module, or the package, patches nothing.
 - ``check(log_dir)`` reads every rank's log and returns the ``Violation``s: collectives of a communicator whose order,
   operation, root, reduction, shapes or dtypes differ between members; a pair's sends that do not match the peer's
   receives in posting order (count, shape, dtype, and tag: gloo pairs by tag, so a tag out of place is a message

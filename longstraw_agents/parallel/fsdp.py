@@ -13,8 +13,8 @@ it accumulated on the unsharded parameters into the sharded ones (a ``Partial`` 
 parameter's ``Shard(0)``, each rank keeping its shard). The cp ranks of one dp rank compute the same gradient
 (every one holds the group's whole gradient after its backward), so a gradient is divided by its number of copies
 (``replicas``) before the sum. The schedule uses public APIs (``unshard`` / ``reshard``, DTensor), so FSDP's
-internal hook state is never entered; lookups read FSDP2's per-unit state where it has no public accessor: the
-mixed-precision policy (``compute_dtype``) and what is whole now, for memory attribution (``whole_now``).
+internal hook state is never entered; what FSDP2 offers no public accessor for (the mixed-precision and offload
+policies) is read through ``parallel.fsdp_state``, the one module that reads its private state.
 
 Schedule: a gather is a collective over the shard mesh. At dp = 1, or with HSDP (sharded over each dp rank's cp
 ranks, replicated over dp: ``reduce_replicas`` sums the replicas' gradient shards at the step's end), every rank of
@@ -50,6 +50,7 @@ from longstraw_agents.layout import HSDP_WITHOUT_CP as HSDP_WITHOUT_CP  # (`long
 from longstraw_agents.layout import HSDP_WITHOUT_DP as HSDP_WITHOUT_DP
 from longstraw_agents.memory import host_placement
 from longstraw_agents.models.lora import is_lora_layer
+from longstraw_agents.parallel.fsdp_state import mixed_precision_policy, offload_policy
 
 if TYPE_CHECKING:
     from longstraw_agents.engine.weights import ExpertRounds
@@ -100,51 +101,17 @@ def expert_units(model: nn.Module) -> list[Any]:
 
 
 def offloaded(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded with its shards on the host (``shard_model(offload=True)``). (FSDP2 keeps the
-    policy in its per-unit state, which has no public accessor.)"""
-    if not isinstance(model, FSDPModule):
-        return False
-    group = model._get_fsdp_state()._fsdp_param_group
-    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+    """Whether ``model`` is sharded with its shards on the host (``shard_model(offload=True)``)."""
+    return is_sharded(model) and isinstance(offload_policy(model), CPUOffloadPolicy)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype a gather of a sharded ``model`` gives its weights in (None: its own, no mixed precision).
-    (FSDP2 keeps the policy in its module state, which has no public accessor.)"""
-    policy: MixedPrecisionPolicy = model._get_fsdp_state()._mp_policy  # type: ignore[operator]
-    return policy.param_dtype
+    """The dtype a gather of a sharded ``model`` gives its weights in (None: its own, no mixed precision)."""
+    return mixed_precision_policy(model).param_dtype
 
 
 def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
-
-
-def param_groups(model: nn.Module) -> list[Any]:
-    """FSDP2's per-unit state of a sharded ``model`` (its parameter groups), for ``whole_now``."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
-    return [group for group in groups if group is not None]
-
-
-def whole_now(groups: Sequence[Any]) -> tuple[list[Tensor], list[Tensor]]:
-    """What a sharded model holds whole now, from its ``param_groups``: the gathered parameters (with their storage;
-    FSDP2 keeps the same tensors from one gather to the next, their storage freed between) and the buffers of
-    gathers started but not yet waited for; and those parameters' gradients. For memory attribution
-    (``parallel.roles``): FSDP2 has no public accessor for them, so this reads its per-unit state."""
-    weights: list[Tensor] = []
-    gradients: list[Tensor] = []
-    for group in groups:
-        for fsdp_param in group.fsdp_params:
-            whole = getattr(fsdp_param, "_unsharded_param", None)
-            if whole is None:
-                continue
-            if whole.untyped_storage().nbytes():
-                weights.append(whole)
-            if whole.grad is not None:
-                gradients.append(whole.grad)
-        if group._all_gather_result is not None:
-            weights.append(group._all_gather_result.all_gather_output)
-    return weights, gradients
 
 
 def prefetch_window(cp: int) -> int:

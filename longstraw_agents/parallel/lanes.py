@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from ..memory import host_placement
 from .fsdp import LayerGather, add_into_shard, taken_gradient
+from .fsdp_state import AllGather, lazy_init, packed_shard, unit_params
 
 _log = logging.getLogger(__name__)
 GATHER, REDUCE, PARTIAL, DONE = 1, 2, 3, 4  # what a control message announces
@@ -115,7 +115,7 @@ class LaneGather(LayerGather):
         super().__init__(model, replicas, window)
         self.lanes = lanes
         units = [None, *range(len(self.units))]
-        self._params = {layer: _fsdp_params(self._unit(layer)) for layer in units}
+        self._params = {layer: unit_params(self._unit(layer)) for layer in units}
         # each unit's shards by name, taken while every unit is sharded (the same objects however a unit is held
         # later: the serving threads read them while the step may hold the unit whole)
         self._shards = {layer: _sharded(self._registered(layer)) for layer in units}
@@ -236,8 +236,7 @@ class LaneGather(LayerGather):
 
     # --- serving the other lanes ------------------------------------------------------------------------------
     def _serve_other_lanes(self) -> None:
-        state: Any = self.model._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule
-        state._lazy_init()  # what the root's first gather does: a thread may serve a unit before this rank gathers it
+        lazy_init(self.model)  # (a thread may serve a unit before this rank gathers one)
         self._before = {id(s): s.grad is not None for shards in self._shards.values() for s in shards.values()}
         modes = _get_current_dispatch_mode_stack()  # what watches the step's ops (a memory tracker) watches these
         ready = torch.cuda.Event() if self._device.type == "cuda" else None
@@ -275,7 +274,7 @@ class LaneGather(LayerGather):
                     if kind == DONE:
                         return
                     if kind == GATHER:
-                        _send_shard(_packed_shard(self._params[layer]), self.lanes, lane, None, False)
+                        _send_shard(packed_shard(self._params[layer]), self.lanes, lane, None, False)
                     else:
                         self._serve_reduction(lane, layer, had, partial=kind == PARTIAL)
         except BaseException as failure:  # (raised on the step's thread at the block's end; logged now, since the
@@ -307,25 +306,6 @@ class LaneGather(LayerGather):
 
 def _sharded(parameters: dict[str, nn.Parameter]) -> dict[str, DTensor]:
     return {name: p for name, p in parameters.items() if isinstance(p, DTensor)}
-
-
-def _fsdp_params(unit: nn.Module) -> list[Any]:
-    """FSDP2's parameters of one unit (its param group's), whose packed shards its all-gather sends."""
-    state: Any = unit._get_fsdp_state()  # type: ignore[operator]  # an FSDPModule
-    return state._fsdp_param_group.fsdp_params
-
-
-def _packed_shard(fsdp_params: list[Any]) -> Tensor:
-    """This rank's input to the unit's all-gather as FSDP2 packs it (each parameter's padded shard, in the compute
-    dtype, flat and back to back; bytes where the dtypes differ) — read from the shards whatever the unit's state
-    here (FSDP2's own accessor asserts that the unit is sharded: this rank may be computing with it whole)."""
-    parts = []
-    for param in fsdp_params:
-        data = param._sharded_param_data
-        parts.append(data.to(device=param.device, dtype=param.param_dtype or data.dtype).reshape(-1))
-    if len({t.dtype for t in parts}) > 1:
-        parts = [t.view(torch.uint8) for t in parts]
-    return torch.cat(parts)
 
 
 def _send_shard(shard: Tensor, lanes: LaneGroups, lane: int, output: Tensor | None, async_op: bool) -> Any:

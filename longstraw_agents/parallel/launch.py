@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from longstraw_agents.parallel.discipline import record_from_env
 from longstraw_agents.parallel.liveness import Heartbeat, Silence, announce, supervising_launcher
 
 ROSTER_KEY = "longstraw/roster/"  # in the job's store: one entry per rank
@@ -281,7 +282,10 @@ def init_from_env(timeouts: Timeouts) -> Roster | None:
     """Initialise the default process group from the launcher's environment once every process has signed the
     roster (within ``timeouts.liveness_s``), and start this process's heartbeat; collectives time out after
     ``timeouts.collective_s``. Returns the roster (None for one process, or when a group already exists: no roster
-    then)."""
+    then). With ``LONGSTRAW_COMM_LOG=<dir>`` set, this process's process group calls are recorded into ``<dir>`` from
+    here on (``discipline.record_from_env``: the checker of NCCL's matching discipline; a launcher's children
+    inherit the variable)."""
+    record_from_env()
     if dist.is_initialized() or world_size() == 1:
         return None
     if torch.cuda.is_available():

@@ -10,7 +10,7 @@ named as the planner's categories, so that a measured peak compares with ``longs
 - ``weights``, ``gradients``: this rank's shards of the parameters (DTensors under FSDP2) and their gradients, or the
   parameters themselves when nothing is sharded;
 - ``optimizer state``: the optimizer's tensors (AdamW's moments);
-- ``gathered weights``, ``gathered gradients``: what FSDP2 holds whole (``parallel.fsdp.whole_now``), gathers in
+- ``gathered weights``, ``gathered gradients``: what FSDP2 holds whole (``parallel.fsdp_state.whole_now``), gathers in
   flight included;
 - ``captured state``: the engine states alive (every ``State`` made inside the block);
 - everything else is the tracker's ``other``: graphs, a capture's working set, messages, reductions in flight.
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from longstraw_agents.memory import Roles
-from longstraw_agents.parallel.fsdp import is_sharded, param_groups, whole_now
+from longstraw_agents.parallel.fsdp import is_sharded
+from longstraw_agents.parallel.fsdp_state import param_groups, whole_now
 from longstraw_agents.state import State, observe_states
 
 

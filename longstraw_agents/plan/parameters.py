@@ -81,7 +81,7 @@ def _reference_weights(probed: Probe, request: PlanRequest) -> int:
 
 def reference_shards(probed: Probe, request: PlanRequest) -> int:
     """What a GPU keeps of the KL reference between steps (beta > 0): unsharded the whole frozen copy; sharded,
-    FSDP2 shards it as the policy (``trainer._reference_sharding``): its shards in the compute dtype (frozen, it
+    FSDP2 shards it as the policy (``parallel.parallelize``): its shards in the compute dtype (frozen, it
     needs no master weights), on the host when offloaded (``host_terms``)."""
     if request.beta == 0:
         return 0

@@ -308,12 +308,14 @@ def test_a_real_clean_run_records_every_call_and_has_no_violation(tmp_path: Path
 
 
 @pytest.mark.distributed
-def test_spawned_workers_record_through_the_environment(tmp_path: Path, monkeypatch) -> None:
-    """A worker started with spawn (as torchrun's are: a fresh interpreter) imports longstraw_agents.parallel, which
-    records into $LONGSTRAW_COMM_LOG. One process: the import of torch is the cost."""
+def test_spawned_workers_record_through_the_environment_once_they_join(tmp_path: Path, monkeypatch) -> None:
+    """A worker started with spawn (as torchrun's are: a fresh interpreter) imports every module of
+    longstraw_agents.parallel with $LONGSTRAW_COMM_LOG set, which patches nothing, then joins the job
+    (``launch.init_from_env``), which records into it. One process: the import of torch is the cost."""
     log_dir = tmp_path / "env-log"
     monkeypatch.setenv(LOG_ENV, str(log_dir))
-    mp.start_processes(run, args=(1, str(tmp_path / "store"), "imports_the_package"), nprocs=1, start_method="spawn")
+    scenario = "joins_after_importing_the_package"
+    mp.start_processes(run, args=(1, str(tmp_path / "store"), scenario), nprocs=1, start_method="spawn")
     (world,) = read_logs(log_dir)
     assert [op.op for op in world[0]] == ["allreduce", "barrier"]
 

@@ -12,7 +12,8 @@ from torch.distributed.tensor import init_device_mesh
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker, tensor_bytes
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.parallel.fsdp import param_groups, shard_model, whole_now
+from longstraw_agents.parallel.fsdp import shard_model
+from longstraw_agents.parallel.fsdp_state import param_groups, whole_now
 from longstraw_agents.parallel.roles import step_roles
 
 pytestmark = pytest.mark.distributed

@@ -15,11 +15,10 @@ import torch.distributed as dist
 
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.parallel import ContextParallel, ParallelMesh, parallelize
 from longstraw_agents.plan import PlanRequest, layer_inputs_bytes
 from longstraw_agents.segmenter import Member
 from longstraw_agents.trainer import LossConfig, backward_group, grpo_backward, make_group
-from longstraw_agents.trainer.trainer import reference_engine
 
 OVERRIDES = {"llama": {}, "qwen3_5": {}, "glm_moe_dsa": {"index_topk": 8}}
 PROMPT, BRANCH, CHUNK = 61, 7, 16
@@ -104,13 +103,14 @@ def family_model(family: str) -> torch.nn.Module:
 
 
 def kl_gradient(family: str, engine: Engine, inputs: Inputs) -> tuple[torch.Tensor, Engine]:
-    """The exact-mode GRPO gradient with a KL term (beta 0.1), the reference's engine built as ``GRPOTrainer``
-    builds it (its state spread over the cp ranks as the policy's); and that engine. (Detached mode scores the
-    reference by the same node loss.)"""
+    """The exact-mode GRPO gradient with a KL term (beta 0.1), the reference placed by ``parallelize`` and its engine
+    built as ``GRPOTrainer`` builds it (its state spread over the cp ranks as the policy's); and that engine.
+    (Detached mode scores the reference by the same node loss.)"""
     model = engine.model
     reference_model = tiny_model(family, dtype=torch.float64, seed=1, **OVERRIDES[family])
-    reference = reference_engine(reference_model, EngineConfig(chunk_size=CHUNK), model, engine.shards, "cpu")
-    assert reference is not None
+    placement = parallelize(engine, reference_model, device="cpu")
+    assert placement.reference is reference_model and not reference_model.training
+    reference = Engine(reference_model, EngineConfig(chunk_size=CHUNK), shards=engine.shards)
     model.zero_grad(set_to_none=True)
     grpo_backward(engine, *inputs.step, "exact", config=LossConfig(beta=0.1), ref_model=reference)
     return grads(model), reference

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.lora import LoraSpec, apply_lora
 from longstraw_agents.models.presets import tiny_model
-from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.parallel import ContextParallel, ParallelMesh, parallelize
+from longstraw_agents.parallel.discipline import record_from_env
 from longstraw_agents.parallel.experts import expert_units
 from longstraw_agents.parallel.fsdp import offloaded
 from longstraw_agents.parallel.lanes import LaneGather
@@ -49,7 +50,7 @@ def make_trainer(
     """A fp64 tiny trainer; with a mesh whose cp > 1, its engine holds the prompt's state in cp shards; with
     ``fsdp`` its parameters are sharded over every rank of the mesh; with ``compute_dtype``, mixed precision (the
     fp64 parameters are the master weights); with ``beta``, a KL term against a copy of the initial weights (taken
-    before sharding, as ``Run`` takes it; the trainer shards it as the policy); with ``expert_parallel``, each cp
+    before sharding, as ``Run`` takes it; ``parallelize`` shards it as the policy); with ``expert_parallel``, each cp
     rank holds and computes its own experts (every extend replicated); ``mode``: the trainer's (None: its
     default); ``routed_to_first_half``: every token's experts among the first half of each MoE layer's (a router
     bias: the first of two cp ranks' under expert parallelism, the other's never chosen); ``dispatched``: under
@@ -66,10 +67,6 @@ def make_trainer(
                 bias = layer.mlp.gate.e_score_correction_bias
                 bias[: bias.shape[0] // 2] += 10.0
     reference = copy.deepcopy(model) if beta else None
-    if fsdp:
-        assert mesh is not None
-        dtype = None if compute_dtype is None else getattr(torch, compute_dtype)
-        mesh.fully_shard(model, dtype, offload, expert_parallel=expert_parallel)
     precision = None if compute_dtype is None else {"compute_dtype": compute_dtype}
     config = GRPOConfig(
         G=G,
@@ -85,7 +82,13 @@ def make_trainer(
     if mesh is not None and mesh.mesh["cp"].size() > 1:
         engine = EngineConfig(chunk_size=CHUNK, sharded_extends=dispatched or not expert_parallel)
         policy = Engine(model, engine, shards=ContextParallel(mesh.cp_group, mesh.cp_channels))
-    return GRPOTrainer(policy, config, ref_model=reference, accelerator=accelerator, mesh=mesh)
+    if not fsdp:  # (the trainer places a plain model itself)
+        return GRPOTrainer(policy, config, ref_model=reference, accelerator=accelerator, mesh=mesh)
+    dtype = None if compute_dtype is None else getattr(torch, compute_dtype)
+    placement = parallelize(
+        policy, reference, mesh=mesh, fsdp=True, compute_dtype=dtype, offload=offload, expert_parallel=expert_parallel
+    )
+    return GRPOTrainer(placement, config, accelerator=accelerator)
 
 
 def step_groups(trainer: GRPOTrainer) -> list[Group]:
@@ -155,7 +158,7 @@ def stray_collectives(mesh: ParallelMesh, lanes: Sequence[dist.ProcessGroup] = (
 
 def _gathers(trainer: GRPOTrainer) -> list[Any]:
     """How the step reaches the policy's weights and the KL reference's (``WeightSharding.weights``)."""
-    shardings = [trainer.sharding, trainer.ref_sharding]
+    shardings = [trainer.sharding, trainer.placement.reference_sharding]
     return [s.weights for s in shardings if s is not None and s.weights is not None]
 
 
@@ -211,7 +214,9 @@ def _listing(directory: Path) -> list[str]:
 
 def join(rank: int, world: int, port: int, spec: dict[str, Any]) -> tuple[Accelerator, ParallelMesh]:
     """This forked process's place in a ``world`` of gloo processes: accelerate's CPU state and the ``(dp, cp)``
-    mesh of ``spec``; one torch thread (the ranks share the machine's cores)."""
+    mesh of ``spec``; one torch thread (the ranks share the machine's cores). A spawned one (CUDA) records its
+    process group calls through $LONGSTRAW_COMM_LOG as a job's process does (a forked one inherits the recording)."""
+    record_from_env()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )

@@ -4,6 +4,8 @@ equal byte counts hide a shape or dtype change), and break NCCL's matching disci
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -84,11 +86,23 @@ def clean(rank: int) -> None:
     dist.barrier()
 
 
-def imports_the_package(rank: int) -> None:
-    """A spawned worker that imports longstraw_agents.parallel (as every worker of the suite does) and posts an
-    all-reduce: it records through $LONGSTRAW_COMM_LOG, inherited from the parent."""
-    import longstraw_agents.parallel  # noqa: F401
+def joins_after_importing_the_package(rank: int) -> None:
+    """A spawned worker (a fresh interpreter, as torchrun's children are) with $LONGSTRAW_COMM_LOG inherited from the
+    parent: importing every module of longstraw_agents.parallel leaves torch's process groups as they were; joining
+    the job (``launch.init_from_env``, which returns at once here: the group exists) starts the recording, and the
+    all-reduce after it is logged."""
+    untouched = dist.ProcessGroup.allreduce, dist.batch_isend_irecv
+    import longstraw_agents.parallel
 
+    for module in pkgutil.walk_packages(longstraw_agents.parallel.__path__, "longstraw_agents.parallel."):
+        importlib.import_module(module.name)
+    if (dist.ProcessGroup.allreduce, dist.batch_isend_irecv) != untouched:
+        raise AssertionError("importing longstraw_agents.parallel patched torch.distributed")
+    from longstraw_agents.parallel.launch import Timeouts, init_from_env
+
+    init_from_env(Timeouts(liveness_s=60.0))
+    if dist.ProcessGroup.allreduce is untouched[0]:
+        raise AssertionError("joining with $LONGSTRAW_COMM_LOG set did not start the recording")
     dist.all_reduce(torch.ones(2))
 
 
@@ -100,7 +114,7 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
     "ring_one_by_one": lambda rank: ring_exchange(rank, batched=False),
     "ring_batched": lambda rank: ring_exchange(rank, batched=True),
     "clean": clean,
-    "imports_the_package": imports_the_package,
+    "joins_after_importing_the_package": joins_after_importing_the_package,
 }
 
 

@@ -24,7 +24,7 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models.lora import LoraSpec, apply_lora
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
-from longstraw_agents.parallel import ContextParallel, ParallelMesh
+from longstraw_agents.parallel import ContextParallel, ParallelMesh, parallelize
 from longstraw_agents.parallel.roles import step_roles
 from longstraw_agents.parallel.sampling import FollowingSampler, LeadingSampler, SamplerCalls
 from longstraw_agents.sampler import SamplingConfig
@@ -41,7 +41,6 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
     reference = copy.deepcopy(model) if spec.get("beta") else None  # (as Run copies it: before sharding)
     compute = getattr(torch, spec["compute_dtype"]) if spec["compute_dtype"] else None
     experts = spec.get("expert_parallel", False)
-    mesh.fully_shard(model, compute, spec.get("offload", False), expert_parallel=experts)
     grpo = GRPOConfig(
         G=spec["group"],
         chunk_size=spec["chunk"],
@@ -59,7 +58,11 @@ def make_trainer(spec: dict[str, Any], mesh: ParallelMesh, accelerator: Accelera
             sharded_extends=spec.get("dispatched", False) or not experts,
         )
         policy = Engine(model, engine, shards=shards)
-    return GRPOTrainer(policy, grpo, ref_model=reference, accelerator=accelerator, mesh=mesh)
+    offload = spec.get("offload", False)
+    placement = parallelize(
+        policy, reference, mesh=mesh, fsdp=True, compute_dtype=compute, offload=offload, expert_parallel=experts
+    )
+    return GRPOTrainer(placement, grpo, accelerator=accelerator)
 
 
 def step_group(trainer: GRPOTrainer, spec: dict[str, Any], seed: int) -> Group:

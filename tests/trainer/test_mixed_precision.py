@@ -1,4 +1,4 @@
-"""Mixed precision on one process (``trainer.mixed_precision.ComputeCopy``): the engine computes with a copy in the
+"""Mixed precision on one process (``parallel.mixed_precision.ComputeCopy``): the engine computes with a copy in the
 compute dtype, AdamW steps the model's own (master) weights with moments in their dtype, and every backward pass's
 gradient is summed into the masters in their dtype. The sharded version (FSDP2's policy) is compared with this one
 in tests/trainer/test_data_parallel.py."""
@@ -12,8 +12,8 @@ import torch
 from calculator_group import G, answer_logprobs, calculator_group
 
 from longstraw_agents.models.presets import tiny_model
+from longstraw_agents.parallel.mixed_precision import ComputeCopy
 from longstraw_agents.trainer import GRPOConfig, GRPOTrainer, backward_group
-from longstraw_agents.trainer.mixed_precision import ComputeCopy
 
 
 def _trainer(model: torch.nn.Module, lr: float, **config) -> GRPOTrainer:

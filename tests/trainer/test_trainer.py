@@ -30,6 +30,7 @@ from grpo_reference import flat, parameter_grads, relative_l2
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.parallel import BalancedOwnership
+from longstraw_agents.parallel.discipline import record_from_env
 from longstraw_agents.trainer import (
     MODES,
     GRPOConfig,
@@ -295,7 +296,8 @@ def test_a_step_uses_the_mean_of_the_groups_gradients_and_the_configured_mode():
 
 def _data_parallel_worker(rank: int, port: int, out: str, normalization: str) -> None:
     """Rank 0 trains on groups 0 and 1 of step 0, rank 1 on group 2 (2 gloo CPU processes); both save their
-    gradients and parameters."""
+    gradients and parameters. (Spawned, it records its process group calls as a job's process does.)"""
+    record_from_env()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
     )

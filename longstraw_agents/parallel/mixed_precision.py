@@ -1,5 +1,5 @@
 """Mixed precision for a model that is not sharded: the engine computes with a copy in the compute dtype, AdamW
-steps the model's own (master) parameters.
+steps the model's own (master) parameters. ``parallel.parallelize`` makes the copy; the trainer refreshes it.
 
 What FSDP2's ``MixedPrecisionPolicy`` does for a sharded model (``parallel.fsdp``: the all-gather casts the master
 shards to the compute dtype, gradients are reduce-scattered in the master dtype), done here for one process or a
@@ -29,7 +29,7 @@ class ComputeCopy:
                 f"mixed precision computes in {dtype}, the dtype the model's weights already have: build the model "
                 "in a wider dtype (the master weights: float32 for a bfloat16 run), or train without mixed_precision"
             )
-        self.master = master
+        self.master, self.dtype = master, dtype
         self.compute = copy.deepcopy(master).to(dtype)
         self._pairs = list(zip(self.compute.parameters(), master.parameters(), strict=True))
         for low, high in self._pairs:
