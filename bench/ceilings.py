@@ -29,17 +29,17 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from bench.gpu import FAMILIES, Workload, build, decode, engine_config, replay
+from bench.workloads import FAMILIES, Workload, build, decode, engine_config, replay, schedules
 from longstraw_agents.attention import Attention
 from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.delta_rule import delta_rule, delta_rule_flops
 from longstraw_agents.models.mla import stable_topk
-from longstraw_agents.plan import Efficiency, HardwareProfile, ModelWork, PlanRequest, Schedule, Work
+from longstraw_agents.plan import Efficiency, HardwareProfile, ModelWork, Work
 
 
 def seconds(fn: Callable[[], object], device: torch.device, repeats: int = 9) -> float:
@@ -157,20 +157,6 @@ def host_step_rate(parameters: int = 1 << 23) -> float:
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     optimizer.step()  # its state allocated
     return 7 * 4 * sum(p.numel() for p in params) / seconds(optimizer.step, torch.device("cpu"), repeats=3)
-
-
-def schedules(
-    counted: ModelWork, positions: int, args: argparse.Namespace, engine: EngineConfig, **mesh: int
-) -> tuple[Schedule, Schedule]:
-    """The time model's schedule of a measured step over a context of ``positions`` (the prompt adds the token each
-    completion starts from; exact mode, so every phase is there), and of its decoding of ``args.decode_tokens``
-    steps. ``counted`` is the model: the request's model name is not read."""
-    request = PlanRequest(
-        model="measured", context=positions + 1, group=args.group, completion=args.completion,
-        gpus=mesh.get("gpus", 1), cp=mesh.get("cp"), dp=mesh.get("dp"), dtype=counted.dtype, engine=engine,
-        mode="exact",
-    )  # fmt: skip
-    return Schedule(request, counted, sharded=False), Schedule(replace(request, completion=args.decode_tokens), counted)
 
 
 def host_latencies(

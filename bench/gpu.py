@@ -31,7 +31,7 @@ the engine's time (``Beside``):
   completions over the context's cache, decode <-> ``generate``), its kernels and workarounds in ``peer_impl``, and
   ``peer_ratio`` = engine / transformers (the target: at most 1);
 - ``model_flops``: the phase's FLOPs as the time model counts them (``longstraw_agents.plan.timing`` through
-  ``bench.timing.row_work``), ``flops_per_s`` and ``of_matmul``, that rate over the run's bf16 matmul rate
+  ``bench.workloads.row_work``), ``flops_per_s`` and ``of_matmul``, that rate over the run's bf16 matmul rate
   (``bench.ceilings.matmul_rate`` at a chunk x hidden x 3 hidden product, measured once at the start);
 - ``predicted_s`` and ``predicted_over_measured``: the time model's seconds from the family's profile, measured op
   by op in the same run (``bench.ceilings``; the profile is in the record's ``setup``, for ``plan --time
@@ -64,126 +64,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import transformers
-from transformers import GlmMoeDsaConfig, PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 
+from bench.ceilings import SharedRates, dsa_rooflines, measure_profile
 from bench.gpu_record import BudgetSpent, Deadline, Record, now
-from bench.gpu_tests import DECODE_GRAPHS_ENV, KernelSwitch, attention_backend, read_junit, switched_off, verdicts
+from bench.gpu_tests import KernelSwitch, attention_backend, read_junit, switched_off, verdicts
 from bench.peers_gpu import PeerWork, Transformers
+from bench.workloads import FAMILIES, STEPS, VOCAB, Workload, build, decode, engine_config, replay, row_work, score
 from longstraw_agents.attention import BACKEND_NAMES
-from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.engine.decoding import Decoder, Member
+from longstraw_agents.engine import Engine
 from longstraw_agents.models import state_size
-from longstraw_agents.models.presets import build_model, hybrid_layer_types
 from longstraw_agents.plan import HardwareProfile, ModelWork
 from longstraw_agents.state import State
-from longstraw_agents.trainer import LossConfig, backward_group, grpo_backward, make_group
-from longstraw_agents.trainer.group import Group, completion_members, token_array
-from longstraw_agents.trainer.head import Head
-from longstraw_agents.trainer.modes import PrefixCache
-
-if TYPE_CHECKING:
-    from bench.ceilings import SharedRates
+from longstraw_agents.trainer import LossConfig, grpo_backward
 
 RESULTS = Path(__file__).parent / "results"
-VOCAB = 32768
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """One query head per 128 hidden dimensions (at least 2), one KV head per 8 query heads (Qwen3.6's and Qwen3's
-    ratios), heads of 128 dimensions."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, hidden: int) -> AttentionShape:
-        heads = max(2, hidden // 128)
-        return cls(heads, max(1, heads // 8), min(128, hidden // heads * 2))
-
-
-def attention_model(hidden: int, layers: int, vocab: int) -> dict[str, int | bool]:
-    """The settings the hybrid and the dense model share: sizes, attention heads, the MLP, long positions."""
-    attention = AttentionShape.of(hidden)
-    return {
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": 3 * hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": attention.heads,
-        "num_key_value_heads": attention.kv_heads,
-        "head_dim": attention.head_dim,
-        "max_position_embeddings": 1 << 22,
-        "tie_word_embeddings": False,
-    }
-
-
-def scaled_hybrid(hidden: int, layers: int, vocab: int = VOCAB) -> Qwen3_5TextConfig:
-    """The Qwen3.6-27B layout at a size one GPU holds with room for millions of positions of state."""
-    attention = AttentionShape.of(hidden)
-    linear = min(128, hidden // attention.heads)
-    return Qwen3_5TextConfig(
-        **attention_model(hidden, layers, vocab),
-        linear_num_key_heads=max(1, attention.heads // 2),
-        linear_num_value_heads=attention.heads,
-        linear_key_head_dim=linear,
-        linear_value_head_dim=linear,
-        linear_conv_kernel_dim=4,
-        layer_types=hybrid_layer_types(layers),
-    )
-
-
-def scaled_dense(hidden: int, layers: int, vocab: int = VOCAB) -> Qwen3Config:
-    """A Qwen3 dense model (full attention with q/k norms in every layer) with the hybrid's attention and MLP shapes."""
-    return Qwen3Config(**attention_model(hidden, layers, vocab))
-
-
-def scaled_mla(
-    hidden: int, layers: int, vocab: int = VOCAB, experts: int = 8, index_topk: int = 2048
-) -> GlmMoeDsaConfig:
-    """The GLM-5.2 layout (MLA with GLM's per-head widths, a DSA indexer in every layer, a dense first layer then MoE
-    with one shared expert and top-2 routing) at the others' hidden size and depth. The experts are sized so that an
-    MoE layer holds as many parameters as the others' MLP, so the model is about as large as they are."""
-    heads = AttentionShape.of(hidden).heads
-    shared = 1
-    return GlmMoeDsaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        moe_intermediate_size=max(16, 3 * hidden // (experts + shared) // 16 * 16),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        n_shared_experts=shared,
-        n_routed_experts=experts,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        kv_lora_rank=min(512, hidden // 4),
-        q_lora_rank=hidden // 3 // 16 * 16,
-        qk_rope_head_dim=min(64, hidden // 16),
-        qk_nope_head_dim=min(192, hidden // 8),
-        v_head_dim=min(256, hidden // 8),
-        index_topk=index_topk,
-        index_head_dim=min(128, hidden // 8),
-        index_n_heads=max(1, heads // 2),
-        first_k_dense_replace=1,
-        indexer_types=["full"] * layers,
-        max_position_embeddings=1 << 22,
-        tie_word_embeddings=False,
-    )
-
-
-FAMILIES: dict[str, Callable[[argparse.Namespace], PretrainedConfig]] = {
-    "hybrid": lambda args: scaled_hybrid(args.hidden, args.layers, args.vocab),
-    "dense": lambda args: scaled_dense(args.hidden, args.layers, args.vocab),
-    "mla": lambda args: scaled_mla(args.hidden, args.layers, args.vocab, args.experts, args.index_topk),
-}
 
 
 @dataclass
@@ -205,69 +103,6 @@ def clock(device: torch.device) -> Iterator[Timing]:
         torch.cuda.synchronize(device)
         timing.peak = torch.cuda.max_memory_allocated(device)
     timing.seconds = time.perf_counter() - start
-
-
-@dataclass
-class Workload:
-    """One group: a prompt of P + 1 tokens, G completions and their rewards, and the tokens decoding is fed."""
-
-    prompt: torch.Tensor
-    completions: list[torch.Tensor]
-    rewards: list[float]
-    decode_tokens: torch.Tensor  # [steps, G]
-
-    @classmethod
-    def random(cls, positions: int, args: argparse.Namespace, device: torch.device) -> Workload:
-        gen = torch.Generator().manual_seed(positions)
-        prompt = torch.randint(0, args.vocab, (positions + 1,), generator=gen).to(device)
-        completions = [
-            torch.randint(0, args.vocab, (args.completion,), generator=gen).to(device) for _ in range(args.group)
-        ]
-        rewards = torch.rand(args.group, generator=gen).tolist()
-        decode = torch.randint(0, args.vocab, (args.decode_tokens, args.group), generator=gen).to(device)
-        return cls(prompt, completions, rewards, decode)
-
-    def group(self) -> Group:
-        """The group as ``grpo_backward`` builds it; its root node holds the P shared context tokens."""
-        members = completion_members(token_array(self.prompt, "prompt"), self.completions)
-        group = make_group(members, self.rewards, LossConfig())
-        root = group.tree.root
-        if len(root.input_ids) != len(self.prompt) - 1 or len(root.children) != len(self.completions):
-            raise ValueError("the completions share first tokens: the group's tree is not one context + G leaves")
-        return group
-
-
-def score(engine: Engine, group: Group, state: State) -> list[torch.Tensor]:
-    """Each leaf's target log-probs from the context ``state``, as the trainer computes reference log-probs."""
-    head, temperature = Head.of(engine), LossConfig().temperature
-    device = engine.adapter.device
-    logprobs = []
-    with torch.no_grad():
-        for leaf in group.tree.root.children:
-            hidden = engine.hidden(state, torch.as_tensor(leaf.input_ids, device=device))
-            targets = torch.as_tensor(leaf.targets, dtype=torch.long, device=device)
-            logprobs.append(head.logprobs(hidden, targets, temperature))
-    return logprobs
-
-
-def replay(engine: Engine, group: Group, state: State) -> None:
-    """Detached mode's walk from ``state`` already captured: the branch replays alone."""
-    cache = PrefixCache()
-    cache.bind(group.tree)
-    cache.put(group.tree.root, state, None)
-    backward_group(engine, group, "detached", prefix_cache=cache)
-
-
-def decode(engine: Engine, state: State, tokens: torch.Tensor, graphs: bool | None = None) -> None:
-    """``tokens.shape[0]`` batched steps of G members forked from ``state``, then every member leaves.
-    ``graphs``: the ``Decoder``'s (None: CUDA graphs on a GPU, unless ``LONGSTRAW_DECODE_GRAPHS=0`` says their
-    GPU test failed)."""
-    if graphs is None and os.environ.get(DECODE_GRAPHS_ENV, "1") == "0":
-        graphs = False
-    decoder = Decoder(engine, [Member(state, prefix=state)] * tokens.shape[1], graphs=graphs)
-    for step in tokens:
-        decoder.step(step)
-    decoder.leave(range(tokens.shape[1]))
 
 
 def timed(fn: Callable[[], Any], model: torch.nn.Module, device: torch.device, repeats: int) -> tuple[Timing, Any]:
@@ -424,7 +259,7 @@ PEER_PHASES = ("capture", "scoring", "replay", "decode")
 class Beside:
     """What each of a family's rows gets beside the engine's time: transformers' seconds for the same work on the same
     device (``bench/peers_gpu.py``; ``peer_ratio`` = engine / transformers), the model FLOPs the time model counts for
-    the phase (``bench.timing.row_work``: ``longstraw_agents.plan.timing``'s count) per second and against the run's
+    the phase (``bench.workloads.row_work``: ``longstraw_agents.plan.timing``'s count) per second and against the run's
     matmul rate, the time model's seconds from the family's micro-benchmarked profile (``predicted_over_measured``)
     and the kernels switched off by a failed GPU test."""
 
@@ -458,8 +293,6 @@ class Beside:
     def model_columns(self, row: Row) -> Row:
         """The row's model FLOPs (as the time model counts the phase's work), their rate and its share of the run's
         matmul rate, and the time model's seconds from the family's profile (None for a phase it does not model)."""
-        from bench.timing import STEPS, row_work  # (bench.timing builds on this module)
-
         out: Row = dict.fromkeys(("model_flops", "flops_per_s", "of_matmul", "predicted_s", "predicted_over_measured"))
         if row["phase"] not in STEPS:
             return out
@@ -596,19 +429,6 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine every phase is measured with: ``--chunk``, ``--max-score-elements`` and ``--attention``."""
-    attention = getattr(args, "attention", "auto")
-    return EngineConfig(chunk_size=args.chunk, max_score_elements=args.max_score_elements, attention=attention)
-
-
-def build(family: str, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    """The family's model initialised on ``device`` directly (a 1B-parameter init on the host takes seconds)."""
-    with torch.device(device):
-        model = build_model(FAMILIES[family](args), dtype=getattr(torch, args.dtype))
-    return model.to(device)
-
-
 def free(device: torch.device) -> None:
     """The accelerator's cached blocks back to it, the cycles holding tensors collected first (nothing on a CPU)."""
     if device.type == "cuda":
@@ -654,8 +474,6 @@ class Run:
         """The family's rows at every length, written as measured, after its build, warm-up (untimed: kernel
         compilation and autotuning, the peer's too) and kernel micro-benchmarks (``bench.ceilings``: the time
         model's profile), whose seconds and rates go to the record's ``setup``."""
-        from bench.ceilings import dsa_rooflines, measure_profile  # (it builds on this module's models and phases)
-
         args, device, done = self.args, self.device, set()
         lengths, exact_at = lengths_of(family, args)
         family_args = argparse.Namespace(**{**vars(args), "exact_at": exact_at})
@@ -839,8 +657,6 @@ def kernel_switches(args: argparse.Namespace) -> tuple[dict[str, Any] | None, tu
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure, print and write the record row by row (also returned)."""
-    from bench.ceilings import SharedRates
-
     args = parse_args(argv)
     if args.table is not None:
         record = json.loads(args.table.read_text())

@@ -36,26 +36,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.ceilings import measure_profile, schedules
-from bench.gpu import FAMILIES, Workload, build, engine_config
+from bench.ceilings import measure_profile
 from bench.gpu import main as measure
 from bench.gpu import parse_args as gpu_args
+from bench.workloads import FAMILIES, Workload, build, engine_config, row_work, schedules
 from longstraw_agents.engine import Engine
 from longstraw_agents.parallel import ParallelMesh
-from longstraw_agents.plan import H200_PRIOR, HardwareProfile, ModelWork, Work, calibrate, total
+from longstraw_agents.plan import H200_PRIOR, HardwareProfile, ModelWork, calibrate
 from longstraw_agents.trainer import grpo_backward
 
 RESULTS = Path(__file__).parent / "results"
-STEPS = {
-    "capture": ("capture",),
-    "scoring": ("scoring",),
-    "replay": ("replay",),
-    "decode": ("rollout",),
-    "decode_eager": ("rollout",),
-    "detached_step": ("capture", "replay"),
-    "exact_step": ("capture", "replay", "walk"),
-    "walk": ("walk",),
-}
 KEPT = ("matmul", "memory")  # in a fit: kept at what a large bf16 matmul and a device copy reach on the device
 MEASURED = ("capture", "scoring", "replay", "decode", "detached_step", "exact_step")  # not differences
 WHOLE_STEPS = ("detached_step", "exact_step")
@@ -70,20 +60,6 @@ def record_args(record: dict[str, Any]) -> argparse.Namespace:
     args.chunk, args.max_score_elements = int(settings["chunk"]), int(settings["max_score_elements"])
     args.dtype, args.attention = settings["dtype"], settings.get("attention", "auto")
     return args
-
-
-def row_work(row: dict[str, Any], model: ModelWork, args: argparse.Namespace) -> Work:
-    """The work the time model counts for a measured row (one process; the prompt is the row's context plus the
-    token each completion starts from)."""
-    schedule, decoding = schedules(model, row["positions"], args, engine_config(args))
-    phases = {
-        "capture": schedule.capture,
-        "scoring": schedule.scoring,
-        "replay": schedule.replay,
-        "walk": schedule.walk,
-        "rollout": decoding.rollout,
-    }
-    return total(phases[name]() for name in STEPS[row["phase"]])
 
 
 def evaluate(record: dict[str, Any]) -> tuple[dict[str, HardwareProfile], list[dict[str, Any]]]:

@@ -276,8 +276,9 @@ def peer_models() -> dict:
     """``bench.gpu``'s toy hybrid and dense models in fp64, each with its engine and transformers' peer."""
     import torch
 
-    from bench.gpu import build, engine_config, parse_args
+    from bench.gpu import parse_args
     from bench.peers_gpu import Transformers
+    from bench.workloads import build, engine_config
     from longstraw_agents.engine import Engine
 
     args = parse_args(["--quick", "--device", "cpu", "--dtype", "float64"])
@@ -296,8 +297,8 @@ def test_transformers_peer_does_the_engines_work(peer_models: dict, family: str)
     runs."""
     import torch
 
-    from bench.gpu import Workload, score
     from bench.peers_gpu import PeerWork
+    from bench.workloads import Workload, score
 
     args, model, engine, peer = peer_models[family]
     work = Workload.random(128, args, torch.device("cpu"))
@@ -322,8 +323,9 @@ def test_transformers_peer_fits_what_runs_out_of_memory(peer_models: dict, monke
     a phase whose G members run out of memory together runs them in halves; each says so in its label."""
     import torch
 
-    from bench.gpu import Beside, Workload
+    from bench.gpu import Beside
     from bench.peers_gpu import Transformers
+    from bench.workloads import Workload
 
     args, model, _, peer = peer_models["dense"]
     inner = model.model
@@ -368,8 +370,9 @@ def test_transformers_peer_takes_a_delta_rule_kernel_only_where_it_agrees_with_t
 
     import torch
 
-    from bench.gpu import parse_args, scaled_hybrid
+    from bench.gpu import parse_args
     from bench.peers_gpu import QWEN3_5, DeltaRule, _agrees
+    from bench.workloads import scaled_hybrid
 
     module = importlib.import_module(QWEN3_5)
     chunk, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule

@@ -1,6 +1,6 @@
-"""DESIGN.md's import rules hold (the import-linter contracts of pyproject.toml), and the check catches a breach;
-inside the engine no module imports back into itself through others, type hints and function-level imports
-included."""
+"""DESIGN.md's import rules hold (the import-linter contracts of pyproject.toml), and the check catches a breach; no
+module of the package (nor of ``bench/``) imports back into itself through others, type hints and function-level
+imports included, and that check catches a circle too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -70,38 +71,67 @@ def test_the_viewer_may_not_import_torch(tmp_path: Path) -> None:
     assert "longstraw_agents.viewer.page -> longstraw_agents.trainer.loss" in result.stdout
 
 
-ENGINE = "longstraw_agents.engine"
+PACKAGE_ROOTS = {"longstraw_agents": REPO / "longstraw_agents"} | {
+    package: REPO / directory for package, directory in package_view.package_dirs().items()
+}  # (envs/, tools/ and trainer/ live at the top of the repository)
+BENCH_ROOTS = {"bench": REPO / "bench"}
 
 
-def engine_imports(package_dir: Path) -> dict[str, set[str]]:
-    """Each module of the engine package in ``package_dir`` (``__init__`` included) → the modules of the package it
-    imports anywhere in its source: at the top, under ``TYPE_CHECKING``, inside functions."""
-    modules = {path.stem for path in package_dir.glob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name in modules:
-        targets: set[str] = set()
-        for node in ast.walk(ast.parse((package_dir / f"{name}.py").read_text())):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                parent = ENGINE.rsplit(".", node.level - 1)[0] if node.level else ""  # (every module sits in ENGINE)
-                base = ".".join(part for part in (parent, node.module) if part)
-                targets.add(base)
-                targets.update(f"{base}.{alias.name}" for alias in node.names)  # ``from . import kit``
-        found = {_engine_module(target, modules) for target in targets}
-        graph[name] = {module for module in found if module is not None and module != name}
-    return graph
+def module_files(roots: Mapping[str, Path]) -> dict[str, Path]:
+    """Each module under ``roots`` (a package → its folder) → its file; a package is its ``__init__``."""
+    files: dict[str, Path] = {}
+    for package, folder in roots.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            files[".".join((package, *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    return files
 
 
-def _engine_module(target: str, modules: set[str]) -> str | None:
-    """The engine module ``target`` names (the package itself: ``__init__``), or None outside the engine."""
-    if target == ENGINE:
-        return "__init__"
-    prefix = f"{ENGINE}."
-    if not target.startswith(prefix):
-        return None
-    name = target[len(prefix) :].split(".")[0]
-    return name if name in modules else "__init__"  # (a name the package exports, not a module of its own)
+def imported_modules(source: str, module: str, is_package: bool, modules: Collection[str]) -> set[str]:
+    """The ``modules`` that ``source`` (the module ``module``; ``is_package``: its ``__init__``) imports anywhere: at
+    the top, under ``TYPE_CHECKING``, inside functions. ``from package import name`` imports the module
+    ``package.name`` where there is one (``package`` itself is then only the folder it sits in: the package's
+    ``__init__`` has begun already, as Python imports every parent package first, and no name of it is read), else
+    reads ``name`` from the module ``package``."""
+    here = module if is_package else module.rpartition(".")[0]  # what a relative import starts from
+    targets: set[str] = set()
+    for node in _import_statements(ast.parse(source).body):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        else:
+            parent = here.rsplit(".", node.level - 1)[0] if node.level else ""
+            base = ".".join(part for part in (parent, node.module) if part)
+            targets.update(
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+            )
+    found = {_innermost_module(target, modules) for target in targets}
+    return {target for target in found if target is not None and target != module}
+
+
+def _import_statements(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of ``body`` and of every block inside it (functions, classes, ``if TYPE_CHECKING``,
+    ``try``...): only statements are walked, not expressions, which hold no import statement."""
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):  # (an except handler's, a case's body too)
+            yield from _import_statements(getattr(node, block, []))
+
+
+def _innermost_module(target: str, modules: Collection[str]) -> str | None:
+    """The module of ``modules`` that the dotted name ``target`` is or lies in, or None outside them."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def import_graph(roots: Mapping[str, Path]) -> dict[str, set[str]]:
+    """Each module under ``roots`` → the modules under ``roots`` it imports anywhere (``imported_modules``)."""
+    files = module_files(roots)
+    return {
+        module: imported_modules(path.read_text(), module, path.name == "__init__.py", files)
+        for module, path in files.items()
+    }
 
 
 def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -127,30 +157,74 @@ def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_engine_has_no_import_circle_not_even_for_type_hints() -> None:
-    graph = engine_imports(REPO / "longstraw_agents" / "engine")
-    assert {"engine", "kit", "tags", "decoding", "wavefront", "sharded_capture", "reverse_walk"} <= set(graph)
+@pytest.fixture(scope="module")
+def package_graph() -> dict[str, set[str]]:
+    return import_graph(PACKAGE_ROOTS)
+
+
+@pytest.fixture(scope="module")
+def bench_graph() -> dict[str, set[str]]:
+    return import_graph(BENCH_ROOTS)
+
+
+def test_the_package_has_no_import_circle_not_even_for_type_hints(package_graph: dict[str, set[str]]) -> None:
+    graph = package_graph
+    engine = "longstraw_agents.engine"
+    assert {f"{engine}.{name}" for name in ("kit", "tags", "decoding", "wavefront", "reverse_walk")} <= set(graph)
+    assert {"longstraw_agents.envs", "longstraw_agents.tools", "longstraw_agents.trainer.modes"} <= set(graph)
+    assert "longstraw_agents.kernels.delta_scan" in graph["longstraw_agents.models.delta_rule"]  # inside a function
+    assert "longstraw_agents.plan.timing" in graph["longstraw_agents.plan"]  # under TYPE_CHECKING
     assert import_circle(graph) is None, " -> ".join(import_circle(graph) or [])
     schedules = {"chunked_extend", "reverse_walk", "sharded_capture", "wavefront", "decoding", "engine"}
-    assert not graph["kit"] & schedules, "the execution kit imports a schedule"
+    assert not graph[f"{engine}.kit"] & {f"{engine}.{name}" for name in schedules}, (
+        "the execution kit imports a schedule"
+    )
+
+
+def test_the_benchmarks_have_no_import_circle(bench_graph: dict[str, set[str]]) -> None:
+    assert {"bench.gpu", "bench.ceilings", "bench.timing", "bench.workloads"} <= set(bench_graph)
+    assert import_circle(bench_graph) is None, " -> ".join(import_circle(bench_graph) or [])
 
 
 @pytest.mark.parametrize(
-    "breach",
+    ("graph_name", "module", "breach"),
     [
-        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .wavefront import WavefrontWalk\n",
-        "def _late() -> None:\n    from longstraw_agents.engine import wavefront\n",
-        "from longstraw_agents.engine import Engine\n",
+        (
+            "package_graph",
+            "longstraw_agents.engine.kit",
+            "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .wavefront import WavefrontWalk\n",
+        ),
+        (
+            "package_graph",
+            "longstraw_agents.engine.kit",
+            "def _late() -> None:\n    from longstraw_agents.engine import wavefront\n",
+        ),
+        ("package_graph", "longstraw_agents.engine.kit", "from longstraw_agents.engine import Engine\n"),
+        (
+            "package_graph",
+            "longstraw_agents.serving.jobs",
+            "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+            "    from longstraw_agents.serving.server import CompletionServer\n",
+        ),
+        (
+            "package_graph",
+            "longstraw_agents.kernels.delta_scan",
+            "from longstraw_agents.models.delta_rule import DELTA_CHUNK\n",
+        ),
+        ("package_graph", "longstraw_agents.trainer.group", "from longstraw_agents.trainer import grpo_backward\n"),
+        ("bench_graph", "bench.workloads", "def _late() -> None:\n    from bench.gpu import Timing\n"),
     ],
-    ids=["type-hint", "in-a-function", "through-the-package"],
+    ids=["type-hint", "in-a-function", "through-the-package", "serving", "kernels", "trainer", "bench"],
 )
-def test_an_import_circle_inside_the_engine_is_found(tmp_path: Path, breach: str) -> None:
-    """The walk sees a circle however the import back is written: the kit importing what imports it."""
-    engine = tmp_path / "engine"
-    shutil.copytree(REPO / "longstraw_agents" / "engine", engine, ignore=shutil.ignore_patterns("__pycache__"))
-    (engine / "kit.py").write_text((engine / "kit.py").read_text() + "\n" + breach)
-    circle = import_circle(engine_imports(engine))
-    assert circle is not None and "kit" in circle and circle[0] == circle[-1], circle
+def test_an_import_circle_is_found(request: pytest.FixtureRequest, graph_name: str, module: str, breach: str) -> None:
+    """The walk sees a circle however the import back is written: a module importing, at the top, under
+    ``TYPE_CHECKING`` or in a function, what imports it (the circles this package had, among them)."""
+    graph = dict(request.getfixturevalue(graph_name))
+    path = module_files(BENCH_ROOTS if graph_name == "bench_graph" else PACKAGE_ROOTS)[module]
+    assert import_circle(graph) is None
+    graph[module] = imported_modules(path.read_text() + "\n" + breach, module, False, graph)
+    circle = import_circle(graph)
+    assert circle is not None and module in circle and circle[0] == circle[-1], circle
 
 
 def test_the_plan_package_imports_torch_only_for_the_names_that_need_it() -> None:

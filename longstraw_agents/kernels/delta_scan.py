@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from longstraw_agents.models.delta_rule import BlockTerms
+from longstraw_agents.kernels.delta_terms import BlockTerms
 
 # Columns of D_v per program: a [D_k, 32] slice of the state (and of its gradient) fits a program's registers for
 # D_k up to 128 (Qwen3.6's head size) without spilling, and 16 heads x 4 column blocks keep the SMs busy.

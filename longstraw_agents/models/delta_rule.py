@@ -4,7 +4,8 @@
 ``chunk`` positions, a scan across blocks), written without a batch dimension and without in-place writes so that
 autograd can replay it, in the inputs' precision (fp64 models stay fp64). It is split in two:
 
-- ``block_terms``: every block's terms at once, batched torch ops (differentiable through autograd);
+- ``block_terms``: every block's terms at once (``kernels.delta_terms.BlockTerms``), batched torch ops
+  (differentiable through autograd);
 - the scan across blocks: ``torch_scan`` (a Python loop of small matmuls: the reference, and the CPU path) or
   ``kernels.delta_scan.triton_scan`` (one Triton launch forward and one backward, with its own backward).
 
@@ -29,35 +30,16 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from longstraw_agents.kernels import triton_available
+from longstraw_agents.kernels.delta_terms import BlockTerms
 
 DELTA_CHUNK = 64  # positions per block of the chunked delta rule (as transformers' fallback and fla)
-
-
-class BlockTerms(NamedTuple):
-    """A sequence's terms per (flattened) head and block of ``C`` positions, which the scan across blocks takes:
-    ``w`` (the keys, decayed to the block's start and passed through its UT transform), ``q`` (the queries decayed
-    from the block's start), ``k`` (the keys decayed to the block's end) ``[H, N, C, D_k]``; ``u`` (the values
-    through the UT transform) ``[H, N, C, D_v]``; ``a`` (the queries' decayed scores against the block's keys, lower
-    triangular) ``[H, N, C, C]``; ``decay`` (the block's whole decay) ``[H, N]``."""
-
-    w: Tensor
-    u: Tensor
-    q: Tensor
-    a: Tensor
-    k: Tensor
-    decay: Tensor
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        heads, blocks, size, dk = self.w.shape
-        return heads, blocks, size, dk, self.u.shape[-1]
 
 
 Scan = Callable[[BlockTerms, Tensor | None], tuple[Tensor, Tensor]]

@@ -96,11 +96,13 @@ Chat (``POST /v1/chat/completions``, with a ``chat_template``; without one it is
   ``response_format`` other than text.
 
 One concern a module: ``protocol`` (the requests and replies, OpenAI's errors; no torch), ``jobs`` (a request's
-decoding and its response or stream), ``server`` (``CompletionServer``), ``http_handler`` (routes and the wire),
-``limits`` (``ServingLimits``, the memory budget and the engine's turns).
+decoding and its response or stream), ``server`` (``CompletionServer``), ``http_handler`` (routes and the wire, the
+tally of answers), ``limits`` (``ServingLimits``, the memory budget and the engine's turns). ``jobs`` and
+``http_handler`` know the server only as the protocol each needs of it (``JobServer``, ``Completions``), so neither
+imports ``server``.
 """
 
-from longstraw_agents.serving.http_handler import CLIENT_TIMEOUT_S, MAX_BODY_BYTES
+from longstraw_agents.serving.http_handler import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, ServerStats
 from longstraw_agents.serving.limits import Busy, MemoryBudget, ServingLimits, Turns
 from longstraw_agents.serving.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -120,7 +122,7 @@ from longstraw_agents.serving.protocol import (
     parse_chat_request,
     parse_request,
 )
-from longstraw_agents.serving.server import CompletionServer, ServerStats
+from longstraw_agents.serving.server import CompletionServer
 
 __all__ = [
     "CLIENT_TIMEOUT_S",

@@ -1,7 +1,8 @@
 """The HTTP side of a ``CompletionServer``: its routes, each request's JSON body read whole and checked (its type,
 its length), answers as JSON or as server-sent events, a client that has gone seen between steps, and whatever goes
 wrong in a request answered (a 400 naming the field, a 503 with ``Retry-After``, a 500 with a JSON body; in a
-stream that has begun, an ``error`` event) without taking the server down."""
+stream that has begun, an ``error`` event) without taking the server down, and each answer tallied (``ServerStats``).
+It calls the server through ``Completions``, what it needs of one."""
 
 from __future__ import annotations
 
@@ -10,18 +11,17 @@ import json
 import logging
 import select
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 import torch
 
-from longstraw_agents.serving.jobs import Cancelled, ChatJob, Job
+from longstraw_agents.serving.jobs import Cancelled, ChatJob, Flight, Job
 from longstraw_agents.serving.limits import RETRY_AFTER_S, Busy
 from longstraw_agents.serving.protocol import RequestError, error_payload
-
-if TYPE_CHECKING:
-    from longstraw_agents.serving.server import CompletionServer
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,52 @@ CLIENT_TIMEOUT_S = 300
 stopped reading) before the request is dropped; decoding itself is not bounded by it."""
 
 
+@dataclass
+class ServerStats:
+    """What the server did since it started: requests answered 200, cancelled (their client went away), answered
+    503 (no room in the memory budget) and failed (500)."""
+
+    completed: int = 0
+    cancelled: int = 0
+    busy: int = 0
+    failed: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, outcome: Literal["completed", "cancelled", "busy", "failed"]) -> None:
+        with self._lock:
+            setattr(self, outcome, getattr(self, outcome) + 1)
+
+
+class Completions(Protocol):
+    """What the HTTP side asks of the server it answers for (``CompletionServer`` is one): a checked job per request
+    and its admission, the served model's cards, weight updates, and the tally of what was answered."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    @property
+    def stats(self) -> ServerStats: ...
+
+    def job(self, body: Any) -> Job: ...
+
+    def chat_job(self, body: Any) -> ChatJob: ...
+
+    def admitted(
+        self, job: Job | ChatJob, client_gone: Callable[[], bool]
+    ) -> contextlib.AbstractContextManager[Flight]: ...
+
+    def models(self) -> dict[str, Any]: ...
+
+    def model_card(self) -> dict[str, Any]: ...
+
+    def model_info(self) -> dict[str, Any]: ...
+
+    def update_weights_from_disk(self, body: Any) -> dict[str, Any]: ...
+
+
 class CompletionHTTPServer(ThreadingHTTPServer):
     """The HTTP side of a ``CompletionServer``: a thread per connection (daemon threads: stopping the server never
     waits for a request still decoding)."""
@@ -39,7 +85,7 @@ class CompletionHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # connections not accepted yet (socketserver's 5 resets a burst of clients)
 
-    def __init__(self, address: tuple[str, int], completions: CompletionServer):
+    def __init__(self, address: tuple[str, int], completions: Completions):
         self.completions = completions
         super().__init__(address, _Handler)
 

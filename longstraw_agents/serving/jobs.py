@@ -9,7 +9,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from longstraw_agents.serving.limits import Turns
 from longstraw_agents.serving.protocol import (
@@ -24,10 +24,35 @@ from longstraw_agents.serving.protocol import (
     chat_messages,
     chat_tools,
 )
-from longstraw_agents.torch_sampler import BatchDecoding
+from longstraw_agents.torch_sampler import BatchDecoding, TorchSampler
 
-if TYPE_CHECKING:
-    from longstraw_agents.serving.server import CompletionServer
+
+class JobServer(Protocol):
+    """What a job asks of the server that runs it (``CompletionServer`` is one): its request checked against the
+    served model and the server's limits, a sampler of its own, and its tokens as text."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def sampler(self) -> TorchSampler:
+        """The served sampler (a chat turn's default length is its ``max_new_tokens``)."""
+        ...
+
+    @property
+    def special_ids(self) -> frozenset[int]: ...
+
+    def prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]: ...
+
+    def max_tokens(self, asked: int | None, prompt_tokens: int, default: int, field_name: str) -> int: ...
+
+    def request_bytes(self, prompts: list[list[int]], n: int, max_tokens: int, field_name: str) -> int: ...
+
+    def request_sampler(self, request: CompletionRequest, max_tokens: int) -> TorchSampler: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_label(self, token: int, as_id: bool | None) -> str: ...
 
 
 class Cancelled(Exception):
@@ -76,7 +101,7 @@ class Job:
 
     def __init__(
         self,
-        server: CompletionServer,
+        server: JobServer,
         request: CompletionRequest,
         *,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -206,7 +231,7 @@ class ChatJob:
     """A checked chat request: its messages rendered to one prompt and completed by a ``Job``; ``run`` (one
     response) or ``events`` (stream chunks) in the chat completions shape."""
 
-    def __init__(self, server: CompletionServer, request: ChatCompletionRequest, template: ChatTemplate):
+    def __init__(self, server: JobServer, request: ChatCompletionRequest, template: ChatTemplate):
         self.server = server
         self.request = request
         self.template = template

@@ -9,14 +9,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from pydantic import ValidationError
 
 from longstraw_agents.models import context_limit, state_size
 from longstraw_agents.sampler import SamplingConfig, weight_version_number
-from longstraw_agents.serving.http_handler import CompletionHTTPServer
+from longstraw_agents.serving.http_handler import CompletionHTTPServer, ServerStats
 from longstraw_agents.serving.jobs import ChatJob, Flight, Job
 from longstraw_agents.serving.limits import MemoryBudget, ServingLimits, Turns, default_budget, request_bytes
 from longstraw_agents.serving.protocol import (
@@ -31,22 +30,6 @@ from longstraw_agents.serving.protocol import (
 from longstraw_agents.tokenizer import Tokenizer
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.weight_sync import WeightsMismatch, load_weights
-
-
-@dataclass
-class ServerStats:
-    """What the server did since it started: requests answered 200, cancelled (their client went away), answered
-    503 (no room in the memory budget) and failed (500)."""
-
-    completed: int = 0
-    cancelled: int = 0
-    busy: int = 0
-    failed: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def count(self, outcome: Literal["completed", "cancelled", "busy", "failed"]) -> None:
-        with self._lock:
-            setattr(self, outcome, getattr(self, outcome) + 1)
 
 
 class CompletionServer:
