@@ -39,6 +39,7 @@ next turn conditions on, and its ``info["context_edit"]`` says what changed (``C
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,6 +162,17 @@ class ContextPolicy(ABC):
         says what the reply does (its index in the log will be ``len(episode.trajectory)``)."""
         raise NotImplementedError(f"{type(self).__name__} asked for a reply but does not define plan_reply")
 
+    edits_keep_most_of_the_context: bool = False
+    """Whether its edits leave most of the context as it was (eviction), so a sampler keeps a state at every turn to
+    resume from; a policy that rewrites it (summaries) resumes from the prompt."""
+
+    def with_budget(self, max_context_tokens: int) -> ContextPolicy:
+        """This policy at another budget (the model's context caps it: ``rollout.make_env_factory``); a ValueError
+        when it cannot work at that budget. A subclass whose settings depend on the budget checks them here."""
+        policy = copy.copy(self)
+        ContextPolicy.__init__(policy, max_context_tokens)
+        return policy
+
     def over_budget(self, tokens: int) -> bool:
         """Whether a context of ``tokens`` tokens is more than the policy keeps."""
         return self.max_context_tokens is not None and tokens > self.max_context_tokens
@@ -183,6 +195,8 @@ class EvictToolOutputs(ContextPolicy):
     """Past the budget, evict the oldest tool outputs, each replaced by a placeholder (``settings.placeholder``,
     formatted with the turn and the token count of what it replaces), until the context fits. An output whose
     placeholder is not shorter stays; the newest output, which the next turn must read, never goes."""
+
+    edits_keep_most_of_the_context = True
 
     def __init__(self, max_context_tokens: int, settings: Eviction | None = None) -> None:
         super().__init__(max_context_tokens)
@@ -225,6 +239,9 @@ class SummarizeTurns(ContextPolicy):
                 f"the summary threshold ({high}) must be below max_context_tokens ({max_context_tokens}): "
                 "the request and the summary need room"
             )
+
+    def with_budget(self, max_context_tokens: int) -> SummarizeTurns:
+        return SummarizeTurns(max_context_tokens, self.settings)
 
     def plan(self, episode: ContextView, adding: Sequence[Segment]) -> ContextPlan:
         assert self.max_context_tokens is not None

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import gymnasium
 import numpy as np
 
-from longstraw_agents.envs import SummaryTurn, ToolEnv, ToolEnvConfig, unwrap_tool_env
+from longstraw_agents.envs import ContextPolicy, ToolEnv, unwrap_tool_env
 from longstraw_agents.progress import progress_bar
 from longstraw_agents.sampler import Generation, Sampler
 from longstraw_agents.trajectory import Trajectory
@@ -53,23 +53,28 @@ def make_env_factory(env_id: str, env_kwargs: dict | None = None, limits: Rollou
 
     def factory() -> gymnasium.Env:
         env = gymnasium.make(env_id, **kwargs)
-        capped = None if limits is None else _capped_budget(unwrap_tool_env(env).config, limits)
-        if capped is not None:
+        tool_env = unwrap_tool_env(env)
+        cap = None if limits is None else model_budget(tool_env.context_policy, limits)
+        if cap is None or context_budget(tool_env) <= cap:
+            return env
+        if tool_env.context_policy.max_context_tokens is None:  # the episode is the context: its budget is capped
             env.close()
-            env = gymnasium.make(env_id, **{**kwargs, **capped})
+            return gymnasium.make(env_id, **{**kwargs, "max_tokens": cap})
+        assert limits is not None
+        tool_env.context_policy = _capped_policy(tool_env.context_policy, cap, limits)
         return env
 
     return factory
 
 
-def model_budget(config: ToolEnvConfig, limits: RolloutLimits) -> int | None:
-    """The largest budget the model's context allows the env (None: unlimited). Without a context policy the budget
+def model_budget(policy: ContextPolicy, limits: RolloutLimits) -> int | None:
+    """The largest budget the model's context allows the env (None: unlimited). Without a context budget the budget
     is the whole episode's ``max_tokens``, turns included, so it may fill the context. A context policy's
     ``max_context_tokens`` bounds the context after an observation, before the next turn: it leaves room for that
     turn (``max_new_tokens``), else the turn after an edit that fills the budget is cut short."""
     if limits.max_context is None:
         return None
-    if config.context is None:
+    if policy.max_context_tokens is None:
         return limits.max_context
     room = limits.max_context - limits.max_new_tokens
     if room < 1:
@@ -80,29 +85,23 @@ def model_budget(config: ToolEnvConfig, limits: RolloutLimits) -> int | None:
     return room
 
 
-def _capped_budget(config: ToolEnvConfig, limits: RolloutLimits) -> dict[str, Any] | None:
-    """The env kwargs that keep what the model holds within the model's context (None: it already is): the whole
-    episode's ``max_tokens``, or with a context policy its ``max_context_tokens`` (the episode may be longer)."""
-    cap = model_budget(config, limits)
-    if cap is None or _context_budget(config) <= cap:
-        return None
-    context = config.context
-    if context is None:
-        return {"max_tokens": cap}
-    strategy = context.strategy
-    if isinstance(strategy, SummaryTurn) and (strategy.highest_threshold() or 0) >= cap:
+def _capped_policy(policy: ContextPolicy, cap: int, limits: RolloutLimits) -> ContextPolicy:
+    """``policy`` at the budget the model's context allows (any policy, built from the config or given as an
+    object); one line naming the model's limit when the policy cannot work at it."""
+    try:
+        return policy.with_budget(cap)
+    except ValueError as err:
         raise ContextLimitError(
-            f"the summary threshold ({strategy.threshold}) is not below the model's context limit of "
-            f"{limits.max_context} tokens (model.max_context or the model config's max_position_embeddings) less a "
-            f"turn (max_new_tokens={limits.max_new_tokens}): {cap} tokens, which cap context.max_context_tokens="
-            f"{context.max_context_tokens}; lower the threshold or max_context_tokens"
-        )
-    return {"context": {**context.model_dump(), "max_context_tokens": cap}}
+            f"{err}, and the model's context limit of {limits.max_context} tokens (model.max_context or the model "
+            f"config's max_position_embeddings) less a turn (max_new_tokens={limits.max_new_tokens}) caps "
+            f"max_context_tokens={policy.max_context_tokens} at {cap}; lower the threshold or max_context_tokens"
+        ) from None
 
 
-def _context_budget(config: ToolEnvConfig) -> int:
+def context_budget(env: ToolEnv) -> int:
     """The most tokens an episode's context holds: its context policy's budget, else the episode's."""
-    return config.max_tokens if config.context is None else config.context.max_context_tokens
+    budget = env.context_policy.max_context_tokens
+    return env.config.max_tokens if budget is None else budget
 
 
 def rollout_group(
@@ -124,7 +123,7 @@ def start_group(
 ) -> list[_Member]:
     """``group_size`` environments reset to the task ``seed`` and the sampler's fork of their (shared) prompt."""
     envs = [unwrap_tool_env(env_factory()) for _ in range(group_size)]
-    budget, cap = _context_budget(envs[0].config), model_budget(envs[0].config, limits)
+    budget, cap = context_budget(envs[0]), model_budget(envs[0].context_policy, limits)
     if cap is not None and budget > cap:
         raise ValueError(
             f"{envs[0].env_id}: the environment's context budget={budget} exceeds the {cap} tokens the model's "
@@ -149,10 +148,11 @@ def reset_prompt(
     try:
         return env.reset(seed=seed, options=options)[0]
     except ValueError as err:
-        cap = None if limits is None else model_budget(env.config, limits)
-        if limits is None or cap is None or _context_budget(env.config) < cap:  # the env's own budget binds
+        cap = None if limits is None else model_budget(env.context_policy, limits)
+        if limits is None or cap is None or context_budget(env) < cap:  # the env's own budget binds
             raise
-        room = "" if env.config.context is None else f" less a turn (max_new_tokens={limits.max_new_tokens})"
+        bounded = env.context_policy.max_context_tokens is not None
+        room = f" less a turn (max_new_tokens={limits.max_new_tokens})" if bounded else ""
         raise ContextLimitError(
             f"{env.env_id}: the task's prompt does not fit the model's context limit of {limits.max_context} tokens"
             f"{room} (set by model.max_context or the model config's max_position_embeddings; it caps the env's "

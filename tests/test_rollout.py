@@ -12,7 +12,14 @@ import pytest
 import sqlite_utils
 import torch
 
-from longstraw_agents.envs import EASY_CALCULATOR_KWARGS, ToolEnv, unwrap_tool_env
+from longstraw_agents.envs import (
+    EASY_CALCULATOR_KWARGS,
+    EvictToolOutputs,
+    SummarizeTurns,
+    SummaryTurn,
+    ToolEnv,
+    unwrap_tool_env,
+)
 from longstraw_agents.models.presets import tiny_model
 from longstraw_agents.rollout import (
     ContextLimitError,
@@ -334,7 +341,7 @@ def test_a_prompt_over_the_model_context_names_the_model_limit(model, tokenizer)
     # and leaves room for the turn after an observation: the context less max_new_tokens
     wide = {**kwargs, "context": {"max_context_tokens": 9000}}
     capped = unwrap_tool_env(make_env_factory(ENV_ID, wide, RolloutLimits(MAX_NEW_TOKENS, 512))())
-    assert capped.config.context.max_context_tokens == 512 - MAX_NEW_TOKENS and capped.config.max_tokens == 100_000
+    assert capped.context_policy.max_context_tokens == 512 - MAX_NEW_TOKENS and capped.config.max_tokens == 100_000
 
 
 def test_a_context_policy_capped_by_the_model_leaves_room_for_the_next_turn(model, tokenizer):
@@ -344,7 +351,7 @@ def test_a_context_policy_capped_by_the_model_leaves_room_for_the_next_turn(mode
     limits = RolloutLimits(MAX_NEW_TOKENS, prompt + 3 * MAX_NEW_TOKENS)
     kwargs = {**ENV_KWARGS, "context": {"max_context_tokens": 100_000}}
     env = unwrap_tool_env(make_env_factory(ENV_ID, kwargs, limits)())
-    assert env.config.context.max_context_tokens == limits.max_context - MAX_NEW_TOKENS
+    assert env.context_policy.max_context_tokens == limits.max_context - MAX_NEW_TOKENS
     assert env.config.max_tokens == ENV_KWARGS.get("max_tokens", env.config.max_tokens)  # the episode may be longer
     with pytest.raises(ContextLimitError, match="max_new_tokens=16 leaves no room"):
         make_env_factory(ENV_ID, kwargs, RolloutLimits(MAX_NEW_TOKENS, MAX_NEW_TOKENS))()
@@ -352,7 +359,7 @@ def test_a_context_policy_capped_by_the_model_leaves_room_for_the_next_turn(mode
         **ENV_KWARGS,
         "context": {"max_context_tokens": 100_000, "strategy": {"kind": "summary", "threshold": 500}},
     }
-    limit = r"not below the model's context limit of 20 tokens .* less a turn \(max_new_tokens=16\): 4 tokens"
+    limit = r"below max_context_tokens \(4\).*model's context limit of 20 tokens .* less a turn \(max_new_tokens=16\)"
     with pytest.raises(ContextLimitError, match=limit):
         make_env_factory(ENV_ID, summary, RolloutLimits(MAX_NEW_TOKENS, 20))()
     sampler = make_sampler(model, tokenizer)
@@ -446,3 +453,22 @@ def test_evictions_resume_sampling_from_the_kept_turn_and_each_turn_was_sampled_
             positions = np.flatnonzero(rendered.loss_mask)
             expected = torch.log_softmax(logits, dim=-1)[positions - 1, rendered.token_ids[positions]].numpy()
             np.testing.assert_allclose(rendered.logprobs[positions], expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["evict", "summary"])
+def test_a_context_policy_given_as_an_object_is_capped_by_the_models_context_like_one_from_the_config(
+    kind: str,
+) -> None:
+    """``make_env_factory`` caps the policy object itself (the config has no ``context``): its budget leaves a turn
+    in the model's context, the episode's own ``max_tokens`` stays; a summary threshold that no longer fits below
+    the cap is one line naming the model's limit."""
+    limits = RolloutLimits(max_new_tokens=256, max_context=4096)
+    policy = EvictToolOutputs(20_000) if kind == "evict" else SummarizeTurns(20_000, SummaryTurn(threshold=2_000))
+    env = unwrap_tool_env(make_env_factory("LongStraw/NeedleSearch-v0", {"context_policy": policy}, limits)())
+    assert type(env.context_policy) is type(policy) and env.context_policy.max_context_tokens == 4096 - 256
+    assert env.config.max_tokens == unwrap_tool_env(make_env_factory("LongStraw/NeedleSearch-v0")()).config.max_tokens
+    assert env.context_policy.edits_keep_most_of_the_context == (kind == "evict")  # the sampler keeps marks then
+    if kind == "summary":
+        too_high = SummarizeTurns(20_000, SummaryTurn(threshold=3_900))
+        with pytest.raises(ContextLimitError, match=r"threshold \(3900\).*model's context limit of 4096 tokens"):
+            make_env_factory("LongStraw/NeedleSearch-v0", {"context_policy": too_high}, limits)()

@@ -130,6 +130,8 @@ class GRPOTrainer:
         # it is given here: the scheduler, the RNG states and the counters. (The model is on its device already.)
         if mesh is None:
             self.model = self.accelerator.prepare_model(module)
+            if placement.compute_copy is not None:  # DDP's wrap broadcast rank 0's masters; the copy follows them
+                placement.compute_copy.refresh()
         elif not is_sharded(module):  # no DDP wrapper: its construction broadcasts over the world group, not dp
             self.model = self.accelerator.prepare_model(module, evaluation_mode=True)
         else:

@@ -48,7 +48,7 @@ from longstraw_agents.app.reporting import Reporter
 from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
 from longstraw_agents.app.served import ServedPolicy
 from longstraw_agents.engine import Engine
-from longstraw_agents.envs import Eviction, ScriptedPolicy, ToolEnvConfig, run_episode, unwrap_tool_env
+from longstraw_agents.envs import ContextPolicy, ScriptedPolicy, run_episode, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.lora import LoraTargetError, apply_lora, lora_layers, merged_copy
 from longstraw_agents.models.presets import build_model
@@ -94,12 +94,6 @@ def build_policy(spec: ModelSpec, config: PretrainedConfig, seed: int) -> torch.
             except LoraTargetError as err:
                 raise ConfigError(str(err)) from None
     return model
-
-
-def _evicts(env_config: ToolEnvConfig) -> bool:
-    """Whether the run's env evicts tool outputs: its edits keep most of the context, so the sampler keeps a state
-    at every turn to resume from (``TorchSampler(keep_marks=True)``); summaries keep only the prompt."""
-    return env_config.context is not None and isinstance(env_config.context.strategy, Eviction)
 
 
 def max_context_of(model: torch.nn.Module, spec: ModelSpec) -> int | None:
@@ -160,7 +154,8 @@ class Run:
         limits = RolloutLimits(config.sampling.max_new_tokens, self.max_context)
         self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), limits)
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
-        self.keep_marks = _evicts(self._check_prompt_fits())
+        # eviction's edits keep most of the context: the sampler keeps a state at every turn to resume from
+        self.keep_marks = self._check_prompt_fits().edits_keep_most_of_the_context
         # Nothing is written before the configuration is known to run: a config error leaves no run directory, and a
         # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None
@@ -325,9 +320,9 @@ class Run:
         changed = not resume and self.config.warm_start is not None
         return ServedPolicy(spec, self.dir, weights_changed=changed, ranks=self.ranks)
 
-    def _check_prompt_fits(self) -> ToolEnvConfig:
+    def _check_prompt_fits(self) -> ContextPolicy:
         """The first task's prompt fits the env's budget and the model's context (else every rollout fails); returns
-        the env's config, as the model's context capped it."""
+        the env's context policy, as the model's context capped it."""
         env = unwrap_tool_env(self.env_factory())
         try:
             reset_prompt(
@@ -337,7 +332,7 @@ class Run:
             raise ConfigError(str(err)) from None
         finally:
             env.close()
-        return env.config
+        return env.context_policy
 
     def _run_row(self, resume: bool) -> str:
         runs = self.store.runs()

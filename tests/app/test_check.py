@@ -224,7 +224,8 @@ def test_a_summary_threshold_above_the_models_context_is_one_line_naming_it(tmp_
     model = {"preset": "llama", "overrides": {"hidden": 32, "layers": 1}, "max_context": 2048}
     config = tiny_config_dict(tmp_path / "run", env=env, model=model)
     code, _, err = check(tmp_path, config, capsys)
-    assert code == 2 and "env: the summary threshold (2560) is not below the model's context limit of 2048" in err
+    assert code == 2 and "env: the summary threshold (2560) must be below max_context_tokens (2024)" in err
+    assert "the model's context limit of 2048 tokens" in err
     assert main(["train", str(tmp_path / "config.yaml")]) == 2
     assert capsys.readouterr().err.startswith("error: the summary threshold (2560)")
     assert not (tmp_path / "run").exists()

@@ -341,6 +341,43 @@ def test_data_parallel_step_equals_one_process_on_the_union_of_the_groups(tmp_pa
         assert relative_l2(params, expected_params) <= 1e-5, rank
 
 
+def _compute_copy_worker(rank: int, port: int, out: str) -> None:
+    """Each rank starts from weights of its own seed, fp64 masters computing in fp32; saves the masters and the
+    engine's copy after the trainer is built."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    net = tiny_model("llama", dtype=torch.float64, seed=rank)
+    cfg = GRPOConfig(G=G, chunk_size=CHUNK, mixed_precision={"compute_dtype": "float32"})
+    trainer = GRPOTrainer(net, cfg, accelerator=Accelerator(cpu=True))
+    copy = trainer.placement.compute_copy
+    assert copy is not None
+    masters = {
+        name: p.detach().clone() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+    }
+    torch.save((masters, {name: p.detach().clone() for name, p in copy.compute.named_parameters()}), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_processes_started_from_different_weights_compute_with_rank_0s_after_ddp_broadcasts_them(tmp_path):
+    """DDP's wrap copies rank 0's masters to every rank; the low-precision copy the engine computes with must follow
+    (it was made before the wrap), else a rank's first step computes at its own starting weights."""
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(
+        _compute_copy_worker, args=(_free_port(), str(tmp_path / "rank")), nprocs=2, start_method=start_method
+    )
+    rank0_masters, _ = torch.load(tmp_path / "rank.0")
+    for rank in range(2):
+        masters, copy = torch.load(tmp_path / f"rank.{rank}")
+        for name, master in masters.items():
+            assert torch.equal(master, rank0_masters[name]), (rank, name)
+            assert torch.equal(copy[name], master.float()), (rank, name)
+
+
 @pytest.mark.parametrize("max_norm", [1e-3, None])
 def test_gradient_clipping_reports_the_raw_norm_and_clips_to_max(max_norm):
     trainer = make_trainer(max_grad_norm=max_norm)
