@@ -53,14 +53,15 @@ def make_env_factory(env_id: str, env_kwargs: dict | None = None, limits: Rollou
 
     def factory() -> gymnasium.Env:
         env = gymnasium.make(env_id, **kwargs)
+        if limits is None:
+            return env
         tool_env = unwrap_tool_env(env)
-        cap = None if limits is None else model_budget(tool_env.context_policy, limits)
+        cap = model_budget(tool_env.context_policy, limits)
         if cap is None or context_budget(tool_env) <= cap:
             return env
         if tool_env.context_policy.max_context_tokens is None:  # the episode is the context: its budget is capped
             env.close()
             return gymnasium.make(env_id, **{**kwargs, "max_tokens": cap})
-        assert limits is not None
         tool_env.context_policy = _capped_policy(tool_env.context_policy, cap, limits)
         return env
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
-from longstraw_agents.engine import Engine, EngineConfig, StateShards
+from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.memory import host_placement
 from longstraw_agents.models.lora import check_exact, check_same_settings, lora_settings, trainable
 from longstraw_agents.parallel import ParallelMesh, Placement, parallelize
@@ -130,8 +130,7 @@ class GRPOTrainer:
         # it is given here: the scheduler, the RNG states and the counters. (The model is on its device already.)
         if mesh is None:
             self.model = self.accelerator.prepare_model(module)
-            if placement.compute_copy is not None:  # DDP's wrap broadcast rank 0's masters; the copy follows them
-                placement.compute_copy.refresh()
+            placement.refresh_compute_copy()  # DDP's wrap broadcast rank 0's masters; the copy follows them
         elif not is_sharded(module):  # no DDP wrapper: its construction broadcasts over the world group, not dp
             self.model = self.accelerator.prepare_model(module, evaluation_mode=True)
         else:
@@ -144,9 +143,8 @@ class GRPOTrainer:
         # The engine calls the model's submodules directly (embeddings, layers, lm_head) and never the wrapper's
         # forward, so it gets the unwrapped model. With DDP that also bypasses the wrapper's gradient all-reduce
         # (its autograd hooks only fire after a wrapper forward): train_step all-reduces gradients itself.
-        shards = placement.policy.shards if isinstance(placement.policy, Engine) else None
-        self.engine = Engine(placement.computed, engine_config, shards=shards, weights=self.sharding.weights)
-        self.ref_engine = _reference_engine(placement, engine_config, shards)
+        self.engine = Engine(placement.computed, engine_config, shards=placement.shards, weights=self.sharding.weights)
+        self.ref_engine = _reference_engine(placement, engine_config)
         if self.config.loss.beta > 0 and self.ref_engine is None:
             raise ValueError("GRPOConfig.loss.beta > 0 needs ref_model=... (or parallelize(policy, reference, ...))")
 
@@ -302,8 +300,7 @@ class GRPOTrainer:
             grad_norm = self._clip(params)
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
-        if self.placement.compute_copy is not None:
-            self.placement.compute_copy.refresh()
+        self.placement.refresh_compute_copy()
         self.scheduler.step()
         return results, IterationMetrics.of_groups(results, grad_norm=grad_norm, lr=lr, summed=summed)
 
@@ -380,8 +377,7 @@ class GRPOTrainer:
         self.accelerator.load_state(str(path))
         load_sharded(self.accelerator.unwrap_model(self.model), self.optimizer, path)
         self._load_ownership(path)
-        if self.placement.compute_copy is not None:
-            self.placement.compute_copy.refresh()
+        self.placement.refresh_compute_copy()
 
     def _save_ownership(self, directory: Path) -> None:
         """With context parallelism, what this process's placements depend on of the earlier ones (each dp rank's
@@ -488,14 +484,15 @@ def _check_behaviour_logprobs(groups: Sequence[Group], num_iterations: int) -> N
                 )
 
 
-def _reference_engine(placement: Placement, engine_config: EngineConfig, shards: StateShards | None) -> Engine | None:
+def _reference_engine(placement: Placement, engine_config: EngineConfig) -> Engine | None:
     """The KL reference's engine over its placed module (its own engine settings when it was given as an
     ``Engine``, else the policy's); with context parallelism its state spread over the policy's cp ranks as the
-    policy's is (``shards``), not whole on every rank; sharded, its layers gathered as the policy's are."""
+    policy's is (``placement.shards``), not whole on every rank; sharded, its layers gathered as the policy's are."""
     reference = placement.reference
     if reference is None:
         return None
     module = reference.model if isinstance(reference, Engine) else reference
     config = reference.config if isinstance(reference, Engine) else engine_config
     sharding = placement.reference_sharding
-    return Engine(module, config, shards=shards, weights=sharding.weights if sharding is not None else None)
+    weights = sharding.weights if sharding is not None else None
+    return Engine(module, config, shards=placement.shards, weights=weights)

@@ -62,6 +62,17 @@ class Placement:
         return self.compute_copy.compute if self.compute_copy is not None else self.master
 
     @property
+    def shards(self) -> StateShards | None:
+        """The policy's context-parallel state shards (an ``Engine``'s; None: one rank holds the whole state)."""
+        return _shards(self.policy)
+
+    def refresh_compute_copy(self) -> None:
+        """The compute copy set to the masters again, after anything changed them (a step, a load, DDP's broadcast);
+        nothing to do without one."""
+        if self.compute_copy is not None:
+            self.compute_copy.refresh()
+
+    @property
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype the policy computes in when it differs from its masters' (None: no mixed precision)."""
         if is_sharded(self.master):
