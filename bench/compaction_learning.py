@@ -2,9 +2,9 @@
 
 Each seed is the command itself (``--seed S --output-dir runs/needle_compaction/seed-S``), run as a child process
 whose CPU time (user + system) is taken from its own resource usage, so seeds may run side by side (``--jobs``,
-each on ``--threads`` threads). From each run: the warm start's loss, the held-out reward before and after GRPO
-(the run's ``eval`` records), and from its store how long the solving episodes' histories grew and the longest
-context any episode held. Writes ``bench/results/compaction_learning.json``; README's table is rendered from it.
+each on ``--threads`` threads). From each run: the warm start's loss (each drill stage's last, the episodes' first
+and last), the held-out reward before and after GRPO (the run's ``eval`` records), and from its store how long the
+solving episodes' histories grew and the longest context any episode held. Writes ``bench/results/compaction_learning.json``; README's table is rendered from it.
 
     python -m bench.compaction_learning [--seeds 0 1 2] [--jobs 2] [--threads 1] [--quick]
 
@@ -51,7 +51,8 @@ class SeedRun:
 
 
 def quick_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` at the suite's size (3 short pages, a 1K context, a few steps), its context policy kept."""
+    """``config`` at the suite's size (3 short pages, a 1K context, a few steps, each warm-start stage shrunk), its
+    context policy kept."""
     config = copy.deepcopy(config)
     kwargs = config["env"]["kwargs"]
     kwargs.update(pages=3, page_tokens=300, codes=4)
@@ -61,8 +62,14 @@ def quick_config(config: dict[str, Any]) -> dict[str, Any]:
     kwargs["context"]["strategy"]["threshold"] = 600
     config.update(groups_per_step=1, steps=2, eval_episodes=4, checkpoint_every=2, progress=False)
     config["trainer"]["G"] = 4
-    config["warm_start"]["episodes"] = 4
-    config["warm_start"]["sft"]["steps"] = 4
+    warm_start = config["warm_start"]
+    warm_start["episodes"] = 4
+    warm_start["sft"]["steps"] = 4
+    if warm_start.get("env_kwargs"):  # (the full size's are full pages)
+        warm_start["env_kwargs"] = {"pages": 2}
+    for stage in warm_start.get("drill", []):
+        stage["tokens"] = [min(tokens, 300) for tokens in stage["tokens"]]
+        stage["sft"]["steps"] = 2
     return config
 
 
@@ -154,21 +161,22 @@ def summary(runs: list[dict[str, Any]], config: dict[str, Any], command: str) ->
 def table(record: dict[str, Any]) -> str:
     """README's table of ``record`` (what ``main`` wrote): a row per seed, then the mean rise."""
     lines = [
-        "| seed | warm start loss | held-out reward, before → after GRPO | solved episodes' history, min / median "
-        "tokens | longest context | summaries per episode | CPU-hours | wall |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| seed | drills' last loss | warm start loss (episodes) | held-out reward, before → after GRPO | solved "
+        "episodes' history, min / median tokens | longest context | summaries per episode | CPU-hours | wall |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in record["runs"]:
         loss = r["warm_start"]
+        drills = [f"{stage['loss_last']:.3f}" for stage in loss.get("stages", []) if stage["stage"] != "episodes"]
         solved = r["solved_history_tokens_median"]
         history = f"{r['solved_history_tokens_min']:,} / {solved:,.0f}" if solved else "none solved"
         lines.append(
-            f"| {r['seed']} | {loss['loss_first']:.3f} → {loss['loss_last']:.3f} "
+            f"| {r['seed']} | {', '.join(drills) or 'no drill'} | {loss['loss_first']:.3f} → {loss['loss_last']:.3f} "
             f"| {r['reward_before']:.3f} → {r['reward_after']:.3f} ({r['rise']:+.3f}) | {history} "
             f"| {r['context_tokens_max']:,} | {r['summaries_per_episode']:.1f} | {r['cpu_hours']:.2f} "
             f"| {r['wall_minutes']:.0f} min |"
         )
-    lines.append(f"| mean | | rise {record['rise_mean']:+.3f} | | | | | |")
+    lines.append(f"| mean | | | rise {record['rise_mean']:+.3f} | | | | | |")
     return "\n".join(lines)
 
 

@@ -38,20 +38,23 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+WARM_START_FIGURES = ("stage", "steps", "loss_first", "loss_last", "seconds")
+
+
 def run_figures(run_dir: Path) -> dict[str, Any]:
     """The warm start and the two held-out evaluations of a demo run, from its metrics records."""
     records = read_metrics(run_dir)
     warm_starts = [r for r in records if r.get("phase") == "warm_start"]
     evals = [r for r in records if r.get("phase") == EVAL]
-    if len(warm_starts) != 1 or len(evals) != 2:
+    if not warm_starts or len(evals) != 2:
         raise ValueError(
             f"{run_dir}: not a finished demo run (a warm start and an evaluation before and after GRPO); found "
             f"{len(warm_starts)} warm start and {len(evals)} evaluation lines"
         )
-    warm_start = warm_starts[0]
+    stages = [{k: w.get(k, "episodes") if k == "stage" else w[k] for k in WARM_START_FIGURES} for w in warm_starts]
     before, after = (e["reward_mean"] for e in evals)
-    return {
-        "warm_start": {k: warm_start[k] for k in ("steps", "loss_first", "loss_last", "seconds")},
+    return {  # the episodes' stage (the last) and the time of them all; each stage (drills first) apart
+        "warm_start": {**stages[-1], "seconds": sum(w["seconds"] for w in stages), "stages": stages},
         "grpo_steps": sum(1 for r in records if r.get("phase") == STEP),
         "eval_episodes": evals[0]["episodes"],
         "reward_before": before,

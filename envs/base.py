@@ -244,6 +244,17 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
         done = "\n".join(f"- {turn}" for turn in self.scripted_turns(task)[:played])
         return f"So far I have done this:\n{done}"
 
+    def drill_document(self, rng: np.random.Generator, tokens: int) -> Trajectory:
+        """A document of about ``tokens`` tokens, drawn only from ``rng``, that drills in isolation the one skill the
+        task turns on (loss on its assistant segments): the warm start's ``drill`` stages (`app/run.py`) learn it
+        from fresh documents before the episodes' layout, which a tiny policy does not learn it from. Optional: an
+        environment without a drill refuses ``warm_start.drill``."""
+        raise NotImplementedError(f"{type(self).__name__} has no drill document (define drill_document(rng, tokens))")
+
+    @classmethod
+    def has_drill(cls) -> bool:
+        return cls.drill_document is not ToolEnv.drill_document
+
     # ----------------------------------------------------------------------------------------------------------------
     # State
     # ----------------------------------------------------------------------------------------------------------------

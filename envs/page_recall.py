@@ -17,6 +17,7 @@ episode: in page 1's line, then only where the policy wrote it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,6 +25,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from longstraw_agents.tools import Tool, ToolRegistry, format_tool_call, tool
+from longstraw_agents.trajectory import Segment, Trajectory
 
 from .answers import ANSWER_CLOSE, ANSWER_OPEN
 from .base import Score, ToolEnv, ToolEnvConfig, system_prompt_with_tools
@@ -86,6 +88,16 @@ class PageRecallTask:
         return f"The code is{self.code}."
 
 
+def _page(rng: np.random.Generator, words: Sequence[str], number: int, pages: int, lines: int, code: str | None) -> str:
+    """Page ``number`` of ``pages``: its header, then ``lines`` lines of filler ``words``, and the code's line at a
+    random place among them when ``code`` is given."""
+    drawn = rng.integers(len(words), size=(lines, FILLER_WORDS_PER_LINE))
+    body = ["".join(words[i] for i in row) + "." for row in drawn]
+    if code is not None:
+        body.insert(int(rng.integers(lines + 1)), f"The code is{code}.")
+    return "\n".join([page_header(number, pages), *body])
+
+
 class PageRecallEnv(ToolEnv[PageRecallTask]):
     """Read every page, then answer the code stated on page 1; reward 1 for exactly that code, else 0."""
 
@@ -104,14 +116,26 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
             raise ValueError(f"codes={codes} exceeds the {len(words)} code words the tokenizer has")
         code = words[int(rng.integers(codes))]
         lines_per_page = max(1, self.config.page_tokens // TOKENS_PER_LINE)
-        pages = []
-        for number in range(1, self.config.pages + 1):
-            drawn = rng.integers(len(pools.filler), size=(lines_per_page, FILLER_WORDS_PER_LINE))
-            lines = ["".join(pools.filler[i] for i in row) + "." for row in drawn]
-            if number == 1:
-                lines.insert(int(rng.integers(lines_per_page + 1)), f"The code is{code}.")
-            pages.append("\n".join([page_header(number, self.config.pages), *lines]))
+        pages = [
+            _page(rng, pools.filler, number, self.config.pages, lines_per_page, code if number == 1 else None)
+            for number in range(1, self.config.pages + 1)
+        ]
         return PageRecallTask(code=code, pages=tuple(pages))
+
+    def drill_document(self, rng: np.random.Generator, tokens: int) -> Trajectory:
+        """The copy the task turns on, alone: a page of about ``tokens`` tokens stating a code, then ``The code is``
+        and the code, as a summary or the answer writes it (loss on the code and its full stop). A tiny policy does
+        not learn this copy from the episodes, where its one token is ~5 % of the loss and 64 episodes are told
+        apart more easily by their filler than read; fresh pages, the code anywhere in them, teach it (README,
+        "Compaction that learns")."""
+        words = self.code_words()[: self.config.codes]
+        code = words[int(rng.integers(len(words)))]
+        page = _page(rng, word_pools(self.tokenizer).filler, 1, 1, max(1, tokens // TOKENS_PER_LINE), code)
+        asked, copied = f"{page}\nThe code is", f"{code}."
+        encode = self.tokenizer.encode
+        return Trajectory(
+            [Segment("user", encode(asked), text=asked), Segment("assistant", encode(copied), text=copied)]
+        )
 
     def code_words(self) -> tuple[str, ...]:
         """The value pool's words that no text of the environment's own holds (its system and user prompts, the

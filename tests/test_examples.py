@@ -138,6 +138,10 @@ def test_the_full_size_compaction_config_would_run(tmp_path: Path, capsys) -> No
     config["output_dir"] = str(tmp_path / "run")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--check", str(tmp_path / "config.yaml")]) == 0, capsys.readouterr().err
+    [warm_start] = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("warm start")]
+    stages = config["warm_start"]["drill"]
+    assert f"drill {len(stages)}: {stages[-1]['sft']['steps']:,} steps x" in warm_start  # the stages, then episodes
+    assert f"{config['warm_start']['episodes']:,} scripted episodes (pages=3) + " in warm_start
 
 
 def test_the_compaction_learning_bench_runs_the_example_at_the_suites_size(tmp_path: Path) -> None:

@@ -60,9 +60,11 @@ def supervised_warm_start(
     config: SFTConfig | None = None,
     on_step: Callable[[int, float], None] | None = None,
     progress: bool | None = None,
+    label: str = "warm start",
 ) -> list[float]:
     """Train on ``trajectories`` (token-mean NLL per batch); returns the loss of each step.
 
+    label: the progress bar's name.
     progress: a bar with the loss and tokens per second (plain lines when standard error is not a terminal; None:
     the bar on a terminal only, ``longstraw_agents.progress``)."""
     config = config or SFTConfig()
@@ -73,7 +75,7 @@ def supervised_warm_start(
     model.train()
     losses: list[float] = []
     with fused_attention(model):
-        bar = progress_bar(total=config.steps, desc="warm start", unit="step", enabled=progress)
+        bar = progress_bar(total=config.steps, desc=label, unit="step", enabled=progress)
         started, tokens = time.perf_counter(), 0
         try:
             for step in range(config.steps):

@@ -36,10 +36,12 @@ from longstraw_agents.app.config import (
     ModelSpec,
     ServedPolicySpec,
     TrainConfig,
+    WarmStartSpec,
     check_env,
     check_model,
     check_report_to,
     check_tokenizer,
+    check_warm_start,
 )
 
 if TYPE_CHECKING:
@@ -88,6 +90,9 @@ def check_config(config: TrainConfig, *, resume: bool = False, timeout_s: float 
     if env_ok:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in config.env.kwargs.items())
         report.fact("env", f"{config.env.id}" + (f" ({kwargs})" if kwargs else ""))
+        if _attempt(report, lambda: check_warm_start(config.warm_start, config.env, tokenizer)) is not False:
+            if config.warm_start is not None and not resume:
+                report.fact("warm start", _warm_start_text(config.warm_start))
     model_config = _check_model_source(report, config, tokenizer)
     if model_config is not None and tokenizer is not None and env_ok:  # the prompt needs an env that can be made
         _attempt(report, lambda: check_prompt_fits(config, model_config, tokenizer))
@@ -280,6 +285,22 @@ def parameter_count(model_config: PretrainedConfig) -> int:
     except (ValueError, TypeError, KeyError, RuntimeError):
         return 0
     return sum(p.numel() for p in model.parameters())
+
+
+def _warm_start_text(spec: WarmStartSpec) -> str:
+    """Each stage: its documents and steps."""
+    stages = [
+        f"drill {n}: {d.sft.steps:,} steps x {d.sft.batch_size} documents of {d.tokens[0]:,}-{d.tokens[1]:,} tokens"
+        for n, d in enumerate(spec.drill, 1)
+    ]
+    changed = ", ".join(f"{k}={v!r}" for k, v in spec.env_kwargs.items())
+    drills = spec.rehearsed_drills
+    stages.append(
+        f"{spec.episodes:,} scripted episodes{f' ({changed})' if changed else ''}"
+        + (f" + {drills:,} drill documents" if drills else "")
+        + f": {spec.sft.steps:,} steps x {spec.sft.batch_size}"
+    )
+    return "; ".join(stages)
 
 
 def _training_text(config: TrainConfig, steps_done: int = 0) -> str:

@@ -99,13 +99,69 @@ class PolicySpec(BaseModel):
     served: ServedPolicySpec | None = Field(None, description="sample from a server instead of in-process")
 
 
+class DrillStage(BaseModel):
+    """One stage of the warm start's drill: ``sft.steps * sft.batch_size`` fresh drill documents of the environment
+    (``ToolEnv.drill_document``), each of a length drawn uniformly from ``tokens``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    tokens: list[int] = Field(min_length=2, max_length=2, description="[shortest, longest] document, in tokens")
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+
+    @field_validator("tokens")
+    @classmethod
+    def _a_range(cls, tokens: list[int]) -> list[int]:
+        if not 1 <= tokens[0] <= tokens[1]:
+            raise ValueError(f"tokens is [shortest, longest] with 1 <= shortest <= longest; got {list(tokens)}")
+        return tokens
+
+
 class WarmStartSpec(BaseModel):
-    """Supervised warm start on the environment's scripted policy before GRPO."""
+    """Supervised warm start before GRPO: first the ``drill`` stages in turn, then the environment's scripted
+    episodes (``env_kwargs`` over the run's), with a ``rehearsal`` share of drill documents mixed in so that the
+    episodes' layout is learned while the drilled skill stays in use (``bench.ablation_learning``'s ``Mixture``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     episodes: int = Field(64, ge=1, description="scripted episodes to learn from")
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="over env.kwargs for the warm start's episodes alone (merged key by key, nested mappings too): "
+        "e.g. shorter pages, to learn the layout at a fraction of the tokens",
+    )
+    drill: list[DrillStage] = Field(default_factory=list, description="drill stages before the episodes")
+    rehearsal: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="share of the episodes' stage documents that are drill documents (of the last drill stage's "
+        "lengths)",
+    )
+
+    @model_validator(mode="after")
+    def _rehearsal_needs_a_drill(self) -> WarmStartSpec:
+        if self.rehearsal > 0.0 and not self.drill:
+            raise ValueError("warm_start.rehearsal mixes in drill documents: give warm_start.drill stages")
+        return self
+
+    @property
+    def rehearsed_drills(self) -> int:
+        """How many drill documents join the episodes, so that they are ``rehearsal`` of the stage's documents."""
+        return round(self.rehearsal * self.episodes / (1.0 - self.rehearsal))
+
+    def episode_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` (the run's env.kwargs) with ``env_kwargs`` merged over them."""
+        return merged(kwargs, self.env_kwargs)
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into ``base`` key by key, nested mappings merged the same way."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if both else value
+    return out
 
 
 class TrainConfig(JobSpec):
@@ -337,17 +393,37 @@ def check_env(spec: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
         env.close()
 
 
-def _env_config_class(env_id: str) -> type[BaseModel] | None:
-    """The config model of a registered LongStraw environment's class, found without making one."""
+def check_warm_start(spec: WarmStartSpec | None, env: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
+    """The warm start's episodes can be made (``env_kwargs`` merged over the run's), and an environment given
+    ``drill`` stages has a drill document; a ConfigError naming the setting otherwise."""
+    if spec is None:
+        return
+    if spec.env_kwargs:
+        try:
+            check_env(EnvSpec(id=env.id, kwargs=spec.episode_kwargs(env.kwargs)), tokenizer)
+        except ConfigError as err:
+            raise ConfigError(f"warm_start.env_kwargs: {err}") from None
+    creator = _env_creator(env.id)
+    if spec.drill and not (hasattr(creator, "has_drill") and creator.has_drill()):
+        name = getattr(creator, "__name__", env.id)
+        raise ConfigError(f"warm_start.drill: {name} has no drill document (ToolEnv.drill_document); remove the stages")
+
+
+def _env_creator(env_id: str) -> Any:
+    """A registered environment's class (or factory), found without making one; None when it cannot be loaded."""
     import gymnasium
     from gymnasium.envs.registration import load_env_creator
 
     try:
         entry_point = gymnasium.spec(env_id).entry_point
-        creator = load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
+        return load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
     except (gymnasium.error.Error, ImportError, AttributeError):
         return None
-    return _model_in(getattr(creator, "config_class", None))
+
+
+def _env_config_class(env_id: str) -> type[BaseModel] | None:
+    """The config model of a registered LongStraw environment's class, found without making one."""
+    return _model_in(getattr(_env_creator(env_id), "config_class", None))
 
 
 def _check_env_kwarg_types(spec: EnvSpec, config_class: type[BaseModel]) -> None:

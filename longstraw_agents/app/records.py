@@ -51,10 +51,20 @@ def _numbers(data: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, int | 
             yield f"{prefix}{key}", value
 
 
+def warm_start_label(stage: str, drills: int) -> str:
+    """A warm-start stage's name in its progress bar and summary: ``warm start`` for one on episodes alone, else
+    ``warm start, <stage>``."""
+    return "warm start" if stage == "episodes" and not drills else f"warm start, {stage}"
+
+
 class WarmStartRecord(MetricsRecord):
     PHASE: ClassVar[str] = "warm_start"
 
+    stage: str = "episodes"
+    """``drill 1``, ``drill 2``... (`WarmStartSpec.drill`), then ``episodes``."""
     episodes: int
+    drills: int = 0
+    """Drill documents learned from: a drill stage's, or those rehearsed among the episodes."""
     steps: int
     loss_first: float | None
     loss_last: float | None
@@ -62,7 +72,22 @@ class WarmStartRecord(MetricsRecord):
 
     def summary(self) -> str:
         losses = f"loss {self.loss_first:.3f} -> {self.loss_last:.3f}" if self.steps else "no steps"
-        return f"warm start: {self.episodes} scripted episodes, {self.steps} steps, {losses}"
+        documents = [f"{self.episodes} scripted episodes"] if self.episodes else []
+        documents += [f"{self.drills} drill documents"] if self.drills else []
+        return f"{self.label}: {' + '.join(documents)}, {self.steps} steps, {losses}"
+
+    @property
+    def label(self) -> str:
+        return warm_start_label(self.stage, self.drills)
+
+    def tracker_values(self) -> dict[str, int | float]:
+        """As every record's, a drill stage's under ``warm_start/<stage>/`` (``warm_start/drill_1/loss_last``),
+        so that the stages, all at step 0, do not overwrite each other's figures."""
+        values = super().tracker_values()
+        if self.stage == "episodes":
+            return values
+        prefix = f"{self.PHASE}/{self.stage.replace(' ', '_')}/"
+        return {prefix + key.removeprefix(f"{self.PHASE}/"): value for key, value in values.items()}
 
     @property
     def at_step(self) -> int:

@@ -26,7 +26,6 @@ import contextlib
 import copy
 import json
 import shutil
-import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,14 +40,16 @@ from longstraw_agents.app.config import (
     check_model,
     check_report_to,
     check_tokenizer,
+    check_warm_start,
 )
 from longstraw_agents.app.distributed import Ranks
-from longstraw_agents.app.records import EvalRecord, MetricsRecord, WarmStartRecord
+from longstraw_agents.app.records import EvalRecord, MetricsRecord
 from longstraw_agents.app.reporting import Reporter
-from longstraw_agents.app.seeds import sampling_seed, task_seed, warm_start_seed
+from longstraw_agents.app.seeds import sampling_seed, task_seed
 from longstraw_agents.app.served import ServedPolicy
+from longstraw_agents.app.warm_start import warm_start
 from longstraw_agents.engine import Engine
-from longstraw_agents.envs import ContextPolicy, ScriptedPolicy, run_episode, unwrap_tool_env
+from longstraw_agents.envs import ContextPolicy, unwrap_tool_env
 from longstraw_agents.models import context_limit
 from longstraw_agents.models.lora import LoraTargetError, apply_lora, lora_layers, merged_copy
 from longstraw_agents.models.presets import build_model
@@ -59,7 +60,6 @@ from longstraw_agents.sampler import Sampler
 from longstraw_agents.store import Store
 from longstraw_agents.torch_sampler import TorchSampler
 from longstraw_agents.trainer import GRPOTrainer
-from longstraw_agents.trainer.sft import supervised_warm_start
 from longstraw_agents.trainer.trainer import IncompleteCheckpoint
 
 if TYPE_CHECKING:
@@ -148,6 +148,7 @@ class Run:
         check_report_to(config.report_to)
         self.tokenizer = check_tokenizer(config.tokenizer)
         check_env(config.env, self.tokenizer)
+        check_warm_start(config.warm_start, config.env, self.tokenizer)
         model_config = check_model(config.model, self.tokenizer.vocab_size)
         self.model = build_policy(config.model, model_config, config.seed)
         self.max_context = max_context_of(self.model, config.model)
@@ -368,21 +369,12 @@ class Run:
         spec = self.config.warm_start
         if spec is None:
             return
-        env = self.env_factory()
-        policy = ScriptedPolicy(env)
-        traces = [run_episode(env, policy, seed=warm_start_seed(k)) for k in range(spec.episodes)]
-        start = time.perf_counter()
-        shown = self.config.progress and self.ranks.writes
-        losses = supervised_warm_start(self.model, traces, spec.sft, progress=shown)
-        self.emit(
-            WarmStartRecord(
-                episodes=len(traces),
-                steps=len(losses),
-                loss_first=losses[0] if losses else None,
-                loss_last=losses[-1] if losses else None,
-                seconds=time.perf_counter() - start,
-            )
-        )
+        episodes = self.env_factory
+        if spec.env_kwargs:
+            kwargs = self.env_kwargs(spec.episode_kwargs(self.config.env.kwargs))
+            limits = RolloutLimits(self.config.sampling.max_new_tokens, self.max_context)
+            episodes = make_env_factory(self.config.env.id, kwargs, limits)
+        warm_start(self.model, spec, episodes, self.emit, progress=self.config.progress and self.ranks.writes)
 
     def _reference(self, resume: bool, source: Path | None) -> torch.nn.Module | None:
         """The frozen KL reference (beta > 0): the policy as GRPO starts (after the warm start), kept in the run

@@ -11,6 +11,7 @@ every run's tasks):
   ``dp_rank · 2**40`` for the data-parallel ranks after the first (each rolls out other tasks and must not replay
   the first rank's random draws; rank 0 draws as a one-process run);
 - warm-start traces: ``10,000,000 + episode``, the same for every run (a fixed supervised data set);
+- warm-start drills: one generator per stage, seeded ``[20,000,000, stage]``, the same for every run;
 - held-out evaluation: ``900,000,000 + episode`` tasks, sampled with seed 900,000,000 — above every training task
   seed of runs with seed < 899, and the same for every run and step, so evaluations compare like with like.
 """
@@ -22,6 +23,7 @@ TASK_STEP_STRIDE = 1_009
 SAMPLING_RUN_STRIDE = 100_003
 SAMPLING_RANK_STRIDE = 2**40
 WARM_START_BASE = 10_000_000
+DRILL_BASE = 20_000_000
 EVAL_BASE = 900_000_000
 
 
@@ -40,6 +42,12 @@ def sampling_seed(run_seed: int, step: int, dp_rank: int = 0) -> int:
 def warm_start_seed(episode: int) -> int:
     """The environment seed of scripted warm-start episode ``episode``."""
     return WARM_START_BASE + episode
+
+
+def drill_seed(stage: int) -> list[int]:
+    """The generator seed of the warm start's drill stage ``stage`` (the stage after the last drill stage: the
+    drills rehearsed among the episodes)."""
+    return [DRILL_BASE, stage]
 
 
 def eval_sampling_seed(dp_rank: int = 0) -> int:

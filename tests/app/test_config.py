@@ -19,6 +19,7 @@ from longstraw_agents.app.config import (
     ModelSpec,
     ParallelSpec,
     TrainConfig,
+    WarmStartSpec,
     check_env,
     check_model,
     load_config,
@@ -220,6 +221,14 @@ def fails_before_writing(run_dir: Path, message: str, **update) -> None:
             {"model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 16}},
             "context limit of 16 tokens",
         ),
+        (
+            {"warm_start": {"drill": [{"tokens": [10, 20]}]}},
+            r"warm_start\.drill: CalculatorEnv has no drill document",
+        ),
+        (
+            {"warm_start": {"env_kwargs": {"max_turns": 0}}},
+            r"warm_start\.env_kwargs: invalid env\.kwargs for LongStraw/Calculator-v0:\n.*max_turns",
+        ),
     ],
 )
 def test_configs_that_cannot_run_fail_before_the_run_directory_is_written(
@@ -383,3 +392,28 @@ def test_expert_dispatch_shards_long_extends_under_expert_parallelism() -> None:
     parallel = {"cp": 2, "fsdp": True, "expert_parallel": True, "expert_dispatch": True, "sharded_extend_tokens": 64}
     config = TrainConfig.model_validate(tiny_config_dict("runs/x", parallel=parallel))
     assert config.engine.sharded_extends and config.engine.sharded_extend_tokens == 64  # (read from parallel.)
+
+
+@pytest.mark.parametrize(
+    ("warm_start", "message"),
+    [
+        ({"drill": [{"tokens": [300, 100]}]}, r"tokens is \[shortest, longest\] with 1 <= shortest <= longest"),
+        ({"drill": [{"tokens": [0, 100]}]}, r"1 <= shortest"),
+        ({"rehearsal": 0.5}, "warm_start.rehearsal mixes in drill documents: give warm_start.drill stages"),
+        ({"rehearsal": 1.0, "drill": [{"tokens": [1, 2]}]}, "rehearsal"),
+    ],
+)
+def test_a_warm_start_drill_is_a_length_range_and_rehearsal_a_share_below_one(warm_start: dict, message: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=message):
+        TrainConfig.model_validate(tiny_config_dict("runs/x", warm_start=warm_start))
+
+
+def test_the_warm_starts_env_kwargs_merge_over_the_runs_nested_mappings_too() -> None:
+    spec = WarmStartSpec(env_kwargs={"page_tokens": 300, "context": {"strategy": {"threshold": 600}}})
+    run = {"pages": 12, "context": {"max_context_tokens": 4096, "strategy": {"kind": "summary", "threshold": 2560}}}
+    assert spec.episode_kwargs(run) == {
+        "pages": 12,
+        "page_tokens": 300,
+        "context": {"max_context_tokens": 4096, "strategy": {"kind": "summary", "threshold": 600}},
+    }
+    assert run["context"]["strategy"]["threshold"] == 2560  # the run's own kwargs are left as they were

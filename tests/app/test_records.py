@@ -57,7 +57,18 @@ def test_a_step_record_gives_its_numbers_under_grpo_at_its_step() -> None:
 def test_records_without_a_step_of_their_own() -> None:
     warm_start = WarmStartRecord(episodes=8, steps=0, loss_first=None, loss_last=None, seconds=0.25)
     assert warm_start.at_step == 0  # before the first GRPO step
-    assert warm_start.tracker_values() == {"warm_start/episodes": 8, "warm_start/steps": 0, "warm_start/seconds": 0.25}
+    assert warm_start.tracker_values() == {
+        "warm_start/episodes": 8,
+        "warm_start/drills": 0,
+        "warm_start/steps": 0,
+        "warm_start/seconds": 0.25,
+    }
+    assert warm_start.summary() == "warm start: 8 scripted episodes, 0 steps, no steps"
+    drill = WarmStartRecord(stage="drill 1", episodes=0, drills=16, steps=2, loss_first=2.0, loss_last=1.0, seconds=1.0)
+    assert drill.summary() == "warm start, drill 1: 16 drill documents, 2 steps, loss 2.000 -> 1.000"
+    assert drill.tracker_values()["warm_start/drill_1/loss_last"] == 1.0  # not the episodes' stage's figure
+    rehearsed = drill.model_copy(update={"stage": "episodes", "episodes": 8})
+    assert rehearsed.summary().startswith("warm start, episodes: 8 scripted episodes + 16 drill documents")
     evaluation = EvalRecord(step=3, reward_mean=0.5, episodes=4, policy_version=3)
     assert evaluation.at_step == 3
     assert evaluation.tracker_values() == {"eval/reward_mean": 0.5, "eval/episodes": 4, "eval/policy_version": 3}

@@ -125,3 +125,37 @@ def test_an_answer_before_the_last_page_scores_nothing() -> None:
     answer = env.formatter.assistant(f"<answer>{env.task.code}</answer>", env.turn).token_ids
     _, reward, terminated, _, _ = env.step(answer)
     assert terminated and reward == 0.0 and env.trajectory.info["score"] == {"read_all_pages": False}
+
+
+def test_a_drill_document_states_a_code_on_a_page_then_copies_it_with_loss_on_the_copy_alone() -> None:
+    env = PageRecallEnv(codes=4)
+    codes = {env.tokenizer.encode(w)[0] for w in env.code_words()[:4]}
+    drawn = set()
+    for tokens in (20, 300, 3000):
+        rng = np.random.default_rng(tokens)
+        document = env.drill_document(rng, tokens)
+        page, copy = document.segments
+        assert page.role == "user" and copy.role == "assistant"
+        assert tokens * 0.7 <= document.num_tokens <= tokens * 1.3 + 20  # about the length asked for
+        [code] = [t for t in page.token_ids.tolist() if t in codes]  # the code, once, among the filler
+        assert copy.token_ids.tolist() == env.tokenizer.encode(env.tokenizer.decode([code]) + ".")
+        assert page.text.endswith("\nThe code is") and "The code is" in page.text.removesuffix("\nThe code is")
+        drawn.add(code)
+        again = env.drill_document(np.random.default_rng(tokens), tokens)
+        assert [s.token_ids.tolist() for s in again.segments] == [s.token_ids.tolist() for s in document.segments]
+    assert PageRecallEnv.has_drill()
+
+
+def test_the_pages_are_the_same_draws_as_before_the_drill_shared_their_maker() -> None:
+    """``_page`` serves both the task and the drill: the task's pages must stay the draws they were (every seed's
+    episode, and the stores and figures made from them). Page 1 of seed 0 at 2 pages of 40 tokens, as written
+    before."""
+    env = PageRecallEnv(pages=2, page_tokens=40, codes=8)
+    env.reset(seed=0)
+    rng = np.random.default_rng(0)  # the draws in make_task's order: the code, then each page's lines and place
+    pools, words = word_pools(env.tokenizer), env.code_words()
+    code = words[int(rng.integers(8))]
+    lines = rng.integers(len(pools.filler), size=(40 // 9, 8))
+    first = ["".join(pools.filler[i] for i in row) + "." for row in lines]
+    first.insert(int(rng.integers(40 // 9 + 1)), f"The code is{code}.")
+    assert env.task.pages[0] == "\n".join(["Page 1 of 2.", *first]) and env.task.code == code
