@@ -65,10 +65,10 @@ def quick_config(config: dict[str, Any]) -> dict[str, Any]:
     warm_start = config["warm_start"]
     warm_start["episodes"] = 4
     warm_start["sft"]["steps"] = 4
-    if warm_start.get("env_kwargs"):  # (the full size's are full pages)
-        warm_start["env_kwargs"] = {"pages": 2}
-    for stage in warm_start.get("drill", []):
-        stage["tokens"] = [min(tokens, 300) for tokens in stage["tokens"]]
+    if warm_start.get("env_kwargs"):  # fewer pages than the run's, as at the full size
+        warm_start["env_kwargs"] = {**warm_start["env_kwargs"], "pages": 2}
+    for stage in warm_start.get("drill", []):  # no longer than a page
+        stage["tokens"] = [min(tokens, kwargs["page_tokens"]) for tokens in stage["tokens"]]
         stage["sft"]["steps"] = 2
     return config
 

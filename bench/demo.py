@@ -52,6 +52,8 @@ def run_figures(run_dir: Path) -> dict[str, Any]:
             f"{len(warm_starts)} warm start and {len(evals)} evaluation lines"
         )
     stages = [{k: w.get(k, "episodes") if k == "stage" else w[k] for k in WARM_START_FIGURES} for w in warm_starts]
+    # a start stopped in its warm start (no checkpoint) and started again appended its stages anew: the last ones
+    stages = stages[max(i for i, w in enumerate(stages) if w["stage"] == stages[0]["stage"]) :]
     before, after = (e["reward_mean"] for e in evals)
     return {  # the episodes' stage (the last) and the time of them all; each stage (drills first) apart
         "warm_start": {**stages[-1], "seconds": sum(w["seconds"] for w in stages), "stages": stages},

@@ -246,7 +246,7 @@ class ToolEnv(gymnasium.Env[np.ndarray, Action], Generic[TaskT]):
 
     def drill_document(self, rng: np.random.Generator, tokens: int) -> Trajectory:
         """A document of about ``tokens`` tokens, drawn only from ``rng``, that drills in isolation the one skill the
-        task turns on (loss on its assistant segments): the warm start's ``drill`` stages (`app/run.py`) learn it
+        task turns on (loss on its assistant segments): the warm start's ``drill`` stages (`app/warm_start.py`) learn it
         from fresh documents before the episodes' layout, which a tiny policy does not learn it from. Optional: an
         environment without a drill refuses ``warm_start.drill``."""
         raise NotImplementedError(f"{type(self).__name__} has no drill document (define drill_document(rng, tokens))")

@@ -125,9 +125,11 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
     def drill_document(self, rng: np.random.Generator, tokens: int) -> Trajectory:
         """The copy the task turns on, alone: a page of about ``tokens`` tokens stating a code, then ``The code is``
         and the code, as a summary or the answer writes it (loss on the code and its full stop). A tiny policy does
-        not learn this copy from the episodes, where its one token is ~5 % of the loss and 64 episodes are told
-        apart more easily by their filler than read; fresh pages, the code anywhere in them, teach it (README,
-        "Compaction that learns")."""
+        not learn this copy from the episodes, where the code is ~4 % of the loss tokens and a few dozen episodes
+        are told apart more easily by their filler than read; new pages, the code anywhere in them, teach it
+        (README, the long-horizon task). Plain text, not the chat layout: a copy with one token between the cue and
+        the code is what a tiny model learns first (`bench.ablation_learning` found the same for key-value recall);
+        the episodes' stage then carries it into the layout, with these drills rehearsed."""
         words = self.code_words()[: self.config.codes]
         code = words[int(rng.integers(len(words)))]
         page = _page(rng, word_pools(self.tokenizer).filler, 1, 1, max(1, tokens // TOKENS_PER_LINE), code)

@@ -702,6 +702,29 @@ def test_demo_bench_reads_a_finished_demo_run_and_refuses_an_unfinished_one(tmp_
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write(after.to_json() + "\n")
     figures = run_figures(tmp_path)
-    assert figures["warm_start"] == {"steps": 700, "loss_first": 7.5, "loss_last": 0.002, "seconds": 300.0}
+    stage = {"stage": "episodes", "steps": 700, "loss_first": 7.5, "loss_last": 0.002, "seconds": 300.0}
+    assert figures["warm_start"] == {**stage, "stages": [stage]}
     assert (figures["reward_before"], figures["reward_after"], figures["rise"]) == (0.25, 0.75, 0.5)
     assert figures["grpo_steps"] == 2 and figures["eval_episodes"] == 128
+
+
+def test_demo_bench_reads_a_staged_warm_start_once_a_restart_left_earlier_stages_behind(tmp_path: Path) -> None:
+    """A drill stage's line, then a start stopped in its second stage and started again: the figures are those of
+    the last start's stages, their seconds summed, the episodes' stage's losses in front."""
+    from bench.demo import run_figures
+    from longstraw_agents.app.records import EvalRecord, WarmStartRecord
+
+    def stage(name: str, loss: float, seconds: float) -> str:
+        record = WarmStartRecord(
+            stage=name, episodes=0, drills=8, steps=4, loss_first=2.0, loss_last=loss, seconds=seconds
+        )
+        return record.to_json()
+
+    evals = [EvalRecord(step=k, reward_mean=0.5, episodes=4, policy_version=k).to_json() for k in (0, 1)]
+    lines = [stage("drill 1", 0.9, 50.0), stage("drill 1", 0.1, 10.0), stage("drill 2", 0.2, 20.0)]
+    lines += [stage("episodes", 0.3, 30.0), *evals]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    warm_start = run_figures(tmp_path)["warm_start"]
+    assert [s["stage"] for s in warm_start["stages"]] == ["drill 1", "drill 2", "episodes"]
+    assert warm_start["stages"][0]["loss_last"] == 0.1  # the restart's drill 1, not the stopped start's
+    assert (warm_start["loss_last"], warm_start["seconds"]) == (0.3, 60.0)

@@ -90,10 +90,9 @@ def check_config(config: TrainConfig, *, resume: bool = False, timeout_s: float 
     if env_ok:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in config.env.kwargs.items())
         report.fact("env", f"{config.env.id}" + (f" ({kwargs})" if kwargs else ""))
-        if _attempt(report, lambda: check_warm_start(config.warm_start, config.env, tokenizer)) is not False:
-            if config.warm_start is not None and not resume:
-                report.fact("warm start", _warm_start_text(config.warm_start))
     model_config = _check_model_source(report, config, tokenizer)
+    if env_ok and config.warm_start is not None and not resume:  # (a resumed run has no warm start)
+        _check_warm_start(report, config, config.warm_start, tokenizer, model_config)
     if model_config is not None and tokenizer is not None and env_ok:  # the prompt needs an env that can be made
         _attempt(report, lambda: check_prompt_fits(config, model_config, tokenizer))
     steps_done = _check_output_dir(report, config, resume)
@@ -285,6 +284,20 @@ def parameter_count(model_config: PretrainedConfig) -> int:
     except (ValueError, TypeError, KeyError, RuntimeError):
         return 0
     return sum(p.numel() for p in model.parameters())
+
+
+def _check_warm_start(
+    report: CheckReport,
+    config: TrainConfig,
+    spec: WarmStartSpec,
+    tokenizer: Tokenizer | None,
+    model_config: PretrainedConfig | None,
+) -> None:
+    from longstraw_agents.models import context_limit
+
+    limit = None if model_config is None else context_limit(model_config, config.model.max_context)
+    if _attempt(report, lambda: check_warm_start(spec, config.env, tokenizer, limit)) is not False:
+        report.fact("warm start", _warm_start_text(spec))
 
 
 def _warm_start_text(spec: WarmStartSpec) -> str:

@@ -100,13 +100,21 @@ class PolicySpec(BaseModel):
 
 
 class DrillStage(BaseModel):
-    """One stage of the warm start's drill: ``sft.steps * sft.batch_size`` fresh drill documents of the environment
-    (``ToolEnv.drill_document``), each of a length drawn uniformly from ``tokens``."""
+    """One stage of the warm start's drill: ``sft.steps * sft.batch_size`` new drill documents of the environment
+    (``ToolEnv.drill_document``), each of a length drawn uniformly from ``tokens``, batches drawn from them as
+    ``supervised_warm_start`` draws (at random, with replacement: about 63 % of them are seen)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     tokens: list[int] = Field(min_length=2, max_length=2, description="[shortest, longest] document, in tokens")
     sft: SFTConfig = Field(default_factory=SFTConfig)
+
+    @field_validator("sft")
+    @classmethod
+    def _some_steps(cls, sft: SFTConfig) -> SFTConfig:
+        if sft.steps < 1:
+            raise ValueError("a drill stage learns sft.steps * sft.batch_size documents: give it at least 1 step")
+        return sft
 
     @field_validator("tokens")
     @classmethod
@@ -393,37 +401,56 @@ def check_env(spec: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
         env.close()
 
 
-def check_warm_start(spec: WarmStartSpec | None, env: EnvSpec, tokenizer: Tokenizer | None = None) -> None:
-    """The warm start's episodes can be made (``env_kwargs`` merged over the run's), and an environment given
-    ``drill`` stages has a drill document; a ConfigError naming the setting otherwise."""
+def check_warm_start(
+    spec: WarmStartSpec | None, env: EnvSpec, tokenizer: Tokenizer | None = None, max_context: int | None = None
+) -> None:
+    """The warm start's episodes can be made (``env_kwargs`` merged over the run's); given ``drill`` stages, the
+    environment has a drill document, and each stage's longest fits ``max_context`` (the model's, when known). A
+    ConfigError naming the setting otherwise."""
+    import gymnasium
+    import numpy as np
+
+    from longstraw_agents.envs import unwrap_tool_env
+
     if spec is None:
         return
+    episodes = EnvSpec(id=env.id, kwargs=spec.episode_kwargs(env.kwargs))
     if spec.env_kwargs:
         try:
-            check_env(EnvSpec(id=env.id, kwargs=spec.episode_kwargs(env.kwargs)), tokenizer)
+            check_env(episodes, tokenizer)
         except ConfigError as err:
             raise ConfigError(f"warm_start.env_kwargs: {err}") from None
-    creator = _env_creator(env.id)
-    if spec.drill and not (hasattr(creator, "has_drill") and creator.has_drill()):
-        name = getattr(creator, "__name__", env.id)
-        raise ConfigError(f"warm_start.drill: {name} has no drill document (ToolEnv.drill_document); remove the stages")
+    if not spec.drill:
+        return
+    extra: dict[str, Any] = {} if tokenizer is None else {"tokenizer": tokenizer}
+    made = gymnasium.make(episodes.id, **episodes.kwargs, **extra)
+    try:
+        tool_env = unwrap_tool_env(made)
+        if not tool_env.has_drill():
+            name = type(tool_env).__name__
+            raise ConfigError(f"warm_start.drill: {name} has no drill document (ToolEnv.drill_document)")
+        for number, stage in enumerate(spec.drill):
+            longest = tool_env.drill_document(np.random.default_rng(0), stage.tokens[1]).num_tokens
+            if max_context is not None and longest > max_context:
+                raise ConfigError(
+                    f"warm_start.drill[{number}].tokens: a drill document of {stage.tokens[1]:,} tokens takes "
+                    f"{longest:,} with its framing, over the model's context limit of {max_context:,} tokens"
+                )
+    finally:
+        made.close()
 
 
-def _env_creator(env_id: str) -> Any:
-    """A registered environment's class (or factory), found without making one; None when it cannot be loaded."""
+def _env_config_class(env_id: str) -> type[BaseModel] | None:
+    """The config model of a registered LongStraw environment's class, found without making one."""
     import gymnasium
     from gymnasium.envs.registration import load_env_creator
 
     try:
         entry_point = gymnasium.spec(env_id).entry_point
-        return load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
+        creator = load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
     except (gymnasium.error.Error, ImportError, AttributeError):
         return None
-
-
-def _env_config_class(env_id: str) -> type[BaseModel] | None:
-    """The config model of a registered LongStraw environment's class, found without making one."""
-    return _model_in(getattr(_env_creator(env_id), "config_class", None))
+    return _model_in(getattr(creator, "config_class", None))
 
 
 def _check_env_kwarg_types(spec: EnvSpec, config_class: type[BaseModel]) -> None:

@@ -148,7 +148,6 @@ class Run:
         check_report_to(config.report_to)
         self.tokenizer = check_tokenizer(config.tokenizer)
         check_env(config.env, self.tokenizer)
-        check_warm_start(config.warm_start, config.env, self.tokenizer)
         model_config = check_model(config.model, self.tokenizer.vocab_size)
         self.model = build_policy(config.model, model_config, config.seed)
         self.max_context = max_context_of(self.model, config.model)
@@ -157,6 +156,8 @@ class Run:
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
         # eviction's edits keep most of the context: the sampler keeps a state at every turn to resume from
         self.keep_marks = self._check_prompt_fits().edits_keep_most_of_the_context
+        if not resume:  # (a resumed run has no warm start)
+            check_warm_start(config.warm_start, config.env, self.tokenizer, self.max_context)
         # Nothing is written before the configuration is known to run: a config error leaves no run directory, and a
         # resume that cannot load the checkpoint leaves the run's config.json as it was.
         self._store: Store | None = None

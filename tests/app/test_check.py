@@ -229,3 +229,22 @@ def test_a_summary_threshold_above_the_models_context_is_one_line_naming_it(tmp_
     assert main(["train", str(tmp_path / "config.yaml")]) == 2
     assert capsys.readouterr().err.startswith("error: the summary threshold (2560)")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_warm_start_drill_is_checked_against_the_env_and_the_models_context(tmp_path: Path, capsys) -> None:
+    """The stages are listed when they can run; a drill for an env without one, or longer than the model's
+    context, is one line naming the stage's setting."""
+    drill = {"drill": [{"tokens": [10, 20], "sft": {"steps": 3, "batch_size": 2}}], "episodes": 4}
+    page_recall = {"id": "LongStraw/PageRecall-v0", "kwargs": {"pages": 2, "page_tokens": 60}}
+    code, out, err = check(tmp_path, tiny_config_dict(tmp_path / "run", env=page_recall, warm_start=drill), capsys)
+    assert code == 0, err
+    assert "warm start  drill 1: 3 steps x 2 documents of 10-20 tokens; 4 scripted episodes: 100 steps x 8" in out
+
+    code, _, err = check(tmp_path, tiny_config_dict(tmp_path / "run", warm_start=drill), capsys)
+    assert code == 2 and error_fields(err) == {"warm_start.drill"} and "CalculatorEnv has no drill" in err
+
+    model = {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 512}
+    too_long = {**drill, "drill": [{"tokens": [10, 600]}]}
+    config = tiny_config_dict(tmp_path / "run", env=page_recall, model=model, warm_start=too_long)
+    code, _, err = check(tmp_path, config, capsys)
+    assert code == 2 and error_fields(err) == {"warm_start.drill[0].tokens"}, err

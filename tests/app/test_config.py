@@ -226,6 +226,15 @@ def fails_before_writing(run_dir: Path, message: str, **update) -> None:
             r"warm_start\.drill: CalculatorEnv has no drill document",
         ),
         (
+            {
+                "env": {"id": "LongStraw/PageRecall-v0", "kwargs": {"pages": 2, "page_tokens": 60}},
+                "model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 2048},
+                "warm_start": {"drill": [{"tokens": [10, 20]}, {"tokens": [100, 2048]}]},
+            },
+            r"warm_start\.drill\[1\]\.tokens: a drill document of 2,048 tokens takes 2,0\d\d with its framing, over the "
+            r"model's context limit of 2,048 tokens",
+        ),
+        (
             {"warm_start": {"env_kwargs": {"max_turns": 0}}},
             r"warm_start\.env_kwargs: invalid env\.kwargs for LongStraw/Calculator-v0:\n.*max_turns",
         ),
@@ -401,6 +410,7 @@ def test_expert_dispatch_shards_long_extends_under_expert_parallelism() -> None:
         ({"drill": [{"tokens": [0, 100]}]}, r"1 <= shortest"),
         ({"rehearsal": 0.5}, "warm_start.rehearsal mixes in drill documents: give warm_start.drill stages"),
         ({"rehearsal": 1.0, "drill": [{"tokens": [1, 2]}]}, "rehearsal"),
+        ({"drill": [{"tokens": [1, 2], "sft": {"steps": 0}}]}, "give it at least 1 step"),
     ],
 )
 def test_a_warm_start_drill_is_a_length_range_and_rehearsal_a_share_below_one(warm_start: dict, message: str) -> None:
