@@ -4,7 +4,8 @@ Each seed is the command itself (``--seed S --output-dir runs/needle_compaction/
 whose CPU time (user + system) is taken from its own resource usage, so seeds may run side by side (``--jobs``,
 each on ``--threads`` threads). From each run: the warm start's loss (each drill stage's last, the episodes' first
 and last), the held-out reward before and after GRPO (the run's ``eval`` records), and from its store how long the
-solving episodes' histories grew and the longest context any episode held. Writes ``bench/results/compaction_learning.json``; README's table is rendered from it.
+solving episodes' histories grew and the longest context any episode held. Writes
+``bench/results/compaction_learning.json``; README's table is rendered from it.
 
     python -m bench.compaction_learning [--seeds 0 1 2] [--jobs 2] [--threads 1] [--quick]
 

@@ -231,8 +231,8 @@ def fails_before_writing(run_dir: Path, message: str, **update) -> None:
                 "model": {"preset": "llama", "overrides": {"hidden": 32}, "max_context": 2048},
                 "warm_start": {"drill": [{"tokens": [10, 20]}, {"tokens": [100, 2048]}]},
             },
-            r"warm_start\.drill\[1\]\.tokens: a drill document of 2,048 tokens takes 2,0\d\d with its framing, over the "
-            r"model's context limit of 2,048 tokens",
+            r"warm_start\.drill\[1\]\.tokens: a drill document of 2,048 tokens takes 2,0\d\d with its framing, "
+            r"over the model's context limit of 2,048 tokens",
         ),
         (
             {"warm_start": {"env_kwargs": {"max_turns": 0}}},
