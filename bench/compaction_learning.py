@@ -104,6 +104,66 @@ def wait_any(running: list[SeedRun]) -> dict[str, Any]:
         "wall_minutes": (time.perf_counter() - run.started) / 60,
         **run_figures(run.run_dir),
         **episode_figures(run.run_dir / "trajectories.db"),
+        "sharpness": warm_start_sharpness(run.run_dir),
+    }
+
+
+SHARPNESS_EPISODES = 2
+"""Held-out scripted episodes the warm start's sharpness is read on (26 turns, ~400 loss tokens each)."""
+
+
+def warm_start_sharpness(run_dir: Path) -> dict[str, Any] | None:
+    """How surely the warm-started policy (the run's ``reference.safetensors``: the policy as GRPO starts) writes
+    the scripted solution of ``SHARPNESS_EPISODES`` held-out tasks, teacher-forced over their physical sequences:
+    the code's tokens apart from the rest (the format: calls, chat marks, "The code is"). ``format_intact`` is the
+    chance that sampling at temperature 1 reproduces every format token of an episode (the product of their
+    probabilities, averaged over the episodes): a policy must keep its format through ~26 turns to be rewarded at
+    all. None for a run without a reference (beta 0)."""
+    import math
+
+    import torch
+    from safetensors.torch import load_model
+
+    from longstraw_agents.app.config import TrainConfig, check_model, check_tokenizer
+    from longstraw_agents.app.run import REFERENCE, build_policy, max_context_of
+    from longstraw_agents.app.seeds import eval_task_seed
+    from longstraw_agents.envs import ScriptedPolicy, run_episode, unwrap_tool_env
+    from longstraw_agents.rollout import RolloutLimits, make_env_factory
+    from longstraw_agents.trainer.sft import fused_attention
+
+    if not (run_dir / REFERENCE).is_file():
+        return None
+    config = TrainConfig.model_validate_json((run_dir / "config.json").read_text())
+    tokenizer = check_tokenizer(config.tokenizer)
+    model = build_policy(config.model, check_model(config.model, tokenizer.vocab_size), config.seed)
+    load_model(model, str(run_dir / REFERENCE))
+    limits = RolloutLimits(config.sampling.max_new_tokens, max_context_of(model, config.model))
+    env = make_env_factory(config.env.id, {**config.env.kwargs, "tokenizer": tokenizer}, limits)()
+    codes = {tokenizer.encode(word)[0] for word in unwrap_tool_env(env).code_words()}
+    code_p, format_p, intact = [], [], []
+    with torch.no_grad(), fused_attention(model.eval()):
+        for k in range(SHARPNESS_EPISODES):
+            trajectory = run_episode(env, ScriptedPolicy(env), seed=eval_task_seed(k))
+            format_log_p = 0.0
+            for sequence in trajectory.physical_sequences():
+                rendered = trajectory.render_sequence(sequence)
+                ids = torch.as_tensor(rendered.token_ids)
+                log_p = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].float(), dim=-1)
+                taken = log_p.gather(1, ids[1:, None])[:, 0]
+                for position in torch.as_tensor(rendered.loss_mask[1:]).nonzero()[:, 0].tolist():
+                    chosen = float(taken[position])
+                    if int(ids[position + 1]) in codes:
+                        code_p.append(math.exp(chosen))
+                    else:
+                        format_p.append(math.exp(chosen))
+                        format_log_p += chosen
+            intact.append(math.exp(format_log_p))
+    return {
+        "format_tokens": len(format_p) // SHARPNESS_EPISODES,
+        "format_p_median": statistics.median(format_p),
+        "format_p_min": min(format_p),
+        "format_intact": statistics.mean(intact),
+        "code_p_mean": statistics.mean(code_p),
     }
 
 
@@ -159,26 +219,46 @@ def summary(runs: list[dict[str, Any]], config: dict[str, Any], command: str) ->
     }
 
 
+def _sharpness(sharpness: dict[str, Any] | None) -> str:
+    if sharpness is None:
+        return "not measured"
+    return f"{sharpness['format_intact']:.3f}, {sharpness['code_p_mean']:.2f}"
+
+
 def table(record: dict[str, Any]) -> str:
     """README's table of ``record`` (what ``main`` wrote): a row per seed, then the mean rise."""
     lines = [
-        "| seed | drills' last loss | warm start loss (episodes) | held-out reward, before → after GRPO | solved "
-        "episodes' history, min / median tokens | longest context | summaries per episode | CPU-hours | wall |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| seed | drills' last loss | warm start loss (episodes) | warm start: format intact at T = 1, p(code) "
+        "| held-out reward, before → after GRPO | solved episodes' history, min / median tokens | longest context "
+        "| summaries per episode | CPU-hours | wall |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in record["runs"]:
         loss = r["warm_start"]
-        drills = [f"{stage['loss_last']:.3f}" for stage in loss.get("stages", []) if stage["stage"] != "episodes"]
+        drills = [f"{stage['loss_last']:.3g}" for stage in loss.get("stages", []) if stage["stage"] != "episodes"]
         solved = r["solved_history_tokens_median"]
         history = f"{r['solved_history_tokens_min']:,} / {solved:,.0f}" if solved else "none solved"
         lines.append(
             f"| {r['seed']} | {', '.join(drills) or 'no drill'} | {loss['loss_first']:.3f} → {loss['loss_last']:.3f} "
+            f"| {_sharpness(r.get('sharpness'))} "
             f"| {r['reward_before']:.3f} → {r['reward_after']:.3f} ({r['rise']:+.3f}) | {history} "
             f"| {r['context_tokens_max']:,} | {r['summaries_per_episode']:.1f} | {r['cpu_hours']:.2f} "
             f"| {r['wall_minutes']:.0f} min |"
         )
-    lines.append(f"| mean | | | rise {record['rise_mean']:+.3f} | | | | | |")
+    lines.append(f"| mean | | | | rise {record['rise_mean']:+.3f} | | | | | |")
     return "\n".join(lines)
+
+
+def reread_sharpness(out: Path, runs: Path, command: str) -> dict[str, Any]:
+    """``out``'s record with each seed's ``sharpness`` read again from its run in ``runs`` (the command saved as
+    ``sharpness_command``)."""
+    result = json.loads(out.read_text())
+    for r in result["runs"]:
+        r["sharpness"] = warm_start_sharpness(runs / f"seed-{r['seed']}")
+    result["sharpness_command"] = command
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -190,9 +270,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runs", type=Path, default=Path("runs/needle_compaction"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a shrunken config into a temporary directory")
+    parser.add_argument(
+        "--sharpness-only",
+        action="store_true",
+        help="read each seed's warm-start sharpness again from the runs in --runs into --out's record (no training)",
+    )
     args = parser.parse_args(argv)
     config = yaml.safe_load(args.config.read_text())
     command = "python -m bench.compaction_learning " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.sharpness_only:
+        return reread_sharpness(args.out, args.runs, command)
     if args.quick:
         with tempfile.TemporaryDirectory() as tmp:
             quick = quick_config(config)

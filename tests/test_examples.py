@@ -159,3 +159,6 @@ def test_the_compaction_learning_bench_runs_the_example_at_the_suites_size(tmp_p
     assert run["context_tokens_max"] <= 1024 + result["config"]["sampling"]["max_new_tokens"]  # (a last turn)
     assert 0 <= run["reward_before"] <= 1 and run["rise"] == run["reward_after"] - run["reward_before"]
     assert result["config"]["env"]["id"] == "LongStraw/PageRecall-v0" and "meets_target" in result
+    sharpness = run["sharpness"]  # the warm start read on held-out scripted episodes (beta > 0 keeps its weights)
+    assert 0 < sharpness["format_intact"] <= sharpness["format_p_min"] <= sharpness["format_p_median"] <= 1
+    assert 0 <= sharpness["code_p_mean"] <= 1 and sharpness["format_tokens"] > 0
