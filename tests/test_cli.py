@@ -25,7 +25,7 @@ from terminal import sigint_as_in_a_terminal
 from tiny_runs import ENV_ID, TINY_MODEL, WARM_START, tiny_config_dict
 from viewer_stores import write_run_directory
 
-from longstraw_agents.app import run as app_run
+from longstraw_agents.app import warm_start as app_warm_start
 from longstraw_agents.cli import EXIT_BROKEN_PIPE, build_parser, main
 from longstraw_agents.store import SCHEMA_VERSION, Store
 from longstraw_agents.trajectory import Segment, Trajectory
@@ -224,7 +224,7 @@ def test_ctrl_c_in_the_warm_start_says_there_is_nothing_to_resume_and_a_rerun_st
     def ctrl_c(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(app_run, "supervised_warm_start", ctrl_c)
+    monkeypatch.setattr(app_warm_start, "supervised_warm_start", ctrl_c)
     code, _, err = run_cli(capsys, "train", config)
     assert code == 130 and "nothing to resume" in err and "resume with --resume" not in err, err
     with Store.open(run_dir / "trajectories.db", create=False) as store:

@@ -190,5 +190,5 @@ def test_mlflow_uses_a_configured_tracking_uri(tmp_path: Path, monkeypatch: pyte
     client = mlflow.MlflowClient(tracking_uri=store.as_uri())
     [logged] = client.search_runs([client.get_experiment_by_name("elsewhere").experiment_id])
     assert logged.data.params == {"trainer.lr": "0.001"}
-    numbers = {"episodes": 2, "steps": 1, "loss_first": 2.5, "loss_last": 2.0, "seconds": 0.5}
+    numbers = {"episodes": 2, "drills": 0, "steps": 1, "loss_first": 2.5, "loss_last": 2.0, "seconds": 0.5}
     assert logged.data.metrics == {f"warm_start/{key}": value for key, value in numbers.items()}
