@@ -139,31 +139,31 @@ def warm_start_sharpness(run_dir: Path) -> dict[str, Any] | None:
     load_model(model, str(run_dir / REFERENCE))
     limits = RolloutLimits(config.sampling.max_new_tokens, max_context_of(model, config.model))
     env = make_env_factory(config.env.id, {**config.env.kwargs, "tokenizer": tokenizer}, limits)()
-    codes = {tokenizer.encode(word)[0] for word in unwrap_tool_env(env).code_words()}
-    code_p, format_p, intact = [], [], []
+    codes = torch.as_tensor([tokenizer.encode(word)[0] for word in unwrap_tool_env(env).code_words()])
+    code_log_p, format_log_p, intact = [], [], []
     with torch.no_grad(), fused_attention(model.eval()):
         for k in range(SHARPNESS_EPISODES):
             trajectory = run_episode(env, ScriptedPolicy(env), seed=eval_task_seed(k))
-            format_log_p = 0.0
+            episode_format = []
             for sequence in trajectory.physical_sequences():
                 rendered = trajectory.render_sequence(sequence)
                 ids = torch.as_tensor(rendered.token_ids)
                 log_p = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].float(), dim=-1)
-                taken = log_p.gather(1, ids[1:, None])[:, 0]
-                for position in torch.as_tensor(rendered.loss_mask[1:]).nonzero()[:, 0].tolist():
-                    chosen = float(taken[position])
-                    if int(ids[position + 1]) in codes:
-                        code_p.append(math.exp(chosen))
-                    else:
-                        format_p.append(math.exp(chosen))
-                        format_log_p += chosen
-            intact.append(math.exp(format_log_p))
+                learned = torch.as_tensor(rendered.loss_mask[1:], dtype=torch.bool)
+                targets = ids[1:][learned]
+                taken = log_p[learned].gather(1, targets[:, None])[:, 0]
+                is_code = torch.isin(targets, codes)
+                code_log_p.append(taken[is_code])
+                episode_format.append(taken[~is_code])
+            format_log_p.extend(episode_format)
+            intact.append(math.exp(float(torch.cat(episode_format).sum())))
+    code_p, format_p = torch.cat(code_log_p).exp(), torch.cat(format_log_p).exp()
     return {
         "format_tokens": len(format_p) // SHARPNESS_EPISODES,
-        "format_p_median": statistics.median(format_p),
-        "format_p_min": min(format_p),
+        "format_p_median": float(format_p.median()),
+        "format_p_min": float(format_p.min()),
         "format_intact": statistics.mean(intact),
-        "code_p_mean": statistics.mean(code_p),
+        "code_p_mean": float(code_p.mean()),
     }
 
 

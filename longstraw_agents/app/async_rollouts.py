@@ -59,7 +59,7 @@ from longstraw_agents.engine import Engine, EngineConfig
 from longstraw_agents.models.lora import with_adapters_of
 from longstraw_agents.models.presets import build_model
 from longstraw_agents.parallel.fsdp import compute_dtype, is_sharded, whole_parts
-from longstraw_agents.rollout import RolloutLimits, rollout_groups
+from longstraw_agents.rollout import rollout_groups
 from longstraw_agents.sampler import Generation
 from longstraw_agents.store import TRAIN_VERSION
 from longstraw_agents.torch_sampler import TorchHandle, TorchSampler
@@ -465,7 +465,7 @@ class AsyncRollouts:
                 sampler,
                 ranks.share(run.task_seeds(step)),
                 config.group_size,
-                RolloutLimits(config.sampling.max_new_tokens, run.max_context),
+                run.limits,
                 group_prefix=self.group_prefix(step, ranks.dp_rank),
                 run_id=run.run_id,
                 progress=False,  # (the training loop's bar counts the steps)

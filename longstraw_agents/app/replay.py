@@ -340,7 +340,7 @@ class Replayer:
         return self.run.ranks.to_cp_peers(forked)  # type: ignore[return-value]  # (every cp rank's is the first's)
 
     def _forked(self, sampler: Sampler, turn: int) -> tuple[list[list[Trajectory]], dict[str, Any]]:
-        limits = RolloutLimits(self.run.config.sampling.max_new_tokens, self.run.max_context)
+        limits = self.run.limits
         run_configs = {run.id: run.config for run in self.source.runs()}
         own_config = self.run.config.model_dump(mode="json")  # for episodes without a recorded run
         skipped: Counter[str] = Counter()
@@ -376,7 +376,7 @@ class Replayer:
         """``fork_group_size`` fresh envs of the logged episode's own env, each replayed to the start of ``turn``."""
         logged = record.trajectory
         kwargs = self.run.env_kwargs(logged_env_kwargs(logged, run_config))  # the policy's tokenizer
-        limits = RolloutLimits(self.run.config.sampling.max_new_tokens, self.run.max_context)
+        limits = self.run.limits
         factory = make_env_factory(logged.env_id, kwargs, limits)
         envs: list[ToolEnv] = []
         try:

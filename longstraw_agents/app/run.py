@@ -151,8 +151,9 @@ class Run:
         model_config = check_model(config.model, self.tokenizer.vocab_size)
         self.model = build_policy(config.model, model_config, config.seed)
         self.max_context = max_context_of(self.model, config.model)
-        limits = RolloutLimits(config.sampling.max_new_tokens, self.max_context)
-        self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), limits)
+        # what every rollout of the run (training, evaluation, replay, the warm start's envs) may take
+        self.limits = RolloutLimits(config.sampling.max_new_tokens, self.max_context)
+        self.env_factory = make_env_factory(config.env.id, self.env_kwargs(config.env.kwargs), self.limits)
         self.stop_ids = sorted({self.tokenizer.eos_token_id})
         # eviction's edits keep most of the context: the sampler keeps a state at every turn to resume from
         self.keep_marks = self._check_prompt_fits().edits_keep_most_of_the_context
@@ -327,9 +328,7 @@ class Run:
         the env's context policy, as the model's context capped it."""
         env = unwrap_tool_env(self.env_factory())
         try:
-            reset_prompt(
-                env, self.task_seeds(0)[0], limits=RolloutLimits(self.config.sampling.max_new_tokens, self.max_context)
-            )
+            reset_prompt(env, self.task_seeds(0)[0], limits=self.limits)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         finally:
@@ -373,8 +372,7 @@ class Run:
         episodes = self.env_factory
         if spec.env_kwargs:
             kwargs = self.env_kwargs(spec.episode_kwargs(self.config.env.kwargs))
-            limits = RolloutLimits(self.config.sampling.max_new_tokens, self.max_context)
-            episodes = make_env_factory(self.config.env.id, kwargs, limits)
+            episodes = make_env_factory(self.config.env.id, kwargs, self.limits)
         warm_start(self.model, spec, episodes, self.emit, progress=self.config.progress and self.ranks.writes)
 
     def _reference(self, resume: bool, source: Path | None) -> torch.nn.Module | None:

@@ -42,7 +42,7 @@ from longstraw_agents.app.records import EvalRecord, StepRecord
 from longstraw_agents.app.run import OnMetrics, Run
 from longstraw_agents.app.seeds import eval_sampling_seed, eval_task_seed
 from longstraw_agents.progress import progress_bar
-from longstraw_agents.rollout import RolloutLimits, rollout_groups
+from longstraw_agents.rollout import rollout_groups
 from longstraw_agents.store import Store
 from longstraw_agents.trainer import StepMetrics
 from longstraw_agents.trajectory import Trajectory
@@ -265,7 +265,7 @@ def _rollout_share(run: Run, step: int) -> list[list[Trajectory]]:
                 sampler,
                 ranks.share(run.task_seeds(step)),
                 config.group_size,
-                RolloutLimits(config.sampling.max_new_tokens, run.max_context),
+                run.limits,
                 group_prefix=prefix,
                 store=sink,
                 run_id=run.run_id,
@@ -310,7 +310,7 @@ def evaluate(run: Run, num_episodes: int, step: int | None = None) -> EvalRecord
     ranks split the tasks and the writer pools their rewards."""
     ranks = run.ranks
     seeds = ranks.share([eval_task_seed(k) for k in range(num_episodes)])
-    limits = RolloutLimits(run.config.sampling.max_new_tokens, run.max_context)
+    limits = run.limits
     rewards: list[float] = []
     with run.sampling(seed=eval_sampling_seed(ranks.dp_rank)) as sampler:
         if sampler is not None and seeds:
