@@ -34,28 +34,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from longstraw_agents.kernels.delta_terms import BlockTerms
-
-# Columns of D_v per program: a [D_k, 32] slice of the state (and of its gradient) fits a program's registers for
-# D_k up to 128 (Qwen3.6's head size) without spilling, and 16 heads x 4 column blocks keep the SMs busy.
-BLOCK_V = 32
-MIN_DOT = 16  # tl.dot takes no dimension under 16: smaller blocks are padded (masked) up to it
-
-
-def _block(n: int) -> int:
-    return max(MIN_DOT, triton.next_power_of_2(n))
+from longstraw_agents.kernels.delta_terms import (
+    BLOCK_V,
+    BlockTerms,
+    backward_buffers,
+    column_blocks,
+    forward_buffers,
+    tile,
+)
 
 
 def _sizes(terms: BlockTerms) -> dict[str, Any]:
     heads, blocks, size, dk, dv = terms.shape
     return {
         "N": blocks, "C": size, "DK": dk, "DV": dv,
-        "BC": _block(size), "BK": _block(dk), "BV": min(_block(dv), BLOCK_V),
+        "BC": tile(size), "BK": tile(dk), "BV": min(tile(dv), BLOCK_V),
     }  # fmt: skip
 
 
-def _grid(terms: BlockTerms, sizes: dict[str, Any]) -> tuple[int, int]:
-    return terms.shape[0], triton.cdiv(sizes["DV"], sizes["BV"])
+def _grid(terms: BlockTerms) -> tuple[int, int]:
+    return terms.shape[0], column_blocks(terms.shape[-1])
 
 
 def _warps(sizes: dict[str, Any]) -> int:
@@ -69,17 +67,15 @@ def scan_forward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Outputs ``[H, N, C, D_v]``, the final state ``[H, D_k, D_v]`` and, with ``save_states``, the state before
     each block ``[H, N, D_k, D_v]``."""
-    heads, blocks, size, dk, dv = terms.shape
-    out = terms.u.new_empty(heads, blocks, size, dv)
-    final = terms.u.new_empty(heads, dk, dv)
-    states = terms.u.new_empty(heads, blocks, dk, dv) if save_states else final  # (unused without save_states)
+    out, final, states = forward_buffers(terms, save_states)
     sizes = _sizes(terms)
-    _scan_forward_kernel[_grid(terms, sizes)](
+    _scan_forward_kernel[_grid(terms)](
         terms.w, terms.u, terms.q, terms.a, terms.k, terms.decay,
-        final if initial is None else initial.contiguous(), out, final, states,
+        final if initial is None else initial.contiguous(), out, final,
+        final if states is None else states,  # (unused without save_states)
         HAS_INITIAL=initial is not None, SAVE_STATES=save_states, num_warps=_warps(sizes), **sizes,
     )  # fmt: skip
-    return out, final, states if save_states else None
+    return out, final, states
 
 
 def scan_backward(
@@ -88,23 +84,15 @@ def scan_backward(
     """The gradients of ``terms`` and of the initial state, given those of the outputs and the final state."""
     _, _, states = scan_forward(terms, initial, save_states=True)
     assert states is not None
-    heads, blocks, size, dk, dv = terms.shape
     sizes = _sizes(terms)
-    grid = _grid(terms, sizes)
-    parts = grid[1]  # the gradients that sum over D_v come per column block
-    d_u = torch.empty_like(terms.u)
-    d_initial = terms.u.new_empty(heads, dk, dv)
-    d_w, d_q, d_k = (terms.w.new_empty(parts, heads, blocks, size, dk) for _ in range(3))
-    d_a = terms.a.new_empty(parts, heads, blocks, size, size)
-    d_decay = terms.decay.new_empty(parts, heads, blocks)
-    _scan_backward_kernel[grid](
+    d = backward_buffers(terms)
+    _scan_backward_kernel[_grid(terms)](
         terms.w, terms.u, terms.q, terms.a, terms.k, terms.decay, states, d_out.contiguous(),
-        d_initial if d_final is None else d_final.contiguous(),
-        d_initial, d_w, d_u, d_q, d_a, d_k, d_decay, heads,
+        d.d_initial if d_final is None else d_final.contiguous(),
+        d.d_initial, d.d_w, d.d_u, d.d_q, d.d_a, d.d_k, d.d_decay, terms.shape[0],
         HAS_D_FINAL=d_final is not None, num_warps=_warps(sizes), **sizes,
     )  # fmt: skip
-    grads = BlockTerms(d_w.sum(0), d_u, d_q.sum(0), d_a.sum(0), d_k.sum(0), d_decay.sum(0))
-    return grads, d_initial
+    return d.grads(), d.d_initial
 
 
 class TritonScan(torch.autograd.Function):

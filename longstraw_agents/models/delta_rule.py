@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from longstraw_agents.kernels import triton_available
-from longstraw_agents.kernels.delta_terms import BlockTerms
+from longstraw_agents.kernels.delta_terms import BlockTerms, backward_buffers, forward_buffers
 
 DELTA_CHUNK = 64  # positions per block of the chunked delta rule (as transformers' fallback and fla)
 
@@ -145,10 +145,43 @@ def kernel_choice() -> str:
 
 def scan_for(q: Tensor, choice: str = "auto") -> Scan:
     """The Triton scan for CUDA tensors where Triton is installed and takes the dtype (fp32, fp64: the compute
-    dtypes), unless ``choice`` is ``torch``; else the pure-torch scan."""
+    dtypes), unless ``choice`` is ``torch``; on the meta device (the planner's probes) the Triton scan's buffers
+    alone (``meta_scan``); else the pure-torch scan."""
+    if q.is_meta and choice != "torch":
+        return meta_scan
     if choice != "torch" and q.is_cuda and triton_available() and q.dtype in (torch.float32, torch.float64):
         return triton_scan
     return torch_scan
+
+
+class MetaScan(torch.autograd.Function):
+    """The Triton scan on the meta device: every buffer its forward and backward make (``kernels.delta_terms``'
+    ``forward_buffers``, ``backward_buffers``, the same functions the kernels' launches use), no work. It is what the
+    planner simulates: a GPU runs this scan under autograd, and the pure-torch scan's Python loop over 64-position
+    blocks was most of a plan's time (a 4,096-token chunk is 64 of them, per layer and walk)."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Tensor | None) -> tuple[Tensor, Tensor]:
+        *parts, initial = inputs
+        terms = BlockTerms(*(t.contiguous() for t in parts))  # type: ignore[union-attr]
+        out, final, _ = forward_buffers(terms, save_states=False)
+        ctx.save_for_backward(*terms, initial)
+        return out, final
+
+    @staticmethod
+    def backward(ctx: Any, d_out: Tensor, d_final: Tensor | None) -> tuple[Tensor | None, ...]:
+        *parts, initial = ctx.saved_tensors
+        terms = BlockTerms(*parts)
+        _, _, states = forward_buffers(terms, save_states=True)  # the states, recomputed for the gradients
+        buffers = backward_buffers(terms)
+        grads = buffers.grads()  # (the column blocks summed while the states are still held, as on a GPU)
+        del states
+        return (*grads, buffers.d_initial if initial is not None else None)
+
+
+def meta_scan(terms: BlockTerms, initial: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``MetaScan``: the Triton scan's allocations on the meta device."""
+    return MetaScan.apply(*terms, initial)
 
 
 def triton_scan(terms: BlockTerms, initial: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from longstraw_agents.memory import MemoryTracker
 from longstraw_agents.models import delta_rule
 from longstraw_agents.models.base import MixerInput
 from longstraw_agents.models.delta_rule import chunk_gated_delta_rule, torch_scan, triton_scan
@@ -102,6 +103,35 @@ def test_cpu_tensors_take_the_torch_scan_and_a_wrong_choice_is_refused(monkeypat
     monkeypatch.setenv(delta_rule.CHOICE_ENV, "fast")
     with pytest.raises(ValueError, match="LONGSTRAW_DELTA_RULE='fast': choose one of auto, triton, torch"):
         delta_rule.delta_rule(q, q, q, q[..., 0], q[..., 0], None)
+
+
+@pytest.mark.parametrize(("n", "heads", "dk", "dv", "chunk"), SHAPES[:2], ids=lambda v: str(v))
+def test_the_planners_meta_scan_allocates_what_the_triton_scan_does(n, heads, dk, dv, chunk, monkeypatch) -> None:
+    """On the meta device the scan is ``MetaScan``: the Triton scan's buffers, no work (the planner's probes). Its
+    peak, what it holds after the forward and after the backward equal the Triton scan's, D_v over two column
+    blocks included. The kernels write into the buffers they are given; their launches are left out here because
+    the interpreter copies every tensor to the host and back, which a GPU does not."""
+    from longstraw_agents.kernels import delta_scan
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(delta_scan, "_scan_forward_kernel", NoLaunch())
+    monkeypatch.setattr(delta_scan, "_scan_backward_kernel", NoLaunch())
+
+    def scan_bytes(scan, device: str) -> tuple[int, int, int]:
+        inputs = [t.detach().to(device).requires_grad_(True) for t in random_inputs(n, heads, dk, dv, torch.float64)]
+        terms = delta_rule.block_terms(*inputs[:5], chunk)
+        terms = type(terms)(*(t.detach().requires_grad_(True) for t in terms))
+        with MemoryTracker() as tracker:
+            out, final = scan(terms, inputs[5])
+            held = tracker.current_bytes
+            torch.autograd.backward((out, final), (torch.ones_like(out), torch.ones_like(final)))
+        return held, tracker.peak_bytes, tracker.current_bytes
+
+    assert delta_rule.scan_for(torch.zeros(1, 1, 1, device="meta")) is delta_rule.meta_scan
+    assert scan_bytes(delta_rule.meta_scan, "meta") == scan_bytes(triton_scan, "cpu")
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
