@@ -15,19 +15,22 @@ import torch
 
 import longstraw_agents.plan as planning
 from longstraw_agents.engine import Engine, EngineConfig
-from longstraw_agents.engine.shards import (
+from longstraw_agents.engine.schedule import (
     Run,
     SegmentRecompute,
+    WalkHolds,
     WaveGather,
     WaveReduction,
     capture_gathers,
+    capture_layers_whole,
+    cut_runs,
     runs_of,
+    walk_holds,
     walk_schedule,
     wavefront_cells,
     waves,
 )
 from longstraw_agents.models.presets import TINY_PRESETS, build_model
-from longstraw_agents.parallel.context import cut_runs
 from longstraw_agents.plan import (
     MODEL_NAMES,
     PLAN_ENGINE,
@@ -527,6 +530,11 @@ def test_a_balanced_capture_gathers_each_layer_once_per_wave_of_runs() -> None:
     assert _capture_layers_whole(8, layers, balanced=True) == [8] * 8
     assert [r.capture_layers_whole(balanced=False) for r in requests] == [1 + r for r in range(8)]
     assert _capture_layers_whole(8, layers, balanced=False) == [1 + r for r in range(8)]
+    # the planner counts on a short cut and depth (``engine.schedule``): the same as 4 chunks a rank and 40 layers
+    for cp in (2, 3, 4, 5):
+        for balanced in (True, False):
+            counted = [capture_layers_whole(cp, rank, balanced) for rank in range(cp)]
+            assert counted == _capture_layers_whole(cp, layers, balanced), (cp, balanced)
     in_order = PLAN_ENGINE.updated(balanced_captures=False)
     assert requests[0].balanced_context and not dataclasses.replace(requests[0], engine=in_order).balanced_context
     assert dataclasses.replace(requests[0], mode="exact").balanced_context  # (its wavefront walk walks the cut)
@@ -586,6 +594,8 @@ def test_the_paced_walk_keeps_one_order_and_holds_what_the_planner_counts(cp: in
             assert request.paced_walk
             whole, kept = _paced_walk_holds(cp, 40, every, rank)
             assert whole <= request.walk_gathers_ahead + 1 and kept <= cp - 1, (every, rank, whole, kept)
+            # what the planner counts (``engine.schedule.walk_holds``, a short cut and depth) is what it holds
+            assert walk_holds(cp, rank, every) == WalkHolds(whole, kept) == request.walk_holds(), (every, rank)
 
 
 def test_the_shipped_model_names_are_known_without_torch() -> None:

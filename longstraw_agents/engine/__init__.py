@@ -35,7 +35,8 @@ from .config import EngineConfig, GradAccumulation, checkpoint_spacing, layer_in
 from .engine import Backward, Engine
 from .graphs import GraphBank, KeptGraph
 from .kit import ChunkLoss, ExecutionKit
-from .shards import Ownership, StateShards, Transport, capture_waves
+from .schedule import capture_waves
+from .shards import Ownership, StateShards, Transport
 from .weights import LayerWeights
 
 __all__ = [

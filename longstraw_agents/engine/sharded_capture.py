@@ -16,19 +16,8 @@ from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Arena, Block, ChunkRecord, LayerInputs, RecurrentState, State
 
 from .kit import ExecutionKit, past_blocks
-from .shards import (
-    RUNS_HEADER,
-    ChunkOwners,
-    Run,
-    StateShards,
-    capture_gathers,
-    in_position_order,
-    incoming_runs,
-    outgoing_runs,
-    runs_of,
-    wavefront_cells,
-    waves,
-)
+from .schedule import Run, capture_gathers, runs_of, wavefront_cells, waves
+from .shards import RUNS_HEADER, ChunkOwners, StateShards, in_position_order, incoming_runs, outgoing_runs
 from .tags import MessageKind, check_tag_bounds, message_tag
 
 if TYPE_CHECKING:

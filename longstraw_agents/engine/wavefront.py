@@ -15,22 +15,18 @@ from longstraw_agents.models.base import LayerContext, PastBlock
 from longstraw_agents.state import Block, State, StateGrad
 
 from .kit import ChunkLoss, ExecutionKit, past_blocks
-from .shards import (
-    RUNS_HEADER,
+from .schedule import (
     Run,
     SegmentRecompute,
-    StateShards,
     WalkEvent,
     WaveGather,
-    in_position_order,
-    incoming_runs,
-    outgoing_runs,
     runs_of,
     walk_cells,
     walk_events,
     walk_schedule,
     waves,
 )
+from .shards import RUNS_HEADER, StateShards, in_position_order, incoming_runs, outgoing_runs
 from .tags import MessageKind, check_tag_bounds, message_tag
 
 # The most bytes of parameter gradient flattened for one sum over ranks (DDP's default bucket, 25 MiB): one flat

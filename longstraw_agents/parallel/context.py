@@ -1,13 +1,13 @@
 """Context parallelism for the engine's state: the ranks of a process group each hold a share of every path's
 positions.
 
-Two types, as the engine sees them (``longstraw_agents.engine.shards``): ``BalancedOwnership`` says who stores what
-— a capture is cut into 2N parts, rank r computing the r-th and the (2N - 1 - r)-th (``cut_runs``: even in
-positions and attention work; exact mode's wavefront walk walks the same cut back), and the pieces of later
-turns and branches go to the rank holding the least of their path, so that a member whose own history grows long
-keeps it spread; a rank stores the attention K/V, MLA rows and DSA index keys of its own positions, ``state / N``
-(± a chunk per path), and the state records each chunk's owner — and ``GroupTransport`` carries the messages over
-the process group.
+Two types, as the engine sees them (``longstraw_agents.engine.shards``; the cut itself, ``cut_runs``, is one of the
+rules of ``engine.schedule``): ``BalancedOwnership`` says who stores what — a capture is cut into 2N parts, rank r
+computing the r-th and the (2N - 1 - r)-th (``cut_runs``: even in positions and attention work; exact mode's
+wavefront walk walks the same cut back), and the pieces of later turns and branches go to the rank holding the least
+of their path, so that a member whose own history grows long keeps it spread; a rank stores the attention K/V, MLA
+rows and DSA index keys of its own positions, ``state / N`` (± a chunk per path), and the state records each chunk's
+owner — and ``GroupTransport`` carries the messages over the process group.
 ``ContextParallel`` holds one of each (what ``Engine(shards=...)`` takes). Two schedules use them (the engine picks
 one per call; docs/distributed.md):
 
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from longstraw_agents.attention import merge
+from longstraw_agents.engine.schedule import cut_runs
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
@@ -88,30 +89,6 @@ class BalancedOwnership:
         if state["size"] != self.size:
             raise ValueError(f"an ownership over {state['size']} ranks does not resume over {self.size}")
         self.given = list(state["given"])
-
-
-def cut_runs(n: int, ranks: int, balanced: bool = True) -> list[tuple[int, int, int]]:
-    """A sharded extend of ``n`` positions over ``ranks`` ranks: ``(lo, hi, owner)`` runs in position order, each
-    rank ``n / ranks`` positions (within one; not rounded to chunks: a prompt of fewer chunks than ranks uses every
-    rank). ``balanced``: cut in ``2 ranks`` parts, rank r computing the r-th and the (2 ranks - 1 - r)-th (as
-    ring-flash-attn's zigzag and torch's context-parallel load balancer place them; the middle two are the last
-    rank's, one run), so that every rank's attention work is about even; otherwise one part per rank in rank
-    order."""
-    parts = 2 * ranks if balanced else ranks
-    bounds = [k * n // parts for k in range(parts + 1)]
-    if not balanced:  # (the first ranks when some get nothing)
-        spans = [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
-        return [(lo, hi, owner) for owner, (lo, hi) in enumerate(spans)]
-    runs: list[tuple[int, int, int]] = []
-    for k in range(parts):
-        lo, hi, owner = bounds[k], bounds[k + 1], min(k, parts - 1 - k)
-        if hi == lo:
-            continue
-        if runs and runs[-1][2] == owner:
-            runs[-1] = (runs[-1][0], hi, owner)
-        else:
-            runs.append((lo, hi, owner))
-    return runs
 
 
 class PairChannels:

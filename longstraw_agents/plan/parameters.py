@@ -151,7 +151,7 @@ def _whole_at_once(probed: Probe, request: PlanRequest) -> dict[str, tuple[int, 
         if request.paced_walk:  # the gradients a rank keeps until their waves' reductions, and one in flight: under
             # mixed precision a master-dtype copy; otherwise a kept gradient handed over, freed as the reduction
             # completes (every rank posts it once it is done with it; measured: tests/test_planner_distributed.py)
-            kept = min(request.context_parallel - 1, probed.layers - 1) * graded * compute
+            kept = min(request.walk_holds().kept, probed.layers - 1) * graded * compute
             in_flight = kept + (graded * master if request.mixed else 0)
     else:
         weights = (layer + probed.root) * compute

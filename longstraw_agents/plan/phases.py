@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from longstraw_agents.engine import capture_waves, checkpoint_spacing
-from longstraw_agents.parallel.context import cut_runs
+from longstraw_agents.engine.schedule import cut_runs
 from longstraw_agents.plan.configs import load_config
 from longstraw_agents.plan.request import PlanRequest
 from longstraw_agents.plan.work import ModelWork, Work, total

@@ -14,6 +14,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import PretrainedConfig
 
 from longstraw_agents.engine import EngineConfig
+from longstraw_agents.engine.schedule import WalkHolds, capture_layers_whole, rows_read, walk_holds
 from longstraw_agents.job import JobSpec, engine_problem
 from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.parallel.fsdp import prefetch_window
@@ -198,14 +199,17 @@ class PlanRequest(PlanShape):
     @property
     def walk_gathers_ahead(self) -> int:
         """The gathers exact mode's wavefront walk has started ahead of the planned rank's cell: ``prefetch_window``;
-        paced (``paced_walk``), each wave's as it falls due: at a step where the rank walks both its runs, all of that
-        step's gathers are started before its first cell, so a rank r < cp - 1 holds ``r + 1`` of the later wave
-        and ``cp - 1 - r`` of the earlier beside its cell's (``cp``); the last rank none (it leads the earlier wave
-        and has no run in the later)."""
-        cp = self.context_parallel
+        paced (``paced_walk``), each wave's as it falls due, counted over the walk's own schedule
+        (``engine.schedule.walk_holds``: a rank r < cp - 1 holds ``r + 1`` of the later wave and ``cp - 1 - r`` of
+        the earlier beside its cell's; the last rank none)."""
         if not self.paced_walk:
-            return prefetch_window(cp)
-        return 0 if self.cp_rank == cp - 1 else cp
+            return prefetch_window(self.context_parallel)
+        return self.walk_holds().whole - 1
+
+    def walk_holds(self) -> WalkHolds:
+        """What the planned rank (rank 0 by default) holds at once in a paced walk (``engine.schedule.walk_holds``;
+        the same for any segment length)."""
+        return walk_holds(self.context_parallel, self.balanced_rank(), 1)
 
     @property
     def paced_walk(self) -> bool:
@@ -223,28 +227,28 @@ class PlanRequest(PlanShape):
         """The cp rank planned for a balanced capture's terms (rank 0 by default: the most rows received)."""
         return 0 if self.cp_rank is None else self.cp_rank
 
+    def captured_rank(self, balanced: bool) -> int:
+        """The cp rank planned for a sharded capture's terms: balanced ``balanced_rank``, in rank order the last
+        (the most rows received) unless ``cp_rank`` says."""
+        return self.balanced_rank() if balanced else self.earlier_ranks
+
     def captured_shards(self, balanced: bool) -> float:
         """Of a sharded capture, how many shards (``n / cp`` positions) of other ranks' rows the planned rank
-        attends to at once (a cell's, dropped after it): cut in rank order, the earlier ranks'; balanced (rank r
-        computes the r-th and the (2cp - 1 - r)-th of 2cp runs, the middle two together), those before its later
-        run but its own first: ``2cp - 2 - r`` runs of half a shard."""
-        if not balanced:
-            return self.earlier_ranks
-        return (2 * self.context_parallel - 2 - self.balanced_rank()) / 2
+        attends to at once (a cell's, dropped after it), counted over the cut (``engine.schedule.rows_read``): in
+        rank order the earlier ranks'; balanced, those before its later run but its own first, ``2cp - 2 - r`` runs
+        of half a shard."""
+        return rows_read(self.context_parallel, self.captured_rank(balanced), balanced)
 
     def capture_gathers_ahead(self, balanced: bool) -> int:
         """How many gathers a sharded capture has started ahead of the cell the planned rank computes: each is
-        started at the wavefront step it falls due (``engine.capture_gathers``). In rank order that is as many as
-        the steps the rank trails rank 0 (``r``); balanced, a layer is gathered once per wave of runs, due when
-        the wave's first run reaches it: ``cp - 1`` on every rank (rank r: ``r`` of the first wave, ``cp - 1 - r``
-        of the second, one of which its other cell of the step takes)."""
-        return self.context_parallel - 1 if balanced else self.earlier_ranks
+        started at the wavefront step it falls due (``engine.capture_gathers``)."""
+        return self.capture_layers_whole(balanced) - 1
 
     def capture_layers_whole(self, balanced: bool) -> int:
-        """The decoder layers a sharded capture holds whole at once on the planned rank: the cell's layer and the
-        gathers started ahead (``capture_gathers_ahead``) — ``cp`` on every rank balanced, ``1 + r`` in rank
-        order."""
-        return 1 + self.capture_gathers_ahead(balanced)
+        """The decoder layers a sharded capture holds whole at once on the planned rank, counted over the capture's
+        own schedule (``engine.schedule.capture_layers_whole``): ``cp`` on every rank balanced (a layer is gathered
+        once per wave of runs), ``1 + r`` in rank order."""
+        return capture_layers_whole(self.context_parallel, self.captured_rank(balanced), balanced)
 
     @property
     def mixed(self) -> bool:

@@ -8,7 +8,7 @@ import collections
 
 import pytest
 
-from longstraw_agents.engine.shards import runs_of, walk_cells
+from longstraw_agents.engine.schedule import runs_of, walk_cells
 from longstraw_agents.parallel import BalancedOwnership
 
 
