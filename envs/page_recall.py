@@ -48,6 +48,14 @@ class PageRecallConfig(ToolEnvConfig):
     codes: int | None = Field(
         default=None, ge=2, description="Draw the code from the first this many code words (None: all of them)."
     )
+    scripted_keeps: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of scripted episodes whose first summary reads page 1's code. The rest write a code "
+        "drawn at random instead, which every later summary and the answer then carry: a warm start on such traces "
+        "writes its first summary right only some of the time, and leaves GRPO that to learn.",
+    )
     max_turns: int = Field(
         default=16,
         ge=1,
@@ -78,6 +86,9 @@ class PageRecallTask:
     """The code with its leading space, as page 1 states it (``" pac"``)."""
     pages: tuple[str, ...]
     """Each page's text, header included."""
+    scripted_guess: str | None = None
+    """Set when the scripted solution misreads the code (``scripted_keeps``): the code word drawn at random that its
+    summaries and answer carry instead, with its leading space."""
 
     @property
     def answer(self) -> str:
@@ -120,7 +131,15 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
             _page(rng, pools.filler, number, self.config.pages, lines_per_page, code if number == 1 else None)
             for number in range(1, self.config.pages + 1)
         ]
-        return PageRecallTask(code=code, pages=tuple(pages))
+        return PageRecallTask(code=code, pages=tuple(pages), scripted_guess=self._scripted_guess(rng, words[:codes]))
+
+    def _scripted_guess(self, rng: np.random.Generator, codes: Sequence[str]) -> str | None:
+        """A code drawn at random for a scripted episode that misreads page 1's, else None. Drawn after the pages,
+        and only when ``scripted_keeps`` < 1, so the tasks at the default are the ones drawn before this setting."""
+        if self.config.scripted_keeps >= 1.0:
+            return None
+        guess = codes[int(rng.integers(len(codes)))]
+        return None if rng.random() < self.config.scripted_keeps else guess
 
     def drill_document(self, rng: np.random.Generator, tokens: int) -> Trajectory:
         """The copy the task turns on, alone: a page of about ``tokens`` tokens stating a code, then ``The code is``
@@ -183,8 +202,10 @@ class PageRecallEnv(ToolEnv[PageRecallTask]):
     def scripted_turns(self, task: PageRecallTask) -> list[str]:
         read = format_tool_call("read_page", {})
         # The leading space keeps the answer's token the code's token on page 1 (the score strips it).
-        return [read] * (len(task.pages) + 1) + [f"{ANSWER_OPEN}{task.code}{ANSWER_CLOSE}"]
+        answer = task.code if task.scripted_guess is None else task.scripted_guess
+        return [read] * (len(task.pages) + 1) + [f"{ANSWER_OPEN}{answer}{ANSWER_CLOSE}"]
 
     def scripted_summary(self, task: PageRecallTask, played: int) -> str:
-        """The code's line: all that the rest of the episode needs (the page count is in the pages' headers)."""
-        return task.code_line
+        """The code's line: all that the rest of the episode needs (the page count is in the pages' headers). A
+        scripted episode that misread the code carries its guess the same way."""
+        return task.code_line if task.scripted_guess is None else f"The code is{task.scripted_guess}."

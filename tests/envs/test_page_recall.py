@@ -159,3 +159,32 @@ def test_the_pages_are_the_same_draws_as_before_the_drill_shared_their_maker() -
     first = ["".join(pools.filler[i] for i in row) + "." for row in lines]
     first.insert(int(rng.integers(40 // 9 + 1)), f"The code is{code}.")
     assert env.task.pages[0] == "\n".join(["Page 1 of 2.", *first]) and env.task.code == code
+
+
+def test_a_scripted_summariser_that_reads_the_code_right_only_sometimes() -> None:
+    """``scripted_keeps``: a scripted episode either carries page 1's code through every summary and answers it, or
+    its first summary states a code drawn at random, which every later summary and the answer carry. The pages are
+    the default's for the same seed (the choice is drawn after them), and the share follows the setting."""
+    read_right = 0
+    for seed in range(12):
+        default = PageRecallEnv(context=SUMMARY_4K, pages=3, codes=8)
+        env = PageRecallEnv(context=SUMMARY_4K, pages=3, codes=8, scripted_keeps=0.5)
+        default.reset(seed=seed)
+        trajectory = run_episode(env, ScriptedPolicy(env), seed=seed)
+        assert env.task.pages == default.task.pages and env.task.code == default.task.code
+        segments = trajectory.segments
+        replies = [after for before, after in zip(segments, segments[1:], strict=False) if before.role == "user"]
+        summaries = [s.text for s in replies if s.role == "assistant" and not s.text.startswith("<tool_call>")]
+        carried = env.task.code if env.task.scripted_guess is None else env.task.scripted_guess
+        read_right += env.task.scripted_guess is None
+        assert carried in env.code_words()[:8] and len(summaries) == env.config.pages
+        assert all(s.startswith(f"The code is{carried}.") for s in summaries)
+        assert trajectory.segments[-1].text.startswith(f"<answer>{carried}</answer>")
+        assert trajectory.reward == float(carried == env.task.code)
+    assert 3 <= read_right <= 9
+    # at the default no guess is drawn: the tasks are the ones drawn before the setting existed
+    env = PageRecallEnv(pages=2, page_tokens=100)
+    env.reset(seed=0)
+    assert env.task.scripted_guess is None
+    with pytest.raises(ValueError, match="scripted_keeps"):
+        PageRecallConfig(scripted_keeps=1.5)
