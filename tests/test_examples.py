@@ -141,7 +141,8 @@ def test_the_full_size_compaction_config_would_run(tmp_path: Path, capsys) -> No
     [warm_start] = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("warm start")]
     stages = config["warm_start"]["drill"]
     assert f"drill {len(stages)}: {stages[-1]['sft']['steps']:,} steps x" in warm_start  # the stages, then episodes
-    assert f"{config['warm_start']['episodes']:,} scripted episodes (pages=3) + " in warm_start
+    given = ", ".join(f"{k}={v}" for k, v in config["warm_start"]["env_kwargs"].items())  # (pages=3, ...)
+    assert f"{config['warm_start']['episodes']:,} scripted episodes ({given}) + " in warm_start
 
 
 def test_the_compaction_learning_bench_runs_the_example_at_the_suites_size(tmp_path: Path) -> None:
