@@ -481,12 +481,12 @@ def _flags_shape(args: argparse.Namespace, job: dict[str, Any]) -> dict[str, Any
 def _flags_request(args: argparse.Namespace, job: dict[str, Any]) -> PlanRequest:
     import torch
 
+    from longstraw_agents.job import extends_may_shard
     from longstraw_agents.plan import PLAN_ENGINE, PlanRequest
 
     shape = _flags_shape(args, job)
-    engine = PLAN_ENGINE.updated(
-        **_engine_flags(args), sharded_extends=shape["expert_dispatch"] or not shape["expert_parallel"]
-    )
+    sharded_extends = extends_may_shard(shape["expert_parallel"], shape["expert_dispatch"])
+    engine = PLAN_ENGINE.updated(**_engine_flags(args), sharded_extends=sharded_extends)
     return PlanRequest(
         **shape, dtype=getattr(torch, job["dtype"]), engine=engine,
         mixed_precision=False if job["no_mixed_precision"] else None,

@@ -68,6 +68,14 @@ class ModelSpec(BaseModel):
         return self
 
 
+def extends_may_shard(expert_parallel: bool, expert_dispatch: bool) -> bool:
+    """The layout's rule for long extends: under expert parallelism every extend is computed replicated (each rank
+    runs its own experts on every token) unless its tokens are dispatched to their experts' ranks. ``JobSpec``
+    makes ``engine.sharded_extends`` follow it, ``plan.PlanRequest`` plans by it, and the CLI's plan flags build
+    their engine from it."""
+    return expert_dispatch or not expert_parallel
+
+
 def engine_problem(expert_parallel: bool, expert_dispatch: bool, engine: EngineConfig) -> str | None:
     """What keeps ``engine`` from running under the layout's expert parallelism, in one line, or None (the rules
     ``JobSpec`` and ``plan.PlanRequest`` share)."""
@@ -128,7 +136,9 @@ class JobSpec(BaseModel):
         problem = engine_problem(self.parallel.expert_parallel, self.parallel.expert_dispatch, self.engine)
         if problem is not None:
             raise ValueError(problem)
-        if self.parallel.expert_parallel and not self.parallel.expert_dispatch and self.engine.sharded_extends:
+        if self.engine.sharded_extends and not extends_may_shard(
+            self.parallel.expert_parallel, self.parallel.expert_dispatch
+        ):
             raise ValueError(
                 "parallel.expert_parallel computes every extend replicated: engine.sharded_extends must be false "
                 "(leave it out: it follows), or dispatch tokens to their experts (parallel.expert_dispatch: true)"
@@ -181,7 +191,7 @@ def _follow_expert_parallelism(parallel: Any, engine: dict[str, Any]) -> None:
     follows ``parallel.expert_dispatch`` where the engine does not set it (a contrary setting is refused after)."""
     given = _given(parallel) or {}
     if given.get("expert_parallel") is True and "sharded_extends" not in engine:
-        engine["sharded_extends"] = given.get("expert_dispatch") is True
+        engine["sharded_extends"] = extends_may_shard(True, given.get("expert_dispatch") is True)
 
 
 def _with_chunk(trainer: Any, chunk: Any) -> Any:

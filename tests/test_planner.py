@@ -25,7 +25,9 @@ from longstraw_agents.engine.schedule import (
     capture_layers_whole,
     cut_runs,
     runs_of,
+    walk_cells,
     walk_holds,
+    walk_inputs_held,
     walk_schedule,
     wavefront_cells,
     waves,
@@ -46,7 +48,7 @@ from longstraw_agents.plan import (
 )
 from longstraw_agents.plan.memory_plan import _margin
 from longstraw_agents.plan.planner import _Measured, _phase_categories, _plan
-from longstraw_agents.plan.probes import Probe
+from longstraw_agents.plan.probes import Probe, extrapolated, probe
 from longstraw_agents.trainer import grpo_backward
 
 # more layers than the presets' defaults, so that the plan extrapolates from cut models
@@ -106,6 +108,21 @@ def test_planned_peak_is_within_ten_percent_of_the_measured_one(family, mode, gr
     measured = measured_peak(family, mode, group, context)
     assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
     assert "extrapolated" in plan.notes[0] or "all" in plan.notes[0]
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_the_graph_is_extrapolated_from_the_second_and_third_period(mode: str) -> None:
+    """A step's peak over one period can fall at another moment than over more (a tiny Llama's detached step:
+    0.19 MiB at 1 layer, 0.43 at 2, then 0.06 a layer), so the planner extrapolates from 2 and 3 periods: at 8
+    layers the line meets the graph of all 8 simulated (one through 1 and 2 layers gave 2.3x it)."""
+    config = TINY_PRESETS["llama"](layers=8, hidden=64)
+    request = PlanRequest(
+        model=config, context=2048, group=2, completion=8, gpus=1, mode=mode, dtype=torch.float32,
+        optimizer="adamw", engine=EngineConfig(chunk_size=128),
+    )  # fmt: skip
+    probed, how = extrapolated(config, request)
+    assert "simulated 2 and 3 of 8 layers" in how
+    assert probed.graphs == pytest.approx(probe(config, request, 2).graphs, rel=0.02)
 
 
 def test_layer_periods_and_cut_configs() -> None:
@@ -210,12 +227,13 @@ def test_layer_inputs_are_planned_for_the_wavefront_walk_only() -> None:
     vector = config.hidden_size * 2  # bf16, per position
     # 64 layers: kept every 8th and after the last (9), one segment of 8 at a time: its first input kept, 7
     # recomputed (plus its rows); balanced over sharded weights every rank recomputes a segment when the first run
-    # enters it, so its runs hold 7 more together (the steps they trail it)
+    # enters it, so a later run still holds its inputs of the segment before: at most 13 layers' of a rank's rows
+    # (``engine.schedule.walk_inputs_held``: ranks 0, 6 and 7)
     kept, segment = layer_inputs_bytes(config, wavefront, 1000)
     # on top of the segment's inputs, one attention layer's rows of the others before a cell, 7 shards (rank 0's
     # later run: 14 parts of half a shard), and their fp32 sinks
     kv = 2 * config.num_key_value_heads * config.head_dim * 2
-    assert kept == 1000 * vector * 9 and segment == 1000 * vector * 14 + 1000 * kv * 7 * 3
+    assert kept == 1000 * vector * 9 and segment == 1000 * vector * 13 + 1000 * kv * 7 * 3
     in_order = PlanRequest(mode="exact", gpus=8, engine=PLAN_ENGINE.updated(balanced_captures=False))
     assert layer_inputs_bytes(config, in_order, 1000) == (kept, 1000 * vector * 7 + 1000 * kv * 7 * 3)
     every_layer = PlanRequest(mode="exact", gpus=8, engine=PLAN_ENGINE.updated(layer_inputs_every=1))
@@ -596,6 +614,59 @@ def test_the_paced_walk_keeps_one_order_and_holds_what_the_planner_counts(cp: in
             assert whole <= request.walk_gathers_ahead + 1 and kept <= cp - 1, (every, rank, whole, kept)
             # what the planner counts (``engine.schedule.walk_holds``, a short cut and depth) is what it holds
             assert walk_holds(cp, rank, every) == WalkHolds(whole, kept) == request.walk_holds(), (every, rank)
+
+
+def _walk_inputs(cp: int, layers: int, every: int, rank: int, paced: bool) -> float:
+    """The most recomputed layer inputs rank ``rank`` holds at once in exact mode's walk (a balanced cut of 3 chunks
+    a run), in its rows, as ``WavefrontWalk`` keeps them: a segment's recomputation makes an input for each of its
+    layers (the first a view of the kept one, counted as nothing), for all the rank's runs at once when paced, for
+    the run entering it otherwise. It fails where a cell's input was not made, an input is made twice, or one is
+    left held."""
+    runs = runs_of([owner for lo, hi, owner in cut_runs(6 * cp, cp, True) for _ in range(lo, hi)])
+    mine = [run for run in runs if run.owner == rank]
+    rows = {run.index: len(run.chunks) for run in mine}
+    held: set[tuple[int, int]] = set()
+    most = 0.0
+
+    def recompute(first: int, top: int, entering: list[Run]) -> None:
+        nonlocal most
+        for run in entering:
+            for layer in range(first, top + 1):
+                assert (run.index, layer) not in held
+                held.add((run.index, layer))
+        new = sum(rows[i] for i, layer in held if layer % every)  # (a segment's first: the kept input's view)
+        most = max(most, new / sum(rows.values()))
+
+    for item in walk_schedule(runs, layers, every, rank) if paced else walk_cells(runs, layers, rank):
+        if isinstance(item, SegmentRecompute):
+            recompute(item.first, item.top, mine)
+        elif isinstance(item, tuple):
+            run, i = item
+            if not paced and (run.index, i) not in held:  # (entering its segment at the top)
+                recompute(i - i % every, i, [run])
+            held.remove((run.index, i))
+    assert not held
+    return most
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_the_walks_recomputed_inputs_are_what_the_planner_counts(cp: int) -> None:
+    """The recomputed layer inputs a rank holds at once in exact mode's walk, counted by the planner on a short cut
+    (``engine.schedule.walk_inputs_held``), equal those of a longer walk (40 layers): up to a segment's
+    ``every - 1`` unpaced (a rank's runs enter a segment apart); paced, a later run's inputs of the segment before
+    as well."""
+    for every in (1, 2, 4, 8):
+        for rank in range(cp):
+            for paced in (True, False):
+                held = _walk_inputs(cp, 40, every, rank, paced)
+                assert walk_inputs_held(cp, rank, 40, every, paced) == held, (every, rank, paced)
+                # (the closed form the planner used before: at most a segment's, paced up to cp - 1 more; the last
+                # rank, one run, a segment's at least)
+                assert held <= min(every - 1 + (cp - 1 if paced else 0), 39) and (rank < cp - 1 or held >= every - 1)
+    request = PlanRequest(gpus=cp, mode="exact", dtype=torch.bfloat16)  # (by default the most of any rank)
+    most = max(_walk_inputs(cp, 40, 4, rank, paced=True) for rank in range(cp))
+    assert request.paced_walk and request.walk_inputs_held(40, 4) == most
+    assert dataclasses.replace(request, cp_rank=1).walk_inputs_held(40, 4) == _walk_inputs(cp, 40, 4, 1, paced=True)
 
 
 def test_the_shipped_model_names_are_known_without_torch() -> None:

@@ -4,8 +4,8 @@ every byte a rank holds) and attributes the bytes by role. Each rank's peak must
 same configuration (its cp rank's: the ranks' cells read different rows of the others), and the roles the planner
 counts from the parameters (the rank's shards of weights, gradients and AdamW state) and the captured state within
 15 % of the most the rank held of each. Two model shapes: one whose weights dominate (8 layers, hidden 128, a
-64-token prompt) and one whose captured state does (2 layers, hidden 64, a 2,048-token prompt); FSDP2 over every
-rank, and HSDP (sharded over each dp rank's cp ranks, replicated over dp)."""
+64-token prompt) and one whose captured state does (2 layers, hidden 64, a 2,048-token prompt; detached also at 8
+layers, cp = 2 and 4); FSDP2 over every rank, and HSDP (sharded over each dp rank's cp ranks, replicated over dp)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.models.presets import TINY_PRESETS
 from longstraw_agents.plan import NAMED_MODELS, Plan, PlanRequest, plan_memory
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 16 configurations of 2-4 processes: ~130 s
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 18 configurations of 2-4 processes: ~150 s
 
 WEIGHTS = {"model": {"layers": 8, "hidden": 128}, "prompt": 64, "chunk": 16}
 STATE = {"model": {"layers": 2, "hidden": 64}, "prompt": 2048, "chunk": 128}
+STATE8 = {"model": {"layers": 8, "hidden": 64}, "prompt": 2048, "chunk": 128}  # (the graph probed on 2 and 3 layers)
 PER_CATEGORY = ("weights", "optimizer state", "captured state")
 
 
@@ -68,6 +69,8 @@ CASES = [
     pytest.param(WEIGHTS, 2, 2, "exact", None, id="weights-dp2xcp2-exact"),
     pytest.param(STATE, 1, 2, "detached", None, id="state-dp1xcp2-detached"),
     pytest.param(STATE, 2, 1, "detached", None, id="state-dp2-detached"),
+    pytest.param(STATE8, 1, 2, "detached", None, id="state8-dp1xcp2-detached"),  # (0.93 on both ranks)
+    pytest.param(STATE8, 1, 4, "detached", None, id="state8-dp1xcp4-detached"),  # (0.94-0.98)
     pytest.param(STATE, 1, 2, "exact", None, id="state-dp1xcp2-exact"),
     # (HSDP where weights dominate, dp 2 x cp 2 exact: 0.97 on every rank, as dp 1 x cp 2 exact; measured, not kept)
     pytest.param(STATE, 2, 2, "detached", "hsdp", id="state-dp2xcp2-detached-hsdp"),

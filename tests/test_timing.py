@@ -290,7 +290,8 @@ def test_fsdp_traffic_follows_the_schedule_of_each_mesh():
 def test_offload_copies_the_shards_in_for_each_gather_and_their_gradients_out():
     """With ``offload`` (FSDP2's CPU offload) every gather first copies the rank's fp32 master shards to the device
     and every reduction copies the gradient shards back: the capture's one pass, a branch's two gathers and its
-    reduction, the walk's recomputation and per wave of runs its backward and its reduction, a decode step's pass —
+    reduction, the walk's recomputation (``walk_gather_order``) and per wave of runs its backward and its
+    reduction, a decode step's pass —
     of the decoder layers; the root unit once per block — over the host link, at its own rate; the collectives
     themselves are unchanged."""
     config = TINY_PRESETS["llama"]()
@@ -310,7 +311,9 @@ def test_offload_copies_the_shards_in_for_each_gather_and_their_gradients_out():
     expected = {  # (the root unit whole for a block: gathered once, its gradient reduced once)
         "capture": 2 * layers + root,  # (a balanced cut's two waves of runs)
         "replay": GROUP * 3 * layers + root,
-        "walk": 5 * layers,  # (a gather for the recomputation, per wave one for the backward and a reduction)
+        # (per wave of runs a gather for the backward and a reduction; one segment of both layers, whose
+        # recomputation gathers the layer below its top: half the layers' bytes)
+        "walk": 4.5 * layers,
         "rollout": COMPLETION * layers + root,
     }
     for name, host in expected.items():
@@ -360,9 +363,9 @@ def test_a_walk_chunk_by_chunk_gathers_and_reduces_every_layer_for_each_chunk():
     assert walk(cp=2, engine=replicated).comm - unsharded(cp=2, engine=replicated).comm == pytest.approx(
         chunks * per_pass - model.weight_bytes * 2 * (2 - 1) / 2  # (the engine alone all-reduces the gradient once)
     )
-    # the wavefront walk of a balanced cut: each layer gathered once for the recomputation, and per wave of runs (two)
-    # for the backward, its gradient reduced per wave
-    wavefront = 3 * model.layer_bytes / 2 + 2 * model.layer_bytes / 2
+    # the wavefront walk of a balanced cut: per wave of runs (two) each layer gathered for the backward and its
+    # gradient reduced, and the recomputation of the one segment (both layers) gathering the layer below its top
+    wavefront = 2.5 * model.layer_bytes / 2 + 2 * model.layer_bytes / 2
     assert walk(cp=2).comm - unsharded(cp=2).comm == pytest.approx(wavefront - model.weight_bytes * 2 * (2 - 1) / 2)
     offloaded = walk(dp=2, cp=1, offload=True)
     assert offloaded.host == pytest.approx(chunks * 3 * model.layer_bytes / 2)  # each shard in twice, out once

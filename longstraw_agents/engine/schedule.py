@@ -156,6 +156,26 @@ def walk_step(runs: Sequence[Run], run: Run, layer: int, layers: int) -> int:
     return len(runs) - 1 - run.index + layers - 1 - layer
 
 
+def walk_gather_order(runs: Sequence[Run], layers: int, every: int, paced: bool) -> list[int]:
+    """The layers exact mode's wavefront walk gathers, in the order every rank posts them. Paced, as its events say
+    (a segment's recomputed layers, each wave's gather of a layer). Otherwise per segment of ``every`` layers from
+    the last, its top (whose block is open while the segment's inputs are recomputed), the layers below it
+    ascending (the recomputation), then descending (the backward)."""
+    if paced:
+        order: list[int] = []
+        for event in walk_events(runs, layers, every):
+            if isinstance(event, SegmentRecompute):
+                order += range(event.first, event.top)
+            elif isinstance(event, WaveGather):
+                order.append(event.layer)
+        return order
+    order = []
+    for first in reversed(range(0, layers, every)):
+        top = min(first + every, layers) - 1
+        order += [top, *range(first, top), *range(top - 1, first - 1, -1)]
+    return order
+
+
 @dataclass(frozen=True)
 class Gather:
     """One gather of a decoder layer's weights in a sharded capture: for the cells of one wave of runs (``waves``),
@@ -274,3 +294,34 @@ def walk_holds(cp: int, rank: int, every: int) -> WalkHolds:
             started.discard(item[1])
             kept.add(item[1])
     return WalkHolds(whole, most_kept)
+
+
+@functools.cache
+def walk_inputs_held(cp: int, rank: int, layers: int, every: int, paced: bool, balanced: bool = True) -> float:
+    """The most recomputed layer inputs ``rank`` holds at once in exact mode's walk, in its rows (a run's entry
+    counts its share of the rank's chunks), as ``WavefrontWalk`` keeps them: entering a segment of ``every`` layers
+    recomputes the inputs of its layers above the first (whose kept input is a view), each freed by its cell. Paced
+    (``walk_schedule``), a ``SegmentRecompute`` does so for all the rank's runs when the first run enters it, so a
+    later run's inputs of the segment before are still held; otherwise each run recomputes as it enters."""
+    runs = chunk_runs(2 * cp, cp, balanced)
+    mine = [run for run in runs if run.owner == rank]
+    share = {run.index: len(run.chunks) / sum(len(r.chunks) for r in mine) for run in mine}
+    held: set[tuple[int, int]] = set()
+    most = 0.0
+
+    def enter(first: int, top: int, entering: Sequence[Run]) -> None:
+        nonlocal most
+        held.update((run.index, layer) for run in entering for layer in range(first + 1, top + 1))
+        most = max(most, sum(share[index] for index, _ in held))
+
+    schedule = walk_schedule(runs, layers, every, rank) if paced else walk_cells(runs, layers, rank)
+    for item in schedule:
+        if isinstance(item, SegmentRecompute):
+            enter(item.first, item.top, mine)
+        elif isinstance(item, tuple):
+            run, i = item
+            first = i - i % every
+            if not paced and i == min(first + every, layers) - 1:  # (the run enters the segment at its top)
+                enter(first, i, [run])
+            held.discard((run.index, i))
+    return most

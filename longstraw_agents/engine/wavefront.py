@@ -22,7 +22,7 @@ from .schedule import (
     WaveGather,
     runs_of,
     walk_cells,
-    walk_events,
+    walk_gather_order,
     walk_schedule,
     waves,
 )
@@ -217,24 +217,8 @@ class WavefrontWalk:
             kit.reduce(event.layer)
 
     def _gather_order(self) -> list[int]:
-        """The layers the walk gathers, in order. Paced, as its events say (a segment's recomputed layers, each
-        wave's gather of a layer). Otherwise per segment from the last, its top (whose block is open while the
-        segment's inputs are recomputed), the layers below it ascending (the recomputation), then descending (the
-        backward)."""
-        every, layers = self.inputs.every, self.kit.num_layers
-        if self.paced:
-            order: list[int] = []
-            for event in walk_events(self.runs, layers, every):
-                if isinstance(event, SegmentRecompute):
-                    order += range(event.first, event.top)
-                elif isinstance(event, WaveGather):
-                    order.append(event.layer)
-            return order
-        order = []
-        for first in reversed(range(0, layers, every)):
-            top = min(first + every, layers) - 1
-            order += [top, *range(first, top), *range(top - 1, first - 1, -1)]
-        return order
+        """The layers the walk gathers, in order (``walk_gather_order``)."""
+        return walk_gather_order(self.runs, self.kit.num_layers, self.inputs.every, self.paced)
 
     def _gathers_only(self) -> None:
         """A rank without chunks takes part in every gather (a collective when the weights are sharded), in the

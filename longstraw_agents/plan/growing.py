@@ -89,10 +89,10 @@ def _capture_bytes(config: PretrainedConfig, request: PlanRequest, before: int, 
 def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions: int) -> tuple[int, int]:
     """Exact mode's wavefront walk (cp > 1), per rank: what the capture keeps — one hidden vector per position of the
     shard at every k-th layer and after the last — and what the walk holds for the segment of k layers it is in:
-    the inputs it recomputes (k - 1: the first is kept; paced, up to ``cp - 1`` more: ``PlanRequest.paced_walk``),
-    and one cell's rows of the other ranks before its run (``PlanRequest.captured_shards``: in rank order the last
-    rank's N - 1 shards) with their fp32 gradient sinks. None with a kept-graph budget: the capture then runs
-    replicated (docs/distributed.md)."""
+    the inputs it recomputes (``PlanRequest.walk_inputs_held``: k - 1, the first is kept; paced, a later run's of the
+    segment before too), and one cell's rows of the other ranks before its run (``PlanRequest.captured_shards``: in
+    rank order the last rank's N - 1 shards) with their fp32 gradient sinks. None with a kept-graph budget: the
+    capture then runs replicated (docs/distributed.md)."""
     if not request.wavefront:
         return 0, 0
     layers = config.num_hidden_layers
@@ -108,11 +108,8 @@ def layer_inputs_bytes(config: PretrainedConfig, request: PlanRequest, positions
         received = math.ceil(walked * shards) + math.ceil(before * (cp - 1) / cp)
     rows = rows_per_layer(config, request, received) * (1 + widen)  # one cell's at a time, with their sinks
     kept = LayerInputs.planned_nbytes(positions, config.hidden_size, itemsize, layers, every)
-    # a segment holds its first layer's kept input and recomputes the k - 1 after it (paced: a later run holds
-    # those of the segment before as well, as many as the steps it trails the first run: cp - 1 a rank, its runs
-    # together)
-    held = min(every - 1 + (request.context_parallel - 1 if request.paced_walk else 0), layers - 1)
-    return kept, walked * config.hidden_size * itemsize * held + int(rows)
+    held = request.walk_inputs_held(layers, every)
+    return kept, math.ceil(walked * config.hidden_size * itemsize * held) + int(rows)
 
 
 def _history_before(request: PlanRequest) -> int:

@@ -1,7 +1,7 @@
 """A GRPO step's phases on the slowest rank (``step_work``): the work the engine's schedule does in each —
 rollout, scoring, capture, replay, exact mode's walk, the optimizer — counted by ``Schedule`` from the model's work
-(``work.ModelWork``) and the cuts, waves and gathers the engine runs (``cut_runs``, ``capture_waves``), with the
-communication of context parallelism, FSDP2 and expert parallelism.
+(``work.ModelWork``) and the cuts, waves and gathers the engine runs (``cut_runs``, ``capture_waves``,
+``walk_gather_order``), with the communication of context parallelism, FSDP2 and expert parallelism.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from longstraw_agents.engine import capture_waves, checkpoint_spacing
-from longstraw_agents.engine.schedule import cut_runs
+from longstraw_agents.engine import capture_waves, checkpoint_spacing, layer_inputs_spacing
+from longstraw_agents.engine.schedule import chunk_runs, cut_runs, walk_gather_order, waves
 from longstraw_agents.plan.configs import load_config
 from longstraw_agents.plan.request import PlanRequest
 from longstraw_agents.plan.work import ModelWork, Work, total
@@ -102,7 +102,9 @@ class Schedule:
         """The first captured position of the last cp rank."""
         return min((self.cp - 1) * self.shard, self.captured)
 
-    def _gathers(self, passes: int, root: bool = False, frozen: bool = False, expert_passes: int | None = None) -> Work:
+    def _gathers(
+        self, passes: float, root: bool = False, frozen: bool = False, expert_passes: int | None = None
+    ) -> Work:
         """FSDP2's all-gathers of ``passes`` passes over the decoder layers, a layer at a time, and with ``root`` the
         root unit's once (whole for a block: the step, a rollout). At dp > 1 without HSDP each dp rank gathers for
         itself (``parallel.lanes``): a rank receives its own dp rank's gathers and sends its shard to every dp rank's,
@@ -243,12 +245,12 @@ class Schedule:
         slowest = max(self.rank_captures(request.balanced_context, model), key=lambda share: share.work.flops)
         rows = Work(comm=self.model.entries_bytes(slowest.received))
         runs = cut_runs(self.captured, self.cp, request.balanced_context)
-        waves = capture_waves([owner for _, _, owner in runs])
+        gathered = capture_waves([owner for _, _, owner in runs])
         if not request.dispatched:
-            return slowest.work + rows + self._gathers(waves, root=True)
+            return slowest.work + rows + self._gathers(gathered, root=True)
         # each peer's part of a round copies the rank's (offloaded) experts of its layer in: at most a copy of them
         # all per chunk of the prompt, as a replicated capture makes
-        gathers = self._gathers(waves, root=True, expert_passes=self._chunks)
+        gathers = self._gathers(gathered, root=True, expert_passes=self._chunks)
         return self._lockstep(runs, model or self.model) + rows + self._dispatches(slowest.positions) + gathers
 
     def _lockstep(self, runs: Sequence[tuple[int, int, int]], model: ModelWork) -> Work:
@@ -316,10 +318,12 @@ class Schedule:
         wavefront = request.wavefront
         if wavefront:
             recompute, backward, received = self._walked_rank()
-            # per wave of runs (a balanced cut's two) each layer gathered and reduced, and gathered once more for the
-            # recomputation (paced over both waves under FSDP2: ``walk_events``)
-            waves = capture_waves([owner for _, _, owner in cut_runs(self.captured, self.cp, request.balanced_context)])
-            weights = self._gathers(1 + waves) + self._layer_reductions().scaled(waves)
+            # the layers gathered as the engine gathers them (``walk_gather_order``: paced over both waves of a
+            # balanced cut, or segment by segment), each layer's gradient reduced per wave of runs
+            runs = chunk_runs(2 * self.cp, self.cp, request.balanced_context)
+            layers, every = self.model.layers, layer_inputs_spacing(self.model.layers, request.engine)
+            passes = len(walk_gather_order(runs, layers, every, paced=request.paced_walk)) / layers
+            weights = self._gathers(passes) + self._layer_reductions().scaled(len(waves(runs)))
         else:
             recompute = self.model.chunked(0, self.captured, chunk)  # every layer whole (its hidden states too)
             backward = self.model.chunked(0, self.captured, chunk, entries_only=True).backward(

@@ -5,7 +5,7 @@ device under ``MemoryTracker`` (``CachedMemoryTracker``: an op computed once per
 in about half the time): tensors have shapes and byte sizes but no storage and no arithmetic (attention takes
 the ``meta`` backend, a fused kernel's allocations without its work; a MoE's experts the grouped kernel's, which
 do not depend on the routing, except a dispatched round's rows, taken as balanced). Walking
-2M tokens x 64 layers in Python would take long, so it simulates a few chunks on models cut to one and two periods
+2M tokens x 64 layers in Python would take long, so it simulates a few chunks on models cut to two and three periods
 of their layer pattern, and extrapolates:
 
 - what grows with the context is exact: the engine's state of the rank's positions (``state_size``: attention K/V,

@@ -14,8 +14,14 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from transformers import PretrainedConfig
 
 from longstraw_agents.engine import EngineConfig
-from longstraw_agents.engine.schedule import WalkHolds, capture_layers_whole, rows_read, walk_holds
-from longstraw_agents.job import JobSpec, engine_problem
+from longstraw_agents.engine.schedule import (
+    WalkHolds,
+    capture_layers_whole,
+    rows_read,
+    walk_holds,
+    walk_inputs_held,
+)
+from longstraw_agents.job import JobSpec, engine_problem, extends_may_shard
 from longstraw_agents.models.lora import LoraSpec
 from longstraw_agents.parallel.fsdp import prefetch_window
 from longstraw_agents.plan.shape import PlanShape
@@ -148,7 +154,7 @@ class PlanRequest(PlanShape):
     def sampler_shards(self) -> bool:
         """Whether a sampler's long extends run sharded: as ``sharded_extends``, but a kept-graph budget is the
         step's (a sampler keeps no graphs)."""
-        experts_allow = not self.expert_parallel or self.expert_dispatch
+        experts_allow = extends_may_shard(self.expert_parallel, self.expert_dispatch)
         return self.context_parallel > 1 and self.engine.sharded_extends and experts_allow
 
     @property
@@ -210,6 +216,13 @@ class PlanRequest(PlanShape):
         """What the planned rank (rank 0 by default) holds at once in a paced walk (``engine.schedule.walk_holds``;
         the same for any segment length)."""
         return walk_holds(self.context_parallel, self.balanced_rank(), 1)
+
+    def walk_inputs_held(self, layers: int, every: int) -> float:
+        """The most recomputed layer inputs the planned rank holds at once in exact mode's walk, in its walked rows
+        (``engine.schedule.walk_inputs_held``: a segment's ``every - 1``; paced, a later run's of the segment before
+        as well)."""
+        rank = self.captured_rank(self.balanced_context)
+        return walk_inputs_held(self.context_parallel, rank, layers, every, self.paced_walk, self.balanced_context)
 
     @property
     def paced_walk(self) -> bool:
