@@ -25,6 +25,7 @@ from longstraw_agents.engine.schedule import (
     capture_layers_whole,
     cut_runs,
     runs_of,
+    shards_extend,
     walk_cells,
     walk_holds,
     walk_inputs_held,
@@ -667,6 +668,20 @@ def test_the_walks_recomputed_inputs_are_what_the_planner_counts(cp: int) -> Non
     most = max(_walk_inputs(cp, 40, 4, rank, paced=True) for rank in range(cp))
     assert request.paced_walk and request.walk_inputs_held(40, 4) == most
     assert dataclasses.replace(request, cp_rank=1).walk_inputs_held(40, 4) == _walk_inputs(cp, 40, 4, 1, paced=True)
+
+
+def test_the_engine_and_the_planner_shard_an_extend_by_one_rule() -> None:
+    """``engine.schedule.shards_extend``: sharded when at least as long as what it extends, or as the threshold;
+    the planner's member history follows it (a 7,168-token tool output after the path before it)."""
+    assert shards_extend(10, 10, None) and not shards_extend(9, 10, None) and not shards_extend(0, 0, None)
+    assert shards_extend(5, 10, 5) and not shards_extend(4, 10, 5)
+
+    def history(context: int, least: int | None = None) -> int:
+        engine = PLAN_ENGINE.updated(sharded_extend_tokens=least)
+        request = PlanRequest(gpus=2, mode="exact", context=context, history=8192, turns=1, engine=engine)
+        return request.sharded_history
+
+    assert history(7169) == 7168 and history(7170) == 0 and history(7170, least=7168) == 7168
 
 
 def test_the_shipped_model_names_are_known_without_torch() -> None:

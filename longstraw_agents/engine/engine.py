@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .graphs import GraphBank
 from .kit import ChunkLoss, ExecutionKit
 from .reverse_walk import ReverseWalk
+from .schedule import shards_extend
 from .sharded_capture import ShardedCapture
 from .shards import StateShards, Transport
 from .wavefront import WavefrontWalk
@@ -223,10 +224,9 @@ class Engine:
         parallelism, when it is at least as long as the state (a capture: moving the earlier rows costs no more than
         computing the new ones replicated) or than ``EngineConfig.sharded_extend_tokens``; never without
         ``EngineConfig.sharded_extends``."""
-        least = self.config.sharded_extend_tokens
-        if self.shards is None or not self.config.sharded_extends or n == 0:
+        if self.shards is None or not self.config.sharded_extends:
             return False
-        return n >= state.num_tokens or (least is not None and n >= least)
+        return shards_extend(n, state.num_tokens, self.config.sharded_extend_tokens)
 
     # --- internals ------------------------------------------------------------------------------------------
     def _check_ids(self, ids: Tensor | Sequence[int], allow_empty: bool = False) -> Tensor:

@@ -40,6 +40,14 @@ def cut_runs(n: int, ranks: int, balanced: bool = True) -> list[tuple[int, int, 
     return runs
 
 
+def shards_extend(n: int, before: int, least: int | None) -> bool:
+    """Whether an extend of ``n`` tokens after ``before`` runs sharded over the cp ranks (where the extends may
+    shard at all): when it is at least as long as what it extends (a capture: moving the earlier rows costs no more
+    than computing the new ones replicated) or as ``least`` (``EngineConfig.sharded_extend_tokens``). The engine
+    decides by it (``Engine.sharded``), and the planner plans by it (``PlanRequest.sharded_history``)."""
+    return n > 0 and (n >= before or (least is not None and n >= least))
+
+
 @dataclass(frozen=True)
 class Run:
     """A stretch of a sharded extend's consecutive chunks on one rank (the cut's runs, one rank's consecutive ones

@@ -18,6 +18,7 @@ from longstraw_agents.engine.schedule import (
     WalkHolds,
     capture_layers_whole,
     rows_read,
+    shards_extend,
     walk_holds,
     walk_inputs_held,
 )
@@ -141,7 +142,7 @@ class PlanRequest(PlanShape):
         output = math.ceil(self.history / self.turns) - self.completion
         fused = self.mode == "exact" and output <= self.engine.chunk_size
         n = self.history - self.completion if fused else output
-        return n if n >= self.context - 1 or self.shards_by_threshold(n) else 0
+        return n if shards_extend(n, self.context - 1, self.engine.sharded_extend_tokens) else 0
 
     @property
     def sharded_extends(self) -> bool:
