@@ -103,7 +103,7 @@ class Schedule:
         return min((self.cp - 1) * self.shard, self.captured)
 
     def _gathers(
-        self, passes: float, root: bool = False, frozen: bool = False, expert_passes: int | None = None
+        self, passes: float, root: bool = False, frozen: bool = False, expert_passes: float | None = None
     ) -> Work:
         """FSDP2's all-gathers of ``passes`` passes over the decoder layers, a layer at a time, and with ``root`` the
         root unit's once (whole for a block: the step, a rollout). At dp > 1 without HSDP each dp rank gathers for
@@ -125,7 +125,7 @@ class Schedule:
         experts = self.model.routed.weight_bytes if self.request.expert_parallel else 0.0
         return self.model.layer_bytes - experts
 
-    def _experts_in(self, passes: int, shard_itemsize: int) -> Work:
+    def _experts_in(self, passes: float, shard_itemsize: int) -> Work:
         """Expert parallelism with offloaded shards: each pass copies the rank's experts in (each MoE call)."""
         if not self.request.expert_parallel:
             return Work()
