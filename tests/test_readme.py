@@ -233,6 +233,56 @@ def test_readme_quotes_the_compaction_learning_runs_that_bench_compaction_learni
     assert record["config"] == example
 
 
+def _positions(n: int) -> str:
+    """A context as README quotes it: 89K, 1.52M."""
+    return f"{n / 1e6:.2f}M" if n >= 1_000_000 else f"{round(n / 1000)}K"
+
+
+def test_readme_quotes_the_plans_that_bench_planner_planned() -> None:
+    """README's full-scale plans (the published configurations, the stress test, GLM-5.2, the longest exact
+    contexts) are what ``bench.planner`` wrote to bench/results/planner.json, so they cannot go stale."""
+    record = json.loads((ROOT / "bench" / "results" / "planner.json").read_text())
+
+    def total(label: str, mode: str = "detached", optimizer: str = "adamw", group: int = 8) -> float:
+        (row,) = [
+            r for r in record["rows"]
+            if r["label"] == label and r["request"]["mode"] == mode and r["request"]["optimizer"] == optimizer
+            and r["request"]["group"] == group
+        ]  # fmt: skip
+        return row["total_gib"]
+
+    qwen, stress = "Qwen3.6-27B, 8 x 96 GB, detached, G=8", "Qwen3.6-27B stress, 8 x 96 GB"
+    glm = "GLM-5.2, 32 x 96 GB, detached"
+    assert f"**{total(qwen):.1f} GiB of 89.4 per GPU: fits**" in README
+    assert f"**{total(qwen + ', offloaded'):.1f} GiB** on the GPU" in README
+    assert (
+        f"detached: {total(stress):.1f} GiB with AdamW on the GPU, **{total(stress, optimizer='none'):.1f} without "
+        f"AdamW**, **{total(stress + ', offloaded'):.1f} with AdamW offloaded** (fits); exact (wavefront walk): "
+        f"{total(stress, 'exact', 'none'):.1f} GiB without AdamW, "
+        f"{total(stress + ', offloaded', 'exact'):.1f} offloaded"
+    ) in README
+    assert (
+        f"{total(glm):.0f} GiB ({total(glm, optimizer='none'):.0f} without AdamW, "
+        f"{total(glm + ', offloaded'):.0f} offloaded)"
+    ) in README
+    longest = {key: _positions(n) for key, n in record["longest_exact"].items()}
+
+    def walk(walk: str, gpus: int) -> list[str]:
+        name = f"qwen3.6-27b, {gpus} GPUs, exact ({walk} walk), optimizer"
+        return [longest[f"{name} {optimizer}"] for optimizer in ("adamw", "none", "adamw, offloaded")]
+
+    (a, b, c), (d, e, f) = walk("replicated", 8), walk("replicated", 32)
+    assert (
+        f"replicated walk (`--walk replicated`) **{a}** on 8 GPUs with AdamW, {b} without, **{c} with AdamW "
+        f"offloaded**; **{d}** on 32 GPUs with AdamW, {e} without, {f} offloaded"
+    ) in README
+    (a, b, c), (d, e, f) = walk("wavefront", 8), walk("wavefront", 32)
+    assert (
+        f"Wavefront walk (the default, balanced): {a} on 8 GPUs with AdamW, **{b}** without, {c} offloaded; {d} on "
+        f"32 GPUs with AdamW, {e} without, {f} offloaded"
+    ) in README
+
+
 def test_readme_quotes_the_agent_target_that_bench_planner_planned() -> None:
     """README's agent table is what ``bench.planner --agents`` wrote, each row planned from a command README's shape
     names (the JSON holds each row's request: the CLI's parser must still make the same one of the command)."""
