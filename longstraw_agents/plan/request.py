@@ -221,9 +221,10 @@ class PlanRequest(PlanShape):
     def walk_inputs_held(self, layers: int, every: int) -> float:
         """The most recomputed layer inputs the planned rank holds at once in exact mode's walk, in its walked rows
         (``engine.schedule.walk_inputs_held``: a segment's ``every - 1``; paced, a later run's of the segment before
-        as well)."""
-        rank = self.captured_rank(self.balanced_context)
-        return walk_inputs_held(self.context_parallel, rank, layers, every, self.paced_walk, self.balanced_context)
+        as well); by default the most of any rank (the planned rank holds the most of each term)."""
+        cp, paced, balanced = self.context_parallel, self.paced_walk, self.balanced_context
+        ranks = range(cp) if self.cp_rank is None else [self.cp_rank]
+        return max(walk_inputs_held(cp, rank, layers, every, paced, balanced) for rank in ranks)
 
     @property
     def paced_walk(self) -> bool:
